@@ -1,0 +1,166 @@
+"""Shared benchmark harness: CUDA-graph timing, copy bandwidth, cold-weight rotation, result files.
+
+Why CUDA graphs: decode kernels run for 5-60 us, so launch overhead would dominate eager timing; serving
+replays graphs, so graph replay is the honest measurement. Why rotation: a 60 MB L2 would hold a decode
+weight and turn a bandwidth measurement into an L2 measurement; ``rotating`` builds enough input copies
+(> 3x L2 in total) that each replay in one graph reads a different copy, as real layer-after-layer decode
+does. Every figure written by ``Results.save`` was measured in that run, next to the device's measured
+copy bandwidth, so percentages are relative to the same machine on the same day.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+from typing import Any, Callable, Sequence
+
+import torch
+
+L2_BYTES = 60 * 2**20
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def device_info() -> dict:
+    """Name, memory, SM count and software versions of the current CUDA device (or the host if none)."""
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info.update(
+            name=p.name,
+            capability=f"{p.major}.{p.minor}",
+            sms=p.multi_processor_count,
+            memory_gib=round(p.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+        )
+    else:
+        info["name"] = platform.processor() or "cpu"
+    return info
+
+
+def _events_us(fn: Callable[[], Any], n_iters: int) -> list[float]:
+    times = []
+    for _ in range(n_iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    return times
+
+
+def copy_bandwidth_gbs(nbytes: int = 2**31, n_iters: int = 10) -> float:
+    """Device-to-device copy rate in GB/s, counting bytes read + written, median over repeats."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    us = statistics.median(_events_us(lambda: dst.copy_(src), n_iters))
+    del src, dst
+    return 2 * (nbytes // 2) / (us * 1e-6) / 1e9
+
+
+def time_graph_us(fn: Callable[[], Any], n_warmup: int = 3, n_iters: int = 20, calls_per_graph: int = 1) -> float:
+    """Median microseconds of one ``fn()`` call, timed by replaying a CUDA graph that captured it.
+
+    ``fn`` is warmed up eagerly on a side stream (Triton compiles / autotunes there), captured
+    ``calls_per_graph`` times (pass a ``fn`` that cycles weight copies so each captured call reads a
+    different copy), and replayed ``n_iters`` times; the result is per call.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(n_warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return statistics.median(_events_us(graph.replay, n_iters)) / calls_per_graph
+
+
+def rotating(make_inputs: Callable[[int], Any], n_copies: int | None = None, bytes_per_copy: int | None = None):
+    """Build input copies so that successive calls read different memory; returns ``(copies, next_fn)``.
+
+    ``make_inputs(i)`` returns the i-th copy (a tuple of tensors, typically the weights). When
+    ``n_copies`` is None it is chosen so that the copies total more than 3x L2 (needs ``bytes_per_copy``).
+    ``next_fn()`` returns the next copy round-robin; capture ``calls_per_graph = len(copies)`` calls so
+    every copy is read once per replay.
+    """
+    if n_copies is None:
+        if bytes_per_copy is None:
+            raise ValueError("rotating: give n_copies or bytes_per_copy")
+        n_copies = max(2, -(-3 * L2_BYTES // max(1, bytes_per_copy)) + 1)
+    copies = [make_inputs(i) for i in range(n_copies)]
+    state = {"i": 0}
+
+    def next_fn():
+        c = copies[state["i"] % len(copies)]
+        state["i"] += 1
+        return c
+
+    return copies, next_fn
+
+
+class Results:
+    """Rows of dicts, written as JSON (with provenance) and as a markdown table."""
+
+    def __init__(self, copy_gbs: float | None = None):
+        self.rows: list[dict] = []
+        self.copy_gbs = copy_gbs
+
+    def add(self, **row) -> dict:
+        self.rows.append(row)
+        print(" | ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
+        return row
+
+    def extend(self, rows: Sequence[dict]) -> None:
+        for r in rows:
+            self.add(**r)
+
+    def markdown(self) -> str:
+        cols: list[str] = []
+        for r in self.rows:
+            cols += [k for k in r if k not in cols]
+        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in self.rows:
+            lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+        return "\n".join(lines) + "\n"
+
+    def save(self, name: str, directory: str = RESULTS_DIR) -> tuple[str, str]:
+        os.makedirs(directory, exist_ok=True)
+        meta = {
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "device": device_info(),
+            "copy_bandwidth_gbs": self.copy_gbs,
+        }
+        jpath = os.path.join(directory, f"{name}.json")
+        mpath = os.path.join(directory, f"{name}.md")
+        with open(jpath, "w") as f:
+            json.dump({**meta, "rows": self.rows}, f, indent=1)
+        with open(mpath, "w") as f:
+            f.write(f"# {name}\n\n")
+            f.write(f"- command: `{meta['command']}`\n- device: {json.dumps(meta['device'])}\n")
+            if self.copy_gbs is not None:
+                f.write(f"- measured copy bandwidth: {self.copy_gbs:.0f} GB/s (read+write)\n")
+            f.write("\n" + self.markdown())
+        return jpath, mpath
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
