@@ -1,0 +1,97 @@
+"""Glm5ForCausalLM: GLM-5 written once, in plain PyTorch, without a KV cache.
+
+``forward(input_ids [B, S], position_ids=None) -> logits [B, S, vocab]``. The module tree and parameter
+names follow the HF checkpoint (``model.layers.{i}.self_attn.q_a_proj.weight`` ...), except that routed
+experts are stacked per layer (``mlp.experts.gate_up_proj`` [E, 2I, H]); the checkpoint loader stacks them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxglm5.errors import InputError
+from fxglm5.model.attention import MLAAttention
+from fxglm5.model.config import Glm5Config
+from fxglm5.model.layers import MLP, RMSNorm, rope_cos_sin
+from fxglm5.model.moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Glm5Config, layer: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = MLAAttention(cfg, layer, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = (
+            MoE(cfg, dtype, device)
+            if cfg.is_moe_layer(layer)
+            else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.is_fp8, dtype, device)
+        )
+
+    def forward(self, x, cos, sin, causal, prev_selection):
+        attn, selection = self.self_attn(self.input_layernorm(x), cos, sin, causal, prev_selection)
+        h = x + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), selection
+
+
+class Glm5Model(nn.Module):
+    def __init__(self, cfg: Glm5Config, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+
+class Glm5ForCausalLM(nn.Module):
+    """GLM-5 (glm_moe_dsa) causal LM; ``dtype`` is the compute dtype (FP8 weights stay FP8)."""
+
+    def __init__(self, config: Glm5Config, dtype: torch.dtype = torch.bfloat16, device=None):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = Glm5Model(config, dtype, device)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.lm_head.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+            check_input_ids(input_ids, self.config.vocab_size)
+        bsz, seq = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=input_ids.device)[None].expand(bsz, seq)
+        cos, sin = rope_cos_sin(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
+        idx = torch.arange(seq, device=input_ids.device)
+        causal = (idx[None, :] <= idx[:, None])[None]
+        x = self.model.embed_tokens(input_ids)
+        selection = causal
+        for layer in self.model.layers:
+            x, selection = layer(x, cos, sin, causal, selection)
+        return self.lm_head(self.model.norm(x))
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype = torch.bfloat16, device="cpu", progress: bool = True):
+        """Build the model for ``path``'s config.json and load its safetensors (FP8 or bf16) into it."""
+        from fxglm5.model.checkpoint import load_checkpoint
+
+        return load_checkpoint(path, dtype=dtype, device=device, progress=progress)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def check_input_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Reject malformed token ids before any kernel sees them (an out-of-range id would read garbage)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise InputError(f"input_ids must be a 2-D LongTensor [batch, seq], got {getattr(input_ids, 'shape', input_ids)!r}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise InputError(f"input_ids must be int64 or int32, got {input_ids.dtype}")
+    if input_ids.numel() == 0:
+        raise InputError("input_ids is empty")
+    if input_ids.device.type == "meta":
+        return
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise InputError(f"input_ids: token id {bad} is out of range [0, {vocab_size}) (vocab_size)")
