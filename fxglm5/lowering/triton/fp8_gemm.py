@@ -1,0 +1,247 @@
+"""Block-FP8 GEMM in Triton: y = x @ W.T with e4m3 W and 128x128 fp32 block scales (GLM-5-FP8 layout).
+
+Semantics are those of :mod:`fxglm5.lowering.reference.fp8`. One kernel, three activation modes:
+
+* ``A_MODE=0`` W8A8, activations pre-quantized by :func:`quantize_act_1x128` (prefill: quantizing once is
+  cheaper than re-quantizing the A tile in every N tile);
+* ``A_MODE=1`` W8A8, the A tile is quantized in registers (decode: A is a few rows, re-quantizing it per
+  N tile is free and saves a launch and a round trip);
+* ``A_MODE=2`` W8A16, the e4m3 tile is widened to the activation dtype in registers (bf16/fp16 hold every
+  e4m3 value exactly, so the products are exact and only the fp32 accumulation order differs from the
+  reference; fp32 activations use an IEEE fp32 dot).
+
+BLOCK_K is fixed at 128 so every K step meets exactly one weight-scale column and one activation-scale
+column: the step's fp32 partial ``dot(a, b)`` is scaled by ``s_a[m] * s_b[n]`` and accumulated (the
+DeepSeek-V3 recipe). Decode (M <= 64) is weight-bandwidth bound: small M tiles, narrow N tiles and
+split-K so that several CTAs per SM stream the weight; partial sums go to an fp32 workspace reduced
+deterministically by a second tiny kernel. Prefill uses 128x128 tiles with grouped (L2-friendly)
+launch order. Shapes that are not multiples of the tiles (kv_a N=576, small K) are masked.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fxglm5.lowering.reference import fp8 as ref
+
+BLOCK_K = 128
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _round_e4m3(v):
+    """fp32 -> nearest-even e4m3 value, still fp32 (|v| <= 448). Only used under TRITON_INTERPRET: the
+    Triton 3.6 interpreter's fp32->e4m3 cast mis-rounds values that carry into the next binade (124.3
+    gives 64), so we round exactly first and the cast becomes exact."""
+    u = v.to(tl.uint32, bitcast=True)
+    sign = u & 0x80000000
+    mag = u & 0x7FFFFFFF
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    y = tl.abs(v) * 512.0
+    sub = ((y + 12582912.0) - 12582912.0) / 512.0
+    r = tl.where(tl.abs(v) < 0.015625, sub, normal)
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_rows(a, INTERPRET: tl.constexpr):
+    """1x128 quantization of an fp32 [rows, 128] tile: (e4m3 tile, fp32 scale per row)."""
+    amax = tl.max(tl.abs(a), axis=1)
+    s = tl.math.div_rn(tl.maximum(amax, 1e-10), tl.full(amax.shape, 448.0, tl.float32))
+    q = tl.clamp(tl.math.div_rn(a, s[:, None] + tl.zeros_like(a)), -448.0, 448.0)
+    if INTERPRET:
+        q = _round_e4m3(q)
+    return q.to(tl.float8e4nv), s
+
+
+@triton.jit
+def _dot(a, b_t, F32: tl.constexpr):
+    """MMA with fp32 accumulation; F32 widens both operands and uses an IEEE fp32 dot (fp32
+    activations, and the interpreter, whose bf16 dot is wrong in Triton 3.6)."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b_t.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b_t)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KG, stride_xm, stride_qm, ROWS: tl.constexpr, INTERPRET: tl.constexpr):
+    offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_k = tl.program_id(1) * 128 + tl.arange(0, 128)
+    mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    q, s = _quant_rows(x.to(tl.float32), INTERPRET)
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + offs_k[None, :], q, mask=mask)
+    tl.store(s_ptr + offs_m * KG + tl.program_id(1), s, mask=offs_m < M)
+
+
+def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-128-column e4m3 quantization: ``(x_fp8 [M, K], scale f32 [M, ceil(K/128)])``."""
+    ref._check_tensor("x", x, ref.ACT_DTYPES, 2)
+    m, k = x.shape
+    kg = triton.cdiv(k, 128)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty(m, k, dtype=ref.FP8, device=x.device)
+    s = torch.empty(m, kg, dtype=torch.float32, device=x.device)
+    if m:
+        rows = 16
+        _quant_kernel[(triton.cdiv(m, rows), kg)](x, q, s, m, k, kg, x.stride(0), q.stride(0), ROWS=rows, INTERPRET=interpreting())
+    return q, s
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
+    M, N, K, KG, KG_PER_SPLIT: tl.constexpr,
+    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs,
+    A_MODE: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M consecutive CTAs share one weight column tile while it is in L2.
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % gsize
+    pid_n = (pid % width) // gsize
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, 128)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]
+    bs_ptrs = bs_ptr + (offs_n // 128) * stride_bsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, KG_PER_SPLIT):
+        kg = pid_k * KG_PER_SPLIT + i
+        # K tail: mask columns past K; ragged last split: mask whole steps past KG (no traffic).
+        k_mask = offs_k < K - kg * 128
+        if EVEN_K:
+            k_mask = (offs_k < 128) & (kg < KG)
+        am = m_mask & (kg < KG)
+        bn_mask = n_mask & (kg < KG)
+        a = tl.load(a_ptrs + kg * 128, mask=am[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs + kg * 128, mask=bn_mask[:, None] & k_mask[None, :], other=0.0)
+        s_b = tl.load(bs_ptrs + kg, mask=bn_mask, other=0.0)
+        if A_MODE == 0:
+            s_a = tl.load(as_ptr + offs_m * stride_asm + kg, mask=am, other=0.0)
+            acc += _dot(a, tl.trans(b), INTERPRET) * (s_a[:, None] * s_b[None, :])
+        elif A_MODE == 1:
+            q, s_a = _quant_rows(a.to(tl.float32), INTERPRET)
+            acc += _dot(q, tl.trans(b), INTERPRET) * (s_a[:, None] * s_b[None, :])
+        else:
+            acc += _dot(a, tl.trans(b.to(a.dtype)), DOT_F32) * s_b[None, :]
+
+    c_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    else:
+        c_ptrs = c_ptr + pid_k * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc, mask=c_mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """Deterministic sum of the split-K partials (fixed order), + bias, cast to the output dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    if not torch.cuda.is_available():
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_config(m: int, n: int, k: int, act_quant: bool, num_sms: int = 132) -> dict:
+    """Tile/split/pipeline choice per regime (decode M<=64 bandwidth bound, prefill compute bound)."""
+    kg = triton.cdiv(k, 128)
+    if m <= 64:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        bn = 64
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        split = max(1, min(kg, round(4 * num_sms / tiles)))
+        return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=1, num_warps=4, num_stages=4, fused_quant=True)
+    if m <= 512:
+        bm, bn = 64, 128
+        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+        split = max(1, min(kg // 4 or 1, round(2 * num_sms / tiles)))
+        return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, num_warps=4, num_stages=4, fused_quant=False)
+    stages = 4 if act_quant else 3
+    return dict(BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, GROUP_M=8, num_warps=8, num_stages=stages, fused_quant=False)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    act_quant: bool = True,
+    *,
+    config: Optional[dict] = None,
+) -> torch.Tensor:
+    """Block-FP8 linear (see module doc); ``config`` overrides :func:`pick_config` (benchmark sweeps)."""
+    ref.check_linear_inputs(x, weight, weight_scale_inv, bias)
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*lead, n)
+    weight = weight.contiguous()
+    weight_scale_inv = weight_scale_inv.contiguous()
+    kg = triton.cdiv(k, 128)
+    sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
+    cfg = dict(pick_config(m, n, k, act_quant, sms), **(config or {}))
+    if act_quant and not cfg["fused_quant"]:
+        a, a_s, mode = *quantize_act_1x128(x2), 0
+    else:
+        a, a_s, mode = x2, x2, (1 if act_quant else 2)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    kg_per_split = triton.cdiv(kg, cfg["SPLIT_K"])
+    split = triton.cdiv(kg, kg_per_split)
+    c = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
+    _gemm_kernel[grid](
+        a, a_s, weight, weight_scale_inv, bias if bias is not None else out, c,
+        m, n, k, kg, kg_per_split,
+        a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), n, m * n,
+        A_MODE=mode, DOT_F32=x.dtype == torch.float32 or interpreting(), INTERPRET=interpreting(), HAS_BIAS=bias is not None, SPLIT_K=split,
+        EVEN_K=k % 128 == 0, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if split > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            c, bias if bias is not None else out, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block
+        )
+    return out.view(*lead, n)
