@@ -1,0 +1,45 @@
+"""Triton sparse MLA (DSA): attention over the listed top-k positions of the paged latent cache.
+
+Same signature and semantics as :func:`fxglm5.lowering.reference.paged.sparse_mla_paged` (-1 = unused entry;
+a row with no valid entry gives zeros). Shares the kernel body of :mod:`fxglm5.lowering.triton.mla`
+(``SPARSE=True``): each program gathers ``BLOCK_N`` listed rows of its request (block table lookup per row),
+dequantizes FP8 ds_mla rows in-kernel, and runs the online softmax for a block of up to 64 heads.
+Decode with a small batch splits the top-k list over grid axis 1 (partial softmax + combine); prefill (many
+tokens) runs one pass per token. The split count depends on shapes only (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import triton
+
+from fxglm5.lowering.reference import paged as ref
+from fxglm5.lowering.triton.mla import _num_sms, _pick_block_h, launch_mla
+
+__all__ = ["sparse_mla_paged", "sparse_mla_decode_paged", "sparse_mla_prefill_paged"]
+
+
+def sparse_mla_decode_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *,
+                            num_splits: int | None = None, validate: bool = True, out=None, cfg=None):
+    """Split over the top-k list (flash-decoding style) + combine."""
+    if validate:
+        ref.validate_sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale)
+    return launch_mla(q, cache, block_table, req_idx, topk_pos, scale, sparse=True, num_splits=num_splits,
+                      out=out, cfg=cfg)
+
+
+def sparse_mla_prefill_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, validate: bool = True,
+                             out=None, cfg=None):
+    """One pass per (token, head block) over its top-k rows."""
+    if validate:
+        ref.validate_sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale)
+    return launch_mla(q, cache, block_table, req_idx, topk_pos, scale, sparse=True, num_splits=1, out=out, cfg=cfg)
+
+
+def sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, validate: bool = True, out=None):
+    """Dispatch on the shapes: split the top-k list when the tokens alone do not fill the GPU."""
+    if validate:
+        ref.validate_sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale)
+    n_hb = triton.cdiv(q.shape[1], _pick_block_h(q.shape[1]))
+    if q.shape[0] * n_hb >= 2 * _num_sms(q.device):
+        return launch_mla(q, cache, block_table, req_idx, topk_pos, scale, sparse=True, num_splits=1, out=out)
+    return launch_mla(q, cache, block_table, req_idx, topk_pos, scale, sparse=True, out=out)
