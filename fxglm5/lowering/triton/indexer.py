@@ -1,0 +1,201 @@
+"""Triton DSA lightning indexer over the paged FP8 key cache: FP8 logits + a radix-select top-k.
+
+Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_topk_paged`.
+
+1. ``indexer_logits_paged`` -> float32 ``[T, max_len]`` (``max_len`` defaults to the block-table width times
+   the block size: a shape, never data). A program owns one query token and ``TILES * BLOCK_N`` key positions:
+   it quantizes the token's [HI, 128] query to e4m3 (one power-of-two scale per head, the cache rule), gathers
+   ``BLOCK_N`` 132-byte key rows through the block table, runs an FP8 x FP8 MMA ([BLOCK_N, 128] x [128, HI],
+   fp32 accumulate), applies relu, the per-head ``weights * q_scale`` and the per-key scale, and sums the heads.
+   Positions beyond the causal window (``> positions[t]``) are written as -inf (tiles entirely beyond it skip
+   the loads).
+2. ``topk_from_logits``: one program per row, an exact radix select on the order-preserving uint32 image of the
+   float32 scores: 4 passes of 8 bits (``tl.histogram`` over chunks of the row, a reverse cumsum to find the
+   digit that holds the k-th largest), then one pass that writes every index with a key above the threshold
+   and the first (lowest-index) ones equal to it, with in-order prefix sums (deterministic, no atomics).
+   Output slots past ``min(topk, positions[t] + 1)`` are -1. No host sync, no data-dependent shapes: every
+   buffer is sized by the arguments, so both kernels can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from fxglm5.lowering.reference import paged as ref
+from fxglm5.lowering.triton.paged_cache import e4m3_bits, interpreter_compat, pow2_scale
+
+interpreter_compat()
+
+__all__ = ["indexer_logits_paged", "topk_from_logits", "indexer_topk_paged"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _indexer_logits_kernel(
+    q_ptr, stride_qt, stride_qh, w_ptr, stride_wt,
+    kc_ptr, ks_ptr,
+    bt_ptr, stride_bt, req_ptr, pos_ptr,
+    o_ptr, stride_ot, HI, max_len,
+    BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    F32DOT: tl.constexpr,
+):
+    D: tl.constexpr = 128
+    t = tl.program_id(0)
+    pb = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    req = tl.load(req_ptr + t).to(tl.int64)
+    n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
+    n_first = pb * (BLOCK_N * TILES)
+    if n_first < n_valid:
+        hs = tl.arange(0, BLOCK_HI)
+        hmask = hs < HI
+        dd = tl.arange(0, D)
+        q = tl.load(q_ptr + t64 * stride_qt + hs[:, None] * stride_qh + dd[None, :], mask=hmask[:, None],
+                    other=0.0).to(tl.float32)
+        qs = pow2_scale(tl.max(tl.abs(q), axis=1))  # [BLOCK_HI]
+        qb = e4m3_bits(tl.minimum(tl.maximum(q * (1.0 / qs)[:, None], -448.0), 448.0))
+        q8 = qb.to(tl.float8e4nv, bitcast=True)
+        if F32DOT:
+            q8 = q8.to(tl.float32)
+        w = tl.load(w_ptr + t64 * stride_wt + hs, mask=hmask, other=0.0) * qs  # weights * q scale
+        for i in tl.static_range(TILES):
+            offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = offs_n < n_valid
+            blk = tl.load(bt_ptr + req * stride_bt + offs_n // BS, mask=valid, other=0).to(tl.int64)
+            slot = blk * BS + offs_n % BS
+            kb = tl.load(kc_ptr + slot[:, None] * 132 + dd[None, :], mask=valid[:, None], other=0)
+            k8 = kb.to(tl.float8e4nv, bitcast=True)
+            ksc = tl.load(ks_ptr + slot * 33 + 32, mask=valid, other=0.0)
+            if F32DOT:
+                s = tl.dot(k8.to(tl.float32), tl.trans(q8), input_precision="ieee")  # [BLOCK_N, BLOCK_HI]
+            else:
+                s = tl.dot(k8, tl.trans(q8))
+            s = tl.maximum(s, 0.0) * w[None, :]
+            logit = tl.sum(s, axis=1) * ksc
+            logit = tl.where(valid, logit, float("-inf"))
+            tl.store(o_ptr + t64 * stride_ot + offs_n, logit, mask=offs_n < max_len)
+    else:
+        for i in tl.static_range(TILES):
+            offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(o_ptr + t64 * stride_ot + offs_n, tl.full([BLOCK_N], float("-inf"), tl.float32),
+                     mask=offs_n < max_len)
+
+
+@triton.jit
+def _float_key(x):
+    """float32 -> uint32 whose unsigned order is the float order."""
+    b = x.to(tl.int32, bitcast=True)
+    return (b ^ ((b >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _radix_topk_kernel(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, CHUNK: tl.constexpr):
+    t = tl.program_id(0)
+    t64 = t.to(tl.int64)
+    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
+    k_eff = tl.minimum(topk, n_valid)
+    row = x_ptr + t64 * stride_xt
+    orow = o_ptr + t64 * stride_ot
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([1], tl.uint32)
+    k_rem = tl.zeros([1], tl.int32) + k_eff
+    for p in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * p
+        hist = tl.zeros([256], tl.int32)
+        for c0 in range(0, n_valid, CHUNK):
+            offs = c0 + tl.arange(0, CHUNK)
+            m = offs < n_valid
+            key = _float_key(tl.load(row + offs, mask=m, other=0.0))
+            if p > 0:
+                m = m & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
+            d = ((key >> shift) & 255).to(tl.int32)
+            hist += tl.histogram(d, 256, mask=m)
+        ge = tl.cumsum(hist, 0, reverse=True)  # count with digit >= b
+        sel = tl.max(tl.where(ge >= k_rem, bins, -1), 0)  # digit holding the k-th largest
+        gt_sel = tl.sum(tl.where(bins > sel, hist, 0), 0)
+        k_rem = k_rem - gt_sel
+        prefix = prefix | (tl.maximum(sel, 0).to(tl.uint32) << shift)
+    # prefix = key of the k-th largest; take all keys above it and the first k_rem equal to it
+    n_gt = k_eff - k_rem
+    base_gt = tl.zeros([1], tl.int32)
+    base_eq = tl.zeros([1], tl.int32)
+    for c0 in range(0, n_valid, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        m = offs < n_valid
+        key = _float_key(tl.load(row + offs, mask=m, other=0.0))
+        gt = m & (key > prefix)
+        eq = m & (key == prefix)
+        cg = tl.cumsum(gt.to(tl.int32), 0)
+        ce = tl.cumsum(eq.to(tl.int32), 0)
+        rank_eq = base_eq + ce - 1
+        tl.store(orow + base_gt + cg - 1, offs, mask=gt)
+        take_eq = eq & (rank_eq < k_rem)
+        tl.store(orow + n_gt + rank_eq, offs, mask=take_eq)
+        base_gt += tl.sum(gt.to(tl.int32), 0)
+        base_eq += tl.sum(eq.to(tl.int32), 0)
+    for c0 in range(0, topk, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        tl.store(orow + offs, tl.full([CHUNK], -1, tl.int32), mask=(offs >= k_eff) & (offs < topk))
+
+
+def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, max_len: int | None = None, *,
+                         out: torch.Tensor | None = None, validate: bool = True, cfg: dict | None = None):
+    """float32 [T, max_len] FP8 indexer scores (-inf beyond the causal window)."""
+    if validate:
+        ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, 1)
+    T, HI, _ = q.shape
+    bs = k_cache.shape[1]
+    if max_len is None:
+        max_len = block_table.shape[1] * bs
+    if out is None:
+        out = torch.empty(T, max_len, dtype=torch.float32, device=q.device)
+    if T == 0 or max_len == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    interp = _INTERPRET or q.device.type != "cuda"
+    c = dict(BLOCK_N=16, TILES=2, num_warps=4, num_stages=1) if interp else \
+        dict(BLOCK_N=128, TILES=4, num_warps=4, num_stages=1)
+    if cfg:
+        c.update(cfg)
+    BLOCK_HI = max(16, triton.next_power_of_2(HI))
+    grid = (T, triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]))
+    _indexer_logits_kernel[grid](
+        q, q.stride(0), q.stride(1), weights, weights.stride(0),
+        k_cache, k_cache.view(torch.float32),
+        block_table, block_table.stride(0), req_idx, positions,
+        out, out.stride(0), HI, max_len,
+        BS=bs, BLOCK_HI=BLOCK_HI, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"], F32DOT=interp,
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    return out
+
+
+def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None):
+    """int32 [T, topk]: indices of the ``min(topk, positions[t]+1)`` largest of ``logits[t, :positions[t]+1]``
+    (ties broken towards lower indices; unordered), -1 padded. Radix select, one program per row."""
+    T, L = logits.shape
+    if out is None:
+        out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
+    if T == 0:
+        return out
+    if chunk is None:
+        chunk = 64 if (_INTERPRET or logits.device.type != "cuda") else 4096
+    _radix_topk_kernel[(T,)](logits, logits.stride(0), positions, out, out.stride(0), L, topk, CHUNK=chunk,
+                             num_warps=8 if chunk >= 1024 else 4)
+    return out
+
+
+def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk: int, *, validate: bool = True,
+                       logits_buf: torch.Tensor | None = None, out: torch.Tensor | None = None):
+    """DSA lightning indexer -> int32 [T, topk] positions (any order), -1 padded."""
+    if validate:
+        ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk)
+    logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
+                                  validate=False)
+    return topk_from_logits(logits, positions, topk, out=out)
