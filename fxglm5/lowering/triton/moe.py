@@ -1,0 +1,287 @@
+"""Fused FP8 MoE in Triton: router top-k, expert alignment, grouped gate_up+SiLU GEMM, down GEMM, combine.
+
+Semantics are those of :mod:`fxglm5.lowering.reference.fp8` (``moe_route``, ``moe_fp8``).
+
+Layout. The T*k (token, slot) entries are stably sorted by expert and each expert's run is padded to a
+multiple of BLOCK_M, so every BLOCK_M-row block of the sorted list belongs to one expert
+(``block_expert``, -1 past the end). Buffers are sized by the worst case ``T*k + min(E, T*k)*(BLOCK_M-1)``
+rows, never by the data, so there is no host sync and the whole MoE can be captured in a CUDA graph;
+blocks past the real end return at once. Padding rows carry the sentinel T*k.
+
+Kernels. One grouped GEMM kernel serves both projections: ``GATED`` loads the gate and the up tile of
+the same 128x128 weight blocks side by side and writes ``silu(g) * u`` (fp32, in sorted row order); the
+down projection reads those rows back and writes each entry's expert output to its own (token, slot)
+row, and a combine kernel sums the k slots with the routing weights in a fixed order (deterministic,
+no atomics; ids of -1, expert-parallel padding, are skipped). The A/B scaling scheme is the one of
+:mod:`fxglm5.lowering.triton.fp8_gemm` (BLOCK_K = 128, one scale pair per K step). Decode (few tokens)
+is bound by reading the touched experts' weights: small row blocks, narrow N tiles, activations
+quantized in registers. Prefill quantizes activations once and uses larger tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fxglm5.lowering.reference import fp8 as ref
+from fxglm5.lowering.triton.fp8_gemm import _dot, _quant_rows, interpreting, quantize_act_1x128
+
+
+# ----------------------------------------------------------------------------------------- routing
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, scaling, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
+    """One token per program: sigmoid, + correction bias, top-k by repeated argmax, unbiased weights."""
+    t = tl.program_id(0)
+    eo = tl.arange(0, BLOCK_E)
+    emask = eo < E
+    x = tl.load(logits_ptr + t * E + eo, mask=emask, other=0.0)
+    s = 1.0 / (1.0 + tl.exp(-x))
+    choice = tl.where(emask, s + tl.load(bias_ptr + eo, mask=emask, other=0.0).to(tl.float32), float("-inf"))
+    ko = tl.arange(0, BLOCK_K)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    ws = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=0)
+        idx = tl.min(tl.where(choice == best, eo, BLOCK_E), axis=0)  # lowest index among ties
+        sel = eo == idx
+        ids = tl.where(ko == j, idx, ids)
+        ws = tl.where(ko == j, tl.sum(tl.where(sel, s, 0.0), axis=0), ws)
+        choice = tl.where(sel, float("-inf"), choice)
+    if RENORM:
+        ws = ws / (tl.sum(ws, axis=0) + 1e-20)
+    kmask = ko < TOP_K
+    tl.store(w_ptr + t * TOP_K + ko, ws * scaling, mask=kmask)
+    tl.store(ids_ptr + t * TOP_K + ko, ids, mask=kmask)
+
+
+def moe_route(router_logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling_factor):
+    """GLM-5 router (see the reference); n_group > 1 (group-limited selection) uses the reference."""
+    ref.check_route_inputs(router_logits, correction_bias, top_k, n_group, topk_group)
+    if n_group > 1:
+        return ref.moe_route(router_logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling_factor)
+    t, e = router_logits.shape
+    ref._check(e <= 1024, f"router_logits: {e} experts, the Triton router handles at most 1024")
+    logits = router_logits.contiguous()
+    w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    if t:
+        _route_kernel[(t,)](logits, correction_bias.contiguous(), w, ids, e, float(scaling_factor), TOP_K=top_k,
+                            BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
+                            RENORM=bool(renormalize))
+    return w, ids
+
+
+# --------------------------------------------------------------------------------------- alignment
+def align_capacity(n: int, e: int, block_m: int) -> int:
+    """Number of row blocks that can hold n entries over e experts, each expert padded to block_m."""
+    return triton.cdiv(n + min(e, n) * (block_m - 1), block_m)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, scratch_ptr, n, E, num_blocks,
+                  BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+                  BLOCK_B: tl.constexpr):
+    """Single CTA: histogram, padded prefix sums, stable sort by (expert, entry), scatter, block map.
+
+    Compile-time bounds depend only on the power-of-two bucket of n, so varying T reuses the binary.
+    """
+    offs = tl.arange(0, BLOCK_N)
+    ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
+    key = tl.where(ids >= 0, ids, E)  # -1 and padding lanes -> bucket E, dropped
+    eo = tl.arange(0, BLOCK_E)
+    counts = tl.where(eo < E, tl.histogram(key, BLOCK_E), 0)
+    padded = (counts + BM - 1) // BM * BM
+    pend = tl.cumsum(padded, 0)
+    tl.store(scratch_ptr + eo, pend - padded)
+    tl.store(scratch_ptr + BLOCK_E + eo, tl.cumsum(counts, 0) - counts)
+    for r0 in tl.static_range(0, MAX_BLOCKS * BM, BLOCK_N):
+        ro = r0 + offs
+        tl.store(sorted_ptr + ro, tl.full((BLOCK_N,), 0, tl.int32) + n, mask=ro < num_blocks * BM)
+    for b0 in tl.static_range(0, MAX_BLOCKS, BLOCK_B):
+        bo = b0 + tl.arange(0, BLOCK_B)
+        ex = tl.sum((pend[None, :] <= (bo * BM)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + bo, tl.where(ex < E, ex, -1), mask=bo < num_blocks)
+    tl.debug_barrier()
+    srt = tl.sort(key * BLOCK_N + offs)
+    sk = srt // BLOCK_N
+    valid = sk < E
+    rank = offs - tl.load(scratch_ptr + BLOCK_E + sk, mask=valid, other=0)
+    dest = tl.load(scratch_ptr + sk, mask=valid, other=0) + rank
+    tl.store(sorted_ptr + dest, srt % BLOCK_N, mask=valid)
+
+
+def _align_torch(flat_ids, e, block_m, num_blocks):
+    """Same layout with torch ops (large n, where one CTA would sort too slowly); capture-safe."""
+    n = flat_ids.numel()
+    dev = flat_ids.device
+    key = torch.where(flat_ids < 0, e, flat_ids.long())
+    sk, order = torch.sort(key, stable=True)
+    counts = torch.zeros(e + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts[e] = 0
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(padded, 0)
+    rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[sk]
+    cap = num_blocks * block_m
+    dest = torch.where(sk < e, (pend - padded)[sk] + rank, cap)
+    sorted_ids = torch.full((cap + 1,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    rows = torch.arange(num_blocks, device=dev) * block_m
+    ex = torch.searchsorted(pend[:e].contiguous(), rows, right=True)
+    return sorted_ids[:cap], torch.where(ex < e, ex, -1).to(torch.int32)
+
+
+def align_by_expert(topk_ids: torch.Tensor, e: int, block_m: int, use_triton: bool | None = None):
+    """``(sorted_ids [num_blocks*block_m] int32, block_expert [num_blocks] int32)``, see module doc."""
+    flat = topk_ids.reshape(-1).contiguous()
+    n = flat.numel()
+    num_blocks = align_capacity(n, e, block_m)
+    if use_triton is None:
+        use_triton = n <= 4096
+    if not use_triton:
+        return _align_torch(flat, e, block_m, num_blocks)
+    block_n = max(16, triton.next_power_of_2(n))
+    block_e = triton.next_power_of_2(e + 1)
+    max_blocks = align_capacity(block_n, e, block_m)
+    sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
+    scratch = torch.empty(2 * block_e, dtype=torch.int32, device=flat.device)
+    _align_kernel[(1,)](flat, sorted_ids, block_expert, scratch, n, e, num_blocks, BM=block_m, BLOCK_N=block_n,
+                        BLOCK_E=block_e, MAX_BLOCKS=max_blocks, BLOCK_B=16, num_warps=8)
+    return sorted_ids, block_expert
+
+
+# -------------------------------------------------------------------------------------- grouped GEMM
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, c_ptr,
+    n_entries, N, K, KG, TOP_K,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
+    GATED: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
+    NUM_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """GATED: c[row] = silu(A W_g^T) * (A W_u^T) with A rows gathered from x (token = entry // TOP_K),
+    c in sorted row order. Not GATED: c[entry] = A W^T with A in sorted row order (the GATED output)."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_b)
+    if e < 0:
+        return
+    rows = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
+    entry = tl.load(sorted_ptr + rows)
+    valid = entry < n_entries
+    a_rows = entry // TOP_K if GATED else rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, 128)
+    a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    b_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :]
+    bs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
+    if GATED:
+        u_ptrs = b_ptrs + N * stride_wn
+        us_ptrs = ws_ptr + e * stride_wse + ((offs_n + N) // 128) * stride_wsn
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kg in range(0, NUM_K):
+        k_mask = offs_k < K - kg * 128
+        if EVEN_K:
+            k_mask = offs_k < 128
+        a = tl.load(a_ptrs + kg * 128, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs + kg * 128, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        s_b = tl.load(bs_ptrs + kg, mask=n_mask, other=0.0)
+        if GATED:
+            bu = tl.load(u_ptrs + kg * 128, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            s_u = tl.load(us_ptrs + kg, mask=n_mask, other=0.0)
+        if A_MODE == 2:
+            acc += _dot(a, tl.trans(b.to(a.dtype)), DOT_F32) * s_b[None, :]
+            if GATED:
+                acc_u += _dot(a, tl.trans(bu.to(a.dtype)), DOT_F32) * s_u[None, :]
+        else:
+            if A_MODE == 0:
+                q = a
+                s_a = tl.load(as_ptr + a_rows * stride_asm + kg, mask=valid, other=0.0)
+            else:
+                q, s_a = _quant_rows(a.to(tl.float32), INTERPRET)
+            acc += _dot(q, tl.trans(b), INTERPRET) * (s_a[:, None] * s_b[None, :])
+            if GATED:
+                acc_u += _dot(q, tl.trans(bu), INTERPRET) * (s_a[:, None] * s_u[None, :])
+    if GATED:
+        out = acc / (1.0 + tl.exp(-acc)) * acc_u
+        c_rows = rows
+    else:
+        out = acc
+        c_rows = entry
+    c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j w[t, j] * y[t*k + j] over slots with id >= 0, in slot order (deterministic)."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        ok = tl.load(ids_ptr + t * TOP_K + j) >= 0
+        wj = tl.load(w_ptr + t * TOP_K + j)
+        y = tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * H + offs, mask=mask & ok, other=0.0)
+        acc += tl.where(ok, wj, 0.0) * y
+    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def pick_moe_config(t: int, k: int, e: int) -> dict:
+    """Decode (few entries per expert): 16-row blocks, narrow N, in-register activation quantization.
+    Prefill: 64-row blocks, activations quantized once."""
+    if t * k <= 2 * 16 * e:
+        return dict(BLOCK_M=16, BLOCK_N1=32, BLOCK_N2=64, num_warps=4, num_stages=4, fused_quant=True)
+    return dict(BLOCK_M=64, BLOCK_N1=64, BLOCK_N2=128, num_warps=4, num_stages=3, fused_quant=False)
+
+
+def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k, gated, cfg, dot_f32):
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    kdim = w.shape[2]
+    bn = cfg["BLOCK_N1"] if gated else cfg["BLOCK_N2"]
+    grid = (block_expert.numel(), triton.cdiv(n, bn))
+    _moe_gemm_kernel[grid](
+        a, a_s, w, w_s, sorted_ids, block_expert, c,
+        n_entries, n, kdim, triton.cdiv(kdim, 128), top_k,
+        a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1), c.stride(0),
+        GATED=gated, A_MODE=mode, DOT_F32=dot_f32, INTERPRET=interpreting(), NUM_K=triton.cdiv(kdim, 128),
+        EVEN_K=kdim % 128 == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None):
+    """Routed FP8 experts (see module doc); ``config`` overrides :func:`pick_moe_config`."""
+    t, e, h, inter = ref.check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
+    k = topk_ids.shape[1]
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    if t == 0 or k == 0:
+        return out.zero_()
+    cfg = dict(pick_moe_config(t, k, e), **(config or {}))
+    x = x.contiguous()
+    ids = topk_ids.contiguous()
+    w13, w13_scale, w2, w2_scale = (z.contiguous() for z in (w13, w13_scale, w2, w2_scale))
+    sorted_ids, block_expert = align_by_expert(ids, e, cfg["BLOCK_M"], cfg.get("triton_align"))
+    rows = sorted_ids.numel()
+    dot_f32 = x.dtype == torch.float32 or interpreting()
+    h_dtype = torch.float32 if (act_quant or x.dtype == torch.float32) else x.dtype
+    hmid = torch.empty(rows, inter, dtype=h_dtype, device=x.device)
+    y = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
+    if act_quant and not cfg["fused_quant"]:
+        xq, xs = quantize_act_1x128(x)
+        _grouped(xq, xs, 0, w13, w13_scale, sorted_ids, block_expert, hmid, t * k, k, True, cfg, dot_f32)
+        hq, hs = quantize_act_1x128(hmid)
+        _grouped(hq, hs, 0, w2, w2_scale, sorted_ids, block_expert, y, t * k, k, False, cfg, dot_f32)
+    else:
+        mode = 1 if act_quant else 2
+        _grouped(x, x, mode, w13, w13_scale, sorted_ids, block_expert, hmid, t * k, k, True, cfg, dot_f32)
+        _grouped(hmid, hmid, mode, w2, w2_scale, sorted_ids, block_expert, y, t * k, k, False, cfg,
+                 dot_f32 or h_dtype == torch.float32)
+    block_h = 1024
+    _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, topk_weights.contiguous(), out, h, TOP_K=k, BLOCK_H=block_h)
+    return out
