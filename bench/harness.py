@@ -160,6 +160,19 @@ class Results:
         return jpath, mpath
 
 
+SECTIONS: dict[str, Callable[["Results", Any], None]] = {}
+
+
+def section(name: str):
+    """Register a benchmark section ``fn(results, args)`` under ``name`` (``bench/kernels.py --only name``)."""
+
+    def deco(fn):
+        SECTIONS[name] = fn
+        return fn
+
+    return deco
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
