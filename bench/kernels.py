@@ -1,0 +1,250 @@
+"""Kernel benchmarks at GLM-5 shapes: block-FP8 GEMM and fused FP8 MoE (more sections register themselves).
+
+    python bench/kernels.py --only gemm,moe      # writes bench/results/kernels_gemm_moe.{json,md}
+
+Decode rows (M <= 16, MoE batch 1/64) are timed as CUDA-graph replays where every captured call reads a
+different weight copy (or routes to different experts), so weights come from HBM, not L2; bandwidth is
+reported against the copy bandwidth measured in the same run. Prefill rows (M = 4096) are compute bound
+and report TFLOPS. Baselines run in the same process: cuBLAS bf16 (torch.matmul on dequantized weights)
+and cuBLAS FP8 with one tensor-wise scale each (torch._scaled_mm). Sections live in ``harness.SECTIONS``;
+``bench/kernels_attention.py``, when present, adds its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import harness  # noqa: E402
+from bench.harness import Results, rotating, section, time_graph_us  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+GEMM_SHAPES = [  # (name, N, K)
+    ("q_a / expert gate|up", 2048, 6144),
+    ("q_b", 16384, 2048),
+    ("kv_a", 576, 6144),
+    ("kv_b", 28672, 512),
+    ("o_proj", 6144, 16384),
+    ("idx wq_b", 4096, 2048),
+    ("idx wk", 128, 6144),
+    ("dense gate|up", 12288, 6144),
+    ("dense gate_up", 24576, 6144),
+    ("dense down", 6144, 12288),
+    ("expert down", 6144, 2048),
+]
+
+
+def _rand_fp8(*shape, device="cuda"):
+    return (torch.randn(*shape, device=device) * 0.5).to(FP8)
+
+
+def _weights(n, k):
+    w = _rand_fp8(n, k)
+    s = torch.rand(-(-n // 128), -(-k // 128), device="cuda") * 1e-2 + 1e-3
+    return w, s
+
+
+def _timed(fn_of_copy, make, nbytes, cold=True):
+    """Time fn over rotated copies (cold weights) or one copy (compute-bound rows)."""
+    if cold:
+        copies, nxt = rotating(make, None, bytes_per_copy=nbytes)
+    else:
+        copies, nxt = rotating(make, 1)
+    us = time_graph_us(lambda: fn_of_copy(*nxt()), calls_per_graph=len(copies))
+    del copies
+    return us
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as e:  # a baseline cuBLAS refuses (shape/alignment) is recorded, not fatal
+        print(f"  baseline failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        return None
+
+
+@section("gemm")
+def bench_gemm(res: Results, args):
+    from fxglm5.lowering.triton.fp8_gemm import fp8_linear
+
+    ms = [int(m) for m in args.gemm_m.split(",")]
+    for name, n, k in GEMM_SHAPES:
+        for m in ms:
+            cold = m <= 64
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            wbytes = n * k + 4 * (-(-n // 128)) * (-(-k // 128))
+            us = _timed(lambda w, s: fp8_linear(x, w, s, None, True), lambda i: _weights(n, k), wbytes, cold)
+            us_bf16 = _try(lambda: _timed(lambda w: torch.matmul(x, w.T),
+                                          lambda i: (torch.randn(n, k, device="cuda", dtype=torch.bfloat16),),
+                                          2 * n * k, cold))
+            one = torch.ones((), device="cuda")
+            xq = x.to(FP8)
+            us_fp8 = _try(lambda: _timed(lambda w: torch._scaled_mm(xq, w.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                                         lambda i: (_rand_fp8(n, k),), n * k, cold))
+            nbytes = wbytes + m * k * 2 + m * n * 2
+            row = dict(section="gemm", shape=f"{name} {n}x{k}", M=m, us=us, TBps=nbytes / us / 1e6,
+                       pct_copy=100 * nbytes / us / 1e3 / res.copy_gbs, TFLOPS=2 * m * n * k / us / 1e6,
+                       bf16_us=us_bf16, fp8_tensorwise_us=us_fp8,
+                       x_vs_bf16=(us_bf16 / us) if us_bf16 else None, x_vs_fp8tw=(us_fp8 / us) if us_fp8 else None)
+            res.add(**row)
+            del x
+        torch.cuda.empty_cache()
+
+
+def _moe_weights(e, h, inter):
+    w13 = torch.empty(e, 2 * inter, h, dtype=FP8, device="cuda")
+    w2 = torch.empty(e, h, inter, dtype=FP8, device="cuda")
+    for i in range(e):
+        w13[i] = _rand_fp8(2 * inter, h)
+        w2[i] = _rand_fp8(h, inter)
+    s13 = torch.rand(e, 2 * inter // 128, h // 128, device="cuda") * 1e-2 + 1e-3
+    s2 = torch.rand(e, h // 128, inter // 128, device="cuda") * 1e-2 + 1e-3
+    return w13, s13, w2, s2
+
+
+def _eager_us(fn, reps=3):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(ts)
+
+
+@section("moe")
+def bench_moe(res: Results, args):
+    from fxglm5.lowering.reference.fp8 import dequantize_block_fp8, moe_fp8 as moe_ref
+    from fxglm5.lowering.triton.fp8_gemm import fp8_linear
+    from fxglm5.lowering.triton.moe import moe_fp8, moe_route
+
+    e, h, inter, k = 256, 6144, 2048, 8
+    w13, s13, w2, s2 = _moe_weights(e, h, inter)
+    sh_gu, sh_gu_s = _weights(2 * inter, h)
+    sh_d, sh_d_s = _weights(h, inter)
+    gate = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) * 0.02
+    bias = torch.randn(e, device="cuda") * 0.01
+    expert_bytes = 3 * h * inter + 4 * (s13[0].numel() + s2[0].numel())
+    shared_bytes = expert_bytes
+    bf16_w = None
+    for t in [int(v) for v in args.moe_t.split(",")]:
+        n_copies = 8 if t <= 64 else 1
+        xs = [torch.randn(t, h, device="cuda", dtype=torch.bfloat16) for _ in range(n_copies)]
+        routes = [moe_route((x @ gate.T).float(), bias, k, 1, 1, True, 2.5) for x in xs]
+        distinct = statistics.mean(int(torch.unique(r[1]).numel()) for r in routes)
+        state = {"i": 0}
+
+        def routed():
+            i = state["i"] % n_copies
+            state["i"] += 1
+            w, ids = routes[i]
+            return moe_fp8(xs[i], ids, w, w13, s13, w2, s2, True)
+
+        def layer():
+            i = state["i"] % n_copies
+            state["i"] += 1
+            x = xs[i]
+            w, ids = moe_route((x @ gate.T).float(), bias, k, 1, 1, True, 2.5)
+            y = moe_fp8(x, ids, w, w13, s13, w2, s2, True)
+            gu = fp8_linear(x, sh_gu, sh_gu_s, None, True)
+            hmid = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+            return y + fp8_linear(hmid, sh_d, sh_d_s, None, True)
+
+        us = time_graph_us(routed, calls_per_graph=n_copies)
+        us_layer = time_graph_us(layer, calls_per_graph=n_copies)
+        nbytes = distinct * expert_bytes
+        us_ref = _eager_us(lambda: moe_ref(xs[0], routes[0][1], routes[0][0], w13, s13, w2, s2, True), reps=1)
+        if bf16_w is None and t <= 64:
+            bf16_w = [dequantize_block_fp8(w13[i], s13[i]).bfloat16() for i in range(e)], \
+                     [dequantize_block_fp8(w2[i], s2[i]).bfloat16() for i in range(e)]
+        us_loop = _eager_us(lambda: _hf_expert_loop(xs[0], routes[0][1], routes[0][0], *bf16_w, inter)) \
+            if bf16_w is not None and t <= 64 else None
+        res.add(section="moe", shape=f"E{e} top{k} H{h} I{inter}", M=t, us=us, distinct_experts=distinct,
+                TBps=nbytes / us / 1e6, pct_copy=100 * nbytes / us / 1e3 / res.copy_gbs,
+                layer_us=us_layer, layer_pct_copy=100 * (nbytes + shared_bytes) / us_layer / 1e3 / res.copy_gbs,
+                TFLOPS=2 * 3 * t * k * h * inter / us / 1e6,
+                hf_bf16_loop_us=us_loop, reference_us=us_ref,
+                x_vs_hf_loop=(us_loop / us) if us_loop else None, x_vs_reference=us_ref / us)
+        del xs, routes
+        torch.cuda.empty_cache()
+
+
+def _hf_expert_loop(x, ids, w, w13b, w2b, inter):
+    """transformers' eager expert loop (GlmMoeDsaExperts), bf16 weights."""
+    out = torch.zeros_like(x)
+    mask = torch.nn.functional.one_hot(ids.long(), num_classes=len(w13b)).permute(2, 1, 0)
+    for ex in (mask.sum(dim=(-1, -2)) > 0).nonzero():
+        slot, tok = torch.where(mask[ex[0]])
+        gu = x[tok] @ w13b[ex[0]].T
+        hmid = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        y = (hmid @ w2b[ex[0]].T) * w[tok, slot, None].to(x.dtype)
+        out.index_add_(0, tok, y)
+    return out
+
+
+@section("sweep")
+def bench_sweep(res: Results, args):
+    """Config sweep for the decode and prefill GEMM and the decode MoE (picks the defaults)."""
+    from fxglm5.lowering.triton.fp8_gemm import fp8_linear
+
+    for name, n, k in [("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144), ("dense down", 6144, 12288)]:
+        for m in (16, 4096):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            if m <= 64:
+                cfgs = [dict(BLOCK_N=bn, SPLIT_K=sk, num_stages=st) for bn in (64, 128) for sk in (2, 4, 8, 16)
+                        for st in (4, 6)]
+            else:
+                cfgs = [dict(BLOCK_M=128, BLOCK_N=bn, num_warps=w, num_stages=st)
+                        for bn, w in ((128, 8), (256, 8), (128, 4)) for st in (3, 4)]
+            for cfg in cfgs:
+                us = _try(lambda: _timed(lambda w, s: fp8_linear(x, w, s, None, True, config=cfg),
+                                         lambda i: _weights(n, k), n * k, m <= 64))
+                if us:
+                    res.add(section="sweep", shape=f"{name} {n}x{k}", M=m, cfg=str(cfg), us=us,
+                            pct_copy=100 * n * k / us / 1e3 / res.copy_gbs, TFLOPS=2 * m * n * k / us / 1e6)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", default="gemm,moe", help="comma-separated sections: " + ",".join(harness.SECTIONS))
+    p.add_argument("--gemm-m", default="1,4,16,4096")
+    p.add_argument("--moe-t", default="1,64,2048")
+    p.add_argument("--name", default=None, help="results name (default kernels_<sections>)")
+    args = p.parse_args()
+    only = [s for s in args.only.split(",") if s]
+    unknown = [s for s in only if s not in harness.SECTIONS]
+    if unknown:
+        p.error(f"unknown sections {unknown}; known: {list(harness.SECTIONS)}")
+    res = Results(harness.copy_bandwidth_gbs())
+    print(f"device {harness.device_info()} copy {res.copy_gbs:.0f} GB/s", flush=True)
+    for s in only:
+        try:
+            harness.SECTIONS[s](res, args)
+        except Exception as e:  # keep the other sections' rows
+            import traceback
+
+            traceback.print_exc()
+            res.add(section=s, error=f"{type(e).__name__}: {str(e)[:200]}")
+    paths = res.save(args.name or "kernels_" + "_".join(only))
+    print("wrote", *paths)
+
+
+try:  # the attention engineer's sections (registered with harness.section), when present
+    import bench.kernels_attention  # noqa: F401,E402
+except ImportError:
+    pass
+except Exception as e:  # a broken neighbour must not take the GEMM/MoE figures down
+    print(f"bench/kernels_attention.py not loaded: {type(e).__name__}: {e}", file=sys.stderr)
+
+if __name__ == "__main__":
+    main()
