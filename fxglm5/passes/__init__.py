@@ -1,0 +1,11 @@
+"""Stage 3 of the flow: FX passes over the captured graph, registered by stage (see registry.STAGES).
+
+Importing this package registers every pass; the order of the imports is the order within a stage.
+"""
+
+import fxglm5.ops  # noqa: F401  (the passes emit these ops)
+from fxglm5.passes import match_sparse_mla, match_mla, fuse_fp8_linear  # noqa: F401  (registration)
+from fxglm5.passes.manager import PassContext, PassManager, PassResult, op_histogram, run_pipeline
+from fxglm5.passes.registry import REGISTRY, STAGES, register_pass
+
+__all__ = ["PassContext", "PassManager", "PassResult", "REGISTRY", "STAGES", "op_histogram", "register_pass", "run_pipeline"]

@@ -1,0 +1,40 @@
+"""Capture: torch.export (non-strict) of Glm5ForCausalLM with dynamic batch and sequence sizes.
+
+The result is an unlifted ``GraphModule`` (parameters as ``get_attr`` nodes) in pre-dispatch ATen, the
+form the passes rewrite. Works with real weights and on the meta device (the full 78-layer GLM-5).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.export import Dim
+
+_METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
+
+
+def capture(model: torch.nn.Module, max_batch: int = 1024, max_seq: int | None = None) -> fx.GraphModule:
+    """Export ``model(input_ids)`` with dynamic [batch, seq]; returns the graph the passes work on."""
+    cfg = getattr(model, "config", None)
+    max_seq = max_seq or (cfg.max_position_embeddings if cfg is not None else 4096)
+    device = next(model.parameters()).device
+    example = torch.zeros(2, 3, dtype=torch.long, device=device)
+    dynamic = {"input_ids": {0: Dim("batch", min=1, max=max_batch), 1: Dim("seq", min=1, max=max_seq)}}
+    with torch.no_grad():
+        program = torch.export.export(model, (example,), dynamic_shapes=dynamic, strict=False)
+    gm = program.module()
+    drop_metadata_asserts(gm)
+    return gm
+
+
+def drop_metadata_asserts(gm: fx.GraphModule) -> int:
+    """Remove export's ``_assert_tensor_metadata`` checks: they pin every intermediate they inspect and
+    would keep a rewritten subgraph (e.g. a dequantized weight) alive. Returns how many were removed."""
+    removed = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _METADATA_ASSERTS:
+            gm.graph.erase_node(node)
+            removed += 1
+    gm.graph.lint()
+    gm.recompile()
+    return removed

@@ -1,0 +1,165 @@
+"""Small helpers the passes share: recognising ATen nodes, looking through no-op nodes, evaluating and
+adding constants.
+
+Matchers in fxglm5 are explicit walks over the ATen graph from an anchor node (softmax, linear, topk,
+the expert sum): each step checks one op and its constant arguments, and any mismatch leaves the
+subgraph untouched. That keeps near-misses (another scale, an extra bias, a different top-k) safe.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+# Ops that never change values; matchers look through them.
+_TRANSPARENT = {aten.alias.default, aten.clone.default, aten.contiguous.default}
+_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
+
+
+def is_op(node: Any, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def val(node: fx.Node):
+    """The example value export recorded for ``node`` (a FakeTensor, SymInt, ...), or None."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def dtype_of(node: fx.Node) -> torch.dtype | None:
+    v = val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def shape_of(node: fx.Node) -> tuple | None:
+    v = val(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def is_noop_cast(node: fx.Node) -> bool:
+    return is_op(node, *_CASTS) and dtype_of(node) is not None and dtype_of(node) == dtype_of(node.args[0])
+
+
+def through(node: Any) -> Any:
+    """Follow aliases, clones and casts to the same dtype back to the node that made the value."""
+    while isinstance(node, fx.Node) and (is_op(node, *_TRANSPARENT) or is_noop_cast(node)):
+        node = node.args[0]
+    return node
+
+
+def through_casts(node: Any) -> Any:
+    """Like ``through`` but also steps over real dtype casts (for inputs the fused op upcasts itself)."""
+    while isinstance(node, fx.Node) and (is_op(node, *_TRANSPARENT) or is_op(node, *_CASTS)):
+        node = node.args[0]
+    return node
+
+
+def getitem_of(node: Any, index: int) -> fx.Node | None:
+    """If ``node`` is ``producer[index]`` return the producer."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem:
+        if node.args[1] == index:
+            return node.args[0]
+    return None
+
+
+def const_float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def is_neg_inf(value: Any) -> bool:
+    return isinstance(value, float) and math.isinf(value) and value < 0
+
+
+def normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def get_attr_tensor(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
+    obj: Any = gm
+    for part in node.target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def leaves(node: fx.Node, allowed: set) -> list[fx.Node] | None:
+    """The get_attr leaves of the subgraph producing ``node`` if every op on the way is in ``allowed``
+    (and it reads no graph input); None otherwise."""
+    found: dict[fx.Node, None] = {}
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            found[n] = None
+            continue
+        if n.op != "call_function" or n.target not in allowed:
+            return None
+        stack.extend(n.all_input_nodes)
+    return list(found)
+
+
+def evaluate(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+    """Evaluate ``node`` from values given for its leaves (memoised in ``env``)."""
+    if node in env:
+        return env[node]
+    args = fx.node.map_arg(node.args, lambda n: evaluate(n, env))
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: evaluate(n, env))
+    env[node] = node.target(*args, **kwargs)
+    return env[node]
+
+
+def add_constant(gm: fx.GraphModule, owner_path: str, name: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
+    """Register ``tensor`` as buffer ``owner_path.name`` and return a get_attr node for it."""
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    owner.register_buffer(name, tensor, persistent=False)
+    with gm.graph.inserting_before(before):
+        node = gm.graph.get_attr(f"{owner_path}.{name}" if owner_path else name)
+    node.meta["val"] = tensor
+    return node
+
+
+def insert_call(gm: fx.GraphModule, before: fx.Node, target: Callable, args: tuple, example: Any = None) -> fx.Node:
+    """Insert ``target(*args)`` before ``before``; ``example`` is recorded as its meta value."""
+    with gm.graph.inserting_before(before):
+        node = gm.graph.call_function(target, args)
+    if example is not None:
+        node.meta["val"] = example
+    return node
+
+
+def fake_call(target: Callable, *args) -> Any:
+    """Run ``target`` on the recorded meta values of node args (to fill the new node's meta['val'])."""
+    vals = fx.node.map_arg(args, lambda n: val(n))
+    mode = None
+    for v in torch.utils._pytree.tree_leaves(vals):
+        if isinstance(v, torch._subclasses.FakeTensor):
+            mode = v.fake_mode
+            break
+    if mode is None:
+        return target(*vals)
+    with mode:
+        return target(*vals)
+
+
+def drop_unused_params(gm: fx.GraphModule) -> int:
+    """Delete parameters/buffers no get_attr reads any more (e.g. weights folded into new constants)."""
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    removed = 0
+    for name, _ in list(gm.named_parameters()) + list(gm.named_buffers()):
+        if name in used:
+            continue
+        owner_path, _, attr = name.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        if attr in owner._parameters:
+            del owner._parameters[attr]
+        elif attr in owner._buffers:
+            del owner._buffers[attr]
+        removed += 1
+    return removed

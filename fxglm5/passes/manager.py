@@ -1,0 +1,122 @@
+"""PassManager: runs the registered passes stage by stage over a captured GraphModule.
+
+After every pass: dead code is removed, the graph is linted and recompiled, and (with
+``FXGLM5_DUMP_DIR``) the graph before and after is written as readable Python plus one summary line.
+``strict=True`` turns a pass that finds fewer matches than the model must have into a PassError.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import fx
+
+from fxglm5.errors import PassError
+from fxglm5.passes.registry import STAGES, PassSpec, passes_for
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What passes may consult: the model config (for expected scales and counts) and the options."""
+
+    config: Any = None  # Glm5Config or None for arbitrary modules
+    act_quant: bool = False  # W8A8 (dynamic 1x128 activation quantization) in fused FP8 GEMMs
+    strict: bool = False
+    backend: Optional[str] = None  # lower stage: "triton" | "aiter" | "reference" | None (auto)
+    extras: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class PassOutcome:
+    """What a pass function returns: its match count and optional details for the summary."""
+
+    num_matches: int
+    details: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class PassResult:
+    name: str
+    stage: str
+    num_matches: int
+    seconds: float
+    expected: Optional[int]
+    details: dict
+    ops_before: dict
+    ops_after: dict
+
+    def summary(self) -> str:
+        exp = "" if self.expected is None else f" (expected {self.expected})"
+        extra = "".join(f", {k}={v}" for k, v in self.details.items())
+        return f"{self.stage:5s} {self.name:22s} matches={self.num_matches}{exp} time={self.seconds * 1e3:.1f}ms{extra}"
+
+
+def op_histogram(gm: fx.GraphModule) -> dict[str, int]:
+    """Count of call_function targets by name (``aten.linear``, ``fxglm5.mla``, ...)."""
+    counts: collections.Counter = collections.Counter()
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            counts[_op_name(node.target)] += 1
+    return dict(counts)
+
+
+def _op_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    return getattr(target, "__name__", str(target))
+
+
+def cleanup(gm: fx.GraphModule) -> None:
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+
+
+class PassManager:
+    def __init__(self, ctx: PassContext | None = None, stages=STAGES[:2], dump_dir: str | None = None):
+        self.ctx = ctx or PassContext()
+        self.passes: list[PassSpec] = passes_for(stages)
+        self.dump_dir = Path(dump_dir or os.environ.get("FXGLM5_DUMP_DIR", "")) if (dump_dir or os.environ.get("FXGLM5_DUMP_DIR")) else None
+
+    def run(self, gm: fx.GraphModule) -> list[PassResult]:
+        results = []
+        for index, spec in enumerate(self.passes):
+            results.append(self.run_one(gm, spec, index))
+        return results
+
+    def run_one(self, gm: fx.GraphModule, spec: PassSpec, index: int = 0) -> PassResult:
+        before = op_histogram(gm)
+        if self.dump_dir:
+            self._dump(gm, f"{index:02d}_{spec.name}.before.py")
+        start = time.perf_counter()
+        outcome = spec.fn(gm, self.ctx)
+        if not isinstance(outcome, PassOutcome):
+            outcome = PassOutcome(int(outcome))
+        cleanup(gm)
+        seconds = time.perf_counter() - start
+        expected = spec.expected(self.ctx) if spec.expected is not None and self.ctx.config is not None else None
+        result = PassResult(spec.name, spec.stage, outcome.num_matches, seconds, expected, outcome.details, before, op_histogram(gm))
+        if self.dump_dir:
+            self._dump(gm, f"{index:02d}_{spec.name}.after.py")
+            with open(self.dump_dir / "summary.txt", "a") as f:
+                f.write(result.summary() + "\n")
+        if self.ctx.strict and expected is not None and outcome.num_matches != expected:
+            raise PassError(f"pass {spec.name}: found {outcome.num_matches} matches, the model needs {expected} (strict mode)")
+        return result
+
+    def _dump(self, gm: fx.GraphModule, name: str) -> None:
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        (self.dump_dir / name).write_text(gm.code)
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext | None = None, stages=STAGES[:2]) -> list[PassResult]:
+    """Run every registered pass of ``stages`` in order on ``gm`` (in place)."""
+    import fxglm5.passes  # noqa: F401  (registers the passes)
+
+    return PassManager(ctx, stages).run(gm)

@@ -1,0 +1,187 @@
+"""The generic (naive) MLA attention subgraph, recognised from its softmax; shared by match_mla and
+match_sparse_mla, which differ only in the mask they accept.
+
+The walk checks, from the softmax outward:
+  scores = matmul(cat([q_nope, q_pe]).T12, cat([k_nope, expand(k_pe)]).T12.T23) * scale
+  probs  = softmax(masked_fill(scores, ~unsqueeze(allowed, 1), -inf), -1)
+  out    = matmul(probs, v.T12).T12        with k_nope | v = split(view(linear(c_kv, W_kv_b)))
+and that ``scale`` is the model's softmax scale (1/sqrt(qk_head_dim) unless the config says other).
+Anything else (an added bias, another scale, a mask applied differently) is not a match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import fx
+
+from fxglm5.passes.dequant import match_dequant, plain_weight
+from fxglm5.passes.graph_utils import (
+    add_constant, aten, const_float, evaluate, fake_call, get_attr_tensor, getitem_of, insert_call, is_neg_inf, is_op,
+    shape_of, through,
+)
+
+
+@dataclasses.dataclass
+class MLAMatch:
+    q_nope: fx.Node  # [B, S, H, dn]
+    q_pe: fx.Node  # [B, S, H, dr], roped
+    kv_c: fx.Node  # [B, S, R], normed latent
+    k_pe: fx.Node  # [B, S, 1, dr], roped
+    kv_b_weight: fx.Node  # the (dequantized) kv_b_proj weight [H*(dn+dv), R]
+    allowed: fx.Node  # bool mask [B|1, S, S], True = attend
+    output: fx.Node  # [B, S, H, dv] (the transpose after P.V)
+    scale: float
+    heads: int
+    dn: int
+    dv: int
+
+
+def _is_transpose(node, d0, d1) -> bool:
+    if not is_op(node, aten.transpose.int):
+        return False
+    ndim = len(shape_of(node) or ())
+    dims = sorted(d % ndim for d in node.args[1:3]) if ndim else []
+    return dims == sorted((d0, d1))
+
+
+def _cat_last(node) -> list | None:
+    if not is_op(node, aten.cat.default) or len(node.args[0]) != 2:
+        return None
+    dim = node.args[1] if len(node.args) > 1 else 0
+    return list(node.args[0]) if dim in (-1, len(shape_of(node)) - 1) else None
+
+
+def _split_parts(node) -> tuple[fx.Node, fx.Node, list] | None:
+    """(linear, view, sizes) for ``split_with_sizes(view(linear(...)), sizes, -1)``."""
+    if not is_op(node, aten.split_with_sizes.default):
+        return None
+    dim = node.args[2] if len(node.args) > 2 else 0
+    view = node.args[0]
+    if dim not in (-1, 3) or not is_op(view, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return None
+    linear = through(view.args[0])
+    if not is_op(linear, aten.linear.default) or (len(linear.args) > 2 and linear.args[2] is not None):
+        return None
+    return linear, view, list(node.args[1])
+
+
+def expected_scale(ctx, head_dim: int) -> float:
+    cfg = getattr(ctx, "config", None)
+    return cfg.softmax_scale if cfg is not None else head_dim**-0.5
+
+
+def match_mla_attention(softmax: fx.Node, ctx) -> MLAMatch | None:
+    if not is_op(softmax, aten.softmax.int, aten._softmax.default) or softmax.args[1] not in (-1, 3):
+        return None
+    masked = through(softmax.args[0])
+    if is_op(masked, aten.to.dtype, aten._to_copy.default):  # softmax computed in float32
+        masked = through(masked.args[0])
+    if not is_op(masked, aten.masked_fill.Scalar) or not is_neg_inf(masked.args[2]):
+        return None
+    inverted = masked.args[1]
+    if not is_op(inverted, aten.bitwise_not.default, aten.logical_not.default):
+        return None
+    unsq = inverted.args[0]
+    if not is_op(unsq, aten.unsqueeze.default) or unsq.args[1] != 1:
+        return None
+    allowed = unsq.args[0]
+
+    scaled = through(masked.args[0])
+    if not is_op(scaled, aten.mul.Tensor) or const_float(scaled.args[1]) is None:
+        return None
+    scale = const_float(scaled.args[1])
+    qk = through(scaled.args[0])
+    if not is_op(qk, aten.matmul.default):
+        return None
+    query, key_t = qk.args
+    if not _is_transpose(query, 1, 2) or not _is_transpose(key_t, 2, 3) or not _is_transpose(key_t.args[0], 1, 2):
+        return None
+    q_parts, k_parts = _cat_last(query.args[0]), _cat_last(key_t.args[0].args[0])
+    if q_parts is None or k_parts is None:
+        return None
+    q_nope, q_pe = q_parts
+    k_nope, k_pe_expanded = k_parts
+    if not is_op(k_pe_expanded, aten.expand.default):
+        return None
+    k_pe = k_pe_expanded.args[0]
+
+    split = getitem_of(k_nope, 0)
+    parts = _split_parts(split) if split is not None else None
+    if parts is None:
+        return None
+    linear, view, sizes = parts
+    if len(sizes) != 2:
+        return None
+    dn, dv = sizes
+    heads = shape_of(view)[2]
+    head_dim = shape_of(query)[-1]
+    if not math.isclose(scale, expected_scale(ctx, head_dim), rel_tol=1e-6):
+        return None
+
+    # Output side: probs (maybe cast back) @ v.T12, then .T12 -> [B, S, H, dv].
+    users = list(softmax.users)
+    probs = users[0] if len(users) == 1 and is_op(users[0], aten.to.dtype, aten._to_copy.default) else softmax
+    pv_users = [u for u in probs.users if is_op(u, aten.matmul.default) and u.args[0] is probs]
+    if len(pv_users) != 1 or len(probs.users) != 1:
+        return None
+    pv = pv_users[0]
+    v_t = pv.args[1]
+    if not _is_transpose(v_t, 1, 2) or getitem_of(v_t.args[0], 1) is not split:
+        return None
+    out_users = list(pv.users)
+    if len(out_users) != 1 or not _is_transpose(out_users[0], 1, 2):
+        return None
+    kv_c = linear.args[0]
+    return MLAMatch(q_nope, q_pe, kv_c, k_pe, linear.args[1], allowed, out_users[0], scale, heads, dn, dv)
+
+
+def absorbed_weights(gm: fx.GraphModule, match: MLAMatch, before: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """W_UK [H, dn, R] and W_UV [H, dv, R] split from kv_b_proj's weight, registered as constants.
+
+    The weight is dequantized once, here, to the compute dtype (as serving engines do at load time);
+    on the meta device this stays a meta tensor. Returns None if the weight is not a constant.
+    """
+    deq = match_dequant(match.kv_b_weight)
+    if deq is not None:
+        env = {deq.weight: get_attr_tensor(gm, deq.weight), deq.scale: get_attr_tensor(gm, deq.scale)}
+        source = deq.weight
+    else:
+        source = plain_weight(match.kv_b_weight)
+        if source is None:
+            return None
+        env = {source: get_attr_tensor(gm, source)}
+    with torch.no_grad():
+        weight = evaluate(match.kv_b_weight, env)
+    rank = weight.shape[-1]
+    per_head = weight.reshape(match.heads, match.dn + match.dv, rank)
+    owner = source.target.rpartition(".")[0]
+    w_uk = add_constant(gm, owner, "w_uk", per_head[:, : match.dn].contiguous(), before)
+    w_uv = add_constant(gm, owner, "w_uv", per_head[:, match.dn :].contiguous(), before)
+    return w_uk, w_uv
+
+
+def is_causal_mask(node) -> bool:  # noqa: C901 - one readable walk
+    """``unsqueeze(le(arange(S)[None, :], arange(S)[:, None]), 0)``: True where key <= query."""
+    if is_op(node, aten.unsqueeze.default) and node.args[1] == 0:
+        node = node.args[0]
+    if not is_op(node, aten.le.Tensor, aten.ge.Tensor):
+        return False
+    lhs, rhs = node.args
+    if node.target is aten.ge.Tensor:
+        lhs, rhs = rhs, lhs
+    ok_l = is_op(lhs, aten.unsqueeze.default) and lhs.args[1] == 0 and is_op(lhs.args[0], aten.arange.default, aten.arange.start)
+    ok_r = is_op(rhs, aten.unsqueeze.default) and rhs.args[1] == 1 and is_op(rhs.args[0], aten.arange.default, aten.arange.start)
+    return bool(ok_l and ok_r and lhs.args[0] is rhs.args[0])
+
+
+def replace_attention(gm: fx.GraphModule, match: MLAMatch, op, extra_args: tuple, weights) -> fx.Node:
+    """Insert ``op(q_nope, q_pe, kv_c, k_pe[:, :, 0], w_uk, w_uv, *extra_args, scale)`` for the match."""
+    k_pe = insert_call(gm, match.output, aten.squeeze.dim, (match.k_pe, 2))
+    k_pe.meta["val"] = fake_call(aten.squeeze.dim, match.k_pe, 2)
+    args = (match.q_nope, match.q_pe, match.kv_c, k_pe, *weights, *extra_args, match.scale)
+    new = insert_call(gm, match.output, op, args, fake_call(op, *args))
+    match.output.replace_all_uses_with(new)
+    return new
