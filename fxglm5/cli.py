@@ -1,0 +1,165 @@
+"""The ``fxglm5`` command line: thin argument parsing over the library.
+
+Subcommands live in ``SUBCOMMANDS`` (name -> Subcommand(help, add_arguments, run)) so new ones (inspect,
+serve, ...) and new options (--backend, --kv-cache) slot in without touching ``main``. Every
+``Fxglm5Error`` becomes one line ``fxglm5: error: <message>`` on stderr and exit code 2, as argparse does
+for usage errors: a bad input is the user's to fix, and a traceback would only hide the message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from fxglm5.errors import Fxglm5Error, InputError
+
+DEMO_PROMPT = [1, 17, 42, 7, 99, 3, 250, 11]
+DEMO_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Subcommand:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def parse_token_ids(text: str, vocab_size: int) -> list[int]:
+    """'1,2,3' -> [1, 2, 3], each checked against the vocabulary."""
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise InputError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise InputError("--prompt-ids is empty")
+    for tok in ids:
+        if not 0 <= tok < vocab_size:
+            raise InputError(f"--prompt-ids: token id {tok} is out of range [0, {vocab_size}) (vocab_size)")
+    return ids
+
+
+def _generate(model_dir: str, prompt: list[int], max_new_tokens: int, dtype: str) -> list[int]:
+    from fxglm5.model.checkpoint import load_checkpoint
+    from fxglm5.model.generate import greedy_generate
+
+    model = load_checkpoint(model_dir, dtype=dtype, device="cpu", progress=False)
+    return greedy_generate(model, prompt, max_new_tokens)
+
+
+# ---- make-tiny ----------------------------------------------------------------------------------
+def _make_tiny_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--bf16", action="store_true", help="write the bf16 source instead of the FP8 checkpoint")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from fxglm5.model.tiny import make_tiny_checkpoint
+
+    out = make_tiny_checkpoint(args.out, fp8=not args.bf16, seed=args.seed)
+    print(f"wrote tiny GLM-5 {'bf16' if args.bf16 else 'FP8'} checkpoint to {out}")
+    return 0
+
+
+# ---- quantize -----------------------------------------------------------------------------------
+def _quantize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--in", dest="in_dir", required=True, help="bf16 checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory (GLM-5-FP8 format)")
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from fxglm5.model.quantize import quantize_checkpoint
+
+    files = quantize_checkpoint(args.in_dir, args.out)
+    print(f"wrote FP8 checkpoint to {args.out} ({len(files)} file(s))")
+    return 0
+
+
+# ---- generate -----------------------------------------------------------------------------------
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+
+
+def _generate_cmd(args: argparse.Namespace) -> int:
+    from fxglm5.model.config import Glm5Config
+
+    config = Glm5Config.from_json(Path(args.model) / "config.json")
+    prompt = parse_token_ids(args.prompt_ids, config.vocab_size)
+    print(" ".join(map(str, _generate(args.model, prompt, args.max_new_tokens, args.dtype))))
+    return 0
+
+
+# ---- demo ---------------------------------------------------------------------------------------
+def demo_dir() -> Path:
+    root = os.environ.get("FXGLM5_CACHE") or Path.home() / ".cache" / "fxglm5"
+    return Path(root) / "tiny-fp8"
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from fxglm5.model.tiny import make_tiny_checkpoint
+
+    target = demo_dir()
+    made = not (target / "config.json").is_file()
+    if made:  # build next to the target and rename, so an interrupted run leaves no half checkpoint
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-fp8-", dir=target.parent))
+        try:
+            make_tiny_checkpoint(tmp, fp8=True, seed=0)
+            shutil.rmtree(target, ignore_errors=True)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    tokens = _generate(str(target), DEMO_PROMPT, DEMO_TOKENS, args.dtype)
+    print(f"fxglm5 demo: {'made' if made else 'cached'} random tiny GLM-5-FP8 checkpoint at {target}; "
+          f"greedy {DEMO_TOKENS} tokens after prompt {','.join(map(str, DEMO_PROMPT))}:")
+    print(" ".join(map(str, tokens)))
+    return 0
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "make-tiny": Subcommand("write a random tiny GLM-5 checkpoint", _make_tiny_args, _make_tiny),
+    "quantize": Subcommand("quantize a bf16 checkpoint to GLM-5-FP8 block-FP8", _quantize_args, _quantize),
+    "generate": Subcommand("greedy generation from token ids (full recompute)", _generate_args, _generate_cmd),
+    "demo": Subcommand("make the tiny FP8 checkpoint (cached) and generate from it", _demo_args, _demo),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxglm5", description="Serve GLM-5-FP8 through a compiler.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cmd in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. From the console (argv None) this exits with its code; else it returns it."""
+    args = build_parser().parse_args(argv)
+    try:
+        code = args._run(args)
+    except Fxglm5Error as err:
+        message = " ".join(str(err).split())
+        print(f"fxglm5: error: {message}", file=sys.stderr)
+        code = 2
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Loading and saving GLM-5 checkpoints in the HF safetensors layout (GLM-5-FP8, bf16, transformers').
+
+Loading is two-phase so that a bad checkpoint fails fast and without touching memory: first every
+header is read and every tensor's name, shape and dtype is checked against the table derived from
+config.json (``fxglm5.model.layout``); only then is the model built on the meta device and each
+parameter materialised once, directly on ``device``, from memory-mapped files (``safe_open``).
+Routed experts are stored per expert in files and stacked per layer in the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from fxglm5.errors import CheckpointError, ConfigError
+from fxglm5.model.config import Glm5Config
+from fxglm5.model.layout import (
+    SCALE_SUFFIX, TensorSpec, check_fp8_layout, expected_tensors, is_mtp_tensor, is_packed_expert,
+)
+from fxglm5.model.modeling import Glm5ForCausalLM
+from fxglm5.model.st_files import PlannedTensor, TensorInfo, scan_checkpoint, write_shards
+
+log = logging.getLogger("fxglm5.checkpoint")
+
+_STACKED_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_scale_inv)?$")
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight(_scale_inv)?$")
+_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {sorted(table)}")
+    return table[dtype]
+
+
+def check_tensors(tensors: Mapping[str, TensorInfo], expected: Mapping[str, TensorSpec], cfg: Glm5Config, where: Path) -> list[str]:
+    """Check every tensor against the table; returns the MTP tensor names (present but not used)."""
+    mtp = []
+    for name, info in tensors.items():
+        spec = expected.get(name)
+        if spec is None:
+            if is_mtp_tensor(name, cfg):
+                mtp.append(name)
+                continue
+            hint = " (config.json has no quantization_config, but this is an FP8 scale)" if (
+                name.endswith(SCALE_SUFFIX) and not cfg.is_fp8) else ""
+            raise CheckpointError(f"{info.file}: unexpected tensor {name!r}: not part of GLM-5 with this config.json{hint}")
+        if info.dtype not in spec.dtypes:
+            allowed = sorted(_DTYPE_NAMES.get(d, str(d)) for d in spec.dtypes)
+            raise CheckpointError(f"{info.file}: tensor {name!r} has dtype {info.dtype_name}, expected one of {allowed}")
+        if info.shape != spec.shape:
+            what = "scale tensor" if spec.kind == "scale" else "tensor"
+            note = " (one float32 per 128x128 block of its weight)" if spec.kind == "scale" else ""
+            raise CheckpointError(
+                f"{info.file}: {what} {name!r} has shape {list(info.shape)}, expected {list(spec.shape)}{note}"
+            )
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(f"{where}: missing tensor {missing[0]!r} (shape {list(expected[missing[0]].shape)}){more}")
+    return mtp
+
+
+class CheckpointReader:
+    """A checked checkpoint directory: config, tensor table and lazy access to tensor data.
+
+    Construction reads only config.json and the safetensors headers and raises on any mismatch. Use as a
+    context manager around data access; files are opened (memory-mapped) on first use.
+    """
+
+    def __init__(self, path: str | Path):
+        self.dir = Path(path)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"{self.dir}: checkpoint directory not found")
+        config_path = self.dir / "config.json"
+        self.config = Glm5Config.from_json(config_path)
+        check_fp8_layout(self.config, str(config_path))
+        self.tensors, self.where = scan_checkpoint(self.dir)
+        self.packed = any(is_packed_expert(n) for n in self.tensors)
+        self.expected = expected_tensors(self.config, packed=self.packed)
+        mtp = check_tensors(self.tensors, self.expected, self.config, self.where)
+        if mtp:
+            layers = sorted({int(n.split(".")[2]) for n in mtp})
+            log.warning(
+                "%s: skipping %d tensors of the MTP layer %s (multi-token prediction is not used)", self.where, len(mtp), layers
+            )
+        self._stack: contextlib.ExitStack | None = None
+        self._files: dict[Path, Any] = {}
+
+    def __enter__(self) -> "CheckpointReader":
+        self._stack = contextlib.ExitStack()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._files.clear()
+        if self._stack is not None:
+            self._stack.close()
+        self._stack = None
+
+    def _file(self, name: str):
+        info = self.tensors.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.where}: missing tensor {name!r}")
+        if info.file not in self._files:
+            if self._stack is None:
+                raise RuntimeError("CheckpointReader data access outside its 'with' block")
+            self._files[info.file] = self._stack.enter_context(safe_open(str(info.file), framework="pt", device="cpu"))
+        return self._files[info.file]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._file(name).get_tensor(name)
+
+    def get_expert(self, name: str) -> torch.Tensor:
+        """A per-expert (GLM-5-FP8) tensor by name, sliced out of the packed tensor if the file is packed."""
+        if name in self.tensors or not self.packed:
+            return self.get(name)
+        m = _EXPERT_RE.match(name)
+        if m is None:
+            return self.get(name)
+        prefix, e, proj, scale = m.groups()
+        packed = prefix + ("down_proj" if proj == "down" else "gate_up_proj") + (scale or "")
+        full = self._file(packed).get_slice(packed)[int(e)]
+        if proj == "down":
+            return full
+        half = full.shape[0] // 2
+        return full[:half] if proj == "gate" else full[half:]
+
+    def param(self, name: str, like: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The model parameter ``name`` (shape/dtype of ``like``) built on ``device`` from the files."""
+        m = _STACKED_RE.match(name)
+        if m is None or self.packed:
+            return self.get(name).to(device=device, dtype=like.dtype)
+        prefix, kind, scale = m.groups()
+        suffix = ".weight" + (scale or "")
+        out = torch.empty(like.shape, dtype=like.dtype, device=device)
+        for e in range(like.shape[0]):
+            if kind == "down_proj":
+                out[e].copy_(self.get(f"{prefix}{e}.down_proj{suffix}"))
+                continue
+            gate, up = self.get(f"{prefix}{e}.gate_proj{suffix}"), self.get(f"{prefix}{e}.up_proj{suffix}")
+            out[e, : gate.shape[0]].copy_(gate)
+            out[e, gate.shape[0]:].copy_(up)
+        return out
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype | str = torch.bfloat16, device: str | torch.device = "cpu",
+                    progress: bool = True) -> Glm5ForCausalLM:
+    """Check the checkpoint at ``path`` from its headers, then build Glm5ForCausalLM with its weights.
+
+    High-precision tensors are converted to ``dtype`` (the router and indexer.weights_proj stay float32);
+    FP8 weights and their float32 scales are kept as stored.
+    """
+    dtype, device = resolve_dtype(dtype), torch.device(device)
+    reader = CheckpointReader(path)
+    model = Glm5ForCausalLM(reader.config, dtype=dtype, device="meta")
+    params = list(model.named_parameters())
+    with reader, tqdm(total=len(params), desc=f"loading {reader.dir.name}", unit="tensor", disable=not progress, leave=False) as bar:
+        for name, meta in params:
+            owner, leaf = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+            owner._parameters[leaf] = torch.nn.Parameter(reader.param(name, meta, device), requires_grad=False)
+            bar.update()
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftover:
+        raise CheckpointError(f"{reader.where}: no data for {leftover[0]!r}")
+    return model.eval()
+
+
+def _state_tensor(state: Mapping[str, torch.Tensor], name: str, cfg: Glm5Config) -> tuple[torch.Tensor, str]:
+    """The checkpoint tensor ``name`` from a model state dict (stacked experts) and the key it came from."""
+    if name in state:
+        return state[name], name
+    m = _EXPERT_RE.match(name)
+    if m is None:
+        raise CheckpointError(f"state dict: missing tensor {name!r}")
+    prefix, e, proj, scale = m.groups()
+    key = prefix + ("down_proj" if proj == "down" else "gate_up_proj") + (scale or "")
+    if key not in state:
+        raise CheckpointError(f"state dict: missing tensor {name!r} (or stacked {key!r})")
+    full = state[key][int(e)]
+    if proj == "down":
+        return full, key
+    half = full.shape[0] // 2
+    return (full[:half] if proj == "gate" else full[half:]), key
+
+
+def save_checkpoint(model_or_state: Glm5ForCausalLM | Mapping[str, torch.Tensor], path: str | Path,
+                    max_shard_bytes: int | None = None, config: Glm5Config | None = None) -> list[str]:
+    """Write config.json and the weights in the GLM-5-FP8 layout (per-expert tensors, ``weight_scale_inv``).
+
+    ``model_or_state``: a Glm5ForCausalLM, or a state dict in its naming (stacked experts) or in checkpoint
+    naming, with ``config``. One model.safetensors unless ``max_shard_bytes`` asks for shards + index.
+    Returns the safetensors file names written.
+    """
+    if isinstance(model_or_state, Glm5ForCausalLM):
+        cfg, state = model_or_state.config, model_or_state.state_dict()
+    else:
+        if config is None:
+            raise ConfigError("save_checkpoint: a state dict needs its Glm5Config (config=...)")
+        cfg, state = config, dict(model_or_state)
+    check_fp8_layout(cfg, "config")
+    planned, used = [], set()
+    for name, spec in expected_tensors(cfg).items():
+        tensor, key = _state_tensor(state, name, cfg)
+        used.add(key)
+        if tuple(tensor.shape) != spec.shape or tensor.dtype not in spec.dtypes:
+            raise CheckpointError(
+                f"state dict: tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, expected {list(spec.shape)}"
+            )
+        planned.append(PlannedTensor(name, tensor.numel() * tensor.element_size(), lambda t=tensor: t.detach().cpu()))
+    extra = sorted(set(state) - used)
+    if extra:
+        raise CheckpointError(f"state dict: unexpected tensor {extra[0]!r}: not part of GLM-5 with this config")
+    path = Path(path)
+    files = write_shards(path, planned, max_shard_bytes)
+    cfg.save(path)
+    return files

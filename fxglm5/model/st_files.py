@@ -1,0 +1,164 @@
+"""Reading a safetensors checkpoint's headers (single file or index + shards) and writing shards.
+
+Only headers are read here: the 8-byte length, the JSON header and the file size. That is enough to
+find every tensor's name, dtype and shape, to catch a truncated shard before ``safe_open`` memory-maps
+it, and to check the index against the shards. Tensor data is read later, lazily, by the loader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+from safetensors.torch import save_file
+
+from fxglm5.errors import CheckpointError
+from fxglm5.model.layout import ST_DTYPES
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_MAX_HEADER = 100 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    file: Path
+    dtype_name: str
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return ST_DTYPES.get(self.dtype_name)
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """name -> TensorInfo of one .safetensors file; CheckpointError if it is malformed or truncated."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > _MAX_HEADER:
+            raise CheckpointError(f"{path}: not a safetensors file (header length {n})")
+        if size < 8 + n:
+            raise CheckpointError(f"{path}: truncated safetensors file: header needs {8 + n} bytes, file has {size}")
+        try:
+            raw = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path}: not a safetensors file (bad JSON header: {err})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (header is not an object)")
+    out = {}
+    for name, meta in raw.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {meta!r}") from None
+        item = ST_DTYPES[dtype_name].itemsize if dtype_name in ST_DTYPES else None
+        if item is not None and end - begin != math.prod(shape) * item:
+            raise CheckpointError(
+                f"{path}: tensor {name!r}: header says {end - begin} bytes for shape {list(shape)} {dtype_name}"
+            )
+        if 8 + n + end > size:
+            raise CheckpointError(
+                f"{path}: truncated shard: tensor {name!r} ends at byte {8 + n + end} but the file has {size} bytes"
+            )
+        out[name] = TensorInfo(path, dtype_name, shape)
+    return out
+
+
+def scan_checkpoint(directory: Path) -> tuple[dict[str, TensorInfo], Path]:
+    """All tensors of a checkpoint directory and the file errors about the whole set should name.
+
+    Sharded (index + shards): every shard in the index must exist, every tensor the index lists must be
+    in its shard, and every tensor of a shard must be listed (a shard the index does not describe means
+    the two are out of sync).
+    """
+    index_path, single = directory / INDEX, directory / SINGLE
+    if index_path.is_file():
+        return _scan_sharded(index_path), index_path
+    if single.is_file():
+        return read_header(single), single
+    found = sorted(p.name for p in directory.glob("*.safetensors"))
+    hint = f" (found {found} but no {INDEX})" if found else ""
+    raise CheckpointError(f"{directory}: no {SINGLE} or {INDEX}{hint}")
+
+
+def _scan_sharded(index_path: Path) -> dict[str, TensorInfo]:
+    try:
+        index = json.loads(index_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{index_path}: not valid JSON ({err})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: field 'weight_map' must map tensor names to shard file names")
+    headers: dict[str, dict[str, TensorInfo]] = {}
+    for name, shard in weight_map.items():
+        if shard not in headers:
+            shard_path = index_path.parent / shard
+            if not shard_path.is_file():
+                raise CheckpointError(f"{index_path}: shard {shard!r} (holding tensor {name!r}) is missing on disk")
+            headers[shard] = read_header(shard_path)
+        if name not in headers[shard]:
+            raise CheckpointError(f"{index_path}: tensor {name!r} is listed in shard {shard!r}, which does not contain it")
+    tensors: dict[str, TensorInfo] = {}
+    for shard, header in headers.items():
+        for name, info in header.items():
+            if weight_map.get(name) != shard:
+                raise CheckpointError(f"{info.file}: tensor {name!r} is in this shard but the index does not list it here")
+            tensors[name] = info
+    return tensors
+
+
+@dataclasses.dataclass
+class PlannedTensor:
+    """A tensor to write: its size is known up front; ``make`` produces it when its shard is written."""
+
+    name: str
+    nbytes: int
+    make: Callable[[], torch.Tensor]
+
+
+def write_shards(directory: Path, tensors: Iterable[PlannedTensor], max_shard_bytes: int | None) -> list[str]:
+    """Write ``tensors`` as one model.safetensors, or as shards + index when they exceed max_shard_bytes.
+
+    Shards are filled greedily in order and each is materialised only while it is written, so writing a
+    checkpoint never needs more memory than one shard. Returns the file names written.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    groups: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if max_shard_bytes is not None and groups[-1] and size + t.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    for stale in [directory / INDEX, directory / SINGLE, *directory.glob("model-*-of-*.safetensors")]:
+        if stale.is_file():
+            os.remove(stale)
+    if len(groups) == 1:
+        names = [SINGLE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map, total = {}, 0
+    for fname, group in zip(names, groups):
+        data = {t.name: t.make().contiguous() for t in group}
+        save_file(data, str(directory / fname), metadata={"format": "pt"})
+        for t in group:
+            weight_map[t.name] = fname
+            total += t.nbytes
+        del data
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return names
