@@ -212,6 +212,27 @@ def bench_sweep(res: Results, args):
                 if us:
                     res.add(section="sweep", shape=f"{name} {n}x{k}", M=m, cfg=str(cfg), us=us,
                             pct_copy=100 * n * k / us / 1e3 / res.copy_gbs, TFLOPS=2 * m * n * k / us / 1e6)
+    from fxglm5.lowering.triton.moe import moe_fp8, moe_route
+
+    e, h, inter, k = 256, 6144, 2048, 8
+    w13, s13, w2, s2 = _moe_weights(e, h, inter)
+    for t in (1, 64):
+        xs = [torch.randn(t, h, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+        routes = [moe_route(torch.randn(t, e, device="cuda"), torch.zeros(e, device="cuda"), k, 1, 1, True, 2.5)
+                  for _ in xs]
+        distinct = statistics.mean(int(torch.unique(r[1]).numel()) for r in routes)
+        for bn1, bn2, st in ((32, 64, 4), (64, 64, 4), (32, 128, 4), (64, 128, 3), (32, 64, 6)):
+            cfg = dict(BLOCK_N1=bn1, BLOCK_N2=bn2, num_stages=st)
+            it = iter(range(10**9))
+
+            def call():
+                i = next(it) % 8
+                return moe_fp8(xs[i], routes[i][1], routes[i][0], w13, s13, w2, s2, True, config=cfg)
+
+            us = _try(lambda: time_graph_us(call, calls_per_graph=8))
+            if us:
+                res.add(section="sweep", shape="moe", M=t, cfg=str(cfg), us=us,
+                        pct_copy=100 * distinct * 3 * h * inter / us / 1e3 / res.copy_gbs)
 
 
 def main():
