@@ -14,14 +14,17 @@ _METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
 def capture(model: torch.nn.Module, max_batch: int = 1024, max_seq: int | None = None) -> fx.GraphModule:
-    """Export ``model(input_ids)`` with dynamic [batch, seq]; returns the graph the passes work on."""
+    """Export ``model(input_ids, position_ids)`` with dynamic [batch, seq]; returns the graph the passes
+    work on. Both inputs are [batch, seq] int64; positions are explicit so the paged runtime can feed
+    each token's real position (a decode step's token is not at position 0)."""
     cfg = getattr(model, "config", None)
     max_seq = max_seq or (cfg.max_position_embeddings if cfg is not None else 4096)
     device = next(model.parameters()).device
     example = torch.zeros(2, 3, dtype=torch.long, device=device)
-    dynamic = {"input_ids": {0: Dim("batch", min=1, max=max_batch), 1: Dim("seq", min=1, max=max_seq)}}
+    dims = {0: Dim("batch", min=1, max=max_batch), 1: Dim("seq", min=1, max=max_seq)}
+    dynamic = {"input_ids": dims, "position_ids": dims}
     with torch.no_grad():
-        program = torch.export.export(model, (example,), dynamic_shapes=dynamic, strict=False)
+        program = torch.export.export(model, (example, example.clone()), dynamic_shapes=dynamic, strict=False)
     gm = program.module()
     drop_metadata_asserts(gm)
     return gm
