@@ -105,7 +105,7 @@ def _radix_topk_kernel(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, CHU
     prefix = tl.zeros([1], tl.uint32)
     k_rem = tl.zeros([1], tl.int32) + k_eff
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         hist = tl.zeros([256], tl.int32)
         for c0 in range(0, n_valid, CHUNK):
             offs = c0 + tl.arange(0, CHUNK)

@@ -43,14 +43,15 @@ def _mla_fwd_kernel(
     o_ptr, stride_ot, stride_oh,
     po_ptr, plse_ptr,
     H, sm_scale_log2, split_len, num_splits,
-    BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, N_HB: tl.constexpr,
     FP8: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
 ):
     R: tl.constexpr = 512
     DR: tl.constexpr = 64
-    t = tl.program_id(0)
+    pid = tl.program_id(0)  # head blocks of one token are adjacent: they share the cache tiles through L2
+    t = pid // N_HB
+    hb = pid % N_HB
     sp = tl.program_id(1)
-    hb = tl.program_id(2)
     t64 = t.to(tl.int64)
     req = tl.load(req_ptr + t).to(tl.int64)
 
@@ -91,7 +92,10 @@ def _mla_fwd_kernel(
         if FP8:
             kb = tl.load(cache_ptr + slot[:, None] * 656 + dr[None, :], mask=valid[:, None], other=0)
             ksc = tl.load(c32_ptr + slot[:, None] * 164 + 128 + dr[None, :] // 128, mask=valid[:, None], other=0.0)
-            kc = (kb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * ksc).to(dt)
+            if IEEE:
+                kc = kb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * ksc
+            else:  # e4m3 -> bf16 is exact, and so is the power-of-two scale: dequantize in 16 bits
+                kc = kb.to(tl.float8e4nv, bitcast=True).to(dt) * ksc.to(dt)
             kpb = tl.load(c16_ptr + slot[:, None] * 328 + 264 + dp[None, :], mask=valid[:, None], other=0)
             kpe = kpb.to(tl.bfloat16, bitcast=True).to(dt)
         else:
@@ -168,9 +172,7 @@ def _pick_block_h(H: int) -> int:
 def _default_cfg(q, fp8, sparse, split):
     if _INTERPRET or q.device.type != "cuda":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
-    if split:
-        return dict(BLOCK_N=32 if fp8 else 64, num_warps=8, num_stages=2)
-    return dict(BLOCK_N=64, num_warps=8, num_stages=2)
+    return dict(BLOCK_N=32, num_warps=8, num_stages=2)
 
 
 def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, sparse: bool,
@@ -186,7 +188,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
         q = q.contiguous()
     c8, c32, c16, fp8 = _cache_views(cache)
     bs = cache.shape[1]
-    BLOCK_H = _pick_block_h(H)
+    BLOCK_H = (cfg or {}).get("BLOCK_H") or _pick_block_h(H)
     n_hb = triton.cdiv(H, BLOCK_H)
     if sparse:
         K = pos_or_topk.shape[1]
@@ -213,7 +215,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     else:
         po = torch.empty(T, num_splits, H, R, dtype=torch.float32, device=q.device)
         plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
-    grid = (T, num_splits, n_hb)
+    grid = (T * n_hb, num_splits)
     _mla_fwd_kernel[grid](
         q, q.stride(0), q.stride(1),
         c8, c32, c16,
@@ -222,7 +224,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
         out, out.stride(0), out.stride(1),
         po, plse,
         H, float(scale) * LOG2E, split_len, num_splits,
-        BS=bs, BLOCK_H=BLOCK_H, BLOCK_N=c["BLOCK_N"], FP8=fp8, SPARSE=sparse, DIRECT=direct,
+        BS=bs, BLOCK_H=BLOCK_H, BLOCK_N=c["BLOCK_N"], N_HB=n_hb, FP8=fp8, SPARSE=sparse, DIRECT=direct,
         IEEE=(q.dtype == torch.float32) or _INTERPRET, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
     if not direct:

@@ -1,0 +1,354 @@
+"""Attention-half kernel benchmarks: paged MLA (decode split-KV / prefill), sparse MLA, DSA indexer.
+
+Every row: kernel, shape, us (CUDA-graph replay, median), TB/s or TFLOPS, % of the copy bandwidth measured in
+this run, and a torch baseline measured in this run (gathered rows + scaled_dot_product_attention for MLA /
+sparse MLA, torch.topk for the top-k, torch gather + einsum for the indexer logits). Decode caches are larger
+than L2 (60 MB): every request owns its own blocks (a random permutation), and small-batch rows rotate over
+many requests inside one graph so each captured call reads different memory.
+
+    python bench/kernels_attention.py            # all sections, saves bench/results/kernels_attention.{json,md}
+    python bench/kernels_attention.py mla        # one section
+    python bench/kernels_attention.py --sweep    # also time a few launch configs per kernel (tuning aid)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.harness import Results, copy_bandwidth_gbs, time_graph_us  # noqa: E402
+from fxglm5.lowering.reference import paged as ref  # noqa: E402
+
+H, R, DR, D = 64, 512, 64, 576
+BS = 64
+SCALE = 1.0 / 16
+TOPK = 2048
+HI = 32
+SWEEP = "--sweep" in sys.argv
+MLA_SWEEP = [dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
+             dict(BLOCK_H=64, BLOCK_N=32, num_warps=16, num_stages=2),
+             dict(BLOCK_H=32, BLOCK_N=64, num_warps=8, num_stages=2),
+             dict(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=2),
+             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2),
+             dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2)]
+_STATE: dict = {}
+
+
+def _copy_gbs(results) -> float:
+    if getattr(results, "copy_gbs", None):
+        return results.copy_gbs
+    if "copy" not in _STATE:
+        _STATE["copy"] = copy_bandwidth_gbs()
+    results.copy_gbs = _STATE["copy"]
+    return results.copy_gbs
+
+
+def _paged(B, ctx, width, dtype, seed=0):
+    """B requests of ``ctx`` tokens each, own blocks in random order; cache filled with random bytes/values."""
+    nblk = -(-ctx // BS)
+    total = B * nblk + 1
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    perm = torch.randperm(total - 1, device="cuda", generator=g) + 1
+    bt = perm.view(B, nblk).int().contiguous()
+    if dtype == torch.uint8:
+        cache = torch.randint(0, 256, (total, BS, width), dtype=torch.uint8, device="cuda")
+        if width == 656:  # sane fp8 bytes (no NaN), unit scales, random bf16 k_pe
+            cache[..., :512] = torch.randn(total, BS, 512, device="cuda").to(torch.float8_e4m3fn).view(torch.uint8)
+            cache[..., 512:528] = torch.full((total, BS, 4), 1 / 64, device="cuda").view(torch.uint8)
+            cache[..., 528:] = torch.randn(total, BS, 64, device="cuda", dtype=torch.bfloat16).view(torch.uint8)
+        else:
+            cache[..., :128] = torch.randn(total, BS, 128, device="cuda").to(torch.float8_e4m3fn).view(torch.uint8)
+            cache[..., 128:] = torch.full((total, BS, 1), 1 / 64, device="cuda").view(torch.uint8)
+    else:
+        cache = (torch.randn(total, BS, width, device="cuda") * 0.5).to(dtype)
+    return cache, bt
+
+
+def _row(results, kernel, shape, us, *, bytes_=None, flops=None, torch_us=None, note=""):
+    copy = _copy_gbs(results)
+    row = dict(kernel=kernel, shape=shape, us=round(us, 2))
+    if bytes_ is not None:
+        tbs = bytes_ / (us * 1e-6) / 1e12
+        row["TB/s"] = round(tbs, 3)
+        row["pct_copy"] = round(100 * tbs * 1e3 / copy, 1)
+    if flops is not None:
+        row["TFLOPS"] = round(flops / (us * 1e-6) / 1e12, 1)
+    if torch_us is not None:
+        row["torch_us"] = round(torch_us, 2)
+        row["speedup"] = round(torch_us / us, 2)
+    if note:
+        row["note"] = note
+    return results.add(**row)
+
+
+def _sdpa_gathered(q, cache, slots, valid=None):
+    """Torch baseline: gather (+ dequant) the rows, then SDPA with one KV head (enable_gqa)."""
+    T, Hh, _ = q.shape
+    n = slots.shape[1]
+    rows = ref.read_latent_rows(cache, slots.reshape(-1).clamp_min(0), validate=False).view(T, 1, n, D)
+    rows = rows.to(q.dtype)
+    mask = None if valid is None else valid.view(T, 1, 1, n)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.view(T, Hh, 1, D), rows, rows[..., :R], attn_mask=mask, scale=SCALE, enable_gqa=True)
+
+
+def _time_torch(fn):
+    try:
+        return time_graph_us(fn, n_warmup=2, n_iters=5)
+    except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+        print(f"torch baseline failed: {type(e).__name__}: {e}")
+        return None
+
+
+# ------------------------------------------------------------------------------------------------------------
+def bench_mla(results):
+    from fxglm5.lowering.triton import mla
+
+    for cdt, B, ctx in [(torch.bfloat16, 64, 32768), (torch.uint8, 64, 32768), (torch.bfloat16, 1, 32768),
+                        (torch.uint8, 1, 32768), (torch.bfloat16, 8, 8192)]:
+        width = 656 if cdt == torch.uint8 else 576
+        cache, bt = _paged(max(B, 32), ctx, width, cdt)
+        nreq = bt.shape[0]
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+        pos = torch.full((B,), ctx - 1, device="cuda", dtype=torch.int32)
+        out = torch.empty(B, H, R, device="cuda", dtype=torch.bfloat16)
+        ncalls = 1 if B * ctx * width > 3 * 60 * 2**20 else nreq // B
+        reqs = [torch.arange(i * B, (i + 1) * B, device="cuda", dtype=torch.int32) % nreq for i in range(ncalls)]
+        st = {"i": 0}
+
+        def run(cfg=None, num_splits=None):
+            r = reqs[st["i"] % ncalls]
+            st["i"] += 1
+            mla.mla_decode_paged(q, cache, bt, r, pos, SCALE, validate=False, out=out, cfg=cfg,
+                                 num_splits=num_splits)
+
+        bytes_ = B * ctx * width
+        flops = 2 * B * H * ctx * (D + R)
+        name = f"mla_decode[{'fp8' if cdt == torch.uint8 else 'bf16'}]"
+        shape = f"B={B} H={H} ctx={ctx} bs={BS}"
+        if SWEEP and B == 64:
+            for cfg in MLA_SWEEP:
+                try:
+                    us = time_graph_us(lambda: run(cfg), calls_per_graph=ncalls)
+                    _row(results, name + " sweep", shape + " " + str(cfg), us, bytes_=bytes_, flops=flops)
+                except Exception as e:  # noqa: BLE001
+                    print("sweep config failed", cfg, type(e).__name__, str(e)[:200])
+        us = time_graph_us(run, calls_per_graph=ncalls)
+        tus = None
+        if B * ctx * D * 2 < 4 * 2**30:
+            slots = ref.slots_from_positions(bt, reqs[0].repeat_interleave(ctx),
+                                             torch.arange(ctx, device="cuda").repeat(B), BS).view(B, ctx)
+            tus = _time_torch(lambda: _sdpa_gathered(q, cache, slots))
+        _row(results, name, shape, us, bytes_=bytes_, flops=flops, torch_us=tus)
+
+    # prefill (causal, one request, 4k new tokens after a 0 / 4k cached prefix)
+    for prefix, n in [(0, 4096), (4096, 2048)]:
+        ctx = prefix + n
+        cache, bt = _paged(1, ctx, 576, torch.bfloat16)
+        q = torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16)
+        req = torch.zeros(n, device="cuda", dtype=torch.int32)
+        pos = torch.arange(prefix, ctx, device="cuda", dtype=torch.int32)
+        out = torch.empty(n, H, R, device="cuda", dtype=torch.bfloat16)
+        us = time_graph_us(lambda: mla.mla_prefill_paged(q, cache, bt, req, pos, SCALE, validate=False, out=out))
+        flops = 2 * H * (D + R) * sum(range(prefix + 1, ctx + 1))
+        slots = ref.slots_from_positions(bt, torch.zeros(ctx, dtype=torch.int32, device="cuda"),
+                                         torch.arange(ctx, device="cuda"), BS)
+        rows = cache.view(-1, 576)[slots]
+        causal = (torch.arange(ctx, device="cuda")[None, :] <= pos[:, None]).view(1, 1, n, ctx)
+
+        def tfn():
+            k = cache.view(-1, 576)[slots].view(1, 1, ctx, D)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0), k, k[..., :R], attn_mask=causal, scale=SCALE, enable_gqa=True)
+
+        del rows
+        _row(results, "mla_prefill[bf16]", f"T={n} prefix={prefix} H={H}", us, flops=flops, torch_us=_time_torch(tfn))
+
+
+def bench_sparse_mla(results):
+    from fxglm5.lowering.triton import sparse_mla
+
+    ctx = 32768
+    for cdt in (torch.bfloat16, torch.uint8):
+        width = 656 if cdt == torch.uint8 else 576
+        tag = "fp8" if cdt == torch.uint8 else "bf16"
+        cache, bt = _paged(64, ctx, width, cdt)
+        for B in (1, 64):
+            q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+            topk = torch.rand(B, ctx, device="cuda").topk(TOPK, dim=1).indices.int()
+            out = torch.empty(B, H, R, device="cuda", dtype=torch.bfloat16)
+            ncalls = 64 // B if B < 64 else 1
+            reqs = [torch.arange(i * B, (i + 1) * B, device="cuda", dtype=torch.int32) for i in range(ncalls)]
+            st = {"i": 0}
+
+            def run(cfg=None, ns=None):
+                r = reqs[st["i"] % ncalls]
+                st["i"] += 1
+                sparse_mla.sparse_mla_decode_paged(q, cache, bt, r, topk, SCALE, validate=False, out=out, cfg=cfg,
+                                                   num_splits=ns)
+
+            flops = 2 * B * H * TOPK * (D + R)
+            bytes_ = B * TOPK * width
+            shape = f"B={B} H={H} topk={TOPK} ctx={ctx}"
+            if SWEEP and tag == "bf16":
+                for cfg, ns in [(c, None) for c in MLA_SWEEP[:4]] + [(None, 16 if B == 1 else 2),
+                                                                     (None, 64 if B == 1 else 4)]:
+                    try:
+                        us = time_graph_us(lambda: run(cfg, ns), calls_per_graph=ncalls)
+                        _row(results, f"sparse_mla_decode[{tag}] sweep", f"{shape} {cfg} splits={ns}", us,
+                             bytes_=bytes_, flops=flops)
+                    except Exception as e:  # noqa: BLE001
+                        print("sweep config failed", cfg, type(e).__name__, str(e)[:200])
+            us = time_graph_us(run, calls_per_graph=ncalls)
+            slots = ref._slots_2d(bt, reqs[0], topk, BS)
+            tus = _time_torch(lambda: _sdpa_gathered(q, cache, slots))
+            _row(results, f"sparse_mla_decode[{tag}]", shape, us, bytes_=bytes_, flops=flops, torch_us=tus)
+
+    # prefill: 8k tokens of one request, each attends to 2048 of its causal window (all of it when shorter)
+    T = 8192
+    for cdt in (torch.bfloat16, torch.uint8):
+        width = 656 if cdt == torch.uint8 else 576
+        tag = "fp8" if cdt == torch.uint8 else "bf16"
+        cache, bt = _paged(1, T, width, cdt)
+        q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+        pos = torch.arange(T, device="cuda")
+        sc = torch.rand(T, T, device="cuda").masked_fill(torch.arange(T, device="cuda")[None, :] > pos[:, None], -1)
+        top = sc.topk(TOPK, dim=1)
+        topk = torch.where(top.values >= 0, top.indices, torch.full_like(top.indices, -1)).int()
+        del sc, top
+        req = torch.zeros(T, device="cuda", dtype=torch.int32)
+        out = torch.empty(T, H, R, device="cuda", dtype=torch.bfloat16)
+        nvalid = int((topk >= 0).sum())
+        flops = 2 * H * nvalid * (D + R)
+        shape = f"T={T} H={H} topk={TOPK}"
+
+        def runp(cfg=None):
+            sparse_mla.sparse_mla_prefill_paged(q, cache, bt, req, topk, SCALE, validate=False, out=out, cfg=cfg)
+
+        if SWEEP and tag == "bf16":
+            for cfg in MLA_SWEEP[:5]:
+                try:
+                    _row(results, f"sparse_mla_prefill[{tag}] sweep", f"{shape} {cfg}",
+                         time_graph_us(lambda: runp(cfg)), flops=flops)
+                except Exception as e:  # noqa: BLE001
+                    print("sweep config failed", cfg, type(e).__name__, str(e)[:200])
+        us = time_graph_us(runp)
+        tus = None
+        if tag == "bf16":  # baseline on 1k tokens (the gathered rows of 8k would be 19 GB), scaled by 8
+            sl = ref._slots_2d(bt, req[:1024], topk[:1024], BS)
+            t1 = _time_torch(lambda: _sdpa_gathered(q[:1024], cache, sl, valid=(topk[:1024] >= 0)))
+            tus = None if t1 is None else t1 * (T / 1024)
+        _row(results, f"sparse_mla_prefill[{tag}]", shape, us, flops=flops, torch_us=tus,
+             note="torch_us: 1024-token gathered SDPA x 8" if tus else "")
+
+
+def bench_indexer(results):
+    from fxglm5.lowering.triton import indexer
+
+    for B, ctx in [(64, 32768), (1, 131072), (8, 65536)]:
+        nreq = max(B, 8)
+        kc, bt = _paged(nreq, ctx, 132, torch.uint8)
+        q = torch.randn(B, HI, 128, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(B, HI, device="cuda")
+        pos = torch.full((B,), ctx - 1, device="cuda", dtype=torch.int32)
+        L = bt.shape[1] * BS
+        logits = torch.empty(B, L, device="cuda")
+        top = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
+        ncalls = 1 if B * ctx * 132 > 3 * 60 * 2**20 else nreq // B
+        reqs = [torch.arange(i * B, (i + 1) * B, device="cuda", dtype=torch.int32) % nreq for i in range(ncalls)]
+        st = {"i": 0}
+
+        def nxt():
+            r = reqs[st["i"] % ncalls]
+            st["i"] += 1
+            return r
+
+        def run_logits(cfg=None):
+            indexer.indexer_logits_paged(q, w, kc, bt, nxt(), pos, out=logits, validate=False, cfg=cfg)
+
+        def run_topk(chunk=None):
+            indexer.topk_from_logits(logits, pos, TOPK, out=top, chunk=chunk)
+
+        def run_all():
+            indexer.indexer_topk_paged(q, w, kc, bt, nxt(), pos, TOPK, validate=False, logits_buf=logits, out=top)
+
+        shape = f"B={B} HI={HI} ctx={ctx} topk={TOPK}"
+        kbytes = B * ctx * 132
+        if SWEEP and B == 64:
+            for cfg in [dict(BLOCK_N=64, TILES=4, num_warps=4), dict(BLOCK_N=128, TILES=2, num_warps=4),
+                        dict(BLOCK_N=128, TILES=8, num_warps=8), dict(BLOCK_N=256, TILES=2, num_warps=8)]:
+                try:
+                    _row(results, "indexer_logits sweep", f"{shape} {cfg}",
+                         time_graph_us(lambda: run_logits(cfg), calls_per_graph=ncalls), bytes_=kbytes)
+                except Exception as e:  # noqa: BLE001
+                    print("sweep config failed", cfg, type(e).__name__, str(e)[:200])
+            for ch in (1024, 2048, 8192):
+                _row(results, "radix_topk sweep", f"{shape} chunk={ch}", time_graph_us(lambda: run_topk(ch)))
+        us_l = time_graph_us(run_logits, calls_per_graph=ncalls)
+
+        def torch_logits():
+            r = reqs[0]
+            sl = ref.slots_from_positions(bt, r.repeat_interleave(ctx), torch.arange(ctx, device="cuda").repeat(B),
+                                          BS)
+            k = ref.read_indexer_rows(kc, sl, validate=False).view(B, ctx, 128)
+            qq, qs = ref.quantize_fp8_groups(q)
+            s = torch.relu(torch.einsum("bhd,bnd->bhn", qq.float() * qs, k))
+            return (s * w.unsqueeze(-1)).sum(1)
+
+        _row(results, "indexer_logits", shape, us_l, bytes_=kbytes,
+             torch_us=_time_torch(torch_logits) if B * ctx <= 2**21 else None)
+        us_t = time_graph_us(run_topk)
+        _row(results, "radix_topk", f"B={B} L={L} topk={TOPK}", us_t,
+             torch_us=_time_torch(lambda: torch.topk(logits, TOPK, dim=1)))
+        us_a = time_graph_us(run_all, calls_per_graph=ncalls)
+        _row(results, "indexer_topk (logits+topk)", shape, us_a, bytes_=kbytes,
+             torch_us=_time_torch(lambda: (run_logits(), torch.topk(logits, TOPK, dim=1))),
+             note="bytes = FP8 keys read; torch_us = our logits + torch.topk")
+
+
+def bench_cache_write(results):
+    from fxglm5.lowering.triton import paged_cache as pc
+
+    for T in (64, 8192):
+        for cdt, width in ((torch.bfloat16, 576), (torch.uint8, 656)):
+            cache = torch.zeros(T // BS + 8, BS, width, dtype=cdt, device="cuda")
+            kv = torch.randn(T, R, device="cuda", dtype=torch.bfloat16)
+            pe = torch.randn(T, DR, device="cuda", dtype=torch.bfloat16)
+            slots = torch.arange(T, device="cuda") + BS
+            us = time_graph_us(lambda: pc.write_latent_cache(cache, kv, pe, slots, validate=False))
+            tus = _time_torch(lambda: ref.write_latent_cache(cache, kv, pe, slots, validate=False))
+            _row(results, f"write_latent_cache[{'fp8' if cdt == torch.uint8 else 'bf16'}]", f"T={T}", us,
+                 bytes_=T * (576 * 2 + width), torch_us=tus)
+
+
+SECTIONS = {
+    "mla": bench_mla,
+    "sparse_mla": bench_sparse_mla,
+    "indexer": bench_indexer,
+    "cache_write": bench_cache_write,
+}
+
+
+def main(argv=None):
+    argv = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--")]
+    names = argv or list(SECTIONS)
+    results = Results(copy_gbs=copy_bandwidth_gbs())
+    print(f"copy bandwidth: {results.copy_gbs:.0f} GB/s")
+    for n in names:
+        try:
+            SECTIONS[n](results)
+        except Exception as e:  # noqa: BLE001 - keep the other sections' figures
+            import traceback
+
+            traceback.print_exc()
+            results.add(kernel=n, shape="section failed", us=None, note=f"{type(e).__name__}: {str(e)[:200]}")
+        torch.cuda.empty_cache()
+    print(results.save("kernels_attention" + ("_sweep" if SWEEP else "")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,488 @@
+"""Paged attention building blocks on CPU: torch references vs an independent float64 oracle, Triton kernels
+(TRITON_INTERPRET=1) vs the references, byte layouts of the 576 / 656 / 132 caches, and input validation."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fxglm5.errors import InputError  # noqa: E402
+from fxglm5.lowering.reference import paged as ref  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from fxglm5.lowering.triton import indexer as tindexer  # noqa: E402
+from fxglm5.lowering.triton import mla as tmla  # noqa: E402
+from fxglm5.lowering.triton import paged_cache as tpc  # noqa: E402
+from fxglm5.lowering.triton import sparse_mla as tsparse  # noqa: E402
+
+R, DR, D = 512, 64, 576
+SCALE = 1.0 / 16
+
+
+# --------------------------------------------------------------------------------------------------------------
+# independent helpers (no code shared with the reference)
+# --------------------------------------------------------------------------------------------------------------
+def _hand_scale(amax: float) -> float:
+    """2 ** ceil(log2(max(amax, 1e-10) / 448)) in float64 (the documented rule, computed independently)."""
+    s = max(amax, 1e-10) / 448.0
+    e = math.ceil(math.log2(s))
+    if 2.0 ** (e - 1) >= s:  # guard log2 rounding
+        e -= 1
+    return 2.0**e
+
+
+def _hand_decode_latent(cache, slot):
+    """Decode one latent row by hand -> float64 [576]."""
+    row = cache.view(-1, cache.shape[-1])[slot]
+    if cache.dtype != torch.uint8:
+        return row.double()
+    c = row[:512].clone().view(torch.float8_e4m3fn).double()
+    sc = row[512:528].clone().view(torch.float32).double()
+    pe = row[528:656].clone().view(torch.bfloat16).double()
+    return torch.cat([c * sc.repeat_interleave(128), pe])
+
+
+def _hand_decode_index(cache, slot):
+    row = cache.view(-1, 132)[slot]
+    return row[:128].clone().view(torch.float8_e4m3fn).double() * row[128:132].clone().view(torch.float32).double()
+
+
+def _hand_slot(bt, b, p, bs):
+    return int(bt[b, p // bs]) * bs + p % bs
+
+
+@st.composite
+def paged_setup(draw, max_len=70):
+    B = draw(st.integers(1, 3))
+    bs = draw(st.sampled_from([4, 8, 16]))
+    lens = [draw(st.integers(1, max_len)) for _ in range(B)]
+    need = [-(-n // bs) for n in lens]
+    extra = draw(st.integers(0, 2))  # padded (0) entries at the end of the block table
+    nb = sum(need) + 1 + draw(st.integers(0, 3))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    perm = (torch.randperm(nb - 1, generator=g) + 1).tolist()
+    bt = torch.zeros(B, max(need) + extra, dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = torch.tensor(perm[i:i + n], dtype=torch.int32)
+        i += n
+    return dict(B=B, bs=bs, lens=lens, bt=bt, nb=nb, seed=seed)
+
+
+def _filled_latent(s, cdtype):
+    torch.manual_seed(s["seed"])
+    cache = torch.zeros(s["nb"], s["bs"], 656 if cdtype == torch.uint8 else 576, dtype=cdtype)
+    for b, n in enumerate(s["lens"]):
+        pos = torch.arange(n)
+        sl = ref.slots_from_positions(s["bt"], torch.full_like(pos, b), pos, s["bs"])
+        ref.write_latent_cache(cache, torch.randn(n, R) * 2, torch.randn(n, DR), sl)
+    return cache
+
+
+def _filled_index(s):
+    torch.manual_seed(s["seed"] + 1)
+    cache = torch.zeros(s["nb"], s["bs"], 132, dtype=torch.uint8)
+    for b, n in enumerate(s["lens"]):
+        pos = torch.arange(n)
+        sl = ref.slots_from_positions(s["bt"], torch.full_like(pos, b), pos, s["bs"])
+        ref.write_indexer_cache(cache, torch.randn(n, 128), sl)
+    return cache
+
+
+def _queries(s, draw_tokens):
+    """Tokens as (req, pos) pairs: for each request, a few positions incl. the last (decode) or a run (prefill)."""
+    req, pos = [], []
+    for b, n in enumerate(s["lens"]):
+        k = draw_tokens(b, n)
+        for p in k:
+            req.append(b)
+            pos.append(p)
+    return torch.tensor(req, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32)
+
+
+def _naive_attention(q, cache, bt, req, rows_pos, bs, scale):
+    """float64: gather rows by (request, positions list) and run plain softmax attention."""
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, R, dtype=torch.float64)
+    for t in range(T):
+        ps = [p for p in rows_pos[t] if p >= 0]
+        if not ps:
+            continue
+        rows = torch.stack([_hand_decode_latent(cache, _hand_slot(bt, int(req[t]), p, bs)) for p in ps])
+        s = (q[t].double() @ rows.T) * scale
+        out[t] = torch.softmax(s, dim=-1) @ rows[:, :R]
+    return out
+
+
+def _close(a, b, atol, rtol=0.0):
+    a, b = a.double(), b.double()
+    assert torch.allclose(a, b, atol=atol, rtol=rtol), (a - b).abs().max().item()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# layouts
+# --------------------------------------------------------------------------------------------------------------
+def _layout_tokens(bs):
+    bt = torch.tensor([[3, 1, 0], [2, 0, 0]], dtype=torch.int32)
+    req = torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32)
+    pos = torch.tensor([0, bs - 1, bs + 1, 0, 2], dtype=torch.int32)
+    return bt, req, pos
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("bs", [4, 16])
+def test_latent_layout_compute_dtype(impl, bs):
+    bt, req, pos = _layout_tokens(bs)
+    sl = ref.slots_from_positions(bt, req, pos, bs)
+    assert sl.tolist() == [3 * bs, 3 * bs + bs - 1, 1 * bs + 1, 2 * bs, 2 * bs + 2]
+    cache = torch.zeros(5, bs, 576, dtype=torch.bfloat16)
+    kv = torch.randn(5, R)
+    pe = torch.randn(5, DR)
+    slm = torch.cat([sl, torch.tensor([-1])])
+    w = ref.write_latent_cache if impl == "ref" else tpc.write_latent_cache
+    w(cache, torch.cat([kv, torch.randn(1, R)]), torch.cat([pe, torch.randn(1, DR)]), slm)
+    flat = cache.view(-1, 576)
+    for i, s in enumerate(sl.tolist()):
+        assert s == int(bt[req[i], pos[i] // bs]) * bs + int(pos[i]) % bs
+        assert torch.equal(flat[s, :R], kv[i].bfloat16())
+        assert torch.equal(flat[s, R:], pe[i].bfloat16())
+    written = torch.zeros(flat.shape[0], dtype=torch.bool)
+    written[sl] = True
+    assert (flat[~written] == 0).all()  # nothing else written: block 0 and the padding slot untouched
+    assert (cache[0] == 0).all()
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_latent_layout_fp8_ds_mla(impl):
+    bs = 8
+    bt, req, pos = _layout_tokens(bs)
+    sl = ref.slots_from_positions(bt, req, pos, bs)
+    cache = torch.zeros(5, bs, 656, dtype=torch.uint8)
+    kv = torch.randn(5, R) * torch.tensor([0.01, 1.0, 30.0, 1e-12]).repeat_interleave(128)
+    kv[4, 128:256] = 0.0  # an all-zero group: amax floored at 1e-10
+    pe = torch.randn(5, DR)
+    w = ref.write_latent_cache if impl == "ref" else tpc.write_latent_cache
+    w(cache, kv, pe, sl)
+    flat = cache.view(-1, 656)
+    for i, s in enumerate(sl.tolist()):
+        row = flat[s]
+        scales = row[512:528].clone().view(torch.float32)
+        for gi in range(4):
+            grp = kv[i, 128 * gi:128 * gi + 128]
+            sc = float(scales[gi])
+            assert sc == _hand_scale(float(grp.abs().max())), (gi, sc)
+            e4 = row[128 * gi:128 * gi + 128].clone().view(torch.float8_e4m3fn)
+            assert torch.equal(e4.view(torch.uint8), (grp / sc).to(torch.float8_e4m3fn).view(torch.uint8))
+            deq = e4.double() * sc
+            assert (deq - grp.double()).abs().max() <= grp.abs().max() * 2**-3 + 1e-30
+        assert torch.equal(row[528:].clone().view(torch.bfloat16), pe[i].bfloat16())
+    mask = torch.ones(flat.shape[0], dtype=torch.bool)
+    mask[sl] = False
+    assert (flat[mask] == 0).all() and (cache[0] == 0).all()
+    # dequantizing reader agrees with the hand decoder
+    rows = ref.read_latent_rows(cache, sl)
+    for i, s in enumerate(sl.tolist()):
+        assert torch.equal(rows[i].double(), _hand_decode_latent(cache, s))
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_indexer_layout(impl):
+    bs = 4
+    bt, req, pos = _layout_tokens(bs)
+    sl = ref.slots_from_positions(bt, req, pos, bs)
+    cache = torch.zeros(5, bs, 132, dtype=torch.uint8)
+    k = torch.randn(5, 128) * torch.tensor([1.0, 100.0, 1e-3, 7.0, 0.0]).unsqueeze(1)
+    w = ref.write_indexer_cache if impl == "ref" else tpc.write_indexer_cache
+    w(cache, torch.cat([k, torch.randn(1, 128)]), torch.cat([sl, torch.tensor([-1])]))
+    flat = cache.view(-1, 132)
+    for i, s in enumerate(sl.tolist()):
+        sc = float(flat[s, 128:].clone().view(torch.float32))
+        assert sc == _hand_scale(float(k[i].abs().max()))
+        assert torch.equal(flat[s, :128], (k[i] / sc).to(torch.float8_e4m3fn).view(torch.uint8))
+        assert torch.equal(ref.read_indexer_rows(cache, torch.tensor([s]))[0].double(), _hand_decode_index(cache, s))
+    mask = torch.ones(flat.shape[0], dtype=torch.bool)
+    mask[sl] = False
+    assert (flat[mask] == 0).all() and (cache[0] == 0).all()
+
+
+@given(paged_setup(), st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]))
+def test_cache_writes_triton_vs_reference(s, cdtype):
+    torch.manual_seed(s["seed"])
+    n = sum(s["lens"])
+    req = torch.cat([torch.full((m,), b) for b, m in enumerate(s["lens"])])
+    pos = torch.cat([torch.arange(m) for m in s["lens"]])
+    sl = ref.slots_from_positions(s["bt"], req, pos, s["bs"])
+    sl[torch.rand(n) < 0.2] = -1
+    width = 656 if cdtype == torch.uint8 else 576
+    c1 = torch.zeros(s["nb"], s["bs"], width, dtype=cdtype)
+    c2 = c1.clone()
+    kv, pe = torch.randn(n, R) * 3, torch.randn(n, DR)
+    ref.write_latent_cache(c1, kv, pe, sl)
+    tpc.write_latent_cache(c2, kv, pe, sl)
+    assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
+    assert (c1[0] == 0).all()
+    k1 = torch.zeros(s["nb"], s["bs"], 132, dtype=torch.uint8)
+    k2 = k1.clone()
+    k = torch.randn(n, 128).bfloat16()
+    ref.write_indexer_cache(k1, k, sl)
+    tpc.write_indexer_cache(k2, k, sl)
+    assert torch.equal(k1, k2)
+
+
+@given(paged_setup())
+def test_slots_from_positions(s):
+    req = torch.cat([torch.full((m,), b, dtype=torch.int32) for b, m in enumerate(s["lens"])])
+    pos = torch.cat([torch.arange(m, dtype=torch.int32) for m in s["lens"]])
+    sl = ref.slots_from_positions(s["bt"], req, pos, s["bs"])
+    assert sl.dtype == torch.int64
+    assert sl.tolist() == [_hand_slot(s["bt"], int(b), int(p), s["bs"]) for b, p in zip(req, pos)]
+    assert len(set(sl.tolist())) == len(sl) and int(sl.min()) >= s["bs"]  # distinct, never block 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MLA
+# --------------------------------------------------------------------------------------------------------------
+@given(paged_setup(), st.sampled_from([1, 2, 4]), st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(), st.data())
+def test_mla_paged(s, H, cdtype, qdtype, prefill, data):
+    cache = _filled_latent(s, cdtype)
+
+    def toks(b, n):
+        if prefill:  # a run of consecutive new tokens after a cached prefix
+            start = data.draw(st.integers(0, n - 1))
+            return list(range(start, min(n, start + 5)))
+        return [n - 1]
+
+    req, pos = _queries(s, toks)
+    torch.manual_seed(s["seed"] + 2)
+    q = torch.randn(len(req), H, D).to(qdtype)
+    r = ref.mla_paged(q, cache, s["bt"], req, pos, SCALE)
+    assert r.dtype == qdtype and r.shape == (len(req), H, R)
+    naive = _naive_attention(q, cache, s["bt"], req, [list(range(int(p) + 1)) for p in pos], s["bs"], SCALE)
+    _close(r, naive, atol=1e-4 if qdtype == torch.float32 else 2e-2, rtol=1e-2 if qdtype != torch.float32 else 0)
+    tol = dict(atol=1e-4) if qdtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16 output rounding
+    _close(tmla.mla_paged(q, cache, s["bt"], req, pos, SCALE), r, **tol)
+    _close(tmla.mla_decode_paged(q, cache, s["bt"], req, pos, SCALE, num_splits=3), r, **tol)
+    _close(tmla.mla_prefill_paged(q, cache, s["bt"], req, pos, SCALE), r, **tol)
+
+
+@given(paged_setup(), st.sampled_from([1, 2, 4]), st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]),
+       st.integers(1, 16), st.data())
+def test_sparse_mla_paged(s, H, cdtype, K, data):
+    cache = _filled_latent(s, cdtype)
+    req, pos = _queries(s, lambda b, n: sorted({n - 1, data.draw(st.integers(0, n - 1))}))
+    T = len(req)
+    g = torch.Generator().manual_seed(s["seed"] + 3)
+    lim = torch.tensor(s["lens"])[req.long()]
+    topk = (torch.rand(T, K, generator=g) * lim.unsqueeze(1)).long().int()
+    topk[torch.rand(T, K, generator=g) < 0.25] = -1
+    if data.draw(st.booleans()):
+        topk[0] = -1  # a row with no valid entry -> zeros
+    q = torch.randn(T, H, D, generator=g)
+    r = ref.sparse_mla_paged(q, cache, s["bt"], req, topk, SCALE)
+    naive = _naive_attention(q, cache, s["bt"], req, topk.tolist(), s["bs"], SCALE)
+    _close(r, naive, atol=1e-4)
+    empty = (topk < 0).all(dim=1)
+    assert (r[empty] == 0).all()
+    _close(tsparse.sparse_mla_paged(q, cache, s["bt"], req, topk, SCALE), r, atol=1e-4)
+    _close(tsparse.sparse_mla_decode_paged(q, cache, s["bt"], req, topk, SCALE, num_splits=2), r, atol=1e-4)
+    _close(tsparse.sparse_mla_prefill_paged(q, cache, s["bt"], req, topk, SCALE), r, atol=1e-4)
+    qb = q.bfloat16()
+    _close(tsparse.sparse_mla_paged(qb, cache, s["bt"], req, topk, SCALE),
+           ref.sparse_mla_paged(qb, cache, s["bt"], req, topk, SCALE), atol=2e-2, rtol=2e-2)
+
+
+def test_sparse_equals_dense_when_topk_lists_the_whole_window():
+    s = dict(B=1, bs=4, lens=[9], bt=torch.tensor([[2, 3, 1]], dtype=torch.int32), nb=4, seed=0)
+    cache = _filled_latent(s, torch.float32)
+    req = torch.zeros(3, dtype=torch.int32)
+    pos = torch.tensor([2, 5, 8], dtype=torch.int32)
+    topk = torch.full((3, 12), -1, dtype=torch.int32)
+    for t, p in enumerate(pos.tolist()):
+        topk[t, : p + 1] = torch.randperm(p + 1)
+    q = torch.randn(3, 2, D)
+    _close(ref.sparse_mla_paged(q, cache, s["bt"], req, topk, SCALE), ref.mla_paged(q, cache, s["bt"], req, pos, SCALE),
+           atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# indexer
+# --------------------------------------------------------------------------------------------------------------
+def _naive_indexer_scores(q, w, kc, bt, req, pos, bs):
+    T, HI, _ = q.shape
+    out = []
+    for t in range(T):
+        qd = torch.zeros(HI, 128, dtype=torch.float64)
+        for h in range(HI):
+            sc = _hand_scale(float(q[t, h].float().abs().max()))
+            qd[h] = (q[t, h].float() / sc).to(torch.float8_e4m3fn).double() * sc
+        n = int(pos[t]) + 1
+        k = torch.stack([_hand_decode_index(kc, _hand_slot(bt, int(req[t]), p, bs)) for p in range(n)])
+        out.append((w[t].double().unsqueeze(1) * torch.relu(qd @ k.T)).sum(0))
+    return out
+
+
+@given(paged_setup(), st.sampled_from([1, 2, 4]), st.integers(1, 16), st.data())
+def test_indexer_topk_paged(s, HI, K, data):
+    kc = _filled_index(s)
+    req, pos = _queries(s, lambda b, n: sorted({n - 1, data.draw(st.integers(0, n - 1))}))
+    T = len(req)
+    g = torch.Generator().manual_seed(s["seed"] + 4)
+    q = torch.randn(T, HI, 128, generator=g).bfloat16()
+    w = torch.randn(T, HI, generator=g)
+    naive = _naive_indexer_scores(q, w, kc, s["bt"], req, pos, s["bs"])
+    L = s["bt"].shape[1] * s["bs"]
+    lr = ref.indexer_logits_paged(q, w, kc, s["bt"], req, pos, max_len=L)
+    lt = tindexer.indexer_logits_paged(q, w, kc, s["bt"], req, pos)
+    assert lt.shape == (T, L)
+    for t in range(T):
+        n = int(pos[t]) + 1
+        _close(lr[t, :n], naive[t], atol=1e-4, rtol=1e-5)
+        _close(lt[t, :n], lr[t, :n], atol=1e-4, rtol=1e-5)
+        assert torch.isinf(lt[t, n:]).all() and torch.isinf(lr[t, n:]).all()
+    for name, sel in [("ref", ref.indexer_topk_paged(q, w, kc, s["bt"], req, pos, K)),
+                      ("triton", tindexer.indexer_topk_paged(q, w, kc, s["bt"], req, pos, K))]:
+        assert sel.dtype == torch.int32 and sel.shape == (T, K), name
+        scores = lr if name == "ref" else lt
+        for t in range(T):
+            n = int(pos[t]) + 1
+            k = min(K, n)
+            got = sel[t, :k].long()
+            assert (sel[t, k:] == -1).all(), name
+            assert got.unique().numel() == k and int(got.min()) >= 0 and int(got.max()) < n, name
+            # the selection is exactly a top-k of the implementation's own scores...
+            assert torch.equal(scores[t, got].sort().values, scores[t, :n].topk(k).values.sort().values), name
+            # ...and a near-top-k of the independent float64 scores
+            best = naive[t].topk(k).values.sort().values
+            _close(naive[t][got].sort().values, best, atol=1e-3)
+
+
+@given(st.integers(1, 3), st.integers(1, 300), st.integers(1, 40), st.sampled_from([64, 128]), st.integers(0, 2**16))
+def test_radix_topk_from_logits(T, L, K, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, L, generator=g)
+    x[:, ::3] = torch.randint(-2, 3, (T, len(range(0, L, 3))), generator=g).float()  # many ties
+    x[0, : L // 2] = -x[0, : L // 2].abs()  # negatives
+    pos = torch.randint(0, L, (T,), generator=g).int()
+    out = tindexer.topk_from_logits(x, pos, K, chunk=chunk)
+    for t in range(T):
+        n = int(pos[t]) + 1
+        k = min(K, n)
+        got = out[t, :k].long()
+        assert (out[t, k:] == -1).all()
+        assert got.unique().numel() == k and int(got.max()) < n
+        assert torch.equal(x[t, got].sort().values, x[t, :n].topk(k).values.sort().values)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# bad inputs
+# --------------------------------------------------------------------------------------------------------------
+def _small():
+    bt = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
+    cache = torch.zeros(4, 4, 576)
+    return bt, cache
+
+
+@pytest.mark.parametrize("mla_fn", [ref.mla_paged, tmla.mla_paged])
+def test_mla_bad_inputs(mla_fn):
+    bt, cache = _small()
+    q = torch.randn(2, 2, D)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    pos = torch.tensor([7, 3], dtype=torch.int32)
+    mla_fn(q, cache, bt, req, pos, SCALE)
+    cases = {
+        "q": lambda: mla_fn(q.int(), cache, bt, req, pos, SCALE),
+        "q ": lambda: mla_fn(torch.randn(2, 2, 512), cache, bt, req, pos, SCALE),
+        "cache": lambda: mla_fn(q, torch.zeros(4, 4, 600), bt, req, pos, SCALE),
+        "cache ": lambda: mla_fn(q, torch.zeros(4, 4, 576, dtype=torch.uint8), bt, req, pos, SCALE),
+        "block_table": lambda: mla_fn(q, cache, torch.tensor([[1, 9], [3, 0]], dtype=torch.int32), req, pos, SCALE),
+        "block_table ": lambda: mla_fn(q, cache, bt, req, torch.tensor([7, 4], dtype=torch.int32), SCALE),
+        "req_idx": lambda: mla_fn(q, cache, bt, torch.tensor([0, 2], dtype=torch.int32), pos, SCALE),
+        "positions": lambda: mla_fn(q, cache, bt, req, torch.tensor([8, 0], dtype=torch.int32), SCALE),
+        "positions ": lambda: mla_fn(q, cache, bt, req, torch.tensor([-1, 0], dtype=torch.int32), SCALE),
+        "positions  ": lambda: mla_fn(q, cache, bt, req, pos.float(), SCALE),
+        "scale": lambda: mla_fn(q, cache, bt, req, pos, -1.0),
+    }
+    for name, fn in cases.items():
+        with pytest.raises(InputError, match=name.strip()):
+            fn()
+
+
+@pytest.mark.parametrize("fn", [ref.sparse_mla_paged, tsparse.sparse_mla_paged])
+def test_sparse_mla_bad_inputs(fn):
+    bt, cache = _small()
+    q = torch.randn(2, 2, D)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    top = torch.tensor([[0, 7, -1], [1, 2, 3]], dtype=torch.int32)
+    fn(q, cache, bt, req, top, SCALE)
+    for name, bad in {"topk_pos": torch.tensor([[0, 8, -1], [1, 2, 3]], dtype=torch.int32),  # beyond the table
+                      "topk_pos ": torch.tensor([[0, 1, -2], [1, 2, 3]], dtype=torch.int32),
+                      "topk_pos  ": torch.tensor([[0, 1], [4, 0]], dtype=torch.int32),  # block 0 (padding)
+                      "topk_pos   ": torch.tensor([[0, 1]], dtype=torch.int32)}.items():
+        with pytest.raises(InputError, match=name.strip()):
+            fn(q, cache, bt, req, bad, SCALE)
+
+
+@pytest.mark.parametrize("fn", [ref.indexer_topk_paged, tindexer.indexer_topk_paged])
+def test_indexer_bad_inputs(fn):
+    bt = torch.tensor([[1, 2]], dtype=torch.int32)
+    kc = torch.zeros(3, 4, 132, dtype=torch.uint8)
+    q = torch.randn(1, 2, 128)
+    w = torch.randn(1, 2)
+    req = torch.tensor([0], dtype=torch.int32)
+    pos = torch.tensor([5], dtype=torch.int32)
+    fn(q, w, kc, bt, req, pos, 4)
+    cases = {
+        "q": lambda: fn(torch.randn(1, 2, 64), w, kc, bt, req, pos, 4),
+        "weights": lambda: fn(q, torch.randn(1, 3), kc, bt, req, pos, 4),
+        "weights ": lambda: fn(q, w.double(), kc, bt, req, pos, 4),
+        "k_cache": lambda: fn(q, w, torch.zeros(3, 4, 128, dtype=torch.uint8), bt, req, pos, 4),
+        "k_cache ": lambda: fn(q, w, kc.float(), bt, req, pos, 4),
+        "topk": lambda: fn(q, w, kc, bt, req, pos, 0),
+        "positions": lambda: fn(q, w, kc, bt, req, torch.tensor([8], dtype=torch.int32), 4),
+    }
+    for name, f in cases.items():
+        with pytest.raises(InputError, match=name.strip()):
+            f()
+
+
+@pytest.mark.parametrize("mod", [ref, tpc])
+def test_write_bad_inputs(mod):
+    cache = torch.zeros(3, 4, 576, dtype=torch.bfloat16)
+    kv, pe = torch.randn(2, R), torch.randn(2, DR)
+    sl = torch.tensor([4, -1])
+    mod.write_latent_cache(cache, kv, pe, sl)
+    with pytest.raises(InputError, match="slot_mapping"):
+        mod.write_latent_cache(cache, kv, pe, torch.tensor([4, 12]))
+    with pytest.raises(InputError, match="slot_mapping"):
+        mod.write_latent_cache(cache, kv, pe, torch.tensor([4.0, 5.0]))
+    with pytest.raises(InputError, match="slot_mapping"):
+        mod.write_latent_cache(cache, kv, pe, torch.tensor([4]))
+    with pytest.raises(InputError, match="kv_c"):
+        mod.write_latent_cache(cache, torch.randn(2, 500), pe, sl)
+    with pytest.raises(InputError, match="k_pe"):
+        mod.write_latent_cache(cache, kv, torch.randn(3, DR), sl)
+    with pytest.raises(InputError, match="cache"):
+        mod.write_latent_cache(torch.zeros(3, 4, 656, dtype=torch.int8), kv, pe, sl)
+    with pytest.raises(InputError, match="cache"):
+        mod.write_latent_cache(torch.zeros(3, 4, 600, dtype=torch.uint8), kv, pe, sl)
+    kc = torch.zeros(3, 4, 132, dtype=torch.uint8)
+    mod.write_indexer_cache(kc, torch.randn(2, 128), sl)
+    with pytest.raises(InputError, match="k"):
+        mod.write_indexer_cache(kc, torch.randn(2, 64), sl)
+    with pytest.raises(InputError, match="cache"):
+        mod.write_indexer_cache(torch.zeros(3, 4, 128, dtype=torch.uint8), torch.randn(2, 128), sl)
+    with pytest.raises(InputError, match="slot_mapping"):
+        mod.write_indexer_cache(kc, torch.randn(2, 128), torch.tensor([0, 99]))
+    with pytest.raises(InputError, match="slots"):
+        ref.read_latent_rows(cache, torch.tensor([-1]))
+    with pytest.raises(InputError, match="req_idx"):
+        ref.slots_from_positions(torch.tensor([[1]], dtype=torch.int32), torch.tensor([1]), torch.tensor([0]), 4)
