@@ -1,0 +1,258 @@
+"""Cached RTP attention ops: what ``insert_paged_cache`` turns the canonical attention ops into.
+
+Each op first writes this step's new tokens into a paged per-layer cache (mutated in place, declared in
+``mutates_args``), then attends over the request's cached history, so one graph serves prefill (many
+tokens per request, behind a reused prefix) and decode (one token per request) alike. Tokens are flat,
+as in RTP: ``T`` tokens of ``B`` requests, token ``t`` belongs to request ``req_idx[t]`` at ``positions[t]``.
+
+Forward-context arguments (shared by every op; see ``fxglm5.runtime.forward_context``):
+- ``slot_mapping`` int [T]: flat cache slot of each new token, ``block_table[r, p // bs] * bs + p % bs``
+  (``bs`` = ``cache.shape[1]``, the kernel block size); -1 = padding token, not written.
+- ``block_table`` int [B, max_blocks]: kernel-granularity block ids, padded with 0 (block 0 is reserved).
+- ``req_idx`` int [T], ``positions`` int [T]; ``max_positions``: the model's max_position_embeddings.
+
+Signatures (q/k/kv tensors have leading dims [N, S] with N * S = T; the graph uses N = 1):
+- ``rtp_indexer(q [N,S,HI,D], k [N,S,D], weights f32 [N,S,HI], topk, index_cache, slot_mapping,
+  block_table, req_idx, positions, max_positions) -> int32 [N,S,topk]``: writes k, then each token's top-k
+  cached positions (0..positions[t]) by score sum_h weights * relu(q . k); -1 pads a shorter window.
+- ``rtp_sparse_mla(q_nope [N,S,H,dn], q_pe [N,S,H,dr], kv_c [N,S,R], k_pe [N,S,dr], w_uk [H,dn,R],
+  w_uv [H,dv,R], topk_pos int32 [N,S,K], scale, kv_cache, slot_mapping, block_table, req_idx, positions,
+  max_positions) -> [N,S,H,dv]``: writes rows ``[kv_c | k_pe]``, then absorbed attention
+  ``q = [q_nope . W_UK | q_pe]`` over the listed positions, ``o = o_lat . W_UV^T``.
+- ``rtp_mla(...)``: the same without ``topk_pos``, attending to every cached position 0..positions[t].
+
+Cache layouts are RTP's (``fxglm5.lowering.reference.paged``): latent rows of 576 in the compute dtype or
+656-byte FP8 "ds_mla" rows, indexer rows of 132 bytes (e4m3 + fp32 scale). An indexer cache may instead
+hold the keys in the compute dtype ([blocks, bs, 128]): then the top-k is exact, which is what makes the
+paged runtime bit-comparable to the cache-less model. Models with smaller attention widths (the tiny test
+config) use the same rows zero-padded: padding changes no dot product, amax or softmax, so the layout and
+the kernels stay those of GLM-5.
+
+Validation (shapes, dtypes, block ids, slots, positions < max_positions, causal top-k) runs before any
+cache write and raises :class:`fxglm5.errors.InputError` naming the field, so a bad step loses nothing
+stored. It syncs with the host; turn it off with ``validation(False)`` where that is not allowed (inside
+CUDA-graph capture, after the runtime validated the forward context once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch import Tensor
+
+from fxglm5.errors import InputError
+from fxglm5.lowering.reference import paged
+
+_state = threading.local()
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def validation_enabled() -> bool:
+    return getattr(_state, "validate", True)
+
+
+@contextlib.contextmanager
+def validation(enabled: bool):
+    """Turn the ops' input validation on or off within the block (per thread)."""
+    previous = validation_enabled()
+    _state.validate = bool(enabled)
+    try:
+        yield
+    finally:
+        _state.validate = previous
+
+
+def _pad(x: Tensor, width: int, name: str) -> Tensor:
+    """Zero-pad the last dim to ``width`` (the RTP row width); wider inputs do not fit the layout."""
+    if x.shape[-1] > width:
+        raise InputError(f"{name}: last dim {x.shape[-1]} exceeds the cache layout's {width}")
+    if x.shape[-1] == width:
+        return x
+    return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def _flat(x: Tensor, name: str, ndim: int) -> Tensor:
+    """[N, S, ...] -> [N*S, ...]."""
+    if not isinstance(x, Tensor) or x.dim() != ndim:
+        raise InputError(f"{name}: expected {ndim} dims [N, S, ...], got {tuple(getattr(x, 'shape', ()))}")
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def check_context(cache: Tensor, slot_mapping, block_table, req_idx, positions, max_positions: int) -> None:
+    """The forward-context checks every op shares (cache = the op's paged cache, kernel granularity)."""
+    if not isinstance(cache, Tensor) or cache.dim() != 3:
+        raise InputError(f"cache: expected a 3-D paged cache [blocks, bs, row], got {tuple(getattr(cache, 'shape', ()))}")
+    for name, t, nd in (("slot_mapping", slot_mapping, 1), ("block_table", block_table, 2),
+                        ("req_idx", req_idx, 1), ("positions", positions, 1)):
+        if not isinstance(t, Tensor) or t.dim() != nd or t.dtype not in _INT_DTYPES:
+            raise InputError(f"{name}: expected a {nd}-D int32/int64 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if t.device != cache.device:
+            raise InputError(f"{name}: on {t.device}, but the cache is on {cache.device}")
+    T = positions.shape[0]
+    if slot_mapping.shape[0] != T or req_idx.shape[0] != T:
+        raise InputError(f"slot_mapping/req_idx: expected {T} entries (one per token), got "
+                         f"{slot_mapping.shape[0]} / {req_idx.shape[0]}")
+    nb, bs = cache.shape[0], cache.shape[1]
+    if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= nb):
+        bad = int(block_table.min()) if int(block_table.min()) < 0 else int(block_table.max())
+        raise InputError(f"block_table: block id {bad} out of range [0, {nb})")
+    if T == 0:
+        return
+    if int(positions.min()) < 0 or int(positions.max()) >= max_positions:
+        bad = int(positions.min()) if int(positions.min()) < 0 else int(positions.max())
+        raise InputError(f"positions: position {bad} out of range [0, {max_positions}) (max_position_embeddings)")
+    paged.validate_slots_from_positions(block_table, req_idx, positions, bs)
+    need = torch.arange(block_table.shape[1], device=cache.device)[None] <= (positions.long() // bs)[:, None]
+    if bool(((block_table.long()[req_idx.long()] == 0) & need).any()):
+        raise InputError("block_table: a token's position maps to block 0 (reserved / padding)")
+    expected = paged.slots_from_positions(block_table, req_idx, positions, bs, validate=False)
+    if bool(((slot_mapping.long() != expected) & (slot_mapping >= 0)).any()):
+        raise InputError("slot_mapping: a slot disagrees with block_table / positions")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# indexer
+# ---------------------------------------------------------------------------------------------------------
+def _compute_index_topk(q, weights, cache, block_table, req_idx, positions, topk):
+    """Exact (unquantized) indexer over a compute-dtype key cache [blocks, bs, 128] -> int32 [T, topk]."""
+    T, bs = q.shape[0], cache.shape[1]
+    out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
+    for t in range(T):
+        n = int(positions[t]) + 1
+        slots = paged.slots_from_positions(block_table, req_idx[t].expand(n), torch.arange(n, device=q.device),
+                                           bs, validate=False)
+        keys = cache.view(-1, cache.shape[-1])[slots].float()
+        score = (torch.relu(q[t].float() @ keys.t()) * weights[t].float()[:, None]).sum(0)
+        k = min(topk, n)
+        out[t, :k] = torch.topk(score, k).indices.to(torch.int32)
+    return out
+
+
+def _check_index_cache(cache: Tensor) -> None:
+    if cache.dtype == torch.uint8:
+        return  # paged.validate_write_indexer_cache checks the 132-byte layout
+    if cache.dim() != 3 or cache.dtype not in paged.COMPUTE_DTYPES or cache.shape[2] != paged.INDEX_DIM:
+        raise InputError(f"index_cache: expected uint8 [blocks, bs, {paged.INDEX_ROW_BYTES}] or a compute-dtype "
+                         f"[blocks, bs, {paged.INDEX_DIM}] tensor, got {cache.dtype} {tuple(cache.shape)}")
+    if not cache.is_contiguous():
+        raise InputError("index_cache: must be contiguous")
+
+
+@torch.library.custom_op("fxglm5::rtp_indexer", mutates_args=("index_cache",))
+def rtp_indexer(q: Tensor, k: Tensor, weights: Tensor, topk: int, index_cache: Tensor, slot_mapping: Tensor,
+                block_table: Tensor, req_idx: Tensor, positions: Tensor, max_positions: int) -> Tensor:
+    qf = _pad(_flat(q, "q", 4), paged.INDEX_DIM, "q")
+    kf = _pad(_flat(k, "k", 3), paged.INDEX_DIM, "k")
+    wf = _flat(weights, "weights", 3)
+    fp8 = index_cache.dtype == torch.uint8
+    if validation_enabled():
+        _check_index_cache(index_cache)
+        check_context(index_cache, slot_mapping, block_table, req_idx, positions, max_positions)
+        if fp8:
+            paged.validate_write_indexer_cache(index_cache, kf, slot_mapping)
+            paged.validate_indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk)
+        elif kf.shape[0] != slot_mapping.shape[0] or tuple(wf.shape) != tuple(qf.shape[:2]):
+            raise InputError(f"k/weights: shapes {tuple(k.shape)} / {tuple(weights.shape)} do not fit q {tuple(q.shape)}")
+    if fp8:
+        paged.write_indexer_cache(index_cache, kf, slot_mapping, validate=False)
+        out = paged.indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk, validate=False)
+    else:
+        keep = slot_mapping >= 0
+        index_cache.view(-1, paged.INDEX_DIM)[slot_mapping[keep].long()] = kf[keep].to(index_cache.dtype)
+        out = _compute_index_topk(qf, wf, index_cache, block_table, req_idx, positions, topk)
+    return out.view(*q.shape[:2], topk)
+
+
+@rtp_indexer.register_fake
+def _(q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions, max_positions):
+    return q.new_empty(q.shape[0], q.shape[1], topk, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# latent attention
+# ---------------------------------------------------------------------------------------------------------
+def _absorbed_query(q_nope, q_pe, w_uk) -> Tensor:
+    """float32 [T, H, 576]: ``[q_nope . W_UK | q_pe]``, zero-padded to the latent row layout."""
+    q_abs = torch.einsum("thd,hdr->thr", _flat(q_nope, "q_nope", 4).float(), w_uk.float())
+    q_abs = _pad(q_abs, paged.KV_LORA_RANK, "w_uk")
+    return torch.cat([q_abs, _pad(_flat(q_pe, "q_pe", 4).float(), paged.ROPE_DIM, "q_pe")], dim=-1)
+
+
+def _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table, req_idx,
+                    positions, max_positions):
+    """Validate everything, then return (q_abs, kv rows, k_pe rows) ready for the paged reference."""
+    if validation_enabled():
+        for name, t, nd in (("q_nope", q_nope, 4), ("q_pe", q_pe, 4), ("kv_c", kv_c, 3), ("k_pe", k_pe, 3),
+                            ("w_uk", w_uk, 3), ("w_uv", w_uv, 3)):
+            if not isinstance(t, Tensor) or t.dim() != nd:
+                raise InputError(f"{name}: expected {nd} dims, got {tuple(getattr(t, 'shape', ()))}")
+        if w_uk.shape[0] != q_nope.shape[2] or w_uk.shape[1] != q_nope.shape[3] or w_uk.shape[2] != kv_c.shape[2]:
+            raise InputError(f"w_uk: shape {tuple(w_uk.shape)} does not fit q_nope {tuple(q_nope.shape)} / "
+                             f"kv_c {tuple(kv_c.shape)}")
+        if w_uv.shape[0] != w_uk.shape[0] or w_uv.shape[2] != w_uk.shape[2]:
+            raise InputError(f"w_uv: shape {tuple(w_uv.shape)} does not fit w_uk {tuple(w_uk.shape)}")
+        if q_pe.shape[-1] != k_pe.shape[-1]:
+            raise InputError(f"k_pe: rope dim {k_pe.shape[-1]} != q_pe's {q_pe.shape[-1]}")
+        paged._validate_latent_cache(kv_cache, "kv_cache")
+        check_context(kv_cache, slot_mapping, block_table, req_idx, positions, max_positions)
+    kv = _pad(_flat(kv_c, "kv_c", 3), paged.KV_LORA_RANK, "kv_c")
+    pe = _pad(_flat(k_pe, "k_pe", 3), paged.ROPE_DIM, "k_pe")
+    if validation_enabled():
+        paged.validate_write_latent_cache(kv_cache, kv, pe, slot_mapping)
+    return _absorbed_query(q_nope, q_pe, w_uk), kv, pe
+
+
+def _project_out(o_lat: Tensor, w_uv: Tensor, like: Tensor) -> Tensor:
+    o = torch.einsum("thr,hvr->thv", o_lat[..., : w_uv.shape[2]].float(), w_uv.float())
+    return o.to(like.dtype).view(*like.shape[:3], w_uv.shape[1])
+
+
+@torch.library.custom_op("fxglm5::rtp_sparse_mla", mutates_args=("kv_cache",))
+def rtp_sparse_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_uk: Tensor, w_uv: Tensor,
+                   topk_pos: Tensor, scale: float, kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor,
+                   req_idx: Tensor, positions: Tensor, max_positions: int) -> Tensor:
+    q, kv, pe = _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
+                                req_idx, positions, max_positions)
+    top = _flat(topk_pos, "topk_pos", 3)
+    if validation_enabled():
+        paged.validate_sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale)
+        if top.numel() and bool((top.long() > positions.long()[:, None]).any()):
+            raise InputError("topk_pos: a selected position lies after its query's position (not causal)")
+    paged.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False)
+    o_lat = paged.sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale, validate=False)
+    return _project_out(o_lat, w_uv, q_nope)
+
+
+@rtp_sparse_mla.register_fake
+def _(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping, block_table, req_idx,
+      positions, max_positions):
+    return q_nope.new_empty(*q_nope.shape[:3], w_uv.shape[1])
+
+
+@torch.library.custom_op("fxglm5::rtp_mla", mutates_args=("kv_cache",))
+def rtp_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float,
+            kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor, req_idx: Tensor, positions: Tensor,
+            max_positions: int) -> Tensor:
+    q, kv, pe = _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
+                                req_idx, positions, max_positions)
+    if validation_enabled():
+        paged.validate_mla_paged(q, kv_cache, block_table, req_idx, positions, scale)
+    paged.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False)
+    o_lat = paged.mla_paged(q, kv_cache, block_table, req_idx, positions, scale, validate=False)
+    return _project_out(o_lat, w_uv, q_nope)
+
+
+@rtp_mla.register_fake
+def _(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table, req_idx, positions,
+      max_positions):
+    return q_nope.new_empty(*q_nope.shape[:3], w_uv.shape[1])
+
+
+CACHED_OPS = {
+    "rtp_indexer": torch.ops.fxglm5.rtp_indexer.default,
+    "rtp_sparse_mla": torch.ops.fxglm5.rtp_sparse_mla.default,
+    "rtp_mla": torch.ops.fxglm5.rtp_mla.default,
+}

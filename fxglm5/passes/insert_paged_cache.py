@@ -1,0 +1,123 @@
+"""insert_paged_cache: canonical attention -> cached RTP ops, with the caches and the forward context as
+explicit graph inputs.
+
+Every ``fxglm5::sparse_mla`` / ``fxglm5::mla`` becomes ``fxglm5::rtp_sparse_mla`` / ``fxglm5::rtp_mla``
+and every ``fxglm5::indexer_topk`` becomes ``fxglm5::rtp_indexer`` (see ``fxglm5.ops.cached``). Caches are
+placeholders, not buffers, so one compiled graph serves any cache allocation (the runtime's, RTP's), an
+exported artifact carries no cache, and CUDA-graph capture sees fixed input addresses.
+
+The rewritten module is called positionally (plain FX codegen; the exported pytree signature is gone)::
+
+    forward(input_ids [1, T], position_ids [1, T], slot_mapping [T], block_table [B, max_blocks],
+            req_idx [T], kv_cache_0, index_cache_0, kv_cache_1, ...) -> logits [1, T, vocab]
+
+T tokens of B requests, flat (RTP style); ``position_ids[0]`` doubles as the ops' ``positions``; the block
+table is at kernel granularity (its block size is the caches' dim 1). Caches come per attention layer in
+layer order: ``kv_cache_{l}`` always, ``index_cache_{l}`` only for a layer that runs its own indexer (a
+"shared" layer reuses an earlier layer's top-k). ``gm.meta["paged_cache"]`` (a :class:`PagedSignature`)
+lists them, so a runtime allocates exactly what the graph takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import fx
+
+import fxglm5.ops.cached  # noqa: F401  (registers the cached ops)
+from fxglm5.passes.graph_utils import aten, is_op
+from fxglm5.passes.manager import PassOutcome
+from fxglm5.passes.registry import register_pass
+
+CONTEXT_INPUTS = ("slot_mapping", "block_table", "req_idx")
+_UNBOUNDED = 2**62
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedSignature:
+    """The cache inputs of a rewritten graph, in order after input_ids, position_ids and CONTEXT_INPUTS."""
+
+    layers: tuple[tuple[str, str | None], ...]  # per attention layer: (kv cache name, index cache name | None)
+
+    @property
+    def cache_names(self) -> list[str]:
+        return [name for pair in self.layers for name in pair if name is not None]
+
+
+def expected_attention_layers(ctx) -> int:
+    return ctx.config.num_hidden_layers
+
+
+def _drop_pytree_signature(gm: fx.GraphModule, output: fx.Node) -> None:
+    """Plain positional codegen; the export-time input-constraint hook would reject the new inputs."""
+    gm.graph._codegen = fx.graph.CodeGen()
+    for hooks in (gm._forward_pre_hooks,):
+        for key, hook in list(hooks.items()):
+            if getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook":
+                del hooks[key]
+                gm._forward_pre_hooks_with_kwargs.pop(key, None)
+    result = output.args[0]
+    if isinstance(result, (tuple, list)) and len(result) == 1:
+        output.args = (result[0],)
+
+
+@register_pass("cache", expected=expected_attention_layers)
+def insert_paged_cache(gm: fx.GraphModule, ctx) -> PassOutcome:
+    ops = torch.ops.fxglm5
+    attention = [n for n in gm.graph.nodes if is_op(n, ops.sparse_mla.default, ops.mla.default)]
+    indexers = [n for n in gm.graph.nodes if is_op(n, ops.indexer_topk.default)]
+    if not attention and not indexers:
+        return PassOutcome(0, {"indexers": 0})
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 2:
+        return PassOutcome(0, {"skipped": f"expected (input_ids, position_ids), found {len(placeholders)} inputs"})
+    config = getattr(ctx, "config", None)
+    max_pos = int(config.max_position_embeddings) if config is not None else _UNBOUNDED
+
+    # the indexer a layer owns: the first attention op that reads its top-k
+    owner = {}
+    for layer, node in enumerate(attention):
+        if is_op(node, ops.sparse_mla.default) and node.args[6] in indexers:
+            owner.setdefault(node.args[6], layer)
+    if len(owner) != len(indexers):
+        return PassOutcome(0, {"skipped": "an indexer_topk feeds no attention op"})
+
+    names: list[tuple[str, str | None]] = []
+    for layer in range(len(attention)):
+        names.append((f"kv_cache_{layer}", f"index_cache_{layer}" if layer in owner.values() else None))
+    last = placeholders[-1]
+    inputs = {}
+    for name in [*CONTEXT_INPUTS, *[n for pair in names for n in pair if n is not None]]:
+        with gm.graph.inserting_after(last):
+            last = inputs[name] = gm.graph.placeholder(name)
+    with gm.graph.inserting_after(last):
+        positions = gm.graph.call_function(aten.reshape.default, (placeholders[1], [-1]))
+    context = (inputs["slot_mapping"], inputs["block_table"], inputs["req_idx"], positions)
+
+    for node, layer in owner.items():  # the attention ops' top-k argument now reads the new node
+        q, k, weights, topk = node.args
+        _replace(gm, node, ops.rtp_indexer.default, (q, k, weights, topk, inputs[names[layer][1]], *context, max_pos))
+    for layer, node in enumerate(attention):
+        q_nope, q_pe, kv_c, k_pe, w_uk, w_uv = node.args[:6]
+        cache = inputs[names[layer][0]]
+        if is_op(node, ops.sparse_mla.default):
+            topk, scale = node.args[6], node.args[7]
+            args = (q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk, scale, cache, *context, max_pos)
+            _replace(gm, node, ops.rtp_sparse_mla.default, args)
+        else:
+            args = (q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, node.args[6], cache, *context, max_pos)
+            _replace(gm, node, ops.rtp_mla.default, args)
+
+    _drop_pytree_signature(gm, next(n for n in gm.graph.nodes if n.op == "output"))
+    gm.meta["paged_cache"] = PagedSignature(tuple(names))
+    return PassOutcome(len(attention), {"indexers": len(indexers)})
+
+
+def _replace(gm: fx.GraphModule, node: fx.Node, target, args: tuple) -> fx.Node:
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(target, args)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return new
