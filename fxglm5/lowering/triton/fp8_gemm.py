@@ -54,13 +54,39 @@ def _round_e4m3(v):
 
 @triton.jit
 def _quant_rows(a, INTERPRET: tl.constexpr):
-    """1x128 quantization of an fp32 [rows, 128] tile: (e4m3 tile, fp32 scale per row)."""
+    """1x128 quantization of an fp32 [rows, 128] tile: (e4m3 tile, fp32 scale per row).
+
+    a / s is computed as a * (1/s) plus one FMA correction step (correctly rounded but for rare
+    double-rounding cases): a per-element IEEE division costs a long instruction sequence with a slow
+    path that padding rows (all zeros, tiny s) hit, and this runs once per K step in the decode kernels.
+    """
     amax = tl.max(tl.abs(a), axis=1)
     s = tl.math.div_rn(tl.maximum(amax, 1e-10), tl.full(amax.shape, 448.0, tl.float32))
-    q = tl.clamp(tl.math.div_rn(a, s[:, None] + tl.zeros_like(a)), -448.0, 448.0)
+    r = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s)
+    q0 = a * r[:, None]
+    q = tl.fma(tl.fma(-q0, s[:, None] + tl.zeros_like(a), a), r[:, None] + tl.zeros_like(a), q0)
+    q = tl.clamp(q, -448.0, 448.0)
     if INTERPRET:
         q = _round_e4m3(q)
     return q.to(tl.float8e4nv), s
+
+
+@triton.jit
+def _ab_scale(s_a, s_b, SCALAR_SB: tl.constexpr):
+    """[rows, cols] factor of one K step. A tile of at most 128 aligned columns meets one weight-scale
+    block (SCALAR_SB): the factor is a per-row vector and costs one FMA per accumulator element."""
+    if SCALAR_SB:
+        return (s_a * s_b)[:, None]
+    else:
+        return s_a[:, None] * s_b[None, :]
+
+
+@triton.jit
+def _b_scale(s_b, SCALAR_SB: tl.constexpr):
+    if SCALAR_SB:
+        return s_b
+    else:
+        return s_b[None, :]
 
 
 @triton.jit
@@ -105,7 +131,7 @@ def _gemm_kernel(
     M, N, K, KG, KG_PER_SPLIT: tl.constexpr,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs,
     A_MODE: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -123,30 +149,37 @@ def _gemm_kernel(
     offs_k = tl.arange(0, 128)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]
-    bs_ptrs = bs_ptr + (offs_n // 128) * stride_bsn
+    # Rows past M (N) re-read row M-1 (N-1) instead of being masked: the tiles carry no row masks
+    # (rows are independent in the MMA, and their results are never stored).
+    rows_a = tl.minimum(offs_m, M - 1)
+    rows_b = tl.minimum(offs_n, N - 1)
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]
+    if SCALAR_SB:
+        bs_ptrs = bs_ptr + (pid_n * BLOCK_N // 128) * stride_bsn
+    else:
+        bs_ptrs = bs_ptr + (rows_b // 128) * stride_bsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, KG_PER_SPLIT):
         kg = pid_k * KG_PER_SPLIT + i
-        # K tail: mask columns past K; ragged last split: mask whole steps past KG (no traffic).
-        k_mask = offs_k < K - kg * 128
-        if EVEN_K:
-            k_mask = (offs_k < 128) & (kg < KG)
-        am = m_mask & (kg < KG)
-        bn_mask = n_mask & (kg < KG)
-        a = tl.load(a_ptrs + kg * 128, mask=am[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs + kg * 128, mask=bn_mask[:, None] & k_mask[None, :], other=0.0)
-        s_b = tl.load(bs_ptrs + kg, mask=bn_mask, other=0.0)
+        if NO_K_MASK:  # K % 128 == 0 and the splits tile KG exactly
+            a = tl.load(a_ptrs + kg * 128)
+            b = tl.load(b_ptrs + kg * 128)
+            s_b = tl.load(bs_ptrs + kg)
+        else:  # K tail, or steps past KG in a ragged last split (fully masked: no traffic)
+            k_mask = offs_k < K - kg * 128
+            a = tl.load(a_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
+            s_b = tl.load(bs_ptrs + kg, mask=kg < KG, other=0.0)
         if A_MODE == 0:
-            s_a = tl.load(as_ptr + offs_m * stride_asm + kg, mask=am, other=0.0)
-            acc += _dot(a, tl.trans(b), INTERPRET) * (s_a[:, None] * s_b[None, :])
+            s_a = tl.load(as_ptr + rows_a * stride_asm + kg, mask=kg < KG, other=0.0)
+            acc += _dot(a, tl.trans(b), INTERPRET) * _ab_scale(s_a, s_b, SCALAR_SB)
         elif A_MODE == 1:
             q, s_a = _quant_rows(a.to(tl.float32), INTERPRET)
-            acc += _dot(q, tl.trans(b), INTERPRET) * (s_a[:, None] * s_b[None, :])
+            acc += _dot(q, tl.trans(b), INTERPRET) * _ab_scale(s_a, s_b, SCALAR_SB)
         else:
-            acc += _dot(a, tl.trans(b.to(a.dtype)), DOT_F32) * s_b[None, :]
+            acc += _dot(a, tl.trans(b.to(a.dtype)), DOT_F32) * _b_scale(s_b, SCALAR_SB)
 
     c_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -179,22 +212,27 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def pick_config(m: int, n: int, k: int, act_quant: bool, num_sms: int = 132) -> dict:
-    """Tile/split/pipeline choice per regime (decode M<=64 bandwidth bound, prefill compute bound)."""
+# Regime defaults (from the H200 sweeps in bench/results/kernels_sweep*.json); ``fp8_linear(config=...)``
+# overrides any key. Decode split-K is derived: enough CTAs for CTAS_PER_SM per SM.
+DECODE = dict(BLOCK_N=128, CTAS_PER_SM=4, GROUP_M=1, num_warps=4, num_stages=4, fused_quant=True)
+MEDIUM = dict(BLOCK_M=64, BLOCK_N=128, CTAS_PER_SM=2, GROUP_M=8, num_warps=4, num_stages=4, fused_quant=False)
+PREFILL = dict(BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, GROUP_M=8, num_warps=8, num_stages=3, fused_quant=False)
+
+
+def pick_config(m: int, n: int, k: int, act_quant: bool, num_sms: int = 132, config: Optional[dict] = None) -> dict:
+    """Tile/split/pipeline choice per regime: decode M<=64 (weight-bandwidth bound), medium, prefill."""
     kg = triton.cdiv(k, 128)
     if m <= 64:
-        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        bn = 64
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        split = max(1, min(kg, round(4 * num_sms / tiles)))
-        return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=1, num_warps=4, num_stages=4, fused_quant=True)
-    if m <= 512:
-        bm, bn = 64, 128
-        tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-        split = max(1, min(kg // 4 or 1, round(2 * num_sms / tiles)))
-        return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, num_warps=4, num_stages=4, fused_quant=False)
-    stages = 4 if act_quant else 3
-    return dict(BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, GROUP_M=8, num_warps=8, num_stages=stages, fused_quant=False)
+        cfg = dict(DECODE, BLOCK_M=16 if m <= 16 else (32 if m <= 32 else 64))
+    elif m <= 512:
+        cfg = dict(MEDIUM)
+    else:
+        cfg = dict(PREFILL)
+    cfg.update(config or {})
+    if "SPLIT_K" not in cfg:
+        tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+        cfg["SPLIT_K"] = max(1, min(kg, round(cfg["CTAS_PER_SM"] * num_sms / tiles)))
+    return cfg
 
 
 def fp8_linear(
@@ -221,7 +259,7 @@ def fp8_linear(
     weight_scale_inv = weight_scale_inv.contiguous()
     kg = triton.cdiv(k, 128)
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
-    cfg = dict(pick_config(m, n, k, act_quant, sms), **(config or {}))
+    cfg = pick_config(m, n, k, act_quant, sms, config)
     if act_quant and not cfg["fused_quant"]:
         a, a_s, mode = *quantize_act_1x128(x2), 0
     else:
@@ -236,7 +274,7 @@ def fp8_linear(
         m, n, k, kg, kg_per_split,
         a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), n, m * n,
         A_MODE=mode, DOT_F32=x.dtype == torch.float32 or interpreting(), INTERPRET=interpreting(), HAS_BIAS=bias is not None, SPLIT_K=split,
-        EVEN_K=k % 128 == 0, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"],
+        NO_K_MASK=k % 128 == 0 and split * kg_per_split == kg, SCALAR_SB=bn <= 128, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from fxglm5.lowering.reference import fp8 as ref
-from fxglm5.lowering.triton.fp8_gemm import _dot, _quant_rows, interpreting, quantize_act_1x128
+from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, _dot, _quant_rows, interpreting, quantize_act_1x128
 
 
 # ----------------------------------------------------------------------------------------- routing
@@ -119,7 +119,7 @@ def _align_torch(flat_ids, e, block_m, num_blocks):
     key = torch.where(flat_ids < 0, e, flat_ids.long())
     sk, order = torch.sort(key, stable=True)
     counts = torch.zeros(e + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    counts[e] = 0
+    counts = counts * (torch.arange(e + 1, device=dev) < e)  # drop the -1 bucket (no host scalar writes)
     padded = (counts + block_m - 1) // block_m * block_m
     pend = torch.cumsum(padded, 0)
     rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[sk]
@@ -157,69 +157,87 @@ def align_by_expert(topk_ids: torch.Tensor, e: int, block_m: int, use_triton: bo
 def _moe_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, c_ptr,
     n_entries, N, K, KG, TOP_K,
-    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs,
     GATED: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
-    NUM_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr, NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """GATED: c[row] = silu(A W_g^T) * (A W_u^T) with A rows gathered from x (token = entry // TOP_K),
-    c in sorted row order. Not GATED: c[entry] = A W^T with A in sorted row order (the GATED output)."""
+    c in sorted row order. Not GATED: c[split, entry] = partial A W^T over this split's K groups, A in
+    sorted row order (the GATED output); the combine kernel sums the splits."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     e = tl.load(block_expert_ptr + pid_b)
     if e < 0:
         return
     rows = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
     entry = tl.load(sorted_ptr + rows)
     valid = entry < n_entries
-    a_rows = entry // TOP_K if GATED else rows
+    # Padding rows read a real row (token T-1, or their own unused sorted row) instead of being masked.
+    a_rows = tl.minimum(entry, n_entries - 1) // TOP_K if GATED else rows
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    rows_b = tl.minimum(offs_n, N - 1)
     offs_k = tl.arange(0, 128)
     a_ptrs = a_ptr + a_rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_base = w_ptr + e.to(tl.int64) * stride_we
-    b_ptrs = w_base + offs_n[:, None] * stride_wn + offs_k[None, :]
-    bs_ptrs = ws_ptr + e * stride_wse + (offs_n // 128) * stride_wsn
+    b_ptrs = w_base + rows_b[:, None] * stride_wn + offs_k[None, :]
+    if SCALAR_SB:  # the tile meets one weight-scale block per K step
+        bs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
+    else:
+        bs_ptrs = ws_ptr + e * stride_wse + (rows_b // 128) * stride_wsn
     if GATED:
         u_ptrs = b_ptrs + N * stride_wn
-        us_ptrs = ws_ptr + e * stride_wse + ((offs_n + N) // 128) * stride_wsn
+        if SCALAR_SB:
+            us_ptrs = ws_ptr + e * stride_wse + ((pid_n * BLOCK_N + N) // 128) * stride_wsn
+        else:
+            us_ptrs = ws_ptr + e * stride_wse + ((rows_b + N) // 128) * stride_wsn
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kg in range(0, NUM_K):
-        k_mask = offs_k < K - kg * 128
-        if EVEN_K:
-            k_mask = offs_k < 128
-        a = tl.load(a_ptrs + kg * 128, mask=valid[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs + kg * 128, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        s_b = tl.load(bs_ptrs + kg, mask=n_mask, other=0.0)
-        if GATED:
-            bu = tl.load(u_ptrs + kg * 128, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            s_u = tl.load(us_ptrs + kg, mask=n_mask, other=0.0)
-        if A_MODE == 2:
-            acc += _dot(a, tl.trans(b.to(a.dtype)), DOT_F32) * s_b[None, :]
+    for i in range(0, K_PER_SPLIT):
+        kg = pid_k * K_PER_SPLIT + i
+        if NO_K_MASK:
+            a = tl.load(a_ptrs + kg * 128)
+            b = tl.load(b_ptrs + kg * 128)
+            s_b = tl.load(bs_ptrs + kg)
             if GATED:
-                acc_u += _dot(a, tl.trans(bu.to(a.dtype)), DOT_F32) * s_u[None, :]
+                bu = tl.load(u_ptrs + kg * 128)
+                s_u = tl.load(us_ptrs + kg)
+        else:
+            k_mask = offs_k < K - kg * 128
+            a = tl.load(a_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
+            s_b = tl.load(bs_ptrs + kg, mask=kg < KG, other=0.0)
+            if GATED:
+                bu = tl.load(u_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
+                s_u = tl.load(us_ptrs + kg, mask=kg < KG, other=0.0)
+        if A_MODE == 2:
+            acc += _dot(a, tl.trans(b.to(a.dtype)), DOT_F32) * _b_scale(s_b, SCALAR_SB)
+            if GATED:
+                acc_u += _dot(a, tl.trans(bu.to(a.dtype)), DOT_F32) * _b_scale(s_u, SCALAR_SB)
         else:
             if A_MODE == 0:
                 q = a
-                s_a = tl.load(as_ptr + a_rows * stride_asm + kg, mask=valid, other=0.0)
+                s_a = tl.load(as_ptr + a_rows * stride_asm + kg, mask=kg < KG, other=0.0)
             else:
                 q, s_a = _quant_rows(a.to(tl.float32), INTERPRET)
-            acc += _dot(q, tl.trans(b), INTERPRET) * (s_a[:, None] * s_b[None, :])
+            acc += _dot(q, tl.trans(b), INTERPRET) * _ab_scale(s_a, s_b, SCALAR_SB)
             if GATED:
-                acc_u += _dot(q, tl.trans(bu), INTERPRET) * (s_a[:, None] * s_u[None, :])
+                acc_u += _dot(q, tl.trans(bu), INTERPRET) * _ab_scale(s_a, s_u, SCALAR_SB)
     if GATED:
         out = acc / (1.0 + tl.exp(-acc)) * acc_u
         c_rows = rows
     else:
         out = acc
         c_rows = entry
-    c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    c_ptrs = c_ptr + pid_k * stride_cs + c_rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit
-def _combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum_j w[t, j] * y[t*k + j] over slots with id >= 0, in slot order (deterministic)."""
+def _combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    """out[t] = sum_j w[t, j] * sum_s y[s, t*k + j] over slots with id >= 0, fixed order (deterministic)."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -227,32 +245,45 @@ def _combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOC
     for j in tl.static_range(TOP_K):
         ok = tl.load(ids_ptr + t * TOP_K + j) >= 0
         wj = tl.load(w_ptr + t * TOP_K + j)
-        y = tl.load(y_ptr + (t * TOP_K + j).to(tl.int64) * H + offs, mask=mask & ok, other=0.0)
+        y = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for sp in tl.static_range(SPLIT):
+            y += tl.load(y_ptr + sp * stride_ys + (t * TOP_K + j).to(tl.int64) * H + offs, mask=mask & ok, other=0.0)
         acc += tl.where(ok, wj, 0.0) * y
     tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def pick_moe_config(t: int, k: int, e: int) -> dict:
-    """Decode (few entries per expert): 16-row blocks, narrow N, in-register activation quantization.
-    Prefill: 64-row blocks, activations quantized once."""
-    if t * k <= 2 * 16 * e:
-        return dict(BLOCK_M=16, BLOCK_N1=32, BLOCK_N2=64, num_warps=4, num_stages=4, fused_quant=True)
-    return dict(BLOCK_M=64, BLOCK_N1=64, BLOCK_N2=128, num_warps=4, num_stages=3, fused_quant=False)
+# Regime defaults (H200 sweeps, bench/results/kernels_sweep*.json); moe_fp8(config=...) overrides keys.
+MOE_DECODE = dict(BLOCK_M=16, BLOCK_N1=64, BLOCK_N2=128, SPLIT2=1, num_warps=4, num_stages=3, fused_quant=True)
+MOE_PREFILL = dict(BLOCK_M=64, BLOCK_N1=64, BLOCK_N2=128, SPLIT2=1, num_warps=4, num_stages=3, fused_quant=False)
 
 
-def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k, gated, cfg, dot_f32):
+def pick_moe_config(t: int, k: int, e: int, config: dict | None = None) -> dict:
+    """Decode (a few entries per expert): 16-row blocks, activations quantized in registers, optional
+    split-K of the down GEMM. Prefill: 64-row blocks, activations quantized once."""
+    cfg = dict(MOE_DECODE if t * k <= 2 * 16 * e else MOE_PREFILL)
+    cfg.update(config or {})
+    return cfg
+
+
+def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k, gated, cfg, dot_f32, split=1):
     n = w.shape[1] // 2 if gated else w.shape[1]
     kdim = w.shape[2]
+    kg = triton.cdiv(kdim, 128)
+    k_per_split = triton.cdiv(kg, split)
+    split = triton.cdiv(kg, k_per_split)
     bn = cfg["BLOCK_N1"] if gated else cfg["BLOCK_N2"]
-    grid = (block_expert.numel(), triton.cdiv(n, bn))
+    grid = (block_expert.numel(), triton.cdiv(n, bn), split)
     _moe_gemm_kernel[grid](
         a, a_s, w, w_s, sorted_ids, block_expert, c,
-        n_entries, n, kdim, triton.cdiv(kdim, 128), top_k,
-        a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1), c.stride(0),
-        GATED=gated, A_MODE=mode, DOT_F32=dot_f32, INTERPRET=interpreting(), NUM_K=triton.cdiv(kdim, 128),
-        EVEN_K=kdim % 128 == 0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
+        n_entries, n, kdim, kg, top_k,
+        a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
+        c.stride(-2), c.stride(0) if c.dim() == 3 else 0,
+        GATED=gated, A_MODE=mode, DOT_F32=dot_f32, INTERPRET=interpreting(), K_PER_SPLIT=k_per_split,
+        NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128 and (n % 128 == 0 or not gated),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    return split
 
 
 def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None):
@@ -262,7 +293,7 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0 or k == 0:
         return out.zero_()
-    cfg = dict(pick_moe_config(t, k, e), **(config or {}))
+    cfg = pick_moe_config(t, k, e, config)
     x = x.contiguous()
     ids = topk_ids.contiguous()
     w13, w13_scale, w2, w2_scale = (z.contiguous() for z in (w13, w13_scale, w2, w2_scale))
@@ -271,17 +302,20 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     dot_f32 = x.dtype == torch.float32 or interpreting()
     h_dtype = torch.float32 if (act_quant or x.dtype == torch.float32) else x.dtype
     hmid = torch.empty(rows, inter, dtype=h_dtype, device=x.device)
-    y = torch.empty(t * k, h, dtype=torch.float32, device=x.device)
+    kg2 = triton.cdiv(inter, 128)
+    split = triton.cdiv(kg2, triton.cdiv(kg2, max(1, cfg["SPLIT2"])))
+    y = torch.empty(split, t * k, h, dtype=torch.float32, device=x.device)
     if act_quant and not cfg["fused_quant"]:
         xq, xs = quantize_act_1x128(x)
         _grouped(xq, xs, 0, w13, w13_scale, sorted_ids, block_expert, hmid, t * k, k, True, cfg, dot_f32)
         hq, hs = quantize_act_1x128(hmid)
-        _grouped(hq, hs, 0, w2, w2_scale, sorted_ids, block_expert, y, t * k, k, False, cfg, dot_f32)
+        _grouped(hq, hs, 0, w2, w2_scale, sorted_ids, block_expert, y, t * k, k, False, cfg, dot_f32, split)
     else:
         mode = 1 if act_quant else 2
         _grouped(x, x, mode, w13, w13_scale, sorted_ids, block_expert, hmid, t * k, k, True, cfg, dot_f32)
         _grouped(hmid, hmid, mode, w2, w2_scale, sorted_ids, block_expert, y, t * k, k, False, cfg,
-                 dot_f32 or h_dtype == torch.float32)
+                 dot_f32 or h_dtype == torch.float32, split)
     block_h = 1024
-    _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, topk_weights.contiguous(), out, h, TOP_K=k, BLOCK_H=block_h)
+    _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, topk_weights.contiguous(), out, h, y.stride(0), TOP_K=k,
+                                                  SPLIT=split, BLOCK_H=block_h)
     return out
