@@ -54,7 +54,8 @@ def test_fp8_linear_glm5_shapes(name, m, gen):
 
 @pytest.mark.parametrize("name", ["kv_a", "o_proj"])
 def test_fp8_linear_fp32_exact(name, gen):
-    """fp32 activations, W8A16 path: IEEE fp32 dot, only the accumulation order differs."""
+    """fp32 activations: IEEE fp32 dot, only the accumulation order differs (W8A8: and rare fp8 rounding
+    ties, the kernel divides by the scale through a reciprocal + one FMA correction)."""
     from fxglm5.lowering.reference.fp8 import fp8_linear as ref
     from fxglm5.lowering.triton.fp8_gemm import fp8_linear
 
@@ -63,7 +64,7 @@ def test_fp8_linear_fp32_exact(name, gen):
     b = torch.randn(n, device="cuda", generator=gen)
     x = torch.randn(16, k, device="cuda", generator=gen)
     assert _rel(fp8_linear(x, w, s, b, False), ref(x, w, s, b, False)) < 1e-5
-    assert _rel(fp8_linear(x, w, s, b, True), ref(x, w, s, b, True)) < 1e-5
+    assert _rel(fp8_linear(x, w, s, b, True), ref(x, w, s, b, True)) < 1e-4
 
 
 @pytest.fixture(scope="module")
