@@ -5,7 +5,10 @@ A candidate is any weight subgraph built only from casts, multiplies and view op
 constants: an e4m3 weight [.., N, K] and a float32 scale [.., ceil(N/128), ceil(K/128)]. Its meaning is
 then *checked*, not assumed: the subgraph is evaluated on probe values and must equal
 ``dequantize_block_fp8`` exactly. A different block size, a transposed or doubled scale is rejected.
-Verdicts are cached per subgraph structure, so 78 identical layers cost one probe.
+Verdicts are cached per subgraph structure, so 78 identical layers cost one probe. Weights too large to
+probe (GLM-5's stacked experts: 6.4 G values) are accepted only if their structure, with sizes left out,
+is one already verified, e.g. that of the model's own ``dequantize_weight`` traced at a small size of
+the same rank and the same 128-divisibility.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ _DEQUANT_OPS = {
     aten.clone.default, aten.contiguous.default, aten.repeat_interleave.self_int,
 }
 _verdicts: dict[tuple, bool] = {}
+_verified_shapes_free: set[tuple] = set()
+PROBE_LIMIT = 1 << 22  # elements (4 M: probing costs a full-size evaluation); larger weights are judged by their size-free structure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,17 +42,50 @@ def _block_scale_shape(shape) -> tuple:
     return (*lead, -(-n // 128), -(-k // 128))
 
 
-def _structure_key(node: fx.Node, w: fx.Node, s: fx.Node) -> tuple:
+def _structure_key(node: fx.Node, w: fx.Node, s: fx.Node, with_sizes: bool = True) -> tuple:
+    """The ops and constant arguments from ``node`` back to (w, s); ``with_sizes=False`` blanks ints."""
     order, stack, seen = [], [node], set()
+
+    def norm(a):
+        if isinstance(a, bool) or with_sizes:
+            return a
+        return "#" if isinstance(a, int) else a
+
     while stack:
         n = stack.pop()
         if n in seen or n.op == "get_attr":
             continue
         seen.add(n)
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: "W" if a is w else "S" if a is s else "n")
+        args = torch.utils._pytree.tree_map(norm, args)
         order.append((str(n.target), repr(args)))
         stack.extend(n.all_input_nodes)
-    return (tuple(order), tuple(w.meta["val"].shape))
+    return (tuple(order), tuple(w.meta["val"].shape) if with_sizes else len(w.meta["val"].shape))
+
+
+def _analogue_key(shape: tuple, out_dtype: torch.dtype) -> tuple | None:
+    """Size-free structure of the model's own dequantize_weight, traced and probe-verified at a small
+    shape with the same rank and the same divisibility by 128 as ``shape``."""
+    from fxglm5.model.layers import dequantize_weight
+
+    *lead, n, k = shape
+    small = (*[2] * len(lead), 128 if n % 128 == 0 else 100, 256 if k % 128 == 0 else 200)
+
+    class Analogue(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(small, dtype=torch.float8_e4m3fn), requires_grad=False)
+            self.s = torch.nn.Parameter(torch.ones(_block_scale_shape(small)), requires_grad=False)
+
+        def forward(self, x):
+            return dequantize_weight(self.w, self.s, out_dtype) + x
+
+    gm = torch.export.export(Analogue(), (torch.zeros((), dtype=out_dtype),), strict=False).module()
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0].args[0]
+    found = leaves(out, _DEQUANT_OPS | {aten._assert_tensor_metadata.default})
+    w = next(n for n in found if n.meta["val"].dtype == torch.float8_e4m3fn)
+    s = next(n for n in found if n.meta["val"].dtype == torch.float32)
+    return _structure_key(out, w, s, with_sizes=False) if _probe(out, w, s) else None
 
 
 def _probe(node: fx.Node, w: fx.Node, s: fx.Node) -> bool:
@@ -78,7 +116,17 @@ def match_dequant(node: fx.Node) -> Dequant | None:
         return None
     key = _structure_key(node, w, s)
     if key not in _verdicts:
-        _verdicts[key] = _probe(node, w, s)
+        free = _structure_key(node, w, s, with_sizes=False)
+        if w.meta["val"].numel() <= PROBE_LIMIT:
+            _verdicts[key] = _probe(node, w, s)
+        else:
+            if free not in _verified_shapes_free:
+                analogue = _analogue_key(tuple(w.meta["val"].shape), node.meta["val"].dtype)
+                if analogue is not None:
+                    _verified_shapes_free.add(analogue)
+            _verdicts[key] = free in _verified_shapes_free
+        if _verdicts[key]:
+            _verified_shapes_free.add(free)
     return Dequant(w, s) if _verdicts[key] else None
 
 
