@@ -1,0 +1,69 @@
+"""The fxglm5 command line: make-tiny, quantize, generate, demo."""
+
+import json
+
+import pytest
+import torch
+
+from fxglm5.cli import DEMO_PROMPT, main
+from fxglm5.model.checkpoint import load_checkpoint
+from fxglm5.model.generate import greedy_generate
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out.strip().splitlines()
+
+
+def ids_line(line, n, vocab=512):
+    ids = [int(x) for x in line.split(" ")]
+    assert len(ids) == n and all(0 <= i < vocab for i in ids)
+    return ids
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_make_tiny_then_generate(tmp_path, capsys, bf16):
+    out = tmp_path / "tiny"
+    run(capsys, "make-tiny", "--out", str(out), "--seed", "3", *(["--bf16"] if bf16 else []))
+    config = json.loads((out / "config.json").read_text())
+    assert ("quantization_config" in config) != bf16
+    lines = run(capsys, "generate", "--model", str(out), "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
+    ids = ids_line(lines[-1], 4)
+    # the printed ids are the library's greedy continuation of the same prompt
+    model = load_checkpoint(out, dtype=torch.float32, progress=False)
+    assert ids == greedy_generate(model, [1, 2, 3], 4)
+    lines = run(capsys, "generate", "--model", str(out), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--dtype", "bfloat16")
+    ids_line(lines[-1], 2)
+
+
+def test_quantize_round_trip(tmp_path, capsys):
+    """make-tiny --bf16 then quantize gives the same checkpoint as make-tiny (FP8 is its quantization)."""
+    run(capsys, "make-tiny", "--out", str(tmp_path / "bf16"), "--bf16")
+    run(capsys, "quantize", "--in", str(tmp_path / "bf16"), "--out", str(tmp_path / "fp8"))
+    run(capsys, "make-tiny", "--out", str(tmp_path / "ref"))
+    ours = load_checkpoint(tmp_path / "fp8", dtype=torch.bfloat16, progress=False)
+    ref = dict(load_checkpoint(tmp_path / "ref", dtype=torch.bfloat16, progress=False).named_parameters())
+    assert ours.config.is_fp8
+    for name, p in ours.named_parameters():
+        assert ref[name].dtype == p.dtype and torch.equal(ref[name].view(torch.uint8), p.view(torch.uint8)), name
+    gen = ["generate", "--prompt-ids", "5,6,7,8", "--max-new-tokens", "3"]
+    assert run(capsys, *gen, "--model", str(tmp_path / "fp8")) == run(capsys, *gen, "--model", str(tmp_path / "ref"))
+
+
+def test_demo_uses_and_reuses_its_cache(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FXGLM5_CACHE", str(tmp_path))
+    first = run(capsys, "demo")
+    target = tmp_path / "tiny-fp8"
+    assert (target / "config.json").is_file() and len(first) == 2
+    assert first[0].startswith("fxglm5 demo: made") and str(target) in first[0]
+    ids = ids_line(first[1], 16)
+    stamp = (target / "config.json").stat().st_mtime_ns
+    second = run(capsys, "demo")
+    assert second[0].startswith("fxglm5 demo: cached") and second[1] == first[1]
+    assert (target / "config.json").stat().st_mtime_ns == stamp
+    model = load_checkpoint(target, dtype=torch.float32, progress=False)
+    with torch.no_grad():  # the first generated token is the model's argmax after the prompt
+        assert ids[0] == int(model(torch.tensor([DEMO_PROMPT]))[0, -1].argmax())
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-fp8"]  # no temporary folder left behind
