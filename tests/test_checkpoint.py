@@ -200,3 +200,12 @@ def test_glm5_parameter_count():
     attn = sum(p.numel() for n, p in model.model.layers[3].self_attn.named_parameters() if not n.endswith("scale_inv"))
     assert round(attn / 1e6, 1) == 174.4
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_packed_fp8_dump_loads(tiny, tmp_path):
+    model = load_checkpoint(tiny[1], dtype=torch.bfloat16, progress=False)
+    model.config.save(tmp_path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / SINGLE))
+    again = dict(load_checkpoint(tmp_path, dtype=torch.bfloat16, progress=False).named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(again[name].view(torch.uint8), p.view(torch.uint8)), name

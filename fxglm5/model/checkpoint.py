@@ -176,7 +176,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str = torch.bfloat16,
     return model.eval()
 
 
-def _state_tensor(state: Mapping[str, torch.Tensor], name: str, cfg: Glm5Config) -> tuple[torch.Tensor, str]:
+def _state_tensor(state: Mapping[str, torch.Tensor], name: str) -> tuple[torch.Tensor, str]:
     """The checkpoint tensor ``name`` from a model state dict (stacked experts) and the key it came from."""
     if name in state:
         return state[name], name
@@ -211,7 +211,7 @@ def save_checkpoint(model_or_state: Glm5ForCausalLM | Mapping[str, torch.Tensor]
     check_fp8_layout(cfg, "config")
     planned, used = [], set()
     for name, spec in expected_tensors(cfg).items():
-        tensor, key = _state_tensor(state, name, cfg)
+        tensor, key = _state_tensor(state, name)
         used.add(key)
         if tuple(tensor.shape) != spec.shape or tensor.dtype not in spec.dtypes:
             raise CheckpointError(

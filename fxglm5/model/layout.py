@@ -170,10 +170,12 @@ def check_fp8_layout(cfg: Glm5Config, source: str) -> None:
     patterns = cfg.quantization_config.get("modules_to_not_convert") or []
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         raise ConfigError(f"{source}: config field 'quantization_config.modules_to_not_convert' must be a list of names")
-    fp8_modules = {n[: -len(".weight")] for n, s in expected_tensors(cfg).items() if s.kind == "fp8"}
+    if not patterns:
+        return
+    fp8_modules = [n[: -len(".weight")] for n, s in expected_tensors(cfg).items() if s.kind == "fp8"]
     for pattern in patterns:
         pattern = pattern.replace("self_attn.indexers_proj", "self_attn.indexer.weights_proj")
-        hit = next((m for m in sorted(fp8_modules) if fnmatch.fnmatchcase(m, pattern) or m.startswith(pattern + ".")), None)
+        hit = next((m for m in fp8_modules if fnmatch.fnmatchcase(m, pattern) or m.startswith(pattern + ".")), None)
         if hit is not None:
             raise ConfigError(
                 f"{source}: config field 'quantization_config.modules_to_not_convert' entry {pattern!r} names "

@@ -60,7 +60,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         try:
-            dtype_name, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+            dtype_name, shape = meta["dtype"], tuple(int(d) for d in meta["shape"])
+            begin, end = (int(v) for v in meta["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {meta!r}") from None
         item = ST_DTYPES[dtype_name].itemsize if dtype_name in ST_DTYPES else None
