@@ -67,6 +67,31 @@ def test_fp8_linear_fp32_exact(name, gen):
     assert _rel(fp8_linear(x, w, s, b, True), ref(x, w, s, b, True)) < 1e-4
 
 
+@pytest.mark.parametrize("fixup", [False, True])
+def test_fp8_linear_split_k_graph_replay(fixup, gen):
+    """Decode split-K, with the reduce kernel or the in-kernel last-CTA fixup, replayed from a CUDA graph
+    (the fixup's tile counters must be back at zero after every call)."""
+    from fxglm5.lowering.reference.fp8 import fp8_linear as ref
+    from fxglm5.lowering.triton.fp8_gemm import fp8_linear
+
+    n, k = SHAPES["o_proj"]
+    w, s = _weight(n, k, gen)
+    b = torch.randn(n, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(3, k, device="cuda", generator=gen).bfloat16()
+    cfg = dict(FIXUP=fixup, SPLIT_K=8)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fp8_linear(x, w, s, b, True, config=cfg)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_linear(x, w, s, b, True, config=cfg)
+    for _ in range(3):
+        x.copy_(torch.randn(3, k, device="cuda", generator=gen).bfloat16())
+        graph.replay()
+        assert _rel(out, ref(x.float(), w, s, b, True)) < 1e-2
+
+
 @pytest.fixture(scope="module")
 def experts():
     g = torch.Generator(device="cuda").manual_seed(1)

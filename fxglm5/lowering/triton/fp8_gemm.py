@@ -127,10 +127,11 @@ def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr,
+    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr,
     M, N, K, KG, KG_PER_SPLIT: tl.constexpr,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs,
     A_MODE: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    FIXUP: tl.constexpr,
     NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -188,8 +189,24 @@ def _gemm_kernel(
         c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
     else:
-        c_ptrs = c_ptr + pid_k * stride_cs + offs_m[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, acc, mask=c_mask)
+        ws_tile = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+        tl.store(ws_tile + pid_k * stride_cs, acc, mask=c_mask)
+        if FIXUP:
+            # Last-arriving split of this tile reduces all partials (fixed order: deterministic), adds the
+            # bias and writes the output; then resets the tile's counter for the next call / replay.
+            # Saves the reduce launch. Barrier + acq_rel atomic publish the CTA's partial stores GPU-wide;
+            # partials are read back from L2 (.cg), where other SMs' stores are coherent.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for sp in range(0, SPLIT_K):
+                    tot += tl.load(ws_tile + sp * stride_cs, mask=c_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    tot += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                out_ptrs = out_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+                tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=c_mask)
+                tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -212,11 +229,27 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Regime defaults (from the H200 sweeps in bench/results/kernels_sweep*.json); ``fp8_linear(config=...)``
-# overrides any key. Decode split-K is derived: enough CTAs for CTAS_PER_SM per SM.
-DECODE = dict(BLOCK_N=128, CTAS_PER_SM=4, GROUP_M=1, num_warps=4, num_stages=4, fused_quant=True)
-MEDIUM = dict(BLOCK_M=64, BLOCK_N=128, CTAS_PER_SM=2, GROUP_M=8, num_warps=4, num_stages=4, fused_quant=False)
-PREFILL = dict(BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, GROUP_M=8, num_warps=8, num_stages=3, fused_quant=False)
+# Regime defaults, the winners of the H200 sweeps (rows "sweep" in bench/results/kernels_gemm_moe*.json);
+# ``fp8_linear(config=...)`` overrides any key. Decode split-K is derived: CTAS_PER_SM CTAs per SM.
+# FIXUP (last CTA reduces in-kernel, one launch) measured equal to the reduce kernel, so it is off.
+DECODE = dict(BLOCK_N=128, CTAS_PER_SM=4, GROUP_M=1, num_warps=4, num_stages=3, fused_quant=True, FIXUP=False)
+MEDIUM = dict(BLOCK_M=64, BLOCK_N=128, CTAS_PER_SM=2, GROUP_M=8, num_warps=4, num_stages=3, fused_quant=False, FIXUP=False)
+PREFILL = dict(BLOCK_M=64, BLOCK_N=128, SPLIT_K=1, GROUP_M=8, num_warps=4, num_stages=3, fused_quant=False, FIXUP=False)
+
+_COUNTERS: dict = {}
+
+
+def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters for the split-K fixup, one per output tile, kept per device.
+
+    Every tile's last CTA resets its counter, so the buffer stays zero between calls and graph replays
+    (kernels of one stream run one after another; concurrent streams would need their own buffers)."""
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def pick_config(m: int, n: int, k: int, act_quant: bool, num_sms: int = 132, config: Optional[dict] = None) -> dict:
@@ -269,15 +302,18 @@ def fp8_linear(
     split = triton.cdiv(kg, kg_per_split)
     c = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
+    fixup = bool(cfg.get("FIXUP", False)) and split > 1
+    cnt = _tile_counters(x.device, grid[0]) if fixup else c
     _gemm_kernel[grid](
-        a, a_s, weight, weight_scale_inv, bias if bias is not None else out, c,
+        a, a_s, weight, weight_scale_inv, bias if bias is not None else out, c, out, cnt,
         m, n, k, kg, kg_per_split,
         a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), n, m * n,
         A_MODE=mode, DOT_F32=x.dtype == torch.float32 or interpreting(), INTERPRET=interpreting(), HAS_BIAS=bias is not None, SPLIT_K=split,
+        FIXUP=fixup,
         NO_K_MASK=k % 128 == 0 and split * kg_per_split == kg, SCALAR_SB=bn <= 128, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if split > 1:
+    if split > 1 and not fixup:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             c, bias if bias is not None else out, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block
