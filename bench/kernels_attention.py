@@ -29,12 +29,13 @@ SCALE = 1.0 / 16
 TOPK = 2048
 HI = 32
 SWEEP = "--sweep" in sys.argv
-MLA_SWEEP = [dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2),
-             dict(BLOCK_H=64, BLOCK_N=32, num_warps=16, num_stages=2),
-             dict(BLOCK_H=32, BLOCK_N=64, num_warps=8, num_stages=2),
-             dict(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=2),
-             dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2),
-             dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2)]
+NO_TORCH = "--no-torch" in sys.argv
+_B = dict(BLOCK_H=64, num_warps=8)
+MLA_SWEEP = [dict(_B, BLOCK_N=32, num_stages=2), dict(_B, BLOCK_N=32, num_stages=2, PREFETCH=True),
+             dict(_B, BLOCK_N=64, num_stages=2), dict(_B, BLOCK_N=32, num_stages=3),
+             dict(_B, BLOCK_N=16, num_stages=2, PREFETCH=True)]
+SPARSE_SWEEP = [dict(_B, BLOCK_N=32, num_stages=2), dict(_B, BLOCK_N=32, num_stages=2, PREFETCH=True),
+                dict(_B, BLOCK_N=32, num_stages=3), dict(_B, BLOCK_N=64, num_stages=2)]
 _STATE: dict = {}
 
 
@@ -86,17 +87,20 @@ def _row(results, kernel, shape, us, *, bytes_=None, flops=None, torch_us=None, 
 
 
 def _sdpa_gathered(q, cache, slots, valid=None):
-    """Torch baseline: gather (+ dequant) the rows, then SDPA with one KV head (enable_gqa)."""
+    """Torch baseline: gather (+ dequant) the rows, then SDPA. One KV head shared by all heads and one query
+    per row set, so the heads are folded into the query-length dimension (no K/V expansion)."""
     T, Hh, _ = q.shape
     n = slots.shape[1]
     rows = ref.read_latent_rows(cache, slots.reshape(-1).clamp_min(0), validate=False).view(T, 1, n, D)
     rows = rows.to(q.dtype)
     mask = None if valid is None else valid.view(T, 1, 1, n)
     return torch.nn.functional.scaled_dot_product_attention(
-        q.view(T, Hh, 1, D), rows, rows[..., :R], attn_mask=mask, scale=SCALE, enable_gqa=True)
+        q.view(T, 1, Hh, D), rows, rows[..., :R], attn_mask=mask, scale=SCALE)
 
 
 def _time_torch(fn):
+    if NO_TORCH:
+        return None
     try:
         return time_graph_us(fn, n_warmup=2, n_iters=5)
     except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
@@ -143,7 +147,7 @@ def bench_mla(results):
             slots = ref.slots_from_positions(bt, reqs[0].repeat_interleave(ctx),
                                              torch.arange(ctx, device="cuda").repeat(B), BS).view(B, ctx)
             tus = _time_torch(lambda: _sdpa_gathered(q, cache, slots))
-        _row(results, name, shape, us, bytes_=bytes_, flops=flops, torch_us=tus)
+        _row(results, name, shape, us, bytes_=bytes_, flops=flops, torch_us=tus, note=f"cfg={mla.tuned_config()}")
 
     # prefill (causal, one request, 4k new tokens after a 0 / 4k cached prefix)
     for prefix, n in [(0, 4096), (4096, 2048)]:
@@ -166,11 +170,12 @@ def bench_mla(results):
                 q.transpose(0, 1).unsqueeze(0), k, k[..., :R], attn_mask=causal, scale=SCALE, enable_gqa=True)
 
         del rows
-        _row(results, "mla_prefill[bf16]", f"T={n} prefix={prefix} H={H}", us, flops=flops, torch_us=_time_torch(tfn))
+        _row(results, "mla_prefill[bf16]", f"T={n} prefix={prefix} H={H}", us, flops=flops, torch_us=_time_torch(tfn),
+             note=f"cfg={mla.tuned_config()}")
 
 
 def bench_sparse_mla(results):
-    from fxglm5.lowering.triton import sparse_mla
+    from fxglm5.lowering.triton import mla, sparse_mla
 
     ctx = 32768
     for cdt in (torch.bfloat16, torch.uint8):
@@ -194,9 +199,8 @@ def bench_sparse_mla(results):
             flops = 2 * B * H * TOPK * (D + R)
             bytes_ = B * TOPK * width
             shape = f"B={B} H={H} topk={TOPK} ctx={ctx}"
-            if SWEEP and tag == "bf16":
-                for cfg, ns in [(c, None) for c in MLA_SWEEP[:4]] + [(None, 16 if B == 1 else 2),
-                                                                     (None, 64 if B == 1 else 4)]:
+            if SWEEP:
+                for cfg, ns in [(c, None) for c in SPARSE_SWEEP] + [(None, 16 if B == 1 else 4)]:
                     try:
                         us = time_graph_us(lambda: run(cfg, ns), calls_per_graph=ncalls)
                         _row(results, f"sparse_mla_decode[{tag}] sweep", f"{shape} {cfg} splits={ns}", us,
@@ -206,7 +210,8 @@ def bench_sparse_mla(results):
             us = time_graph_us(run, calls_per_graph=ncalls)
             slots = ref._slots_2d(bt, reqs[0], topk, BS)
             tus = _time_torch(lambda: _sdpa_gathered(q, cache, slots))
-            _row(results, f"sparse_mla_decode[{tag}]", shape, us, bytes_=bytes_, flops=flops, torch_us=tus)
+            _row(results, f"sparse_mla_decode[{tag}]", shape, us, bytes_=bytes_, flops=flops, torch_us=tus,
+                 note=f"cfg={mla.tuned_config()}")
 
     # prefill: 8k tokens of one request, each attends to 2048 of its causal window (all of it when shorter)
     T = 8192
@@ -230,7 +235,7 @@ def bench_sparse_mla(results):
             sparse_mla.sparse_mla_prefill_paged(q, cache, bt, req, topk, SCALE, validate=False, out=out, cfg=cfg)
 
         if SWEEP and tag == "bf16":
-            for cfg in MLA_SWEEP[:5]:
+            for cfg in SPARSE_SWEEP:
                 try:
                     _row(results, f"sparse_mla_prefill[{tag}] sweep", f"{shape} {cfg}",
                          time_graph_us(lambda: runp(cfg)), flops=flops)
@@ -243,7 +248,7 @@ def bench_sparse_mla(results):
             t1 = _time_torch(lambda: _sdpa_gathered(q[:1024], cache, sl, valid=(topk[:1024] >= 0)))
             tus = None if t1 is None else t1 * (T / 1024)
         _row(results, f"sparse_mla_prefill[{tag}]", shape, us, flops=flops, torch_us=tus,
-             note="torch_us: 1024-token gathered SDPA x 8" if tus else "")
+             note=f"cfg={mla.tuned_config()}" + ("; torch_us: 1024-token gathered SDPA x 8" if tus else ""))
 
 
 def bench_indexer(results):
@@ -300,7 +305,8 @@ def bench_indexer(results):
             return (s * w.unsqueeze(-1)).sum(1)
 
         _row(results, "indexer_logits", shape, us_l, bytes_=kbytes,
-             torch_us=_time_torch(torch_logits) if B * ctx <= 2**21 else None)
+             torch_us=_time_torch(torch_logits) if B * ctx <= 2**21 else None,
+             note=f"cfg={indexer.tuned_config()}")
         us_t = time_graph_us(run_topk)
         _row(results, "radix_topk", f"B={B} L={L} topk={TOPK}", us_t,
              torch_us=_time_torch(lambda: torch.topk(logits, TOPK, dim=1)))

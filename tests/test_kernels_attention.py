@@ -271,6 +271,7 @@ def test_mla_paged(s, H, cdtype, qdtype, prefill, data):
     tol = dict(atol=1e-4) if qdtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16 output rounding
     _close(tmla.mla_paged(q, cache, s["bt"], req, pos, SCALE), r, **tol)
     _close(tmla.mla_decode_paged(q, cache, s["bt"], req, pos, SCALE, num_splits=3), r, **tol)
+    _close(tmla.mla_decode_paged(q, cache, s["bt"], req, pos, SCALE, num_splits=2, cfg=dict(PREFETCH=True)), r, **tol)
     _close(tmla.mla_prefill_paged(q, cache, s["bt"], req, pos, SCALE), r, **tol)
 
 
@@ -295,6 +296,8 @@ def test_sparse_mla_paged(s, H, cdtype, K, data):
     _close(tsparse.sparse_mla_paged(q, cache, s["bt"], req, topk, SCALE), r, atol=1e-4)
     _close(tsparse.sparse_mla_decode_paged(q, cache, s["bt"], req, topk, SCALE, num_splits=2), r, atol=1e-4)
     _close(tsparse.sparse_mla_prefill_paged(q, cache, s["bt"], req, topk, SCALE), r, atol=1e-4)
+    _close(tsparse.sparse_mla_prefill_paged(q, cache, s["bt"], req, topk, SCALE, cfg=dict(PREFETCH=True)), r,
+           atol=1e-4)
     qb = q.bfloat16()
     _close(tsparse.sparse_mla_paged(qb, cache, s["bt"], req, topk, SCALE),
            ref.sparse_mla_paged(qb, cache, s["bt"], req, topk, SCALE), atol=2e-2, rtol=2e-2)

@@ -68,7 +68,10 @@ def _indexer_logits_kernel(
             valid = offs_n < n_valid
             blk = tl.load(bt_ptr + req * stride_bt + offs_n // BS, mask=valid, other=0).to(tl.int64)
             slot = blk * BS + offs_n % BS
-            kb = tl.load(kc_ptr + slot[:, None] * 132 + dd[None, :], mask=valid[:, None], other=0)
+            # 132-byte rows are only 4-byte aligned; Triton's alignment analysis would otherwise claim 16 bytes
+            # for the broadcast row offsets (and emit misaligned 128-bit loads)
+            roff = tl.multiple_of(slot[:, None] * 132, [4, 4])
+            kb = tl.load(kc_ptr + roff + dd[None, :], mask=valid[:, None], other=0)
             k8 = kb.to(tl.float8e4nv, bitcast=True)
             ksc = tl.load(ks_ptr + slot * 33 + 32, mask=valid, other=0.0)
             if F32DOT:
@@ -84,6 +87,20 @@ def _indexer_logits_kernel(
             offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(o_ptr + t64 * stride_ot + offs_n, tl.full([BLOCK_N], float("-inf"), tl.float32),
                      mask=offs_n < max_len)
+
+
+_LOGITS_CONFIGS = [
+    triton.Config({"BLOCK_N": 128, "TILES": 4}, num_warps=4, num_stages=1),
+    triton.Config({"BLOCK_N": 64, "TILES": 4}, num_warps=4, num_stages=1),
+    triton.Config({"BLOCK_N": 256, "TILES": 2}, num_warps=8, num_stages=1),
+]
+_indexer_logits_tuned = triton.autotune(configs=_LOGITS_CONFIGS, key=["HI", "max_len"])(_indexer_logits_kernel)
+
+
+def tuned_config():
+    """The logits configuration the autotuner picked last (None before the first GPU call)."""
+    bc = getattr(_indexer_logits_tuned, "best_config", None)
+    return None if bc is None else dict(bc.kwargs, num_warps=bc.num_warps, num_stages=bc.num_stages)
 
 
 @triton.jit
@@ -159,20 +176,19 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     if q.stride(-1) != 1:
         q = q.contiguous()
     interp = _INTERPRET or q.device.type != "cuda"
-    c = dict(BLOCK_N=16, TILES=2, num_warps=4, num_stages=1) if interp else \
-        dict(BLOCK_N=128, TILES=4, num_warps=4, num_stages=1)
-    if cfg:
-        c.update(cfg)
     BLOCK_HI = max(16, triton.next_power_of_2(HI))
-    grid = (T, triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]))
-    _indexer_logits_kernel[grid](
-        q, q.stride(0), q.stride(1), weights, weights.stride(0),
-        k_cache, k_cache.view(torch.float32),
-        block_table, block_table.stride(0), req_idx, positions,
-        out, out.stride(0), HI, max_len,
-        BS=bs, BLOCK_HI=BLOCK_HI, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"], F32DOT=interp,
-        num_warps=c["num_warps"], num_stages=c["num_stages"],
-    )
+    args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache, k_cache.view(torch.float32),
+            block_table, block_table.stride(0), req_idx, positions, out, out.stride(0), HI, max_len)
+    if not interp and not cfg:
+        grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
+        _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=False)
+    else:
+        c = dict(BLOCK_N=16, TILES=2, num_warps=4, num_stages=1) if interp else dict(_LOGITS_CONFIGS[0].kwargs,
+                                                                                       num_warps=4, num_stages=1)
+        c.update(cfg or {})
+        grid = (T, triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]))
+        _indexer_logits_kernel[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"],
+                                     F32DOT=interp, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
 
 
