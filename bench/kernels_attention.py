@@ -340,11 +340,15 @@ SECTIONS = {
 
 
 def main(argv=None):
+    import time
+
     argv = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--")]
     names = argv or list(SECTIONS)
     results = Results(copy_gbs=copy_bandwidth_gbs())
     print(f"copy bandwidth: {results.copy_gbs:.0f} GB/s")
+    name = "kernels_attention" + ("_sweep" if SWEEP else "")
     for n in names:
+        t0 = time.time()
         try:
             SECTIONS[n](results)
         except Exception as e:  # noqa: BLE001 - keep the other sections' figures
@@ -353,7 +357,7 @@ def main(argv=None):
             traceback.print_exc()
             results.add(kernel=n, shape="section failed", us=None, note=f"{type(e).__name__}: {str(e)[:200]}")
         torch.cuda.empty_cache()
-    print(results.save("kernels_attention" + ("_sweep" if SWEEP else "")))
+        print(f"section {n}: {time.time() - t0:.0f} s; saved", results.save(name), flush=True)
 
 
 if __name__ == "__main__":
