@@ -22,9 +22,13 @@ def capture(model: torch.nn.Module, max_batch: int = 1024, max_seq: int | None =
     device = next(model.parameters()).device
     example = torch.zeros(2, 3, dtype=torch.long, device=device)
     dims = {0: Dim("batch", min=1, max=max_batch), 1: Dim("seq", min=1, max=max_seq)}
-    dynamic = {"input_ids": dims, "position_ids": dims}
+    return export_graph(model, (example, example.clone()), {"input_ids": dims, "position_ids": dims})
+
+
+def export_graph(module: torch.nn.Module, args: tuple, dynamic_shapes) -> fx.GraphModule:
+    """Non-strict torch.export of any module -> unlifted GraphModule without metadata asserts."""
     with torch.no_grad():
-        program = torch.export.export(model, (example, example.clone()), dynamic_shapes=dynamic, strict=False)
+        program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
     gm = program.module()
     drop_metadata_asserts(gm)
     return gm

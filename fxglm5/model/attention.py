@@ -85,14 +85,22 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope_interleaved(k_pe.view(bsz, seq, 1, self.rope), cos, sin)
 
         selection = self.indexer(x, q_latent, cos, sin, causal) if self.indexer is not None else prev_selection
-        allowed = causal & selection
-
-        kv_full = self.kv_b_proj(c_kv).view(bsz, seq, self.n_heads, self.nope + self.v_dim)
-        k_nope, v = kv_full.split([self.nope, self.v_dim], dim=-1)
-        query = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)
-        key = torch.cat([k_nope, k_pe.expand(bsz, seq, self.n_heads, self.rope)], dim=-1).transpose(1, 2)
-        scores = torch.matmul(query, key.transpose(2, 3)) * self.scale
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype)
-        out = torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2).reshape(bsz, seq, self.n_heads * self.v_dim)
+        out = naive_mla(q_nope, q_pe, c_kv, k_pe, self.kv_b_proj, causal & selection, self.v_dim, self.scale)
         return self.o_proj(out), selection
+
+
+def naive_mla(q_nope, q_pe, c_kv, k_pe, kv_b_proj, allowed, v_dim: int, scale: float) -> torch.Tensor:
+    """The naive MLA core: per-head keys and values expanded from the latent by kv_b_proj.
+
+    q_nope [B,S,H,dn], q_pe [B,S,H,dr] (roped), c_kv [B,S,R], k_pe [B,S,1,dr] (roped), ``allowed``
+    [B|1, S, S] boolean (True = attend) -> [B, S, H*dv].
+    """
+    bsz, seq, heads, nope = q_nope.shape
+    kv_full = kv_b_proj(c_kv).view(bsz, seq, heads, nope + v_dim)
+    k_nope, v = kv_full.split([nope, v_dim], dim=-1)
+    query = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)
+    key = torch.cat([k_nope, k_pe.expand(bsz, seq, heads, k_pe.shape[-1])], dim=-1).transpose(1, 2)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q_nope.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2).reshape(bsz, seq, heads * v_dim)
