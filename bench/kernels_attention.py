@@ -30,6 +30,7 @@ TOPK = 2048
 HI = 32
 SWEEP = "--sweep" in sys.argv
 NO_TORCH = "--no-torch" in sys.argv
+QUICK = "--quick" in sys.argv  # fewer shapes (the GLM-5 target shapes only)
 _B = dict(BLOCK_H=64, num_warps=8)
 MLA_SWEEP = [dict(_B, BLOCK_N=32, num_stages=2), dict(_B, BLOCK_N=32, num_stages=2, PREFETCH=True),
              dict(_B, BLOCK_N=64, num_stages=2), dict(_B, BLOCK_N=32, num_stages=3),
@@ -112,8 +113,9 @@ def _time_torch(fn):
 def bench_mla(results):
     from fxglm5.lowering.triton import mla
 
-    for cdt, B, ctx in [(torch.bfloat16, 64, 32768), (torch.uint8, 64, 32768), (torch.bfloat16, 1, 32768),
-                        (torch.uint8, 1, 32768), (torch.bfloat16, 8, 8192)]:
+    shapes = [(torch.bfloat16, 64, 32768), (torch.uint8, 64, 32768), (torch.bfloat16, 1, 32768),
+              (torch.uint8, 1, 32768), (torch.bfloat16, 8, 8192)]
+    for cdt, B, ctx in shapes[:3] if QUICK else shapes:
         width = 656 if cdt == torch.uint8 else 576
         cache, bt = _paged(max(B, 32), ctx, width, cdt)
         nreq = bt.shape[0]
@@ -150,7 +152,7 @@ def bench_mla(results):
         _row(results, name, shape, us, bytes_=bytes_, flops=flops, torch_us=tus, note=f"cfg={mla.tuned_config()}")
 
     # prefill (causal, one request, 4k new tokens after a 0 / 4k cached prefix)
-    for prefix, n in [(0, 4096), (4096, 2048)]:
+    for prefix, n in [(0, 4096)] if QUICK else [(0, 4096), (4096, 2048)]:
         ctx = prefix + n
         cache, bt = _paged(1, ctx, 576, torch.bfloat16)
         q = torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16)
@@ -254,7 +256,7 @@ def bench_sparse_mla(results):
 def bench_indexer(results):
     from fxglm5.lowering.triton import indexer
 
-    for B, ctx in [(64, 32768), (1, 131072), (8, 65536)]:
+    for B, ctx in [(64, 32768)] if QUICK else [(64, 32768), (1, 131072), (8, 65536)]:
         nreq = max(B, 8)
         kc, bt = _paged(nreq, ctx, 132, torch.uint8)
         q = torch.randn(B, HI, 128, device="cuda", dtype=torch.bfloat16)
@@ -319,7 +321,7 @@ def bench_indexer(results):
 def bench_cache_write(results):
     from fxglm5.lowering.triton import paged_cache as pc
 
-    for T in (64, 8192):
+    for T in (8192,) if QUICK else (64, 8192):
         for cdt, width in ((torch.bfloat16, 576), (torch.uint8, 656)):
             cache = torch.zeros(T // BS + 8, BS, width, dtype=cdt, device="cuda")
             kv = torch.randn(T, R, device="cuda", dtype=torch.bfloat16)
