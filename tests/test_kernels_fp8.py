@@ -1,0 +1,266 @@
+"""Block-FP8 GEMM and FP8 MoE: Triton kernels (interpreted on CPU) vs the torch reference, the reference vs
+naive loops and transformers' router, and the InputError messages. Small shapes: CI runs it on 2 cores."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere in this process
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fxglm5.errors import InputError  # noqa: E402
+from fxglm5.lowering.reference import fp8 as ref  # noqa: E402
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from fxglm5.lowering.triton import fp8_gemm, moe  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+# Padding rows of the MoE intermediate are never written (their results are never stored either); the
+# interpreter's numpy matmul warns about the garbage they hold.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:overflow encountered in matmul:RuntimeWarning"),
+]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _weight(n, k, seed, lead=()):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(*lead, n, k, generator=g) * 0.5).to(FP8)
+    s = torch.rand(*lead, -(-n // 128), -(-k // 128), generator=g) * 0.02 + 0.005
+    return w, s
+
+
+def _tol(dtype, act_quant):
+    if dtype == torch.float32:  # same math, fp32 accumulation order (+ rare e4m3 rounding ties in W8A8)
+        return 1e-4 if act_quant else 1e-5
+    return 2e-2  # bf16 output rounding (the interpreter truncates fp32 -> bf16) and bf16 intermediates
+
+
+# ------------------------------------------------------------------------------------------ GEMM
+@given(m=st.integers(1, 70), k=st.sampled_from([64, 128, 200, 320]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_quantize_act_matches_reference(m, k, dtype, seed):
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+    q, s = fp8_gemm.quantize_act_1x128(x)
+    qr, sr = ref.quantize_act_1x128(x)
+    assert q.dtype == FP8 and s.shape == (m, -(-k // 128))
+    assert torch.equal(s, sr)
+    assert (q.float() != qr.float()).float().mean().item() <= 1e-3  # rounding ties only
+
+
+@given(m=st.integers(1, 70), nk=st.sampled_from([(192, 320), (64, 128), (130, 256), (256, 200)]),
+       act_quant=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_fp8_linear_matches_reference(m, nk, act_quant, dtype, bias, seed):
+    n, k = nk
+    w, s = _weight(n, k, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    out = fp8_gemm.fp8_linear(x, w, s, b, act_quant)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert _rel(out, ref.fp8_linear(x, w, s, b, act_quant)) < _tol(dtype, act_quant)
+
+
+@pytest.mark.parametrize("fixup", [False, True])
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_fp8_linear_split_k(split, fixup):
+    """Split-K (ragged last split for K=320) with the reduce kernel or the in-kernel fixup."""
+    w, s = _weight(192, 320, 3)
+    x = torch.randn(5, 320)
+    b = torch.randn(192)
+    for act_quant in (False, True):
+        out = fp8_gemm.fp8_linear(x, w, s, b, act_quant, config=dict(SPLIT_K=split, FIXUP=fixup, BLOCK_N=64))
+        assert _rel(out, ref.fp8_linear(x, w, s, b, act_quant)) < 1e-4
+    counters = fp8_gemm._COUNTERS.get(("cpu", None))
+    assert counters is None or int(counters.abs().sum()) == 0  # fixup leaves its counters at zero
+
+
+def test_fp8_linear_prefill_path_and_leading_dims():
+    """M > 64 quantizes activations in their own kernel (prefill path); [..., K] inputs keep their dims."""
+    w, s = _weight(130, 256, 4)
+    x = torch.randn(2, 40, 256)
+    out = fp8_gemm.fp8_linear(x, w, s, None, True)
+    assert out.shape == (2, 40, 130)
+    assert _rel(out, ref.fp8_linear(x, w, s, None, True)) < 1e-4
+
+
+def test_reference_fp8_linear_vs_naive():
+    """Reference dequant + GEMM against explicit per-block loops (N=192, K=320: short last blocks)."""
+    w, s = _weight(192, 320, 5)
+    x = torch.randn(3, 320)
+    wf = torch.empty(192, 320)
+    for i in range(2):
+        for j in range(3):
+            wf[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float() * s[i, j]
+    assert torch.equal(ref.dequantize_block_fp8(w, s), wf)
+    torch.testing.assert_close(ref.fp8_linear(x, w, s, None, False), x @ wf.T, rtol=1e-5, atol=1e-5)
+    xq = torch.empty_like(x)
+    for t in range(3):
+        for j in range(3):
+            blk = x[t, j * 128:(j + 1) * 128]
+            sc = max(blk.abs().max().item(), 1e-10) / 448
+            xq[t, j * 128:(j + 1) * 128] = (blk / sc).clamp(-448, 448).to(FP8).float() * sc
+    torch.testing.assert_close(ref.fp8_linear(x, w, s, None, True), xq @ wf.T, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------- routing
+@given(t=st.integers(1, 40), e=st.sampled_from([4, 8, 12, 16, 256]), top_k=st.integers(1, 4), renorm=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_moe_route_matches_reference(t, e, top_k, renorm, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(t, e, generator=g)
+    bias = torch.randn(e, generator=g) * 0.1
+    w, ids = moe.moe_route(logits, bias, top_k, 1, 1, renorm, 2.5)
+    wr, idr = ref.moe_route(logits, bias, top_k, 1, 1, renorm, 2.5)
+    assert ids.dtype == torch.int32 and torch.equal(ids, idr)
+    torch.testing.assert_close(w, wr, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("e,top_k,n_group,topk_group", [(16, 4, 1, 1), (16, 4, 4, 2), (32, 8, 8, 4), (8, 2, 2, 1)])
+def test_moe_route_reference_vs_transformers(e, top_k, n_group, topk_group):
+    modeling = pytest.importorskip("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
+    from transformers.models.glm_moe_dsa.configuration_glm_moe_dsa import GlmMoeDsaConfig
+
+    cfg = GlmMoeDsaConfig(hidden_size=32, n_routed_experts=e, num_experts_per_tok=top_k, n_group=n_group,
+                          topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=2.5, num_hidden_layers=1)
+    router = modeling.GlmMoeDsaTopkRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(e, 32))
+        router.e_score_correction_bias.copy_(torch.randn(e) * 0.1)
+    x = torch.randn(9, 32)
+    logits, w_hf, ids_hf = router(x)
+    for impl in (ref.moe_route, moe.moe_route):
+        w, ids = impl(logits, router.e_score_correction_bias, top_k, n_group, topk_group, True, 2.5)
+        o_hf, o = ids_hf.argsort(dim=1), ids.long().argsort(dim=1)
+        assert torch.equal(ids_hf.gather(1, o_hf), ids.long().gather(1, o))
+        torch.testing.assert_close(w_hf.gather(1, o_hf), w.gather(1, o), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------- MoE
+def _moe_case(t, e, k, inter, h, seed, pad_ids=True):
+    g = torch.Generator().manual_seed(seed)
+    w13, s13 = _weight(2 * inter, h, seed, (e,))
+    w2, s2 = _weight(h, inter, seed + 1, (e,))
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
+    if pad_ids:
+        ids[0, -1] = -1  # expert-parallel padding is skipped
+    tw = torch.rand(t, k, generator=g)
+    return ids, tw, w13, s13, w2, s2
+
+
+@given(t=st.integers(1, 24), e=st.integers(4, 16), k=st.integers(1, 4), inter=st.sampled_from([128, 256]),
+       act_quant=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), fused_quant=st.booleans(),
+       split2=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_moe_fp8_matches_reference(t, e, k, inter, act_quant, dtype, fused_quant, split2, seed):
+    ids, tw, w13, s13, w2, s2 = _moe_case(t, e, k, inter, 256, seed)
+    x = torch.randn(t, 256, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
+    out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=dict(fused_quant=fused_quant, SPLIT2=split2))
+    assert out.shape == (t, 256) and out.dtype == dtype
+    assert _rel(out, ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant)) < _tol(dtype, act_quant)
+
+
+def test_moe_reference_vs_naive_loop():
+    """Reference moe_fp8 against a plain per-token, per-slot loop over dequantized experts."""
+    t, e, k, inter, h = 6, 5, 3, 128, 256
+    ids, tw, w13, s13, w2, s2 = _moe_case(t, e, k, inter, h, 7)
+    x = torch.randn(t, h)
+    for act_quant in (False, True):
+        want = torch.zeros(t, h)
+        for i in range(t):
+            xi = ref.fake_quant_act_1x128(x[i:i + 1]) if act_quant else x[i:i + 1]
+            for j in range(k):
+                ex = int(ids[i, j])
+                if ex < 0:
+                    continue
+                gu = xi @ ref.dequantize_block_fp8(w13[ex], s13[ex]).T
+                hm = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+                hm = ref.fake_quant_act_1x128(hm) if act_quant else hm
+                want[i] += tw[i, j] * (hm @ ref.dequantize_block_fp8(w2[ex], s2[ex]).T)[0]
+        torch.testing.assert_close(ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_by_expert(block_m):
+    """Triton and torch alignment agree; every block holds one expert; every valid entry appears once."""
+    e, t, k = 6, 11, 3
+    ids = torch.randint(-1, e, (t, k), generator=torch.Generator().manual_seed(block_m)).int()
+    s1, b1 = moe.align_by_expert(ids, e, block_m, use_triton=True)
+    s2, b2 = moe.align_by_expert(ids, e, block_m, use_triton=False)
+    assert torch.equal(s1, s2) and torch.equal(b1, b2)
+    flat = ids.reshape(-1)
+    real = s1[s1 < t * k].long()
+    assert sorted(real.tolist()) == (flat >= 0).nonzero().flatten().tolist()
+    for blk, ex in enumerate(b1.tolist()):
+        rows = s1[blk * block_m:(blk + 1) * block_m]
+        rows = rows[rows < t * k].long()
+        if ex < 0:
+            assert rows.numel() == 0
+        else:
+            assert (flat[rows] == ex).all()
+
+
+# ------------------------------------------------------------------------------------ bad inputs
+def _lin_args(**over):
+    w, s = _weight(192, 320, 0)
+    args = dict(x=torch.randn(2, 320), weight=w, weight_scale_inv=s, bias=None, act_quant=True)
+    args.update(over)
+    return args
+
+
+def _moe_args(**over):
+    ids, tw, w13, s13, w2, s2 = _moe_case(3, 4, 2, 128, 256, 0, pad_ids=False)
+    args = dict(x=torch.randn(3, 256), topk_ids=ids, topk_weights=tw, w13=w13, w13_scale=s13, w2=w2, w2_scale=s2)
+    args.update(over)
+    return args
+
+
+BAD_INPUTS = [
+    ("quantize", lambda f: f(torch.ones(2, 128, dtype=torch.int32)), "x: dtype"),
+    ("quantize", lambda f: f(torch.randn(2, 2, 128)), "x: expected 2 dims"),
+    ("linear", lambda f: f(**_lin_args(weight=torch.randn(192, 320))), "weight: dtype"),
+    ("linear", lambda f: f(**_lin_args(weight_scale_inv=torch.rand(2, 2))), "weight_scale: shape"),
+    ("linear", lambda f: f(**_lin_args(x=torch.randn(2, 256))), "x: last dim 256"),
+    ("linear", lambda f: f(**_lin_args(bias=torch.randn(7))), "bias: shape"),
+    ("route", lambda f: f(torch.randn(3, 8).bfloat16(), torch.zeros(8), 2, 1, 1, True, 1.0), "router_logits: dtype"),
+    ("route", lambda f: f(torch.randn(3, 8), torch.zeros(7), 2, 1, 1, True, 1.0), "correction_bias: shape"),
+    ("route", lambda f: f(torch.randn(3, 8), torch.zeros(8), 9, 1, 1, True, 1.0), "top_k: 9"),
+    ("route", lambda f: f(torch.randn(3, 8), torch.zeros(8), 2, 3, 1, True, 1.0), "n_group: 3"),
+    ("moe", lambda f: f(**_moe_args(topk_ids=torch.full((3, 2), 4, dtype=torch.int32))), "topk_ids: values must be in [-1, 4)"),
+    ("moe", lambda f: f(**_moe_args(topk_ids=torch.full((3, 2), -2, dtype=torch.int32))), "topk_ids: values must be in [-1, 4)"),
+    ("moe", lambda f: f(**_moe_args(topk_ids=torch.zeros(3, 2))), "topk_ids: dtype"),
+    ("moe", lambda f: f(**_moe_args(topk_weights=torch.rand(3, 3))), "topk_weights: shape"),
+    ("moe", lambda f: f(**_moe_args(x=torch.randn(3, 128))), "w13: hidden dim"),
+    ("moe", lambda f: f(**_moe_args(w2=torch.zeros(4, 256, 256, dtype=FP8))), "w2"),
+    ("moe", lambda f: f(**_moe_args(w13_scale=torch.rand(4, 1, 2))), "w13_scale: shape"),
+    ("moe", lambda f: f(**_moe_args(w13=torch.zeros(4, 256, 256))), "w13: dtype"),
+]
+IMPLS = {
+    "quantize": (ref.quantize_act_1x128, fp8_gemm.quantize_act_1x128),
+    "linear": (ref.fp8_linear, fp8_gemm.fp8_linear),
+    "route": (ref.moe_route, moe.moe_route),
+    "moe": (ref.moe_fp8, moe.moe_fp8),
+}
+
+
+@pytest.mark.parametrize("impl", [0, 1], ids=["reference", "triton"])
+@pytest.mark.parametrize("kind,call,message", BAD_INPUTS, ids=[f"{b[0]}-{b[2][:24]}" for b in BAD_INPUTS])
+def test_bad_inputs(kind, call, message, impl):
+    with pytest.raises(InputError) as err:
+        call(IMPLS[kind][impl])
+    assert message in str(err.value)
+
+
+def test_dequantize_bad_scale():
+    w, s = _weight(192, 320, 0)
+    with pytest.raises(InputError, match="w_scale: shape"):
+        ref.dequantize_block_fp8(w, s[:1])
