@@ -47,9 +47,11 @@ def check_fp8_weight(name: str, w, scale, lead: tuple = ()) -> None:
     _check_tensor(f"{name}_scale", scale, (torch.float32,), len(lead) + 2)
     n, k = w.shape[-2:]
     want = (*w.shape[:-2], _cdiv(n, GROUP), _cdiv(k, GROUP))
-    _check(tuple(scale.shape) == want, f"{name}_scale: shape {tuple(scale.shape)} does not fit {name} {tuple(w.shape)}, expected {want}")
+    _check(tuple(scale.shape) == want,
+           f"{name}_scale: shape {tuple(scale.shape)} does not fit {name} {tuple(w.shape)}, expected {want}")
     if lead:
-        _check(tuple(w.shape[:-2]) == tuple(lead), f"{name}: leading dims {tuple(w.shape[:-2])}, expected {tuple(lead)}")
+        _check(tuple(w.shape[:-2]) == tuple(lead),
+               f"{name}: leading dims {tuple(w.shape[:-2])}, expected {tuple(lead)}")
 
 
 def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +165,8 @@ def check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale) ->
     _check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2)
     _check(topk_ids.shape[0] == t, f"topk_ids: {topk_ids.shape[0]} rows, x has {t} tokens")
     _check_tensor("topk_weights", topk_weights, (torch.float32,), 2)
-    _check(tuple(topk_weights.shape) == tuple(topk_ids.shape), f"topk_weights: shape {tuple(topk_weights.shape)} differs from topk_ids {tuple(topk_ids.shape)}")
+    _check(tuple(topk_weights.shape) == tuple(topk_ids.shape),
+           f"topk_weights: shape {tuple(topk_weights.shape)} differs from topk_ids {tuple(topk_ids.shape)}")
     _check_tensor("w13", w13, (FP8,), 3)
     e, two_i, h13 = w13.shape
     _check(two_i % 2 == 0, f"w13: dim 1 ({two_i}) must be 2*I (gate rows then up rows)")

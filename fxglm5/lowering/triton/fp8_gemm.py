@@ -12,10 +12,16 @@ Semantics are those of :mod:`fxglm5.lowering.reference.fp8`. One kernel, three a
 
 BLOCK_K is fixed at 128 so every K step meets exactly one weight-scale column and one activation-scale
 column: the step's fp32 partial ``dot(a, b)`` is scaled by ``s_a[m] * s_b[n]`` and accumulated (the
-DeepSeek-V3 recipe). Decode (M <= 64) is weight-bandwidth bound: small M tiles, narrow N tiles and
-split-K so that several CTAs per SM stream the weight; partial sums go to an fp32 workspace reduced
-deterministically by a second tiny kernel. Prefill uses 128x128 tiles with grouped (L2-friendly)
-launch order. Shapes that are not multiples of the tiles (kv_a N=576, small K) are masked.
+DeepSeek-V3 recipe; an N tile of <= 128 aligned columns meets one weight-scale block, so the factor is a
+per-row vector and costs one FMA per accumulator element).
+
+Decode (M <= 64) is weight-bandwidth bound: 16-row M tiles, 128-wide N tiles and split-K sized for a few
+CTAs per SM; the fp32 partials are summed in a fixed order by a second small kernel (deterministic), or,
+with ``FIXUP``, by the last CTA to finish each tile. Prefill uses 64x128 tiles in grouped (L2-friendly)
+launch order. Tiles carry no row masks: rows past M or N re-read the last row (cheap, never stored), so
+partial tiles (kv_a N=576, M=1) stream like full ones; only a K tail (K % 128 != 0) is masked.
+Loop trip counts are compile-time constants: the Triton 3.6 interpreter (with numpy >= 2.4) cannot run
+loops with runtime bounds, and CI runs these kernels interpreted.
 """
 
 from __future__ import annotations
@@ -121,7 +127,8 @@ def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(m, kg, dtype=torch.float32, device=x.device)
     if m:
         rows = 16
-        _quant_kernel[(triton.cdiv(m, rows), kg)](x, q, s, m, k, kg, x.stride(0), q.stride(0), ROWS=rows, INTERPRET=interpreting())
+        _quant_kernel[(triton.cdiv(m, rows), kg)](x, q, s, m, k, kg, x.stride(0), q.stride(0), ROWS=rows,
+                                                  INTERPRET=interpreting())
     return q, s
 
 
@@ -308,9 +315,9 @@ def fp8_linear(
         a, a_s, weight, weight_scale_inv, bias if bias is not None else out, c, out, cnt,
         m, n, k, kg, kg_per_split,
         a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), n, m * n,
-        A_MODE=mode, DOT_F32=x.dtype == torch.float32 or interpreting(), INTERPRET=interpreting(), HAS_BIAS=bias is not None, SPLIT_K=split,
-        FIXUP=fixup,
-        NO_K_MASK=k % 128 == 0 and split * kg_per_split == kg, SCALAR_SB=bn <= 128, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"],
+        A_MODE=mode, DOT_F32=x.dtype == torch.float32 or interpreting(), INTERPRET=interpreting(),
+        HAS_BIAS=bias is not None, SPLIT_K=split, FIXUP=fixup, NO_K_MASK=k % 128 == 0 and split * kg_per_split == kg,
+        SCALAR_SB=bn <= 128, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if split > 1 and not fixup:

@@ -11,11 +11,14 @@ blocks past the real end return at once. Padding rows carry the sentinel T*k.
 Kernels. One grouped GEMM kernel serves both projections: ``GATED`` loads the gate and the up tile of
 the same 128x128 weight blocks side by side and writes ``silu(g) * u`` (fp32, in sorted row order); the
 down projection reads those rows back and writes each entry's expert output to its own (token, slot)
-row, and a combine kernel sums the k slots with the routing weights in a fixed order (deterministic,
-no atomics; ids of -1, expert-parallel padding, are skipped). The A/B scaling scheme is the one of
-:mod:`fxglm5.lowering.triton.fp8_gemm` (BLOCK_K = 128, one scale pair per K step). Decode (few tokens)
-is bound by reading the touched experts' weights: small row blocks, narrow N tiles, activations
-quantized in registers. Prefill quantizes activations once and uses larger tiles.
+row, optionally split over K (``SPLIT2``: more CTAs when only a few experts are touched); a combine
+kernel sums the splits and the k slots with the routing weights in a fixed order (deterministic, no
+atomics; ids of -1, expert-parallel padding, are skipped). The A/B scaling scheme is the one of
+:mod:`fxglm5.lowering.triton.fp8_gemm` (BLOCK_K = 128, one scale pair per K step), and so is the choice
+to load padding rows (a real row, never stored) instead of masking them. Decode (few tokens) is bound
+by reading the touched experts' weights: 16-row blocks, activations quantized in registers. Prefill
+quantizes activations once and uses 64-row blocks. Alignment runs in one CTA (Triton sort) up to 4096
+entries and with torch ops (sort, scatter, searchsorted; all capture-safe) above.
 """
 
 from __future__ import annotations
