@@ -1,0 +1,76 @@
+"""Per-layer paged caches in RTP's layouts, allocated for exactly the inputs a rewritten graph takes.
+
+Layouts (``fxglm5.lowering.reference.paged``), physical shape ``[num_blocks, block_size, row]``:
+- latent, ``kv_cache="bf16"``: 576 values per token in the compute dtype ("bf16" names RTP's non-FP8
+  mode; the dtype is whatever the model computes in, float32 in the exactness tests);
+- latent, ``kv_cache="fp8"``: uint8 rows of 656 bytes (ds_mla: e4m3 c_kv, 4 fp32 scales, bf16 k_pe);
+- indexer, ``index_cache="fp8"``: uint8 rows of 132 bytes (RTP's only indexer layout);
+- indexer, ``index_cache="bf16"``: 128 values in the compute dtype, for an exact top-k (the FP8 keys
+  reorder near-tied scores, so only this mode reproduces the cache-less model bit for bit).
+By default the indexer follows ``kv_cache``. Block 0 is reserved (never handed out), as in RTP.
+
+Kernels may use a smaller block: ``kernel_block_size`` must divide ``block_size``; the caches are then
+viewed as ``[num_blocks * ratio, kernel_block_size, row]`` (same memory, so a token's slot is the same
+number at both granularities) and block tables are given at kernel granularity,
+``kernel_block_id = physical * ratio + j``, padding (physical 0) staying 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxglm5.errors import InputError
+from fxglm5.lowering.reference import paged
+
+CACHE_KINDS = ("bf16", "fp8")
+
+
+def kernel_block_table(block_table: torch.Tensor, ratio: int) -> torch.Tensor:
+    """[B, M] physical ids -> [B, M * ratio] kernel ids (physical * ratio + j; padding 0 stays 0)."""
+    j = torch.arange(ratio, dtype=block_table.dtype, device=block_table.device)
+    kernel = (block_table.unsqueeze(-1) * ratio + j).reshape(block_table.shape[0], -1)
+    pad = (block_table == 0).repeat_interleave(ratio, dim=1)
+    return torch.where(pad, torch.zeros_like(kernel), kernel)
+
+
+class PagedCache:
+    """The caches of every attention layer; ``graph_inputs()`` lists them in the graph's input order."""
+
+    def __init__(self, signature, num_blocks: int, block_size: int = 64, kernel_block_size: int | None = None,
+                 kv_cache: str = "bf16", index_cache: str | None = None, dtype: torch.dtype = torch.bfloat16,
+                 device="cpu"):
+        index_cache = index_cache or kv_cache
+        for name, value in (("kv_cache", kv_cache), ("index_cache", index_cache)):
+            if value not in CACHE_KINDS:
+                raise InputError(f"{name}: must be one of {CACHE_KINDS}, got {value!r}")
+        kernel_block_size = kernel_block_size or block_size
+        if block_size < 1 or kernel_block_size < 1 or block_size % kernel_block_size:
+            raise InputError(f"kernel_block_size: {kernel_block_size} must divide block_size {block_size}")
+        if num_blocks < 2:
+            raise InputError(f"num_blocks: need at least 2 (block 0 is reserved), got {num_blocks}")
+        if dtype not in paged.COMPUTE_DTYPES:
+            raise InputError(f"dtype: {dtype} is not a compute dtype {paged.COMPUTE_DTYPES}")
+        self.signature, self.num_blocks, self.block_size = signature, num_blocks, block_size
+        self.kernel_block_size, self.ratio = kernel_block_size, block_size // kernel_block_size
+        self.kv_cache, self.index_cache, self.dtype = kv_cache, index_cache, dtype
+        self.tensors: dict[str, torch.Tensor] = {}
+        for kv_name, index_name in signature.layers:
+            self.tensors[kv_name] = self._alloc(kv_cache, paged.FP8_ROW_BYTES, paged.LATENT_DIM, device)
+            if index_name is not None:
+                self.tensors[index_name] = self._alloc(index_cache, paged.INDEX_ROW_BYTES, paged.INDEX_DIM, device)
+
+    def _alloc(self, kind: str, fp8_bytes: int, width: int, device) -> torch.Tensor:
+        if kind == "fp8":
+            return torch.zeros(self.num_blocks, self.block_size, fp8_bytes, dtype=torch.uint8, device=device)
+        return torch.zeros(self.num_blocks, self.block_size, width, dtype=self.dtype, device=device)
+
+    def kernel_view(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        return t.view(self.num_blocks * self.ratio, self.kernel_block_size, t.shape[-1])
+
+    def graph_inputs(self) -> list[torch.Tensor]:
+        """Kernel-granularity views, in the order the rewritten graph takes them."""
+        return [self.kernel_view(name) for name in self.signature.cache_names]
+
+    def bytes_per_token(self) -> int:
+        return sum(t.shape[-1] * t.element_size() for t in self.tensors.values())

@@ -1,0 +1,148 @@
+"""The per-step forward context, shaped like RTP-LLM's ``PyAttentionInputs`` (see
+/work/shared/reference/rtp_llm_contract.md), so the RTP plugin and the local runtime feed one graph alike.
+
+A batch is all-prefill or all-decode. RTP passes no positions; they follow from the lengths:
+- prefill: ``input_lengths[b]`` new tokens behind ``prefix_lengths[b]`` cached ones (prefix reuse); token
+  ``j`` of request ``b`` is at position ``prefix_lengths[b] + j``; ``sequence_lengths`` is empty.
+- decode: one token per request at position ``sequence_lengths[b]`` (tokens already cached);
+  ``input_lengths[b]`` is the PROMPT length (as in RTP, not 1); ``prefix_lengths`` is empty.
+Derived (``validate()`` fills them): ``cu_seqlens`` [B+1], ``req_idx`` / ``positions`` / ``slot_mapping``
+[T] (slot = kernel_block_id * kernel_block_size + pos % kernel_block_size, the same flat slot as at
+physical granularity).
+
+``validate()`` is the gate before any kernel runs: malformed fields (wrong rank or length, negative,
+mismatched tables), block ids outside the cache, positions that need a padding block or lie past
+``max_position_embeddings`` raise :class:`fxglm5.errors.InputError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fxglm5.errors import InputError
+from fxglm5.runtime.cache import kernel_block_table
+
+_INT = (torch.int32, torch.int64)
+
+
+@dataclasses.dataclass
+class ForwardContext:
+    is_prefill: bool
+    input_lengths: Tensor  # int32 [B]
+    prefix_lengths: Tensor  # int32 [B] (prefill) / empty (decode)
+    sequence_lengths: Tensor  # int32 [B] (decode) / empty (prefill)
+    block_table: Tensor  # int32 [B, max_blocks], physical ids (RTP kv_cache_block_id)
+    kernel_block_table: Tensor  # int32 [B, max_blocks * ratio] (RTP kv_cache_kernel_block_id)
+    block_size: int
+    kernel_block_size: int
+    num_blocks: int  # physical blocks in the cache
+    max_position_embeddings: int
+    cu_seqlens: Optional[Tensor] = None
+    req_idx: Optional[Tensor] = None
+    positions: Optional[Tensor] = None
+    slot_mapping: Optional[Tensor] = None
+
+    @classmethod
+    def build(cls, is_prefill: bool, lengths: list[int], starts: list[int], tables: list[list[int]], *,
+              block_size: int, kernel_block_size: int, num_blocks: int, max_position_embeddings: int,
+              prompt_lengths: list[int] | None = None, device="cpu") -> "ForwardContext":
+        """Prefill: ``lengths`` new tokens after ``starts`` cached ones; decode: ``starts`` are the
+        sequence lengths (``lengths`` ignored, one token each) and ``prompt_lengths`` the input lengths."""
+        i32 = dict(dtype=torch.int32, device=device)
+        width = max([len(t) for t in tables] + [1])
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], **i32)
+        empty = torch.zeros(0, **i32)
+        inputs = lengths if is_prefill else (prompt_lengths or [1] * len(starts))
+        return cls(is_prefill, torch.tensor(inputs, **i32), torch.tensor(starts, **i32) if is_prefill else empty,
+                   empty if is_prefill else torch.tensor(starts, **i32), table,
+                   kernel_block_table(table, block_size // kernel_block_size), block_size, kernel_block_size,
+                   num_blocks, max_position_embeddings)
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_lengths.shape[0]
+
+    def new_tokens(self) -> Tensor:
+        """Tokens computed this step per request: input_lengths (prefill) or 1 (decode)."""
+        return self.input_lengths if self.is_prefill else torch.ones_like(self.sequence_lengths)
+
+    def graph_args(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(slot_mapping, kernel block table, req_idx) as the rewritten graph takes them."""
+        return self.slot_mapping, self.kernel_block_table, self.req_idx
+
+    def validate(self) -> "ForwardContext":
+        B = self._check_vector("input_lengths", self.input_lengths, None)
+        if B == 0:
+            raise InputError("input_lengths: empty batch")
+        if self.is_prefill:
+            self._check_vector("prefix_lengths", self.prefix_lengths, B)
+            self._check_vector("sequence_lengths", self.sequence_lengths, 0)
+            if int(self.input_lengths.min()) < 1:
+                raise InputError("input_lengths: a prefill request has no new tokens")
+        else:
+            self._check_vector("sequence_lengths", self.sequence_lengths, B)
+            self._check_vector("prefix_lengths", self.prefix_lengths, 0)
+        self._check_tables(B)
+        start = self.prefix_lengths if self.is_prefill else self.sequence_lengths
+        n = self.new_tokens().long()
+        cu = torch.zeros(B + 1, dtype=torch.int32, device=n.device)
+        cu[1:] = torch.cumsum(n, 0)
+        self._check_given("cu_seqlens", self.cu_seqlens, cu)
+        req = torch.repeat_interleave(torch.arange(B, device=n.device), n)
+        pos = start.long()[req] + torch.arange(int(cu[-1]), device=n.device) - cu.long()[:-1][req]
+        if int(pos.max()) >= self.max_position_embeddings:
+            raise InputError(f"positions: position {int(pos.max())} is past max_position_embeddings "
+                             f"({self.max_position_embeddings})")
+        need = torch.arange(self.block_table.shape[1], device=n.device)[None] <= (pos // self.block_size)[:, None]
+        if int(pos.max()) >= self.block_table.shape[1] * self.block_size or \
+                bool(((self.block_table.long()[req] == 0) & need).any()):
+            raise InputError("block_table: a position needs a block the table does not give (0 = padding)")
+        kbs = self.kernel_block_size
+        slots = self.kernel_block_table.long()[req, pos // kbs] * kbs + pos % kbs
+        self._check_given("req_idx", self.req_idx, req)
+        self._check_given("positions", self.positions, pos)
+        self._check_given("slot_mapping", self.slot_mapping, slots)
+        self.cu_seqlens, self.req_idx, self.positions, self.slot_mapping = cu, req, pos, slots
+        return self
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_vector(name: str, t, length: int | None) -> int:
+        if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype not in _INT:
+            raise InputError(f"{name}: expected a 1-D int32 tensor, got {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+        if length is not None and t.shape[0] != length:
+            raise InputError(f"{name}: expected {length} entries, got {t.shape[0]}")
+        if t.numel() and int(t.min()) < 0:
+            raise InputError(f"{name}: negative entry {int(t.min())}")
+        return t.shape[0]
+
+    def _check_tables(self, B: int) -> None:
+        if self.kernel_block_size < 1 or self.block_size % self.kernel_block_size:
+            raise InputError(f"kernel_block_size: {self.kernel_block_size} must divide block_size {self.block_size}")
+        ratio = self.block_size // self.kernel_block_size
+        for name, t, hi in (("block_table", self.block_table, self.num_blocks),
+                            ("kernel_block_table", self.kernel_block_table, self.num_blocks * ratio)):
+            if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype not in _INT or t.shape[0] != B:
+                raise InputError(f"{name}: expected an int32 [{B}, max_blocks] tensor, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= hi):
+                bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
+                raise InputError(f"{name}: block id {bad} out of range [0, {hi})")
+        expected = kernel_block_table(self.block_table, ratio)
+        if self.kernel_block_table.shape != expected.shape or not torch.equal(self.kernel_block_table.long(),
+                                                                              expected.long()):
+            raise InputError(f"kernel_block_table: does not match block_table at ratio {ratio} "
+                             "(kernel id = physical * ratio + j)")
+
+    @staticmethod
+    def _check_given(name: str, given, expected: Tensor) -> None:
+        if given is None:
+            return
+        if not isinstance(given, Tensor) or given.shape != expected.shape or not torch.equal(given.long(),
+                                                                                            expected.long()):
+            raise InputError(f"{name}: inconsistent with the lengths and block tables")

@@ -1,0 +1,171 @@
+"""Runner: prefill / decode / greedy generate over the compiled graph and the paged cache.
+
+Built once from a checkpoint directory or a ``Glm5ForCausalLM``: capture, then the match, fuse and cache
+stages (``insert_paged_cache`` makes the caches and the forward context graph inputs). Each step builds an
+RTP-shaped :class:`ForwardContext`, validates it (nothing runs on a bad one), and calls the graph on the
+flat tokens of the whole batch. The ops' own validation is then redundant and is switched off, as it
+would be inside a CUDA graph.
+
+Requests are admitted one by one: one that does not fit the cache (at prefill or when a decode step
+needs a new block) gets a :class:`CacheFullError` in ``Sequence.error`` and its blocks are released; the
+other requests go on unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import torch
+
+from fxglm5.errors import CacheFullError, InputError
+from fxglm5.ops.cached import validation
+from fxglm5.runtime.block_manager import BlockManager
+from fxglm5.runtime.cache import PagedCache
+from fxglm5.runtime.forward_context import ForwardContext
+
+
+@dataclasses.dataclass
+class Sequence:
+    id: int
+    prompt: list[int]
+    output: list[int] = dataclasses.field(default_factory=list)
+    error: CacheFullError | None = None
+    logits: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per generated token, if kept
+    cached: int = 0  # tokens whose KV rows are in the cache
+    prefix_reused: int = 0  # prompt tokens taken from an earlier request's blocks
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class Runner:
+    def __init__(self, model, *, kv_cache: str = "bf16", index_cache: str | None = None, block_size: int = 64,
+                 kernel_block_size: int | None = None, dtype: torch.dtype = torch.float32,
+                 num_blocks: int | None = None, max_cache_tokens: int = 8192, device="cpu", keep_logits=False,
+                 graph=None):
+        """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); ``graph``: the
+        compiled graph of another Runner over the same model, reused (it holds no cache) to skip capture."""
+        from fxglm5.capture import capture
+        from fxglm5.passes import PassContext, run_pipeline
+
+        if isinstance(model, (str, Path)):
+            from fxglm5.model.checkpoint import load_checkpoint
+
+            model = load_checkpoint(model, dtype=dtype, device=device, progress=False)
+        self.config, self.device, self.keep_logits = model.config, device, keep_logits
+        self.graph, self.pass_results = graph, []
+        if graph is None:
+            self.graph = capture(model)
+            self.pass_results = run_pipeline(self.graph, PassContext(config=self.config), stages=("match", "fuse", "cache"))
+        if "paged_cache" not in self.graph.meta:
+            raise InputError("model: insert_paged_cache found no attention to put on the paged cache")
+        num_blocks = num_blocks or -(-max_cache_tokens // block_size) + 1
+        self.cache = PagedCache(self.graph.meta["paged_cache"], num_blocks, block_size, kernel_block_size, kv_cache,
+                                index_cache, model.dtype, device)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.active: list[Sequence] = []
+        self._ids = itertools.count()
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def context(self, seqs: list[Sequence], prefill: bool) -> ForwardContext:
+        c = self.cache
+        return ForwardContext.build(
+            prefill, [len(s.prompt) - s.cached for s in seqs], [s.cached for s in seqs],
+            [self.blocks.tables[s.id] for s in seqs], block_size=c.block_size, kernel_block_size=c.kernel_block_size,
+            num_blocks=c.num_blocks, max_position_embeddings=self.config.max_position_embeddings,
+            prompt_lengths=[len(s.prompt) for s in seqs], device=self.device)
+
+    @torch.no_grad()
+    def step(self, ctx: ForwardContext, input_ids: torch.Tensor) -> torch.Tensor:
+        """Validate ``ctx``, run the graph on the flat ``input_ids`` [T]; logits of each request's last token [B, V]."""
+        ctx.validate()
+        if input_ids.shape != ctx.positions.shape:
+            raise InputError(f"input_ids: expected {tuple(ctx.positions.shape)} tokens, got {tuple(input_ids.shape)}")
+        with validation(False):
+            logits = self.graph(input_ids[None], ctx.positions[None], *ctx.graph_args(), *self.cache.graph_inputs())
+        return logits[0, ctx.cu_seqlens[1:].long() - 1].float()
+
+    def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        for seq, row in zip(seqs, logits):
+            seq.cached = len(seq.tokens)
+            self.blocks.commit(seq.id, seq.tokens)
+            seq.output.append(int(row.argmax()))
+            if self.keep_logits:
+                seq.logits.append(row)
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def prefill(self, prompts: list[list[int]]) -> list[Sequence]:
+        """Admit and prefill a batch of prompts (each gets its first new token); returns one Sequence per prompt."""
+        seqs = [Sequence(next(self._ids), self._check_prompt(p)) for p in prompts]
+        admitted = []
+        for seq in seqs:
+            try:
+                seq.cached = seq.prefix_reused = self.blocks.allocate(seq.id, seq.prompt)
+                admitted.append(seq)
+            except CacheFullError as err:
+                seq.error = err
+        if admitted:
+            ids = torch.tensor([t for s in admitted for t in s.prompt[s.cached:]], device=self.device)
+            self._advance(admitted, self.step(self.context(admitted, True), ids))
+            self.active.extend(admitted)
+        return seqs
+
+    def decode(self) -> list[Sequence]:
+        """One decode step for every active request (a request without room gets CacheFullError and leaves)."""
+        running = []
+        for seq in self.active:
+            try:
+                self.blocks.extend(seq.id, seq.cached + 1)
+                running.append(seq)
+            except CacheFullError as err:
+                seq.error = err
+                self.release(seq)
+        self.active = running
+        if running:
+            ids = torch.tensor([s.tokens[-1] for s in running], device=self.device)
+            self._advance(running, self.step(self.context(running, False), ids))
+        return running
+
+    def release(self, seq: Sequence) -> None:
+        """Give a request's blocks back (full prompt blocks stay reusable as a cached prefix)."""
+        self.blocks.free(seq.id)
+        if seq in self.active:
+            self.active.remove(seq)
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int) -> list[Sequence]:
+        """Greedy generation for a batch; rejected requests carry ``error`` and the rest are unaffected."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
+        limit = self.config.max_position_embeddings
+        for i, p in enumerate(prompts):
+            if len(p) + max_new_tokens > limit:
+                raise InputError(f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceed "
+                                 f"max_position_embeddings ({limit})")
+        seqs = self.prefill(prompts)
+        for _ in range(max_new_tokens - 1):
+            if not self.decode():
+                break
+        for seq in seqs:
+            self.release(seq)
+        return seqs
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy tokens per prompt; raises the first CacheFullError (``run`` returns partial results instead)."""
+        seqs = self.run(prompts, max_new_tokens)
+        for seq in seqs:
+            if seq.error is not None:
+                raise seq.error
+        return [seq.output for seq in seqs]
+
+    def _check_prompt(self, prompt) -> list[int]:
+        prompt = [int(t) for t in prompt]
+        vocab = self.config.vocab_size
+        if not prompt:
+            raise InputError("prompt: empty")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"prompt: token id {bad[0]} is out of range [0, {vocab}) (vocab_size)")
+        return prompt
