@@ -15,6 +15,9 @@ BS = 64
 SCALE = 1.0 / 16
 TOPK = 2048
 HI = 32
+CFGS = [dict(BLOCK_N=32, num_warps=8, num_stages=2), dict(BLOCK_N=32, PREFETCH=True, num_warps=8, num_stages=2),
+        dict(BLOCK_N=16, PREFETCH=True, num_warps=8, num_stages=2),
+        dict(BLOCK_N=32, USE_TMA=True, num_warps=8, num_stages=2)]
 
 
 def _mk_table(lens, bs=BS, seed=0, extra_blocks=3):
@@ -86,6 +89,8 @@ def test_mla_decode_and_prefill(cdtype):
     r = ref.mla_paged(q, cache, bt, req, pos, SCALE)
     for ns in (None, 1, 7):
         _close(mla.mla_decode_paged(q, cache, bt, req, pos, SCALE, num_splits=ns), r)
+        for cfg in CFGS:  # every launch variant the autotuner may pick
+            _close(mla.mla_decode_paged(q, cache, bt, req, pos, SCALE, num_splits=ns, cfg=cfg), r)
     _close(mla.mla_paged(q, cache, bt, req, pos, SCALE), r)
     # prefill with a cached prefix: request 2 positions 1500..1799, request 1 positions 0..99
     req = torch.cat([torch.full((300,), 2), torch.full((100,), 1)]).int().cuda()
@@ -93,6 +98,8 @@ def test_mla_decode_and_prefill(cdtype):
     q = torch.randn(400, H, D, device="cuda", dtype=torch.bfloat16)
     r = ref.mla_paged(q, cache, bt, req, pos, SCALE)
     _close(mla.mla_prefill_paged(q, cache, bt, req, pos, SCALE), r)
+    for cfg in CFGS:
+        _close(mla.mla_prefill_paged(q, cache, bt, req, pos, SCALE, cfg=cfg), r)
     _close(mla.mla_paged(q, cache, bt, req, pos, SCALE), r)
 
 
@@ -117,6 +124,8 @@ def test_sparse_mla(cdtype):
         _close(o, r)
         assert o[5].abs().max().item() == 0.0
     _close(sparse_mla.sparse_mla_prefill_paged(q, cache, bt, req, topk, SCALE), r)
+    for cfg in CFGS[:3]:
+        _close(sparse_mla.sparse_mla_decode_paged(q, cache, bt, req, topk, SCALE, cfg=cfg), r)
     _close(sparse_mla.sparse_mla_paged(q, cache, bt, req, topk, SCALE), r)
 
 

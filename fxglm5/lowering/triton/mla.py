@@ -155,9 +155,10 @@ def _mla_fwd_kernel(
     pos_ptr, stride_pt, K,
     o_ptr, stride_ot, stride_oh,
     po_ptr, plse_ptr,
-    H, sm_scale_log2, split_len, num_splits,
+    H, sm_scale_log2, split_len, num_splits, n_rows,
     BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, N_HB: tl.constexpr,
     FP8: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_TMA: tl.constexpr = False,
 ):
     # The 512 latent columns are handled as 4 groups of 128 (the FP8 scale groups): QK is 4 K=128 MMAs (+ the
     # rope MMA), PV accumulates into 4 [BLOCK_H, 128] accumulators. PREFETCH issues the next tile's gathers
@@ -201,7 +202,46 @@ def _mla_fwd_kernel(
     acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
-    if PREFETCH:
+    if USE_TMA and (not SPARSE) and (BS % BLOCK_N == 0):
+        # dense attention, tiles inside one cache block: TMA loads of BLOCK_N contiguous rows (the software
+        # pipeliner stages descriptor loads asynchronously; it does not stage these pointer gathers)
+        if FP8:
+            desc = tl.make_tensor_descriptor(cache_ptr, shape=[n_rows, 656], strides=[656, 1],
+                                             block_shape=[BLOCK_N, 128])
+            desc_pe = tl.make_tensor_descriptor(c16_ptr, shape=[n_rows, 328], strides=[328, 1],
+                                                block_shape=[BLOCK_N, 64])
+        else:
+            desc = tl.make_tensor_descriptor(cache_ptr, shape=[n_rows, 576], strides=[576, 1],
+                                             block_shape=[BLOCK_N, 128])
+            desc_pe = tl.make_tensor_descriptor(cache_ptr, shape=[n_rows, 576], strides=[576, 1],
+                                                block_shape=[BLOCK_N, 64])
+        one = tl.full([BLOCK_N], 1.0, tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            blk = tl.load(bt_ptr + req * stride_bt + n0 // BS)
+            r0 = blk * BS + (n0 % BS)
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            valid = offs_n < end
+            k0 = desc.load([r0, 0])
+            k1 = desc.load([r0, 128])
+            k2 = desc.load([r0, 256])
+            k3 = desc.load([r0, 384])
+            if FP8:
+                kpe = desc_pe.load([r0, 264])
+                slot = blk.to(tl.int64) * BS + (n0 % BS) + tl.arange(0, BLOCK_N)
+                s0 = tl.load(c32_ptr + slot * 164 + 128, mask=valid, other=0.0)
+                s1 = tl.load(c32_ptr + slot * 164 + 129, mask=valid, other=0.0)
+                s2 = tl.load(c32_ptr + slot * 164 + 130, mask=valid, other=0.0)
+                s3 = tl.load(c32_ptr + slot * 164 + 131, mask=valid, other=0.0)
+            else:
+                kpe = desc_pe.load([r0, 512])
+                s0 = one
+                s1 = one
+                s2 = one
+                s3 = one
+            m_i, l_i, acc0, acc1, acc2, acc3 = _tile_step(
+                q0, q1, q2, q3, q_pe, k0, k1, k2, k3, kpe, s0, s1, s2, s3, valid,
+                m_i, l_i, acc0, acc1, acc2, acc3, sm_scale_log2, BLOCK_H, BLOCK_N, FP8, IEEE)
+    elif PREFETCH:
         k0, k1, k2, k3, kpe, s0, s1, s2, s3, valid = _load_tile(
             start, end, t64, req, cache_ptr, c32_ptr, c16_ptr, bt_ptr, stride_bt, pos_ptr, stride_pt,
             BS, BLOCK_N, FP8, SPARSE)
@@ -266,17 +306,32 @@ def _mla_combine_kernel(po_ptr, plse_ptr, o_ptr, stride_ot, stride_oh, H, num_sp
 
 # GPU launch configurations, picked per (H, K, num_splits, dtypes) by triton.autotune at the first call (an
 # eager warm-up call, before any CUDA-graph capture). BLOCK_H stays 64 (all GLM-5 heads in one program).
-_GPU_CONFIGS = [
+# Dense attention may also use TMA tile loads (USE_TMA: contiguous rows inside one cache block).
+_SPARSE_CONFIGS = [
     triton.Config({"BLOCK_N": 32, "PREFETCH": False}, num_warps=8, num_stages=2),
     triton.Config({"BLOCK_N": 32, "PREFETCH": True}, num_warps=8, num_stages=2),
     triton.Config({"BLOCK_N": 16, "PREFETCH": True}, num_warps=8, num_stages=2),
 ]
-_mla_fwd_tuned = triton.autotune(configs=_GPU_CONFIGS, key=["H", "K", "num_splits"])(_mla_fwd_kernel)
+_DENSE_CONFIGS = _SPARSE_CONFIGS + [
+    triton.Config({"BLOCK_N": 32, "PREFETCH": False, "USE_TMA": True}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_N": 32, "PREFETCH": False, "USE_TMA": True}, num_warps=8, num_stages=3),
+]
+_mla_sparse_tuned = triton.autotune(configs=_SPARSE_CONFIGS, key=["H", "K", "num_splits"])(_mla_fwd_kernel)
+_mla_dense_tuned = triton.autotune(configs=_DENSE_CONFIGS, key=["H", "num_splits"])(_mla_fwd_kernel)
+_LAST: dict = {}
+
+
+def _ensure_allocator():
+    """TMA descriptors built in-kernel need a global scratch allocator (set once, if nobody set one)."""
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def tuned_config(kernel=None):
-    """The configuration the autotuner picked last (None before the first GPU call)."""
-    bc = getattr(kernel or _mla_fwd_tuned, "best_config", None)
+    """The configuration the autotuner picked for the last launch (None before the first GPU call)."""
+    bc = getattr(kernel or _LAST.get("tuner"), "best_config", None)
     return None if bc is None else dict(bc.kwargs, num_warps=bc.num_warps, num_stages=bc.num_stages)
 
 
@@ -351,17 +406,24 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     grid = (T * n_hb, num_splits)
     args = (q, q.stride(0), q.stride(1), c8, c32, c16, block_table, block_table.stride(0), req_idx,
             pos_or_topk, stride_pt, K, out, out.stride(0), out.stride(1), po, plse,
-            H, float(scale) * LOG2E, split_len, num_splits)
+            H, float(scale) * LOG2E, split_len, num_splits, cache.shape[0] * bs)
     const = dict(BS=bs, BLOCK_H=BLOCK_H, N_HB=n_hb, FP8=fp8, SPARSE=sparse, DIRECT=direct,
                  IEEE=(q.dtype == torch.float32) or _INTERPRET)
     use_tuner = not (_INTERPRET or q.device.type != "cuda") and not cfg
     if use_tuner:
-        _mla_fwd_tuned[grid](*args, **const)
+        tuner = _mla_sparse_tuned if sparse else _mla_dense_tuned
+        if not sparse:
+            _ensure_allocator()
+        _LAST["tuner"] = tuner
+        tuner[grid](*args, **const)
     else:
         c = dict(_default_cfg(q, fp8, sparse, num_splits > 1))
         c.update({k: v for k, v in (cfg or {}).items() if k != "BLOCK_H"})
+        if c.get("USE_TMA"):
+            _ensure_allocator()
         _mla_fwd_kernel[grid](*args, **const, BLOCK_N=c["BLOCK_N"], PREFETCH=c.get("PREFETCH", False),
-                              num_warps=c["num_warps"], num_stages=c["num_stages"])
+                              USE_TMA=bool(c.get("USE_TMA", False)), num_warps=c["num_warps"],
+                              num_stages=c["num_stages"])
     if not direct:
         S_PAD = max(2, triton.next_power_of_2(num_splits))
         BLOCK_D = 128 if S_PAD <= 16 else 64
