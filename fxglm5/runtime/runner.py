@@ -56,13 +56,13 @@ class Runner:
 
             model = load_checkpoint(model, dtype=dtype, device=device, progress=False)
         self.config, self.device, self.keep_logits = model.config, device, keep_logits
+        num_blocks = num_blocks or -(-max_cache_tokens // block_size) + 1
         self.graph, self.pass_results = graph, []
-        if graph is None:
-            self.graph = capture(model)
+        if graph is None:  # a step's flat token count is bounded by the cache, not by one sequence's length
+            self.graph = capture(model, max_seq=max(self.config.max_position_embeddings, num_blocks * block_size))
             self.pass_results = run_pipeline(self.graph, PassContext(config=self.config), stages=("match", "fuse", "cache"))
         if "paged_cache" not in self.graph.meta:
             raise InputError("model: insert_paged_cache found no attention to put on the paged cache")
-        num_blocks = num_blocks or -(-max_cache_tokens // block_size) + 1
         self.cache = PagedCache(self.graph.meta["paged_cache"], num_blocks, block_size, kernel_block_size, kv_cache,
                                 index_cache, model.dtype, device)
         self.blocks = BlockManager(num_blocks, block_size)
