@@ -102,10 +102,11 @@ def _tile_step(q0, q1, q2, q3, q_pe, k0, k1, k2, k3, kpe, s0, s1, s2, s3, valid,
     vm = valid[:, None]
     if FP8:
         # e4m3 -> bf16/fp16/fp32 is exact; the per-group scale is folded into the scores and into P
-        k0 = k0.to(tl.float8e4nv, bitcast=True).to(dt)
-        k1 = k1.to(tl.float8e4nv, bitcast=True).to(dt)
-        k2 = k2.to(tl.float8e4nv, bitcast=True).to(dt)
-        k3 = k3.to(tl.float8e4nv, bitcast=True).to(dt)
+        # (rows past the end are zeroed: TMA tiles may hold stale bytes there, and 0 * NaN would leak into PV)
+        k0 = tl.where(vm, k0.to(tl.float8e4nv, bitcast=True).to(dt), 0.0)
+        k1 = tl.where(vm, k1.to(tl.float8e4nv, bitcast=True).to(dt), 0.0)
+        k2 = tl.where(vm, k2.to(tl.float8e4nv, bitcast=True).to(dt), 0.0)
+        k3 = tl.where(vm, k3.to(tl.float8e4nv, bitcast=True).to(dt), 0.0)
         kpe = kpe.to(tl.bfloat16, bitcast=True).to(dt)
         zero = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         qk = _mm(q_pe, tl.trans(kpe), zero, IEEE)
@@ -410,6 +411,8 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     const = dict(BS=bs, BLOCK_H=BLOCK_H, N_HB=n_hb, FP8=fp8, SPARSE=sparse, DIRECT=direct,
                  IEEE=(q.dtype == torch.float32) or _INTERPRET)
     use_tuner = not (_INTERPRET or q.device.type != "cuda") and not cfg
+    if use_tuner and not sparse and cache.data_ptr() % 16 != 0:  # TMA needs a 16-byte aligned base
+        use_tuner = False
     if use_tuner:
         tuner = _mla_sparse_tuned if sparse else _mla_dense_tuned
         if not sparse:
