@@ -315,7 +315,6 @@ _SPARSE_CONFIGS = [
 ]
 _DENSE_CONFIGS = _SPARSE_CONFIGS + [
     triton.Config({"BLOCK_N": 32, "PREFETCH": False, "USE_TMA": True}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_N": 32, "PREFETCH": False, "USE_TMA": True}, num_warps=8, num_stages=3),
 ]
 _mla_sparse_tuned = triton.autotune(configs=_SPARSE_CONFIGS, key=["H", "K", "num_splits"])(_mla_fwd_kernel)
 _mla_dense_tuned = triton.autotune(configs=_DENSE_CONFIGS, key=["H", "num_splits"])(_mla_fwd_kernel)
