@@ -137,7 +137,7 @@ class Results:
             cols += [k for k in r if k not in cols]
         lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in self.rows:
-            lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+            lines.append("| " + " | ".join(_fmt(r.get(c, "")).replace("|", "\\|") for c in cols) + " |")
         return "\n".join(lines) + "\n"
 
     def save(self, name: str, directory: str = RESULTS_DIR) -> tuple[str, str]:
