@@ -33,6 +33,7 @@ interpreter_compat()
 __all__ = ["indexer_logits_paged", "topk_from_logits", "indexer_topk_paged"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_NO_TUNE = os.environ.get("FXGLM5_NO_AUTOTUNE", "0") == "1"
 
 
 @triton.jit
@@ -179,7 +180,7 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     BLOCK_HI = max(16, triton.next_power_of_2(HI))
     args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache, k_cache.view(torch.float32),
             block_table, block_table.stride(0), req_idx, positions, out, out.stride(0), HI, max_len)
-    if not interp and not cfg:
+    if not interp and not cfg and not _NO_TUNE:
         grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
         _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=False)
     else:

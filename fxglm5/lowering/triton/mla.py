@@ -31,6 +31,7 @@ interpreter_compat()
 __all__ = ["mla_paged", "mla_decode_paged", "mla_prefill_paged", "launch_mla"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_NO_TUNE = os.environ.get("FXGLM5_NO_AUTOTUNE", "0") == "1"  # fixed default configs (no tuning compiles)
 LOG2E = 1.4426950408889634
 
 
@@ -364,7 +365,7 @@ def pick_num_splits(units: int, max_len: int, sms: int, max_splits: int = 64) ->
 def _default_cfg(q, fp8, sparse, split):
     if _INTERPRET or q.device.type != "cuda":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
-    return dict(BLOCK_N=32, num_warps=8, num_stages=2)
+    return dict(BLOCK_N=32, num_warps=8, num_stages=2, USE_TMA=not sparse and q.dtype != torch.float32)
 
 
 def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, sparse: bool,
@@ -409,7 +410,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
             H, float(scale) * LOG2E, split_len, num_splits, cache.shape[0] * bs)
     const = dict(BS=bs, BLOCK_H=BLOCK_H, N_HB=n_hb, FP8=fp8, SPARSE=sparse, DIRECT=direct,
                  IEEE=(q.dtype == torch.float32) or _INTERPRET)
-    use_tuner = not (_INTERPRET or q.device.type != "cuda") and not cfg
+    use_tuner = not (_INTERPRET or q.device.type != "cuda" or _NO_TUNE) and not cfg
     if use_tuner and not sparse and cache.data_ptr() % 16 != 0:  # TMA needs a 16-byte aligned base
         use_tuner = False
     if use_tuner:
@@ -421,6 +422,8 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     else:
         c = dict(_default_cfg(q, fp8, sparse, num_splits > 1))
         c.update({k: v for k, v in (cfg or {}).items() if k != "BLOCK_H"})
+        if c.get("USE_TMA") and cache.data_ptr() % 16 != 0:
+            c["USE_TMA"] = False
         if c.get("USE_TMA"):
             _ensure_allocator()
         _mla_fwd_kernel[grid](*args, **const, BLOCK_N=c["BLOCK_N"], PREFETCH=c.get("PREFETCH", False),
