@@ -122,7 +122,7 @@ class Runner:
                 running.append(seq)
             except CacheFullError as err:
                 seq.error = err
-                self.release(seq)
+                self.blocks.free(seq.id)
         self.active = running
         if running:
             ids = torch.tensor([s.tokens[-1] for s in running], device=self.device)

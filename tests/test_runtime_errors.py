@@ -1,0 +1,147 @@
+"""Bad requests and bad forward contexts fail cleanly: a request that does not fit the cache is rejected
+with CacheFullError while the others produce exactly what they produce without it; positions past
+max_position_embeddings, block ids outside the cache and malformed contexts raise InputError naming the
+field, before any kernel runs (the caches keep their contents).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from fxglm5.errors import CacheFullError, InputError
+from fxglm5.ops.cached import validation, validation_enabled
+from fxglm5.runtime.forward_context import ForwardContext
+from tests.paged_helpers import model_and_graph, prompts, runner
+
+
+def snapshot(r):
+    return {name: t.clone() for name, t in r.cache.tensors.items()}
+
+
+def assert_unchanged(r, before):
+    for name, t in r.cache.tensors.items():
+        assert torch.equal(t, before[name]), f"{name} was written"
+
+
+def outputs(seqs):
+    return [s.output for s in seqs]
+
+
+def test_full_cache_rejects_only_the_request_that_does_not_fit():
+    a, big, c = prompts(torch.Generator().manual_seed(5), [6, 30, 5])
+    r = runner("exact", block_size=4, num_blocks=10)  # 9 usable blocks; `big` alone needs 8
+    seqs = r.run([a, big, c], 8)
+    assert isinstance(seqs[1].error, CacheFullError) and seqs[1].output == []
+    assert "full" in str(seqs[1].error) and "request" in str(seqs[1].error)
+    alone = runner("exact", block_size=4, num_blocks=10).run([a, c], 8)
+    assert outputs(alone) == [seqs[0].output, seqs[2].output]
+    for x, y in zip(alone, [seqs[0], seqs[2]]):
+        torch.testing.assert_close(torch.stack(x.logits), torch.stack(y.logits), rtol=1e-5, atol=1e-5)
+    with pytest.raises(CacheFullError):
+        runner("exact", block_size=4, num_blocks=10).generate([a, big, c], 8)
+
+
+def test_request_out_of_room_while_decoding_stops_alone():
+    a, c = prompts(torch.Generator().manual_seed(6), [8, 8])
+    r = runner("exact", block_size=4, num_blocks=7)  # 6 usable blocks; each request wants 5 by the end
+    first, second = r.run([a, c], 12)
+    assert isinstance(first.error, CacheFullError) and second.error is None
+    assert len(first.output) < 12 and len(second.output) == 12
+    solo_c = runner("exact", block_size=4, num_blocks=7).run([c], 12)[0]
+    solo_a = runner("exact", block_size=4, num_blocks=7).run([a], 12)[0]
+    assert second.output == solo_c.output
+    assert first.output == solo_a.output[: len(first.output)]
+
+
+def test_prompt_past_max_position_embeddings_is_rejected_up_front():
+    r = runner("short", block_size=4)
+    with pytest.raises(InputError, match="max_position_embeddings"):
+        r.run([[1] * 20], 8)  # 28 > 24 positions
+    with pytest.raises(InputError, match="out of range"):
+        r.run([[1, 2, 999]], 2)
+
+
+def base_context(r, prefill=True):
+    """A valid context: request 0 with 6 tokens in blocks [1, 2]."""
+    c = r.cache
+    starts = [0] if prefill else [5]
+    return ForwardContext.build(prefill, [6], starts, [[1, 2]], block_size=c.block_size,
+                                kernel_block_size=c.kernel_block_size, num_blocks=c.num_blocks,
+                                max_position_embeddings=r.config.max_position_embeddings, prompt_lengths=[5])
+
+
+def malformed(r):
+    """(field named in the error, a context that is malformed in that field)."""
+    ctx = base_context(r)
+    i32 = torch.int32
+    yield "input_lengths", dataclasses.replace(ctx, input_lengths=ctx.input_lengths.float())
+    yield "input_lengths", dataclasses.replace(ctx, input_lengths=torch.tensor([0], dtype=i32))
+    yield "prefix_lengths", dataclasses.replace(ctx, prefix_lengths=torch.tensor([0, 0], dtype=i32))
+    yield "prefix_lengths", dataclasses.replace(ctx, prefix_lengths=torch.tensor([-1], dtype=i32))
+    yield "sequence_lengths", dataclasses.replace(ctx, sequence_lengths=torch.tensor([3], dtype=i32))
+    yield "block_table", dataclasses.replace(ctx, block_table=torch.tensor([[1, 2], [3, 4]], dtype=i32))
+    yield "kernel_block_table", dataclasses.replace(ctx, kernel_block_table=ctx.kernel_block_table + 1)
+    yield "block_table", dataclasses.replace(ctx, block_table=torch.tensor([[1, r.cache.num_blocks]], dtype=i32),
+                                             kernel_block_table=torch.tensor([[1, r.cache.num_blocks]], dtype=i32))
+    yield "block_table", dataclasses.replace(ctx, block_table=torch.tensor([[1, 0]], dtype=i32),
+                                             kernel_block_table=torch.tensor([[1, 0]], dtype=i32))
+    yield "slot_mapping", dataclasses.replace(ctx, slot_mapping=torch.arange(6) + 5)
+    yield "cu_seqlens", dataclasses.replace(ctx, cu_seqlens=torch.tensor([0, 5], dtype=i32))
+    dec = base_context(r, prefill=False)
+    yield "sequence_lengths", dataclasses.replace(dec, sequence_lengths=torch.tensor([1, 2], dtype=i32))
+    yield "positions", dataclasses.replace(dec, sequence_lengths=torch.tensor([24], dtype=i32),
+                                           block_table=torch.tensor([[1, 2, 3, 4, 5, 6, 7]], dtype=i32),
+                                           kernel_block_table=torch.tensor([[1, 2, 3, 4, 5, 6, 7]], dtype=i32))
+
+
+def test_malformed_contexts_are_rejected_before_any_write():
+    r = runner("short", block_size=4, num_blocks=12)
+    r.run([[3, 1, 4, 1, 5, 9, 2]], 3)  # leave real data in the caches
+    before = snapshot(r)
+    cases = list(malformed(r))
+    for field, ctx in cases:
+        ids = torch.zeros(6 if ctx.is_prefill else 1, dtype=torch.long)
+        with pytest.raises(InputError, match=field):
+            r.step(ctx, ids)
+        assert_unchanged(r, before)
+    assert len(cases) == 13
+    r.step(base_context(r), torch.zeros(6, dtype=torch.long))  # the unmodified context runs
+
+
+def graph_call(r, block_table, positions, slots=None):
+    T = positions.shape[0]
+    slots = slots if slots is not None else torch.arange(T) + 4  # blocks [1, 2] of 4
+    return r.graph(torch.zeros(1, T, dtype=torch.long), positions[None], slots, block_table, torch.zeros(T, dtype=torch.long),
+                   *r.cache.graph_inputs())
+
+
+@pytest.mark.parametrize("case", ["block id", "position", "slot", "padding block"])
+def test_cached_ops_validate_before_writing(case):
+    """The graph called directly (no runtime in front): the first cached op rejects the step."""
+    r = runner("short", block_size=4, num_blocks=12)
+    r.run([[2, 7, 1, 8]], 2)
+    before = snapshot(r)
+    table = torch.tensor([[1, 2]])
+    pos = torch.arange(6)
+    if case == "block id":
+        args, match = (torch.tensor([[1, 99]]), pos), "block_table"
+    elif case == "position":
+        big = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+        args, match = (big, torch.tensor([24])), "max_position_embeddings"
+    elif case == "slot":
+        args, match = (table, pos, torch.arange(6) + 20), "slot_mapping"
+    else:
+        args, match = (torch.tensor([[1, 0]]), pos), "block 0"
+    with pytest.raises(InputError, match=match):
+        graph_call(r, *args)
+    assert_unchanged(r, before)
+    graph_call(r, table, pos)  # valid inputs go through
+
+
+def test_validation_switch():
+    assert validation_enabled()
+    with validation(False):
+        assert not validation_enabled()
+    assert validation_enabled()
+    model_and_graph("short")  # the shared graph exists for the other tests
