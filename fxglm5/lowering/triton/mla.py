@@ -421,7 +421,9 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
         tuner[grid](*args, **const)
     else:
         c = dict(_default_cfg(q, fp8, sparse, num_splits > 1))
-        c.update({k: v for k, v in (cfg or {}).items() if k != "BLOCK_H"})
+        if cfg:  # an explicit config names every option it wants (TMA only when asked for)
+            c["USE_TMA"] = False
+            c.update({k: v for k, v in cfg.items() if k != "BLOCK_H"})
         if c.get("USE_TMA") and cache.data_ptr() % 16 != 0:
             c["USE_TMA"] = False
         if c.get("USE_TMA"):
