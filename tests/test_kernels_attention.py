@@ -489,3 +489,32 @@ def test_write_bad_inputs(mod):
         ref.read_latent_rows(cache, torch.tensor([-1]))
     with pytest.raises(InputError, match="req_idx"):
         ref.slots_from_positions(torch.tensor([[1]], dtype=torch.int32), torch.tensor([1]), torch.tensor([0]), 4)
+
+
+@pytest.mark.parametrize("cdtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("cfg", [None, dict(BLOCK_N=16, USE_TMA=True, num_warps=4, num_stages=1),
+                                 dict(BLOCK_N=16, PREFETCH=True, num_warps=4, num_stages=1)])
+def test_mla_launch_variants_ignore_garbage_rows(cdtype, cfg):
+    """Unwritten cache rows hold NaN bytes (as a real cache may): no launch variant (pointer gathers, TMA tiles,
+    prefetch) may let them leak into the output."""
+    bs = 16
+    cache = torch.zeros(12, bs, 656 if cdtype == torch.uint8 else 576, dtype=cdtype)
+    if cdtype == torch.uint8:
+        cache.fill_(0x7F)  # e4m3 NaN, and NaN float32 scales / bf16 k_pe
+    else:
+        cache.fill_(float("nan"))
+    bt = torch.tensor([[3, 7, 1, 0], [2, 4, 5, 6]], dtype=torch.int32)
+    s = dict(B=2, bs=bs, lens=[40, 57], bt=bt, nb=12, seed=5)
+    torch.manual_seed(5)
+    for b, n in enumerate(s["lens"]):
+        pos = torch.arange(n)
+        ref.write_latent_cache(cache, torch.randn(n, R), torch.randn(n, DR),
+                               ref.slots_from_positions(bt, torch.full_like(pos, b), pos, bs))
+    req = torch.tensor([0, 1, 1, 1], dtype=torch.int32)
+    pos = torch.tensor([39, 0, 20, 56], dtype=torch.int32)
+    q = torch.randn(4, 2, D)
+    r = ref.mla_paged(q, cache, bt, req, pos, SCALE)
+    assert torch.isfinite(r).all()
+    for ns in (1, 3):
+        o = tmla.mla_decode_paged(q, cache, bt, req, pos, SCALE, num_splits=ns, cfg=cfg)
+        _close(o, r, atol=1e-4)
