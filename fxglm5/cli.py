@@ -84,17 +84,35 @@ def _quantize(args: argparse.Namespace) -> int:
 # ---- generate -----------------------------------------------------------------------------------
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--prompt-ids", required=True, action="append",
+                   help="comma-separated token ids, e.g. 1,2,3; repeat for a batch (one output line per prompt)")
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+    p.add_argument("--backend", choices=["paged", "reference"], default="paged",
+                   help="paged: compiled graph over a paged KV cache (fxglm5.runtime); reference: full recompute")
+    p.add_argument("--kv-cache", choices=["bf16", "fp8"], default="bf16",
+                   help="paged latent cache: the compute dtype (bf16) or FP8 ds_mla rows (fp8)")
+    p.add_argument("--block-size", type=int, default=64, help="paged cache block size (tokens)")
 
 
 def _generate_cmd(args: argparse.Namespace) -> int:
     from fxglm5.model.config import Glm5Config
 
     config = Glm5Config.from_json(Path(args.model) / "config.json")
-    prompt = parse_token_ids(args.prompt_ids, config.vocab_size)
-    print(" ".join(map(str, _generate(args.model, prompt, args.max_new_tokens, args.dtype))))
+    prompts = [parse_token_ids(text, config.vocab_size) for text in args.prompt_ids]
+    if args.max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be a non-negative integer, got {args.max_new_tokens}")
+    if args.backend == "reference" or args.max_new_tokens == 0:
+        outputs = [_generate(args.model, prompt, args.max_new_tokens, args.dtype) for prompt in prompts]
+    else:
+        from fxglm5.runtime.runner import Runner
+
+        tokens = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
+        runner = Runner(args.model, kv_cache=args.kv_cache, block_size=args.block_size, dtype=args.dtype,
+                        max_cache_tokens=tokens + len(prompts) * args.block_size)
+        outputs = runner.generate(prompts, args.max_new_tokens)
+    for tokens in outputs:
+        print(" ".join(map(str, tokens)))
     return 0
 
 
@@ -132,7 +150,7 @@ def _demo(args: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, Subcommand] = {
     "make-tiny": Subcommand("write a random tiny GLM-5 checkpoint", _make_tiny_args, _make_tiny),
     "quantize": Subcommand("quantize a bf16 checkpoint to GLM-5-FP8 block-FP8", _quantize_args, _quantize),
-    "generate": Subcommand("greedy generation from token ids (full recompute)", _generate_args, _generate_cmd),
+    "generate": Subcommand("greedy generation from token ids (paged KV cache, or --backend reference)", _generate_args, _generate_cmd),
     "demo": Subcommand("make the tiny FP8 checkpoint (cached) and generate from it", _demo_args, _demo),
 }
 
