@@ -163,3 +163,23 @@ def test_runtime_allocation_layouts(kv, index):
 def test_kernel_block_table():
     table = torch.tensor([[3, 1, 0]], dtype=torch.int32)
     assert kernel_block_table(table, 4).tolist() == [[12, 13, 14, 15, 4, 5, 6, 7, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("latent,index", [("compute", "fp8"), ("fp8", "compute")])
+def test_opcheck_cached_ops(latent, index):
+    """Schemas declare the cache mutation, fake impls match real outputs (also under AOT dispatch)."""
+    ctx = ForwardContext.build(True, [5, 3], [2, 0], [[1, 2], [3]], block_size=4, kernel_block_size=4, num_blocks=6,
+                               max_position_embeddings=64).validate()
+    T, gen = 8, torch.Generator().manual_seed(0)
+    kv = torch.zeros(6, 4, 656, dtype=torch.uint8) if latent == "fp8" else torch.zeros(6, 4, 576)
+    index = torch.zeros(6, 4, 132, dtype=torch.uint8) if index == "fp8" else torch.zeros(6, 4, 128)
+    context = (ctx.slot_mapping, ctx.kernel_block_table, ctx.req_idx, ctx.positions, 64)
+    indexer = (torch.randn(1, T, 2, 128, generator=gen), torch.randn(1, T, 128, generator=gen),
+               torch.rand(1, T, 2, generator=gen), 3, index, *context)
+    torch.library.opcheck(ops.rtp_indexer.default, indexer)
+    top = ops.rtp_indexer(*indexer)
+    latent_args = (torch.randn(1, T, 2, 8, generator=gen), torch.randn(1, T, 2, 64, generator=gen),
+                   torch.randn(1, T, 512, generator=gen), torch.randn(1, T, 64, generator=gen),
+                   torch.randn(2, 8, 512, generator=gen), torch.randn(2, 4, 512, generator=gen))
+    torch.library.opcheck(ops.rtp_sparse_mla.default, (*latent_args, top, 0.1, kv, *context))
+    torch.library.opcheck(ops.rtp_mla.default, (*latent_args, 0.1, kv, *context))

@@ -207,7 +207,7 @@ def _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping
 
 def _project_out(o_lat: Tensor, w_uv: Tensor, like: Tensor) -> Tensor:
     o = torch.einsum("thr,hvr->thv", o_lat[..., : w_uv.shape[2]].float(), w_uv.float())
-    return o.to(like.dtype).view(*like.shape[:3], w_uv.shape[1])
+    return o.to(like.dtype).reshape(*like.shape[:3], w_uv.shape[1]).contiguous()
 
 
 @torch.library.custom_op("fxglm5::rtp_sparse_mla", mutates_args=("kv_cache",))
