@@ -8,6 +8,11 @@ import os
 
 import pytest
 import torch
+
+# Triton kernels run under the interpreter on CPU-only machines (CI); on a GPU host they compile.
+# Set here, once, before any test module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
