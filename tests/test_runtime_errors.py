@@ -145,3 +145,29 @@ def test_validation_switch():
         assert not validation_enabled()
     assert validation_enabled()
     model_and_graph("short")  # the shared graph exists for the other tests
+
+
+def test_block_manager_rejection_changes_nothing_and_prefixes_are_refcounted():
+    from fxglm5.runtime.block_manager import BlockManager
+
+    bm = BlockManager(num_blocks=6, block_size=2)  # blocks 1..5
+    a = [1, 2, 3, 4, 5]
+    assert bm.allocate("a", a) == 0 and len(bm.tables["a"]) == 3
+    bm.commit("a", a)  # blocks holding [1, 2] and [3, 4] become reusable
+    state = (list(bm._free), dict(bm._block_of), list(bm._ref))
+    with pytest.raises(CacheFullError, match="'big'"):
+        bm.allocate("big", list(range(9)))
+    assert (list(bm._free), dict(bm._block_of), list(bm._ref)) == state and "big" not in bm.tables
+    assert bm.allocate("b", [1, 2, 3, 4, 9]) == 4  # shares a's two full blocks
+    assert bm.tables["b"][:2] == bm.tables["a"][:2] and bm._ref[bm.tables["a"][0]] == 2
+    with pytest.raises(CacheFullError):
+        bm.extend("b", 9)  # 5 blocks for b: 2 more, but a holds 3 of 5 and b 1 of its own: 1 free
+    assert len(bm.tables["b"]) == 3
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free == 5
+    assert bm.allocate("c", [1, 2, 3, 4, 7, 7]) == 4  # the prefix outlives both owners (cached, evictable)
+    bm.free("c")
+    assert bm.allocate("d", [8] * 10) == 0  # 5 blocks: the 3 free ones, then the 2 cached ones are evicted
+    bm.free("d")
+    assert bm.allocate("e", [1, 2, 3, 4, 5]) == 0  # evicted: nothing to reuse

@@ -67,7 +67,7 @@ def test_generate_property(data, block_size, ratio, lengths):
     tail = data.draw(st.lists(st.integers(0, 255), min_size=1, max_size=6), label="new tokens")
     seqs = r.run([src[:cut] + tail], NEW_TOKENS)
     check_exact(model, seqs)
-    assert seqs[0].prefix_reused == (cut // block_size) * block_size
+    assert seqs[0].prefix_reused >= (cut // block_size) * block_size  # more only if the tail repeats the output
 
 
 def check_close(model, seqs):

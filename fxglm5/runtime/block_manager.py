@@ -98,7 +98,8 @@ class BlockManager:
                 self._key_of[block], self._block_of[key] = key, block
 
     def free(self, seq_id) -> None:
-        for block in self.tables.pop(seq_id, []):
+        """Release a request's blocks; tail first, so eviction takes a prefix's last blocks before its head."""
+        for block in reversed(self.tables.pop(seq_id, [])):
             self._ref[block] -= 1
             if self._ref[block] == 0:
                 if block in self._key_of:

@@ -33,19 +33,27 @@ def kernel_block_table(block_table: torch.Tensor, ratio: int) -> torch.Tensor:
     return torch.where(pad, torch.zeros_like(kernel), kernel)
 
 
+def check_options(block_size, kernel_block_size, kv_cache, index_cache) -> tuple[str, int]:
+    """Reject bad cache options (InputError naming the option); returns (index_cache, kernel_block_size)."""
+    index_cache = index_cache or kv_cache
+    for name, value in (("kv_cache", kv_cache), ("index_cache", index_cache)):
+        if value not in CACHE_KINDS:
+            raise InputError(f"{name}: must be one of {CACHE_KINDS}, got {value!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise InputError(f"block_size: must be a positive integer, got {block_size!r}")
+    kernel_block_size = kernel_block_size or block_size
+    if not isinstance(kernel_block_size, int) or kernel_block_size < 1 or block_size % kernel_block_size:
+        raise InputError(f"kernel_block_size: {kernel_block_size!r} must be a positive divisor of block_size {block_size}")
+    return index_cache, kernel_block_size
+
+
 class PagedCache:
     """The caches of every attention layer; ``graph_inputs()`` lists them in the graph's input order."""
 
     def __init__(self, signature, num_blocks: int, block_size: int = 64, kernel_block_size: int | None = None,
                  kv_cache: str = "bf16", index_cache: str | None = None, dtype: torch.dtype = torch.bfloat16,
                  device="cpu"):
-        index_cache = index_cache or kv_cache
-        for name, value in (("kv_cache", kv_cache), ("index_cache", index_cache)):
-            if value not in CACHE_KINDS:
-                raise InputError(f"{name}: must be one of {CACHE_KINDS}, got {value!r}")
-        kernel_block_size = kernel_block_size or block_size
-        if block_size < 1 or kernel_block_size < 1 or block_size % kernel_block_size:
-            raise InputError(f"kernel_block_size: {kernel_block_size} must divide block_size {block_size}")
+        index_cache, kernel_block_size = check_options(block_size, kernel_block_size, kv_cache, index_cache)
         if num_blocks < 2:
             raise InputError(f"num_blocks: need at least 2 (block 0 is reserved), got {num_blocks}")
         if dtype not in paged.COMPUTE_DTYPES:

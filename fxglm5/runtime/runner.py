@@ -22,7 +22,7 @@ import torch
 from fxglm5.errors import CacheFullError, InputError
 from fxglm5.ops.cached import validation
 from fxglm5.runtime.block_manager import BlockManager
-from fxglm5.runtime.cache import PagedCache
+from fxglm5.runtime.cache import PagedCache, check_options
 from fxglm5.runtime.forward_context import ForwardContext
 
 
@@ -51,6 +51,7 @@ class Runner:
         from fxglm5.capture import capture
         from fxglm5.passes import PassContext, run_pipeline
 
+        check_options(block_size, kernel_block_size, kv_cache, index_cache)  # before the slow part
         if isinstance(model, (str, Path)):
             from fxglm5.model.checkpoint import load_checkpoint
 
