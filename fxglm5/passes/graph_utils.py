@@ -116,8 +116,12 @@ def evaluate(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
 
 
 def add_constant(gm: fx.GraphModule, owner_path: str, name: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
-    """Register ``tensor`` as buffer ``owner_path.name`` and return a get_attr node for it."""
+    """Register ``tensor`` as buffer ``owner_path.name`` (made unique) and return a get_attr node for it."""
     owner = gm.get_submodule(owner_path) if owner_path else gm
+    base, index = name, 0
+    while hasattr(owner, name):
+        index += 1
+        name = f"{base}_{index}"
     owner.register_buffer(name, tensor, persistent=False)
     with gm.graph.inserting_before(before):
         node = gm.graph.get_attr(f"{owner_path}.{name}" if owner_path else name)
@@ -144,8 +148,13 @@ def fake_call(target: Callable, *args) -> Any:
             break
     if mode is None:
         return target(*vals)
+
+    def fake(v):
+        is_real = isinstance(v, torch.Tensor) and not isinstance(v, torch._subclasses.FakeTensor)
+        return mode.from_tensor(v, static_shapes=True) if is_real else v
+
     with mode:
-        return target(*vals)
+        return target(*torch.utils._pytree.tree_map(fake, vals))
 
 
 def drop_unused_params(gm: fx.GraphModule) -> int:
