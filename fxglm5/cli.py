@@ -147,11 +147,37 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- inspect ------------------------------------------------------------------------------------
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory (weights are loaded)")
+    src.add_argument("--preset", choices=["tiny", "glm5"], help="a built-in config on the meta device (no weights)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="compute dtype")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import torch
+
+    from fxglm5.model.config import Glm5Config
+    from fxglm5.model.modeling import Glm5ForCausalLM
+    from fxglm5.passes.report import pipeline_report
+
+    if args.model:
+        from fxglm5.model.checkpoint import load_checkpoint
+
+        model = load_checkpoint(args.model, dtype=args.dtype, device="cpu", progress=False)
+    else:
+        model = Glm5ForCausalLM(Glm5Config.preset(args.preset), dtype=getattr(torch, args.dtype), device="meta")
+    print(pipeline_report(model))
+    return 0
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "make-tiny": Subcommand("write a random tiny GLM-5 checkpoint", _make_tiny_args, _make_tiny),
     "quantize": Subcommand("quantize a bf16 checkpoint to GLM-5-FP8 block-FP8", _quantize_args, _quantize),
     "generate": Subcommand("greedy generation from token ids (paged KV cache, or --backend reference)", _generate_args, _generate_cmd),
     "demo": Subcommand("make the tiny FP8 checkpoint (cached) and generate from it", _demo_args, _demo),
+    "inspect": Subcommand("print the pass pipeline: matches and time per pass, op histogram before/after", _inspect_args, _inspect),
 }
 
 
