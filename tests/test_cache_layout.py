@@ -18,6 +18,7 @@ from fxglm5.runtime.forward_context import ForwardContext
 
 ops = torch.ops.fxglm5
 SENTINEL_BYTE, SENTINEL = 0xA5, 12345.0
+NB = 64  # physical blocks: enough for 3 requests of up to 15 tokens in blocks of 1
 
 
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -69,9 +70,9 @@ specs_st = st.lists(st.tuples(st.integers(0, 9), st.integers(1, 6)), min_size=1,
 def test_latent_rows_compute_dtype(block_size, ratio, specs, seed):
     ratio = ratio if block_size % ratio == 0 else 1
     gen = torch.Generator().manual_seed(seed)
-    ctx, tables = make_context(gen, block_size, ratio, specs, num_blocks=24)
-    cache = torch.full((24, block_size, 576), SENTINEL)
-    kernel_view = cache.view(24 * ratio, block_size // ratio, 576)
+    ctx, tables = make_context(gen, block_size, ratio, specs, num_blocks=NB)
+    cache = torch.full((NB, block_size, 576), SENTINEL)
+    kernel_view = cache.view(NB * ratio, block_size // ratio, 576)
     kv_c, k_pe, out, w_uv = run_attention(ctx, kernel_view, gen)
     slots = physical_slots(ctx, tables, block_size)
     flat = cache.view(-1, 576)
@@ -86,9 +87,9 @@ def test_latent_rows_compute_dtype(block_size, ratio, specs, seed):
        seed=st.integers(0, 1000))
 def test_latent_rows_fp8_ds_mla(block_size, ratio, specs, seed):
     gen = torch.Generator().manual_seed(seed)
-    ctx, tables = make_context(gen, block_size, ratio, specs, num_blocks=24)
-    cache = torch.full((24, block_size, 656), SENTINEL_BYTE, dtype=torch.uint8)
-    kv_c, k_pe, out, w_uv = run_attention(ctx, cache.view(24 * ratio, block_size // ratio, 656), gen)
+    ctx, tables = make_context(gen, block_size, ratio, specs, num_blocks=NB)
+    cache = torch.full((NB, block_size, 656), SENTINEL_BYTE, dtype=torch.uint8)
+    kv_c, k_pe, out, w_uv = run_attention(ctx, cache.view(NB * ratio, block_size // ratio, 656), gen)
     slots = physical_slots(ctx, tables, block_size)
     rows = cache.view(-1, 656)[slots]
     scales = rows[:, 512:528].contiguous().view(torch.float32)  # [T, 4]
@@ -106,8 +107,8 @@ def test_latent_rows_fp8_ds_mla(block_size, ratio, specs, seed):
 @given(block_size=st.sampled_from([1, 4, 8]), specs=specs_st, seed=st.integers(0, 1000))
 def test_indexer_rows_fp8(block_size, specs, seed):
     gen = torch.Generator().manual_seed(seed)
-    ctx, tables = make_context(gen, block_size, 1, specs, num_blocks=24)
-    cache = torch.full((24, block_size, 132), SENTINEL_BYTE, dtype=torch.uint8)
+    ctx, tables = make_context(gen, block_size, 1, specs, num_blocks=NB)
+    cache = torch.full((NB, block_size, 132), SENTINEL_BYTE, dtype=torch.uint8)
     T = ctx.positions.shape[0]
     k = torch.randn(1, T, 128, generator=gen) * 3
     q, w = torch.randn(1, T, 4, 128, generator=gen), torch.rand(1, T, 4, generator=gen)
