@@ -46,8 +46,11 @@ class Runner:
                  kernel_block_size: int | None = None, dtype: torch.dtype = torch.float32,
                  num_blocks: int | None = None, max_cache_tokens: int = 8192, device="cpu", keep_logits=False,
                  graph=None):
-        """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); ``graph``: the
-        compiled graph of another Runner over the same model, reused (it holds no cache) to skip capture."""
+        """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``). ``kv_cache``: "bf16"
+        (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
+        same kind (see fxglm5.runtime.cache). The cache holds ``num_blocks`` blocks of ``block_size`` tokens
+        (default: enough for ``max_cache_tokens``). ``graph``: the compiled graph of another Runner over the
+        same model, reused (it holds no cache) to skip capture."""
         from fxglm5.capture import capture
         from fxglm5.passes import PassContext, run_pipeline
 
