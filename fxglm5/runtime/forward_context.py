@@ -6,9 +6,10 @@ A batch is all-prefill or all-decode. RTP passes no positions; they follow from 
   ``j`` of request ``b`` is at position ``prefix_lengths[b] + j``; ``sequence_lengths`` is empty.
 - decode: one token per request at position ``sequence_lengths[b]`` (tokens already cached);
   ``input_lengths[b]`` is the PROMPT length (as in RTP, not 1); ``prefix_lengths`` is empty.
-Derived (``validate()`` fills them): ``cu_seqlens`` [B+1], ``req_idx`` / ``positions`` / ``slot_mapping``
-[T] (slot = kernel_block_id * kernel_block_size + pos % kernel_block_size, the same flat slot as at
-physical granularity).
+Derived (``validate()`` fills them): ``cu_seqlens`` [B+1] over the tokens computed this step (in decode
+that is RTP's ``decode_cu_seqlens``; RTP zeroes its own ``cu_seqlens`` there), and ``req_idx`` /
+``positions`` / ``slot_mapping`` [T] (slot = kernel_block_id * kernel_block_size + pos % kernel_block_size,
+the same flat slot as at physical granularity).
 
 ``validate()`` is the gate before any kernel runs: malformed fields (wrong rank or length, negative,
 mismatched tables), block ids outside the cache, positions that need a padding block or lie past
