@@ -368,14 +368,15 @@ def test_indexer_topk_paged(s, HI, K, data):
             _close(naive[t][got].sort().values, best, atol=1e-3)
 
 
-@given(st.integers(1, 3), st.integers(1, 300), st.integers(1, 40), st.sampled_from([64, 128]), st.integers(0, 2**16))
-def test_radix_topk_from_logits(T, L, K, chunk, seed):
+@given(st.integers(1, 3), st.integers(1, 300), st.integers(1, 80), st.sampled_from([64, 128]), st.integers(0, 2**16),
+       st.sampled_from(["multi", "single"]))
+def test_radix_topk_from_logits(T, L, K, chunk, seed, method):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, L, generator=g)
     x[:, ::3] = torch.randint(-2, 3, (T, len(range(0, L, 3))), generator=g).float()  # many ties
     x[0, : L // 2] = -x[0, : L // 2].abs()  # negatives
     pos = torch.randint(0, L, (T,), generator=g).int()
-    out = tindexer.topk_from_logits(x, pos, K, chunk=chunk)
+    out = tindexer.topk_from_logits(x, pos, K, chunk=chunk, method=method)
     for t in range(T):
         n = int(pos[t]) + 1
         k = min(K, n)

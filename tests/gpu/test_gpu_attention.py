@@ -17,7 +17,8 @@ TOPK = 2048
 HI = 32
 CFGS = [dict(BLOCK_N=32, num_warps=8, num_stages=2), dict(BLOCK_N=32, PREFETCH=True, num_warps=8, num_stages=2),
         dict(BLOCK_N=16, PREFETCH=True, num_warps=8, num_stages=2),
-        dict(BLOCK_N=32, USE_TMA=True, num_warps=8, num_stages=2)]
+        dict(BLOCK_N=32, USE_TMA=True, num_warps=8, num_stages=2),
+        dict(BLOCK_N=64, USE_TMA=True, num_warps=8, num_stages=2), dict(BLOCK_N=64, num_warps=8, num_stages=2)]
 
 
 def _mk_table(lens, bs=BS, seed=0, extra_blocks=3):
@@ -89,8 +90,8 @@ def test_mla_decode_and_prefill(cdtype):
     r = ref.mla_paged(q, cache, bt, req, pos, SCALE)
     for ns in (None, 1, 7):
         _close(mla.mla_decode_paged(q, cache, bt, req, pos, SCALE, num_splits=ns), r)
-        for cfg in CFGS:  # every launch variant the autotuner may pick
-            _close(mla.mla_decode_paged(q, cache, bt, req, pos, SCALE, num_splits=ns, cfg=cfg), r)
+    for cfg in CFGS:  # every launch variant the autotuner may pick
+        _close(mla.mla_decode_paged(q, cache, bt, req, pos, SCALE, cfg=cfg), r)
     _close(mla.mla_paged(q, cache, bt, req, pos, SCALE), r)
     # prefill with a cached prefix: request 2 positions 1500..1799, request 1 positions 0..99
     req = torch.cat([torch.full((300,), 2), torch.full((100,), 1)]).int().cuda()
@@ -124,7 +125,7 @@ def test_sparse_mla(cdtype):
         _close(o, r)
         assert o[5].abs().max().item() == 0.0
     _close(sparse_mla.sparse_mla_prefill_paged(q, cache, bt, req, topk, SCALE), r)
-    for cfg in CFGS[:3]:
+    for cfg in CFGS[:3] + CFGS[5:]:
         _close(sparse_mla.sparse_mla_decode_paged(q, cache, bt, req, topk, SCALE, cfg=cfg), r)
     _close(sparse_mla.sparse_mla_paged(q, cache, bt, req, topk, SCALE), r)
 
@@ -166,12 +167,13 @@ def test_radix_topk_long_rows():
     x = torch.randn(T, L, device="cuda")
     x[1, :150_000] = 0.5  # massive ties
     pos = torch.tensor([L - 1, L - 1, 100_000], device="cuda", dtype=torch.int32)
-    o = indexer.topk_from_logits(x, pos, TOPK)
-    for t in range(T):
-        n = int(pos[t]) + 1
-        sel = o[t].long()
-        assert sel.unique().numel() == TOPK and int(sel.max()) < n
-        assert torch.equal(x[t, sel].sort().values, x[t, :n].topk(TOPK).values.sort().values)
+    for method in ("multi", "single"):
+        o = indexer.topk_from_logits(x, pos, TOPK, method=method)
+        for t in range(T):
+            n = int(pos[t]) + 1
+            sel = o[t].long()
+            assert sel.unique().numel() == TOPK and int(sel.max()) < n
+            assert torch.equal(x[t, sel].sort().values, x[t, :n].topk(TOPK).values.sort().values)
 
 
 def test_decode_kernels_capture_in_cuda_graph():

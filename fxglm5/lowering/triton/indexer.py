@@ -161,6 +161,89 @@ def _radix_topk_kernel(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, CHU
         tl.store(orow + offs, tl.full([CHUNK], -1, tl.int32), mask=(offs >= k_eff) & (offs < topk))
 
 
+@triton.jit
+def _radix_replay(hist_ptr, t, T, k_eff, NP: tl.constexpr):
+    """Replay the digit selections of the first NP passes from their histograms -> (prefix, k_rem)."""
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([1], tl.uint32)
+    k_rem = tl.zeros([1], tl.int32) + k_eff
+    for p in tl.static_range(NP):
+        h = tl.load(hist_ptr + (p * T + t) * 256 + bins)
+        ge = tl.cumsum(h, 0, reverse=True)
+        sel = tl.max(tl.where(ge >= k_rem, bins, -1), 0)
+        k_rem = k_rem - tl.sum(tl.where(bins > sel, h, 0), 0)
+        prefix = prefix | (tl.maximum(sel, 0).to(tl.uint32) << (24 - 8 * p))
+    return prefix, k_rem
+
+
+@triton.jit
+def _radix_hist_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, T, L, topk, PASS: tl.constexpr, SEG: tl.constexpr):
+    """Pass PASS (8 bits) of the multi-CTA radix select: a CTA histograms one SEG-long segment of one row."""
+    t = tl.program_id(0)
+    seg = tl.program_id(1)
+    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
+    if seg * SEG < n_valid:
+        k_eff = tl.minimum(topk, n_valid)
+        prefix, k_rem = _radix_replay(hist_ptr, t, T, k_eff, PASS)
+        offs = seg * SEG + tl.arange(0, SEG)
+        m = offs < n_valid
+        key = _float_key(tl.load(x_ptr + t.to(tl.int64) * stride_xt + offs, mask=m, other=0.0))
+        if PASS > 0:
+            m = m & ((key >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
+        d = ((key >> (24 - 8 * PASS)) & 255).to(tl.int32)
+        h = tl.histogram(d, 256, mask=m)
+        bins = tl.arange(0, 256)
+        tl.atomic_add(hist_ptr + (PASS * T + t) * 256 + bins, h, mask=h > 0)
+
+
+@triton.jit
+def _radix_count_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, T, L, topk, NSEG, SEG: tl.constexpr):
+    """Per segment: how many keys are above the threshold and how many equal it."""
+    t = tl.program_id(0)
+    seg = tl.program_id(1)
+    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
+    k_eff = tl.minimum(topk, n_valid)
+    thr, k_rem = _radix_replay(hist_ptr, t, T, k_eff, 4)
+    offs = seg * SEG + tl.arange(0, SEG)
+    m = offs < n_valid
+    key = _float_key(tl.load(x_ptr + t.to(tl.int64) * stride_xt + offs, mask=m, other=0.0))
+    gt = tl.sum((m & (key > thr)).to(tl.int32), 0)
+    eq = tl.sum((m & (key == thr)).to(tl.int32), 0)
+    tl.store(cnt_ptr + (t * NSEG + seg) * 2, gt)
+    tl.store(cnt_ptr + (t * NSEG + seg) * 2 + 1, eq)
+
+
+@triton.jit
+def _radix_write_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, o_ptr, stride_ot, T, L, topk, NSEG,
+                        SEG: tl.constexpr, NSEG_PAD: tl.constexpr):
+    """Write the selected indices: keys above the threshold, then the lowest-index keys equal to it; every
+    segment's output offsets are exclusive prefix sums of the per-segment counts (deterministic)."""
+    t = tl.program_id(0)
+    seg = tl.program_id(1)
+    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
+    k_eff = tl.minimum(topk, n_valid)
+    thr, k_rem = _radix_replay(hist_ptr, t, T, k_eff, 4)
+    n_gt = k_eff - k_rem
+    sidx = tl.arange(0, NSEG_PAD)
+    before = sidx < seg
+    cg = tl.load(cnt_ptr + (t * NSEG + sidx) * 2, mask=before, other=0)
+    ce = tl.load(cnt_ptr + (t * NSEG + sidx) * 2 + 1, mask=before, other=0)
+    base_gt = tl.sum(cg, 0)
+    base_eq = tl.sum(ce, 0)
+    offs = seg * SEG + tl.arange(0, SEG)
+    m = offs < n_valid
+    key = _float_key(tl.load(x_ptr + t.to(tl.int64) * stride_xt + offs, mask=m, other=0.0))
+    gt = m & (key > thr)
+    eq = m & (key == thr)
+    orow = o_ptr + t.to(tl.int64) * stride_ot
+    tl.store(orow + base_gt + tl.cumsum(gt.to(tl.int32), 0) - 1, offs, mask=gt)
+    rank_eq = base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+    tl.store(orow + n_gt + rank_eq, offs, mask=eq & (rank_eq < k_rem))
+    # -1 padding of the slots past k_eff (segment s pads [k_eff + s*SEG, k_eff + (s+1)*SEG) ∩ [.., topk))
+    pads = k_eff + seg * SEG + tl.arange(0, SEG)
+    tl.store(orow + pads, tl.full([SEG], -1, tl.int32), mask=pads < topk)
+
+
 def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, max_len: int | None = None, *,
                          out: torch.Tensor | None = None, validate: bool = True, cfg: dict | None = None):
     """float32 [T, max_len] FP8 indexer scores (-inf beyond the causal window)."""
@@ -193,18 +276,46 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     return out
 
 
-def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None):
+def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
+                     method: str = "multi", workspace: dict | None = None):
     """int32 [T, topk]: indices of the ``min(topk, positions[t]+1)`` largest of ``logits[t, :positions[t]+1]``
-    (ties broken towards lower indices; unordered), -1 padded. Radix select, one program per row."""
+    (ties at the threshold broken towards lower indices; unordered), -1 padded.
+
+    ``method="multi"`` (default): radix select spread over ``T x ceil(L / chunk)`` CTAs, 4 histogram passes
+    (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with deterministic prefix sums:
+    6 launches, no host sync. ``method="single"``: one CTA per row loops over the row (fewer launches, less
+    parallelism). ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and ``cnt`` buffers.
+    """
     T, L = logits.shape
     if out is None:
         out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
     if T == 0:
         return out
-    if chunk is None:
-        chunk = 64 if (_INTERPRET or logits.device.type != "cuda") else 4096
-    _radix_topk_kernel[(T,)](logits, logits.stride(0), positions, out, out.stride(0), L, topk, CHUNK=chunk,
-                             num_warps=8 if chunk >= 1024 else 4)
+    interp = _INTERPRET or logits.device.type != "cuda"
+    if method == "single":
+        if chunk is None:
+            chunk = 64 if interp else 4096
+        _radix_topk_kernel[(T,)](logits, logits.stride(0), positions, out, out.stride(0), L, topk, CHUNK=chunk,
+                                 num_warps=8 if chunk >= 1024 else 4)
+        return out
+    seg = chunk or (64 if interp else 4096)
+    nseg = max(triton.cdiv(L, seg), triton.cdiv(topk, seg))
+    ws = workspace if workspace is not None else {}
+    hist = ws.get("hist")
+    if hist is None or hist.shape != (4, T, 256):
+        hist = torch.empty(4, T, 256, dtype=torch.int32, device=logits.device)
+    cnt = ws.get("cnt")
+    if cnt is None or cnt.shape != (T, nseg, 2):
+        cnt = torch.empty(T, nseg, 2, dtype=torch.int32, device=logits.device)
+    hist.zero_()
+    nw = 8 if seg >= 2048 else 4
+    grid = (T, nseg)
+    for p in range(4):
+        _radix_hist_kernel[grid](logits, logits.stride(0), positions, hist, T, L, topk, PASS=p, SEG=seg, num_warps=nw)
+    _radix_count_kernel[grid](logits, logits.stride(0), positions, hist, cnt, T, L, topk, nseg, SEG=seg,
+                              num_warps=nw)
+    _radix_write_kernel[grid](logits, logits.stride(0), positions, hist, cnt, out, out.stride(0), T, L, topk, nseg,
+                              SEG=seg, NSEG_PAD=max(2, triton.next_power_of_2(nseg)), num_warps=nw)
     return out
 
 

@@ -313,9 +313,12 @@ _SPARSE_CONFIGS = [
     triton.Config({"BLOCK_N": 32, "PREFETCH": False}, num_warps=8, num_stages=2),
     triton.Config({"BLOCK_N": 32, "PREFETCH": True}, num_warps=8, num_stages=2),
     triton.Config({"BLOCK_N": 16, "PREFETCH": True}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_N": 64, "PREFETCH": False}, num_warps=8, num_stages=2),
 ]
-_DENSE_CONFIGS = _SPARSE_CONFIGS + [
+_DENSE_CONFIGS = _SPARSE_CONFIGS[:3] + [
     triton.Config({"BLOCK_N": 32, "PREFETCH": False, "USE_TMA": True}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_N": 64, "PREFETCH": False, "USE_TMA": True}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_N": 64, "PREFETCH": False}, num_warps=8, num_stages=2),
 ]
 _mla_sparse_tuned = triton.autotune(configs=_SPARSE_CONFIGS, key=["H", "K", "num_splits"])(_mla_fwd_kernel)
 _mla_dense_tuned = triton.autotune(configs=_DENSE_CONFIGS, key=["H", "num_splits"])(_mla_fwd_kernel)
