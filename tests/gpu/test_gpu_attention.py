@@ -1,6 +1,8 @@
 """GPU checks of the paged attention kernels at GLM-5 shapes (H=64, 576/512, top-k 2048, 32 x 128 index heads,
 block 64) against the torch references in fxglm5.lowering.reference.paged."""
 
+import os
+
 import pytest
 import torch
 
@@ -19,6 +21,8 @@ CFGS = [dict(BLOCK_N=32, num_warps=8, num_stages=2), dict(BLOCK_N=32, PREFETCH=T
         dict(BLOCK_N=16, PREFETCH=True, num_warps=8, num_stages=2),
         dict(BLOCK_N=32, USE_TMA=True, num_warps=8, num_stages=2),
         dict(BLOCK_N=64, USE_TMA=True, num_warps=8, num_stages=2), dict(BLOCK_N=64, num_warps=8, num_stages=2)]
+if os.environ.get("FXGLM5_TEST_CFGS", "all") == "none":  # short device runs: default launches only
+    CFGS = []
 
 
 def _mk_table(lens, bs=BS, seed=0, extra_blocks=3):
@@ -125,7 +129,7 @@ def test_sparse_mla(cdtype):
         _close(o, r)
         assert o[5].abs().max().item() == 0.0
     _close(sparse_mla.sparse_mla_prefill_paged(q, cache, bt, req, topk, SCALE), r)
-    for cfg in CFGS[:3] + CFGS[5:]:
+    for cfg in [c for c in CFGS if not c.get("USE_TMA")]:
         _close(sparse_mla.sparse_mla_decode_paged(q, cache, bt, req, topk, SCALE, cfg=cfg), r)
     _close(sparse_mla.sparse_mla_paged(q, cache, bt, req, topk, SCALE), r)
 
