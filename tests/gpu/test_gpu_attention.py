@@ -150,7 +150,8 @@ def test_indexer_logits_and_topk():
     lt = indexer.indexer_logits_paged(q, w, kc, bt, req, pos)
     fin = lr.isfinite()
     assert torch.equal(fin, lt.isfinite())
-    _close(lt[fin], lr[fin], tol=1e-4)
+    # FP8 tensor-core products accumulate with reduced precision inside each 32-product wgmma step
+    _close(lt[fin], lr[fin], tol=1e-3)
     o = indexer.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK)
     for t in range(5):
         n = int(pos[t]) + 1

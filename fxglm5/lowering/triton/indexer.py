@@ -78,7 +78,8 @@ def _indexer_logits_kernel(
             if F32DOT:
                 s = tl.dot(k8.to(tl.float32), tl.trans(q8), input_precision="ieee")  # [BLOCK_N, BLOCK_HI]
             else:
-                s = tl.dot(k8, tl.trans(q8))
+                # Hopper FP8 wgmma accumulates with reduced precision; promote into fp32 every 32 products
+                s = tl.dot(k8, tl.trans(q8), max_num_imprecise_acc=32)
             s = tl.maximum(s, 0.0) * w[None, :]
             logit = tl.sum(s, axis=1) * ksc
             logit = tl.where(valid, logit, float("-inf"))
