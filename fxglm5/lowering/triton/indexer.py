@@ -9,12 +9,15 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
    fp32 accumulate), applies relu, the per-head ``weights * q_scale`` and the per-key scale, and sums the heads.
    Positions beyond the causal window (``> positions[t]``) are written as -inf (tiles entirely beyond it skip
    the loads).
-2. ``topk_from_logits``: one program per row, an exact radix select on the order-preserving uint32 image of the
-   float32 scores: 4 passes of 8 bits (``tl.histogram`` over chunks of the row, a reverse cumsum to find the
-   digit that holds the k-th largest), then one pass that writes every index with a key above the threshold
-   and the first (lowest-index) ones equal to it, with in-order prefix sums (deterministic, no atomics).
+2. ``topk_from_logits``: an exact radix select on the order-preserving uint32 image of the float32 scores.
+   Default ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each a
+   ``tl.histogram`` per segment added into a global [4, T, 256] histogram with atomics (every CTA replays the
+   earlier passes' digit choices from those histograms: a reverse cumsum finds the digit that holds the k-th
+   largest); a count pass (keys above / equal to the threshold per segment) and a write pass that places keys
+   above the threshold and the lowest-index keys equal to it at offsets from exclusive prefix sums of the
+   per-segment counts (deterministic). "single": one CTA per row loops over the row.
    Output slots past ``min(topk, positions[t] + 1)`` are -1. No host sync, no data-dependent shapes: every
-   buffer is sized by the arguments, so both kernels can be captured in a CUDA graph.
+   buffer is sized by the arguments, so the kernels can be captured in a CUDA graph.
 """
 
 from __future__ import annotations

@@ -3,16 +3,25 @@
 Same signature and semantics as :func:`fxglm5.lowering.reference.paged.mla_paged`.
 
 One kernel body serves dense (causal, prefix-aware) and sparse (listed top-k positions) attention and both
-cache layouts (compute dtype 576 / FP8 ds_mla 656 bytes, dequantized in-kernel to the query dtype):
+cache layouts (compute dtype 576 / FP8 ds_mla 656 bytes):
 - a program owns one query token and a block of ``BLOCK_H`` heads (all 64 GLM-5 heads in one block, so each
-  gathered cache tile feeds a [64 x 576] x [576 x BLOCK_N] MMA and is read once per token, not once per head);
+  gathered cache tile feeds [64 x 576] x [576 x BLOCK_N] MMAs and is read once per token, not once per head);
+- the 512 latent columns are 4 groups of 128 (the FP8 scale groups): QK = 4 K=128 MMAs + the rope MMA, PV
+  accumulates into 4 [BLOCK_H, 128] fp32 accumulators; FP8 rows are converted e4m3 -> bf16 (exact) and the
+  per-group power-of-two scale is folded into the scores (QK) and into P (PV), never applied to the tile;
 - online softmax (flash-style) over ``BLOCK_N``-row tiles, fp32 accumulation, exp2 domain;
-- split-KV (flash-decoding): grid axis 1 splits the key range into ``num_splits`` chunks; each writes a
-  partial (normalized) output + log-sum-exp, and a combine kernel merges them. ``num_splits == 1`` writes the
-  output directly (the prefill path: many tokens already fill the machine; queries of a prefill re-read their
-  prefix tiles, mostly from L2).
+- tile loads: pointer gathers through the block table (sparse and dense), optionally prefetched one tile ahead
+  (PREFETCH), or TMA descriptor loads of BLOCK_N contiguous rows inside one cache block (dense, USE_TMA);
+  on CUDA, ``triton.autotune`` picks among these per (H, num_splits, dtypes) at the first (eager) call;
+- split-KV (flash-decoding): grid axis 1 splits the key range into ``num_splits`` chunks (chosen from the
+  shapes by :func:`pick_num_splits`: fewest waves x tiles per split); each writes a partial (normalized) output
+  + log-sum-exp and a combine kernel merges them. ``num_splits == 1`` writes the output directly (the prefill
+  path: many tokens already fill the machine; queries of a prefill re-read their prefix tiles, mostly from L2).
 The number of splits is a function of the shapes only (``T``, ``H``, the block-table width), never of data,
 so the launch is CUDA-graph safe (no host sync); buffers are sized by the arguments.
+Measured on an H200 (bench/results/kernels_attention.md): far below the bandwidth targets; each iteration
+runs 9 small dependent wgmma groups (M=64, N=BLOCK_N) plus the softmax with one CTA per SM, so the loop is
+latency-bound, not bandwidth-bound.
 """
 
 from __future__ import annotations
