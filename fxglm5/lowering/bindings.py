@@ -74,3 +74,42 @@ def _fp8_linear_aiter(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     xq, xs = quantize_act_1x128(x.reshape(-1, k))
     out = gemm_a8w8_blockscale(xq, weight, xs, scale, dtype=x.dtype)
     return out.view(*lead, weight.shape[0])
+
+
+# ---- Triton: the cached RTP attention ops (paged caches) -------------------------------------------
+def _paged_supported(cache_arg: int):
+    def check(*args):
+        cache = args[cache_arg]
+        return _cuda_or_interpreted(cache)
+
+    return check
+
+
+def _indexer_supported(q, k, weights, topk, index_cache, *rest):
+    if index_cache.dtype != torch.uint8:
+        return "the indexer cache holds compute-dtype keys (exact mode); the Triton indexer reads FP8 rows"
+    return _cuda_or_interpreted(index_cache)
+
+
+@register("rtp_indexer", "triton", _indexer_supported)
+def _rtp_indexer_triton(*args):
+    from fxglm5.lowering.triton import paged_ops
+    from fxglm5.ops.cached import indexer_step
+
+    return indexer_step(paged_ops, *args)
+
+
+@register("rtp_sparse_mla", "triton", _paged_supported(8))
+def _rtp_sparse_mla_triton(*args):
+    from fxglm5.lowering.triton import paged_ops
+    from fxglm5.ops.cached import sparse_mla_step
+
+    return sparse_mla_step(paged_ops, *args)
+
+
+@register("rtp_mla", "triton", _paged_supported(7))
+def _rtp_mla_triton(*args):
+    from fxglm5.lowering.triton import paged_ops
+    from fxglm5.ops.cached import mla_step
+
+    return mla_step(paged_ops, *args)

@@ -141,9 +141,8 @@ def _check_index_cache(cache: Tensor) -> None:
         raise InputError("index_cache: must be contiguous")
 
 
-@torch.library.custom_op("fxglm5::rtp_indexer", mutates_args=("index_cache",))
-def rtp_indexer(q: Tensor, k: Tensor, weights: Tensor, topk: int, index_cache: Tensor, slot_mapping: Tensor,
-                block_table: Tensor, req_idx: Tensor, positions: Tensor, max_positions: int) -> Tensor:
+def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions, max_positions):
+    """rtp_indexer's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
     qf = _pad(_flat(q, "q", 4), paged.INDEX_DIM, "q")
     kf = _pad(_flat(k, "k", 3), paged.INDEX_DIM, "k")
     wf = _flat(weights, "weights", 3)
@@ -157,13 +156,20 @@ def rtp_indexer(q: Tensor, k: Tensor, weights: Tensor, topk: int, index_cache: T
         elif kf.shape[0] != slot_mapping.shape[0] or tuple(wf.shape) != tuple(qf.shape[:2]):
             raise InputError(f"k/weights: shapes {tuple(k.shape)} / {tuple(weights.shape)} do not fit q {tuple(q.shape)}")
     if fp8:
-        paged.write_indexer_cache(index_cache, kf, slot_mapping, validate=False)
-        out = paged.indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk, validate=False)
+        kern.write_indexer_cache(index_cache, kf, slot_mapping, validate=False)
+        out = kern.indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk, validate=False)
     else:
         keep = slot_mapping >= 0
         index_cache.view(-1, paged.INDEX_DIM)[slot_mapping[keep].long()] = kf[keep].to(index_cache.dtype)
         out = _compute_index_topk(qf, wf, index_cache, block_table, req_idx, positions, topk)
     return out.view(*q.shape[:2], topk)
+
+
+@torch.library.custom_op("fxglm5::rtp_indexer", mutates_args=("index_cache",))
+def rtp_indexer(q: Tensor, k: Tensor, weights: Tensor, topk: int, index_cache: Tensor, slot_mapping: Tensor,
+                block_table: Tensor, req_idx: Tensor, positions: Tensor, max_positions: int) -> Tensor:
+    return indexer_step(paged, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions,
+                        max_positions)
 
 
 @rtp_indexer.register_fake
@@ -210,10 +216,9 @@ def _project_out(o_lat: Tensor, w_uv: Tensor, like: Tensor) -> Tensor:
     return o.to(like.dtype).reshape(*like.shape[:3], w_uv.shape[1]).contiguous()
 
 
-@torch.library.custom_op("fxglm5::rtp_sparse_mla", mutates_args=("kv_cache",))
-def rtp_sparse_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_uk: Tensor, w_uv: Tensor,
-                   topk_pos: Tensor, scale: float, kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor,
-                   req_idx: Tensor, positions: Tensor, max_positions: int) -> Tensor:
+def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping, block_table,
+                    req_idx, positions, max_positions):
+    """rtp_sparse_mla's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
     q, kv, pe = _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
                                 req_idx, positions, max_positions)
     top = _flat(topk_pos, "topk_pos", 3)
@@ -221,9 +226,17 @@ def rtp_sparse_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_u
         paged.validate_sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale)
         if top.numel() and bool((top.long() > positions.long()[:, None]).any()):
             raise InputError("topk_pos: a selected position lies after its query's position (not causal)")
-    paged.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False)
-    o_lat = paged.sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale, validate=False)
+    kern.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False)
+    o_lat = kern.sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale, validate=False)
     return _project_out(o_lat, w_uv, q_nope)
+
+
+@torch.library.custom_op("fxglm5::rtp_sparse_mla", mutates_args=("kv_cache",))
+def rtp_sparse_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_uk: Tensor, w_uv: Tensor,
+                   topk_pos: Tensor, scale: float, kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor,
+                   req_idx: Tensor, positions: Tensor, max_positions: int) -> Tensor:
+    return sparse_mla_step(paged, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping,
+                           block_table, req_idx, positions, max_positions)
 
 
 @rtp_sparse_mla.register_fake
@@ -232,17 +245,24 @@ def _(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapp
     return q_nope.new_empty(*q_nope.shape[:3], w_uv.shape[1])
 
 
-@torch.library.custom_op("fxglm5::rtp_mla", mutates_args=("kv_cache",))
-def rtp_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float,
-            kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor, req_idx: Tensor, positions: Tensor,
-            max_positions: int) -> Tensor:
+def mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table, req_idx,
+             positions, max_positions):
+    """rtp_mla's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
     q, kv, pe = _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
                                 req_idx, positions, max_positions)
     if validation_enabled():
         paged.validate_mla_paged(q, kv_cache, block_table, req_idx, positions, scale)
-    paged.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False)
-    o_lat = paged.mla_paged(q, kv_cache, block_table, req_idx, positions, scale, validate=False)
+    kern.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False)
+    o_lat = kern.mla_paged(q, kv_cache, block_table, req_idx, positions, scale, validate=False)
     return _project_out(o_lat, w_uv, q_nope)
+
+
+@torch.library.custom_op("fxglm5::rtp_mla", mutates_args=("kv_cache",))
+def rtp_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float,
+            kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor, req_idx: Tensor, positions: Tensor,
+            max_positions: int) -> Tensor:
+    return mla_step(paged, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table,
+                    req_idx, positions, max_positions)
 
 
 @rtp_mla.register_fake

@@ -69,6 +69,9 @@ def op_histogram(gm: fx.GraphModule) -> dict[str, int]:
 def _op_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"{target.namespace}.{target._opname}"
+    lowered = getattr(target, "op", None)  # a lowering Dispatch counts as the op it implements
+    if isinstance(lowered, str):
+        return f"fxglm5.{lowered}"
     return getattr(target, "__name__", str(target))
 
 

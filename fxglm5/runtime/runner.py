@@ -45,12 +45,13 @@ class Runner:
     def __init__(self, model, *, kv_cache: str = "bf16", index_cache: str | None = None, block_size: int = 64,
                  kernel_block_size: int | None = None, dtype: torch.dtype = torch.float32,
                  num_blocks: int | None = None, max_cache_tokens: int = 8192, device="cpu", keep_logits=False,
-                 graph=None):
+                 graph=None, backend: str | None = None):
         """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``). ``kv_cache``: "bf16"
         (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
         same kind (see fxglm5.runtime.cache). The cache holds ``num_blocks`` blocks of ``block_size`` tokens
         (default: enough for ``max_cache_tokens``). ``graph``: the compiled graph of another Runner over the
-        same model, reused (it holds no cache) to skip capture."""
+        same model, reused (it holds no cache) to skip capture. ``backend``: the kernels the ``lower`` stage
+        prefers ("triton", "aiter", "reference"; default: the best for ``device``, FXGLM5_BACKEND overrides)."""
         from fxglm5.capture import capture
         from fxglm5.passes import PassContext, run_pipeline
 
@@ -64,7 +65,8 @@ class Runner:
         self.graph, self.pass_results = graph, []
         if graph is None:  # a step's flat token count is bounded by the cache, not by one sequence's length
             self.graph = capture(model, max_seq=max(self.config.max_position_embeddings, num_blocks * block_size))
-            self.pass_results = run_pipeline(self.graph, PassContext(config=self.config), stages=("match", "fuse", "cache"))
+            ctx = PassContext(config=self.config, backend=backend, extras={"device": torch.device(device).type})
+            self.pass_results = run_pipeline(self.graph, ctx, stages=("match", "fuse", "cache", "lower"))
         if "paged_cache" not in self.graph.meta:
             raise InputError("model: insert_paged_cache found no attention to put on the paged cache")
         self.cache = PagedCache(self.graph.meta["paged_cache"], num_blocks, block_size, kernel_block_size, kv_cache,

@@ -1,0 +1,9 @@
+"""The Triton twins of ``fxglm5.lowering.reference.paged``, under the same names, so the cached RTP ops'
+bodies (``fxglm5.ops.cached.*_step``) run unchanged over either kernel set."""
+
+from fxglm5.lowering.triton.indexer import indexer_topk_paged
+from fxglm5.lowering.triton.mla import mla_paged
+from fxglm5.lowering.triton.paged_cache import write_indexer_cache, write_latent_cache
+from fxglm5.lowering.triton.sparse_mla import sparse_mla_paged
+
+__all__ = ["indexer_topk_paged", "mla_paged", "sparse_mla_paged", "write_indexer_cache", "write_latent_cache"]
