@@ -67,20 +67,20 @@ def test_aiter_is_selected_where_importable(monkeypatch):
 
     def gemm_a8w8_blockscale(xq, w, xs, ws, dtype):
         calls.append((xq.dtype, w.dtype, tuple(xs.shape), tuple(ws.shape)))
-        return torch.zeros(xq.shape[0], w.shape[0], dtype=dtype)
+        return torch.zeros(xq.shape[0], w.shape[0], dtype=dtype, device=xq.device)
 
     fake.gemm_a8w8_blockscale = gemm_a8w8_blockscale
     for name in ("aiter", "aiter.ops", "aiter.ops.triton"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "aiter.ops.triton.gemm_a8w8_blockscale", fake)
     monkeypatch.setattr(registry, "aiter_available", lambda: True)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU hosts run the Triton quantizer interpreted
     order = registry.backend_order("cuda")
     assert order[0] == "aiter"
     dispatch = registry.Dispatch("fp8_linear", order)
-    x = torch.randn(2, 5, 256)
-    w, s = (torch.randn(128, 256) * 0.1).to(torch.float8_e4m3fn), torch.ones(1, 2)
+    x = torch.randn(2, 5, 256, device=device)
+    w, s = (torch.randn(128, 256, device=device) * 0.1).to(torch.float8_e4m3fn), torch.ones(1, 2, device=device)
     assert dispatch.chosen(x, w, s, None, True) == "aiter"
     assert dispatch(x, w, s, None, True).shape == (2, 5, 128)
     assert calls == [(torch.float8_e4m3fn, torch.float8_e4m3fn, (10, 2), (1, 2))]
-    assert dispatch.chosen(x, w, s, torch.zeros(128), True) == "triton"  # aiter refuses a bias
+    assert dispatch.chosen(x, w, s, torch.zeros(128, device=device), True) == "triton"  # aiter refuses a bias
