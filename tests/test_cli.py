@@ -56,7 +56,8 @@ def test_demo_uses_and_reuses_its_cache(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FXGLM5_CACHE", str(tmp_path))
     first = run(capsys, "demo")
     target = tmp_path / "tiny-fp8"
-    assert (target / "config.json").is_file() and len(first) == 2
+    assert (target / "config.json").is_file() and len(first) == 3
+    assert "match_sparse_mla 4" in first[2] and first[2].endswith("same tokens as the full-recompute model: yes")
     assert first[0].startswith("fxglm5 demo: made") and str(target) in first[0]
     ids = ids_line(first[1], 16)
     stamp = (target / "config.json").stat().st_mtime_ns
