@@ -46,7 +46,7 @@ def device_info() -> dict:
     return info
 
 
-def _events_us(fn: Callable[[], Any], n_iters: int) -> list[float]:
+def events_us(fn: Callable[[], Any], n_iters: int) -> list[float]:
     times = []
     for _ in range(n_iters):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -64,7 +64,7 @@ def copy_bandwidth_gbs(nbytes: int = 2**31, n_iters: int = 10) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     torch.cuda.synchronize()
-    us = statistics.median(_events_us(lambda: dst.copy_(src), n_iters))
+    us = statistics.median(events_us(lambda: dst.copy_(src), n_iters))
     del src, dst
     return 2 * (nbytes // 2) / (us * 1e-6) / 1e9
 
@@ -89,7 +89,7 @@ def time_graph_us(fn: Callable[[], Any], n_warmup: int = 3, n_iters: int = 20, c
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    return statistics.median(_events_us(graph.replay, n_iters)) / calls_per_graph
+    return statistics.median(events_us(graph.replay, n_iters)) / calls_per_graph
 
 
 def rotating(make_inputs: Callable[[int], Any], n_copies: int | None = None, bytes_per_copy: int | None = None):

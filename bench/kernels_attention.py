@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import Results, _events_us, copy_bandwidth_gbs, time_graph_us  # noqa: E402
+from bench.harness import Results, events_us, copy_bandwidth_gbs, time_graph_us  # noqa: E402
 from fxglm5.lowering.reference import paged as ref  # noqa: E402
 
 H, R, DR, D = 64, 512, 64, 576
@@ -111,7 +111,7 @@ def _time_torch(fn):
 
         fn()
         torch.cuda.synchronize()
-        return statistics.median(_events_us(fn, 5))
+        return statistics.median(events_us(fn, 5))
     except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
         print(f"torch baseline failed: {type(e).__name__}: {e}")
         return None
