@@ -85,7 +85,8 @@ class PassManager:
     def __init__(self, ctx: PassContext | None = None, stages=STAGES[:2], dump_dir: str | None = None):
         self.ctx = ctx or PassContext()
         self.passes: list[PassSpec] = passes_for(stages)
-        self.dump_dir = Path(dump_dir or os.environ.get("FXGLM5_DUMP_DIR", "")) if (dump_dir or os.environ.get("FXGLM5_DUMP_DIR")) else None
+        dump_dir = dump_dir or os.environ.get("FXGLM5_DUMP_DIR")
+        self.dump_dir = Path(dump_dir) if dump_dir else None
 
     def run(self, gm: fx.GraphModule) -> list[PassResult]:
         results = []

@@ -163,7 +163,7 @@ def absorbed_weights(gm: fx.GraphModule, match: MLAMatch, before: fx.Node) -> tu
     return w_uk, w_uv
 
 
-def is_causal_mask(node) -> bool:  # noqa: C901 - one readable walk
+def is_causal_mask(node) -> bool:
     """``unsqueeze(le(arange(S)[None, :], arange(S)[:, None]), 0)``: True where key <= query."""
     if is_op(node, aten.unsqueeze.default) and node.args[1] == 0:
         node = node.args[0]
