@@ -31,12 +31,13 @@ HI = 32
 SWEEP = "--sweep" in sys.argv
 NO_TORCH = "--no-torch" in sys.argv
 QUICK = "--quick" in sys.argv  # fewer shapes (the GLM-5 target shapes only)
-_B = dict(BLOCK_H=64, num_warps=8)
-MLA_SWEEP = [dict(_B, BLOCK_N=32, num_stages=2), dict(_B, BLOCK_N=32, num_stages=2, PREFETCH=True),
-             dict(_B, BLOCK_N=64, num_stages=2), dict(_B, BLOCK_N=32, num_stages=3),
-             dict(_B, BLOCK_N=16, num_stages=2, PREFETCH=True)]
-SPARSE_SWEEP = [dict(_B, BLOCK_N=32, num_stages=2), dict(_B, BLOCK_N=32, num_stages=2, PREFETCH=True),
-                dict(_B, BLOCK_N=32, num_stages=3), dict(_B, BLOCK_N=64, num_stages=2)]
+
+
+def _configs(configs):
+    """The autotuner's candidate launches as explicit cfg dicts (the sweep times each one)."""
+    return [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
+
+
 _STATE: dict = {}
 
 
@@ -145,7 +146,7 @@ def bench_mla(results):
         name = f"mla_decode[{'fp8' if cdt == torch.uint8 else 'bf16'}]"
         shape = f"B={B} H={H} ctx={ctx} bs={BS}"
         if SWEEP and B == 64:
-            for cfg in MLA_SWEEP:
+            for cfg in _configs(mla._DENSE_CONFIGS):
                 try:
                     us = time_graph_us(lambda: run(cfg), calls_per_graph=ncalls)
                     _row(results, name + " sweep", shape + " " + str(cfg), us, bytes_=bytes_, flops=flops)
@@ -210,7 +211,7 @@ def bench_sparse_mla(results):
             bytes_ = B * TOPK * width
             shape = f"B={B} H={H} topk={TOPK} ctx={ctx}"
             if SWEEP:
-                for cfg, ns in [(c, None) for c in SPARSE_SWEEP] + [(None, 16 if B == 1 else 4)]:
+                for cfg, ns in [(c, None) for c in _configs(mla._SPARSE_CONFIGS)] + [(None, 16 if B == 1 else 4)]:
                     try:
                         us = time_graph_us(lambda: run(cfg, ns), calls_per_graph=ncalls)
                         _row(results, f"sparse_mla_decode[{tag}] sweep", f"{shape} {cfg} splits={ns}", us,
@@ -245,7 +246,7 @@ def bench_sparse_mla(results):
             sparse_mla.sparse_mla_prefill_paged(q, cache, bt, req, topk, SCALE, validate=False, out=out, cfg=cfg)
 
         if SWEEP and tag == "bf16":
-            for cfg in SPARSE_SWEEP:
+            for cfg in _configs(mla._SPARSE_CONFIGS):
                 try:
                     _row(results, f"sparse_mla_prefill[{tag}] sweep", f"{shape} {cfg}",
                          time_graph_us(lambda: runp(cfg)), flops=flops)
@@ -294,15 +295,16 @@ def bench_indexer(results):
         shape = f"B={B} HI={HI} ctx={ctx} topk={TOPK}"
         kbytes = B * ctx * 132
         if SWEEP and B == 64:
-            for cfg in [dict(BLOCK_N=64, TILES=4, num_warps=4), dict(BLOCK_N=128, TILES=2, num_warps=4),
-                        dict(BLOCK_N=128, TILES=8, num_warps=8), dict(BLOCK_N=256, TILES=2, num_warps=8)]:
+            for cfg in _configs(indexer._LOGITS_CONFIGS):
                 try:
                     _row(results, "indexer_logits sweep", f"{shape} {cfg}",
                          time_graph_us(lambda: run_logits(cfg), calls_per_graph=ncalls), bytes_=kbytes)
                 except Exception as e:  # noqa: BLE001
                     print("sweep config failed", cfg, type(e).__name__, str(e)[:200])
-            for ch in (1024, 2048, 8192):
-                _row(results, "radix_topk sweep", f"{shape} chunk={ch}", time_graph_us(lambda: run_topk(ch)))
+            for ch in (2048, 4096, 8192):
+                _row(results, "radix_topk sweep", f"B={B} L={L} method=multi chunk={ch}",
+                     time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, chunk=ch,
+                                                                    method="multi")))
         us_l = time_graph_us(run_logits, calls_per_graph=ncalls)
 
         def torch_logits():

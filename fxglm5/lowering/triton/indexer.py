@@ -10,12 +10,14 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
    Positions beyond the causal window (``> positions[t]``) are written as -inf (tiles entirely beyond it skip
    the loads).
 2. ``topk_from_logits``: an exact radix select on the order-preserving uint32 image of the float32 scores.
-   Default ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each a
+   Rows up to 32768 ("row"): one CTA per row keeps the row in registers and finds the k-th largest key by
+   bisection on its 32 bits (a CTA-wide count per bit), then a prefix sum writes the selection. Longer rows
+   ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each a
    ``tl.histogram`` per segment added into a global [4, T, 256] histogram with atomics (every CTA replays the
    earlier passes' digit choices from those histograms: a reverse cumsum finds the digit that holds the k-th
    largest); a count pass (keys above / equal to the threshold per segment) and a write pass that places keys
    above the threshold and the lowest-index keys equal to it at offsets from exclusive prefix sums of the
-   per-segment counts (deterministic). "single": one CTA per row loops over the row.
+   per-segment counts (deterministic).
    Output slots past ``min(topk, positions[t] + 1)`` are -1. No host sync, no data-dependent shapes: every
    buffer is sized by the arguments, so the kernels can be captured in a CUDA graph.
 """
@@ -67,7 +69,7 @@ def _indexer_logits_kernel(
         if F32DOT:
             q8 = q8.to(tl.float32)
         w = tl.load(w_ptr + t64 * stride_wt + hs, mask=hmask, other=0.0) * qs  # weights * q scale
-        for i in tl.static_range(TILES):
+        for i in range(TILES):  # a runtime loop: with num_stages > 1 the next tile's gathers are in flight
             offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = offs_n < n_valid
             blk = tl.load(bt_ptr + req * stride_bt + offs_n // BS, mask=valid, other=0).to(tl.int64)
@@ -96,8 +98,10 @@ def _indexer_logits_kernel(
 
 _LOGITS_CONFIGS = [
     triton.Config({"BLOCK_N": 128, "TILES": 4}, num_warps=4, num_stages=1),
-    triton.Config({"BLOCK_N": 64, "TILES": 4}, num_warps=4, num_stages=1),
-    triton.Config({"BLOCK_N": 256, "TILES": 2}, num_warps=8, num_stages=1),
+    triton.Config({"BLOCK_N": 128, "TILES": 4}, num_warps=4, num_stages=2),
+    triton.Config({"BLOCK_N": 128, "TILES": 8}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 64, "TILES": 8}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 256, "TILES": 4}, num_warps=8, num_stages=2),
 ]
 _indexer_logits_tuned = triton.autotune(configs=_LOGITS_CONFIGS, key=["HI", "max_len"])(_indexer_logits_kernel)
 
@@ -116,53 +120,59 @@ def _float_key(x):
 
 
 @triton.jit
-def _radix_topk_kernel(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, CHUNK: tl.constexpr):
+def _row_keys(x_ptr, row0, n_valid, C: tl.constexpr):
+    """Order-preserving uint32 keys of one row chunk; entries past the window get key 0, below every float's
+    key (-inf maps to 0x007FFFFF), so they are never counted or selected."""
+    offs = row0 + tl.arange(0, C)
+    m = offs < n_valid
+    return tl.where(m, _float_key(tl.load(x_ptr + offs, mask=m, other=0.0)), 0)
+
+
+@triton.jit
+def _row_place(key, thr, row0, base, eq_base, eq_quota, orow, C: tl.constexpr):
+    """Write the chunk's selected indices (keys above ``thr``, and keys equal to it while the quota of ties
+    lasts, lowest index first) at ``base`` + their prefix-sum rank; returns the updated running counts."""
+    gt = key > thr
+    eq = key == thr
+    take = gt | (eq & (eq_base + tl.cumsum(eq.to(tl.int32), 0) <= eq_quota))
+    slot = base + tl.cumsum(take.to(tl.int32), 0) - 1
+    tl.store(orow + slot, row0 + tl.arange(0, C), mask=take)
+    return base + tl.sum(take.to(tl.int32), 0), eq_base + tl.sum(eq.to(tl.int32), 0)
+
+
+@triton.jit
+def _row_topk_kernel(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, C: tl.constexpr):
+    """One CTA per row; the row (up to 4*C entries) stays in registers as four C-long chunks. The k-th largest
+    key comes from a 32-step bisection on its bits (one CTA-wide count per step: no histograms, no atomics);
+    then each chunk in turn places its selected indices by a prefix sum (increasing position order)."""
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
     k_eff = tl.minimum(topk, n_valid)
     row = x_ptr + t64 * stride_xt
+    k0 = _row_keys(row, 0, n_valid, C)
+    k1 = _row_keys(row, C, n_valid, C)
+    k2 = _row_keys(row, 2 * C, n_valid, C)
+    k3 = _row_keys(row, 3 * C, n_valid, C)
+    thr = tl.zeros([1], tl.uint32)
+    for bit in tl.static_range(31, -1, -1):
+        cand = thr | tl.full([1], 1 << bit, tl.uint32)
+        c = cand.reshape([])
+        cnt = tl.sum((k0 >= c).to(tl.int32) + (k1 >= c).to(tl.int32) + (k2 >= c).to(tl.int32)
+                     + (k3 >= c).to(tl.int32), 0)
+        thr = tl.where(cnt >= k_eff, cand, thr)
+    thr = thr.reshape([])
+    n_gt = tl.sum((k0 > thr).to(tl.int32) + (k1 > thr).to(tl.int32) + (k2 > thr).to(tl.int32)
+                  + (k3 > thr).to(tl.int32), 0)
+    quota = k_eff - n_gt
     orow = o_ptr + t64 * stride_ot
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros([1], tl.uint32)
-    k_rem = tl.zeros([1], tl.int32) + k_eff
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.zeros([256], tl.int32)
-        for c0 in range(0, n_valid, CHUNK):
-            offs = c0 + tl.arange(0, CHUNK)
-            m = offs < n_valid
-            key = _float_key(tl.load(row + offs, mask=m, other=0.0))
-            if p > 0:
-                m = m & ((key >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
-            d = ((key >> shift) & 255).to(tl.int32)
-            hist += tl.histogram(d, 256, mask=m)
-        ge = tl.cumsum(hist, 0, reverse=True)  # count with digit >= b
-        sel = tl.max(tl.where(ge >= k_rem, bins, -1), 0)  # digit holding the k-th largest
-        gt_sel = tl.sum(tl.where(bins > sel, hist, 0), 0)
-        k_rem = k_rem - gt_sel
-        prefix = prefix | (tl.maximum(sel, 0).to(tl.uint32) << shift)
-    # prefix = key of the k-th largest; take all keys above it and the first k_rem equal to it
-    n_gt = k_eff - k_rem
-    base_gt = tl.zeros([1], tl.int32)
-    base_eq = tl.zeros([1], tl.int32)
-    for c0 in range(0, n_valid, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        m = offs < n_valid
-        key = _float_key(tl.load(row + offs, mask=m, other=0.0))
-        gt = m & (key > prefix)
-        eq = m & (key == prefix)
-        cg = tl.cumsum(gt.to(tl.int32), 0)
-        ce = tl.cumsum(eq.to(tl.int32), 0)
-        rank_eq = base_eq + ce - 1
-        tl.store(orow + base_gt + cg - 1, offs, mask=gt)
-        take_eq = eq & (rank_eq < k_rem)
-        tl.store(orow + n_gt + rank_eq, offs, mask=take_eq)
-        base_gt += tl.sum(gt.to(tl.int32), 0)
-        base_eq += tl.sum(eq.to(tl.int32), 0)
-    for c0 in range(0, topk, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        tl.store(orow + offs, tl.full([CHUNK], -1, tl.int32), mask=(offs >= k_eff) & (offs < topk))
+    base, eqb = _row_place(k0, thr, 0, 0, 0, quota, orow, C)
+    base, eqb = _row_place(k1, thr, C, base, eqb, quota, orow, C)
+    base, eqb = _row_place(k2, thr, 2 * C, base, eqb, quota, orow, C)
+    base, eqb = _row_place(k3, thr, 3 * C, base, eqb, quota, orow, C)
+    for c0 in range(0, topk, C):
+        pad = c0 + tl.arange(0, C)
+        tl.store(orow + pad, tl.full([C], -1, tl.int32), mask=(pad >= k_eff) & (pad < topk))
 
 
 @triton.jit
@@ -280,27 +290,36 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     return out
 
 
-def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
-                     method: str = "multi", workspace: dict | None = None):
-    """int32 [T, topk]: indices of the ``min(topk, positions[t]+1)`` largest of ``logits[t, :positions[t]+1]``
-    (ties at the threshold broken towards lower indices; unordered), -1 padded.
+ROW_MAX = 32768  # longest row the register-resident top-k holds (32 keys per thread at 32 warps)
 
-    ``method="multi"`` (default): radix select spread over ``T x ceil(L / chunk)`` CTAs, 4 histogram passes
+
+def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
+                     method: str | None = None, workspace: dict | None = None):
+    """int32 [T, topk]: indices of the ``min(topk, positions[t]+1)`` largest of ``logits[t, :positions[t]+1]``
+    (ties at the threshold broken towards lower indices), -1 padded.
+
+    ``method="row"`` (default for rows up to ``ROW_MAX``): one CTA per row holds the row in registers; a
+    bisection on the key bits + one prefix sum; indices come out in increasing order. ``method="multi"``
+    (default for longer rows): radix select spread over ``T x ceil(L / chunk)`` CTAs, 4 histogram passes
     (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with deterministic prefix sums:
-    6 launches, no host sync. ``method="single"``: one CTA per row loops over the row (fewer launches, less
-    parallelism). ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and ``cnt`` buffers.
+    6 launches, no host sync. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and ``cnt``.
     """
     T, L = logits.shape
     if out is None:
         out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
     if T == 0:
         return out
+    if method is None:
+        method = "row" if L <= ROW_MAX else "multi"
+    if method not in ("row", "multi"):
+        raise ValueError(f"topk_from_logits: method {method!r} (expected 'row' or 'multi')")
     interp = _INTERPRET or logits.device.type != "cuda"
-    if method == "single":
-        if chunk is None:
-            chunk = 64 if interp else 4096
-        _radix_topk_kernel[(T,)](logits, logits.stride(0), positions, out, out.stride(0), L, topk, CHUNK=chunk,
-                                 num_warps=8 if chunk >= 1024 else 4)
+    if method == "row":
+        if L > ROW_MAX:
+            raise ValueError(f"topk_from_logits: rows of {L} > ROW_MAX={ROW_MAX} need method='multi'")
+        c = max(32, triton.next_power_of_2(L) // 4)
+        _row_topk_kernel[(T,)](logits, logits.stride(0), positions, out, out.stride(0), L, topk, C=c,
+                               num_warps=4 if interp else max(4, min(16, c // 512)))
         return out
     seg = chunk or (64 if interp else 4096)
     nseg = max(triton.cdiv(L, seg), triton.cdiv(topk, seg))

@@ -6,13 +6,18 @@ One kernel body serves dense (causal, prefix-aware) and sparse (listed top-k pos
 cache layouts (compute dtype 576 / FP8 ds_mla 656 bytes):
 - a program owns one query token and a block of ``BLOCK_H`` heads (all 64 GLM-5 heads in one block, so each
   gathered cache tile feeds [64 x 576] x [576 x BLOCK_N] MMAs and is read once per token, not once per head);
-- the 512 latent columns are 4 groups of 128 (the FP8 scale groups): QK = 4 K=128 MMAs + the rope MMA, PV
-  accumulates into 4 [BLOCK_H, 128] fp32 accumulators; FP8 rows are converted e4m3 -> bf16 (exact) and the
-  per-group power-of-two scale is folded into the scores (QK) and into P (PV), never applied to the tile;
-- online softmax (flash-style) over ``BLOCK_N``-row tiles, fp32 accumulation, exp2 domain;
-- tile loads: pointer gathers through the block table (sparse and dense), optionally prefetched one tile ahead
-  (PREFETCH), or TMA descriptor loads of BLOCK_N contiguous rows inside one cache block (dense, USE_TMA);
-  on CUDA, ``triton.autotune`` picks among these per (H, num_splits, dtypes) at the first (eager) call;
+- a tile of ``BLOCK_N`` key rows is three shared-memory operands: two 256-column halves of the latent and
+  the 64 rope columns. QK^T is three chained MMAs over the 576 columns; P @ V reuses the two latent halves
+  (V = the latent) into two [BLOCK_H, 256] fp32 accumulators, so each row is fetched once for both products;
+- FP8 ds_mla rows are converted e4m3 -> compute dtype times their per-128-column scale in registers (exact for
+  the power-of-two scales the cache writer stores) before the MMAs;
+- online softmax (flash-style) over the tiles, fp32 accumulation, exp2 domain;
+- tile loads: dense attention whose tiles lie inside one cache block uses TMA (``USE_TMA``: full tiles go
+  straight to shared memory, multi-buffered by the software pipeliner, no masking; the ragged tail is gathered
+  in 16-row masked tiles, since rows past the end may hold stale bytes); sparse attention gathers rows through
+  the block table with masked loads that the pipeliner turns into asynchronous copies (invalid rows read 0);
+  on CUDA, ``triton.autotune`` picks the tile size and stage count per (H, num_splits, dtypes) at the first
+  (eager) call;
 - split-KV (flash-decoding): grid axis 1 splits the key range into ``num_splits`` chunks (chosen from the
   shapes by :func:`pick_num_splits`: fewest waves x tiles per split); each writes a partial (normalized) output
   + log-sum-exp and a combine kernel merges them. ``num_splits == 1`` writes the output directly (the prefill
@@ -53,109 +58,95 @@ def _mm(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(n0, end, t64, req, cache_ptr, c32_ptr, c16_ptr, bt_ptr, stride_bt, pos_ptr, stride_pt,
-               BS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, SPARSE: tl.constexpr):
-    """Gather BLOCK_N cache rows (raw: e4m3 bytes / compute dtype) -> (k0..k3 [BLOCK_N, 128], kpe [BLOCK_N, 64],
-    s0..s3 [BLOCK_N] fp32 scales (1 for compute-dtype caches), valid [BLOCK_N])."""
+def _tile_slots(n0, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt,
+                BS: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
+    """Cache slots (int64) and validity of the BLOCK_N key rows n0 .. n0+BLOCK_N-1 of one query."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     nmask = offs_n < end
-    CONTIG: tl.constexpr = (not SPARSE) and (BS % BLOCK_N == 0)
     if SPARSE:
         p = tl.load(pos_ptr + t64 * stride_pt + offs_n, mask=nmask, other=-1)
         valid = nmask & (p >= 0)
         p = tl.maximum(p, 0)
-        blk = tl.load(bt_ptr + req * stride_bt + p // BS, mask=valid, other=0).to(tl.int64)
-        slot = blk * BS + (p % BS)
-    elif CONTIG:  # the tile lies inside one cache block: one block-table read, contiguous rows
-        valid = nmask
-        blk = tl.load(bt_ptr + req * stride_bt + n0 // BS, mask=n0 < end, other=0).to(tl.int64)
-        slot = blk * BS + (n0 % BS) + tl.arange(0, BLOCK_N)
     else:
         valid = nmask
-        blk = tl.load(bt_ptr + req * stride_bt + offs_n // BS, mask=valid, other=0).to(tl.int64)
-        slot = blk * BS + (offs_n % BS)
-    d = tl.arange(0, 128)
-    dp = tl.arange(0, 64)
-    vm = valid[:, None]
-    if FP8:
-        row = slot[:, None] * 656 + d[None, :]
-        k0 = tl.load(cache_ptr + row, mask=vm, other=0)
-        k1 = tl.load(cache_ptr + row + 128, mask=vm, other=0)
-        k2 = tl.load(cache_ptr + row + 256, mask=vm, other=0)
-        k3 = tl.load(cache_ptr + row + 384, mask=vm, other=0)
-        s0 = tl.load(c32_ptr + slot * 164 + 128, mask=valid, other=0.0)
-        s1 = tl.load(c32_ptr + slot * 164 + 129, mask=valid, other=0.0)
-        s2 = tl.load(c32_ptr + slot * 164 + 130, mask=valid, other=0.0)
-        s3 = tl.load(c32_ptr + slot * 164 + 131, mask=valid, other=0.0)
-        kpe = tl.load(c16_ptr + slot[:, None] * 328 + 264 + dp[None, :], mask=vm, other=0)
-    else:
-        row = slot[:, None] * 576 + d[None, :]
-        k0 = tl.load(cache_ptr + row, mask=vm, other=0.0)
-        k1 = tl.load(cache_ptr + row + 128, mask=vm, other=0.0)
-        k2 = tl.load(cache_ptr + row + 256, mask=vm, other=0.0)
-        k3 = tl.load(cache_ptr + row + 384, mask=vm, other=0.0)
-        kpe = tl.load(cache_ptr + slot[:, None] * 576 + 512 + dp[None, :], mask=vm, other=0.0)
-        one = tl.full([BLOCK_N], 1.0, tl.float32)
-        s0 = one
-        s1 = one
-        s2 = one
-        s3 = one
-    return k0, k1, k2, k3, kpe, s0, s1, s2, s3, valid
+        p = offs_n
+    blk = tl.load(bt_ptr + req * stride_bt + p // BS, mask=valid, other=0).to(tl.int64)
+    return blk * BS + (p % BS), valid
 
 
 @triton.jit
-def _tile_step(q0, q1, q2, q3, q_pe, k0, k1, k2, k3, kpe, s0, s1, s2, s3, valid,
-               m_i, l_i, acc0, acc1, acc2, acc3, sm_scale_log2,
-               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr):
-    """One online-softmax step over a gathered tile."""
-    dt = q0.dtype
+def _dequant_half(u8, sa, sb, dt: tl.constexpr):
+    """[BLOCK_N, 256] e4m3 bytes x two per-row group scales (columns 0..127 / 128..255) -> dt (exact for the
+    power-of-two scales the cache writer stores)."""
+    cols = tl.arange(0, 256)
+    s = tl.where(cols[None, :] < 128, sa.to(dt)[:, None], sb.to(dt)[:, None])
+    return u8.to(tl.float8e4nv, bitcast=True).to(dt) * s
+
+
+@triton.jit
+def _gather_tile(slot, valid, cache_ptr, c32_ptr, c16_ptr, dt: tl.constexpr, FP8: tl.constexpr):
+    """Gather one tile of latent rows -> (k_a [BLOCK_N, 256], k_b [BLOCK_N, 256], k_pe [BLOCK_N, 64]) in dt.
+
+    Invalid rows read as zeros (masked loads), so they add nothing to P @ V. Compute-dtype rows feed the MMAs
+    straight from the masked loads (the pipeliner stages them as asynchronous copies)."""
+    c = tl.arange(0, 256)
+    cp = tl.arange(0, 64)
     vm = valid[:, None]
     if FP8:
-        # e4m3 -> bf16/fp16/fp32 is exact; the per-group scale is folded into the scores and into P
-        # (rows past the end are zeroed: TMA tiles may hold stale bytes there, and 0 * NaN would leak into PV)
-        k0 = tl.where(vm, k0.to(tl.float8e4nv, bitcast=True).to(dt), 0.0)
-        k1 = tl.where(vm, k1.to(tl.float8e4nv, bitcast=True).to(dt), 0.0)
-        k2 = tl.where(vm, k2.to(tl.float8e4nv, bitcast=True).to(dt), 0.0)
-        k3 = tl.where(vm, k3.to(tl.float8e4nv, bitcast=True).to(dt), 0.0)
-        kpe = kpe.to(tl.bfloat16, bitcast=True).to(dt)
-        zero = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        qk = _mm(q_pe, tl.trans(kpe), zero, IEEE)
-        qk += _mm(q0, tl.trans(k0), zero, IEEE) * s0[None, :]
-        qk += _mm(q1, tl.trans(k1), zero, IEEE) * s1[None, :]
-        qk += _mm(q2, tl.trans(k2), zero, IEEE) * s2[None, :]
-        qk += _mm(q3, tl.trans(k3), zero, IEEE) * s3[None, :]
+        row = cache_ptr + slot[:, None] * 656 + c[None, :]
+        sc = c32_ptr + slot * 164 + 128
+        k_a = _dequant_half(tl.load(row, mask=vm, other=0), tl.load(sc, mask=valid, other=0.0),
+                            tl.load(sc + 1, mask=valid, other=0.0), dt)
+        k_b = _dequant_half(tl.load(row + 256, mask=vm, other=0), tl.load(sc + 2, mask=valid, other=0.0),
+                            tl.load(sc + 3, mask=valid, other=0.0), dt)
+        k_pe = tl.load(c16_ptr + slot[:, None] * 328 + 264 + cp[None, :], mask=vm, other=0)
+        k_pe = k_pe.to(tl.bfloat16, bitcast=True).to(dt)
     else:
-        # the select between the load and the MMAs also lets the pipeliner stage the tile (a loaded tile that
-        # feeds both QK^T and PV straight from shared memory is not pipelined)
-        k0 = tl.where(vm, k0, 0.0).to(dt)
-        k1 = tl.where(vm, k1, 0.0).to(dt)
-        k2 = tl.where(vm, k2, 0.0).to(dt)
-        k3 = tl.where(vm, k3, 0.0).to(dt)
-        kpe = kpe.to(dt)
-        qk = _mm(q0, tl.trans(k0), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)
-        qk = _mm(q1, tl.trans(k1), qk, IEEE)
-        qk = _mm(q2, tl.trans(k2), qk, IEEE)
-        qk = _mm(q3, tl.trans(k3), qk, IEEE)
-        qk = _mm(q_pe, tl.trans(kpe), qk, IEEE)
-    qk = qk * sm_scale_log2
-    qk = tl.where(valid[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    pr = tl.exp2(qk - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(pr, 1)
+        row = cache_ptr + slot[:, None] * 576 + c[None, :]
+        k_a = tl.load(row, mask=vm, other=0.0).to(dt)
+        k_b = tl.load(row + 256, mask=vm, other=0.0).to(dt)
+        k_pe = tl.load(cache_ptr + slot[:, None] * 576 + 512 + cp[None, :], mask=vm, other=0.0).to(dt)
+    return k_a, k_b, k_pe
+
+
+@triton.jit
+def _tma_tile(desc, desc_pe, c32_ptr, row0, dt: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr):
+    """TMA-load BLOCK_N contiguous, all-valid latent rows starting at cache row ``row0`` (one cache block)."""
     if FP8:
-        acc0 = _mm((pr * s0[None, :]).to(dt), k0, acc0 * alpha[:, None], IEEE)
-        acc1 = _mm((pr * s1[None, :]).to(dt), k1, acc1 * alpha[:, None], IEEE)
-        acc2 = _mm((pr * s2[None, :]).to(dt), k2, acc2 * alpha[:, None], IEEE)
-        acc3 = _mm((pr * s3[None, :]).to(dt), k3, acc3 * alpha[:, None], IEEE)
+        slot = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
+        sc = c32_ptr + slot * 164 + 128
+        k_a = _dequant_half(desc.load([row0, 0]), tl.load(sc), tl.load(sc + 1), dt)
+        k_b = _dequant_half(desc.load([row0, 256]), tl.load(sc + 2), tl.load(sc + 3), dt)
+        k_pe = desc_pe.load([row0, 264]).to(tl.bfloat16, bitcast=True).to(dt)
     else:
-        pb = pr.to(dt)
-        acc0 = _mm(pb, k0, acc0 * alpha[:, None], IEEE)
-        acc1 = _mm(pb, k1, acc1 * alpha[:, None], IEEE)
-        acc2 = _mm(pb, k2, acc2 * alpha[:, None], IEEE)
-        acc3 = _mm(pb, k3, acc3 * alpha[:, None], IEEE)
-    return m_new, l_i, acc0, acc1, acc2, acc3
+        k_a = desc.load([row0, 0]).to(dt)
+        k_b = desc.load([row0, 256]).to(dt)
+        k_pe = desc_pe.load([row0, 512]).to(dt)
+    return k_a, k_b, k_pe
+
+
+@triton.jit
+def _attend(q_a, q_b, q_pe, k_a, k_b, k_pe, valid, m_i, l_i, acc_a, acc_b, sm_scale_log2,
+            BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step: S = Q K^T over 576 columns (three chained MMAs), P @ V over the 512 latent
+    columns of the same tile (two MMAs into the column halves). MASKED=False for tiles known to be all valid."""
+    qk = _mm(q_a, tl.trans(k_a), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)
+    qk = _mm(q_b, tl.trans(k_b), qk, IEEE)
+    qk = _mm(q_pe, tl.trans(k_pe), qk, IEEE) * sm_scale_log2
+    if MASKED:
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if MASKED:
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    alpha = tl.exp2(m_i - m_new_safe)
+    p = tl.exp2(qk - m_new_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pb = p.to(k_a.dtype)
+    acc_a = _mm(pb, k_a, acc_a * alpha[:, None], IEEE)
+    acc_b = _mm(pb, k_b, acc_b * alpha[:, None], IEEE)
+    return m_new, l_i, acc_a, acc_b
 
 
 @triton.jit
@@ -168,14 +159,10 @@ def _mla_fwd_kernel(
     po_ptr, plse_ptr,
     H, sm_scale_log2, split_len, num_splits, n_rows,
     BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, N_HB: tl.constexpr,
-    FP8: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
+    FP8: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
     USE_TMA: tl.constexpr = False,
 ):
-    # The 512 latent columns are handled as 4 groups of 128 (the FP8 scale groups): QK is 4 K=128 MMAs (+ the
-    # rope MMA), PV accumulates into 4 [BLOCK_H, 128] accumulators. PREFETCH issues the next tile's gathers
-    # before the current tile's MMAs (register double buffering).
     R: tl.constexpr = 512
-    DR: tl.constexpr = 64
     pid = tl.program_id(0)  # head blocks of one token are adjacent: they share the cache tiles through L2
     t = pid // N_HB
     hb = pid % N_HB
@@ -185,20 +172,17 @@ def _mla_fwd_kernel(
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    dg = tl.arange(0, 128)
-    dp = tl.arange(0, DR)
+    c = tl.arange(0, 256)
+    cp = tl.arange(0, 64)
     q_row = q_ptr + t64 * stride_qt + heads[:, None] * stride_qh
-    q0 = tl.load(q_row + dg[None, :], mask=hmask[:, None], other=0.0)
-    q1 = tl.load(q_row + 128 + dg[None, :], mask=hmask[:, None], other=0.0)
-    q2 = tl.load(q_row + 256 + dg[None, :], mask=hmask[:, None], other=0.0)
-    q3 = tl.load(q_row + 384 + dg[None, :], mask=hmask[:, None], other=0.0)
-    q_pe = tl.load(q_row + R + dp[None, :], mask=hmask[:, None], other=0.0)
-    if IEEE:  # fp32 queries, or the interpreter (whose bf16/fp16 tl.dot is wrong): fp32 MMAs
-        q0 = q0.to(tl.float32)
-        q1 = q1.to(tl.float32)
-        q2 = q2.to(tl.float32)
-        q3 = q3.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
+    q_a = tl.load(q_row + c[None, :], mask=hmask[:, None], other=0.0)
+    q_b = tl.load(q_row + 256 + c[None, :], mask=hmask[:, None], other=0.0)
+    q_pe = tl.load(q_row + R + cp[None, :], mask=hmask[:, None], other=0.0)
+    # fp32 queries, or the interpreter (whose bf16/fp16 tl.dot is wrong): fp32 MMAs
+    dt: tl.constexpr = tl.float32 if IEEE else q_ptr.dtype.element_ty
+    q_a = q_a.to(dt)
+    q_b = q_b.to(dt)
+    q_pe = q_pe.to(dt)
 
     if SPARSE:
         n_total = K
@@ -209,88 +193,55 @@ def _mla_fwd_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
-    acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc_a = tl.zeros([BLOCK_H, 256], tl.float32)
+    acc_b = tl.zeros([BLOCK_H, 256], tl.float32)
     if USE_TMA and (not SPARSE) and (BS % BLOCK_N == 0):
-        # dense attention, tiles inside one cache block: TMA loads of BLOCK_N contiguous rows (the software
-        # pipeliner stages descriptor loads asynchronously; it does not stage these pointer gathers)
+        # dense: every full tile is BLOCK_N contiguous rows of one cache block -> TMA straight into shared
+        # memory (multi-buffered by the pipeliner), no masking; the ragged tail tile is gathered below
         if FP8:
             desc = tl.make_tensor_descriptor(cache_ptr, shape=[n_rows, 656], strides=[656, 1],
-                                             block_shape=[BLOCK_N, 128])
+                                             block_shape=[BLOCK_N, 256])
             desc_pe = tl.make_tensor_descriptor(c16_ptr, shape=[n_rows, 328], strides=[328, 1],
                                                 block_shape=[BLOCK_N, 64])
         else:
             desc = tl.make_tensor_descriptor(cache_ptr, shape=[n_rows, 576], strides=[576, 1],
-                                             block_shape=[BLOCK_N, 128])
+                                             block_shape=[BLOCK_N, 256])
             desc_pe = tl.make_tensor_descriptor(cache_ptr, shape=[n_rows, 576], strides=[576, 1],
                                                 block_shape=[BLOCK_N, 64])
-        one = tl.full([BLOCK_N], 1.0, tl.float32)
-        for n0 in range(start, end, BLOCK_N):
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, full_end, BLOCK_N):
             blk = tl.load(bt_ptr + req * stride_bt + n0 // BS)
-            r0 = blk * BS + (n0 % BS)
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            valid = offs_n < end
-            k0 = desc.load([r0, 0])
-            k1 = desc.load([r0, 128])
-            k2 = desc.load([r0, 256])
-            k3 = desc.load([r0, 384])
-            if FP8:
-                kpe = desc_pe.load([r0, 264])
-                slot = blk.to(tl.int64) * BS + (n0 % BS) + tl.arange(0, BLOCK_N)
-                s0 = tl.load(c32_ptr + slot * 164 + 128, mask=valid, other=0.0)
-                s1 = tl.load(c32_ptr + slot * 164 + 129, mask=valid, other=0.0)
-                s2 = tl.load(c32_ptr + slot * 164 + 130, mask=valid, other=0.0)
-                s3 = tl.load(c32_ptr + slot * 164 + 131, mask=valid, other=0.0)
-            else:
-                kpe = desc_pe.load([r0, 512])
-                s0 = one
-                s1 = one
-                s2 = one
-                s3 = one
-            m_i, l_i, acc0, acc1, acc2, acc3 = _tile_step(
-                q0, q1, q2, q3, q_pe, k0, k1, k2, k3, kpe, s0, s1, s2, s3, valid,
-                m_i, l_i, acc0, acc1, acc2, acc3, sm_scale_log2, BLOCK_H, BLOCK_N, FP8, IEEE)
-    elif PREFETCH:
-        k0, k1, k2, k3, kpe, s0, s1, s2, s3, valid = _load_tile(
-            start, end, t64, req, cache_ptr, c32_ptr, c16_ptr, bt_ptr, stride_bt, pos_ptr, stride_pt,
-            BS, BLOCK_N, FP8, SPARSE)
-        for n0 in range(start, end, BLOCK_N):
-            n0_next = n0 + BLOCK_N
-            nk0, nk1, nk2, nk3, nkpe, ns0, ns1, ns2, ns3, nvalid = _load_tile(
-                n0_next, end, t64, req, cache_ptr, c32_ptr, c16_ptr, bt_ptr, stride_bt, pos_ptr, stride_pt,
-                BS, BLOCK_N, FP8, SPARSE)
-            m_i, l_i, acc0, acc1, acc2, acc3 = _tile_step(
-                q0, q1, q2, q3, q_pe, k0, k1, k2, k3, kpe, s0, s1, s2, s3, valid,
-                m_i, l_i, acc0, acc1, acc2, acc3, sm_scale_log2, BLOCK_H, BLOCK_N, FP8, IEEE)
-            k0, k1, k2, k3, kpe, s0, s1, s2, s3, valid = nk0, nk1, nk2, nk3, nkpe, ns0, ns1, ns2, ns3, nvalid
+            k_a, k_b, k_pe = _tma_tile(desc, desc_pe, c32_ptr, blk * BS + (n0 % BS), dt, FP8, BLOCK_N)
+            m_i, l_i, acc_a, acc_b = _attend(q_a, q_b, q_pe, k_a, k_b, k_pe, k_a, m_i, l_i, acc_a, acc_b,
+                                             sm_scale_log2, BLOCK_H, BLOCK_N, False, IEEE)
+        # the ragged tail (< BLOCK_N rows; rows past the end may hold stale bytes, so no TMA there) is
+        # gathered in 16-row masked tiles: small register tiles keep the kernel free of spills
+        for n0 in range(full_end, end, 16):
+            slot, valid = _tile_slots(n0, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, 16, SPARSE)
+            k_a, k_b, k_pe = _gather_tile(slot, valid, cache_ptr, c32_ptr, c16_ptr, dt, FP8)
+            m_i, l_i, acc_a, acc_b = _attend(q_a, q_b, q_pe, k_a, k_b, k_pe, valid, m_i, l_i, acc_a, acc_b,
+                                             sm_scale_log2, BLOCK_H, 16, True, IEEE)
     else:
         for n0 in range(start, end, BLOCK_N):
-            k0, k1, k2, k3, kpe, s0, s1, s2, s3, valid = _load_tile(
-                n0, end, t64, req, cache_ptr, c32_ptr, c16_ptr, bt_ptr, stride_bt, pos_ptr, stride_pt,
-                BS, BLOCK_N, FP8, SPARSE)
-            m_i, l_i, acc0, acc1, acc2, acc3 = _tile_step(
-                q0, q1, q2, q3, q_pe, k0, k1, k2, k3, kpe, s0, s1, s2, s3, valid,
-                m_i, l_i, acc0, acc1, acc2, acc3, sm_scale_log2, BLOCK_H, BLOCK_N, FP8, IEEE)
+            slot, valid = _tile_slots(n0, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK_N,
+                                      SPARSE)
+            k_a, k_b, k_pe = _gather_tile(slot, valid, cache_ptr, c32_ptr, c16_ptr, dt, FP8)
+            m_i, l_i, acc_a, acc_b = _attend(q_a, q_b, q_pe, k_a, k_b, k_pe, valid, m_i, l_i, acc_a, acc_b,
+                                             sm_scale_log2, BLOCK_H, BLOCK_N, True, IEEE)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     inv = (1.0 / l_safe)[:, None]
     if DIRECT:
-        o_row = o_ptr + t64 * stride_ot + heads[:, None] * stride_oh + dg[None, :]
+        o_row = o_ptr + t64 * stride_ot + heads[:, None] * stride_oh + c[None, :]
         ty = o_ptr.dtype.element_ty
-        tl.store(o_row, (acc0 * inv).to(ty), mask=hmask[:, None])
-        tl.store(o_row + 128, (acc1 * inv).to(ty), mask=hmask[:, None])
-        tl.store(o_row + 256, (acc2 * inv).to(ty), mask=hmask[:, None])
-        tl.store(o_row + 384, (acc3 * inv).to(ty), mask=hmask[:, None])
+        tl.store(o_row, (acc_a * inv).to(ty), mask=hmask[:, None])
+        tl.store(o_row + 256, (acc_b * inv).to(ty), mask=hmask[:, None])
     else:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         base = (t64 * num_splits + sp) * H + heads
-        po_row = po_ptr + base[:, None] * R + dg[None, :]
-        tl.store(po_row, acc0 * inv, mask=hmask[:, None])
-        tl.store(po_row + 128, acc1 * inv, mask=hmask[:, None])
-        tl.store(po_row + 256, acc2 * inv, mask=hmask[:, None])
-        tl.store(po_row + 384, acc3 * inv, mask=hmask[:, None])
+        po_row = po_ptr + base[:, None] * R + c[None, :]
+        tl.store(po_row, acc_a * inv, mask=hmask[:, None])
+        tl.store(po_row + 256, acc_b * inv, mask=hmask[:, None])
         tl.store(plse_ptr + base, lse, mask=hmask)
 
 
@@ -317,17 +268,18 @@ def _mla_combine_kernel(po_ptr, plse_ptr, o_ptr, stride_ot, stride_oh, H, num_sp
 
 # GPU launch configurations, picked per (H, K, num_splits, dtypes) by triton.autotune at the first call (an
 # eager warm-up call, before any CUDA-graph capture). BLOCK_H stays 64 (all GLM-5 heads in one program).
-# Dense attention may also use TMA tile loads (USE_TMA: contiguous rows inside one cache block).
+# Shared memory per stage is one BLOCK_N x 576 tile (+ the 64 x 576 queries): BLOCK_N=64 fits two stages.
 _SPARSE_CONFIGS = [
-    triton.Config({"BLOCK_N": 32, "PREFETCH": False}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_N": 32, "PREFETCH": True}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_N": 16, "PREFETCH": True}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_N": 64, "PREFETCH": False}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_N": 32}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_N": 32}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_N": 64}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_N": 16}, num_warps=8, num_stages=4),
 ]
-_DENSE_CONFIGS = _SPARSE_CONFIGS[:3] + [
-    triton.Config({"BLOCK_N": 32, "PREFETCH": False, "USE_TMA": True}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_N": 64, "PREFETCH": False, "USE_TMA": True}, num_warps=8, num_stages=2),
-    triton.Config({"BLOCK_N": 64, "PREFETCH": False}, num_warps=8, num_stages=2),
+_DENSE_CONFIGS = [
+    triton.Config({"BLOCK_N": 64, "USE_TMA": True}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_N": 32, "USE_TMA": True}, num_warps=8, num_stages=3),
+    triton.Config({"BLOCK_N": 32, "USE_TMA": True}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_N": 32}, num_warps=8, num_stages=3),
 ]
 _mla_sparse_tuned = triton.autotune(configs=_SPARSE_CONFIGS, key=["H", "K", "num_splits"])(_mla_fwd_kernel)
 _mla_dense_tuned = triton.autotune(configs=_DENSE_CONFIGS, key=["H", "num_splits"])(_mla_fwd_kernel)
@@ -377,7 +329,9 @@ def pick_num_splits(units: int, max_len: int, sms: int, max_splits: int = 64) ->
 def _default_cfg(q, fp8, sparse, split):
     if _INTERPRET or q.device.type != "cuda":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
-    return dict(BLOCK_N=32, num_warps=8, num_stages=2, USE_TMA=not sparse and q.dtype != torch.float32)
+    if sparse or q.dtype == torch.float32:
+        return dict(BLOCK_N=32, num_warps=8, num_stages=3)
+    return dict(BLOCK_N=64, num_warps=8, num_stages=2, USE_TMA=True)
 
 
 def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, sparse: bool,
@@ -440,9 +394,8 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
             c["USE_TMA"] = False
         if c.get("USE_TMA"):
             _ensure_allocator()
-        _mla_fwd_kernel[grid](*args, **const, BLOCK_N=c["BLOCK_N"], PREFETCH=c.get("PREFETCH", False),
-                              USE_TMA=bool(c.get("USE_TMA", False)), num_warps=c["num_warps"],
-                              num_stages=c["num_stages"])
+        _mla_fwd_kernel[grid](*args, **const, BLOCK_N=c["BLOCK_N"], USE_TMA=bool(c.get("USE_TMA", False)),
+                              num_warps=c["num_warps"], num_stages=c["num_stages"])
     if not direct:
         S_PAD = max(2, triton.next_power_of_2(num_splits))
         BLOCK_D = 128 if S_PAD <= 16 else 64
