@@ -141,7 +141,7 @@ def bench_mla(results):
             mla.mla_decode_paged(q, cache, bt, r, pos, SCALE, validate=False, out=out, cfg=cfg,
                                  num_splits=num_splits)
 
-        bytes_ = B * ctx * width
+        bytes_ = B * ctx * width * cache.element_size()  # bf16 rows are 576 x 2 bytes
         flops = 2 * B * H * ctx * (D + R)
         name = f"mla_decode[{'fp8' if cdt == torch.uint8 else 'bf16'}]"
         shape = f"B={B} H={H} ctx={ctx} bs={BS}"
@@ -152,6 +152,9 @@ def bench_mla(results):
                     _row(results, name + " sweep", shape + " " + str(cfg), us, bytes_=bytes_, flops=flops)
                 except Exception as e:  # noqa: BLE001
                     print("sweep config failed", cfg, type(e).__name__, str(e)[:200])
+            for ns in (1, 3, 4):
+                us = time_graph_us(lambda: run(None, ns), calls_per_graph=ncalls)
+                _row(results, name + " sweep", f"{shape} splits={ns}", us, bytes_=bytes_, flops=flops)
         us = time_graph_us(run, calls_per_graph=ncalls)
         tus = None
         if B * ctx * D * 2 < 4 * 2**30:
@@ -208,10 +211,11 @@ def bench_sparse_mla(results):
                                                    num_splits=ns)
 
             flops = 2 * B * H * TOPK * (D + R)
-            bytes_ = B * TOPK * width
+            bytes_ = B * TOPK * width * cache.element_size()
             shape = f"B={B} H={H} topk={TOPK} ctx={ctx}"
             if SWEEP:
-                for cfg, ns in [(c, None) for c in _configs(mla._SPARSE_CONFIGS)] + [(None, 16 if B == 1 else 4)]:
+                splits = (8, 16, 64) if B == 1 else (1, 3, 4)
+                for cfg, ns in [(c, None) for c in _configs(mla._SPARSE_CONFIGS)] + [(None, n) for n in splits]:
                     try:
                         us = time_graph_us(lambda: run(cfg, ns), calls_per_graph=ncalls)
                         _row(results, f"sparse_mla_decode[{tag}] sweep", f"{shape} {cfg} splits={ns}", us,
@@ -295,7 +299,7 @@ def bench_indexer(results):
         shape = f"B={B} HI={HI} ctx={ctx} topk={TOPK}"
         kbytes = B * ctx * 132
         if SWEEP and B == 64:
-            for cfg in _configs(indexer._LOGITS_CONFIGS):
+            for cfg in _configs(indexer._LOGITS_CONFIGS) + [dict(BLOCK_N=128, TILES=4, PROMOTE=128, num_warps=4)]:
                 try:
                     _row(results, "indexer_logits sweep", f"{shape} {cfg}",
                          time_graph_us(lambda: run_logits(cfg), calls_per_graph=ncalls), bytes_=kbytes)
@@ -334,8 +338,9 @@ def bench_cache_write(results):
     for T in (8192,) if QUICK else (64, 8192):
         for cdt, width in ((torch.bfloat16, 576), (torch.uint8, 656)):
             cache = torch.zeros(T // BS + 8, BS, width, dtype=cdt, device="cuda")
-            kv = torch.randn(T, R, device="cuda", dtype=torch.bfloat16)
-            pe = torch.randn(T, DR, device="cuda", dtype=torch.bfloat16)
+            # host RNG: a torch baseline whose capture failed leaves the CUDA generator unusable for later draws
+            kv = torch.randn(T, R, dtype=torch.bfloat16).cuda()
+            pe = torch.randn(T, DR, dtype=torch.bfloat16).cuda()
             slots = torch.arange(T, device="cuda") + BS
             us = time_graph_us(lambda: pc.write_latent_cache(cache, kv, pe, slots, validate=False))
             tus = _time_torch(lambda: ref.write_latent_cache(cache, kv, pe, slots, validate=False))

@@ -48,7 +48,7 @@ def _indexer_logits_kernel(
     bt_ptr, stride_bt, req_ptr, pos_ptr,
     o_ptr, stride_ot, HI, max_len,
     BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    F32DOT: tl.constexpr,
+    F32DOT: tl.constexpr, PROMOTE: tl.constexpr = 32,
 ):
     D: tl.constexpr = 128
     t = tl.program_id(0)
@@ -69,7 +69,7 @@ def _indexer_logits_kernel(
         if F32DOT:
             q8 = q8.to(tl.float32)
         w = tl.load(w_ptr + t64 * stride_wt + hs, mask=hmask, other=0.0) * qs  # weights * q scale
-        for i in range(TILES):  # a runtime loop: with num_stages > 1 the next tile's gathers are in flight
+        for i in tl.static_range(TILES):
             offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
             valid = offs_n < n_valid
             blk = tl.load(bt_ptr + req * stride_bt + offs_n // BS, mask=valid, other=0).to(tl.int64)
@@ -83,8 +83,9 @@ def _indexer_logits_kernel(
             if F32DOT:
                 s = tl.dot(k8.to(tl.float32), tl.trans(q8), input_precision="ieee")  # [BLOCK_N, BLOCK_HI]
             else:
-                # Hopper FP8 wgmma accumulates with reduced precision; promote into fp32 every 32 products
-                s = tl.dot(k8, tl.trans(q8), max_num_imprecise_acc=32)
+                # Hopper FP8 wgmma accumulates with reduced precision; PROMOTE products at a time are added
+                # into fp32 (32: four promotions per 128-wide key; 128: one, as in a single MMA)
+                s = tl.dot(k8, tl.trans(q8), max_num_imprecise_acc=PROMOTE)
             s = tl.maximum(s, 0.0) * w[None, :]
             logit = tl.sum(s, axis=1) * ksc
             logit = tl.where(valid, logit, float("-inf"))
@@ -98,10 +99,9 @@ def _indexer_logits_kernel(
 
 _LOGITS_CONFIGS = [
     triton.Config({"BLOCK_N": 128, "TILES": 4}, num_warps=4, num_stages=1),
-    triton.Config({"BLOCK_N": 128, "TILES": 4}, num_warps=4, num_stages=2),
-    triton.Config({"BLOCK_N": 128, "TILES": 8}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 64, "TILES": 8}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 256, "TILES": 4}, num_warps=8, num_stages=2),
+    triton.Config({"BLOCK_N": 128, "TILES": 2}, num_warps=4, num_stages=1),
+    triton.Config({"BLOCK_N": 64, "TILES": 8}, num_warps=4, num_stages=1),
+    triton.Config({"BLOCK_N": 128, "TILES": 8}, num_warps=8, num_stages=1),
 ]
 _indexer_logits_tuned = triton.autotune(configs=_LOGITS_CONFIGS, key=["HI", "max_len"])(_indexer_logits_kernel)
 
@@ -286,7 +286,8 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
         c.update(cfg or {})
         grid = (T, triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]))
         _indexer_logits_kernel[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"],
-                                     F32DOT=interp, num_warps=c["num_warps"], num_stages=c["num_stages"])
+                                     F32DOT=interp, PROMOTE=c.get("PROMOTE", 32), num_warps=c["num_warps"],
+                                     num_stages=c["num_stages"])
     return out
 
 
