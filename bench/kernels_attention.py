@@ -299,7 +299,7 @@ def bench_indexer(results):
         shape = f"B={B} HI={HI} ctx={ctx} topk={TOPK}"
         kbytes = B * ctx * 132
         if SWEEP and B == 64:
-            for cfg in _configs(indexer._LOGITS_CONFIGS) + [dict(BLOCK_N=128, TILES=4, PROMOTE=128, num_warps=4)]:
+            for cfg in _configs(indexer._LOGITS_CONFIGS) + [dict(BLOCK_N=128, TILES=4, PROMOTE=32, num_warps=4)]:
                 try:
                     _row(results, "indexer_logits sweep", f"{shape} {cfg}",
                          time_graph_us(lambda: run_logits(cfg), calls_per_graph=ncalls), bytes_=kbytes)

@@ -141,7 +141,10 @@ def test_sparse_mla(cdtype):
     _close(sparse_mla.sparse_mla_paged(q, cache, bt, req, topk, SCALE), r)
 
 
-def test_indexer_logits_and_topk():
+@pytest.mark.parametrize("cfg", [None] + [dict(BLOCK_N=128, TILES=4, PROMOTE=p, num_warps=4, num_stages=1)
+                                         for p in (32, 128)])
+def test_indexer_logits_and_topk(cfg):
+    """The FP8 logits (default launch and both accumulation-promotion settings) against the float reference."""
     from fxglm5.lowering.triton import indexer
 
     lens = [6000, 2500, 1000, 2047]
@@ -154,10 +157,10 @@ def test_indexer_logits_and_topk():
     w = torch.randn(5, HI, device="cuda") * HI ** -0.5 * 128 ** -0.5
     L = bt.shape[1] * BS
     lr = ref.indexer_logits_paged(q, w, kc, bt, req, pos, max_len=L)
-    lt = indexer.indexer_logits_paged(q, w, kc, bt, req, pos)
+    lt = indexer.indexer_logits_paged(q, w, kc, bt, req, pos, cfg=cfg)
     fin = lr.isfinite()
     assert torch.equal(fin, lt.isfinite())
-    # FP8 tensor-core products accumulate with reduced precision inside each 32-product wgmma step
+    # FP8 tensor-core products accumulate with reduced precision between promotions into fp32
     _close(lt[fin], lr[fin], tol=1e-3)
     o = indexer.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK)
     for t in range(5):

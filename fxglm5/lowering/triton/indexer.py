@@ -48,7 +48,7 @@ def _indexer_logits_kernel(
     bt_ptr, stride_bt, req_ptr, pos_ptr,
     o_ptr, stride_ot, HI, max_len,
     BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    F32DOT: tl.constexpr, PROMOTE: tl.constexpr = 32,
+    F32DOT: tl.constexpr, PROMOTE: tl.constexpr = 128,
 ):
     D: tl.constexpr = 128
     t = tl.program_id(0)
@@ -84,7 +84,8 @@ def _indexer_logits_kernel(
                 s = tl.dot(k8.to(tl.float32), tl.trans(q8), input_precision="ieee")  # [BLOCK_N, BLOCK_HI]
             else:
                 # Hopper FP8 wgmma accumulates with reduced precision; PROMOTE products at a time are added
-                # into fp32 (32: four promotions per 128-wide key; 128: one, as in a single MMA)
+                # into fp32. 128 (default): one promotion per 128-wide key, no MMA waits inside the key
+                # (bench/results/indexer_precision.md: error and top-k overlap against the float reference)
                 s = tl.dot(k8, tl.trans(q8), max_num_imprecise_acc=PROMOTE)
             s = tl.maximum(s, 0.0) * w[None, :]
             logit = tl.sum(s, axis=1) * ksc
@@ -286,7 +287,7 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
         c.update(cfg or {})
         grid = (T, triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]))
         _indexer_logits_kernel[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"],
-                                     F32DOT=interp, PROMOTE=c.get("PROMOTE", 32), num_warps=c["num_warps"],
+                                     F32DOT=interp, PROMOTE=c.get("PROMOTE", 128), num_warps=c["num_warps"],
                                      num_stages=c["num_stages"])
     return out
 
