@@ -305,6 +305,10 @@ def bench_indexer(results):
                          time_graph_us(lambda: run_logits(cfg), calls_per_graph=ncalls), bytes_=kbytes)
                 except Exception as e:  # noqa: BLE001
                     print("sweep config failed", cfg, type(e).__name__, str(e)[:200])
+            for nw in (8, 16, 32):
+                _row(results, "radix_topk sweep", f"B={B} L={L} method=row num_warps={nw}",
+                     time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, method="row",
+                                                                    num_warps=nw)))
             for ch in (2048, 4096, 8192):
                 _row(results, "radix_topk sweep", f"B={B} L={L} method=multi chunk={ch}",
                      time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, chunk=ch,

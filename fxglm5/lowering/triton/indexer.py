@@ -10,8 +10,8 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
    Positions beyond the causal window (``> positions[t]``) are written as -inf (tiles entirely beyond it skip
    the loads).
 2. ``topk_from_logits``: an exact radix select on the order-preserving uint32 image of the float32 scores.
-   Rows up to 32768 ("row"): one CTA per row keeps the row in registers and finds the k-th largest key by
-   bisection on its 32 bits (a CTA-wide count per bit), then a prefix sum writes the selection. Longer rows
+   Rows up to 32768 ("row"): one CTA per row keeps the row in registers and finds the k-th largest key two
+   bits at a time (16 CTA-wide reductions of three counts), then prefix sums write the selection. Longer rows
    ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each a
    ``tl.histogram`` per segment added into a global [4, T, 256] histogram with atomics (every CTA replays the
    earlier passes' digit choices from those histograms: a reverse cumsum finds the digit that holds the k-th
@@ -130,22 +130,38 @@ def _row_keys(x_ptr, row0, n_valid, C: tl.constexpr):
 
 
 @triton.jit
-def _row_place(key, thr, row0, base, eq_base, eq_quota, orow, C: tl.constexpr):
-    """Write the chunk's selected indices (keys above ``thr``, and keys equal to it while the quota of ties
-    lasts, lowest index first) at ``base`` + their prefix-sum rank; returns the updated running counts."""
-    gt = key > thr
-    eq = key == thr
-    take = gt | (eq & (eq_base + tl.cumsum(eq.to(tl.int32), 0) <= eq_quota))
-    slot = base + tl.cumsum(take.to(tl.int32), 0) - 1
+def _row_place(key, thr, row0, gt_base, eq_base, eq_quota, orow, C: tl.constexpr):
+    """Write the chunk's selected indices: keys above ``thr``, and keys equal to it while the quota of ties
+    lasts (lowest index first), in index order. One prefix sum carries both counts (above in the low 16 bits,
+    equal in the high bits: a chunk holds at most 8192 keys); an index's slot is the keys above before it plus
+    the ties before it, capped at the quota. Returns the running counts."""
+    gt = (key > thr).to(tl.int32)
+    eq = (key == thr).to(tl.int32)
+    cs = tl.cumsum(gt + (eq << 16), 0)
+    n_gt = gt_base + (cs & 0xFFFF)  # inclusive counts up to each index
+    n_eq = eq_base + (cs >> 16)
+    take = (gt == 1) | ((eq == 1) & (n_eq <= eq_quota))
+    slot = n_gt - gt + tl.minimum(n_eq - eq, eq_quota)
     tl.store(orow + slot, row0 + tl.arange(0, C), mask=take)
-    return base + tl.sum(take.to(tl.int32), 0), eq_base + tl.sum(eq.to(tl.int32), 0)
+    tot = tl.sum(gt + (eq << 16), 0)
+    return gt_base + (tot & 0xFFFF), eq_base + (tot >> 16)
+
+
+@triton.jit
+def _count_ge(k0, k1, k2, k3, c):
+    return (k0 >= c).to(tl.int32) + (k1 >= c).to(tl.int32) + (k2 >= c).to(tl.int32) + (k3 >= c).to(tl.int32)
+
+
+@triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
 
 
 @triton.jit
 def _row_topk_kernel(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, C: tl.constexpr):
     """One CTA per row; the row (up to 4*C entries) stays in registers as four C-long chunks. The k-th largest
-    key comes from a 32-step bisection on its bits (one CTA-wide count per step: no histograms, no atomics);
-    then each chunk in turn places its selected indices by a prefix sum (increasing position order)."""
+    key is searched two bits at a time (16 steps, each one CTA-wide reduction of three counts; no histograms,
+    no atomics); then each chunk in turn places its selected indices by a prefix sum (position order)."""
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
@@ -155,14 +171,14 @@ def _row_topk_kernel(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, C: tl
     k1 = _row_keys(row, C, n_valid, C)
     k2 = _row_keys(row, 2 * C, n_valid, C)
     k3 = _row_keys(row, 3 * C, n_valid, C)
-    thr = tl.zeros([1], tl.uint32)
-    for bit in tl.static_range(31, -1, -1):
-        cand = thr | tl.full([1], 1 << bit, tl.uint32)
-        c = cand.reshape([])
-        cnt = tl.sum((k0 >= c).to(tl.int32) + (k1 >= c).to(tl.int32) + (k2 >= c).to(tl.int32)
-                     + (k3 >= c).to(tl.int32), 0)
-        thr = tl.where(cnt >= k_eff, cand, thr)
-    thr = thr.reshape([])
+    thr = tl.zeros([], tl.uint32)
+    for step in tl.static_range(16):  # two bits per step: three candidates, one CTA-wide (tuple) reduction
+        c1 = thr | tl.full([], 1 << (30 - 2 * step), tl.uint32)
+        c2 = thr | tl.full([], 2 << (30 - 2 * step), tl.uint32)
+        c3 = thr | tl.full([], 3 << (30 - 2 * step), tl.uint32)
+        n1, n2, n3 = tl.reduce((_count_ge(k0, k1, k2, k3, c1), _count_ge(k0, k1, k2, k3, c2),
+                                _count_ge(k0, k1, k2, k3, c3)), 0, _add3)
+        thr = tl.where(n3 >= k_eff, c3, tl.where(n2 >= k_eff, c2, tl.where(n1 >= k_eff, c1, thr)))
     n_gt = tl.sum((k0 > thr).to(tl.int32) + (k1 > thr).to(tl.int32) + (k2 > thr).to(tl.int32)
                   + (k3 > thr).to(tl.int32), 0)
     quota = k_eff - n_gt
@@ -292,19 +308,20 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     return out
 
 
-ROW_MAX = 32768  # longest row the register-resident top-k holds (32 keys per thread at 32 warps)
+ROW_MAX = 32768  # longest row the register-resident top-k holds (4 chunks of at most 8192 keys)
 
 
 def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
-                     method: str | None = None, workspace: dict | None = None):
+                     method: str | None = None, workspace: dict | None = None, num_warps: int | None = None):
     """int32 [T, topk]: indices of the ``min(topk, positions[t]+1)`` largest of ``logits[t, :positions[t]+1]``
     (ties at the threshold broken towards lower indices), -1 padded.
 
     ``method="row"`` (default for rows up to ``ROW_MAX``): one CTA per row holds the row in registers; a
-    bisection on the key bits + one prefix sum; indices come out in increasing order. ``method="multi"``
+    two-bits-per-step search on the key bits + one prefix sum per chunk; indices come out in increasing order. ``method="multi"``
     (default for longer rows): radix select spread over ``T x ceil(L / chunk)`` CTAs, 4 histogram passes
     (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with deterministic prefix sums:
     6 launches, no host sync. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and ``cnt``.
+    ``num_warps`` overrides the row kernel's launch width (16 warps for 32k-long rows by default).
     """
     T, L = logits.shape
     if out is None:
@@ -321,7 +338,7 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
             raise ValueError(f"topk_from_logits: rows of {L} > ROW_MAX={ROW_MAX} need method='multi'")
         c = max(32, triton.next_power_of_2(L) // 4)
         _row_topk_kernel[(T,)](logits, logits.stride(0), positions, out, out.stride(0), L, topk, C=c,
-                               num_warps=4 if interp else max(4, min(16, c // 512)))
+                               num_warps=num_warps or (4 if interp else max(4, min(16, c // 512))))
         return out
     seg = chunk or (64 if interp else 4096)
     nseg = max(triton.cdiv(L, seg), triton.cdiv(topk, seg))

@@ -13,11 +13,11 @@ cache layouts (compute dtype 576 / FP8 ds_mla 656 bytes):
   the power-of-two scales the cache writer stores) before the MMAs;
 - online softmax (flash-style) over the tiles, fp32 accumulation, exp2 domain;
 - tile loads: dense attention whose tiles lie inside one cache block uses TMA (``USE_TMA``: full tiles go
-  straight to shared memory, multi-buffered by the software pipeliner, no masking; the ragged tail is gathered
-  in 16-row masked tiles, since rows past the end may hold stale bytes); sparse attention gathers rows through
-  the block table with masked loads that the pipeliner turns into asynchronous copies (invalid rows read 0);
-  on CUDA, ``triton.autotune`` picks the tile size and stage count per (H, num_splits, dtypes) at the first
-  (eager) call;
+  straight to shared memory, multi-buffered by the software pipeliner, no masking; the ragged tail goes through
+  descriptors that end at the last valid row, since rows past it may hold stale bytes); sparse attention
+  gathers rows through the block table with masked loads that the pipeliner turns into asynchronous copies
+  (invalid rows read 0); on CUDA, ``triton.autotune`` picks the tile size and stage count per (H, num_splits,
+  dtypes) at the first (eager) call;
 - split-KV (flash-decoding): grid axis 1 splits the key range into ``num_splits`` chunks (chosen from the
   shapes by :func:`pick_num_splits`: fewest waves x tiles per split); each writes a partial (normalized) output
   + log-sum-exp and a combine kernel merges them. ``num_splits == 1`` writes the output directly (the prefill
@@ -114,18 +114,41 @@ def _gather_tile(slot, valid, cache_ptr, c32_ptr, c16_ptr, dt: tl.constexpr, FP8
 
 
 @triton.jit
-def _tma_tile(desc, desc_pe, c32_ptr, row0, dt: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr):
-    """TMA-load BLOCK_N contiguous, all-valid latent rows starting at cache row ``row0`` (one cache block)."""
+def _latent_descs(cache_ptr, c16_ptr, row0, n_rows, FP8: tl.constexpr, BLOCK_N: tl.constexpr):
+    """TMA descriptors over the cache rows ``row0 .. row0 + n_rows - 1``: the latent (two 256-column boxes)
+    and the rope columns. Rows past ``n_rows`` read as zeros, which is what makes a ragged tail tile safe."""
+    r = row0.to(tl.int64)
     if FP8:
-        slot = row0.to(tl.int64) + tl.arange(0, BLOCK_N)
-        sc = c32_ptr + slot * 164 + 128
-        k_a = _dequant_half(desc.load([row0, 0]), tl.load(sc), tl.load(sc + 1), dt)
-        k_b = _dequant_half(desc.load([row0, 256]), tl.load(sc + 2), tl.load(sc + 3), dt)
-        k_pe = desc_pe.load([row0, 264]).to(tl.bfloat16, bitcast=True).to(dt)
+        desc = tl.make_tensor_descriptor(cache_ptr + r * 656, shape=[n_rows, 656], strides=[656, 1],
+                                         block_shape=[BLOCK_N, 256])
+        desc_pe = tl.make_tensor_descriptor(c16_ptr + r * 328, shape=[n_rows, 328], strides=[328, 1],
+                                            block_shape=[BLOCK_N, 64])
     else:
-        k_a = desc.load([row0, 0]).to(dt)
-        k_b = desc.load([row0, 256]).to(dt)
-        k_pe = desc_pe.load([row0, 512]).to(dt)
+        desc = tl.make_tensor_descriptor(cache_ptr + r * 576, shape=[n_rows, 576], strides=[576, 1],
+                                         block_shape=[BLOCK_N, 256])
+        desc_pe = tl.make_tensor_descriptor(cache_ptr + r * 576, shape=[n_rows, 576], strides=[576, 1],
+                                            block_shape=[BLOCK_N, 64])
+    return desc, desc_pe
+
+
+@triton.jit
+def _tma_tile(desc, desc_pe, c32_ptr, row, slot0, n_valid, dt: tl.constexpr, FP8: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """TMA-load the BLOCK_N latent rows at descriptor row ``row`` (cache slots ``slot0 ..``); FP8 scales of
+    rows past ``n_valid`` read as 0 (their e4m3 bytes are TMA zero fill)."""
+    if FP8:
+        offs = tl.arange(0, BLOCK_N)
+        m = offs < n_valid
+        sc = c32_ptr + (slot0.to(tl.int64) + offs) * 164 + 128
+        k_a = _dequant_half(desc.load([row, 0]), tl.load(sc, mask=m, other=0.0),
+                            tl.load(sc + 1, mask=m, other=0.0), dt)
+        k_b = _dequant_half(desc.load([row, 256]), tl.load(sc + 2, mask=m, other=0.0),
+                            tl.load(sc + 3, mask=m, other=0.0), dt)
+        k_pe = desc_pe.load([row, 264]).to(tl.bfloat16, bitcast=True).to(dt)
+    else:
+        k_a = desc.load([row, 0]).to(dt)
+        k_b = desc.load([row, 256]).to(dt)
+        k_pe = desc_pe.load([row, 512]).to(dt)
     return k_a, k_b, k_pe
 
 
@@ -201,30 +224,23 @@ def _mla_fwd_kernel(
     acc_b = tl.zeros([BLOCK_H, 256], tl.float32)
     if USE_TMA and (not SPARSE) and (BS % BLOCK_N == 0):
         # dense: every full tile is BLOCK_N contiguous rows of one cache block -> TMA straight into shared
-        # memory (multi-buffered by the pipeliner), no masking; the ragged tail tile is gathered below
-        if FP8:
-            desc = tl.make_tensor_descriptor(cache_ptr, shape=[n_rows, 656], strides=[656, 1],
-                                             block_shape=[BLOCK_N, 256])
-            desc_pe = tl.make_tensor_descriptor(c16_ptr, shape=[n_rows, 328], strides=[328, 1],
-                                                block_shape=[BLOCK_N, 64])
-        else:
-            desc = tl.make_tensor_descriptor(cache_ptr, shape=[n_rows, 576], strides=[576, 1],
-                                             block_shape=[BLOCK_N, 256])
-            desc_pe = tl.make_tensor_descriptor(cache_ptr, shape=[n_rows, 576], strides=[576, 1],
-                                                block_shape=[BLOCK_N, 64])
+        # memory (multi-buffered by the pipeliner), no masking
+        desc, desc_pe = _latent_descs(cache_ptr, c16_ptr, t64 * 0, n_rows, FP8, BLOCK_N)
         full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
         for n0 in range(start, full_end, BLOCK_N):
-            blk = tl.load(bt_ptr + req * stride_bt + n0 // BS)
-            k_a, k_b, k_pe = _tma_tile(desc, desc_pe, c32_ptr, blk * BS + (n0 % BS), dt, FP8, BLOCK_N)
+            r0 = tl.load(bt_ptr + req * stride_bt + n0 // BS) * BS + (n0 % BS)
+            k_a, k_b, k_pe = _tma_tile(desc, desc_pe, c32_ptr, r0, r0, BLOCK_N, dt, FP8, BLOCK_N)
             m_i, l_i, acc_a, acc_b = _attend(q_a, q_b, q_pe, k_a, k_b, k_pe, k_a, m_i, l_i, acc_a, acc_b,
                                              sm_scale_log2, BLOCK_H, BLOCK_N, False, IEEE)
-        # the ragged tail (< BLOCK_N rows; rows past the end may hold stale bytes, so no TMA there) is
-        # gathered in 16-row masked tiles: small register tiles keep the kernel free of spills
-        for n0 in range(full_end, end, 16):
-            slot, valid = _tile_slots(n0, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, 16, SPARSE)
-            k_a, k_b, k_pe = _gather_tile(slot, valid, cache_ptr, c32_ptr, c16_ptr, dt, FP8)
-            m_i, l_i, acc_a, acc_b = _attend(q_a, q_b, q_pe, k_a, k_b, k_pe, valid, m_i, l_i, acc_a, acc_b,
-                                             sm_scale_log2, BLOCK_H, 16, True, IEEE)
+        if full_end < end:
+            # the ragged tail: rows past the end may hold stale bytes (NaN included), so it is loaded through
+            # descriptors that end at the last valid row (TMA zero-fills the rest) and its scores are masked
+            rem = end - full_end
+            r0 = tl.load(bt_ptr + req * stride_bt + full_end // BS) * BS + (full_end % BS)
+            tdesc, tdesc_pe = _latent_descs(cache_ptr, c16_ptr, r0, rem, FP8, BLOCK_N)
+            k_a, k_b, k_pe = _tma_tile(tdesc, tdesc_pe, c32_ptr, 0, r0, rem, dt, FP8, BLOCK_N)
+            m_i, l_i, acc_a, acc_b = _attend(q_a, q_b, q_pe, k_a, k_b, k_pe, tl.arange(0, BLOCK_N) < rem, m_i,
+                                             l_i, acc_a, acc_b, sm_scale_log2, BLOCK_H, BLOCK_N, True, IEEE)
     else:
         for n0 in range(start, end, BLOCK_N):
             slot, valid = _tile_slots(n0, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK_N,
