@@ -10,9 +10,8 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
    Positions beyond the causal window (``> positions[t]``) are written as -inf (tiles entirely beyond it skip
    the loads).
 2. ``topk_from_logits``: an exact radix select on the order-preserving uint32 image of the float32 scores.
-   Rows up to 32768 ("row"): one CTA per row keeps the row in registers; a threshold taken from a strided sample
-   leaves about 1.25 k candidates, which are compacted and searched exactly (the k-th largest key two bits at a
-   time), then a prefix sum writes the selection; a row the sample misjudges is searched whole. Longer rows
+   Rows up to 32768 ("row"): one CTA per row keeps the row in registers and finds the k-th largest key two
+   bits at a time (16 CTA-wide reductions of three counts), then prefix sums write the selection. Longer rows
    ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each a
    ``tl.histogram`` per segment added into a global [4, T, 256] histogram with atomics (every CTA replays the
    earlier passes' digit choices from those histograms: a reverse cumsum finds the digit that holds the k-th
@@ -131,11 +130,11 @@ def _row_keys(x_ptr, row0, n_valid, C: tl.constexpr):
 
 
 @triton.jit
-def _row_place(key, idx, thr, gt_base, eq_base, eq_quota, orow):
-    """Write the selected ``idx`` of one tensor (index order): keys above ``thr``, and keys equal to it while
-    the quota of ties lasts (lowest index first). One prefix sum carries both counts (above in the low 16 bits,
-    equal in the high bits: a tensor holds at most 8192 keys); a slot is the keys above before it plus the ties
-    before it, capped at the quota. Returns the running counts."""
+def _row_place(key, thr, row0, gt_base, eq_base, eq_quota, orow, C: tl.constexpr):
+    """Write the chunk's selected indices: keys above ``thr``, and keys equal to it while the quota of ties
+    lasts (lowest index first), in index order. One prefix sum carries both counts (above in the low 16 bits,
+    equal in the high bits: a chunk holds at most 8192 keys); an index's slot is the keys above before it plus
+    the ties before it, capped at the quota. Returns the running counts."""
     gt = (key > thr).to(tl.int32)
     eq = (key == thr).to(tl.int32)
     cs = tl.cumsum(gt + (eq << 16), 0)
@@ -143,18 +142,14 @@ def _row_place(key, idx, thr, gt_base, eq_base, eq_quota, orow):
     n_eq = eq_base + (cs >> 16)
     take = (gt == 1) | ((eq == 1) & (n_eq <= eq_quota))
     slot = n_gt - gt + tl.minimum(n_eq - eq, eq_quota)
-    tl.store(orow + slot, idx, mask=take)
+    tl.store(orow + slot, row0 + tl.arange(0, C), mask=take)
     tot = tl.sum(gt + (eq << 16), 0)
     return gt_base + (tot & 0xFFFF), eq_base + (tot >> 16)
 
 
 @triton.jit
-def _count_ge(k0, k1, k2, k3, c, N: tl.constexpr):
-    """Per-position count of keys >= c over the first N of the four tensors."""
-    n = (k0 >= c).to(tl.int32)
-    if N > 1:
-        n += (k1 >= c).to(tl.int32) + (k2 >= c).to(tl.int32) + (k3 >= c).to(tl.int32)
-    return n
+def _count_ge(k0, k1, k2, k3, c):
+    return (k0 >= c).to(tl.int32) + (k1 >= c).to(tl.int32) + (k2 >= c).to(tl.int32) + (k3 >= c).to(tl.int32)
 
 
 @triton.jit
@@ -163,83 +158,35 @@ def _add3(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _kth_key(k0, k1, k2, k3, k, N: tl.constexpr, FUSED: tl.constexpr):
-    """The k-th largest key over the first N (1 or 4) same-shape tensors, two bits per step (16 steps of three
-    CTA-wide counts; no histograms, no atomics). FUSED: the three counts in one tuple reduction (one round of
-    barriers per step; the interpreter runs a tuple reduction element by element, so it takes three sums)."""
-    thr = tl.zeros([], tl.uint32)
-    for step in tl.static_range(16):
-        c1 = thr | tl.full([], 1 << (30 - 2 * step), tl.uint32)
-        c2 = thr | tl.full([], 2 << (30 - 2 * step), tl.uint32)
-        c3 = thr | tl.full([], 3 << (30 - 2 * step), tl.uint32)
-        if FUSED:
-            n1, n2, n3 = tl.reduce((_count_ge(k0, k1, k2, k3, c1, N), _count_ge(k0, k1, k2, k3, c2, N),
-                                    _count_ge(k0, k1, k2, k3, c3, N)), 0, _add3)
-        else:
-            n1 = tl.sum(_count_ge(k0, k1, k2, k3, c1, N), 0)
-            n2 = tl.sum(_count_ge(k0, k1, k2, k3, c2, N), 0)
-            n3 = tl.sum(_count_ge(k0, k1, k2, k3, c3, N), 0)
-        thr = tl.where(n3 >= k, c3, tl.where(n2 >= k, c2, tl.where(n1 >= k, c1, thr)))
-    return thr
-
-
-@triton.jit
-def _compact(key, row0, tau, base, wk_ptr, wi_ptr, C: tl.constexpr):
-    """Append the chunk's keys >= ``tau`` and their indices (in index order) to the workspace at ``base``."""
-    f = (key >= tau).to(tl.int32)
-    at = base + tl.cumsum(f, 0) - 1
-    tl.store(wk_ptr + at, key.to(tl.int32, bitcast=True), mask=f == 1)
-    tl.store(wi_ptr + at, row0 + tl.arange(0, C), mask=f == 1)
-    return base + tl.sum(f, 0)
-
-
-@triton.jit
-def _row_topk_kernel(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, ws_ptr, L, topk, sample_stride,
-                     C: tl.constexpr, S: tl.constexpr, CAP: tl.constexpr, FUSED: tl.constexpr):
-    """One CTA per row; the row (up to 4*C entries) stays in registers as four C-long chunks.
-
-    A strided sample of S keys gives a provisional threshold ``tau`` aimed at ~1.25 k + 64 keys above it. When
-    the row has between k and CAP keys >= tau (almost always), those candidates are compacted, in index order,
-    into a per-row workspace and the exact selection runs on them alone; otherwise the exact search runs on the
-    whole row. Either way the result is the exact top-k with ties broken towards lower indices."""
+def _row_topk_kernel(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, C: tl.constexpr):
+    """One CTA per row; the row (up to 4*C entries) stays in registers as four C-long chunks. The k-th largest
+    key is searched two bits at a time (16 steps, each one CTA-wide reduction of three counts; no histograms,
+    no atomics); then each chunk in turn places its selected indices by a prefix sum (position order)."""
     t = tl.program_id(0)
     t64 = t.to(tl.int64)
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
     k_eff = tl.minimum(topk, n_valid)
     row = x_ptr + t64 * stride_xt
-    orow = o_ptr + t64 * stride_ot
     k0 = _row_keys(row, 0, n_valid, C)
     k1 = _row_keys(row, C, n_valid, C)
     k2 = _row_keys(row, 2 * C, n_valid, C)
     k3 = _row_keys(row, 3 * C, n_valid, C)
-    si = tl.arange(0, S) * sample_stride
-    skey = tl.where(si < n_valid, _float_key(tl.load(row + si, mask=si < n_valid, other=0.0)), 0)
-    m = tl.minimum((n_valid + sample_stride - 1) // sample_stride, S)
-    want = (k_eff * 5 + 3) // 4 + 64
-    j = tl.minimum(tl.maximum((want * m + n_valid - 1) // tl.maximum(n_valid, 1), 1), m)
-    tau = _kth_key(skey, skey, skey, skey, j, 1, FUSED)
-    n_cand = tl.sum(_count_ge(k0, k1, k2, k3, tau, 4), 0)
-    if (n_cand >= k_eff) & (n_cand <= CAP):
-        wk = ws_ptr + t64 * (2 * CAP)
-        wi = wk + CAP
-        base = _compact(k0, 0, tau, 0, wk, wi, C)
-        base = _compact(k1, C, tau, base, wk, wi, C)
-        base = _compact(k2, 2 * C, tau, base, wk, wi, C)
-        base = _compact(k3, 3 * C, tau, base, wk, wi, C)
-        tl.debug_barrier()  # the workspace rows were written by other threads of this CTA
-        cand = tl.arange(0, CAP)
-        ck = tl.load(wk + cand, mask=cand < n_cand, other=0).to(tl.uint32, bitcast=True)  # 0: never selected
-        thr = _kth_key(ck, ck, ck, ck, k_eff, 1, FUSED)
-        quota = k_eff - tl.sum((ck > thr).to(tl.int32), 0)
-        _row_place(ck, tl.load(wi + cand, mask=cand < n_cand, other=0), thr, 0, 0, quota, orow)
-    else:
-        thr = _kth_key(k0, k1, k2, k3, k_eff, 4, FUSED)
-        quota = k_eff - tl.sum((k0 > thr).to(tl.int32) + (k1 > thr).to(tl.int32) + (k2 > thr).to(tl.int32)
-                               + (k3 > thr).to(tl.int32), 0)
-        gb, eb = _row_place(k0, tl.arange(0, C), thr, 0, 0, quota, orow)
-        gb, eb = _row_place(k1, C + tl.arange(0, C), thr, gb, eb, quota, orow)
-        gb, eb = _row_place(k2, 2 * C + tl.arange(0, C), thr, gb, eb, quota, orow)
-        gb, eb = _row_place(k3, 3 * C + tl.arange(0, C), thr, gb, eb, quota, orow)
+    thr = tl.zeros([], tl.uint32)
+    for step in tl.static_range(16):  # two bits per step: three candidates, one CTA-wide (tuple) reduction
+        c1 = thr | tl.full([], 1 << (30 - 2 * step), tl.uint32)
+        c2 = thr | tl.full([], 2 << (30 - 2 * step), tl.uint32)
+        c3 = thr | tl.full([], 3 << (30 - 2 * step), tl.uint32)
+        n1, n2, n3 = tl.reduce((_count_ge(k0, k1, k2, k3, c1), _count_ge(k0, k1, k2, k3, c2),
+                                _count_ge(k0, k1, k2, k3, c3)), 0, _add3)
+        thr = tl.where(n3 >= k_eff, c3, tl.where(n2 >= k_eff, c2, tl.where(n1 >= k_eff, c1, thr)))
+    n_gt = tl.sum((k0 > thr).to(tl.int32) + (k1 > thr).to(tl.int32) + (k2 > thr).to(tl.int32)
+                  + (k3 > thr).to(tl.int32), 0)
+    quota = k_eff - n_gt
+    orow = o_ptr + t64 * stride_ot
+    base, eqb = _row_place(k0, thr, 0, 0, 0, quota, orow, C)
+    base, eqb = _row_place(k1, thr, C, base, eqb, quota, orow, C)
+    base, eqb = _row_place(k2, thr, 2 * C, base, eqb, quota, orow, C)
+    base, eqb = _row_place(k3, thr, 3 * C, base, eqb, quota, orow, C)
     for c0 in range(0, topk, C):
         pad = c0 + tl.arange(0, C)
         tl.store(orow + pad, tl.full([C], -1, tl.int32), mask=(pad >= k_eff) & (pad < topk))
@@ -365,20 +312,16 @@ ROW_MAX = 32768  # longest row the register-resident top-k holds (4 chunks of at
 
 
 def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
-                     method: str | None = None, workspace: dict | None = None, num_warps: int | None = None,
-                     sample_size: int | None = None, max_candidates: int | None = None):
+                     method: str | None = None, workspace: dict | None = None, num_warps: int | None = None):
     """int32 [T, topk]: indices of the ``min(topk, positions[t]+1)`` largest of ``logits[t, :positions[t]+1]``
     (ties at the threshold broken towards lower indices), -1 padded.
 
     ``method="row"`` (default for rows up to ``ROW_MAX``): one CTA per row holds the row in registers; a
-    threshold from a strided sample of ``sample_size`` keys (default 2048) picks at most ``max_candidates``
-    (default: the power of two >= 2 topk + 128, at most 8192) candidates, and an exact two-bits-per-step search
-    and one prefix sum run on those; rows where the sample misses fall back to the same search over the whole
-    row. Indices come out in increasing order. ``method="multi"`` (default for longer rows): radix select spread
-    over ``T x ceil(L / chunk)`` CTAs, 4 histogram passes (global atomics into a [4, T, 256] histogram) + a count
-    pass + a write pass with deterministic prefix sums: 6 launches, no host sync. ``workspace`` may hold
-    preallocated buffers: ``cand`` ([T, 2 max_candidates] int32, "row"), ``hist`` ([4, T, 256] int32) and
-    ``cnt`` ("multi"). ``num_warps`` overrides the row kernel's launch width (16 warps for 32k-long rows).
+    two-bits-per-step search on the key bits + one prefix sum per chunk; indices come out in increasing order. ``method="multi"``
+    (default for longer rows): radix select spread over ``T x ceil(L / chunk)`` CTAs, 4 histogram passes
+    (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with deterministic prefix sums:
+    6 launches, no host sync. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and ``cnt``.
+    ``num_warps`` overrides the row kernel's launch width (16 warps for 32k-long rows by default).
     """
     T, L = logits.shape
     if out is None:
@@ -394,17 +337,7 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
         if L > ROW_MAX:
             raise ValueError(f"topk_from_logits: rows of {L} > ROW_MAX={ROW_MAX} need method='multi'")
         c = max(32, triton.next_power_of_2(L) // 4)
-        n_sample = sample_size or min(64 if interp else 2048, triton.next_power_of_2(L))
-        cap = max_candidates or min(8192, triton.next_power_of_2(2 * topk + 128))
-        if cap > 8192 or n_sample & (n_sample - 1) or cap & (cap - 1):
-            raise ValueError("topk_from_logits: sample_size and max_candidates must be powers of two, "
-                             f"max_candidates <= 8192 (got {n_sample}, {cap})")
-        ws = workspace if workspace is not None else {}
-        cand = ws.get("cand")
-        if cand is None or cand.shape != (T, 2 * cap) or cand.device != logits.device:
-            cand = torch.empty(T, 2 * cap, dtype=torch.int32, device=logits.device)
-        _row_topk_kernel[(T,)](logits, logits.stride(0), positions, out, out.stride(0), cand, L, topk,
-                               triton.cdiv(L, n_sample), C=c, S=n_sample, CAP=cap, FUSED=not interp,
+        _row_topk_kernel[(T,)](logits, logits.stride(0), positions, out, out.stride(0), L, topk, C=c,
                                num_warps=num_warps or (4 if interp else max(4, min(16, c // 512))))
         return out
     seg = chunk or (64 if interp else 4096)
