@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import Results, events_us, copy_bandwidth_gbs, time_graph_us  # noqa: E402
+from bench.harness import Results, copy_bandwidth_gbs, events_us, rotating, time_graph_us  # noqa: E402
 from fxglm5.lowering.reference import paged as ref  # noqa: E402
 
 H, R, DR, D = 64, 512, 64, 576
@@ -48,6 +48,13 @@ def _copy_gbs(results) -> float:
         _STATE["copy"] = copy_bandwidth_gbs()
     results.copy_gbs = _STATE["copy"]
     return results.copy_gbs
+
+
+def _request_batches(B, nreq, ncalls):
+    """``ncalls`` batches of B request ids (batch i: requests iB .. iB+B-1 mod nreq) and a round-robin getter:
+    captured once per batch, each replay of a small-batch decode graph reads different cache memory."""
+    return rotating(lambda i: torch.arange(i * B, (i + 1) * B, device="cuda", dtype=torch.int32) % nreq,
+                    n_copies=ncalls)
 
 
 def _paged(B, ctx, width, dtype, seed=0):
@@ -132,13 +139,10 @@ def bench_mla(results):
         pos = torch.full((B,), ctx - 1, device="cuda", dtype=torch.int32)
         out = torch.empty(B, H, R, device="cuda", dtype=torch.bfloat16)
         ncalls = 1 if B * ctx * width > 3 * 60 * 2**20 else nreq // B
-        reqs = [torch.arange(i * B, (i + 1) * B, device="cuda", dtype=torch.int32) % nreq for i in range(ncalls)]
-        st = {"i": 0}
+        reqs, next_reqs = _request_batches(B, nreq, ncalls)
 
         def run(cfg=None, num_splits=None):
-            r = reqs[st["i"] % ncalls]
-            st["i"] += 1
-            mla.mla_decode_paged(q, cache, bt, r, pos, SCALE, validate=False, out=out, cfg=cfg,
+            mla.mla_decode_paged(q, cache, bt, next_reqs(), pos, SCALE, validate=False, out=out, cfg=cfg,
                                  num_splits=num_splits)
 
         bytes_ = B * ctx * width * cache.element_size()  # bf16 rows are 576 x 2 bytes
@@ -201,14 +205,11 @@ def bench_sparse_mla(results):
             topk = torch.rand(B, ctx, device="cuda").topk(TOPK, dim=1).indices.int()
             out = torch.empty(B, H, R, device="cuda", dtype=torch.bfloat16)
             ncalls = 64 // B if B < 64 else 1
-            reqs = [torch.arange(i * B, (i + 1) * B, device="cuda", dtype=torch.int32) for i in range(ncalls)]
-            st = {"i": 0}
+            reqs, next_reqs = _request_batches(B, 64, ncalls)
 
             def run(cfg=None, ns=None):
-                r = reqs[st["i"] % ncalls]
-                st["i"] += 1
-                sparse_mla.sparse_mla_decode_paged(q, cache, bt, r, topk, SCALE, validate=False, out=out, cfg=cfg,
-                                                   num_splits=ns)
+                sparse_mla.sparse_mla_decode_paged(q, cache, bt, next_reqs(), topk, SCALE, validate=False, out=out,
+                                                   cfg=cfg, num_splits=ns)
 
             flops = 2 * B * H * TOPK * (D + R)
             bytes_ = B * TOPK * width * cache.element_size()
@@ -279,13 +280,7 @@ def bench_indexer(results):
         logits = torch.empty(B, L, device="cuda")
         top = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
         ncalls = 1 if B * ctx * 132 > 3 * 60 * 2**20 else nreq // B
-        reqs = [torch.arange(i * B, (i + 1) * B, device="cuda", dtype=torch.int32) % nreq for i in range(ncalls)]
-        st = {"i": 0}
-
-        def nxt():
-            r = reqs[st["i"] % ncalls]
-            st["i"] += 1
-            return r
+        reqs, nxt = _request_batches(B, nreq, ncalls)
 
         def run_logits(cfg=None):
             indexer.indexer_logits_paged(q, w, kc, bt, nxt(), pos, out=logits, validate=False, cfg=cfg)

@@ -317,10 +317,10 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     (ties at the threshold broken towards lower indices), -1 padded.
 
     ``method="row"`` (default for rows up to ``ROW_MAX``): one CTA per row holds the row in registers; a
-    two-bits-per-step search on the key bits + one prefix sum per chunk; indices come out in increasing order. ``method="multi"``
-    (default for longer rows): radix select spread over ``T x ceil(L / chunk)`` CTAs, 4 histogram passes
-    (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with deterministic prefix sums:
-    6 launches, no host sync. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and ``cnt``.
+    two-bits-per-step search on the key bits + one prefix sum per chunk; indices come out in increasing order.
+    ``method="multi"`` (default for longer rows): radix select spread over ``T x ceil(L / chunk)`` CTAs,
+    4 histogram passes (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with
+    deterministic prefix sums: 6 launches, no host sync. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and ``cnt``.
     ``num_warps`` overrides the row kernel's launch width (16 warps for 32k-long rows by default).
     """
     T, L = logits.shape

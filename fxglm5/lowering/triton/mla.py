@@ -46,7 +46,7 @@ from fxglm5.lowering.triton.paged_cache import interpreter_compat
 
 interpreter_compat()
 
-__all__ = ["mla_paged", "mla_decode_paged", "mla_prefill_paged", "launch_mla"]
+__all__ = ["mla_paged", "mla_decode_paged", "mla_prefill_paged", "launch_mla", "dispatch_num_splits"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _NO_TUNE = os.environ.get("FXGLM5_NO_AUTOTUNE", "0") == "1"  # fixed default configs (no tuning compiles)
@@ -346,7 +346,7 @@ def pick_num_splits(units: int, max_len: int, sms: int, max_splits: int = 64) ->
     return best
 
 
-def _default_cfg(q, fp8, sparse, split):
+def _default_cfg(q, sparse):
     if _INTERPRET or q.device.type != "cuda":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if sparse or q.dtype == torch.float32:
@@ -406,7 +406,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
         _LAST["tuner"] = tuner
         tuner[grid](*args, **const)
     else:
-        c = dict(_default_cfg(q, fp8, sparse, num_splits > 1))
+        c = dict(_default_cfg(q, sparse))
         if cfg:  # an explicit config names every option it wants (TMA only when asked for)
             c["USE_TMA"] = False
             c.update({k: v for k, v in cfg.items() if k != "BLOCK_H"})
@@ -422,6 +422,13 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
         _mla_combine_kernel[(T, H, R // BLOCK_D)](po, plse, out, out.stride(0), out.stride(1), H, num_splits, R=R,
                                                   S_PAD=S_PAD, BLOCK_D=BLOCK_D, num_warps=4)
     return out
+
+
+def dispatch_num_splits(q) -> int | None:
+    """1 (no split, the prefill path) when the tokens' head blocks alone fill the GPU twice over; else None
+    (split-KV, the count picked from the shapes)."""
+    n_hb = triton.cdiv(q.shape[1], _pick_block_h(q.shape[1]))
+    return 1 if q.shape[0] * n_hb >= 2 * _num_sms(q.device) else None
 
 
 def mla_decode_paged(q, cache, block_table, req_idx, positions, scale: float, *, num_splits: int | None = None,
@@ -446,7 +453,5 @@ def mla_paged(q, cache, block_table, req_idx, positions, scale: float, *, valida
     """Dispatch: split-KV decode when the tokens alone do not fill the GPU, else the prefill path."""
     if validate:
         ref.validate_mla_paged(q, cache, block_table, req_idx, positions, scale)
-    n_hb = triton.cdiv(q.shape[1], _pick_block_h(q.shape[1]))
-    if q.shape[0] * n_hb >= 2 * _num_sms(q.device):
-        return launch_mla(q, cache, block_table, req_idx, positions, scale, sparse=False, num_splits=1, out=out)
-    return launch_mla(q, cache, block_table, req_idx, positions, scale, sparse=False, out=out)
+    return launch_mla(q, cache, block_table, req_idx, positions, scale, sparse=False,
+                      num_splits=dispatch_num_splits(q), out=out)

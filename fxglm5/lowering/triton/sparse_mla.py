@@ -10,10 +10,8 @@ tokens) runs one pass per token. The split count depends on shapes only (CUDA-gr
 
 from __future__ import annotations
 
-import triton
-
 from fxglm5.lowering.reference import paged as ref
-from fxglm5.lowering.triton.mla import _num_sms, _pick_block_h, launch_mla
+from fxglm5.lowering.triton.mla import dispatch_num_splits, launch_mla
 
 __all__ = ["sparse_mla_paged", "sparse_mla_decode_paged", "sparse_mla_prefill_paged"]
 
@@ -39,7 +37,5 @@ def sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, 
     """Dispatch on the shapes: split the top-k list when the tokens alone do not fill the GPU."""
     if validate:
         ref.validate_sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale)
-    n_hb = triton.cdiv(q.shape[1], _pick_block_h(q.shape[1]))
-    if q.shape[0] * n_hb >= 2 * _num_sms(q.device):
-        return launch_mla(q, cache, block_table, req_idx, topk_pos, scale, sparse=True, num_splits=1, out=out)
-    return launch_mla(q, cache, block_table, req_idx, topk_pos, scale, sparse=True, out=out)
+    return launch_mla(q, cache, block_table, req_idx, topk_pos, scale, sparse=True,
+                      num_splits=dispatch_num_splits(q), out=out)
