@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton.paged_cache import e4m3_bits, interpreter_compat, pow2_scale
 
@@ -331,11 +332,11 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     if method is None:
         method = "row" if L <= ROW_MAX else "multi"
     if method not in ("row", "multi"):
-        raise ValueError(f"topk_from_logits: method {method!r} (expected 'row' or 'multi')")
+        raise InputError(f"topk_from_logits: method {method!r} (expected 'row' or 'multi')")
     interp = _INTERPRET or logits.device.type != "cuda"
     if method == "row":
         if L > ROW_MAX:
-            raise ValueError(f"topk_from_logits: rows of {L} > ROW_MAX={ROW_MAX} need method='multi'")
+            raise InputError(f"topk_from_logits: rows of {L} > ROW_MAX={ROW_MAX} need method='multi'")
         c = max(32, triton.next_power_of_2(L) // 4)
         _row_topk_kernel[(T,)](logits, logits.stride(0), positions, out, out.stride(0), L, topk, C=c,
                                num_warps=num_warps or (4 if interp else max(4, min(16, c // 512))))
