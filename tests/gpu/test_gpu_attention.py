@@ -141,10 +141,20 @@ def test_sparse_mla(cdtype):
     _close(sparse_mla.sparse_mla_paged(q, cache, bt, req, topk, SCALE), r)
 
 
-@pytest.mark.parametrize("cfg", [None] + [dict(BLOCK_N=128, TILES=4, PROMOTE=p, num_warps=4, num_stages=1)
-                                         for p in (32, 128)])
+@pytest.mark.parametrize("cfg", [None, "every", dict(BLOCK_N=128, TILES=4, PROMOTE=32, num_warps=4, num_stages=1)])
 def test_indexer_logits_and_topk(cfg):
-    """The FP8 logits (default launch and both accumulation-promotion settings) against the float reference."""
+    """The FP8 logits (default launch, every autotune candidate launched explicitly, and the finer accumulation
+    promotion) against the float reference."""
+    from fxglm5.lowering.triton import indexer
+
+    if cfg == "every":
+        for c in indexer._LOGITS_CONFIGS:
+            _check_indexer(dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages))
+    else:
+        _check_indexer(cfg)
+
+
+def _check_indexer(cfg):
     from fxglm5.lowering.triton import indexer
 
     lens = [6000, 2500, 1000, 2047]
