@@ -300,10 +300,9 @@ def bench_indexer(results):
                          time_graph_us(lambda: run_logits(cfg), calls_per_graph=ncalls), bytes_=kbytes)
                 except Exception as e:  # noqa: BLE001
                     print("sweep config failed", cfg, type(e).__name__, str(e)[:200])
-            for nw in (8, 16, 32):
-                _row(results, "radix_topk sweep", f"B={B} L={L} method=row num_warps={nw}",
-                     time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, method="row",
-                                                                    num_warps=nw)))
+            for ch in (8192, 16384, 32768):
+                _row(results, "radix_topk sweep", f"B={B} L={L} method=segments chunk={ch}",
+                     time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, chunk=ch)))
             for ch in (2048, 4096, 8192):
                 _row(results, "radix_topk sweep", f"B={B} L={L} method=multi chunk={ch}",
                      time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, chunk=ch,
@@ -324,7 +323,10 @@ def bench_indexer(results):
              note=f"cfg={indexer.tuned_config()}")
         us_t = time_graph_us(run_topk)
         _row(results, "radix_topk", f"B={B} L={L} topk={TOPK}", us_t,
-             torch_us=_time_torch(lambda: torch.topk(logits, TOPK, dim=1)))
+             torch_us=_time_torch(lambda: torch.topk(logits, TOPK, dim=1)), note="segments (default)")
+        _row(results, "radix_topk", f"B={B} L={L} topk={TOPK}",
+             time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, method="multi")),
+             note="multi (global radix)")
         us_a = time_graph_us(run_all, calls_per_graph=ncalls)
         _row(results, "indexer_topk (logits+topk)", shape, us_a, bytes_=kbytes,
              torch_us=_time_torch(lambda: (run_logits(), torch.topk(logits, TOPK, dim=1))),

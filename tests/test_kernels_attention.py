@@ -370,16 +370,16 @@ def test_indexer_topk_paged(s, HI, K, data):
             _close(naive[t][got].sort().values, best, atol=1e-3)
 
 
-def test_topk_from_logits_bad_method_and_row_length():
+def test_topk_from_logits_bad_method_and_topk():
     x, pos = torch.randn(2, 40), torch.tensor([39, 10], dtype=torch.int32)
-    with pytest.raises(InputError, match="method 'single'"):
-        tindexer.topk_from_logits(x, pos, 8, method="single")
-    with pytest.raises(InputError, match="ROW_MAX"):
-        tindexer.topk_from_logits(torch.randn(1, tindexer.ROW_MAX + 1), pos[:1], 8, method="row")
+    with pytest.raises(InputError, match="method 'row'"):
+        tindexer.topk_from_logits(x, pos, 8, method="row")
+    with pytest.raises(InputError, match="SEGMENT_MAX"):
+        tindexer.topk_from_logits(x, pos, tindexer.SEGMENT_MAX // 2 + 1)
 
 
 @given(st.integers(1, 3), st.integers(1, 300), st.integers(1, 80), st.sampled_from([64, 128]), st.integers(0, 2**16),
-       st.sampled_from(["multi", "row"]))
+       st.sampled_from(["multi", "segments"]))
 def test_radix_topk_from_logits(T, L, K, chunk, seed, method):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, L, generator=g)

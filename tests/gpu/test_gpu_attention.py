@@ -187,7 +187,8 @@ def _check_indexer(cfg):
         _close(lr[t, sel].sort().values, best.sort().values, tol=1e-3)
 
 
-@pytest.mark.parametrize("method, L", [("multi", 200_000), ("row", 32_768), ("row", 5_000)])
+@pytest.mark.parametrize("method, L", [("multi", 200_000), ("segments", 200_000), ("segments", 131_072),
+                                       ("segments", 32_768), ("segments", 5_000)])
 def test_radix_topk_long_rows(method, L):
     from fxglm5.lowering.triton import indexer
 

@@ -9,10 +9,13 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
    fp32 accumulate), applies relu, the per-head ``weights * q_scale`` and the per-key scale, and sums the heads.
    Positions beyond the causal window (``> positions[t]``) are written as -inf (tiles entirely beyond it skip
    the loads).
-2. ``topk_from_logits``: an exact radix select on the order-preserving uint32 image of the float32 scores.
-   Rows up to 32768 ("row"): one CTA per row keeps the row in registers and finds the k-th largest key two
-   bits at a time (16 CTA-wide reductions of three counts), then prefix sums write the selection. Longer rows
-   ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each a
+2. ``topk_from_logits``: exact selection on the order-preserving uint32 image of the float32 scores.
+   Default ("segments"): a tournament. Each round cuts every row's list (the logits row, then the candidates
+   the previous round kept) into segments of 16384 entries; one CTA per segment holds it in registers, finds
+   its k-th largest key two bits at a time (16 CTA-wide reductions of three counts) and writes the segment's
+   top-k indices in order by prefix sums. A row's top-k lies inside the union of its segments' top-k, so the
+   list shrinks 8x per round at GLM-5's top-2048 until one segment holds it; the last round is the answer.
+   "multi": every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each a
    ``tl.histogram`` per segment added into a global [4, T, 256] histogram with atomics (every CTA replays the
    earlier passes' digit choices from those histograms: a reverse cumsum finds the digit that holds the k-th
    largest); a count pass (keys above / equal to the threshold per segment) and a write pass that places keys
@@ -122,28 +125,35 @@ def _float_key(x):
 
 
 @triton.jit
-def _row_keys(x_ptr, row0, n_valid, C: tl.constexpr):
-    """Order-preserving uint32 keys of one row chunk; entries past the window get key 0, below every float's
-    key (-inf maps to 0x007FFFFF), so they are never counted or selected."""
-    offs = row0 + tl.arange(0, C)
-    m = offs < n_valid
-    return tl.where(m, _float_key(tl.load(x_ptr + offs, mask=m, other=0.0)), 0)
+def _segment_keys(x_row, ids_row, j0, n_list, n_valid, GATHER: tl.constexpr, C: tl.constexpr):
+    """Keys and row indices of entries ``j0 .. j0+C-1`` of a row's list: the logits row itself, or (GATHER) a
+    list of candidate indices into it (-1 = none). Order-preserving uint32 keys; entries past the window, past
+    the list or without a candidate get key 0, below every float's key (-inf maps to 0x007FFFFF), so they are
+    never counted or selected."""
+    j = j0 + tl.arange(0, C)
+    if GATHER:
+        ids = tl.load(ids_row + j, mask=j < n_list, other=-1)
+        m = ids >= 0
+    else:
+        ids = j
+        m = j < n_valid
+    return tl.where(m, _float_key(tl.load(x_row + ids, mask=m, other=0.0)), 0), ids
 
 
 @triton.jit
-def _row_place(key, thr, row0, gt_base, eq_base, eq_quota, orow, C: tl.constexpr):
-    """Write the chunk's selected indices: keys above ``thr``, and keys equal to it while the quota of ties
-    lasts (lowest index first), in index order. One prefix sum carries both counts (above in the low 16 bits,
-    equal in the high bits: a chunk holds at most 8192 keys); an index's slot is the keys above before it plus
+def _place(key, ids, thr, gt_base, eq_base, eq_quota, orow):
+    """Write the chunk's selected row indices: keys above ``thr``, and keys equal to it while the quota of ties
+    lasts (first in list order), in list order. One prefix sum carries both counts (above in the low 16 bits,
+    equal in the high bits: a chunk holds at most 8192 keys); an entry's slot is the keys above before it plus
     the ties before it, capped at the quota. Returns the running counts."""
     gt = (key > thr).to(tl.int32)
     eq = (key == thr).to(tl.int32)
     cs = tl.cumsum(gt + (eq << 16), 0)
-    n_gt = gt_base + (cs & 0xFFFF)  # inclusive counts up to each index
+    n_gt = gt_base + (cs & 0xFFFF)  # inclusive counts up to each entry
     n_eq = eq_base + (cs >> 16)
     take = (gt == 1) | ((eq == 1) & (n_eq <= eq_quota))
     slot = n_gt - gt + tl.minimum(n_eq - eq, eq_quota)
-    tl.store(orow + slot, row0 + tl.arange(0, C), mask=take)
+    tl.store(orow + slot, ids, mask=take)
     tot = tl.sum(gt + (eq << 16), 0)
     return gt_base + (tot & 0xFFFF), eq_base + (tot >> 16)
 
@@ -159,35 +169,47 @@ def _add3(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _row_topk_kernel(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, C: tl.constexpr):
-    """One CTA per row; the row (up to 4*C entries) stays in registers as four C-long chunks. The k-th largest
-    key is searched two bits at a time (16 steps, each one CTA-wide reduction of three counts; no histograms,
-    no atomics); then each chunk in turn places its selected indices by a prefix sum (position order)."""
-    t = tl.program_id(0)
-    t64 = t.to(tl.int64)
-    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
-    k_eff = tl.minimum(topk, n_valid)
-    row = x_ptr + t64 * stride_xt
-    k0 = _row_keys(row, 0, n_valid, C)
-    k1 = _row_keys(row, C, n_valid, C)
-    k2 = _row_keys(row, 2 * C, n_valid, C)
-    k3 = _row_keys(row, 3 * C, n_valid, C)
+def _kth_key(k0, k1, k2, k3, k_eff):
+    """The k_eff-th largest of the four chunks' keys (0 when k_eff is 0), two bits at a time: 16 steps, each one
+    CTA-wide reduction of three counts (no histograms, no atomics)."""
     thr = tl.zeros([], tl.uint32)
-    for step in tl.static_range(16):  # two bits per step: three candidates, one CTA-wide (tuple) reduction
+    for step in tl.static_range(16):
         c1 = thr | tl.full([], 1 << (30 - 2 * step), tl.uint32)
         c2 = thr | tl.full([], 2 << (30 - 2 * step), tl.uint32)
         c3 = thr | tl.full([], 3 << (30 - 2 * step), tl.uint32)
         n1, n2, n3 = tl.reduce((_count_ge(k0, k1, k2, k3, c1), _count_ge(k0, k1, k2, k3, c2),
                                 _count_ge(k0, k1, k2, k3, c3)), 0, _add3)
         thr = tl.where(n3 >= k_eff, c3, tl.where(n2 >= k_eff, c2, tl.where(n1 >= k_eff, c1, thr)))
+    return thr
+
+
+@triton.jit
+def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, stride_it, pos_ptr, o_ptr, stride_ot, L, n_list, topk,
+                         C: tl.constexpr, GATHER: tl.constexpr):
+    """One CTA per (row, segment of 4*C list entries), the segment in registers as four C-long chunks: the
+    segment's top-``topk`` row indices (ties first in list order), in list order, -1 padded, written to
+    ``o[row, segment * topk ...]``."""
+    t = tl.program_id(0)
+    sg = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
+    x_row = x_ptr + t64 * stride_xt
+    ids_row = ids_ptr + t64 * stride_it
+    j0 = sg * (4 * C)
+    k0, i0 = _segment_keys(x_row, ids_row, j0, n_list, n_valid, GATHER, C)
+    k1, i1 = _segment_keys(x_row, ids_row, j0 + C, n_list, n_valid, GATHER, C)
+    k2, i2 = _segment_keys(x_row, ids_row, j0 + 2 * C, n_list, n_valid, GATHER, C)
+    k3, i3 = _segment_keys(x_row, ids_row, j0 + 3 * C, n_list, n_valid, GATHER, C)
+    k_eff = tl.minimum(topk, tl.sum(_count_ge(k0, k1, k2, k3, tl.full([], 1, tl.uint32)), 0))
+    thr = _kth_key(k0, k1, k2, k3, k_eff)
     n_gt = tl.sum((k0 > thr).to(tl.int32) + (k1 > thr).to(tl.int32) + (k2 > thr).to(tl.int32)
                   + (k3 > thr).to(tl.int32), 0)
     quota = k_eff - n_gt
-    orow = o_ptr + t64 * stride_ot
-    base, eqb = _row_place(k0, thr, 0, 0, 0, quota, orow, C)
-    base, eqb = _row_place(k1, thr, C, base, eqb, quota, orow, C)
-    base, eqb = _row_place(k2, thr, 2 * C, base, eqb, quota, orow, C)
-    base, eqb = _row_place(k3, thr, 3 * C, base, eqb, quota, orow, C)
+    orow = o_ptr + t64 * stride_ot + sg * topk
+    base, eqb = _place(k0, i0, thr, 0, 0, quota, orow)
+    base, eqb = _place(k1, i1, thr, base, eqb, quota, orow)
+    base, eqb = _place(k2, i2, thr, base, eqb, quota, orow)
+    base, eqb = _place(k3, i3, thr, base, eqb, quota, orow)
     for c0 in range(0, topk, C):
         pad = c0 + tl.arange(0, C)
         tl.store(orow + pad, tl.full([C], -1, tl.int32), mask=(pad >= k_eff) & (pad < topk))
@@ -309,7 +331,20 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     return out
 
 
-ROW_MAX = 32768  # longest row the register-resident top-k holds (4 chunks of at most 8192 keys)
+SEGMENT_MAX = 32768  # longest segment one CTA holds in registers (four chunks of at most 8192 keys)
+
+
+def _segment_len(topk: int, segment: int | None, interp: bool) -> int:
+    """Entries per segment: a power of two at least twice ``topk`` (so every round at least halves the list)."""
+    return max(segment or (64 if interp else 16384), triton.next_power_of_2(2 * topk))
+
+
+def _launch_segments(x, ids, pos, out, n_list, topk, seg, num_warps, interp):
+    C = max(32, seg // 4)
+    nw = num_warps or (4 if interp else max(4, min(16, C // 256)))
+    _segment_topk_kernel[(x.shape[0], triton.cdiv(n_list, seg))](
+        x, x.stride(0), x if ids is None else ids, 0 if ids is None else ids.stride(0), pos, out, out.stride(0),
+        x.shape[1], n_list, topk, C=C, GATHER=ids is not None, num_warps=nw)
 
 
 def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
@@ -317,29 +352,39 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     """int32 [T, topk]: indices of the ``min(topk, positions[t]+1)`` largest of ``logits[t, :positions[t]+1]``
     (ties at the threshold broken towards lower indices), -1 padded.
 
-    ``method="row"`` (default for rows up to ``ROW_MAX``): one CTA per row holds the row in registers; a
-    two-bits-per-step search on the key bits + one prefix sum per chunk; indices come out in increasing order.
-    ``method="multi"`` (default for longer rows): radix select spread over ``T x ceil(L / chunk)`` CTAs,
-    4 histogram passes (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with
-    deterministic prefix sums: 6 launches, no host sync. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and ``cnt``.
-    ``num_warps`` overrides the row kernel's launch width (16 warps for 32k-long rows by default).
+    ``method="segments"`` (the default): a tournament of exact selections. Each round cuts every row's list
+    (first the logits row, then the candidate indices the previous round kept) into segments of ``chunk``
+    entries (16384 on the GPU: bench/results/topk_row_phases.md), and one CTA per segment keeps the segment in registers, finds its ``topk``-th
+    largest key two bits at a time and writes the segment's top ``topk`` indices in order. Every index of the
+    row's top-k is in its segment's top-k, so the candidates shrink at least 2x (8x at GLM-5's shapes) per round
+    until one segment holds a row; that last round's selection is the answer, with indices in increasing order.
+    64 x 32768 becomes 128 CTAs, then 64 over 4096 candidates each, instead of 64 CTAs on the whole row.
+    ``method="multi"``: radix select spread over ``T x ceil(L / chunk)`` CTAs, 4 histogram passes (global
+    atomics into a [4, T, 256] histogram) + a count pass + a write pass with deterministic prefix sums:
+    6 launches. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and ``cnt``.
+    No host sync in either (CUDA-graph safe); ``num_warps`` overrides the launch width.
     """
     T, L = logits.shape
     if out is None:
         out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
     if T == 0:
         return out
-    if method is None:
-        method = "row" if L <= ROW_MAX else "multi"
-    if method not in ("row", "multi"):
-        raise InputError(f"topk_from_logits: method {method!r} (expected 'row' or 'multi')")
+    method = method or "segments"
+    if method not in ("segments", "multi"):
+        raise InputError(f"topk_from_logits: method {method!r} (expected 'segments' or 'multi')")
     interp = _INTERPRET or logits.device.type != "cuda"
-    if method == "row":
-        if L > ROW_MAX:
-            raise InputError(f"topk_from_logits: rows of {L} > ROW_MAX={ROW_MAX} need method='multi'")
-        c = max(32, triton.next_power_of_2(L) // 4)
-        _row_topk_kernel[(T,)](logits, logits.stride(0), positions, out, out.stride(0), L, topk, C=c,
-                               num_warps=num_warps or (4 if interp else max(4, min(16, c // 512))))
+    if method == "segments":
+        seg = _segment_len(topk, chunk, interp)
+        if seg > SEGMENT_MAX:
+            raise InputError(f"topk_from_logits: topk={topk} needs segments of {seg} > SEGMENT_MAX={SEGMENT_MAX}"
+                             " entries; use method='multi'")
+        ids, n_list = None, L
+        while n_list > seg:  # a round: every segment keeps its top-k candidates
+            cand = torch.empty(T, triton.cdiv(n_list, seg) * topk, dtype=torch.int32, device=logits.device)
+            _launch_segments(logits, ids, positions, cand, n_list, topk, seg, num_warps, interp)
+            ids, n_list = cand, cand.shape[1]
+        _launch_segments(logits, ids, positions, out, n_list, topk, max(4 * 32, triton.next_power_of_2(n_list)),
+                         num_warps, interp)
         return out
     seg = chunk or (64 if interp else 4096)
     nseg = max(triton.cdiv(L, seg), triton.cdiv(topk, seg))
