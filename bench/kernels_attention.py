@@ -285,9 +285,6 @@ def bench_indexer(results):
         def run_logits(cfg=None):
             indexer.indexer_logits_paged(q, w, kc, bt, nxt(), pos, out=logits, validate=False, cfg=cfg)
 
-        def run_topk(chunk=None):
-            indexer.topk_from_logits(logits, pos, TOPK, out=top, chunk=chunk)
-
         def run_all():
             indexer.indexer_topk_paged(q, w, kc, bt, nxt(), pos, TOPK, validate=False, logits_buf=logits, out=top)
 
@@ -321,12 +318,12 @@ def bench_indexer(results):
         _row(results, "indexer_logits", shape, us_l, bytes_=kbytes,
              torch_us=_time_torch(torch_logits) if B * ctx <= 2**21 else None,
              note=f"cfg={indexer.tuned_config()}")
-        us_t = time_graph_us(run_topk)
-        _row(results, "radix_topk", f"B={B} L={L} topk={TOPK}", us_t,
-             torch_us=_time_torch(lambda: torch.topk(logits, TOPK, dim=1)), note="segments (default)")
-        _row(results, "radix_topk", f"B={B} L={L} topk={TOPK}",
-             time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, method="multi")),
-             note="multi (global radix)")
+        default = "segments" if L <= indexer.SEGMENT_MAX else "multi"
+        for method in ("segments", "multi"):  # both top-k methods side by side; the note marks the default
+            us_t = time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, method=method))
+            _row(results, "radix_topk", f"B={B} L={L} topk={TOPK}", us_t,
+                 torch_us=_time_torch(lambda: torch.topk(logits, TOPK, dim=1)) if method == default else None,
+                 note=method + (" (default)" if method == default else ""))
         us_a = time_graph_us(run_all, calls_per_graph=ncalls)
         _row(results, "indexer_topk (logits+topk)", shape, us_a, bytes_=kbytes,
              torch_us=_time_torch(lambda: (run_logits(), torch.topk(logits, TOPK, dim=1))),

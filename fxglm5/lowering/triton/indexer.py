@@ -10,12 +10,12 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
    Positions beyond the causal window (``> positions[t]``) are written as -inf (tiles entirely beyond it skip
    the loads).
 2. ``topk_from_logits``: exact selection on the order-preserving uint32 image of the float32 scores.
-   Default ("segments"): a tournament. Each round cuts every row's list (the logits row, then the candidates
+   Rows up to 32768 ("segments"): a tournament. Each round cuts every row's list (the logits row, then the candidates
    the previous round kept) into segments of 16384 entries; one CTA per segment holds it in registers, finds
    its k-th largest key two bits at a time (16 CTA-wide reductions of three counts) and writes the segment's
    top-k indices in order by prefix sums. A row's top-k lies inside the union of its segments' top-k, so the
    list shrinks 8x per round at GLM-5's top-2048 until one segment holds it; the last round is the answer.
-   "multi": every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each a
+   Longer rows ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each a
    ``tl.histogram`` per segment added into a global [4, T, 256] histogram with atomics (every CTA replays the
    earlier passes' digit choices from those histograms: a reverse cumsum finds the digit that holds the k-th
    largest); a count pass (keys above / equal to the threshold per segment) and a write pass that places keys
@@ -352,14 +352,15 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     """int32 [T, topk]: indices of the ``min(topk, positions[t]+1)`` largest of ``logits[t, :positions[t]+1]``
     (ties at the threshold broken towards lower indices), -1 padded.
 
-    ``method="segments"`` (the default): a tournament of exact selections. Each round cuts every row's list
+    ``method="segments"`` (the default for rows up to ``SEGMENT_MAX``): a tournament of exact selections. Each round cuts every row's list
     (first the logits row, then the candidate indices the previous round kept) into segments of ``chunk``
     entries (16384 on the GPU: bench/results/topk_row_phases.md), and one CTA per segment keeps the segment in registers, finds its ``topk``-th
     largest key two bits at a time and writes the segment's top ``topk`` indices in order. Every index of the
     row's top-k is in its segment's top-k, so the candidates shrink at least 2x (8x at GLM-5's shapes) per round
     until one segment holds a row; that last round's selection is the answer, with indices in increasing order.
     64 x 32768 becomes 128 CTAs, then 64 over 4096 candidates each, instead of 64 CTAs on the whole row.
-    ``method="multi"``: radix select spread over ``T x ceil(L / chunk)`` CTAs, 4 histogram passes (global
+    ``method="multi"`` (the default for longer rows, where the tournament's rounds of few CTAs lose to its
+    parallelism: bench/results/kernels_attention.md): radix select spread over ``T x ceil(L / chunk)`` CTAs, 4 histogram passes (global
     atomics into a [4, T, 256] histogram) + a count pass + a write pass with deterministic prefix sums:
     6 launches. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and ``cnt``.
     No host sync in either (CUDA-graph safe); ``num_warps`` overrides the launch width.
@@ -369,7 +370,7 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
         out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
     if T == 0:
         return out
-    method = method or "segments"
+    method = method or ("segments" if L <= SEGMENT_MAX else "multi")
     if method not in ("segments", "multi"):
         raise InputError(f"topk_from_logits: method {method!r} (expected 'segments' or 'multi')")
     interp = _INTERPRET or logits.device.type != "cuda"
