@@ -396,6 +396,25 @@ def test_radix_topk_from_logits(T, L, K, chunk, seed, method):
         assert torch.equal(x[t, got].sort().values, x[t, :n].topk(k).values.sort().values)
 
 
+@given(st.integers(1, 3), st.integers(1, 400), st.integers(1, 80), st.sampled_from([64, 128]), st.integers(0, 2**16),
+       st.sampled_from(["multi", "segments"]))
+def test_topk_ties_take_the_lowest_indices(T, L, K, chunk, seed, method):
+    """Exact indices, not just values: among equal scores at the threshold the lowest indices win, through every
+    tournament round (a segment keeps its first ties, and candidate lists stay in index order)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (T, L), generator=g).float()  # seven distinct values: ties everywhere
+    pos = torch.randint(0, L, (T,), generator=g).int()
+    out = tindexer.topk_from_logits(x, pos, K, chunk=chunk, method=method)
+    for t in range(T):
+        n = int(pos[t]) + 1
+        k = min(K, n)
+        want = sorted(range(n), key=lambda i: (-float(x[t, i]), i))[:k]
+        got = out[t, :k].tolist()
+        assert sorted(got) == sorted(want)
+        if method == "segments":
+            assert got == sorted(got)  # increasing index order
+
+
 # --------------------------------------------------------------------------------------------------------------
 # bad inputs
 # --------------------------------------------------------------------------------------------------------------
