@@ -370,12 +370,26 @@ def test_indexer_topk_paged(s, HI, K, data):
             _close(naive[t][got].sort().values, best, atol=1e-3)
 
 
-def test_topk_from_logits_bad_method_and_topk():
+def test_topk_from_logits_bad_inputs():
     x, pos = torch.randn(2, 40), torch.tensor([39, 10], dtype=torch.int32)
     with pytest.raises(InputError, match="method 'row'"):
         tindexer.topk_from_logits(x, pos, 8, method="row")
     with pytest.raises(InputError, match="SEGMENT_MAX"):
         tindexer.topk_from_logits(x, pos, tindexer.SEGMENT_MAX // 2 + 1)
+    with pytest.raises(InputError, match="logits: dtype torch.bfloat16"):
+        tindexer.topk_from_logits(x.bfloat16(), pos, 8)
+    with pytest.raises(InputError, match="logits: columns must be contiguous"):
+        tindexer.topk_from_logits(torch.randn(40, 2).t(), pos, 8)
+    with pytest.raises(InputError, match="positions: expected 2 entries"):
+        tindexer.topk_from_logits(x, pos[:1], 8)
+    with pytest.raises(InputError, match="positions: dtype torch.float32"):
+        tindexer.topk_from_logits(x, pos.float(), 8)
+    with pytest.raises(InputError, match="topk: must be a positive int"):
+        tindexer.topk_from_logits(x, pos, 0)
+    with pytest.raises(InputError, match=r"out: expected a contiguous-row int32 \[2, 8\]"):
+        tindexer.topk_from_logits(x, pos, 8, out=torch.empty(2, 7, dtype=torch.int32))
+    with pytest.raises(InputError, match="out: dtype torch.int64"):
+        tindexer.topk_from_logits(x, pos, 8, out=torch.empty(2, 8, dtype=torch.int64))
 
 
 @given(st.integers(1, 3), st.integers(1, 300), st.integers(1, 80), st.sampled_from([64, 128]), st.integers(0, 2**16),

@@ -431,6 +431,27 @@ def validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, posit
         raise InputError(f"topk: must be a positive int, got {topk!r}")
 
 
+def validate_topk_from_logits(logits, positions, topk, out=None):
+    """The selection's own inputs: float32 [T, L] scores with unit column stride, [T] integer positions, a
+    positive int top-k, and (if given) an int32 [T, topk] output, all on one device."""
+    _check_tensor("logits", logits, 2, (torch.float32,))
+    if logits.dim() == 2 and logits.shape[1] > 1 and logits.stride(1) != 1:
+        raise InputError(f"logits: columns must be contiguous (stride(1) == 1), got strides {logits.stride()}")
+    _check_tensor("positions", positions, 1, (torch.int32, torch.int64))
+    if positions.shape[0] != logits.shape[0]:
+        raise InputError(f"positions: expected {logits.shape[0]} entries (one per logits row), "
+                         f"got {positions.shape[0]}")
+    if not isinstance(topk, int) or topk < 1:
+        raise InputError(f"topk: must be a positive int, got {topk!r}")
+    _check_device("logits", logits, positions=positions)
+    if out is not None:
+        _check_tensor("out", out, 2, (torch.int32,))
+        if tuple(out.shape) != (logits.shape[0], topk) or (topk > 1 and out.stride(1) != 1):
+            raise InputError(f"out: expected a contiguous-row int32 [{logits.shape[0]}, {topk}], "
+                             f"got shape {tuple(out.shape)} strides {out.stride()}")
+        _check_device("logits", logits, out=out)
+
+
 def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, max_len: int | None = None):
     """float32 [T, max_len] indexer scores; positions beyond the causal window are -inf."""
     T, HI, _ = q.shape

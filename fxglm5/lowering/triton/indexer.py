@@ -348,7 +348,8 @@ def _launch_segments(x, ids, pos, out, n_list, topk, seg, num_warps, interp):
 
 
 def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
-                     method: str | None = None, workspace: dict | None = None, num_warps: int | None = None):
+                     method: str | None = None, workspace: dict | None = None, num_warps: int | None = None,
+                     validate: bool = True):
     """int32 [T, topk]: indices of the ``min(topk, positions[t]+1)`` largest of ``logits[t, :positions[t]+1]``
     (ties at the threshold broken towards lower indices), -1 padded.
 
@@ -365,6 +366,8 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     6 launches. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and ``cnt``.
     No host sync in either (CUDA-graph safe); ``num_warps`` overrides the launch width.
     """
+    if validate:
+        ref.validate_topk_from_logits(logits, positions, topk, out)
     T, L = logits.shape
     if out is None:
         out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
@@ -415,4 +418,4 @@ def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, top
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk)
     logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
                                   validate=False)
-    return topk_from_logits(logits, positions, topk, out=out)
+    return topk_from_logits(logits, positions, topk, out=out, validate=False)
