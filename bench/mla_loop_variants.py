@@ -144,8 +144,8 @@ def _dense_loop(q_ptr, cache_ptr, bt_ptr, po_ptr, scr_p_ptr, scr_a_ptr, n_rows, 
         tl.store(po_ptr + base[:, None] * 512 + c512[None, :], acc / l_i[:, None])
 
 
-VARIANTS = [("halves", 0, 64, 2, False), ("full", 1, 64, 2, False), ("halves+hop", 0, 64, 2, True), ("full+hop", 1, 64, 2, True),
-            ("full+hop", 1, 32, 3, True), ("deferred", 2, 32, 2, False)]
+VARIANTS = [("halves", 0, 64, 2, False), ("full", 1, 64, 2, False), ("halves+hop", 0, 64, 2, True),
+            ("full+hop", 1, 64, 2, True), ("full+hop", 1, 32, 3, True), ("deferred", 2, 32, 2, False)]
 
 
 def main():

@@ -5,8 +5,8 @@ as order-preserving keys, search the k-th largest key two bits at a time (16 CTA
 the selection with one packed prefix sum per chunk. With one segment per row (``chunk=32768``, the row kernel
 of earlier sessions) this script times the kernel cut after each phase (each cut writes something that depends
 on the work before it, so nothing is dead code). Then the package's top-k per segment length: 32768 is one
-round of 64 CTAs; 8192 (the default) is a round of 256 CTAs that keeps 4 x 2048 candidates per row, then a
-round of 64 CTAs over those. Every package row is checked exact against ``torch.topk``.
+round of 64 CTAs; 16384 (the default) is a round of 128 CTAs that keeps 2 x 2048 candidates per row, then a
+round of 64 CTAs over those; 8192 and 4096 cut finer. Every package row is checked exact against ``torch.topk``.
 Saves bench/results/topk_row_phases.*.
 
     python bench/topk_row_phases.py

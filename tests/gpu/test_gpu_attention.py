@@ -175,16 +175,24 @@ def _check_indexer(cfg):
     # the composed op for the default launch; an explicit launch's own logits otherwise
     o = (indexer.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK) if cfg is None
          else indexer.topk_from_logits(lt, pos, TOPK))
-    for t in range(5):
+    # exact selection on the kernel's own logits, and near-optimal on the reference logits
+    for t, n, sel in _assert_exact_topk(o, lt, pos):
+        _close(lr[t, sel].sort().values, lr[t, :n].topk(sel.numel()).values.sort().values, tol=1e-3)
+
+
+def _assert_exact_topk(o, scores, pos):
+    """Each row holds min(TOPK, pos+1) distinct in-window indices, then -1, and they select exactly the top
+    values of ``scores``. Returns (row, window length, selected indices) per row."""
+    rows = []
+    for t in range(o.shape[0]):
         n = int(pos[t]) + 1
         k = min(TOPK, n)
         sel = o[t, :k].long()
         assert (o[t, k:] == -1).all()
         assert sel.unique().numel() == k and int(sel.min()) >= 0 and int(sel.max()) < n
-        # exact selection on the kernel's own logits, and near-optimal on the reference logits
-        assert torch.equal(lt[t, sel].sort().values, lt[t, :n].topk(k).values.sort().values)
-        best = lr[t, :n].topk(k).values
-        _close(lr[t, sel].sort().values, best.sort().values, tol=1e-3)
+        assert torch.equal(scores[t, sel].sort().values, scores[t, :n].topk(k).values.sort().values)
+        rows.append((t, n, sel))
+    return rows
 
 
 @pytest.mark.parametrize("method, L", [("multi", 200_000), ("segments", 200_000), ("segments", 131_072),
@@ -196,14 +204,7 @@ def test_radix_topk_long_rows(method, L):
     x = torch.randn(T, L, device="cuda")
     x[1, : L * 3 // 4] = 0.5  # massive ties
     pos = torch.tensor([L - 1, L - 1, L // 2], device="cuda", dtype=torch.int32)
-    o = indexer.topk_from_logits(x, pos, TOPK, method=method)
-    for t in range(T):
-        n = int(pos[t]) + 1
-        k = min(TOPK, n)
-        sel = o[t, :k].long()
-        assert (o[t, k:] == -1).all()
-        assert sel.unique().numel() == k and int(sel.min()) >= 0 and int(sel.max()) < n
-        assert torch.equal(x[t, sel].sort().values, x[t, :n].topk(k).values.sort().values)
+    _assert_exact_topk(indexer.topk_from_logits(x, pos, TOPK, method=method), x, pos)
 
 
 def test_decode_kernels_capture_in_cuda_graph():

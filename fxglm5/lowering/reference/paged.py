@@ -103,6 +103,11 @@ def _check_tensor(name: str, t, ndim: int | None = None, dtypes=None):
         raise InputError(f"{name}: dtype {t.dtype} not supported (expected one of {list(dtypes)})")
 
 
+def _check_topk(topk):
+    if not isinstance(topk, int) or topk < 1:
+        raise InputError(f"topk: must be a positive int, got {topk!r}")
+
+
 def _check_device(ref_name: str, ref: torch.Tensor, **others):
     for n, t in others.items():
         if t.device != ref.device:
@@ -427,8 +432,7 @@ def validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, posit
     _check_device("q", q, weights=weights, k_cache=k_cache, block_table=block_table, req_idx=req_idx,
                   positions=positions)
     _validate_req_pos(req_idx, positions, block_table, k_cache.shape[1], q.shape[0])
-    if not isinstance(topk, int) or topk < 1:
-        raise InputError(f"topk: must be a positive int, got {topk!r}")
+    _check_topk(topk)
 
 
 def validate_topk_from_logits(logits, positions, topk, out=None):
@@ -441,8 +445,7 @@ def validate_topk_from_logits(logits, positions, topk, out=None):
     if positions.shape[0] != logits.shape[0]:
         raise InputError(f"positions: expected {logits.shape[0]} entries (one per logits row), "
                          f"got {positions.shape[0]}")
-    if not isinstance(topk, int) or topk < 1:
-        raise InputError(f"topk: must be a positive int, got {topk!r}")
+    _check_topk(topk)
     _check_device("logits", logits, positions=positions)
     if out is not None:
         _check_tensor("out", out, 2, (torch.int32,))

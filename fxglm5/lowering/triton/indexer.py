@@ -334,13 +334,13 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
 SEGMENT_MAX = 32768  # longest segment one CTA holds in registers (four chunks of at most 8192 keys)
 
 
-def _segment_len(topk: int, segment: int | None, interp: bool) -> int:
-    """Entries per segment: a power of two at least twice ``topk`` (so every round at least halves the list)."""
-    return max(segment or (64 if interp else 16384), triton.next_power_of_2(2 * topk))
+def _segment_len(entries: int) -> int:
+    """A segment holds four register chunks of a power-of-two length of at least 32."""
+    return max(128, triton.next_power_of_2(entries))
 
 
 def _launch_segments(x, ids, pos, out, n_list, topk, seg, num_warps, interp):
-    C = max(32, seg // 4)
+    C = seg // 4
     nw = num_warps or (4 if interp else max(4, min(16, C // 256)))
     _segment_topk_kernel[(x.shape[0], triton.cdiv(n_list, seg))](
         x, x.stride(0), x if ids is None else ids, 0 if ids is None else ids.stride(0), pos, out, out.stride(0),
@@ -353,17 +353,19 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     """int32 [T, topk]: indices of the ``min(topk, positions[t]+1)`` largest of ``logits[t, :positions[t]+1]``
     (ties at the threshold broken towards lower indices), -1 padded.
 
-    ``method="segments"`` (the default for rows up to ``SEGMENT_MAX``): a tournament of exact selections. Each round cuts every row's list
-    (first the logits row, then the candidate indices the previous round kept) into segments of ``chunk``
-    entries (16384 on the GPU: bench/results/topk_row_phases.md), and one CTA per segment keeps the segment in registers, finds its ``topk``-th
-    largest key two bits at a time and writes the segment's top ``topk`` indices in order. Every index of the
-    row's top-k is in its segment's top-k, so the candidates shrink at least 2x (8x at GLM-5's shapes) per round
-    until one segment holds a row; that last round's selection is the answer, with indices in increasing order.
-    64 x 32768 becomes 128 CTAs, then 64 over 4096 candidates each, instead of 64 CTAs on the whole row.
+    ``method="segments"`` (the default for rows up to ``SEGMENT_MAX``): a tournament of exact selections. Each
+    round cuts every row's list (first the logits row, then the candidate indices the previous round kept) into
+    segments of ``chunk`` entries (a power of two; 16384 on the GPU: bench/results/topk_row_phases.md). One CTA
+    per segment keeps it in registers, finds its ``topk``-th largest key two bits at a time and writes the
+    segment's top ``topk`` indices in order. Every index of the row's top-k is in its segment's top-k, so the
+    candidates shrink at least 2x (8x at GLM-5's shapes) per round until one segment holds a row; that last
+    round's selection is the answer, with indices in increasing order. 64 x 32768 becomes 128 CTAs, then 64 over
+    4096 candidates each, instead of 64 CTAs on the whole row.
     ``method="multi"`` (the default for longer rows, where the tournament's rounds of few CTAs lose to its
-    parallelism: bench/results/kernels_attention.md): radix select spread over ``T x ceil(L / chunk)`` CTAs, 4 histogram passes (global
-    atomics into a [4, T, 256] histogram) + a count pass + a write pass with deterministic prefix sums:
-    6 launches. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and ``cnt``.
+    parallelism: bench/results/kernels_attention.md): radix select spread over ``T x ceil(L / chunk)`` CTAs,
+    4 histogram passes (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with
+    deterministic prefix sums: 6 launches. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and
+    ``cnt``.
     No host sync in either (CUDA-graph safe); ``num_warps`` overrides the launch width.
     """
     if validate:
@@ -378,7 +380,8 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
         raise InputError(f"topk_from_logits: method {method!r} (expected 'segments' or 'multi')")
     interp = _INTERPRET or logits.device.type != "cuda"
     if method == "segments":
-        seg = _segment_len(topk, chunk, interp)
+        # at least twice topk, so that every round at least halves the list
+        seg = _segment_len(max(chunk or (64 if interp else 16384), 2 * topk))
         if seg > SEGMENT_MAX:
             raise InputError(f"topk_from_logits: topk={topk} needs segments of {seg} > SEGMENT_MAX={SEGMENT_MAX}"
                              " entries; use method='multi'")
@@ -387,8 +390,7 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
             cand = torch.empty(T, triton.cdiv(n_list, seg) * topk, dtype=torch.int32, device=logits.device)
             _launch_segments(logits, ids, positions, cand, n_list, topk, seg, num_warps, interp)
             ids, n_list = cand, cand.shape[1]
-        _launch_segments(logits, ids, positions, out, n_list, topk, max(4 * 32, triton.next_power_of_2(n_list)),
-                         num_warps, interp)
+        _launch_segments(logits, ids, positions, out, n_list, topk, _segment_len(n_list), num_warps, interp)
         return out
     seg = chunk or (64 if interp else 4096)
     nseg = max(triton.cdiv(L, seg), triton.cdiv(topk, seg))
