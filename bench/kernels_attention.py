@@ -70,9 +70,10 @@ def _paged(B, ctx, width, dtype, seed=0):
             cache[..., :512] = torch.randn(total, BS, 512, device="cuda").to(torch.float8_e4m3fn).view(torch.uint8)
             cache[..., 512:528] = torch.full((total, BS, 4), 1 / 64, device="cuda").view(torch.uint8)
             cache[..., 528:] = torch.randn(total, BS, 64, device="cuda", dtype=torch.bfloat16).view(torch.uint8)
-        else:
-            cache[..., :128] = torch.randn(total, BS, 128, device="cuda").to(torch.float8_e4m3fn).view(torch.uint8)
-            cache[..., 128:] = torch.full((total, BS, 1), 1 / 64, device="cuda").view(torch.uint8)
+        else:  # the block-major indexer cache
+            keys, scales = ref.indexer_cache_parts(cache)
+            keys.copy_(torch.randn(total, BS, 128, device="cuda").to(torch.float8_e4m3fn).view(torch.uint8))
+            scales.fill_(1 / 64)
     else:
         cache = (torch.randn(total, BS, width, device="cuda") * 0.5).to(dtype)
     return cache, bt
@@ -291,7 +292,10 @@ def bench_indexer(results):
         shape = f"B={B} HI={HI} ctx={ctx} topk={TOPK}"
         kbytes = B * ctx * 132
         if SWEEP and B == 64:
-            for cfg in _configs(indexer._LOGITS_CONFIGS) + [dict(BLOCK_N=128, TILES=4, PROMOTE=32, num_warps=4)]:
+            extra = [dict(BLOCK_N=128, TILES=4, PROMOTE=32, num_warps=4)]
+            extra += [dict(BLOCK_N=64, TILES=t, USE_TMA=True, num_warps=4, num_stages=ns)
+                      for t, ns in ((8, 2), (8, 4), (32, 3))]
+            for cfg in _configs(indexer._LOGITS_CONFIGS) + extra:
                 try:
                     _row(results, "indexer_logits sweep", f"{shape} {cfg}",
                          time_graph_us(lambda: run_logits(cfg), calls_per_graph=ncalls), bytes_=kbytes)

@@ -1,6 +1,7 @@
 """Where and how the cached ops store a token: slot = block * block_size + pos % block_size (physical
 block from the request's table), in RTP's rows: 576 compute-dtype values, 656-byte FP8 ds_mla rows
-(e4m3 c_kv, one power-of-two fp32 scale per 128 values, bf16 k_pe) and 132-byte indexer rows. Caches are
+(e4m3 c_kv, one power-of-two fp32 scale per 128 values, bf16 k_pe) and the indexer cache (132 bytes per
+token, block-major: a block's e4m3 keys, then their fp32 scales). Caches are
 filled with a sentinel first: every slot the step does not own, block 0 included, must keep it.
 """
 
@@ -115,12 +116,19 @@ def test_indexer_rows_fp8(block_size, specs, seed):
     top = ops.rtp_indexer(q, k, w, 4, cache, ctx.slot_mapping, ctx.kernel_block_table, ctx.req_idx, ctx.positions, 4096)
     assert top.shape == (1, T, 4) and top.dtype == torch.int32
     slots = physical_slots(ctx, tables, block_size)
-    rows = cache.view(-1, 132)[slots]
-    scale = rows[:, 128:].contiguous().view(torch.float32)[:, 0]
+    # block-major blocks: the block's 128-byte keys, then its float32 scales
+    blocks = cache.view(NB, block_size * 132)
+    blk, off = slots // block_size, slots % block_size
+    key_at = (off * 128)[:, None] + torch.arange(128)
+    scale_at = (block_size * 128 + off * 4)[:, None] + torch.arange(4)
+    scale = blocks[blk[:, None], scale_at].contiguous().view(torch.float32)[:, 0]
     assert torch.equal(scale, pow2_scale(k[0].abs().amax(-1)))
-    e4m3 = rows[:, :128].contiguous().view(torch.float8_e4m3fn).float()
+    e4m3 = blocks[blk[:, None], key_at].contiguous().view(torch.float8_e4m3fn).float()
     assert torch.equal(e4m3, (k[0] / scale[:, None]).to(torch.float8_e4m3fn).float())
-    assert untouched(cache.view(-1, 132), slots, SENTINEL_BYTE)
+    owned = torch.zeros_like(blocks, dtype=torch.bool)
+    owned[blk[:, None], key_at] = True
+    owned[blk[:, None], scale_at] = True
+    assert bool((blocks[~owned] == SENTINEL_BYTE).all())
     # selected positions are causal and belong to the window 0..pos; -1 only pads a short window
     pos = ctx.positions
     valid = top[0] >= 0

@@ -1,5 +1,6 @@
 """Paged attention building blocks on CPU: torch references vs an independent float64 oracle, Triton kernels
-(TRITON_INTERPRET=1) vs the references, byte layouts of the 576 / 656 / 132 caches, and input validation."""
+(TRITON_INTERPRET=1) vs the references, byte layouts of the 576 / 656 /
+block-major indexer caches, and input validation."""
 
 import os
 
@@ -49,9 +50,20 @@ def _hand_decode_latent(cache, slot):
     return torch.cat([c * sc.repeat_interleave(128), pe])
 
 
+def _hand_index_bytes(cache, slot):
+    """Byte offsets of one indexer key and its scale, by hand: a block of bs tokens is bs * 132 bytes, its bs
+    128-byte keys first, then their bs float32 scales (the block-major layout RTP-LLM's writer uses)."""
+    bs = cache.shape[1]
+    base = (slot // bs) * bs * 132
+    key = base + (slot % bs) * 128
+    scale = base + bs * 128 + (slot % bs) * 4
+    return torch.arange(key, key + 128), torch.arange(scale, scale + 4)
+
+
 def _hand_decode_index(cache, slot):
-    row = cache.view(-1, 132)[slot]
-    return row[:128].clone().view(torch.float8_e4m3fn).double() * row[128:132].clone().view(torch.float32).double()
+    key, scale = _hand_index_bytes(cache, slot)
+    flat = cache.view(-1)
+    return flat[key].view(torch.float8_e4m3fn).double() * flat[scale].view(torch.float32).double()
 
 
 def _hand_slot(bt, b, p, bs):
@@ -59,9 +71,9 @@ def _hand_slot(bt, b, p, bs):
 
 
 @st.composite
-def paged_setup(draw, max_len=70):
+def paged_setup(draw, max_len=70, block_sizes=(4, 8, 16)):
     B = draw(st.integers(1, 3))
-    bs = draw(st.sampled_from([4, 8, 16]))
+    bs = draw(st.sampled_from(block_sizes))
     lens = [draw(st.integers(1, max_len)) for _ in range(B)]
     need = [-(-n // bs) for n in lens]
     extra = draw(st.integers(0, 2))  # padded (0) entries at the end of the block table
@@ -87,9 +99,9 @@ def _filled_latent(s, cdtype):
     return cache
 
 
-def _filled_index(s):
+def _filled_index(s, fill=0):
     torch.manual_seed(s["seed"] + 1)
-    cache = torch.zeros(s["nb"], s["bs"], 132, dtype=torch.uint8)
+    cache = torch.full((s["nb"], s["bs"], 132), fill, dtype=torch.uint8)
     for b, n in enumerate(s["lens"]):
         pos = torch.arange(n)
         sl = ref.slots_from_positions(s["bt"], torch.full_like(pos, b), pos, s["bs"])
@@ -202,14 +214,16 @@ def test_indexer_layout(impl):
     k = torch.randn(5, 128) * torch.tensor([1.0, 100.0, 1e-3, 7.0, 0.0]).unsqueeze(1)
     w = ref.write_indexer_cache if impl == "ref" else tpc.write_indexer_cache
     w(cache, torch.cat([k, torch.randn(1, 128)]), torch.cat([sl, torch.tensor([-1])]))
-    flat = cache.view(-1, 132)
-    for i, s in enumerate(sl.tolist()):
-        sc = float(flat[s, 128:].clone().view(torch.float32))
-        assert sc == _hand_scale(float(k[i].abs().max()))
-        assert torch.equal(flat[s, :128], (k[i] / sc).to(torch.float8_e4m3fn).view(torch.uint8))
-        assert torch.equal(ref.read_indexer_rows(cache, torch.tensor([s]))[0].double(), _hand_decode_index(cache, s))
+    flat = cache.view(-1)
     mask = torch.ones(flat.shape[0], dtype=torch.bool)
-    mask[sl] = False
+    for i, s in enumerate(sl.tolist()):
+        key, scale = _hand_index_bytes(cache, s)
+        sc = float(flat[scale].view(torch.float32))
+        assert sc == _hand_scale(float(k[i].abs().max()))
+        assert torch.equal(flat[key], (k[i] / sc).to(torch.float8_e4m3fn).view(torch.uint8))
+        assert torch.equal(ref.read_indexer_rows(cache, torch.tensor([s]))[0].double(), _hand_decode_index(cache, s))
+        mask[key] = False
+        mask[scale] = False
     assert (flat[mask] == 0).all() and (cache[0] == 0).all()
 
 
@@ -368,6 +382,34 @@ def test_indexer_topk_paged(s, HI, K, data):
             # ...and a near-top-k of the independent float64 scores
             best = naive[t].topk(k).values.sort().values
             _close(naive[t][got].sort().values, best, atol=1e-3)
+
+
+@given(paged_setup(max_len=100, block_sizes=(32, 64)), st.sampled_from([1, 4]), st.sampled_from([(16, 2), (32, 3)]))
+def test_indexer_logits_tma(s, HI, tiles):
+    """The TMA path (whole-tile boxes of the block-major keys): same logits as the reference, with every byte
+    the step does not own set to 0x7F (an e4m3 NaN, and a NaN scale) so that stale rows inside a loaded box
+    must be masked, not trusted."""
+    kc = _filled_index(s, fill=0x7F)
+    req, pos = _queries(s, lambda b, n: [n - 1])
+    g = torch.Generator().manual_seed(s["seed"] + 5)
+    q = torch.randn(len(req), HI, 128, generator=g).bfloat16()
+    w = torch.randn(len(req), HI, generator=g)
+    L = s["bt"].shape[1] * s["bs"]
+    lr = ref.indexer_logits_paged(q, w, kc, s["bt"], req, pos, max_len=L)
+    block_n, n_tiles = tiles
+    lt = tindexer.indexer_logits_paged(q, w, kc, s["bt"], req, pos,
+                                       cfg=dict(BLOCK_N=block_n, TILES=n_tiles, USE_TMA=True))
+    assert torch.equal(torch.isinf(lt), torch.isinf(lr)) and not torch.isnan(lt).any()
+    fin = ~torch.isinf(lr)
+    _close(lt[fin], lr[fin], atol=1e-4, rtol=1e-5)
+
+
+def test_indexer_logits_tma_needs_fitting_blocks():
+    kc = torch.zeros(3, 16, 132, dtype=torch.uint8)
+    one = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(InputError, match="USE_TMA needs a block size"):
+        tindexer.indexer_logits_paged(torch.zeros(1, 1, 128), torch.ones(1, 1), kc, torch.ones(1, 2, dtype=torch.int32),
+                                      one, one, cfg=dict(BLOCK_N=16, TILES=1, USE_TMA=True))
 
 
 def test_topk_from_logits_bad_inputs():

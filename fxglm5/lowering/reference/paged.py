@@ -7,11 +7,16 @@ Conventions (GLM-5, absorbed MLA):
 - Paging: slot of position ``p`` of request ``r`` = ``block_table[r, p // bs] * bs + p % bs`` with
   ``bs = cache.shape[1]``. Block 0 is reserved (never a real block); block tables are padded with 0.
 
-Cache layouts (one row per token):
-- latent, compute dtype: ``[num_blocks, bs, 576]`` (bf16 / fp16 / fp32).
-- latent, FP8 "ds_mla": uint8 ``[num_blocks, bs, 656]``: bytes 0..511 e4m3 c_kv, bytes 512..527 four
-  float32 scales (scale i covers c_kv[128i : 128i+128]), bytes 528..655 64 bf16 k_pe (not quantized).
-- indexer keys: uint8 ``[num_blocks, bs, 132]``: bytes 0..127 e4m3 key, bytes 128..131 one float32 scale.
+Cache layouts:
+- latent, compute dtype: ``[num_blocks, bs, 576]`` (bf16 / fp16 / fp32), one row per token.
+- latent, FP8 "ds_mla": uint8 ``[num_blocks, bs, 656]``, one row per token: bytes 0..511 e4m3 c_kv, bytes
+  512..527 four float32 scales (scale i covers c_kv[128i : 128i+128]), bytes 528..655 64 bf16 k_pe (not
+  quantized).
+- indexer keys: uint8 ``[num_blocks, bs, 132]``, 132 bytes per token but block-major inside a block: the block's
+  ``bs`` e4m3 keys (128 bytes each, token order), then their ``bs`` float32 scales. This is the layout RTP-LLM's
+  (and vLLM's) ``indexer_k_quant_and_cache`` writes and DeepGEMM's paged MQA logits reads; it also makes the
+  keys of a block one contiguous, 16-byte aligned run (wide loads), which per-token 132-byte rows are not.
+  :func:`indexer_cache_parts` gives the two parts as views.
 
 FP8 scale rule (shared by every writer, the Triton kernels and the indexer's query quantization):
 ``scale = 2 ** ceil(log2(max(amax, 1e-10) / 448))``, i.e. ``amax / 448`` rounded UP to a power of two,
@@ -54,6 +59,7 @@ __all__ = [
     "validate_write_indexer_cache",
     "read_latent_rows",
     "read_indexer_rows",
+    "indexer_cache_parts",
     "validate_read_rows",
     "mla_paged",
     "validate_mla_paged",
@@ -281,6 +287,16 @@ def validate_write_indexer_cache(cache, k, slot_mapping):
     _validate_slots(slot_mapping, cache.shape[0] * cache.shape[1], "slot_mapping", allow_negative=True)
 
 
+def indexer_cache_parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of an FP8 indexer cache ``[nb, bs, 132]``: the e4m3 keys as uint8 ``[nb, bs, 128]`` and their
+    scales as float32 ``[nb, bs]`` (block-major: each block holds its keys, then its scales)."""
+    nb, bs, _ = cache.shape
+    per_block = cache.view(nb, bs * INDEX_ROW_BYTES)
+    keys = per_block[:, : bs * INDEX_DIM].view(nb, bs, INDEX_DIM)
+    scales = per_block[:, bs * INDEX_DIM:].view(torch.float32)
+    return keys, scales
+
+
 def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True) -> None:
     """Write FP8 indexer keys (one power-of-two scale per 128-vector) at ``slot_mapping``, in place."""
     if validate:
@@ -290,10 +306,10 @@ def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True) -> Non
     if slots.numel() == 0:
         return
     q, sc = quantize_fp8_groups(k[keep])
-    row = torch.empty(slots.numel(), INDEX_ROW_BYTES, dtype=torch.uint8, device=cache.device)
-    row[:, :INDEX_DIM] = q.view(torch.uint8)
-    row[:, INDEX_DIM:] = sc.contiguous().view(torch.uint8)
-    cache.view(-1, INDEX_ROW_BYTES)[slots] = row
+    keys, scales = indexer_cache_parts(cache)
+    bs = cache.shape[1]
+    keys[slots // bs, slots % bs] = q.view(torch.uint8)
+    scales[slots // bs, slots % bs] = sc[:, 0]
 
 
 def validate_read_rows(cache, slots, kind: str = "latent"):
@@ -324,10 +340,10 @@ def read_indexer_rows(cache, slots, *, validate: bool = True) -> torch.Tensor:
     """float32 [n, 128] dequantized indexer keys at ``slots``."""
     if validate:
         validate_read_rows(cache, slots, "indexer")
-    rows = cache.view(-1, INDEX_ROW_BYTES)[slots.long()]
-    k = rows[:, :INDEX_DIM].contiguous().view(torch.float8_e4m3fn).float()
-    sc = rows[:, INDEX_DIM:].contiguous().view(torch.float32)
-    return k * sc
+    keys, scales = indexer_cache_parts(cache)
+    bs = cache.shape[1]
+    blk, off = slots.long() // bs, slots.long() % bs
+    return keys[blk, off].view(torch.float8_e4m3fn).float() * scales[blk, off][:, None]
 
 
 # ----------------------------------------------------------------------------------------------------------

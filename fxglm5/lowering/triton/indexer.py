@@ -5,7 +5,8 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
 1. ``indexer_logits_paged`` -> float32 ``[T, max_len]`` (``max_len`` defaults to the block-table width times
    the block size: a shape, never data). A program owns one query token and ``TILES * BLOCK_N`` key positions:
    it quantizes the token's [HI, 128] query to e4m3 (one power-of-two scale per head, the cache rule), gathers
-   ``BLOCK_N`` 132-byte key rows through the block table, runs an FP8 x FP8 MMA ([BLOCK_N, 128] x [128, HI],
+   ``BLOCK_N`` keys through the block table (block-major cache: a block's keys are one contiguous run, so each
+   128-byte key is eight 16-byte loads, and its scales follow them), runs an FP8 x FP8 MMA ([BLOCK_N, 128] x [128, HI],
    fp32 accumulate), applies relu, the per-head ``weights * q_scale`` and the per-key scale, and sums the heads.
    Positions beyond the causal window (``> positions[t]``) are written as -inf (tiles entirely beyond it skip
    the loads).
@@ -35,7 +36,7 @@ import triton.language as tl
 
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
-from fxglm5.lowering.triton.paged_cache import e4m3_bits, interpreter_compat, pow2_scale
+from fxglm5.lowering.triton.paged_cache import e4m3_bits, ensure_tma_allocator, interpreter_compat, pow2_scale
 
 interpreter_compat()
 
@@ -46,21 +47,41 @@ _NO_TUNE = os.environ.get("FXGLM5_NO_AUTOTUNE", "0") == "1"
 
 
 @triton.jit
+def _tile_logits(k8, q8, w, ksc, valid, F32DOT: tl.constexpr, PROMOTE: tl.constexpr):
+    """Logits of one tile: relu([BLOCK_N, 128] e4m3 keys x [128, HI] e4m3 queries) x (weights * q scale), summed
+    over the heads, x the key scale; -inf where not ``valid``."""
+    if F32DOT:
+        s = tl.dot(k8.to(tl.float32), tl.trans(q8), input_precision="ieee")  # [BLOCK_N, BLOCK_HI]
+    else:
+        # Hopper FP8 wgmma accumulates with reduced precision; PROMOTE products at a time are added into fp32.
+        # 128 (default): one promotion per 128-wide key, no MMA waits inside the key
+        # (bench/results/indexer_precision.md: error and top-k overlap against the float reference)
+        s = tl.dot(k8, tl.trans(q8), max_num_imprecise_acc=PROMOTE)
+    s = tl.maximum(s, 0.0) * w[None, :]
+    return tl.where(valid, tl.sum(s, axis=1) * ksc, float("-inf"))
+
+
+@triton.jit
 def _indexer_logits_kernel(
     q_ptr, stride_qt, stride_qh, w_ptr, stride_wt,
-    kc_ptr, ks_ptr,
+    kc_ptr, ks_ptr, n_key_rows,
     bt_ptr, stride_bt, req_ptr, pos_ptr,
     o_ptr, stride_ot, HI, max_len,
     BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    F32DOT: tl.constexpr, PROMOTE: tl.constexpr = 128,
+    F32DOT: tl.constexpr, PROMOTE: tl.constexpr = 128, USE_TMA: tl.constexpr = False,
 ):
     D: tl.constexpr = 128
+    KEY_ALIGN: tl.constexpr = 16 if BS % 4 == 0 else 4
     t = tl.program_id(0)
     pb = tl.program_id(1)
     t64 = t.to(tl.int64)
     req = tl.load(req_ptr + t).to(tl.int64)
     n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
     n_first = pb * (BLOCK_N * TILES)
+    o_row = o_ptr + t64 * stride_ot
+    # the logits (a few MB) are stored "evict_last" and the streamed keys (hundreds of MB) read "evict_first"
+    # where the load allows it, so that the top-k that reads the logits next finds them in L2
+    # (bench/results/indexer_composed_profile.md: the top-k rounds ran 50-70 % slower after the key stream)
     if n_first < n_valid:
         hs = tl.arange(0, BLOCK_HI)
         hmask = hs < HI
@@ -73,33 +94,43 @@ def _indexer_logits_kernel(
         if F32DOT:
             q8 = q8.to(tl.float32)
         w = tl.load(w_ptr + t64 * stride_wt + hs, mask=hmask, other=0.0) * qs  # weights * q scale
-        for i in tl.static_range(TILES):
-            offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            valid = offs_n < n_valid
-            blk = tl.load(bt_ptr + req * stride_bt + offs_n // BS, mask=valid, other=0).to(tl.int64)
-            slot = blk * BS + offs_n % BS
-            # 132-byte rows are only 4-byte aligned; Triton's alignment analysis would otherwise claim 16 bytes
-            # for the broadcast row offsets (and emit misaligned 128-bit loads)
-            roff = tl.multiple_of(slot[:, None] * 132, [4, 4])
-            kb = tl.load(kc_ptr + roff + dd[None, :], mask=valid[:, None], other=0)
-            k8 = kb.to(tl.float8e4nv, bitcast=True)
-            ksc = tl.load(ks_ptr + slot * 33 + 32, mask=valid, other=0.0)
-            if F32DOT:
-                s = tl.dot(k8.to(tl.float32), tl.trans(q8), input_precision="ieee")  # [BLOCK_N, BLOCK_HI]
-            else:
-                # Hopper FP8 wgmma accumulates with reduced precision; PROMOTE products at a time are added
-                # into fp32. 128 (default): one promotion per 128-wide key, no MMA waits inside the key
-                # (bench/results/indexer_precision.md: error and top-k overlap against the float reference)
-                s = tl.dot(k8, tl.trans(q8), max_num_imprecise_acc=PROMOTE)
-            s = tl.maximum(s, 0.0) * w[None, :]
-            logit = tl.sum(s, axis=1) * ksc
-            logit = tl.where(valid, logit, float("-inf"))
-            tl.store(o_ptr + t64 * stride_ot + offs_n, logit, mask=offs_n < max_len)
+        if USE_TMA:
+            # the cache as rows of 128 bytes (BS % 32 == 0): block b's keys are rows b * ROWS .. + BS, so a tile
+            # (BLOCK_N divides BS) is one TMA box; a runtime loop lets the pipeliner keep num_stages boxes in
+            # flight. Rows past the window may hold stale bytes: their logits are replaced by -inf.
+            ROWS: tl.constexpr = BS * 132 // D
+            # typed e4m3 (not bytes + bitcast) so that the pipeliner sees the box feed the MMA directly
+            desc = tl.make_tensor_descriptor(kc_ptr.to(tl.pointer_type(tl.float8e4nv)), shape=[n_key_rows, D],
+                                             strides=[D, 1], block_shape=[BLOCK_N, D])
+            for i in range(TILES):
+                n0 = n_first + i * BLOCK_N
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                valid = offs_n < n_valid
+                blk = tl.load(bt_ptr + req * stride_bt + n0 // BS, mask=n0 < n_valid, other=0).to(tl.int32)
+                k8 = desc.load([blk * ROWS + n0 % BS, 0])
+                ksc = tl.load(ks_ptr + blk.to(tl.int64) * (BS * 33) + BS * 32 + offs_n % BS, mask=valid,
+                              other=0.0)
+                logit = _tile_logits(k8, q8, w, ksc, valid, F32DOT, PROMOTE)
+                tl.store(o_row + offs_n, logit, mask=offs_n < max_len, eviction_policy="evict_last")
+        else:
+            for i in tl.static_range(TILES):
+                offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+                valid = offs_n < n_valid
+                blk = tl.load(bt_ptr + req * stride_bt + offs_n // BS, mask=valid, other=0).to(tl.int64)
+                off = offs_n % BS
+                # block-major cache: a key starts at blk * (BS * 132) + off * 128, 16-byte aligned when
+                # BS % 4 == 0 (then every key is eight 16-byte loads); its scale is float blk * (BS * 33) + BS * 32
+                # + off
+                roff = tl.multiple_of(blk[:, None] * (BS * 132) + off[:, None] * D, [KEY_ALIGN, KEY_ALIGN])
+                k8 = tl.load(kc_ptr + roff + dd[None, :], mask=valid[:, None], other=0,
+                             eviction_policy="evict_first").to(tl.float8e4nv, bitcast=True)
+                ksc = tl.load(ks_ptr + blk * (BS * 33) + BS * 32 + off, mask=valid, other=0.0)
+                logit = _tile_logits(k8, q8, w, ksc, valid, F32DOT, PROMOTE)
+                tl.store(o_row + offs_n, logit, mask=offs_n < max_len, eviction_policy="evict_last")
     else:
         for i in tl.static_range(TILES):
             offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(o_ptr + t64 * stride_ot + offs_n, tl.full([BLOCK_N], float("-inf"), tl.float32),
-                     mask=offs_n < max_len)
+            tl.store(o_row + offs_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs_n < max_len)
 
 
 _LOGITS_CONFIGS = [
@@ -107,8 +138,21 @@ _LOGITS_CONFIGS = [
     triton.Config({"BLOCK_N": 128, "TILES": 2}, num_warps=4, num_stages=1),
     triton.Config({"BLOCK_N": 64, "TILES": 8}, num_warps=4, num_stages=1),
     triton.Config({"BLOCK_N": 128, "TILES": 8}, num_warps=8, num_stages=1),
+    # TMA boxes of one cache block's keys, pipelined (block sizes that are multiples of 32 and of BLOCK_N)
+    triton.Config({"BLOCK_N": 64, "TILES": 4, "USE_TMA": True}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 64, "TILES": 8, "USE_TMA": True}, num_warps=4, num_stages=3),
+    triton.Config({"BLOCK_N": 64, "TILES": 16, "USE_TMA": True}, num_warps=4, num_stages=3),
 ]
-_indexer_logits_tuned = triton.autotune(configs=_LOGITS_CONFIGS, key=["HI", "max_len"])(_indexer_logits_kernel)
+
+
+def _fitting_configs(configs, named_args, **kwargs):
+    """Autotune only the TMA configurations the cache's block size allows."""
+    return [c for c in configs if not c.kwargs.get("USE_TMA") or tma_tiles_fit(kwargs["BS"], c.kwargs["BLOCK_N"])]
+
+
+_indexer_logits_tuned = triton.autotune(configs=_LOGITS_CONFIGS, key=["HI", "max_len", "BS"],
+                                        prune_configs_by={"early_config_prune": _fitting_configs})(
+    _indexer_logits_kernel)
 
 
 def tuned_config():
@@ -125,27 +169,29 @@ def _float_key(x):
 
 
 @triton.jit
-def _segment_keys(x_row, ids_row, j0, n_list, n_valid, GATHER: tl.constexpr, C: tl.constexpr):
-    """Keys and row indices of entries ``j0 .. j0+C-1`` of a row's list: the logits row itself, or (GATHER) a
-    list of candidate indices into it (-1 = none). Order-preserving uint32 keys; entries past the window, past
-    the list or without a candidate get key 0, below every float's key (-inf maps to 0x007FFFFF), so they are
-    never counted or selected."""
+def _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER: tl.constexpr, C: tl.constexpr):
+    """Keys and row indices of entries ``j0 .. j0+C-1`` of a row's list: the logits row itself, or (GATHER) the
+    previous round's candidates, whose indices (-1 = none) and keys it wrote side by side (reading the keys
+    back contiguously, not gathering them from the logits row: the gather is DRAM-latency bound once the
+    logits have left L2). Order-preserving uint32 keys; entries past the window, past the list or without a
+    candidate get key 0, below every float's key (-inf maps to 0x007FFFFF), so they are never counted or
+    selected."""
     j = j0 + tl.arange(0, C)
     if GATHER:
         ids = tl.load(ids_row + j, mask=j < n_list, other=-1)
-        m = ids >= 0
+        key = tl.load(keys_row + j, mask=j < n_list, other=0).to(tl.uint32, bitcast=True)
+        return tl.where(ids >= 0, key, 0), ids
     else:
-        ids = j
         m = j < n_valid
-    return tl.where(m, _float_key(tl.load(x_row + ids, mask=m, other=0.0)), 0), ids
+        return tl.where(m, _float_key(tl.load(x_row + j, mask=m, other=0.0)), 0), j
 
 
 @triton.jit
-def _place(key, ids, thr, gt_base, eq_base, eq_quota, orow):
-    """Write the chunk's selected row indices: keys above ``thr``, and keys equal to it while the quota of ties
-    lasts (first in list order), in list order. One prefix sum carries both counts (above in the low 16 bits,
-    equal in the high bits: a chunk holds at most 8192 keys); an entry's slot is the keys above before it plus
-    the ties before it, capped at the quota. Returns the running counts."""
+def _place(key, ids, thr, gt_base, eq_base, eq_quota, orow, okrow, KEYS_OUT: tl.constexpr):
+    """Write the chunk's selected row indices (and, with KEYS_OUT, their keys): keys above ``thr``, and keys
+    equal to it while the quota of ties lasts (first in list order), in list order. One prefix sum carries both
+    counts (above in the low 16 bits, equal in the high bits: a chunk holds at most 8192 keys); an entry's slot
+    is the keys above before it plus the ties before it, capped at the quota. Returns the running counts."""
     gt = (key > thr).to(tl.int32)
     eq = (key == thr).to(tl.int32)
     cs = tl.cumsum(gt + (eq << 16), 0)
@@ -154,6 +200,8 @@ def _place(key, ids, thr, gt_base, eq_base, eq_quota, orow):
     take = (gt == 1) | ((eq == 1) & (n_eq <= eq_quota))
     slot = n_gt - gt + tl.minimum(n_eq - eq, eq_quota)
     tl.store(orow + slot, ids, mask=take)
+    if KEYS_OUT:
+        tl.store(okrow + slot, key.to(tl.int32, bitcast=True), mask=take)
     tot = tl.sum(gt + (eq << 16), 0)
     return gt_base + (tot & 0xFFFF), eq_base + (tot >> 16)
 
@@ -173,10 +221,14 @@ def _kth_key(k0, k1, k2, k3, k_eff):
     """The k_eff-th largest of the four chunks' keys (0 when k_eff is 0), two bits at a time: 16 steps, each one
     CTA-wide reduction of three counts (no histograms, no atomics)."""
     thr = tl.zeros([], tl.uint32)
-    for step in tl.static_range(16):
-        c1 = thr | tl.full([], 1 << (30 - 2 * step), tl.uint32)
-        c2 = thr | tl.full([], 2 << (30 - 2 * step), tl.uint32)
-        c3 = thr | tl.full([], 3 << (30 - 2 * step), tl.uint32)
+    # a runtime loop, not unrolled: the unrolled search was ~14k instructions of straight-line code, fetched
+    # again by every CTA, which ran 40-70 % slower whenever that code had left L2 (after the logits kernel's
+    # key stream: bench/results/indexer_composed_profile.md)
+    for step in range(16):
+        bit = tl.full([], 1, tl.uint32) << (tl.zeros([], tl.int32) + 30 - 2 * step).to(tl.uint32)
+        c1 = thr | bit
+        c2 = thr | (bit << 1)
+        c3 = thr | (bit * 3)
         n1, n2, n3 = tl.reduce((_count_ge(k0, k1, k2, k3, c1), _count_ge(k0, k1, k2, k3, c2),
                                 _count_ge(k0, k1, k2, k3, c3)), 0, _add3)
         thr = tl.where(n3 >= k_eff, c3, tl.where(n2 >= k_eff, c2, tl.where(n1 >= k_eff, c1, thr)))
@@ -184,35 +236,40 @@ def _kth_key(k0, k1, k2, k3, k_eff):
 
 
 @triton.jit
-def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, stride_it, pos_ptr, o_ptr, stride_ot, L, n_list, topk,
-                         C: tl.constexpr, GATHER: tl.constexpr):
+def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr, o_ptr, ko_ptr, stride_ot, L,
+                         n_list, topk, C: tl.constexpr, GATHER: tl.constexpr, KEYS_OUT: tl.constexpr):
     """One CTA per (row, segment of 4*C list entries), the segment in registers as four C-long chunks: the
     segment's top-``topk`` row indices (ties first in list order), in list order, -1 padded, written to
-    ``o[row, segment * topk ...]``."""
+    ``o[row, segment * topk ...]``; with KEYS_OUT their keys go to ``ko`` at the same places (0 for padding)."""
     t = tl.program_id(0)
     sg = tl.program_id(1)
     t64 = t.to(tl.int64)
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
     x_row = x_ptr + t64 * stride_xt
     ids_row = ids_ptr + t64 * stride_it
+    keys_row = kin_ptr + t64 * stride_it
     j0 = sg * (4 * C)
-    k0, i0 = _segment_keys(x_row, ids_row, j0, n_list, n_valid, GATHER, C)
-    k1, i1 = _segment_keys(x_row, ids_row, j0 + C, n_list, n_valid, GATHER, C)
-    k2, i2 = _segment_keys(x_row, ids_row, j0 + 2 * C, n_list, n_valid, GATHER, C)
-    k3, i3 = _segment_keys(x_row, ids_row, j0 + 3 * C, n_list, n_valid, GATHER, C)
+    k0, i0 = _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER, C)
+    k1, i1 = _segment_keys(x_row, ids_row, keys_row, j0 + C, n_list, n_valid, GATHER, C)
+    k2, i2 = _segment_keys(x_row, ids_row, keys_row, j0 + 2 * C, n_list, n_valid, GATHER, C)
+    k3, i3 = _segment_keys(x_row, ids_row, keys_row, j0 + 3 * C, n_list, n_valid, GATHER, C)
     k_eff = tl.minimum(topk, tl.sum(_count_ge(k0, k1, k2, k3, tl.full([], 1, tl.uint32)), 0))
     thr = _kth_key(k0, k1, k2, k3, k_eff)
     n_gt = tl.sum((k0 > thr).to(tl.int32) + (k1 > thr).to(tl.int32) + (k2 > thr).to(tl.int32)
                   + (k3 > thr).to(tl.int32), 0)
     quota = k_eff - n_gt
     orow = o_ptr + t64 * stride_ot + sg * topk
-    base, eqb = _place(k0, i0, thr, 0, 0, quota, orow)
-    base, eqb = _place(k1, i1, thr, base, eqb, quota, orow)
-    base, eqb = _place(k2, i2, thr, base, eqb, quota, orow)
-    base, eqb = _place(k3, i3, thr, base, eqb, quota, orow)
+    okrow = ko_ptr + t64 * stride_ot + sg * topk
+    base, eqb = _place(k0, i0, thr, 0, 0, quota, orow, okrow, KEYS_OUT)
+    base, eqb = _place(k1, i1, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+    base, eqb = _place(k2, i2, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+    base, eqb = _place(k3, i3, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
     for c0 in range(0, topk, C):
         pad = c0 + tl.arange(0, C)
-        tl.store(orow + pad, tl.full([C], -1, tl.int32), mask=(pad >= k_eff) & (pad < topk))
+        pmask = (pad >= k_eff) & (pad < topk)
+        tl.store(orow + pad, tl.full([C], -1, tl.int32), mask=pmask)
+        if KEYS_OUT:
+            tl.store(okrow + pad, tl.zeros([C], tl.int32), mask=pmask)
 
 
 @triton.jit
@@ -316,19 +373,32 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     interp = _INTERPRET or q.device.type != "cuda"
     BLOCK_HI = max(16, triton.next_power_of_2(HI))
     args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache, k_cache.view(torch.float32),
-            block_table, block_table.stride(0), req_idx, positions, out, out.stride(0), HI, max_len)
+            k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, out, out.stride(0), HI,
+            max_len)
     if not interp and not cfg and not _NO_TUNE:
         grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
+        ensure_tma_allocator()
         _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=False)
     else:
         c = dict(BLOCK_N=16, TILES=2, num_warps=4, num_stages=1) if interp else dict(_LOGITS_CONFIGS[0].kwargs,
                                                                                        num_warps=4, num_stages=1)
         c.update(cfg or {})
+        use_tma = bool(c.get("USE_TMA", False))
+        if use_tma and not tma_tiles_fit(bs, c["BLOCK_N"]):
+            raise InputError(f"indexer logits: USE_TMA needs a block size that is a multiple of 32 and of BLOCK_N "
+                             f"(block size {bs}, BLOCK_N {c['BLOCK_N']})")
+        if use_tma:
+            ensure_tma_allocator()
         grid = (T, triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]))
         _indexer_logits_kernel[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"],
-                                     F32DOT=interp, PROMOTE=c.get("PROMOTE", 128), num_warps=c["num_warps"],
-                                     num_stages=c["num_stages"])
+                                     F32DOT=interp, PROMOTE=c.get("PROMOTE", 128), USE_TMA=use_tma,
+                                     num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
+
+
+def tma_tiles_fit(block_size: int, block_n: int) -> bool:
+    """TMA key tiles need 128-byte cache rows at block starts (block size % 32 == 0) and tiles inside a block."""
+    return block_size % 32 == 0 and block_size % block_n == 0
 
 
 SEGMENT_MAX = 32768  # longest segment one CTA holds in registers (four chunks of at most 8192 keys)
@@ -339,12 +409,15 @@ def _segment_len(entries: int) -> int:
     return max(128, triton.next_power_of_2(entries))
 
 
-def _launch_segments(x, ids, pos, out, n_list, topk, seg, num_warps, interp):
+def _launch_segments(x, cand, pos, out, out_keys, n_list, topk, seg, num_warps, interp):
+    """One round over ``x``'s rows (``cand`` None) or over the previous round's (ids, keys); ``out_keys``
+    (None in the last round) receives the kept keys beside ``out``'s indices."""
     C = seg // 4
     nw = num_warps or (4 if interp else max(4, min(16, C // 256)))
+    ids, keys = cand if cand is not None else (out, out)  # unused without GATHER
     _segment_topk_kernel[(x.shape[0], triton.cdiv(n_list, seg))](
-        x, x.stride(0), x if ids is None else ids, 0 if ids is None else ids.stride(0), pos, out, out.stride(0),
-        x.shape[1], n_list, topk, C=C, GATHER=ids is not None, num_warps=nw)
+        x, x.stride(0), ids, keys, ids.stride(0), pos, out, out if out_keys is None else out_keys, out.stride(0),
+        x.shape[1], n_list, topk, C=C, GATHER=cand is not None, KEYS_OUT=out_keys is not None, num_warps=nw)
 
 
 def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
@@ -385,12 +458,12 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
         if seg > SEGMENT_MAX:
             raise InputError(f"topk_from_logits: topk={topk} needs segments of {seg} > SEGMENT_MAX={SEGMENT_MAX}"
                              " entries; use method='multi'")
-        ids, n_list = None, L
-        while n_list > seg:  # a round: every segment keeps its top-k candidates
-            cand = torch.empty(T, triton.cdiv(n_list, seg) * topk, dtype=torch.int32, device=logits.device)
-            _launch_segments(logits, ids, positions, cand, n_list, topk, seg, num_warps, interp)
-            ids, n_list = cand, cand.shape[1]
-        _launch_segments(logits, ids, positions, out, n_list, topk, _segment_len(n_list), num_warps, interp)
+        cand, n_list = None, L
+        while n_list > seg:  # a round: every segment keeps its top-k candidates (indices and keys)
+            kept = torch.empty(2, T, triton.cdiv(n_list, seg) * topk, dtype=torch.int32, device=logits.device)
+            _launch_segments(logits, cand, positions, kept[0], kept[1], n_list, topk, seg, num_warps, interp)
+            cand, n_list = (kept[0], kept[1]), kept.shape[2]
+        _launch_segments(logits, cand, positions, out, None, n_list, topk, _segment_len(n_list), num_warps, interp)
         return out
     seg = chunk or (64 if interp else 4096)
     nseg = max(triton.cdiv(L, seg), triton.cdiv(topk, seg))

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from fxglm5.lowering.reference import paged as ref
-from fxglm5.lowering.triton.paged_cache import interpreter_compat
+from fxglm5.lowering.triton.paged_cache import ensure_tma_allocator, interpreter_compat
 
 interpreter_compat()
 
@@ -306,14 +306,6 @@ _mla_dense_tuned = triton.autotune(configs=_DENSE_CONFIGS, key=["H", "num_splits
 _LAST: dict = {}
 
 
-def _ensure_allocator():
-    """TMA descriptors built in-kernel need a global scratch allocator (set once, if nobody set one)."""
-    from triton.runtime import _allocation
-
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-
-
 def tuned_config(kernel=None):
     """The configuration the autotuner picked for the last launch (None before the first GPU call)."""
     bc = getattr(kernel or _LAST.get("tuner"), "best_config", None)
@@ -402,7 +394,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     if use_tuner:
         tuner = _mla_sparse_tuned if sparse else _mla_dense_tuned
         if not sparse:
-            _ensure_allocator()
+            ensure_tma_allocator()
         _LAST["tuner"] = tuner
         tuner[grid](*args, **const)
     else:
@@ -413,7 +405,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
         if c.get("USE_TMA") and cache.data_ptr() % 16 != 0:
             c["USE_TMA"] = False
         if c.get("USE_TMA"):
-            _ensure_allocator()
+            ensure_tma_allocator()
         _mla_fwd_kernel[grid](*args, **const, BLOCK_N=c["BLOCK_N"], USE_TMA=bool(c.get("USE_TMA", False)),
                               num_warps=c["num_warps"], num_stages=c["num_stages"])
     if not direct:

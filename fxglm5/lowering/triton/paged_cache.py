@@ -1,4 +1,5 @@
-"""Triton cache writes for the paged caches: latent 576 (compute dtype), FP8 ds_mla 656 bytes, indexer 132 bytes.
+"""Triton cache writes for the paged caches: latent 576 (compute dtype), FP8 ds_mla 656 bytes, indexer 132 bytes
+per token (block-major).
 
 Same signatures and semantics as :mod:`fxglm5.lowering.reference.paged` (slot < 0 = padding, skipped;
 per-128-value power-of-two FP8 scales computed in-kernel with the exact float32-bit rule). One program per
@@ -43,8 +44,17 @@ def interpreter_compat() -> None:
 
 interpreter_compat()
 
+
+def ensure_tma_allocator() -> None:
+    """TMA descriptors built in-kernel need a global scratch allocator (set once, if nobody set one)."""
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
 __all__ = ["write_latent_cache", "write_indexer_cache", "slots_from_positions", "pow2_scale", "e4m3_bits",
-           "bf16_bits"]
+           "bf16_bits", "ensure_tma_allocator", "interpreter_compat"]
 
 
 @triton.jit
@@ -124,16 +134,20 @@ def _write_latent_fp8_kernel(kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr,
 
 
 @triton.jit
-def _write_index_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, stride_k, D: tl.constexpr):
+def _write_index_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, stride_k, D: tl.constexpr, BS: tl.constexpr):
+    # block-major (reference.paged.indexer_cache_parts): a block is BS * 132 bytes, its BS keys (D bytes each)
+    # then their BS float32 scales; c32 is the float32 view (BS * 33 floats per block)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
+        blk = slot // BS
+        off = slot % BS
         od = tl.arange(0, D)
         x = tl.load(k_ptr + t * stride_k + od).to(tl.float32)
         sc = pow2_scale(tl.max(tl.abs(x), axis=0))
         y = tl.minimum(tl.maximum(x * (1.0 / sc), -448.0), 448.0)
-        tl.store(c8_ptr + slot * 132 + od, e4m3_bits(y))
-        tl.store(c32_ptr + slot * 33 + 32, sc)
+        tl.store(c8_ptr + blk * (BS * 132) + off * D + od, e4m3_bits(y))
+        tl.store(c32_ptr + blk * (BS * 33) + BS * 32 + off, sc)
 
 
 def _contig_rows(x):
@@ -160,7 +174,7 @@ def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True
 
 
 def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True) -> None:
-    """In-place write of FP8 indexer keys (132-byte rows) at ``slot_mapping``."""
+    """In-place write of FP8 indexer keys (block-major, 132 bytes per token) at ``slot_mapping``."""
     if validate:
         ref.validate_write_indexer_cache(cache, k, slot_mapping)
     T = k.shape[0]
@@ -168,7 +182,7 @@ def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True) -> Non
         return
     k = _contig_rows(k)
     _write_index_kernel[(T,)](k, slot_mapping, cache, cache.view(torch.float32),
-                              k.stride(0), D=128, num_warps=1)
+                              k.stride(0), D=128, BS=cache.shape[1], num_warps=1)
 
 
 def slots_from_positions(block_table, req_idx, positions, block_size: int = 64, *, validate: bool = True):

@@ -1,0 +1,104 @@
+"""Where the composed indexer call (logits + top-k) loses time against its parts timed alone (H200).
+
+The attention table times ``indexer_topk_paged`` (logits, then the top-k rounds) and each part on its own,
+each as a CUDA-graph replay; the composed call has measured more than the sum of its parts in every run so
+far. This script captures the three graphs (logits alone, top-k alone, composed) at B=64 / 32k / top-2048,
+replays each under ``torch.profiler`` and lists every kernel's device time per replay, plus the replay's span
+(first kernel start to last kernel end) and the event-timed replay. Comparing the same kernel across graphs
+shows which one slows down when composed, and the span minus the summed kernels shows the gaps between
+kernels. Two more graphs run the top-k after 512 MB of unrelated reads or writes, to tell an L2 effect from
+an interaction with the logits kernel. Saves bench/results/indexer_composed_profile.*.
+
+    python bench/indexer_composed_profile.py
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.harness import Results, events_us  # noqa: E402
+from bench.kernels_attention import BS, HI, TOPK, _paged  # noqa: E402
+from fxglm5.lowering.triton import indexer  # noqa: E402
+
+B, CTX, REPLAYS = 64, 32768, 20
+
+
+def _capture(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def _profile(graph):
+    """Per-kernel mean device us per replay, and the mean replay span (first start to last end), in us."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            graph.replay()
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
+    kernels.sort(key=lambda e: e.time_range.start)
+    per_replay = len(kernels) // REPLAYS
+    names = collections.defaultdict(list)
+    spans = []
+    for r in range(REPLAYS):
+        chunk = kernels[r * per_replay:(r + 1) * per_replay]
+        spans.append(chunk[-1].time_range.end - chunk[0].time_range.start)
+        for i, e in enumerate(chunk):
+            names[(i, e.name[:60])].append(e.device_time)
+    return {k: statistics.mean(v) for k, v in names.items()}, statistics.median(spans)
+
+
+def main():
+    kc, bt = _paged(B, CTX, 132, torch.uint8)
+    q = torch.randn(B, HI, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(B, HI, device="cuda")
+    pos = torch.full((B,), CTX - 1, device="cuda", dtype=torch.int32)
+    req = torch.arange(B, device="cuda", dtype=torch.int32)
+    logits = torch.empty(B, bt.shape[1] * BS, device="cuda")
+    top = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
+    big = torch.zeros(2**29, dtype=torch.uint8, device="cuda")  # 512 MB: several times L2
+
+    def topk():
+        indexer.topk_from_logits(logits, pos, TOPK, out=top, validate=False)
+
+    graphs = {
+        "logits": _capture(lambda: indexer.indexer_logits_paged(q, w, kc, bt, req, pos, out=logits, validate=False)),
+        "topk": _capture(topk),
+        "composed": _capture(lambda: indexer.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK, validate=False,
+                                                                logits_buf=logits, out=top)),
+        # the top-k after 512 MB of other traffic, without the logits kernel: is the composed slowdown L2?
+        "512 MB read, then topk": _capture(lambda: (big.max(), topk())),
+        "512 MB write, then topk": _capture(lambda: (big.zero_(), topk())),
+    }
+    results = Results()
+    for name, graph in graphs.items():
+        replay_us = statistics.median(events_us(graph.replay, REPLAYS))
+        kern, span = _profile(graph)
+        for (i, kname), us in sorted(kern.items()):
+            results.add(graph=name, item=f"kernel {i}: {kname}", us=round(us, 1))
+        results.add(graph=name, item="sum of kernels", us=round(sum(kern.values()), 1))
+        results.add(graph=name, item="span (first start to last end)", us=round(span, 1))
+        results.add(graph=name, item="replay (events)", us=round(replay_us, 1))
+    print(results.markdown())
+    print("saved", results.save("indexer_composed_profile"))
+
+
+if __name__ == "__main__":
+    main()
