@@ -84,7 +84,7 @@ def check_close(model, seqs):
 
 
 def test_fp8_caches_track_full_recompute():
-    """FP8 ds_mla latent rows + 132-byte FP8 indexer keys (RTP's FP8_KV_CACHE=1 layout)."""
+    """FP8 ds_mla latent rows + the block-major FP8 indexer cache (RTP's FP8_KV_CACHE=1 layouts)."""
     model, _ = model_and_graph("fp8")
     batch = prompts(torch.Generator().manual_seed(2), [30, 7, 26, 12])
     check_close(model, runner("fp8", kv_cache="fp8", block_size=16, kernel_block_size=8).run(batch, NEW_TOKENS))

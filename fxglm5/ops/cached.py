@@ -22,7 +22,8 @@ Signatures (q/k/kv tensors have leading dims [N, S] with N * S = T; the graph us
 - ``rtp_mla(...)``: the same without ``topk_pos``, attending to every cached position 0..positions[t].
 
 Cache layouts are RTP's (``fxglm5.lowering.reference.paged``): latent rows of 576 in the compute dtype or
-656-byte FP8 "ds_mla" rows, indexer rows of 132 bytes (e4m3 + fp32 scale). An indexer cache may instead
+656-byte FP8 "ds_mla" rows, an indexer cache of 132 bytes per token (block-major: a block's e4m3 keys, then
+their fp32 scales). An indexer cache may instead
 hold the keys in the compute dtype ([blocks, bs, 128]): then the top-k is exact, which is what makes the
 paged runtime bit-comparable to the cache-less model. Models with smaller attention widths (the tiny test
 config) use the same rows zero-padded: padding changes no dot product, amax or softmax, so the layout and
@@ -133,7 +134,7 @@ def _compute_index_topk(q, weights, cache, block_table, req_idx, positions, topk
 
 def _check_index_cache(cache: Tensor) -> None:
     if cache.dtype == torch.uint8:
-        return  # paged.validate_write_indexer_cache checks the 132-byte layout
+        return  # paged.validate_write_indexer_cache checks the FP8 layout's shape
     if cache.dim() != 3 or cache.dtype not in paged.COMPUTE_DTYPES or cache.shape[2] != paged.INDEX_DIM:
         raise InputError(f"index_cache: expected uint8 [blocks, bs, {paged.INDEX_ROW_BYTES}] or a compute-dtype "
                          f"[blocks, bs, {paged.INDEX_DIM}] tensor, got {cache.dtype} {tuple(cache.shape)}")

@@ -4,7 +4,10 @@ Layouts (``fxglm5.lowering.reference.paged``), physical shape ``[num_blocks, blo
 - latent, ``kv_cache="bf16"``: 576 values per token in the compute dtype ("bf16" names RTP's non-FP8
   mode; the dtype is whatever the model computes in, float32 in the exactness tests);
 - latent, ``kv_cache="fp8"``: uint8 rows of 656 bytes (ds_mla: e4m3 c_kv, 4 fp32 scales, bf16 k_pe);
-- indexer, ``index_cache="fp8"``: uint8 rows of 132 bytes (RTP's only indexer layout);
+- indexer, ``index_cache="fp8"``: uint8 ``[.., 132]``, block-major within a block (its e4m3 keys, then
+  their fp32 scales: RTP's only indexer layout, as its ``indexer_k_quant_and_cache`` writes it). Being
+  block-major, it is only meaningful at the granularity it was written at: every reader and writer uses the
+  kernel-granularity view below;
 - indexer, ``index_cache="bf16"``: 128 values in the compute dtype, for an exact top-k (the FP8 keys
   reorder near-tied scores, so only this mode reproduces the cache-less model bit for bit).
 By default the indexer follows ``kv_cache``. Block 0 is reserved (never handed out), as in RTP.

@@ -4,17 +4,17 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
 
 1. ``indexer_logits_paged`` -> float32 ``[T, max_len]`` (``max_len`` defaults to the block-table width times
    the block size: a shape, never data). A program owns one query token and ``TILES * BLOCK_N`` key positions:
-   it quantizes the token's [HI, 128] query to e4m3 (one power-of-two scale per head, the cache rule), gathers
-   ``BLOCK_N`` keys through the block table (block-major cache: a block's keys are one contiguous run, so each
-   128-byte key is eight 16-byte loads, and its scales follow them), runs an FP8 x FP8 MMA ([BLOCK_N, 128] x [128, HI],
+   it quantizes the token's [HI, 128] query to e4m3 (one power-of-two scale per head, the cache rule), reads
+   ``BLOCK_N`` keys through the block table (block-major cache: a block's keys are one contiguous run, so a
+   tile is one pipelined TMA box when the block size is a multiple of 32, else 16-byte gathers), runs an FP8 x FP8 MMA ([BLOCK_N, 128] x [128, HI],
    fp32 accumulate), applies relu, the per-head ``weights * q_scale`` and the per-key scale, and sums the heads.
    Positions beyond the causal window (``> positions[t]``) are written as -inf (tiles entirely beyond it skip
    the loads).
 2. ``topk_from_logits``: exact selection on the order-preserving uint32 image of the float32 scores.
    Rows up to 32768 ("segments"): a tournament. Each round cuts every row's list (the logits row, then the candidates
-   the previous round kept) into segments of 16384 entries; one CTA per segment holds it in registers, finds
-   its k-th largest key two bits at a time (16 CTA-wide reductions of three counts) and writes the segment's
-   top-k indices in order by prefix sums. A row's top-k lies inside the union of its segments' top-k, so the
+   the previous round kept, indices and keys side by side) into segments of 16384 entries; one CTA per segment
+   holds it in registers, finds its k-th largest key two bits at a time (16 CTA-wide reductions of three
+   counts, a runtime loop) and writes the segment's top-k indices in order by prefix sums. A row's top-k lies inside the union of its segments' top-k, so the
    list shrinks 8x per round at GLM-5's top-2048 until one segment holds it; the last round is the answer.
    Longer rows ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each a
    ``tl.histogram`` per segment added into a global [4, T, 256] histogram with atomics (every CTA replays the
@@ -427,7 +427,7 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     (ties at the threshold broken towards lower indices), -1 padded.
 
     ``method="segments"`` (the default for rows up to ``SEGMENT_MAX``): a tournament of exact selections. Each
-    round cuts every row's list (first the logits row, then the candidate indices the previous round kept) into
+    round cuts every row's list (first the logits row, then the candidates the previous round kept) into
     segments of ``chunk`` entries (a power of two; 16384 on the GPU: bench/results/topk_row_phases.md). One CTA
     per segment keeps it in registers, finds its ``topk``-th largest key two bits at a time and writes the
     segment's top ``topk`` indices in order. Every index of the row's top-k is in its segment's top-k, so the
