@@ -39,10 +39,10 @@ def _row_topk_cut(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, C: tl.co
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
     k_eff = tl.minimum(topk, n_valid)
     row = x_ptr + t64 * stride_xt
-    k0, i0 = _segment_keys(row, row, 0, L, n_valid, False, C)
-    k1, i1 = _segment_keys(row, row, C, L, n_valid, False, C)
-    k2, i2 = _segment_keys(row, row, 2 * C, L, n_valid, False, C)
-    k3, i3 = _segment_keys(row, row, 3 * C, L, n_valid, False, C)
+    k0, i0 = _segment_keys(row, row, row, 0, L, n_valid, False, C)
+    k1, i1 = _segment_keys(row, row, row, C, L, n_valid, False, C)
+    k2, i2 = _segment_keys(row, row, row, 2 * C, L, n_valid, False, C)
+    k3, i3 = _segment_keys(row, row, row, 3 * C, L, n_valid, False, C)
     orow = o_ptr + t64 * stride_ot
     if PHASE == 0:
         tl.store(orow, tl.max(tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3)), 0).to(tl.int32, bitcast=True))
@@ -54,10 +54,10 @@ def _row_topk_cut(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, C: tl.co
             n_gt = tl.sum((k0 > thr).to(tl.int32) + (k1 > thr).to(tl.int32) + (k2 > thr).to(tl.int32)
                           + (k3 > thr).to(tl.int32), 0)
             quota = k_eff - n_gt
-            base, eqb = _place(k0, i0, thr, 0, 0, quota, orow)
-            base, eqb = _place(k1, i1, thr, base, eqb, quota, orow)
-            base, eqb = _place(k2, i2, thr, base, eqb, quota, orow)
-            base, eqb = _place(k3, i3, thr, base, eqb, quota, orow)
+            base, eqb = _place(k0, i0, thr, 0, 0, quota, orow, orow, False)
+            base, eqb = _place(k1, i1, thr, base, eqb, quota, orow, orow, False)
+            base, eqb = _place(k2, i2, thr, base, eqb, quota, orow, orow, False)
+            base, eqb = _place(k3, i3, thr, base, eqb, quota, orow, orow, False)
 
 
 def main():
