@@ -412,6 +412,19 @@ def test_indexer_logits_tma_needs_fitting_blocks():
                                       one, one, cfg=dict(BLOCK_N=16, TILES=1, USE_TMA=True))
 
 
+@pytest.mark.parametrize("bs, tma_kept", [(64, 3), (32, 0), (16, 0), (128, 3)])
+def test_indexer_autotune_offers_tma_only_where_blocks_fit(bs, tma_kept):
+    """The autotuner never launches a TMA candidate whose box would straddle cache blocks."""
+    kept = tindexer._fitting_configs(tindexer._LOGITS_CONFIGS, {}, BS=bs)
+    assert sum(bool(c.kwargs.get("USE_TMA")) for c in kept) == tma_kept
+    assert all(tindexer.tma_tiles_fit(bs, c.kwargs["BLOCK_N"]) for c in kept if c.kwargs.get("USE_TMA"))
+    assert sum(not c.kwargs.get("USE_TMA") for c in kept) == sum(not c.kwargs.get("USE_TMA")
+                                                                 for c in tindexer._LOGITS_CONFIGS)
+    # the untuned launch (FXGLM5_NO_AUTOTUNE=1) follows the same rule
+    default = tindexer._default_logits_config(bs)
+    assert bool(default.get("USE_TMA")) == tindexer.tma_tiles_fit(bs, 64)
+
+
 def test_topk_from_logits_bad_inputs():
     x, pos = torch.randn(2, 40), torch.tensor([39, 10], dtype=torch.int32)
     with pytest.raises(InputError, match="method 'row'"):

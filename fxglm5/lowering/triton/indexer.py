@@ -133,15 +133,17 @@ def _indexer_logits_kernel(
             tl.store(o_row + offs_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs_n < max_len)
 
 
+_GATHER_DEFAULT = triton.Config({"BLOCK_N": 128, "TILES": 4}, num_warps=4, num_stages=1)
+_TMA_DEFAULT = triton.Config({"BLOCK_N": 64, "TILES": 16, "USE_TMA": True}, num_warps=4, num_stages=3)
 _LOGITS_CONFIGS = [
-    triton.Config({"BLOCK_N": 128, "TILES": 4}, num_warps=4, num_stages=1),
+    _GATHER_DEFAULT,
     triton.Config({"BLOCK_N": 128, "TILES": 2}, num_warps=4, num_stages=1),
     triton.Config({"BLOCK_N": 64, "TILES": 8}, num_warps=4, num_stages=1),
     triton.Config({"BLOCK_N": 128, "TILES": 8}, num_warps=8, num_stages=1),
     # TMA boxes of one cache block's keys, pipelined (block sizes that are multiples of 32 and of BLOCK_N)
     triton.Config({"BLOCK_N": 64, "TILES": 4, "USE_TMA": True}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_N": 64, "TILES": 8, "USE_TMA": True}, num_warps=4, num_stages=3),
-    triton.Config({"BLOCK_N": 64, "TILES": 16, "USE_TMA": True}, num_warps=4, num_stages=3),
+    _TMA_DEFAULT,
 ]
 
 
@@ -380,8 +382,7 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
         ensure_tma_allocator()
         _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=False)
     else:
-        c = dict(BLOCK_N=16, TILES=2, num_warps=4, num_stages=1) if interp else dict(_LOGITS_CONFIGS[0].kwargs,
-                                                                                       num_warps=4, num_stages=1)
+        c = dict(BLOCK_N=16, TILES=2, num_warps=4, num_stages=1) if interp else _default_logits_config(bs)
         c.update(cfg or {})
         use_tma = bool(c.get("USE_TMA", False))
         if use_tma and not tma_tiles_fit(bs, c["BLOCK_N"]):
@@ -394,6 +395,13 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
                                      F32DOT=interp, PROMOTE=c.get("PROMOTE", 128), USE_TMA=use_tma,
                                      num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
+
+
+def _default_logits_config(block_size: int) -> dict:
+    """The launch without autotuning (FXGLM5_NO_AUTOTUNE=1): TMA boxes where the blocks allow them (the fastest
+    measured at 64 x 32k: bench/results/kernels_attention_sweep_indexer_s4.md), else 16-byte gathers."""
+    best = _TMA_DEFAULT if tma_tiles_fit(block_size, _TMA_DEFAULT.kwargs["BLOCK_N"]) else _GATHER_DEFAULT
+    return dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
 
 
 def tma_tiles_fit(block_size: int, block_n: int) -> bool:
