@@ -420,9 +420,12 @@ def test_indexer_autotune_offers_tma_only_where_blocks_fit(bs, tma_kept):
     assert all(tindexer.tma_tiles_fit(bs, c.kwargs["BLOCK_N"]) for c in kept if c.kwargs.get("USE_TMA"))
     assert sum(not c.kwargs.get("USE_TMA") for c in kept) == sum(not c.kwargs.get("USE_TMA")
                                                                  for c in tindexer._LOGITS_CONFIGS)
-    # the untuned launch (FXGLM5_NO_AUTOTUNE=1) follows the same rule
-    default = tindexer._default_logits_config(bs)
-    assert bool(default.get("USE_TMA")) == tindexer.tma_tiles_fit(bs, 64)
+    # the untuned launch (FXGLM5_NO_AUTOTUNE=1) follows the same rule; an explicit config gets TMA only if it
+    # asks for it
+    assert bool(tindexer._launch_config(bs, None, interp=False).get("USE_TMA")) == tindexer.tma_tiles_fit(bs, 64)
+    explicit = tindexer._launch_config(bs, dict(BLOCK_N=128, TILES=4, PROMOTE=32), interp=False)
+    assert not explicit.get("USE_TMA") and explicit["BLOCK_N"] == 128 and explicit["PROMOTE"] == 32
+    assert tindexer._launch_config(bs, dict(BLOCK_N=32, USE_TMA=True), interp=False)["USE_TMA"]
 
 
 def test_topk_from_logits_bad_inputs():

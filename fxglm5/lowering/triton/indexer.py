@@ -160,7 +160,7 @@ _indexer_logits_tuned = triton.autotune(configs=_LOGITS_CONFIGS, key=["HI", "max
 def tuned_config():
     """The logits configuration the autotuner picked last (None before the first GPU call)."""
     bc = getattr(_indexer_logits_tuned, "best_config", None)
-    return None if bc is None else dict(bc.kwargs, num_warps=bc.num_warps, num_stages=bc.num_stages)
+    return None if bc is None else _config_dict(bc)
 
 
 @triton.jit
@@ -382,8 +382,7 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
         ensure_tma_allocator()
         _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=False)
     else:
-        c = dict(BLOCK_N=16, TILES=2, num_warps=4, num_stages=1) if interp else _default_logits_config(bs)
-        c.update(cfg or {})
+        c = _launch_config(bs, cfg, interp)
         use_tma = bool(c.get("USE_TMA", False))
         if use_tma and not tma_tiles_fit(bs, c["BLOCK_N"]):
             raise InputError(f"indexer logits: USE_TMA needs a block size that is a multiple of 32 and of BLOCK_N "
@@ -397,11 +396,22 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     return out
 
 
-def _default_logits_config(block_size: int) -> dict:
-    """The launch without autotuning (FXGLM5_NO_AUTOTUNE=1): TMA boxes where the blocks allow them (the fastest
-    measured at 64 x 32k: bench/results/kernels_attention_sweep_indexer_s4.md), else 16-byte gathers."""
-    best = _TMA_DEFAULT if tma_tiles_fit(block_size, _TMA_DEFAULT.kwargs["BLOCK_N"]) else _GATHER_DEFAULT
-    return dict(best.kwargs, num_warps=best.num_warps, num_stages=best.num_stages)
+def _config_dict(c: triton.Config) -> dict:
+    return dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+def _launch_config(block_size: int, cfg: dict | None, interp: bool) -> dict:
+    """The logits launch when not autotuning. An explicit ``cfg`` names every option it wants over the gather
+    defaults (TMA only when it asks for it). Without one: small tiles under the interpreter; on the GPU
+    (FXGLM5_NO_AUTOTUNE=1) TMA boxes where the blocks allow them (the fastest measured at 64 x 32k:
+    bench/results/kernels_attention_sweep_indexer_s4.md), else 16-byte gathers."""
+    if interp:
+        base = dict(BLOCK_N=16, TILES=2, num_warps=4, num_stages=1)
+    elif cfg or not tma_tiles_fit(block_size, _TMA_DEFAULT.kwargs["BLOCK_N"]):
+        base = _config_dict(_GATHER_DEFAULT)
+    else:
+        base = _config_dict(_TMA_DEFAULT)
+    return dict(base, **(cfg or {}))
 
 
 def tma_tiles_fit(block_size: int, block_n: int) -> bool:
