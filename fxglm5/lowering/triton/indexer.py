@@ -6,16 +6,18 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
    the block size: a shape, never data). A program owns one query token and ``TILES * BLOCK_N`` key positions:
    it quantizes the token's [HI, 128] query to e4m3 (one power-of-two scale per head, the cache rule), reads
    ``BLOCK_N`` keys through the block table (block-major cache: a block's keys are one contiguous run, so a
-   tile is one pipelined TMA box when the block size is a multiple of 32, else 16-byte gathers), runs an FP8 x FP8 MMA ([BLOCK_N, 128] x [128, HI],
-   fp32 accumulate), applies relu, the per-head ``weights * q_scale`` and the per-key scale, and sums the heads.
+   tile is one pipelined TMA box when the block size is a multiple of 32, else 16-byte gathers), runs an
+   FP8 x FP8 MMA ([BLOCK_N, 128] x [128, HI], fp32 accumulate), applies relu, the per-head
+   ``weights * q_scale`` and the per-key scale, and sums the heads.
    Positions beyond the causal window (``> positions[t]``) are written as -inf (tiles entirely beyond it skip
    the loads).
 2. ``topk_from_logits``: exact selection on the order-preserving uint32 image of the float32 scores.
    Rows up to 32768 ("segments"): a tournament. Each round cuts every row's list (the logits row, then the candidates
    the previous round kept, indices and keys side by side) into segments of 16384 entries; one CTA per segment
    holds it in registers, finds its k-th largest key two bits at a time (16 CTA-wide reductions of three
-   counts, a runtime loop) and writes the segment's top-k indices in order by prefix sums. A row's top-k lies inside the union of its segments' top-k, so the
-   list shrinks 8x per round at GLM-5's top-2048 until one segment holds it; the last round is the answer.
+   counts, a runtime loop) and writes the segment's top-k indices in order by prefix sums. A row's top-k lies
+   inside the union of its segments' top-k, so the list shrinks 8x per round at GLM-5's top-2048 until one
+   segment holds it; the last round is the answer.
    Longer rows ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each a
    ``tl.histogram`` per segment added into a global [4, T, 256] histogram with atomics (every CTA replays the
    earlier passes' digit choices from those histograms: a reverse cumsum finds the digit that holds the k-th
@@ -79,9 +81,6 @@ def _indexer_logits_kernel(
     n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
     n_first = pb * (BLOCK_N * TILES)
     o_row = o_ptr + t64 * stride_ot
-    # the logits (a few MB) are stored "evict_last" and the streamed keys (hundreds of MB) read "evict_first"
-    # where the load allows it, so that the top-k that reads the logits next finds them in L2
-    # (bench/results/indexer_composed_profile.md: the top-k rounds ran 50-70 % slower after the key stream)
     if n_first < n_valid:
         hs = tl.arange(0, BLOCK_HI)
         hmask = hs < HI
@@ -111,7 +110,7 @@ def _indexer_logits_kernel(
                 ksc = tl.load(ks_ptr + blk.to(tl.int64) * (BS * 33) + BS * 32 + offs_n % BS, mask=valid,
                               other=0.0)
                 logit = _tile_logits(k8, q8, w, ksc, valid, F32DOT, PROMOTE)
-                tl.store(o_row + offs_n, logit, mask=offs_n < max_len, eviction_policy="evict_last")
+                tl.store(o_row + offs_n, logit, mask=offs_n < max_len)
         else:
             for i in tl.static_range(TILES):
                 offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -122,11 +121,11 @@ def _indexer_logits_kernel(
                 # BS % 4 == 0 (then every key is eight 16-byte loads); its scale is float blk * (BS * 33) + BS * 32
                 # + off
                 roff = tl.multiple_of(blk[:, None] * (BS * 132) + off[:, None] * D, [KEY_ALIGN, KEY_ALIGN])
-                k8 = tl.load(kc_ptr + roff + dd[None, :], mask=valid[:, None], other=0,
-                             eviction_policy="evict_first").to(tl.float8e4nv, bitcast=True)
+                k8 = tl.load(kc_ptr + roff + dd[None, :], mask=valid[:, None], other=0).to(tl.float8e4nv,
+                                                                                             bitcast=True)
                 ksc = tl.load(ks_ptr + blk * (BS * 33) + BS * 32 + off, mask=valid, other=0.0)
                 logit = _tile_logits(k8, q8, w, ksc, valid, F32DOT, PROMOTE)
-                tl.store(o_row + offs_n, logit, mask=offs_n < max_len, eviction_policy="evict_last")
+                tl.store(o_row + offs_n, logit, mask=offs_n < max_len)
     else:
         for i in tl.static_range(TILES):
             offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,11 +172,10 @@ def _float_key(x):
 @triton.jit
 def _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER: tl.constexpr, C: tl.constexpr):
     """Keys and row indices of entries ``j0 .. j0+C-1`` of a row's list: the logits row itself, or (GATHER) the
-    previous round's candidates, whose indices (-1 = none) and keys it wrote side by side (reading the keys
-    back contiguously, not gathering them from the logits row: the gather is DRAM-latency bound once the
-    logits have left L2). Order-preserving uint32 keys; entries past the window, past the list or without a
-    candidate get key 0, below every float's key (-inf maps to 0x007FFFFF), so they are never counted or
-    selected."""
+    previous round's candidates, whose indices (-1 = none) and keys it wrote side by side (read back
+    contiguously rather than gathered from the logits row). Order-preserving uint32 keys; entries past the
+    window, past the list or without a candidate get key 0, below every float's key (-inf maps to
+    0x007FFFFF), so they are never counted or selected."""
     j = j0 + tl.arange(0, C)
     if GATHER:
         ids = tl.load(ids_row + j, mask=j < n_list, other=-1)
