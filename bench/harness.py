@@ -69,13 +69,9 @@ def copy_bandwidth_gbs(nbytes: int = 2**31, n_iters: int = 10) -> float:
     return 2 * (nbytes // 2) / (us * 1e-6) / 1e9
 
 
-def time_graph_us(fn: Callable[[], Any], n_warmup: int = 3, n_iters: int = 20, calls_per_graph: int = 1) -> float:
-    """Median microseconds of one ``fn()`` call, timed by replaying a CUDA graph that captured it.
-
-    ``fn`` is warmed up eagerly on a side stream (Triton compiles / autotunes there), captured
-    ``calls_per_graph`` times (pass a ``fn`` that cycles weight copies so each captured call reads a
-    different copy), and replayed ``n_iters`` times; the result is per call.
-    """
+def capture_graph(fn: Callable[[], Any], n_warmup: int = 3, calls_per_graph: int = 1) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``calls_per_graph`` calls of ``fn``, after ``n_warmup`` eager calls on a side stream
+    (Triton compiles / autotunes there), replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -89,6 +85,17 @@ def time_graph_us(fn: Callable[[], Any], n_warmup: int = 3, n_iters: int = 20, c
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def time_graph_us(fn: Callable[[], Any], n_warmup: int = 3, n_iters: int = 20, calls_per_graph: int = 1) -> float:
+    """Median microseconds of one ``fn()`` call, timed by replaying a CUDA graph that captured it.
+
+    ``fn`` is captured ``calls_per_graph`` times (pass a ``fn`` that cycles weight copies so each captured
+    call reads a different copy) by :func:`capture_graph` and replayed ``n_iters`` times; the result is per
+    call.
+    """
+    graph = capture_graph(fn, n_warmup, calls_per_graph)
     return statistics.median(events_us(graph.replay, n_iters)) / calls_per_graph
 
 

@@ -23,27 +23,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import Results, events_us  # noqa: E402
+from bench.harness import Results, capture_graph, events_us  # noqa: E402
 from bench.kernels_attention import BS, HI, TOPK, _paged  # noqa: E402
 from fxglm5.lowering.triton import indexer  # noqa: E402
 
 B, CTX, REPLAYS = 64, 32768, 20
-
-
-def _capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
 
 
 def _profile(graph):
@@ -79,13 +63,14 @@ def main():
         indexer.topk_from_logits(logits, pos, TOPK, out=top, validate=False)
 
     graphs = {
-        "logits": _capture(lambda: indexer.indexer_logits_paged(q, w, kc, bt, req, pos, out=logits, validate=False)),
-        "topk": _capture(topk),
-        "composed": _capture(lambda: indexer.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK, validate=False,
-                                                                logits_buf=logits, out=top)),
+        "logits": capture_graph(lambda: indexer.indexer_logits_paged(q, w, kc, bt, req, pos, out=logits,
+                                                                     validate=False)),
+        "topk": capture_graph(topk),
+        "composed": capture_graph(lambda: indexer.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK, validate=False,
+                                                                     logits_buf=logits, out=top)),
         # the top-k after 512 MB of other traffic, without the logits kernel: is the composed slowdown L2?
-        "512 MB read, then topk": _capture(lambda: (big.max(), topk())),
-        "512 MB write, then topk": _capture(lambda: (big.zero_(), topk())),
+        "512 MB read, then topk": capture_graph(lambda: (big.max(), topk())),
+        "512 MB write, then topk": capture_graph(lambda: (big.zero_(), topk())),
     }
     results = Results()
     for name, graph in graphs.items():

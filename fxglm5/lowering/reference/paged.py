@@ -307,9 +307,9 @@ def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True) -> Non
         return
     q, sc = quantize_fp8_groups(k[keep])
     keys, scales = indexer_cache_parts(cache)
-    bs = cache.shape[1]
-    keys[slots // bs, slots % bs] = q.view(torch.uint8)
-    scales[slots // bs, slots % bs] = sc[:, 0]
+    blk, off = slots // cache.shape[1], slots % cache.shape[1]
+    keys[blk, off] = q.view(torch.uint8)
+    scales[blk, off] = sc[:, 0]
 
 
 def validate_read_rows(cache, slots, kind: str = "latent"):
@@ -341,8 +341,7 @@ def read_indexer_rows(cache, slots, *, validate: bool = True) -> torch.Tensor:
     if validate:
         validate_read_rows(cache, slots, "indexer")
     keys, scales = indexer_cache_parts(cache)
-    bs = cache.shape[1]
-    blk, off = slots.long() // bs, slots.long() % bs
+    blk, off = slots.long() // cache.shape[1], slots.long() % cache.shape[1]
     return keys[blk, off].view(torch.float8_e4m3fn).float() * scales[blk, off][:, None]
 
 

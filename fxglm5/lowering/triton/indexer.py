@@ -81,6 +81,9 @@ def _indexer_logits_kernel(
     n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
     n_first = pb * (BLOCK_N * TILES)
     o_row = o_ptr + t64 * stride_ot
+    # cache hints: the logits (a few MB) are re-read by the top-k right after, the streamed keys (hundreds of MB)
+    # never; the attention table was measured with them (their effect on the top-k was within noise:
+    # bench/results/kernels_attention_NOTES.md)
     if n_first < n_valid:
         hs = tl.arange(0, BLOCK_HI)
         hmask = hs < HI
@@ -110,7 +113,7 @@ def _indexer_logits_kernel(
                 ksc = tl.load(ks_ptr + blk.to(tl.int64) * (BS * 33) + BS * 32 + offs_n % BS, mask=valid,
                               other=0.0)
                 logit = _tile_logits(k8, q8, w, ksc, valid, F32DOT, PROMOTE)
-                tl.store(o_row + offs_n, logit, mask=offs_n < max_len)
+                tl.store(o_row + offs_n, logit, mask=offs_n < max_len, eviction_policy="evict_last")
         else:
             for i in tl.static_range(TILES):
                 offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,11 +124,11 @@ def _indexer_logits_kernel(
                 # BS % 4 == 0 (then every key is eight 16-byte loads); its scale is float blk * (BS * 33) + BS * 32
                 # + off
                 roff = tl.multiple_of(blk[:, None] * (BS * 132) + off[:, None] * D, [KEY_ALIGN, KEY_ALIGN])
-                k8 = tl.load(kc_ptr + roff + dd[None, :], mask=valid[:, None], other=0).to(tl.float8e4nv,
-                                                                                             bitcast=True)
+                k8 = tl.load(kc_ptr + roff + dd[None, :], mask=valid[:, None], other=0,
+                             eviction_policy="evict_first").to(tl.float8e4nv, bitcast=True)
                 ksc = tl.load(ks_ptr + blk * (BS * 33) + BS * 32 + off, mask=valid, other=0.0)
                 logit = _tile_logits(k8, q8, w, ksc, valid, F32DOT, PROMOTE)
-                tl.store(o_row + offs_n, logit, mask=offs_n < max_len)
+                tl.store(o_row + offs_n, logit, mask=offs_n < max_len, eviction_policy="evict_last")
     else:
         for i in tl.static_range(TILES):
             offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
