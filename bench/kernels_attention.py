@@ -280,7 +280,9 @@ def bench_indexer(results):
         L = bt.shape[1] * BS
         logits = torch.empty(B, L, device="cuda")
         top = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
-        ncalls = 1 if B * ctx * 132 > 3 * 60 * 2**20 else nreq // B
+        # a call over more than 3x L2 reads DRAM again when repeated; four calls per graph amortize the graph's
+        # launch (10-15 us per replay: bench/results/indexer_composed_profile.md), as inside a model's graph
+        ncalls = 4 if B * ctx * 132 > 3 * 60 * 2**20 else nreq // B
         reqs, nxt = _request_batches(B, nreq, ncalls)
 
         def run_logits(cfg=None):

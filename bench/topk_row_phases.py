@@ -1,8 +1,9 @@
 """Where the top-k's time goes (H200, 64 rows x 32768 logits, top-2048), and what the tournament buys.
 
 ``fxglm5/lowering/triton/indexer.py``'s segment kernel does three things per segment: load it into registers
-as order-preserving keys, search the k-th largest key two bits at a time (16 CTA-wide reductions), and place
-the selection with one packed prefix sum per chunk. With one segment per row (``chunk=32768``, the row kernel
+as order-preserving keys, search the k-th largest key two bits at a time (CTA-wide reductions), and place
+the selection with one packed prefix sum per chunk. The cut kernel runs the full 16-step search over every key
+(the package kernel since session 5 stops once the bin is small and finishes over the bin's keys). With one segment per row (``chunk=32768``, the row kernel
 of earlier sessions) this script times the kernel cut after each phase (each cut writes something that depends
 on the work before it, so nothing is dead code). Then the package's top-k per segment length: 32768 is one
 round of 64 CTAs; 16384 (the default) is a round of 128 CTAs that keeps 2 x 2048 candidates per row, then a
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import Results, time_graph_us  # noqa: E402
 from fxglm5.lowering.triton import indexer  # noqa: E402
-from fxglm5.lowering.triton.indexer import _kth_key, _place, _segment_keys  # noqa: E402
+from fxglm5.lowering.triton.indexer import _narrow, _place, _segment_keys  # noqa: E402
 
 B, L, TOPK = 64, 32768, 2048
 
@@ -47,12 +48,12 @@ def _row_topk_cut(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, C: tl.co
     if PHASE == 0:
         tl.store(orow, tl.max(tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3)), 0).to(tl.int32, bitcast=True))
     else:
-        thr = _kth_key(k0, k1, k2, k3, k_eff)
+        zero = tl.zeros([], tl.int32)
+        # cap 0: all 16 steps over every key (the search of sessions 2-4, before the bin split)
+        thr, n_lo, n_gt, step = _narrow(k0, k1, k2, k3, k_eff, tl.zeros([], tl.uint32), zero + 4 * C, zero, zero, 0)
         if PHASE == 1:
             tl.store(orow, thr.to(tl.int32, bitcast=True))
         else:
-            n_gt = tl.sum((k0 > thr).to(tl.int32) + (k1 > thr).to(tl.int32) + (k2 > thr).to(tl.int32)
-                          + (k3 > thr).to(tl.int32), 0)
             quota = k_eff - n_gt
             base, eqb = _place(k0, i0, thr, 0, 0, quota, orow, orow, False)
             base, eqb = _place(k1, i1, thr, base, eqb, quota, orow, orow, False)

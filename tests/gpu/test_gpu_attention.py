@@ -207,6 +207,29 @@ def test_radix_topk_long_rows(method, L):
     _assert_exact_topk(indexer.topk_from_logits(x, pos, TOPK, method=method), x, pos)
 
 
+@pytest.mark.parametrize("method", ["segments", "multi"])
+def test_topk_exact_indices_at_glm5_shape(method):
+    """64 rows x 32768 at top-2048, half of them with 100 distinct values (ties at every threshold): the exact
+    index sets, lowest indices first among ties (a stable descending sort), through the bin split and the
+    all-tied full search alike."""
+    from fxglm5.lowering.triton import indexer
+
+    T, L = 64, 32768
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(T, L, device="cuda", generator=g)
+    x[::2] = torch.randint(-50, 50, (T // 2, L), device="cuda", generator=g).float()
+    x[3] = 1.0  # one value everywhere
+    pos = torch.randint(0, L, (T,), device="cuda", generator=g, dtype=torch.int32)
+    pos[:8] = L - 1
+    o = indexer.topk_from_logits(x, pos, TOPK, method=method)
+    for t in range(T):
+        n = int(pos[t]) + 1
+        k = min(TOPK, n)
+        want = torch.sort(-x[t, :n], stable=True).indices[:k]
+        assert torch.equal(o[t, :k].long().sort().values, want.sort().values), t
+        assert (o[t, k:] == -1).all()
+
+
 def test_decode_kernels_capture_in_cuda_graph():
     from fxglm5.lowering.triton import indexer, mla, sparse_mla
 

@@ -14,8 +14,10 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
 2. ``topk_from_logits``: exact selection on the order-preserving uint32 image of the float32 scores.
    Rows up to 32768 ("segments"): a tournament. Each round cuts every row's list (the logits row, then the candidates
    the previous round kept, indices and keys side by side) into segments of 16384 entries; one CTA per segment
-   holds it in registers, finds its k-th largest key two bits at a time (16 CTA-wide reductions of three
-   counts, a runtime loop) and writes the segment's top-k indices in order by prefix sums. A row's top-k lies
+   holds it in registers and narrows the bin holding its k-th largest key two bits at a time (CTA-wide
+   reductions of three counts) until the bin holds at most an eighth of the segment; a prefix-sum pass writes
+   the keys above the bin to the output and copies the bin to scratch, where the remaining bits are resolved
+   over those few keys before the bin's selected keys are written. A row's top-k lies
    inside the union of its segments' top-k, so the list shrinks 8x per round at GLM-5's top-2048 until one
    segment holds it; the last round is the answer.
    Longer rows ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each a
@@ -220,30 +222,75 @@ def _add3(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _kth_key(k0, k1, k2, k3, k_eff):
-    """The k_eff-th largest of the four chunks' keys (0 when k_eff is 0), two bits at a time: 16 steps, each one
-    CTA-wide reduction of three counts (no histograms, no atomics)."""
-    thr = tl.zeros([], tl.uint32)
-    # a runtime loop, not unrolled: the unrolled search was ~14k instructions of straight-line code, fetched
-    # again by every CTA, which ran 40-70 % slower whenever that code had left L2 (after the logits kernel's
-    # key stream: bench/results/indexer_composed_profile.md)
-    for step in range(16):
-        bit = tl.full([], 1, tl.uint32) << (tl.zeros([], tl.int32) + 30 - 2 * step).to(tl.uint32)
+def _narrow(k0, k1, k2, k3, k_eff, thr, n_lo, n_hi, step, cap):
+    """Narrow the bin ``[thr, thr | (2^(32 - 2 step) - 1)]`` that holds the k_eff-th largest of the four chunks'
+    keys two bits per step, until it holds at most ``cap`` keys or all 32 bits are fixed. ``n_lo`` / ``n_hi``:
+    the keys at or above the bin's lower end / above its upper end (so ``n_hi < k_eff <= n_lo`` for k_eff > 0).
+    A step is one CTA-wide reduction of three counts (no histograms, no atomics); a runtime loop, not unrolled:
+    the unrolled search was ~14k instructions of straight-line code, fetched again by every CTA, which ran
+    40-70 % slower whenever that code had left L2 (bench/results/indexer_composed_profile.md).
+    Returns ``(thr, n_lo, n_hi, step)``."""
+    while (step < 16) & (n_lo - n_hi > cap):
+        bit = tl.full([], 1, tl.uint32) << (30 - 2 * step).to(tl.uint32)
         c1 = thr | bit
         c2 = thr | (bit << 1)
         c3 = thr | (bit * 3)
         n1, n2, n3 = tl.reduce((_count_ge(k0, k1, k2, k3, c1), _count_ge(k0, k1, k2, k3, c2),
                                 _count_ge(k0, k1, k2, k3, c3)), 0, _add3)
-        thr = tl.where(n3 >= k_eff, c3, tl.where(n2 >= k_eff, c2, tl.where(n1 >= k_eff, c1, thr)))
-    return thr
+        p3 = n3 >= k_eff
+        p2 = n2 >= k_eff
+        p1 = n1 >= k_eff
+        thr = tl.where(p3, c3, tl.where(p2, c2, tl.where(p1, c1, thr)))
+        n_hi = tl.where(p3, n_hi, tl.where(p2, n3, tl.where(p1, n2, n1)))
+        n_lo = tl.where(p3, n3, tl.where(p2, n2, tl.where(p1, n1, n_lo)))
+        step += 1
+    return thr, n_lo, n_hi, step
 
 
 @triton.jit
-def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr, o_ptr, ko_ptr, stride_ot, L,
-                         n_list, topk, C: tl.constexpr, GATHER: tl.constexpr, KEYS_OUT: tl.constexpr):
+def _split_bin(key, ids, thr, top, above_base, bin_base, orow, okrow, brow, KEYS_OUT: tl.constexpr,
+               CAP: tl.constexpr):
+    """One chunk of the split pass: keys above the bin's upper end ``top`` go to the output (selected whatever
+    the exact threshold), keys inside ``[thr, top]`` to the bin scratch (key, index), both in list order at
+    running offsets (one prefix sum, above in the low 16 bits). The scratch holds CAP keys, then CAP indices.
+    Returns the running offsets."""
+    above = (key > top).to(tl.int32)
+    inb = ((key >= thr) & (key <= top)).to(tl.int32)
+    cs = tl.cumsum(above + (inb << 16), 0)
+    tl.store(orow + above_base + (cs & 0xFFFF) - 1, ids, mask=above == 1)
+    if KEYS_OUT:
+        tl.store(okrow + above_base + (cs & 0xFFFF) - 1, key.to(tl.int32, bitcast=True), mask=above == 1)
+    slot = bin_base + (cs >> 16) - 1
+    tl.store(brow + slot, key.to(tl.int32, bitcast=True), mask=inb == 1)
+    tl.store(brow + CAP + slot, ids, mask=inb == 1)
+    tot = tl.sum(above + (inb << 16), 0)
+    return above_base + (tot & 0xFFFF), bin_base + (tot >> 16)
+
+
+@triton.jit
+def _bin_chunk(brow, c, n_bin, BIN_C: tl.constexpr, CHUNK: tl.constexpr):
+    """Chunk ``c`` of the bin scratch: (keys, indices), key 0 past the ``n_bin`` entries."""
+    j = c * BIN_C + tl.arange(0, BIN_C)
+    m = j < n_bin
+    key = tl.load(brow + j, mask=m, other=0).to(tl.uint32, bitcast=True)
+    return key, tl.load(brow + CHUNK + j, mask=m, other=-1)
+
+
+@triton.jit
+def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr, o_ptr, ko_ptr, stride_ot, bin_ptr,
+                         L, n_list, topk, C: tl.constexpr, GATHER: tl.constexpr, KEYS_OUT: tl.constexpr,
+                         BIN_C: tl.constexpr):
     """One CTA per (row, segment of 4*C list entries), the segment in registers as four C-long chunks: the
-    segment's top-``topk`` row indices (ties first in list order), in list order, -1 padded, written to
-    ``o[row, segment * topk ...]``; with KEYS_OUT their keys go to ``ko`` at the same places (0 for padding)."""
+    segment's top-``topk`` row indices (ties first in list order), -1 padded, written to
+    ``o[row, segment * topk ...]``; with KEYS_OUT their keys go to ``ko`` at the same places (0 for padding).
+
+    The search narrows the bin holding the k-th key over all 4*C keys only until the bin holds at most
+    4*BIN_C of them (a few steps at GLM-5's shapes); a split pass then writes the keys above the bin straight
+    to the output and copies the bin's (key, index) pairs to this CTA's ``bin_ptr`` scratch, and the remaining
+    bits are resolved over those few. That cuts the per-key work (the search's counting is what bounds the
+    kernel: bench/results/topk_row_phases.md) from 16 steps to the few coarse ones. Output order: the keys above
+    the bin in list order, then the bin's selected keys in list order (ties: the first in list order win). A bin
+    that never gets small (all keys tied) is resolved in registers and placed in list order."""
     t = tl.program_id(0)
     sg = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -257,16 +304,37 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
     k2, i2 = _segment_keys(x_row, ids_row, keys_row, j0 + 2 * C, n_list, n_valid, GATHER, C)
     k3, i3 = _segment_keys(x_row, ids_row, keys_row, j0 + 3 * C, n_list, n_valid, GATHER, C)
     k_eff = tl.minimum(topk, tl.sum(_count_ge(k0, k1, k2, k3, tl.full([], 1, tl.uint32)), 0))
-    thr = _kth_key(k0, k1, k2, k3, k_eff)
-    n_gt = tl.sum((k0 > thr).to(tl.int32) + (k1 > thr).to(tl.int32) + (k2 > thr).to(tl.int32)
-                  + (k3 > thr).to(tl.int32), 0)
-    quota = k_eff - n_gt
+    zero = tl.zeros([], tl.int32)
+    thr, n_lo, n_hi, step = _narrow(k0, k1, k2, k3, k_eff, tl.zeros([], tl.uint32), zero + 4 * C, zero, zero,
+                                    4 * BIN_C)
     orow = o_ptr + t64 * stride_ot + sg * topk
     okrow = ko_ptr + t64 * stride_ot + sg * topk
-    base, eqb = _place(k0, i0, thr, 0, 0, quota, orow, okrow, KEYS_OUT)
-    base, eqb = _place(k1, i1, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
-    base, eqb = _place(k2, i2, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
-    base, eqb = _place(k3, i3, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+    if step < 16:
+        # the bin [thr, top] holds at most 4*BIN_C keys; the n_hi keys above it are all selected
+        top = thr | (tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * step).to(tl.uint32))
+        brow = bin_ptr + (t64 * tl.num_programs(1) + sg) * (8 * BIN_C)
+        ab, bb = _split_bin(k0, i0, thr, top, 0, 0, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+        ab, bb = _split_bin(k1, i1, thr, top, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+        ab, bb = _split_bin(k2, i2, thr, top, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+        ab, bb = _split_bin(k3, i3, thr, top, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+        tl.debug_barrier()  # the bin scratch written above is read back by other threads of this CTA
+        b0, bi0 = _bin_chunk(brow, 0, bb, BIN_C, 4 * BIN_C)
+        b1, bi1 = _bin_chunk(brow, 1, bb, BIN_C, 4 * BIN_C)
+        b2, bi2 = _bin_chunk(brow, 2, bb, BIN_C, 4 * BIN_C)
+        b3, bi3 = _bin_chunk(brow, 3, bb, BIN_C, 4 * BIN_C)
+        k_rem = k_eff - n_hi
+        thr, n_lo, n_gt, step = _narrow(b0, b1, b2, b3, k_rem, thr, bb, zero, step, 0)
+        quota = k_rem - n_gt
+        base, eqb = _place(b0, bi0, thr, n_hi, 0, quota, orow, okrow, KEYS_OUT)
+        base, eqb = _place(b1, bi1, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+        base, eqb = _place(b2, bi2, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+        base, eqb = _place(b3, bi3, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+    else:
+        quota = k_eff - n_hi  # all 32 bits fixed: n_hi keys lie above thr
+        base, eqb = _place(k0, i0, thr, 0, 0, quota, orow, okrow, KEYS_OUT)
+        base, eqb = _place(k1, i1, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+        base, eqb = _place(k2, i2, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+        base, eqb = _place(k3, i3, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
     for c0 in range(0, topk, C):
         pad = c0 + tl.arange(0, C)
         pmask = (pad >= k_eff) & (pad < topk)
@@ -430,13 +498,18 @@ def _segment_len(entries: int) -> int:
 
 def _launch_segments(x, cand, pos, out, out_keys, n_list, topk, seg, num_warps, interp):
     """One round over ``x``'s rows (``cand`` None) or over the previous round's (ids, keys); ``out_keys``
-    (None in the last round) receives the kept keys beside ``out``'s indices."""
+    (None in the last round) receives the kept keys beside ``out``'s indices. The bin scratch holds up to an
+    eighth of a segment, one key per thread per chunk at GLM-5's sizes."""
     C = seg // 4
     nw = num_warps or (4 if interp else max(4, min(16, C // 256)))
+    bin_c = min(32 * nw, C // 4)
+    nseg = triton.cdiv(n_list, seg)
+    bins = torch.empty(x.shape[0], nseg, 8 * bin_c, dtype=torch.int32, device=x.device)
     ids, keys = cand if cand is not None else (out, out)  # unused without GATHER
-    _segment_topk_kernel[(x.shape[0], triton.cdiv(n_list, seg))](
+    _segment_topk_kernel[(x.shape[0], nseg)](
         x, x.stride(0), ids, keys, ids.stride(0), pos, out, out if out_keys is None else out_keys, out.stride(0),
-        x.shape[1], n_list, topk, C=C, GATHER=cand is not None, KEYS_OUT=out_keys is not None, num_warps=nw)
+        bins, x.shape[1], n_list, topk, C=C, GATHER=cand is not None, KEYS_OUT=out_keys is not None, BIN_C=bin_c,
+        num_warps=nw)
 
 
 def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
@@ -448,11 +521,12 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     ``method="segments"`` (the default for rows up to ``SEGMENT_MAX``): a tournament of exact selections. Each
     round cuts every row's list (first the logits row, then the candidates the previous round kept) into
     segments of ``chunk`` entries (a power of two; 16384 on the GPU: bench/results/topk_row_phases.md). One CTA
-    per segment keeps it in registers, finds its ``topk``-th largest key two bits at a time and writes the
-    segment's top ``topk`` indices in order. Every index of the row's top-k is in its segment's top-k, so the
-    candidates shrink at least 2x (8x at GLM-5's shapes) per round until one segment holds a row; that last
-    round's selection is the answer, with indices in increasing order. 64 x 32768 becomes 128 CTAs, then 64 over
-    4096 candidates each, instead of 64 CTAs on the whole row.
+    per segment keeps it in registers, narrows the bin holding its ``topk``-th largest key two bits at a time
+    until the bin is small, then resolves the rest over the bin's few keys, and writes the segment's top ``topk``
+    indices. Every index of the row's top-k is in its segment's top-k, so the candidates shrink at least 2x (8x
+    at GLM-5's shapes) per round until one segment holds a row; that last round's selection is the answer: the
+    keys above the last bin in increasing index order, then the rest of the selection in increasing index
+    order. 64 x 32768 becomes 128 CTAs, then 64 over 4096 candidates each, instead of 64 CTAs on the whole row.
     ``method="multi"`` (the default for longer rows, where the tournament's rounds of few CTAs lose to its
     parallelism: bench/results/kernels_attention.md): radix select spread over ``T x ceil(L / chunk)`` CTAs,
     4 histogram passes (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with
