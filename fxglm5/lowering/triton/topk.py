@@ -1,0 +1,489 @@
+"""Triton exact top-k over float32 score rows (the DSA indexer's selection), CUDA-graph safe.
+
+Selection works on the order-preserving uint32 image of the scores; output slots past
+``min(topk, positions[t] + 1)`` are -1; ties at the threshold go to the lowest indices. No host sync, no
+data-dependent shapes: every buffer is sized by the arguments.
+
+- Rows up to 32768 ("segments"): a tournament. Each round cuts every row's list (the scores row, then the
+  candidates the previous round kept, indices and keys side by side) into segments of 16384 entries; one CTA
+  per segment narrows the bin holding its k-th largest key two bits at a time (CTA-wide reductions of three
+  counts) until the bin holds at most an eighth of the segment; a prefix-sum pass writes the keys above the
+  bin to the output and copies the bin to scratch, where the remaining bits are resolved over those few keys
+  before the bin's selected keys are written. A row's top-k lies inside the union of its segments' top-k, so
+  the list shrinks 8x per round at GLM-5's top-2048 until one segment holds it; the last round is the answer.
+  The indexer fuses the first round into its logits kernel (:func:`select_segment_streamed`, run by the last
+  CTA to finish a segment's logits while the other CTAs still stream keys).
+- Longer rows ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each
+  a ``tl.histogram`` per segment added into a global [4, T, 256] histogram with atomics (every CTA replays the
+  earlier passes' digit choices from those histograms: a reverse cumsum finds the digit that holds the k-th
+  largest); a count pass (keys above / equal to the threshold per segment) and a write pass that places keys
+  above the threshold and the lowest-index keys equal to it at offsets from exclusive prefix sums of the
+  per-segment counts (deterministic).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from fxglm5.errors import InputError
+from fxglm5.lowering.reference import paged as ref
+from fxglm5.lowering.triton.paged_cache import interpreter_compat
+
+interpreter_compat()
+
+__all__ = ["topk_from_logits", "SEGMENT_MAX"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _float_key(x):
+    """float32 -> uint32 whose unsigned order is the float order."""
+    b = x.to(tl.int32, bitcast=True)
+    return (b ^ ((b >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER: tl.constexpr, C: tl.constexpr):
+    """Keys and row indices of entries ``j0 .. j0+C-1`` of a row's list: the logits row itself, or (GATHER) the
+    previous round's candidates, whose indices (-1 = none) and keys it wrote side by side (read back
+    contiguously rather than gathered from the logits row). Order-preserving uint32 keys; entries past the
+    window, past the list or without a candidate get key 0, below every float's key (-inf maps to
+    0x007FFFFF), so they are never counted or selected."""
+    j = j0 + tl.arange(0, C)
+    if GATHER:
+        ids = tl.load(ids_row + j, mask=j < n_list, other=-1)
+        key = tl.load(keys_row + j, mask=j < n_list, other=0).to(tl.uint32, bitcast=True)
+        return tl.where(ids >= 0, key, 0), ids
+    else:
+        m = j < n_valid
+        return tl.where(m, _float_key(tl.load(x_row + j, mask=m, other=0.0)), 0), j
+
+
+@triton.jit
+def _place(key, ids, thr, gt_base, eq_base, eq_quota, orow, okrow, KEYS_OUT: tl.constexpr):
+    """Write the chunk's selected row indices (and, with KEYS_OUT, their keys): keys above ``thr``, and keys
+    equal to it while the quota of ties lasts (first in list order), in list order. One prefix sum carries both
+    counts (above in the low 16 bits, equal in the high bits: a chunk holds at most 8192 keys); an entry's slot
+    is the keys above before it plus the ties before it, capped at the quota. Returns the running counts."""
+    gt = (key > thr).to(tl.int32)
+    eq = (key == thr).to(tl.int32)
+    cs = tl.cumsum(gt + (eq << 16), 0)
+    n_gt = gt_base + (cs & 0xFFFF)  # inclusive counts up to each entry
+    n_eq = eq_base + (cs >> 16)
+    take = (gt == 1) | ((eq == 1) & (n_eq <= eq_quota))
+    slot = n_gt - gt + tl.minimum(n_eq - eq, eq_quota)
+    tl.store(orow + slot, ids, mask=take)
+    if KEYS_OUT:
+        tl.store(okrow + slot, key.to(tl.int32, bitcast=True), mask=take)
+    tot = tl.sum(gt + (eq << 16), 0)
+    return gt_base + (tot & 0xFFFF), eq_base + (tot >> 16)
+
+
+@triton.jit
+def _count_ge(k0, k1, k2, k3, c):
+    return (k0 >= c).to(tl.int32) + (k1 >= c).to(tl.int32) + (k2 >= c).to(tl.int32) + (k3 >= c).to(tl.int32)
+
+
+@triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
+def _step_bounds(thr, step):
+    """The three candidate lower ends of a step's sub-bins: thr with the step's two bits set to 01, 10, 11."""
+    bit = tl.full([], 1, tl.uint32) << (30 - 2 * step).to(tl.uint32)
+    return thr | bit, thr | (bit << 1), thr | (bit * 3)
+
+
+@triton.jit
+def _pick(thr, n_lo, n_hi, c1, c2, c3, n1, n2, n3, k_eff):
+    """The highest sub-bin whose lower end still has k_eff keys at or above it -> (thr, n_lo, n_hi)."""
+    p3 = n3 >= k_eff
+    p2 = n2 >= k_eff
+    p1 = n1 >= k_eff
+    thr_new = tl.where(p3, c3, tl.where(p2, c2, tl.where(p1, c1, thr)))
+    n_hi_new = tl.where(p3, n_hi, tl.where(p2, n3, tl.where(p1, n2, n1)))
+    n_lo_new = tl.where(p3, n3, tl.where(p2, n2, tl.where(p1, n1, n_lo)))
+    return thr_new, n_lo_new, n_hi_new
+
+
+@triton.jit
+def _narrow(k0, k1, k2, k3, k_eff, thr, n_lo, n_hi, step, cap):
+    """Narrow the bin ``[thr, thr | (2^(32 - 2 step) - 1)]`` that holds the k_eff-th largest of the four chunks'
+    keys two bits per step, until it holds at most ``cap`` keys or all 32 bits are fixed. ``n_lo`` / ``n_hi``:
+    the keys at or above the bin's lower end / above its upper end (so ``n_hi < k_eff <= n_lo`` for k_eff > 0).
+    A step is one CTA-wide reduction of three counts (no histograms, no atomics); a runtime loop, not unrolled:
+    the unrolled search was ~14k instructions of straight-line code, fetched again by every CTA, which ran
+    40-70 % slower whenever that code had left L2 (bench/results/indexer_composed_profile.md).
+    Returns ``(thr, n_lo, n_hi, step)``."""
+    while (step < 16) & (n_lo - n_hi > cap):
+        c1, c2, c3 = _step_bounds(thr, step)
+        n1, n2, n3 = tl.reduce((_count_ge(k0, k1, k2, k3, c1), _count_ge(k0, k1, k2, k3, c2),
+                                _count_ge(k0, k1, k2, k3, c3)), 0, _add3)
+        thr, n_lo, n_hi = _pick(thr, n_lo, n_hi, c1, c2, c3, n1, n2, n3, k_eff)
+        step += 1
+    return thr, n_lo, n_hi, step
+
+
+@triton.jit
+def _bin_top(thr, step):
+    """The upper end of the bin after ``step`` steps (step < 16)."""
+    return thr | (tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * step).to(tl.uint32))
+
+
+@triton.jit
+def _split_bin(key, ids, thr, top, above_base, bin_base, orow, okrow, brow, KEYS_OUT: tl.constexpr,
+               CAP: tl.constexpr):
+    """One chunk of the split pass: keys above the bin's upper end ``top`` go to the output (selected whatever
+    the exact threshold), keys inside ``[thr, top]`` to the bin scratch (key, index), both in list order at
+    running offsets (one prefix sum, above in the low 16 bits). The scratch holds CAP keys, then CAP indices.
+    Returns the running offsets."""
+    above = (key > top).to(tl.int32)
+    inb = ((key >= thr) & (key <= top)).to(tl.int32)
+    cs = tl.cumsum(above + (inb << 16), 0)
+    tl.store(orow + above_base + (cs & 0xFFFF) - 1, ids, mask=above == 1)
+    if KEYS_OUT:
+        tl.store(okrow + above_base + (cs & 0xFFFF) - 1, key.to(tl.int32, bitcast=True), mask=above == 1)
+    slot = bin_base + (cs >> 16) - 1
+    tl.store(brow + slot, key.to(tl.int32, bitcast=True), mask=inb == 1)
+    tl.store(brow + CAP + slot, ids, mask=inb == 1)
+    tot = tl.sum(above + (inb << 16), 0)
+    return above_base + (tot & 0xFFFF), bin_base + (tot >> 16)
+
+
+@triton.jit
+def _bin_chunk(brow, c, n_bin, BIN_C: tl.constexpr, CHUNK: tl.constexpr):
+    """Chunk ``c`` of the bin scratch: (keys, indices), key 0 past the ``n_bin`` entries."""
+    j = c * BIN_C + tl.arange(0, BIN_C)
+    m = j < n_bin
+    key = tl.load(brow + j, mask=m, other=0).to(tl.uint32, bitcast=True)
+    return key, tl.load(brow + CHUNK + j, mask=m, other=-1)
+
+
+@triton.jit
+def _select_in_bin(brow, n_bin, thr, step, k_eff, n_above, orow, okrow, KEYS_OUT: tl.constexpr,
+                   BIN_C: tl.constexpr):
+    """After the split pass: resolve the remaining bits over the bin scratch's ``n_bin`` keys and write the
+    bin's selected indices (keys above the exact threshold, then ties in list order) after the ``n_above``
+    already written."""
+    tl.debug_barrier()  # the bin scratch was written by other threads of this CTA
+    b0, i0 = _bin_chunk(brow, 0, n_bin, BIN_C, 4 * BIN_C)
+    b1, i1 = _bin_chunk(brow, 1, n_bin, BIN_C, 4 * BIN_C)
+    b2, i2 = _bin_chunk(brow, 2, n_bin, BIN_C, 4 * BIN_C)
+    b3, i3 = _bin_chunk(brow, 3, n_bin, BIN_C, 4 * BIN_C)
+    k_rem = k_eff - n_above
+    thr, n_lo, n_gt, step = _narrow(b0, b1, b2, b3, k_rem, thr, n_bin, tl.zeros([], tl.int32), step, 0)
+    quota = k_rem - n_gt
+    base, eqb = _place(b0, i0, thr, n_above, 0, quota, orow, okrow, KEYS_OUT)
+    base, eqb = _place(b1, i1, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+    base, eqb = _place(b2, i2, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+    base, eqb = _place(b3, i3, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+
+
+@triton.jit
+def _pad(orow, okrow, k_eff, topk, KEYS_OUT: tl.constexpr, C: tl.constexpr):
+    """-1 (and key 0) in the output slots ``k_eff .. topk``."""
+    for c0 in range(0, topk, C):
+        pad = c0 + tl.arange(0, C)
+        pmask = (pad >= k_eff) & (pad < topk)
+        tl.store(orow + pad, tl.full([C], -1, tl.int32), mask=pmask)
+        if KEYS_OUT:
+            tl.store(okrow + pad, tl.zeros([C], tl.int32), mask=pmask)
+
+
+@triton.jit
+def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr, o_ptr, ko_ptr, stride_ot, bin_ptr,
+                         L, n_list, topk, C: tl.constexpr, GATHER: tl.constexpr, KEYS_OUT: tl.constexpr,
+                         BIN_C: tl.constexpr):
+    """One CTA per (row, segment of 4*C list entries), the segment in registers as four C-long chunks: the
+    segment's top-``topk`` row indices (ties first in list order), -1 padded, written to
+    ``o[row, segment * topk ...]``; with KEYS_OUT their keys go to ``ko`` at the same places (0 for padding).
+
+    The search narrows the bin holding the k-th key over all 4*C keys only until the bin holds at most
+    4*BIN_C of them (a few steps at GLM-5's shapes); a split pass then writes the keys above the bin straight
+    to the output and copies the bin's (key, index) pairs to this CTA's ``bin_ptr`` scratch, and the remaining
+    bits are resolved over those few. That cuts the per-key counting (what bounds the kernel:
+    bench/results/topk_row_phases.md) from 16 steps to the few coarse ones. Output order: the keys above the
+    bin in list order, then the bin's selected keys in list order (ties: the first in list order win). A bin
+    that never gets small (all keys tied) is resolved in registers and placed in list order."""
+    t = tl.program_id(0)
+    sg = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
+    x_row = x_ptr + t64 * stride_xt
+    ids_row = ids_ptr + t64 * stride_it
+    keys_row = kin_ptr + t64 * stride_it
+    j0 = sg * (4 * C)
+    k0, i0 = _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER, C)
+    k1, i1 = _segment_keys(x_row, ids_row, keys_row, j0 + C, n_list, n_valid, GATHER, C)
+    k2, i2 = _segment_keys(x_row, ids_row, keys_row, j0 + 2 * C, n_list, n_valid, GATHER, C)
+    k3, i3 = _segment_keys(x_row, ids_row, keys_row, j0 + 3 * C, n_list, n_valid, GATHER, C)
+    k_eff = tl.minimum(topk, tl.sum(_count_ge(k0, k1, k2, k3, tl.full([], 1, tl.uint32)), 0))
+    zero = tl.zeros([], tl.int32)
+    thr, n_lo, n_hi, step = _narrow(k0, k1, k2, k3, k_eff, tl.zeros([], tl.uint32), zero + 4 * C, zero, zero,
+                                    4 * BIN_C)
+    orow = o_ptr + t64 * stride_ot + sg * topk
+    okrow = ko_ptr + t64 * stride_ot + sg * topk
+    if step < 16:  # the bin [thr, top] holds at most 4*BIN_C keys; the n_hi keys above it are all selected
+        top = _bin_top(thr, step)
+        brow = bin_ptr + (t64 * tl.num_programs(1) + sg) * (8 * BIN_C)
+        ab, bb = _split_bin(k0, i0, thr, top, 0, 0, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+        ab, bb = _split_bin(k1, i1, thr, top, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+        ab, bb = _split_bin(k2, i2, thr, top, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+        ab, bb = _split_bin(k3, i3, thr, top, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+        _select_in_bin(brow, bb, thr, step, k_eff, n_hi, orow, okrow, KEYS_OUT, BIN_C)
+    else:
+        quota = k_eff - n_hi  # all 32 bits fixed: n_hi keys lie above thr
+        base, eqb = _place(k0, i0, thr, 0, 0, quota, orow, okrow, KEYS_OUT)
+        base, eqb = _place(k1, i1, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+        base, eqb = _place(k2, i2, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+        base, eqb = _place(k3, i3, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+    _pad(orow, okrow, k_eff, topk, KEYS_OUT, C)
+
+
+@triton.jit
+def _row_keys(x_row, j, n_valid):
+    """Keys of scores ``j`` of a row another CTA of this kernel wrote (read through L2: ``.cg``), 0 past the
+    window."""
+    m = j < n_valid
+    return tl.where(m, _float_key(tl.load(x_row + j, mask=m, other=0.0, cache_modifier=".cg")), 0)
+
+
+@triton.jit
+def select_segment_streamed(x_row, s0, n_valid, topk, orow, okrow, brow, SEG: tl.constexpr, TILE: tl.constexpr,
+                            BIN_C: tl.constexpr):
+    """The first tournament round for one segment ``s0 .. s0+SEG`` of a scores row, from memory rather than
+    registers (for a kernel whose own register budget is small: the indexer's logits kernel runs this in the
+    CTA that finishes a segment last). Each coarse step and the split pass stream the segment in TILE-long
+    pieces from L2; the bin is then resolved in registers as in the register kernel. Writes the segment's
+    top-``topk`` (indices and keys, -1 / 0 padded) to ``orow`` / ``okrow``; ``brow`` is 8*BIN_C int32 of
+    scratch."""
+    NT: tl.constexpr = SEG // TILE
+    zero = tl.zeros([], tl.int32)
+    k_eff = tl.minimum(topk, tl.minimum(tl.maximum(n_valid - s0, 0), SEG))
+    thr = tl.zeros([], tl.uint32)
+    n_lo = zero + SEG
+    n_hi = zero
+    step = zero
+    while (step < 16) & (n_lo - n_hi > 4 * BIN_C):
+        c1, c2, c3 = _step_bounds(thr, step)
+        a1 = tl.zeros([TILE], tl.int32)
+        a2 = tl.zeros([TILE], tl.int32)
+        a3 = tl.zeros([TILE], tl.int32)
+        for i in range(NT):
+            key = _row_keys(x_row, s0 + i * TILE + tl.arange(0, TILE), n_valid)
+            a1 += (key >= c1).to(tl.int32)
+            a2 += (key >= c2).to(tl.int32)
+            a3 += (key >= c3).to(tl.int32)
+        n1, n2, n3 = tl.reduce((a1, a2, a3), 0, _add3)
+        thr, n_lo, n_hi = _pick(thr, n_lo, n_hi, c1, c2, c3, n1, n2, n3, k_eff)
+        step += 1
+    if step < 16:
+        top = _bin_top(thr, step)
+        ab = zero
+        bb = zero
+        for i in range(NT):
+            j = s0 + i * TILE + tl.arange(0, TILE)
+            ab, bb = _split_bin(_row_keys(x_row, j, n_valid), j, thr, top, ab, bb, orow, okrow, brow, True,
+                                4 * BIN_C)
+        _select_in_bin(brow, bb, thr, step, k_eff, n_hi, orow, okrow, True, BIN_C)
+    else:
+        quota = k_eff - n_hi
+        base = zero
+        eqb = zero
+        for i in range(NT):
+            j = s0 + i * TILE + tl.arange(0, TILE)
+            base, eqb = _place(_row_keys(x_row, j, n_valid), j, thr, base, eqb, quota, orow, okrow, True)
+    _pad(orow, okrow, k_eff, topk, True, TILE)
+
+
+@triton.jit
+def _radix_replay(hist_ptr, t, T, k_eff, NP: tl.constexpr):
+    """Replay the digit selections of the first NP passes from their histograms -> (prefix, k_rem)."""
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([1], tl.uint32)
+    k_rem = tl.zeros([1], tl.int32) + k_eff
+    for p in tl.static_range(NP):
+        h = tl.load(hist_ptr + (p * T + t) * 256 + bins)
+        ge = tl.cumsum(h, 0, reverse=True)
+        sel = tl.max(tl.where(ge >= k_rem, bins, -1), 0)
+        k_rem = k_rem - tl.sum(tl.where(bins > sel, h, 0), 0)
+        prefix = prefix | (tl.maximum(sel, 0).to(tl.uint32) << (24 - 8 * p))
+    return prefix, k_rem
+
+
+@triton.jit
+def _radix_hist_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, T, L, topk, PASS: tl.constexpr, SEG: tl.constexpr):
+    """Pass PASS (8 bits) of the multi-CTA radix select: a CTA histograms one SEG-long segment of one row."""
+    t = tl.program_id(0)
+    seg = tl.program_id(1)
+    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
+    if seg * SEG < n_valid:
+        k_eff = tl.minimum(topk, n_valid)
+        prefix, k_rem = _radix_replay(hist_ptr, t, T, k_eff, PASS)
+        offs = seg * SEG + tl.arange(0, SEG)
+        m = offs < n_valid
+        key = _float_key(tl.load(x_ptr + t.to(tl.int64) * stride_xt + offs, mask=m, other=0.0))
+        if PASS > 0:
+            m = m & ((key >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
+        d = ((key >> (24 - 8 * PASS)) & 255).to(tl.int32)
+        h = tl.histogram(d, 256, mask=m)
+        bins = tl.arange(0, 256)
+        tl.atomic_add(hist_ptr + (PASS * T + t) * 256 + bins, h, mask=h > 0)
+
+
+@triton.jit
+def _radix_count_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, T, L, topk, NSEG, SEG: tl.constexpr):
+    """Per segment: how many keys are above the threshold and how many equal it."""
+    t = tl.program_id(0)
+    seg = tl.program_id(1)
+    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
+    k_eff = tl.minimum(topk, n_valid)
+    thr, k_rem = _radix_replay(hist_ptr, t, T, k_eff, 4)
+    offs = seg * SEG + tl.arange(0, SEG)
+    m = offs < n_valid
+    key = _float_key(tl.load(x_ptr + t.to(tl.int64) * stride_xt + offs, mask=m, other=0.0))
+    gt = tl.sum((m & (key > thr)).to(tl.int32), 0)
+    eq = tl.sum((m & (key == thr)).to(tl.int32), 0)
+    tl.store(cnt_ptr + (t * NSEG + seg) * 2, gt)
+    tl.store(cnt_ptr + (t * NSEG + seg) * 2 + 1, eq)
+
+
+@triton.jit
+def _radix_write_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, o_ptr, stride_ot, T, L, topk, NSEG,
+                        SEG: tl.constexpr, NSEG_PAD: tl.constexpr):
+    """Write the selected indices: keys above the threshold, then the lowest-index keys equal to it; every
+    segment's output offsets are exclusive prefix sums of the per-segment counts (deterministic)."""
+    t = tl.program_id(0)
+    seg = tl.program_id(1)
+    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
+    k_eff = tl.minimum(topk, n_valid)
+    thr, k_rem = _radix_replay(hist_ptr, t, T, k_eff, 4)
+    n_gt = k_eff - k_rem
+    sidx = tl.arange(0, NSEG_PAD)
+    before = sidx < seg
+    cg = tl.load(cnt_ptr + (t * NSEG + sidx) * 2, mask=before, other=0)
+    ce = tl.load(cnt_ptr + (t * NSEG + sidx) * 2 + 1, mask=before, other=0)
+    base_gt = tl.sum(cg, 0)
+    base_eq = tl.sum(ce, 0)
+    offs = seg * SEG + tl.arange(0, SEG)
+    m = offs < n_valid
+    key = _float_key(tl.load(x_ptr + t.to(tl.int64) * stride_xt + offs, mask=m, other=0.0))
+    gt = m & (key > thr)
+    eq = m & (key == thr)
+    orow = o_ptr + t.to(tl.int64) * stride_ot
+    tl.store(orow + base_gt + tl.cumsum(gt.to(tl.int32), 0) - 1, offs, mask=gt)
+    rank_eq = base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+    tl.store(orow + n_gt + rank_eq, offs, mask=eq & (rank_eq < k_rem))
+    # -1 padding of the slots past k_eff (segment s pads [k_eff + s*SEG, k_eff + (s+1)*SEG) ∩ [.., topk))
+    pads = k_eff + seg * SEG + tl.arange(0, SEG)
+    tl.store(orow + pads, tl.full([SEG], -1, tl.int32), mask=pads < topk)
+
+
+SEGMENT_MAX = 32768  # longest segment one CTA holds in registers (four chunks of at most 8192 keys)
+
+
+def _segment_len(entries: int) -> int:
+    """A segment holds four register chunks of a power-of-two length of at least 32."""
+    return max(128, triton.next_power_of_2(entries))
+
+
+def segment_length(topk: int, chunk: int | None, interp: bool) -> int:
+    """The tournament's segment length: ``chunk`` (16384 on the GPU: bench/results/topk_row_phases.md), at least
+    twice ``topk`` so that every round at least halves the list."""
+    seg = _segment_len(max(chunk or (64 if interp else 16384), 2 * topk))
+    if seg > SEGMENT_MAX:
+        raise InputError(f"topk_from_logits: topk={topk} needs segments of {seg} > SEGMENT_MAX={SEGMENT_MAX}"
+                         " entries; use method='multi'")
+    return seg
+
+
+def finish_tournament(x, pos, topk, out, cand, n_list, seg, num_warps, interp):
+    """The tournament's remaining rounds over ``x``'s rows (``cand`` None: from the rows themselves) or over a
+    previous round's (ids, keys) lists of ``n_list`` entries; the last round writes ``out``."""
+    T = x.shape[0]
+    while n_list > seg:  # a round: every segment keeps its top-k candidates (indices and keys)
+        kept = torch.empty(2, T, triton.cdiv(n_list, seg) * topk, dtype=torch.int32, device=x.device)
+        _launch_segments(x, cand, pos, kept[0], kept[1], n_list, topk, seg, num_warps, interp)
+        cand, n_list = (kept[0], kept[1]), kept.shape[2]
+    _launch_segments(x, cand, pos, out, None, n_list, topk, _segment_len(n_list), num_warps, interp)
+    return out
+
+
+def _launch_segments(x, cand, pos, out, out_keys, n_list, topk, seg, num_warps, interp):
+    """One round over ``x``'s rows (``cand`` None) or over the previous round's (ids, keys); ``out_keys``
+    (None in the last round) receives the kept keys beside ``out``'s indices. The bin scratch holds up to an
+    eighth of a segment, one key per thread per chunk at GLM-5's sizes."""
+    C = seg // 4
+    nw = num_warps or (4 if interp else max(4, min(16, C // 256)))
+    bin_c = min(32 * nw, C // 4)
+    nseg = triton.cdiv(n_list, seg)
+    bins = torch.empty(x.shape[0], nseg, 8 * bin_c, dtype=torch.int32, device=x.device)
+    ids, keys = cand if cand is not None else (out, out)  # unused without GATHER
+    _segment_topk_kernel[(x.shape[0], nseg)](
+        x, x.stride(0), ids, keys, ids.stride(0), pos, out, out if out_keys is None else out_keys, out.stride(0),
+        bins, x.shape[1], n_list, topk, C=C, GATHER=cand is not None, KEYS_OUT=out_keys is not None, BIN_C=bin_c,
+        num_warps=nw)
+
+
+def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
+                     method: str | None = None, workspace: dict | None = None, num_warps: int | None = None,
+                     validate: bool = True):
+    """int32 [T, topk]: indices of the ``min(topk, positions[t]+1)`` largest of ``logits[t, :positions[t]+1]``
+    (ties at the threshold broken towards lower indices), -1 padded.
+
+    ``method="segments"`` (the default for rows up to ``SEGMENT_MAX``): a tournament of exact selections. Each
+    round cuts every row's list (first the logits row, then the candidates the previous round kept) into
+    segments of ``chunk`` entries (a power of two; 16384 on the GPU: bench/results/topk_row_phases.md). One CTA
+    per segment keeps it in registers, narrows the bin holding its ``topk``-th largest key two bits at a time
+    until the bin is small, then resolves the rest over the bin's few keys, and writes the segment's top ``topk``
+    indices. Every index of the row's top-k is in its segment's top-k, so the candidates shrink at least 2x (8x
+    at GLM-5's shapes) per round until one segment holds a row; that last round's selection is the answer: the
+    keys above the last bin in increasing index order, then the rest of the selection in increasing index
+    order. 64 x 32768 becomes 128 CTAs, then 64 over 4096 candidates each, instead of 64 CTAs on the whole row.
+    ``method="multi"`` (the default for longer rows, where the tournament's rounds of few CTAs lose to its
+    parallelism: bench/results/kernels_attention.md): radix select spread over ``T x ceil(L / chunk)`` CTAs,
+    4 histogram passes (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with
+    deterministic prefix sums: 6 launches. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and
+    ``cnt``.
+    No host sync in either (CUDA-graph safe); ``num_warps`` overrides the launch width.
+    """
+    if validate:
+        ref.validate_topk_from_logits(logits, positions, topk, out)
+    T, L = logits.shape
+    if out is None:
+        out = torch.empty(T, topk, dtype=torch.int32, device=logits.device)
+    if T == 0:
+        return out
+    method = method or ("segments" if L <= SEGMENT_MAX else "multi")
+    if method not in ("segments", "multi"):
+        raise InputError(f"topk_from_logits: method {method!r} (expected 'segments' or 'multi')")
+    interp = _INTERPRET or logits.device.type != "cuda"
+    if method == "segments":
+        seg = segment_length(topk, chunk, interp)
+        return finish_tournament(logits, positions, topk, out, None, L, seg, num_warps, interp)
+    seg = chunk or (64 if interp else 4096)
+    nseg = max(triton.cdiv(L, seg), triton.cdiv(topk, seg))
+    ws = workspace if workspace is not None else {}
+    hist = ws.get("hist")
+    if hist is None or hist.shape != (4, T, 256):
+        hist = torch.empty(4, T, 256, dtype=torch.int32, device=logits.device)
+    cnt = ws.get("cnt")
+    if cnt is None or cnt.shape != (T, nseg, 2):
+        cnt = torch.empty(T, nseg, 2, dtype=torch.int32, device=logits.device)
+    hist.zero_()
+    nw = 8 if seg >= 2048 else 4
+    grid = (T, nseg)
+    for p in range(4):
+        _radix_hist_kernel[grid](logits, logits.stride(0), positions, hist, T, L, topk, PASS=p, SEG=seg, num_warps=nw)
+    _radix_count_kernel[grid](logits, logits.stride(0), positions, hist, cnt, T, L, topk, nseg, SEG=seg,
+                              num_warps=nw)
+    _radix_write_kernel[grid](logits, logits.stride(0), positions, hist, cnt, out, out.stride(0), T, L, topk, nseg,
+                              SEG=seg, NSEG_PAD=max(2, triton.next_power_of_2(nseg)), num_warps=nw)
+    return out
