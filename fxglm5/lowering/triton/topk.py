@@ -271,17 +271,14 @@ def select_segment_streamed(x_row, s0, n_valid, topk, orow, okrow, brow, SEG: tl
     n_lo = zero + SEG
     n_hi = zero
     step = zero
+    tl.static_assert(NT < 1024)  # three 10-bit counters per entry position
     while (step < 16) & (n_lo - n_hi > 4 * BIN_C):
         c1, c2, c3 = _step_bounds(thr, step)
-        a1 = tl.zeros([TILE], tl.int32)
-        a2 = tl.zeros([TILE], tl.int32)
-        a3 = tl.zeros([TILE], tl.int32)
+        acc = tl.zeros([TILE], tl.int32)  # the three counts packed: one register per key position
         for i in range(NT):
             key = _row_keys(x_row, s0 + i * TILE + tl.arange(0, TILE), n_valid)
-            a1 += (key >= c1).to(tl.int32)
-            a2 += (key >= c2).to(tl.int32)
-            a3 += (key >= c3).to(tl.int32)
-        n1, n2, n3 = tl.reduce((a1, a2, a3), 0, _add3)
+            acc += tl.where(key >= c1, 1, 0) + tl.where(key >= c2, 1 << 10, 0) + tl.where(key >= c3, 1 << 20, 0)
+        n1, n2, n3 = tl.reduce((acc & 1023, (acc >> 10) & 1023, acc >> 20), 0, _add3)
         thr, n_lo, n_hi = _pick(thr, n_lo, n_hi, c1, c2, c3, n1, n2, n3, k_eff)
         step += 1
     if step < 16:
