@@ -331,16 +331,9 @@ def bench_indexer(results):
                  torch_us=_time_torch(lambda: torch.topk(logits, TOPK, dim=1)) if method == default else None,
                  note=method + (" (default)" if method == default else ""))
         us_a = time_graph_us(run_all, calls_per_graph=ncalls)
-        fused = ctx > 16384 and L <= indexer.SEGMENT_MAX
         _row(results, "indexer_topk (logits+topk)", shape, us_a, bytes_=kbytes,
              torch_us=_time_torch(lambda: (run_logits(), torch.topk(logits, TOPK, dim=1))),
-             note="bytes = FP8 keys read; torch_us = our logits + torch.topk"
-                  + ("; first top-k round inside the logits kernel" if fused else ""))
-        if fused:  # the same two parts launched one after the other, for comparison
-            us_s = time_graph_us(lambda: (run_logits(), indexer.topk_from_logits(logits, pos, TOPK, out=top)),
-                                 calls_per_graph=ncalls)
-            _row(results, "indexer_topk (logits, then topk)", shape, us_s, bytes_=kbytes,
-                 note="bytes = FP8 keys read; the unfused composition")
+             note="bytes = FP8 keys read; torch_us = our logits + torch.topk")
 
 
 def bench_cache_write(results):

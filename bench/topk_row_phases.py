@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import Results, time_graph_us  # noqa: E402
 from fxglm5.lowering.triton import indexer  # noqa: E402
-from fxglm5.lowering.triton.indexer import _narrow, _place, _segment_keys  # noqa: E402
+from fxglm5.lowering.triton.topk import _narrow, _place, _segment_keys  # noqa: E402
 
 B, L, TOPK = 64, 32768, 2048
 

@@ -450,37 +450,6 @@ def test_topk_from_logits_bad_inputs():
         tindexer.topk_from_logits(x, pos, 8, out=torch.empty(2, 8, dtype=torch.int64))
 
 
-@given(paged_setup(max_len=420, block_sizes=(4, 16, 32)), st.integers(1, 64), st.booleans(), st.data())
-def test_indexer_topk_runs_the_first_round_in_the_logits_kernel(s, K, tied, data):
-    """Rows longer than one top-k segment (here 128 entries): the logits kernel's last program per segment selects
-    the segment's top-k from the scores the other programs wrote. Exact index sets against a stable sort of the
-    kernel's own scores (ties: lowest indices), whole and partial segments, windows ending anywhere; with
-    ``tied`` every key of request 0 is zero, so its scores tie everywhere; the arrival counters are reset for
-    the next call (two calls, same answer)."""
-    kc = _filled_index(s)
-    if tied:
-        keys, scales = ref.indexer_cache_parts(kc)
-        for blk in s["bt"][0].tolist():
-            keys[blk].zero_()
-    req, pos = _queries(s, lambda b, n: sorted({n - 1, data.draw(st.integers(0, n - 1))}))
-    T = len(req)
-    g = torch.Generator().manual_seed(s["seed"] + 4)
-    q = torch.randn(T, 2, 128, generator=g).bfloat16()
-    w = torch.randn(T, 2, generator=g)
-    L = s["bt"].shape[1] * s["bs"]
-    lt = tindexer.indexer_logits_paged(q, w, kc, s["bt"], req, pos)
-    buf = torch.full((T, L), float("nan"))
-    for _ in range(2):
-        sel = tindexer.indexer_topk_paged(q, w, kc, s["bt"], req, pos, K, logits_buf=buf)
-        assert torch.equal(buf, lt)
-        for t in range(T):
-            n = int(pos[t]) + 1
-            k = min(K, n)
-            want = torch.sort(-lt[t, :n], stable=True).indices[:k]
-            assert torch.equal(sel[t, :k].long().sort().values, want.sort().values)
-            assert (sel[t, k:] == -1).all()
-
-
 @given(st.integers(1, 3), st.integers(1, 300), st.integers(1, 80), st.sampled_from([64, 128]), st.integers(0, 2**16),
        st.sampled_from(["multi", "segments"]))
 def test_radix_topk_from_logits(T, L, K, chunk, seed, method):

@@ -180,46 +180,6 @@ def _check_indexer(cfg):
         _close(lr[t, sel].sort().values, lr[t, :n].topk(sel.numel()).values.sort().values, tol=1e-3)
 
 
-@pytest.mark.parametrize("cfg", [None, "every"])
-def test_indexer_topk_first_round_in_logits_kernel(cfg):
-    """Rows of two top-k segments (16384 + a partial one): the logits kernel's last program per segment runs the
-    first round. Exact index sets (ties: lowest indices, via a stable sort) on the call's own scores, which
-    match the standalone logits; request 1's keys are all zero (every score ties); a second call (counters
-    reset) gives the same answer. ``every``: each autotune candidate launched explicitly with the fusion."""
-    from fxglm5.lowering.triton import indexer
-
-    lens = [32000, 20000, 16400, 5000]
-    bt, nb = _mk_table(lens, seed=3)
-    kc = torch.zeros(nb, BS, 132, dtype=torch.uint8, device="cuda")
-    _fill(kc, bt, lens, kind="index", seed=3)
-    keys, _ = ref.indexer_cache_parts(kc)
-    keys[bt[1, : -(-lens[1] // BS)].long()] = 0
-    req = torch.tensor([0, 0, 1, 2, 3, 0], device="cuda", dtype=torch.int32)
-    pos = torch.tensor([31999, 16383, 19999, 16399, 4999, 16384], device="cuda", dtype=torch.int32)
-    q = torch.randn(6, HI, 128, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(6, HI, device="cuda") * HI ** -0.5 * 128 ** -0.5
-    L = bt.shape[1] * BS
-    assert 16384 < L <= indexer.SEGMENT_MAX
-    lt = indexer.indexer_logits_paged(q, w, kc, bt, req, pos)
-    launches = [None] if cfg is None else [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-                                           for c in indexer._LOGITS_CONFIGS]
-    for c in launches:
-        buf = torch.empty(6, L, device="cuda")
-        first = None
-        for _ in range(2):
-            o = indexer.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK, logits_buf=buf, cfg=c)
-            assert torch.equal(buf.isfinite(), lt.isfinite())
-            _close(buf[lt.isfinite()], lt[lt.isfinite()], tol=1e-5)
-            for t in range(6):
-                n = int(pos[t]) + 1
-                want = torch.sort(-buf[t, :n], stable=True).indices[:TOPK]
-                assert torch.equal(o[t, : want.numel()].long().sort().values, want.sort().values), (c, t)
-                assert (o[t, want.numel():] == -1).all()
-            if first is not None:
-                assert torch.equal(o, first)
-            first = o.clone()
-
-
 def _assert_exact_topk(o, scores, pos):
     """Each row holds min(TOPK, pos+1) distinct in-window indices, then -1, and they select exactly the top
     values of ``scores``. Returns (row, window length, selected indices) per row."""

@@ -11,8 +11,7 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
    ``weights * q_scale`` and the per-key scale, and sums the heads.
    Positions beyond the causal window (``> positions[t]``) are written as -inf (tiles entirely beyond it skip
    the loads).
-2. ``topk_from_logits`` (:mod:`fxglm5.lowering.triton.topk`): the exact top-k of those rows; the composed
-   :func:`indexer_topk_paged` runs its first round inside the logits kernel.
+2. ``topk_from_logits`` (:mod:`fxglm5.lowering.triton.topk`): the exact top-k of those rows.
    Output slots past ``min(topk, positions[t] + 1)`` are -1. No host sync, no data-dependent shapes: every
    buffer is sized by the arguments, so the kernels can be captured in a CUDA graph.
 """
@@ -28,8 +27,7 @@ import triton.language as tl
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton.paged_cache import e4m3_bits, ensure_tma_allocator, interpreter_compat, pow2_scale
-from fxglm5.lowering.triton.topk import (SEGMENT_MAX, finish_tournament, segment_length, select_segment_streamed,
-                                         topk_from_logits)
+from fxglm5.lowering.triton.topk import SEGMENT_MAX, topk_from_logits
 
 interpreter_compat()
 
@@ -60,28 +58,17 @@ def _indexer_logits_kernel(
     kc_ptr, ks_ptr, n_key_rows,
     bt_ptr, stride_bt, req_ptr, pos_ptr,
     o_ptr, stride_ot, HI, max_len,
-    sel_ctr_ptr, kept_ptr, kept_keys_ptr, stride_kt, bin_ptr, topk,
     BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     F32DOT: tl.constexpr, PROMOTE: tl.constexpr = 128, USE_TMA: tl.constexpr = False,
-    SEG: tl.constexpr = 0, SEL_TILE: tl.constexpr = 1024, BIN_C: tl.constexpr = 256,
 ):
-    """One program per (token, TILES * BLOCK_N key positions), the positions fastest (a 1-D grid, so a row's
-    programs run close together in time). With SEG > 0 it also runs the top-k's first round: the program that
-    finishes a SEG-long segment of a row last (an arrival counter per segment, reset by that program) selects
-    the segment's top-``topk`` into ``kept`` (indices) / ``kept_keys`` from the scores just written, while the
-    other programs go on streaming keys, so the selection's counting overlaps the memory-bound stream instead of
-    following it."""
     D: tl.constexpr = 128
     KEY_ALIGN: tl.constexpr = 16 if BS % 4 == 0 else 4
-    SPAN: tl.constexpr = BLOCK_N * TILES
-    n_split = tl.cdiv(max_len, SPAN)
-    pid = tl.program_id(0)
-    t = pid // n_split
-    pb = pid % n_split
+    t = tl.program_id(0)
+    pb = tl.program_id(1)
     t64 = t.to(tl.int64)
     req = tl.load(req_ptr + t).to(tl.int64)
     n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
-    n_first = pb * SPAN
+    n_first = pb * (BLOCK_N * TILES)
     o_row = o_ptr + t64 * stride_ot
     # cache hints: the logits (a few MB) are re-read by the top-k right after, the streamed keys (hundreds of MB)
     # never; the attention table was measured with them (their effect on the top-k was within noise:
@@ -135,18 +122,6 @@ def _indexer_logits_kernel(
         for i in tl.static_range(TILES):
             offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(o_row + offs_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs_n < max_len)
-    if SEG > 0:
-        g = n_first // SEG
-        s0 = g * SEG
-        n_seg = tl.cdiv(max_len, SEG)
-        ctr = sel_ctr_ptr + t64 * n_seg + g
-        tl.debug_barrier()  # all of this program's score stores happen before its arrival (release below)
-        if tl.atomic_add(ctr, 1, sem="acq_rel") == tl.cdiv(tl.minimum(max_len - s0, SEG), SPAN) - 1:
-            tl.store(ctr, 0)  # last to arrive: no other program touches the counter until the next launch
-            slot = t64 * stride_kt + g * topk
-            select_segment_streamed(o_row, s0, tl.minimum(n_valid, max_len), topk, kept_ptr + slot,
-                                    kept_keys_ptr + slot, bin_ptr + (t64 * n_seg + g) * (8 * BIN_C), SEG,
-                                    SEL_TILE, BIN_C)
 
 
 _GATHER_DEFAULT = triton.Config({"BLOCK_N": 128, "TILES": 4}, num_warps=4, num_stages=1)
@@ -168,7 +143,7 @@ def _fitting_configs(configs, named_args, **kwargs):
     return [c for c in configs if not c.kwargs.get("USE_TMA") or tma_tiles_fit(kwargs["BS"], c.kwargs["BLOCK_N"])]
 
 
-_indexer_logits_tuned = triton.autotune(configs=_LOGITS_CONFIGS, key=["HI", "max_len", "BS", "SEG"],
+_indexer_logits_tuned = triton.autotune(configs=_LOGITS_CONFIGS, key=["HI", "max_len", "BS"],
                                         prune_configs_by={"early_config_prune": _fitting_configs})(
     _indexer_logits_kernel)
 
@@ -184,67 +159,38 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     """float32 [T, max_len] FP8 indexer scores (-inf beyond the causal window)."""
     if validate:
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, 1)
-    if max_len is None:
-        max_len = block_table.shape[1] * k_cache.shape[1]
-    if out is None:
-        out = torch.empty(q.shape[0], max_len, dtype=torch.float32, device=q.device)
-    _launch_logits(q, weights, k_cache, block_table, req_idx, positions, max_len, out, cfg, None)
-    return out
-
-
-class _FirstRound:
-    """What the logits kernel needs to run the top-k's first round (see ``_indexer_logits_kernel``): per-segment
-    arrival counters (zero between launches), the kept (indices, keys) lists and the bin scratch."""
-
-    def __init__(self, T: int, max_len: int, topk: int, seg: int, interp: bool, device):
-        self.topk, self.seg = topk, seg
-        self.tile, self.bin_c = (32, 8) if interp else (1024, 256)  # 4-warp programs: 8 keys per thread
-        n_seg = triton.cdiv(max_len, seg)
-        self.counters = torch.zeros(T, n_seg, dtype=torch.int32, device=device)
-        self.kept = torch.empty(2, T, n_seg * topk, dtype=torch.int32, device=device)
-        self.bins = torch.empty(T, n_seg, 8 * self.bin_c, dtype=torch.int32, device=device)
-
-    def args(self):
-        return (self.counters, self.kept[0], self.kept[1], self.kept.stride(1), self.bins, self.topk)
-
-    def meta(self):
-        return dict(SEG=self.seg, SEL_TILE=self.tile, BIN_C=self.bin_c)
-
-
-def _launch_logits(q, weights, k_cache, block_table, req_idx, positions, max_len, out, cfg, first_round):
     T, HI, _ = q.shape
-    if T == 0 or max_len == 0:
-        return
     bs = k_cache.shape[1]
+    if max_len is None:
+        max_len = block_table.shape[1] * bs
+    if out is None:
+        out = torch.empty(T, max_len, dtype=torch.float32, device=q.device)
+    if T == 0 or max_len == 0:
+        return out
     if q.stride(-1) != 1:
         q = q.contiguous()
     interp = _INTERPRET or q.device.type != "cuda"
     BLOCK_HI = max(16, triton.next_power_of_2(HI))
-    sel_args = first_round.args() if first_round else (out, out, out, 0, out, 0)
-    sel_meta = first_round.meta() if first_round else {}
     args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache, k_cache.view(torch.float32),
             k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, out, out.stride(0), HI,
-            max_len, *sel_args)
+            max_len)
     if not interp and not cfg and not _NO_TUNE:
-        grid = lambda meta: (T * triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]),)  # noqa: E731
+        grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
         ensure_tma_allocator()
-        _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=False, SEG=sel_meta.get("SEG", 0),
-                                    **{k: v for k, v in sel_meta.items() if k != "SEG"})
-        return
-    c = _launch_config(bs, cfg, interp)
-    use_tma = bool(c.get("USE_TMA", False))
-    if use_tma and not tma_tiles_fit(bs, c["BLOCK_N"]):
-        raise InputError(f"indexer logits: USE_TMA needs a block size that is a multiple of 32 and of BLOCK_N "
-                         f"(block size {bs}, BLOCK_N {c['BLOCK_N']})")
-    if first_round and first_round.seg % (c["BLOCK_N"] * c["TILES"]):
-        raise InputError(f"indexer logits: BLOCK_N * TILES = {c['BLOCK_N'] * c['TILES']} must divide the top-k "
-                         f"segment ({first_round.seg})")
-    if use_tma:
-        ensure_tma_allocator()
-    grid = (T * triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]),)
-    _indexer_logits_kernel[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"],
-                                 F32DOT=interp, PROMOTE=c.get("PROMOTE", 128), USE_TMA=use_tma,
-                                 num_warps=c["num_warps"], num_stages=c["num_stages"], **sel_meta)
+        _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=False)
+    else:
+        c = _launch_config(bs, cfg, interp)
+        use_tma = bool(c.get("USE_TMA", False))
+        if use_tma and not tma_tiles_fit(bs, c["BLOCK_N"]):
+            raise InputError(f"indexer logits: USE_TMA needs a block size that is a multiple of 32 and of BLOCK_N "
+                             f"(block size {bs}, BLOCK_N {c['BLOCK_N']})")
+        if use_tma:
+            ensure_tma_allocator()
+        grid = (T, triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]))
+        _indexer_logits_kernel[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"],
+                                     F32DOT=interp, PROMOTE=c.get("PROMOTE", 128), USE_TMA=use_tma,
+                                     num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return out
 
 
 def _config_dict(c: triton.Config) -> dict:
@@ -271,27 +217,10 @@ def tma_tiles_fit(block_size: int, block_n: int) -> bool:
 
 
 def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk: int, *, validate: bool = True,
-                       logits_buf: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                       cfg: dict | None = None):
-    """DSA lightning indexer -> int32 [T, topk] positions (any order), -1 padded.
-
-    Rows of more than one top-k segment (up to ``SEGMENT_MAX``) run the tournament's first round inside the
-    logits kernel, then its remaining rounds; otherwise the logits, then :func:`topk_from_logits`. ``cfg``: an
-    explicit logits launch (as for :func:`indexer_logits_paged`)."""
+                       logits_buf: torch.Tensor | None = None, out: torch.Tensor | None = None):
+    """DSA lightning indexer -> int32 [T, topk] positions (any order), -1 padded."""
     if validate:
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk)
-    T = q.shape[0]
-    max_len = block_table.shape[1] * k_cache.shape[1]
-    interp = _INTERPRET or q.device.type != "cuda"
-    seg = segment_length(topk, None, interp) if max_len <= SEGMENT_MAX else None
-    if seg is None or max_len <= seg or T == 0:  # one segment per row, or rows for the multi-CTA radix
-        logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
-                                      validate=False, cfg=cfg)
-        return topk_from_logits(logits, positions, topk, out=out, validate=False)
-    logits = logits_buf if logits_buf is not None else torch.empty(T, max_len, dtype=torch.float32, device=q.device)
-    if out is None:
-        out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
-    first = _FirstRound(T, max_len, topk, seg, interp, q.device)
-    _launch_logits(q, weights, k_cache, block_table, req_idx, positions, max_len, logits, cfg, first)
-    return finish_tournament(logits, positions, topk, out, (first.kept[0], first.kept[1]), first.kept.shape[2], seg,
-                             None, interp)
+    logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
+                                  validate=False)
+    return topk_from_logits(logits, positions, topk, out=out, validate=False)

@@ -11,8 +11,6 @@ data-dependent shapes: every buffer is sized by the arguments.
   bin to the output and copies the bin to scratch, where the remaining bits are resolved over those few keys
   before the bin's selected keys are written. A row's top-k lies inside the union of its segments' top-k, so
   the list shrinks 8x per round at GLM-5's top-2048 until one segment holds it; the last round is the answer.
-  The indexer fuses the first round into its logits kernel (:func:`select_segment_streamed`, run by the last
-  CTA to finish a segment's logits while the other CTAs still stream keys).
 - Longer rows ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each
   a ``tl.histogram`` per segment added into a global [4, T, 256] histogram with atomics (every CTA replays the
   earlier passes' digit choices from those histograms: a reverse cumsum finds the digit that holds the k-th
@@ -248,59 +246,6 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
 
 
 @triton.jit
-def _row_keys(x_row, j, n_valid):
-    """Keys of scores ``j`` of a row another CTA of this kernel wrote (read through L2: ``.cg``), 0 past the
-    window."""
-    m = j < n_valid
-    return tl.where(m, _float_key(tl.load(x_row + j, mask=m, other=0.0, cache_modifier=".cg")), 0)
-
-
-@triton.jit
-def select_segment_streamed(x_row, s0, n_valid, topk, orow, okrow, brow, SEG: tl.constexpr, TILE: tl.constexpr,
-                            BIN_C: tl.constexpr):
-    """The first tournament round for one segment ``s0 .. s0+SEG`` of a scores row, from memory rather than
-    registers (for a kernel whose own register budget is small: the indexer's logits kernel runs this in the
-    CTA that finishes a segment last). Each coarse step and the split pass stream the segment in TILE-long
-    pieces from L2; the bin is then resolved in registers as in the register kernel. Writes the segment's
-    top-``topk`` (indices and keys, -1 / 0 padded) to ``orow`` / ``okrow``; ``brow`` is 8*BIN_C int32 of
-    scratch."""
-    NT: tl.constexpr = SEG // TILE
-    zero = tl.zeros([], tl.int32)
-    k_eff = tl.minimum(topk, tl.minimum(tl.maximum(n_valid - s0, 0), SEG))
-    thr = tl.zeros([], tl.uint32)
-    n_lo = zero + SEG
-    n_hi = zero
-    step = zero
-    tl.static_assert(NT < 1024)  # three 10-bit counters per entry position
-    while (step < 16) & (n_lo - n_hi > 4 * BIN_C):
-        c1, c2, c3 = _step_bounds(thr, step)
-        acc = tl.zeros([TILE], tl.int32)  # the three counts packed: one register per key position
-        for i in range(NT):
-            key = _row_keys(x_row, s0 + i * TILE + tl.arange(0, TILE), n_valid)
-            acc += tl.where(key >= c1, 1, 0) + tl.where(key >= c2, 1 << 10, 0) + tl.where(key >= c3, 1 << 20, 0)
-        n1, n2, n3 = tl.reduce((acc & 1023, (acc >> 10) & 1023, acc >> 20), 0, _add3)
-        thr, n_lo, n_hi = _pick(thr, n_lo, n_hi, c1, c2, c3, n1, n2, n3, k_eff)
-        step += 1
-    if step < 16:
-        top = _bin_top(thr, step)
-        ab = zero
-        bb = zero
-        for i in range(NT):
-            j = s0 + i * TILE + tl.arange(0, TILE)
-            ab, bb = _split_bin(_row_keys(x_row, j, n_valid), j, thr, top, ab, bb, orow, okrow, brow, True,
-                                4 * BIN_C)
-        _select_in_bin(brow, bb, thr, step, k_eff, n_hi, orow, okrow, True, BIN_C)
-    else:
-        quota = k_eff - n_hi
-        base = zero
-        eqb = zero
-        for i in range(NT):
-            j = s0 + i * TILE + tl.arange(0, TILE)
-            base, eqb = _place(_row_keys(x_row, j, n_valid), j, thr, base, eqb, quota, orow, okrow, True)
-    _pad(orow, okrow, k_eff, topk, True, TILE)
-
-
-@triton.jit
 def _radix_replay(hist_ptr, t, T, k_eff, NP: tl.constexpr):
     """Replay the digit selections of the first NP passes from their histograms -> (prefix, k_rem)."""
     bins = tl.arange(0, 256)
@@ -391,7 +336,7 @@ def _segment_len(entries: int) -> int:
     return max(128, triton.next_power_of_2(entries))
 
 
-def segment_length(topk: int, chunk: int | None, interp: bool) -> int:
+def _segment_length(topk: int, chunk: int | None, interp: bool) -> int:
     """The tournament's segment length: ``chunk`` (16384 on the GPU: bench/results/topk_row_phases.md), at least
     twice ``topk`` so that every round at least halves the list."""
     seg = _segment_len(max(chunk or (64 if interp else 16384), 2 * topk))
@@ -401,10 +346,11 @@ def segment_length(topk: int, chunk: int | None, interp: bool) -> int:
     return seg
 
 
-def finish_tournament(x, pos, topk, out, cand, n_list, seg, num_warps, interp):
-    """The tournament's remaining rounds over ``x``'s rows (``cand`` None: from the rows themselves) or over a
-    previous round's (ids, keys) lists of ``n_list`` entries; the last round writes ``out``."""
+def _tournament(x, pos, topk, out, seg, num_warps, interp):
+    """Rounds of segment selections over ``x``'s rows until one segment holds a row's candidates; the last round
+    writes ``out``."""
     T = x.shape[0]
+    cand, n_list = None, x.shape[1]
     while n_list > seg:  # a round: every segment keeps its top-k candidates (indices and keys)
         kept = torch.empty(2, T, triton.cdiv(n_list, seg) * topk, dtype=torch.int32, device=x.device)
         _launch_segments(x, cand, pos, kept[0], kept[1], n_list, topk, seg, num_warps, interp)
@@ -463,8 +409,7 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
         raise InputError(f"topk_from_logits: method {method!r} (expected 'segments' or 'multi')")
     interp = _INTERPRET or logits.device.type != "cuda"
     if method == "segments":
-        seg = segment_length(topk, chunk, interp)
-        return finish_tournament(logits, positions, topk, out, None, L, seg, num_warps, interp)
+        return _tournament(logits, positions, topk, out, _segment_length(topk, chunk, interp), num_warps, interp)
     seg = chunk or (64 if interp else 4096)
     nseg = max(triton.cdiv(L, seg), triton.cdiv(topk, seg))
     ws = workspace if workspace is not None else {}
