@@ -1,0 +1,128 @@
+"""Where one tournament round of the top-k spends its time (H200, 64 rows x 32768 scores, top-2048), and which
+launch width / bin size suits each round.
+
+Round 1 cuts every row into two 16384-entry segments, one CTA each (128 CTAs). The segment kernel (``topk.py``)
+loads its segment into registers (one tensor), narrows the bin holding the 2048-th key over every key until the bin is
+small (the coarse steps), splits the keys above the bin to the output and the bin to scratch with prefix sums,
+resolves the remaining bits over the bin (the fine steps) and writes the bin's selection. A copy of the kernel
+cut after each phase (each cut stores something that depends on the work before it) gives the phase costs;
+then the package kernel at other widths and bin sizes, and round 2 (64 CTAs over 4096 candidates) at three
+widths. Inputs stay in L2 between the 20 calls captured per graph, as the scores do right after the logits
+kernel. Every package variant is checked exact. Saves bench/results/topk_round_phases.*.
+
+    python bench/topk_round_phases.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.harness import Results, time_graph_us  # noqa: E402
+from fxglm5.lowering.triton import topk  # noqa: E402
+from fxglm5.lowering.triton.topk import _list_entries, _narrow, _place  # noqa: E402
+
+B, L, TOPK, SEG = 64, 32768, 2048, 16384
+PHASES = ("load", "+coarse steps", "+split", "+fine steps", "+bin placement (whole round)")
+
+
+@triton.jit
+def _round_cut(x_ptr, stride_xt, pos_ptr, o_ptr, ko_ptr, stride_ot, bin_ptr, L, topk, SEG: tl.constexpr,
+               BIN: tl.constexpr, PHASE: tl.constexpr):
+    """The package segment kernel's round-1 path (no ties) cut after phase PHASE (see PHASES)."""
+    t = tl.program_id(0)
+    sg = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
+    row = x_ptr + t64 * stride_xt
+    j = sg * SEG + tl.arange(0, SEG)
+    keys, ids = _list_entries(row, row, row, j, j < L, n_valid, False)
+    k_eff = tl.minimum(topk, tl.sum((keys >= 1).to(tl.int32), 0))
+    orow = o_ptr + t64 * stride_ot + sg * topk
+    okrow = ko_ptr + t64 * stride_ot + sg * topk
+    if PHASE == 0:
+        tl.store(orow, tl.max(keys, 0).to(tl.int32, bitcast=True) + k_eff)
+    else:
+        zero = tl.zeros([], tl.int32)
+        thr, n_lo, n_hi, step = _narrow(keys, k_eff, tl.zeros([], tl.uint32), zero + SEG, zero, zero, BIN)
+        if PHASE == 1:
+            tl.store(orow, thr.to(tl.int32, bitcast=True) + step)
+        else:
+            top = thr | (tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * step).to(tl.uint32))
+            above = (keys > top).to(tl.int32)
+            inb = ((keys >= thr) & (keys <= top)).to(tl.int32)
+            cs = tl.cumsum(above + (inb << 16), 0)
+            tl.store(orow + (cs & 0xFFFF) - 1, ids, mask=above == 1)
+            tl.store(okrow + (cs & 0xFFFF) - 1, keys.to(tl.int32, bitcast=True), mask=above == 1)
+            brow = bin_ptr + (t64 * tl.num_programs(1) + sg) * BIN
+            tl.store(brow + (cs >> 16) - 1, j, mask=inb == 1)
+            n_bin = n_lo - n_hi
+            if PHASE == 2:
+                tl.store(orow + 2047, n_bin)
+            else:
+                tl.debug_barrier()
+                b = tl.arange(0, BIN)
+                bkeys, bids = _list_entries(row, row, row, tl.load(brow + b, mask=b < n_bin, other=0), b < n_bin,
+                                            n_valid, False)
+                thr, n_lo, n_gt, step = _narrow(bkeys, k_eff - n_hi, thr, n_bin, zero, step, 0)
+                if PHASE == 3:
+                    tl.store(orow + 2047, thr.to(tl.int32, bitcast=True) + n_gt)
+                else:
+                    _place(bkeys, bids, thr, n_hi, k_eff - n_hi - n_gt, orow, okrow, True)
+
+
+def _exact_round1(x, kept):
+    for t in range(0, B, 5):
+        for g in range(L // SEG):
+            ids = kept[t, g * TOPK:(g + 1) * TOPK].long()
+            want = x[t, g * SEG:(g + 1) * SEG].topk(TOPK).values.sort().values
+            if not torch.equal(x[t, ids].sort().values, want):
+                return False
+    return True
+
+
+def main():
+    torch.manual_seed(0)
+    x = torch.randn(B, L, device="cuda")
+    pos = torch.full((B,), L - 1, device="cuda", dtype=torch.int32)
+    kept = torch.empty(2, B, 2 * TOPK, dtype=torch.int32, device="cuda")
+    results = Results()
+    for phase, name in enumerate(PHASES):
+        bins = torch.empty(B, 2, 2048, dtype=torch.int32, device="cuda")
+        us = time_graph_us(lambda: _round_cut[(B, L // SEG)](x, x.stride(0), pos, kept[0], kept[1], kept.stride(1),
+                                                             bins, L, TOPK, SEG=SEG, BIN=2048, PHASE=phase,
+                                                             num_warps=16), calls_per_graph=20)
+        results.add(kernel=f"round 1 cut: {name}", num_warps=16, bin=2048, us=round(us, 1), exact="")
+    for nw, bin_ in ((16, 2048), (16, 1024), (8, 1024), (8, 2048), (32, 2048)):
+        bins = torch.empty(B, 2, bin_, dtype=torch.int32, device="cuda")
+
+        def run():
+            topk._segment_topk_kernel[(B, L // SEG)](x, x.stride(0), kept[0], kept[1], kept.stride(1), pos, kept[0],
+                                                     kept[1], kept.stride(1), bins, L, L, TOPK, SEG=SEG, GATHER=False,
+                                                     KEYS_OUT=True, BIN=bin_, num_warps=nw)
+
+        us = time_graph_us(run, calls_per_graph=20)
+        results.add(kernel="round 1 package kernel", num_warps=nw, bin=bin_, us=round(us, 1),
+                    exact=_exact_round1(x, kept[0]))
+    topk._launch_segments(x, None, pos, kept[0], kept[1], L, TOPK, SEG, None, False)
+    want = torch.sort(torch.topk(x, TOPK, 1).indices.int(), 1).values
+    out = torch.empty(B, TOPK, dtype=torch.int32, device="cuda")
+    for nw in (4, 8, 16):
+        us = time_graph_us(lambda: topk._launch_segments(x, (kept[0], kept[1]), pos, out, None, 2 * TOPK, TOPK,
+                                                         2 * TOPK, nw, False), calls_per_graph=20)
+        results.add(kernel="round 2 package kernel (4096 candidates)", num_warps=nw, bin=512, us=round(us, 1),
+                    exact=torch.equal(torch.sort(out, 1).values, want))
+    us = time_graph_us(lambda: topk.topk_from_logits(x, pos, TOPK, out=out), calls_per_graph=20)
+    results.add(kernel="topk_from_logits (both rounds)", num_warps="default", bin="default", us=round(us, 1),
+                exact=torch.equal(torch.sort(out, 1).values, want))
+    print("saved", results.save("topk_round_phases"))
+
+
+if __name__ == "__main__":
+    main()
