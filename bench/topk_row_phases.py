@@ -26,13 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import Results, time_graph_us  # noqa: E402
 from fxglm5.lowering.triton import indexer  # noqa: E402
-from fxglm5.lowering.triton.topk import _list_entries, _narrow, _place  # noqa: E402
+from fxglm5.lowering.triton.topk import _narrow, _place, _segment_keys  # noqa: E402
 
 B, L, TOPK = 64, 32768, 2048
 
 
 @triton.jit
-def _row_topk_cut(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, SEG: tl.constexpr, PHASE: tl.constexpr):
+def _row_topk_cut(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, C: tl.constexpr, PHASE: tl.constexpr):
     """One segment per row. PHASE 0: load only; 1: load + threshold search; 2: + placement (the package kernel
     minus the -1 fill)."""
     t = tl.program_id(0)
@@ -40,19 +40,25 @@ def _row_topk_cut(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, SEG: tl.
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
     k_eff = tl.minimum(topk, n_valid)
     row = x_ptr + t64 * stride_xt
-    j = tl.arange(0, SEG)
-    keys, ids = _list_entries(row, row, row, j, j < L, n_valid, False)
+    k0, i0 = _segment_keys(row, row, row, 0, L, n_valid, False, C)
+    k1, i1 = _segment_keys(row, row, row, C, L, n_valid, False, C)
+    k2, i2 = _segment_keys(row, row, row, 2 * C, L, n_valid, False, C)
+    k3, i3 = _segment_keys(row, row, row, 3 * C, L, n_valid, False, C)
     orow = o_ptr + t64 * stride_ot
     if PHASE == 0:
-        tl.store(orow, tl.max(keys, 0).to(tl.int32, bitcast=True))
+        tl.store(orow, tl.max(tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3)), 0).to(tl.int32, bitcast=True))
     else:
         zero = tl.zeros([], tl.int32)
         # cap 0: all 16 steps over every key (the search of sessions 2-4, before the bin split)
-        thr, n_lo, n_gt, step = _narrow(keys, k_eff, tl.zeros([], tl.uint32), zero + SEG, zero, zero, 0)
+        thr, n_lo, n_gt, step = _narrow(k0, k1, k2, k3, k_eff, tl.zeros([], tl.uint32), zero + 4 * C, zero, zero, 0)
         if PHASE == 1:
             tl.store(orow, thr.to(tl.int32, bitcast=True))
         else:
-            _place(keys, ids, thr, 0, k_eff - n_gt, orow, orow, False)
+            quota = k_eff - n_gt
+            base, eqb = _place(k0, i0, thr, 0, 0, quota, orow, orow, False)
+            base, eqb = _place(k1, i1, thr, base, eqb, quota, orow, orow, False)
+            base, eqb = _place(k2, i2, thr, base, eqb, quota, orow, orow, False)
+            base, eqb = _place(k3, i3, thr, base, eqb, quota, orow, orow, False)
 
 
 def main():
@@ -64,7 +70,7 @@ def main():
     ref = torch.sort(torch.topk(logits, TOPK, 1).indices.int(), 1).values
     for phase, name in ((0, "load"), (1, "load+search"), (2, "load+search+place")):
         us = time_graph_us(lambda: _row_topk_cut[(B,)](logits, logits.stride(0), pos, out, out.stride(0), L, TOPK,
-                                                      SEG=L, PHASE=phase, num_warps=16))
+                                                      C=L // 4, PHASE=phase, num_warps=16))
         results.add(kernel=f"one segment per row, cut: {name}", num_warps=16, us=round(us, 1))
     for chunk, nw in ((32768, 16), (16384, None), (8192, None), (8192, 4), (4096, None)):
         us = time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=out, chunk=chunk, num_warps=nw))

@@ -46,37 +46,45 @@ def _float_key(x):
 
 
 @triton.jit
-def _list_entries(x_row, ids_row, keys_row, j, m, n_valid, GATHER: tl.constexpr):
-    """Keys and row indices of the entries ``j`` (where ``m``) of a row's list: the scores row itself, or
-    (GATHER) the previous round's candidates, whose indices (-1 = none) and keys it wrote side by side (read
-    back rather than gathered from the scores row). Order-preserving uint32 keys; entries past the window, past
-    the list or without a candidate get key 0, below every float's key (-inf maps to 0x007FFFFF), so they are
-    never counted or selected."""
+def _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER: tl.constexpr, C: tl.constexpr):
+    """Keys and row indices of entries ``j0 .. j0+C-1`` of a row's list: the logits row itself, or (GATHER) the
+    previous round's candidates, whose indices (-1 = none) and keys it wrote side by side (read back
+    contiguously rather than gathered from the logits row). Order-preserving uint32 keys; entries past the
+    window, past the list or without a candidate get key 0, below every float's key (-inf maps to
+    0x007FFFFF), so they are never counted or selected."""
+    j = j0 + tl.arange(0, C)
     if GATHER:
-        ids = tl.load(ids_row + j, mask=m, other=-1)
-        key = tl.load(keys_row + j, mask=m, other=0).to(tl.uint32, bitcast=True)
+        ids = tl.load(ids_row + j, mask=j < n_list, other=-1)
+        key = tl.load(keys_row + j, mask=j < n_list, other=0).to(tl.uint32, bitcast=True)
         return tl.where(ids >= 0, key, 0), ids
     else:
-        mv = m & (j < n_valid)
-        return tl.where(mv, _float_key(tl.load(x_row + j, mask=mv, other=0.0)), 0), j
+        m = j < n_valid
+        return tl.where(m, _float_key(tl.load(x_row + j, mask=m, other=0.0)), 0), j
 
 
 @triton.jit
-def _place(key, ids, thr, gt_base, eq_quota, orow, okrow, KEYS_OUT: tl.constexpr):
-    """Write the selected row indices (and, with KEYS_OUT, their keys) after ``gt_base`` slots: keys above
-    ``thr``, and keys equal to it while the quota of ties lasts (first in list order), in list order. One prefix
-    sum carries both counts (above in the low 16 bits, equal in the high bits: a segment holds at most 32768
-    keys); an entry's slot is the keys above before it plus the ties before it, capped at the quota."""
+def _place(key, ids, thr, gt_base, eq_base, eq_quota, orow, okrow, KEYS_OUT: tl.constexpr):
+    """Write the chunk's selected row indices (and, with KEYS_OUT, their keys): keys above ``thr``, and keys
+    equal to it while the quota of ties lasts (first in list order), in list order. One prefix sum carries both
+    counts (above in the low 16 bits, equal in the high bits: a chunk holds at most 8192 keys); an entry's slot
+    is the keys above before it plus the ties before it, capped at the quota. Returns the running counts."""
     gt = (key > thr).to(tl.int32)
     eq = (key == thr).to(tl.int32)
     cs = tl.cumsum(gt + (eq << 16), 0)
     n_gt = gt_base + (cs & 0xFFFF)  # inclusive counts up to each entry
-    n_eq = cs >> 16
+    n_eq = eq_base + (cs >> 16)
     take = (gt == 1) | ((eq == 1) & (n_eq <= eq_quota))
     slot = n_gt - gt + tl.minimum(n_eq - eq, eq_quota)
     tl.store(orow + slot, ids, mask=take)
     if KEYS_OUT:
         tl.store(okrow + slot, key.to(tl.int32, bitcast=True), mask=take)
+    tot = tl.sum(gt + (eq << 16), 0)
+    return gt_base + (tot & 0xFFFF), eq_base + (tot >> 16)
+
+
+@triton.jit
+def _count_ge(k0, k1, k2, k3, c):
+    return (k0 >= c).to(tl.int32) + (k1 >= c).to(tl.int32) + (k2 >= c).to(tl.int32) + (k3 >= c).to(tl.int32)
 
 
 @triton.jit
@@ -85,29 +93,95 @@ def _add3(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _narrow(keys, k_eff, thr, n_lo, n_hi, step, cap):
-    """Narrow the bin ``[thr, thr | (2^(32 - 2 step) - 1)]`` that holds the k_eff-th largest key two bits per
-    step, until it holds at most ``cap`` keys or all 32 bits are fixed. ``n_lo`` / ``n_hi``: the keys at or
-    above the bin's lower end / above its upper end (so ``n_hi < k_eff <= n_lo`` for k_eff > 0). A step is one
-    CTA-wide reduction of three counts (the lower ends of the sub-bins 01, 10, 11), no histograms, no atomics;
-    a runtime loop, not unrolled: the unrolled search was ~14k instructions of straight-line code, fetched again
-    by every CTA, which ran 40-70 % slower whenever that code had left L2
-    (bench/results/indexer_composed_profile.md). Returns ``(thr, n_lo, n_hi, step)``."""
+def _step_bounds(thr, step):
+    """The three candidate lower ends of a step's sub-bins: thr with the step's two bits set to 01, 10, 11."""
+    bit = tl.full([], 1, tl.uint32) << (30 - 2 * step).to(tl.uint32)
+    return thr | bit, thr | (bit << 1), thr | (bit * 3)
+
+
+@triton.jit
+def _pick(thr, n_lo, n_hi, c1, c2, c3, n1, n2, n3, k_eff):
+    """The highest sub-bin whose lower end still has k_eff keys at or above it -> (thr, n_lo, n_hi)."""
+    p3 = n3 >= k_eff
+    p2 = n2 >= k_eff
+    p1 = n1 >= k_eff
+    thr_new = tl.where(p3, c3, tl.where(p2, c2, tl.where(p1, c1, thr)))
+    n_hi_new = tl.where(p3, n_hi, tl.where(p2, n3, tl.where(p1, n2, n1)))
+    n_lo_new = tl.where(p3, n3, tl.where(p2, n2, tl.where(p1, n1, n_lo)))
+    return thr_new, n_lo_new, n_hi_new
+
+
+@triton.jit
+def _narrow(k0, k1, k2, k3, k_eff, thr, n_lo, n_hi, step, cap):
+    """Narrow the bin ``[thr, thr | (2^(32 - 2 step) - 1)]`` that holds the k_eff-th largest of the four chunks'
+    keys two bits per step, until it holds at most ``cap`` keys or all 32 bits are fixed. ``n_lo`` / ``n_hi``:
+    the keys at or above the bin's lower end / above its upper end (so ``n_hi < k_eff <= n_lo`` for k_eff > 0).
+    A step is one CTA-wide reduction of three counts (no histograms, no atomics); a runtime loop, not unrolled:
+    the unrolled search was ~14k instructions of straight-line code, fetched again by every CTA, which ran
+    40-70 % slower whenever that code had left L2 (bench/results/indexer_composed_profile.md).
+    Returns ``(thr, n_lo, n_hi, step)``."""
     while (step < 16) & (n_lo - n_hi > cap):
-        bit = tl.full([], 1, tl.uint32) << (30 - 2 * step).to(tl.uint32)
-        c1 = thr | bit
-        c2 = thr | (bit << 1)
-        c3 = thr | (bit * 3)
-        n1, n2, n3 = tl.reduce(((keys >= c1).to(tl.int32), (keys >= c2).to(tl.int32), (keys >= c3).to(tl.int32)),
-                               0, _add3)
-        p3 = n3 >= k_eff
-        p2 = n2 >= k_eff
-        p1 = n1 >= k_eff
-        thr = tl.where(p3, c3, tl.where(p2, c2, tl.where(p1, c1, thr)))
-        n_hi = tl.where(p3, n_hi, tl.where(p2, n3, tl.where(p1, n2, n1)))
-        n_lo = tl.where(p3, n3, tl.where(p2, n2, tl.where(p1, n1, n_lo)))
+        c1, c2, c3 = _step_bounds(thr, step)
+        n1, n2, n3 = tl.reduce((_count_ge(k0, k1, k2, k3, c1), _count_ge(k0, k1, k2, k3, c2),
+                                _count_ge(k0, k1, k2, k3, c3)), 0, _add3)
+        thr, n_lo, n_hi = _pick(thr, n_lo, n_hi, c1, c2, c3, n1, n2, n3, k_eff)
         step += 1
     return thr, n_lo, n_hi, step
+
+
+@triton.jit
+def _bin_top(thr, step):
+    """The upper end of the bin after ``step`` steps (step < 16)."""
+    return thr | (tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * step).to(tl.uint32))
+
+
+@triton.jit
+def _split_bin(key, ids, thr, top, above_base, bin_base, orow, okrow, brow, KEYS_OUT: tl.constexpr,
+               CAP: tl.constexpr):
+    """One chunk of the split pass: keys above the bin's upper end ``top`` go to the output (selected whatever
+    the exact threshold), keys inside ``[thr, top]`` to the bin scratch (key, index), both in list order at
+    running offsets (one prefix sum, above in the low 16 bits). The scratch holds CAP keys, then CAP indices.
+    Returns the running offsets."""
+    above = (key > top).to(tl.int32)
+    inb = ((key >= thr) & (key <= top)).to(tl.int32)
+    cs = tl.cumsum(above + (inb << 16), 0)
+    tl.store(orow + above_base + (cs & 0xFFFF) - 1, ids, mask=above == 1)
+    if KEYS_OUT:
+        tl.store(okrow + above_base + (cs & 0xFFFF) - 1, key.to(tl.int32, bitcast=True), mask=above == 1)
+    slot = bin_base + (cs >> 16) - 1
+    tl.store(brow + slot, key.to(tl.int32, bitcast=True), mask=inb == 1)
+    tl.store(brow + CAP + slot, ids, mask=inb == 1)
+    tot = tl.sum(above + (inb << 16), 0)
+    return above_base + (tot & 0xFFFF), bin_base + (tot >> 16)
+
+
+@triton.jit
+def _bin_chunk(brow, c, n_bin, BIN_C: tl.constexpr, CHUNK: tl.constexpr):
+    """Chunk ``c`` of the bin scratch: (keys, indices), key 0 past the ``n_bin`` entries."""
+    j = c * BIN_C + tl.arange(0, BIN_C)
+    m = j < n_bin
+    key = tl.load(brow + j, mask=m, other=0).to(tl.uint32, bitcast=True)
+    return key, tl.load(brow + CHUNK + j, mask=m, other=-1)
+
+
+@triton.jit
+def _select_in_bin(brow, n_bin, thr, step, k_eff, n_above, orow, okrow, KEYS_OUT: tl.constexpr,
+                   BIN_C: tl.constexpr):
+    """After the split pass: resolve the remaining bits over the bin scratch's ``n_bin`` keys and write the
+    bin's selected indices (keys above the exact threshold, then ties in list order) after the ``n_above``
+    already written."""
+    tl.debug_barrier()  # the bin scratch was written by other threads of this CTA
+    b0, i0 = _bin_chunk(brow, 0, n_bin, BIN_C, 4 * BIN_C)
+    b1, i1 = _bin_chunk(brow, 1, n_bin, BIN_C, 4 * BIN_C)
+    b2, i2 = _bin_chunk(brow, 2, n_bin, BIN_C, 4 * BIN_C)
+    b3, i3 = _bin_chunk(brow, 3, n_bin, BIN_C, 4 * BIN_C)
+    k_rem = k_eff - n_above
+    thr, n_lo, n_gt, step = _narrow(b0, b1, b2, b3, k_rem, thr, n_bin, tl.zeros([], tl.int32), step, 0)
+    quota = k_rem - n_gt
+    base, eqb = _place(b0, i0, thr, n_above, 0, quota, orow, okrow, KEYS_OUT)
+    base, eqb = _place(b1, i1, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+    base, eqb = _place(b2, i2, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+    base, eqb = _place(b3, i3, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
 
 
 @triton.jit
@@ -123,19 +197,19 @@ def _pad(orow, okrow, k_eff, topk, KEYS_OUT: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr, o_ptr, ko_ptr, stride_ot, bin_ptr,
-                         L, n_list, topk, SEG: tl.constexpr, GATHER: tl.constexpr, KEYS_OUT: tl.constexpr,
-                         BIN: tl.constexpr):
-    """One CTA per (row, SEG-long segment of the row's list), the segment in registers: the segment's
-    top-``topk`` row indices (ties first in list order), -1 padded, written to ``o[row, segment * topk ...]``;
-    with KEYS_OUT their keys go to ``ko`` at the same places (0 for padding).
+                         L, n_list, topk, C: tl.constexpr, GATHER: tl.constexpr, KEYS_OUT: tl.constexpr,
+                         BIN_C: tl.constexpr):
+    """One CTA per (row, segment of 4*C list entries), the segment in registers as four C-long chunks: the
+    segment's top-``topk`` row indices (ties first in list order), -1 padded, written to
+    ``o[row, segment * topk ...]``; with KEYS_OUT their keys go to ``ko`` at the same places (0 for padding).
 
-    The search narrows the bin holding the k-th key over every key only until the bin holds at most BIN keys
-    (a few steps at GLM-5's shapes); one prefix sum then writes the keys above the bin straight to the output
-    and the bin's list positions to this CTA's ``bin_ptr`` scratch, and the remaining bits are resolved over the
-    bin's entries read back from there. That cuts the per-key counting from 16 steps to the few coarse ones
-    (bench/results/topk_round_phases.md). Output order: the keys above the bin in list order, then the bin's
-    selected keys in list order (ties: the first in list order win). A bin that never gets small (all keys
-    tied) is resolved in registers and placed in list order."""
+    The search narrows the bin holding the k-th key over all 4*C keys only until the bin holds at most
+    4*BIN_C of them (a few steps at GLM-5's shapes); a split pass then writes the keys above the bin straight
+    to the output and copies the bin's (key, index) pairs to this CTA's ``bin_ptr`` scratch, and the remaining
+    bits are resolved over those few. That cuts the per-key counting (what bounds the kernel:
+    bench/results/topk_row_phases.md) from 16 steps to the few coarse ones. Output order: the keys above the
+    bin in list order, then the bin's selected keys in list order (ties: the first in list order win). A bin
+    that never gets small (all keys tied) is resolved in registers and placed in list order."""
     t = tl.program_id(0)
     sg = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -143,34 +217,32 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
     x_row = x_ptr + t64 * stride_xt
     ids_row = ids_ptr + t64 * stride_it
     keys_row = kin_ptr + t64 * stride_it
-    j = sg * SEG + tl.arange(0, SEG)
-    keys, ids = _list_entries(x_row, ids_row, keys_row, j, j < n_list, n_valid, GATHER)
-    k_eff = tl.minimum(topk, tl.sum((keys >= 1).to(tl.int32), 0))
+    j0 = sg * (4 * C)
+    k0, i0 = _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER, C)
+    k1, i1 = _segment_keys(x_row, ids_row, keys_row, j0 + C, n_list, n_valid, GATHER, C)
+    k2, i2 = _segment_keys(x_row, ids_row, keys_row, j0 + 2 * C, n_list, n_valid, GATHER, C)
+    k3, i3 = _segment_keys(x_row, ids_row, keys_row, j0 + 3 * C, n_list, n_valid, GATHER, C)
+    k_eff = tl.minimum(topk, tl.sum(_count_ge(k0, k1, k2, k3, tl.full([], 1, tl.uint32)), 0))
     zero = tl.zeros([], tl.int32)
-    thr, n_lo, n_hi, step = _narrow(keys, k_eff, tl.zeros([], tl.uint32), zero + SEG, zero, zero, BIN)
+    thr, n_lo, n_hi, step = _narrow(k0, k1, k2, k3, k_eff, tl.zeros([], tl.uint32), zero + 4 * C, zero, zero,
+                                    4 * BIN_C)
     orow = o_ptr + t64 * stride_ot + sg * topk
     okrow = ko_ptr + t64 * stride_ot + sg * topk
-    if step < 16:  # the bin [thr, top] holds at most BIN keys; the n_hi keys above it are all selected
-        top = thr | (tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * step).to(tl.uint32))
-        above = (keys > top).to(tl.int32)
-        inb = ((keys >= thr) & (keys <= top)).to(tl.int32)
-        cs = tl.cumsum(above + (inb << 16), 0)
-        tl.store(orow + (cs & 0xFFFF) - 1, ids, mask=above == 1)
-        if KEYS_OUT:
-            tl.store(okrow + (cs & 0xFFFF) - 1, keys.to(tl.int32, bitcast=True), mask=above == 1)
-        brow = bin_ptr + (t64 * tl.num_programs(1) + sg) * BIN
-        tl.store(brow + (cs >> 16) - 1, j, mask=inb == 1)
-        n_bin = n_lo - n_hi
-        tl.debug_barrier()  # the bin scratch was written by other threads of this CTA
-        b = tl.arange(0, BIN)
-        bkeys, bids = _list_entries(x_row, ids_row, keys_row, tl.load(brow + b, mask=b < n_bin, other=0),
-                                    b < n_bin, n_valid, GATHER)
-        k_rem = k_eff - n_hi
-        thr, n_lo, n_gt, step = _narrow(bkeys, k_rem, thr, n_bin, zero, step, 0)
-        _place(bkeys, bids, thr, n_hi, k_rem - n_gt, orow, okrow, KEYS_OUT)
-    else:  # all 32 bits fixed: n_hi keys lie above thr
-        _place(keys, ids, thr, 0, k_eff - n_hi, orow, okrow, KEYS_OUT)
-    _pad(orow, okrow, k_eff, topk, KEYS_OUT, BIN)
+    if step < 16:  # the bin [thr, top] holds at most 4*BIN_C keys; the n_hi keys above it are all selected
+        top = _bin_top(thr, step)
+        brow = bin_ptr + (t64 * tl.num_programs(1) + sg) * (8 * BIN_C)
+        ab, bb = _split_bin(k0, i0, thr, top, 0, 0, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+        ab, bb = _split_bin(k1, i1, thr, top, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+        ab, bb = _split_bin(k2, i2, thr, top, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+        ab, bb = _split_bin(k3, i3, thr, top, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+        _select_in_bin(brow, bb, thr, step, k_eff, n_hi, orow, okrow, KEYS_OUT, BIN_C)
+    else:
+        quota = k_eff - n_hi  # all 32 bits fixed: n_hi keys lie above thr
+        base, eqb = _place(k0, i0, thr, 0, 0, quota, orow, okrow, KEYS_OUT)
+        base, eqb = _place(k1, i1, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+        base, eqb = _place(k2, i2, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+        base, eqb = _place(k3, i3, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+    _pad(orow, okrow, k_eff, topk, KEYS_OUT, C)
 
 
 @triton.jit
@@ -256,11 +328,11 @@ def _radix_write_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, o_ptr, str
     tl.store(orow + pads, tl.full([SEG], -1, tl.int32), mask=pads < topk)
 
 
-SEGMENT_MAX = 32768  # longest segment one CTA holds in registers
+SEGMENT_MAX = 32768  # longest segment one CTA holds in registers (four chunks of at most 8192 keys)
 
 
 def _segment_len(entries: int) -> int:
-    """Segments are powers of two of at least 128 entries (a register tensor; its bin an eighth of it)."""
+    """A segment holds four register chunks of a power-of-two length of at least 32."""
     return max(128, triton.next_power_of_2(entries))
 
 
@@ -289,16 +361,18 @@ def _tournament(x, pos, topk, out, seg, num_warps, interp):
 
 def _launch_segments(x, cand, pos, out, out_keys, n_list, topk, seg, num_warps, interp):
     """One round over ``x``'s rows (``cand`` None) or over the previous round's (ids, keys); ``out_keys``
-    (None in the last round) receives the kept keys beside ``out``'s indices. The bin holds up to an eighth of
-    a segment (bench/results/topk_round_phases.md)."""
-    nw = num_warps or (4 if interp else max(4, min(16, seg // 1024)))
+    (None in the last round) receives the kept keys beside ``out``'s indices. The bin scratch holds up to an
+    eighth of a segment, one key per thread per chunk at GLM-5's sizes."""
+    C = seg // 4
+    nw = num_warps or (4 if interp else max(4, min(16, C // 256)))
+    bin_c = min(32 * nw, C // 4)
     nseg = triton.cdiv(n_list, seg)
-    bins = torch.empty(x.shape[0], nseg, seg // 8, dtype=torch.int32, device=x.device)
+    bins = torch.empty(x.shape[0], nseg, 8 * bin_c, dtype=torch.int32, device=x.device)
     ids, keys = cand if cand is not None else (out, out)  # unused without GATHER
     _segment_topk_kernel[(x.shape[0], nseg)](
         x, x.stride(0), ids, keys, ids.stride(0), pos, out, out if out_keys is None else out_keys, out.stride(0),
-        bins, x.shape[1], n_list, topk, SEG=seg, GATHER=cand is not None, KEYS_OUT=out_keys is not None,
-        BIN=seg // 8, num_warps=nw)
+        bins, x.shape[1], n_list, topk, C=C, GATHER=cand is not None, KEYS_OUT=out_keys is not None, BIN_C=bin_c,
+        num_warps=nw)
 
 
 def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
