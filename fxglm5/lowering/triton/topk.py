@@ -7,10 +7,11 @@ data-dependent shapes: every buffer is sized by the arguments.
 - Rows up to 32768 ("segments"): a tournament. Each round cuts every row's list (the scores row, then the
   candidates the previous round kept, indices and keys side by side) into segments of 16384 entries; one CTA
   per segment narrows the bin holding its k-th largest key two bits at a time (CTA-wide reductions of three
-  counts) until the bin holds at most an eighth of the segment; a prefix-sum pass writes the keys above the
-  bin to the output and copies the bin to scratch, where the remaining bits are resolved over those few keys
-  before the bin's selected keys are written. A row's top-k lies inside the union of its segments' top-k, so
-  the list shrinks 8x per round at GLM-5's top-2048 until one segment holds it; the last round is the answer.
+  counts) until the bin holds at most 128 keys per warp (1024 of 16384 in round 1, 512 of 4096 in round 2);
+  a prefix-sum pass writes the keys above the bin to the output and copies the bin to scratch, where the
+  remaining bits are resolved over those few keys before the bin's selected keys are written. A row's top-k
+  lies inside the union of its segments' top-k, so the list shrinks 8x per round at GLM-5's top-2048 until
+  one segment holds it; the last round is the answer.
 - Longer rows ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each
   a ``tl.histogram`` per segment added into a global [4, T, 256] histogram with atomics (every CTA replays the
   earlier passes' digit choices from those histograms: a reverse cumsum finds the digit that holds the k-th
@@ -207,7 +208,7 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
     4*BIN_C of them (a few steps at GLM-5's shapes); a split pass then writes the keys above the bin straight
     to the output and copies the bin's (key, index) pairs to this CTA's ``bin_ptr`` scratch, and the remaining
     bits are resolved over those few. That cuts the per-key counting (what bounds the kernel:
-    bench/results/topk_row_phases.md) from 16 steps to the few coarse ones. Output order: the keys above the
+    bench/results/topk_round_phases.md) from 16 steps to the few coarse ones. Output order: the keys above the
     bin in list order, then the bin's selected keys in list order (ties: the first in list order win). A bin
     that never gets small (all keys tied) is resolved in registers and placed in list order."""
     t = tl.program_id(0)
@@ -361,10 +362,11 @@ def _tournament(x, pos, topk, out, seg, num_warps, interp):
 
 def _launch_segments(x, cand, pos, out, out_keys, n_list, topk, seg, num_warps, interp):
     """One round over ``x``'s rows (``cand`` None) or over the previous round's (ids, keys); ``out_keys``
-    (None in the last round) receives the kept keys beside ``out``'s indices. The bin scratch holds up to an
-    eighth of a segment, one key per thread per chunk at GLM-5's sizes."""
+    (None in the last round) receives the kept keys beside ``out``'s indices. The bin scratch holds four
+    keys per thread: 1024 of round 1's 16384 entries, 512 of round 2's 4096."""
     C = seg // 4
-    nw = num_warps or (4 if interp else max(4, min(16, C // 256)))
+    # 8 warps for 16384-entry segments, 4 for the 4096 candidates of round 2 (bench/results/topk_round_phases.md)
+    nw = num_warps or (4 if interp else max(4, min(8, C // 512)))
     bin_c = min(32 * nw, C // 4)
     nseg = triton.cdiv(n_list, seg)
     bins = torch.empty(x.shape[0], nseg, 8 * bin_c, dtype=torch.int32, device=x.device)

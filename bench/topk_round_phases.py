@@ -1,0 +1,132 @@
+"""Where one tournament round of the top-k spends its time (H200, 64 rows x 32768 scores, top-2048), and which
+launch width / bin size suits each round.
+
+Round 1 cuts every row into two 16384-entry segments, one CTA each (128 CTAs). The segment kernel (``topk.py``)
+loads its segment into registers (four chunks), narrows the bin holding the 2048-th key over every key until
+the bin is small (the coarse steps), splits the keys above the bin to the output and the bin to scratch with
+one prefix sum per chunk, resolves the remaining bits over the bin (the fine steps) and writes the bin's
+selection. A copy of the kernel cut after each phase (each cut stores something that depends on the work before
+it) gives the phase costs; then the package kernel at other widths and bin sizes, and round 2 (64 CTAs over 4096
+candidates) at three widths. Inputs stay in L2 between the 20 calls captured per graph, as the scores do right
+after the logits kernel. Every package variant is checked exact. Saves bench/results/topk_round_phases.*.
+
+    python bench/topk_round_phases.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.harness import Results, time_graph_us  # noqa: E402
+from fxglm5.lowering.triton import topk  # noqa: E402
+from fxglm5.lowering.triton.topk import (_bin_chunk, _bin_top, _narrow, _segment_keys, _select_in_bin,  # noqa: E402
+                                         _split_bin)
+
+B, L, TOPK, SEG = 64, 32768, 2048, 16384
+PHASES = ("load", "+coarse steps", "+split", "+fine steps", "+bin placement (whole round)")
+
+
+@triton.jit
+def _round_cut(x_ptr, stride_xt, pos_ptr, o_ptr, ko_ptr, stride_ot, bin_ptr, L, topk, C: tl.constexpr,
+               BIN_C: tl.constexpr, PHASE: tl.constexpr):
+    """The package segment kernel's round-1 path (no ties) cut after phase PHASE (see PHASES)."""
+    t = tl.program_id(0)
+    sg = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
+    row = x_ptr + t64 * stride_xt
+    j0 = sg * (4 * C)
+    k0, i0 = _segment_keys(row, row, row, j0, L, n_valid, False, C)
+    k1, i1 = _segment_keys(row, row, row, j0 + C, L, n_valid, False, C)
+    k2, i2 = _segment_keys(row, row, row, j0 + 2 * C, L, n_valid, False, C)
+    k3, i3 = _segment_keys(row, row, row, j0 + 3 * C, L, n_valid, False, C)
+    k_eff = tl.minimum(topk, tl.minimum(n_valid - j0, 4 * C))
+    orow = o_ptr + t64 * stride_ot + sg * topk
+    okrow = ko_ptr + t64 * stride_ot + sg * topk
+    if PHASE == 0:
+        tl.store(orow, tl.max(tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3)), 0).to(tl.int32, bitcast=True))
+    else:
+        zero = tl.zeros([], tl.int32)
+        thr, n_lo, n_hi, step = _narrow(k0, k1, k2, k3, k_eff, tl.zeros([], tl.uint32), zero + 4 * C, zero, zero,
+                                        4 * BIN_C)
+        if PHASE == 1:
+            tl.store(orow, thr.to(tl.int32, bitcast=True) + step)
+        else:
+            top = _bin_top(thr, step)
+            brow = bin_ptr + (t64 * tl.num_programs(1) + sg) * (8 * BIN_C)
+            ab, bb = _split_bin(k0, i0, thr, top, 0, 0, orow, okrow, brow, True, 4 * BIN_C)
+            ab, bb = _split_bin(k1, i1, thr, top, ab, bb, orow, okrow, brow, True, 4 * BIN_C)
+            ab, bb = _split_bin(k2, i2, thr, top, ab, bb, orow, okrow, brow, True, 4 * BIN_C)
+            ab, bb = _split_bin(k3, i3, thr, top, ab, bb, orow, okrow, brow, True, 4 * BIN_C)
+            if PHASE == 2:
+                tl.store(orow + 2047, ab + bb)
+            elif PHASE == 3:
+                tl.debug_barrier()
+                b0, j0 = _bin_chunk(brow, 0, bb, BIN_C, 4 * BIN_C)
+                b1, j1 = _bin_chunk(brow, 1, bb, BIN_C, 4 * BIN_C)
+                b2, j2 = _bin_chunk(brow, 2, bb, BIN_C, 4 * BIN_C)
+                b3, j3 = _bin_chunk(brow, 3, bb, BIN_C, 4 * BIN_C)
+                thr, n_lo, n_gt, step = _narrow(b0, b1, b2, b3, k_eff - n_hi, thr, bb, zero, step, 0)
+                tl.store(orow + 2047, thr.to(tl.int32, bitcast=True) + n_gt)
+            else:
+                _select_in_bin(brow, bb, thr, step, k_eff, n_hi, orow, okrow, True, BIN_C)
+
+
+def _exact_round1(x, kept):
+    for t in range(0, B, 5):
+        for g in range(L // SEG):
+            ids = kept[t, g * TOPK:(g + 1) * TOPK].long()
+            want = x[t, g * SEG:(g + 1) * SEG].topk(TOPK).values.sort().values
+            if not torch.equal(x[t, ids].sort().values, want):
+                return False
+    return True
+
+
+def main():
+    torch.manual_seed(0)
+    x = torch.randn(B, L, device="cuda")
+    pos = torch.full((B,), L - 1, device="cuda", dtype=torch.int32)
+    kept = torch.empty(2, B, 2 * TOPK, dtype=torch.int32, device="cuda")
+    results = Results()
+    C = SEG // 4
+    for phase, name in enumerate(PHASES):
+        bins = torch.empty(B, 2, 8 * 512, dtype=torch.int32, device="cuda")
+        us = time_graph_us(lambda: _round_cut[(B, L // SEG)](x, x.stride(0), pos, kept[0], kept[1], kept.stride(1),
+                                                             bins, L, TOPK, C=C, BIN_C=512, PHASE=phase,
+                                                             num_warps=16), calls_per_graph=20)
+        results.add(kernel=f"round 1 cut: {name}", num_warps=16, bin_c=512, us=round(us, 1), exact="")
+    for nw, bin_c in ((16, 512), (16, 256), (16, 1024), (8, 256), (8, 512), (32, 512), (32, 1024)):
+        bins = torch.empty(B, 2, 8 * bin_c, dtype=torch.int32, device="cuda")
+
+        def run():
+            topk._segment_topk_kernel[(B, L // SEG)](x, x.stride(0), kept[0], kept[1], kept.stride(1), pos, kept[0],
+                                                     kept[1], kept.stride(1), bins, L, L, TOPK, C=C, GATHER=False,
+                                                     KEYS_OUT=True, BIN_C=bin_c, num_warps=nw)
+
+        us = time_graph_us(run, calls_per_graph=20)
+        results.add(kernel="round 1 package kernel", num_warps=nw, bin_c=bin_c, us=round(us, 1),
+                    exact=_exact_round1(x, kept[0]))
+    topk._launch_segments(x, None, pos, kept[0], kept[1], L, TOPK, SEG, None, False)
+    want = torch.sort(torch.topk(x, TOPK, 1).indices.int(), 1).values
+    out = torch.empty(B, TOPK, dtype=torch.int32, device="cuda")
+    for nw in (4, 8, 16):
+        us = time_graph_us(lambda: topk._launch_segments(x, (kept[0], kept[1]), pos, out, None, 2 * TOPK, TOPK,
+                                                         2 * TOPK, nw, False), calls_per_graph=20)
+        results.add(kernel="round 2 package kernel (4096 candidates)", num_warps=nw,
+                    bin_c=min(32 * nw, 2 * TOPK // 16), us=round(us, 1),
+                    exact=torch.equal(torch.sort(out, 1).values, want))
+    us = time_graph_us(lambda: topk.topk_from_logits(x, pos, TOPK, out=out), calls_per_graph=20)
+    results.add(kernel="topk_from_logits (both rounds)", num_warps="default", bin_c="default", us=round(us, 1),
+                exact=torch.equal(torch.sort(out, 1).values, want))
+    print("saved", results.save("topk_round_phases"))
+
+
+if __name__ == "__main__":
+    main()
