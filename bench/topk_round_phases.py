@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import Results, time_graph_us  # noqa: E402
 from fxglm5.lowering.triton import topk  # noqa: E402
-from fxglm5.lowering.triton.topk import (_bin_chunk, _bin_top, _narrow, _segment_keys, _select_in_bin,  # noqa: E402
+from fxglm5.lowering.triton.topk import (_bin_chunk, _narrow, _segment_keys, _select_in_bin,  # noqa: E402
                                          _split_bin)
 
 B, L, TOPK, SEG = 64, 32768, 2048, 16384
@@ -36,7 +36,8 @@ PHASES = ("load", "+coarse steps", "+split", "+fine steps", "+bin placement (who
 @triton.jit
 def _round_cut(x_ptr, stride_xt, pos_ptr, o_ptr, ko_ptr, stride_ot, bin_ptr, L, topk, C: tl.constexpr,
                BIN_C: tl.constexpr, PHASE: tl.constexpr):
-    """The package segment kernel's round-1 path (no ties) cut after phase PHASE (see PHASES)."""
+    """The package segment kernel's round-1 path (a bin that gets small: no massive ties) cut after phase PHASE
+    (see PHASES)."""
     t = tl.program_id(0)
     sg = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -59,12 +60,13 @@ def _round_cut(x_ptr, stride_xt, pos_ptr, o_ptr, ko_ptr, stride_ot, bin_ptr, L, 
         if PHASE == 1:
             tl.store(orow, thr.to(tl.int32, bitcast=True) + step)
         else:
-            top = _bin_top(thr, step)
+            top = thr | (tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * step).to(tl.uint32))
             brow = bin_ptr + (t64 * tl.num_programs(1) + sg) * (8 * BIN_C)
-            ab, bb = _split_bin(k0, i0, thr, top, 0, 0, orow, okrow, brow, True, 4 * BIN_C)
-            ab, bb = _split_bin(k1, i1, thr, top, ab, bb, orow, okrow, brow, True, 4 * BIN_C)
-            ab, bb = _split_bin(k2, i2, thr, top, ab, bb, orow, okrow, brow, True, 4 * BIN_C)
-            ab, bb = _split_bin(k3, i3, thr, top, ab, bb, orow, okrow, brow, True, 4 * BIN_C)
+            q = k_eff - n_hi
+            ab, bb = _split_bin(k0, i0, thr, top, zero, n_hi, q, 0, 0, orow, okrow, brow, True, 4 * BIN_C)
+            ab, bb = _split_bin(k1, i1, thr, top, zero, n_hi, q, ab, bb, orow, okrow, brow, True, 4 * BIN_C)
+            ab, bb = _split_bin(k2, i2, thr, top, zero, n_hi, q, ab, bb, orow, okrow, brow, True, 4 * BIN_C)
+            ab, bb = _split_bin(k3, i3, thr, top, zero, n_hi, q, ab, bb, orow, okrow, brow, True, 4 * BIN_C)
             if PHASE == 2:
                 tl.store(orow + 2047, ab + bb)
             elif PHASE == 3:

@@ -490,6 +490,20 @@ def test_topk_ties_take_the_lowest_indices(T, L, K, chunk, seed, method):
                 assert float(x[t, got[:p]].min()) > float(x[t, got[p:]].max())
 
 
+@pytest.mark.parametrize("method", ["segments", "multi"])
+def test_topk_all_tied_rows_take_the_first_indices(method):
+    """Rows of one value (no bin ever gets small: every bit gets fixed) with top-k above the bin capacity, and a
+    row whose top values tie across segment boundaries: the lowest indices, exactly."""
+    x = torch.zeros(3, 300)
+    x[1, 150:] = 1.0
+    x[2, ::2] = 2.0
+    pos = torch.tensor([299, 299, 250], dtype=torch.int32)
+    out = tindexer.topk_from_logits(x, pos, 80, method=method)
+    want = [list(range(80)), list(range(150, 230)), list(range(0, 160, 2))]
+    for t in range(3):
+        assert sorted(out[t].tolist()) == want[t]
+
+
 # --------------------------------------------------------------------------------------------------------------
 # bad inputs
 # --------------------------------------------------------------------------------------------------------------

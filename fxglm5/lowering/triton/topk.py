@@ -131,27 +131,25 @@ def _narrow(k0, k1, k2, k3, k_eff, thr, n_lo, n_hi, step, cap):
 
 
 @triton.jit
-def _bin_top(thr, step):
-    """The upper end of the bin after ``step`` steps (step < 16)."""
-    return thr | (tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * step).to(tl.uint32))
-
-
-@triton.jit
-def _split_bin(key, ids, thr, top, above_base, bin_base, orow, okrow, brow, KEYS_OUT: tl.constexpr,
-               CAP: tl.constexpr):
-    """One chunk of the split pass: keys above the bin's upper end ``top`` go to the output (selected whatever
-    the exact threshold), keys inside ``[thr, top]`` to the bin scratch (key, index), both in list order at
-    running offsets (one prefix sum, above in the low 16 bits). The scratch holds CAP keys, then CAP indices.
-    Returns the running offsets."""
+def _split_bin(key, ids, thr, top, exact, n_hi, quota, above_base, bin_base, orow, okrow, brow,
+               KEYS_OUT: tl.constexpr, CAP: tl.constexpr):
+    """One chunk of the split pass, in list order at running offsets (one prefix sum, above in the low 16 bits).
+    Keys above the bin's upper end ``top`` go to the output (selected whatever the exact threshold). Keys inside
+    ``[thr, top]`` go to the bin scratch (CAP keys, then CAP indices); or, once the bin is a single key value
+    (``exact`` = 1, all bits fixed, e.g. massive ties), the first ``quota`` of them go straight to the output
+    after the ``n_hi`` keys above. Returns the running offsets."""
     above = (key > top).to(tl.int32)
     inb = ((key >= thr) & (key <= top)).to(tl.int32)
     cs = tl.cumsum(above + (inb << 16), 0)
-    tl.store(orow + above_base + (cs & 0xFFFF) - 1, ids, mask=above == 1)
+    b_rank = bin_base + (cs >> 16) - 1
+    to_out = (above == 1) | ((inb == 1) & (exact == 1) & (b_rank < quota))
+    o_slot = tl.where(above == 1, above_base + (cs & 0xFFFF) - 1, n_hi + b_rank)
+    tl.store(orow + o_slot, ids, mask=to_out)
     if KEYS_OUT:
-        tl.store(okrow + above_base + (cs & 0xFFFF) - 1, key.to(tl.int32, bitcast=True), mask=above == 1)
-    slot = bin_base + (cs >> 16) - 1
-    tl.store(brow + slot, key.to(tl.int32, bitcast=True), mask=inb == 1)
-    tl.store(brow + CAP + slot, ids, mask=inb == 1)
+        tl.store(okrow + o_slot, key.to(tl.int32, bitcast=True), mask=to_out)
+    to_bin = (inb == 1) & (exact == 0)
+    tl.store(brow + b_rank, key.to(tl.int32, bitcast=True), mask=to_bin)
+    tl.store(brow + CAP + b_rank, ids, mask=to_bin)
     tot = tl.sum(above + (inb << 16), 0)
     return above_base + (tot & 0xFFFF), bin_base + (tot >> 16)
 
@@ -229,20 +227,19 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
                                     4 * BIN_C)
     orow = o_ptr + t64 * stride_ot + sg * topk
     okrow = ko_ptr + t64 * stride_ot + sg * topk
-    if step < 16:  # the bin [thr, top] holds at most 4*BIN_C keys; the n_hi keys above it are all selected
-        top = _bin_top(thr, step)
-        brow = bin_ptr + (t64 * tl.num_programs(1) + sg) * (8 * BIN_C)
-        ab, bb = _split_bin(k0, i0, thr, top, 0, 0, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
-        ab, bb = _split_bin(k1, i1, thr, top, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
-        ab, bb = _split_bin(k2, i2, thr, top, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
-        ab, bb = _split_bin(k3, i3, thr, top, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+    # the bin [thr, top] holds at most 4*BIN_C keys, or one key value when all 32 bits are fixed (exact); the n_hi
+    # keys above it are all selected
+    exact = (step == 16).to(tl.int32)
+    low_bits = tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * tl.minimum(step, 15)).to(tl.uint32)
+    top = tl.where(exact == 1, thr, thr | low_bits)
+    quota = k_eff - n_hi
+    brow = bin_ptr + (t64 * tl.num_programs(1) + sg) * (8 * BIN_C)
+    ab, bb = _split_bin(k0, i0, thr, top, exact, n_hi, quota, 0, 0, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+    ab, bb = _split_bin(k1, i1, thr, top, exact, n_hi, quota, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+    ab, bb = _split_bin(k2, i2, thr, top, exact, n_hi, quota, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+    ab, bb = _split_bin(k3, i3, thr, top, exact, n_hi, quota, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+    if exact == 0:
         _select_in_bin(brow, bb, thr, step, k_eff, n_hi, orow, okrow, KEYS_OUT, BIN_C)
-    else:
-        quota = k_eff - n_hi  # all 32 bits fixed: n_hi keys lie above thr
-        base, eqb = _place(k0, i0, thr, 0, 0, quota, orow, okrow, KEYS_OUT)
-        base, eqb = _place(k1, i1, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
-        base, eqb = _place(k2, i2, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
-        base, eqb = _place(k3, i3, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
     _pad(orow, okrow, k_eff, topk, KEYS_OUT, C)
 
 
