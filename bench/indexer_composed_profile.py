@@ -7,7 +7,8 @@ replays each under ``torch.profiler`` and lists every kernel's device time per r
 (first kernel start to last kernel end) and the event-timed replay. Comparing the same kernel across graphs
 shows which one slows down when composed, and the span minus the summed kernels shows the gaps between
 kernels. Two more graphs run the top-k after 512 MB of unrelated reads or writes, to tell an L2 effect from
-an interaction with the logits kernel. Saves bench/results/indexer_composed_profile.*.
+an interaction with the logits kernel, and two read the 8 MB of scores once more right before the top-k (after
+the 512 MB read, and after the logits kernel), to tell whether it is the scores that left L2. Saves bench/results/indexer_composed_profile.*.
 
     python bench/indexer_composed_profile.py
 """
@@ -71,6 +72,11 @@ def main():
         # the top-k after 512 MB of other traffic, without the logits kernel: is the composed slowdown L2?
         "512 MB read, then topk": capture_graph(lambda: (big.max(), topk())),
         "512 MB write, then topk": capture_graph(lambda: (big.zero_(), topk())),
+        # the same two with the scores read once more just before the top-k (back in L2): data or not?
+        "512 MB read, scores re-read, then topk": capture_graph(lambda: (big.max(), logits.sum(), topk())),
+        "logits, scores re-read, then topk": capture_graph(
+            lambda: (indexer.indexer_logits_paged(q, w, kc, bt, req, pos, out=logits, validate=False), logits.sum(),
+                     topk())),
     }
     results = Results()
     for name, graph in graphs.items():
