@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import Results, time_graph_us  # noqa: E402
 from fxglm5.lowering.triton import topk  # noqa: E402
-from fxglm5.lowering.triton.topk import (_bin_chunk, _narrow, _segment_keys, _select_in_bin,  # noqa: E402
+from fxglm5.lowering.triton.topk import (_bin_chunk, _narrow, _segment_chunks, _select_in_bin,  # noqa: E402
                                          _split_bin)
 
 B, L, TOPK, SEG = 64, 32768, 2048, 16384
@@ -43,12 +43,8 @@ def _round_cut(x_ptr, stride_xt, pos_ptr, o_ptr, ko_ptr, stride_ot, bin_ptr, L, 
     t64 = t.to(tl.int64)
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
     row = x_ptr + t64 * stride_xt
-    j0 = sg * (4 * C)
-    k0, i0 = _segment_keys(row, row, row, j0, L, n_valid, False, C)
-    k1, i1 = _segment_keys(row, row, row, j0 + C, L, n_valid, False, C)
-    k2, i2 = _segment_keys(row, row, row, j0 + 2 * C, L, n_valid, False, C)
-    k3, i3 = _segment_keys(row, row, row, j0 + 3 * C, L, n_valid, False, C)
-    k_eff = tl.minimum(topk, tl.minimum(n_valid - j0, 4 * C))
+    k0, i0, k1, i1, k2, i2, k3, i3 = _segment_chunks(row, row, row, sg * (4 * C), L, n_valid, False, C)
+    k_eff = tl.minimum(topk, tl.minimum(n_valid - sg * (4 * C), 4 * C))
     orow = o_ptr + t64 * stride_ot + sg * topk
     okrow = ko_ptr + t64 * stride_ot + sg * topk
     if PHASE == 0:

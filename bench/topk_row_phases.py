@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import Results, time_graph_us  # noqa: E402
 from fxglm5.lowering.triton import indexer  # noqa: E402
-from fxglm5.lowering.triton.topk import _narrow, _place, _segment_keys  # noqa: E402
+from fxglm5.lowering.triton.topk import _narrow, _place, _segment_chunks  # noqa: E402
 
 B, L, TOPK = 64, 32768, 2048
 
@@ -40,10 +40,7 @@ def _row_topk_cut(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, C: tl.co
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
     k_eff = tl.minimum(topk, n_valid)
     row = x_ptr + t64 * stride_xt
-    k0, i0 = _segment_keys(row, row, row, 0, L, n_valid, False, C)
-    k1, i1 = _segment_keys(row, row, row, C, L, n_valid, False, C)
-    k2, i2 = _segment_keys(row, row, row, 2 * C, L, n_valid, False, C)
-    k3, i3 = _segment_keys(row, row, row, 3 * C, L, n_valid, False, C)
+    k0, i0, k1, i1, k2, i2, k3, i3 = _segment_chunks(row, row, row, 0, L, n_valid, False, C)
     orow = o_ptr + t64 * stride_ot
     if PHASE == 0:
         tl.store(orow, tl.max(tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3)), 0).to(tl.int32, bitcast=True))

@@ -64,6 +64,16 @@ def _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER: tl.cons
 
 
 @triton.jit
+def _segment_chunks(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER: tl.constexpr, C: tl.constexpr):
+    """A segment's entries ``j0 .. j0+4C-1`` as four register chunks: (keys, indices) x 4."""
+    k0, i0 = _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER, C)
+    k1, i1 = _segment_keys(x_row, ids_row, keys_row, j0 + C, n_list, n_valid, GATHER, C)
+    k2, i2 = _segment_keys(x_row, ids_row, keys_row, j0 + 2 * C, n_list, n_valid, GATHER, C)
+    k3, i3 = _segment_keys(x_row, ids_row, keys_row, j0 + 3 * C, n_list, n_valid, GATHER, C)
+    return k0, i0, k1, i1, k2, i2, k3, i3
+
+
+@triton.jit
 def _place(key, ids, thr, gt_base, eq_base, eq_quota, orow, okrow, KEYS_OUT: tl.constexpr):
     """Write the chunk's selected row indices (and, with KEYS_OUT, their keys): keys above ``thr``, and keys
     equal to it while the quota of ties lasts (first in list order), in list order. One prefix sum carries both
@@ -216,11 +226,8 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
     x_row = x_ptr + t64 * stride_xt
     ids_row = ids_ptr + t64 * stride_it
     keys_row = kin_ptr + t64 * stride_it
-    j0 = sg * (4 * C)
-    k0, i0 = _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER, C)
-    k1, i1 = _segment_keys(x_row, ids_row, keys_row, j0 + C, n_list, n_valid, GATHER, C)
-    k2, i2 = _segment_keys(x_row, ids_row, keys_row, j0 + 2 * C, n_list, n_valid, GATHER, C)
-    k3, i3 = _segment_keys(x_row, ids_row, keys_row, j0 + 3 * C, n_list, n_valid, GATHER, C)
+    k0, i0, k1, i1, k2, i2, k3, i3 = _segment_chunks(x_row, ids_row, keys_row, sg * (4 * C), n_list, n_valid, GATHER,
+                                                     C)
     k_eff = tl.minimum(topk, tl.sum(_count_ge(k0, k1, k2, k3, tl.full([], 1, tl.uint32)), 0))
     zero = tl.zeros([], tl.int32)
     thr, n_lo, n_hi, step = _narrow(k0, k1, k2, k3, k_eff, tl.zeros([], tl.uint32), zero + 4 * C, zero, zero,
