@@ -8,7 +8,8 @@ replays each under ``torch.profiler`` and lists every kernel's device time per r
 shows which one slows down when composed, and the span minus the summed kernels shows the gaps between
 kernels. Two more graphs run the top-k after 512 MB of unrelated reads or writes, to tell an L2 effect from
 an interaction with the logits kernel, and two read the 8 MB of scores once more right before the top-k (after
-the 512 MB read, and after the logits kernel), to tell whether it is the scores that left L2. Saves bench/results/indexer_composed_profile.*.
+the 512 MB read, and after the logits kernel), to tell whether it is the scores that left L2. Saves
+bench/results/indexer_composed_profile.*.
 
     python bench/indexer_composed_profile.py
 """

@@ -210,8 +210,8 @@ def test_radix_topk_long_rows(method, L):
 @pytest.mark.parametrize("method", ["segments", "multi"])
 def test_topk_exact_indices_at_glm5_shape(method):
     """64 rows x 32768 at top-2048, half of them with 100 distinct values (ties at every threshold): the exact
-    index sets, lowest indices first among ties (a stable descending sort), through the bin split and the
-    all-tied full search alike."""
+    index sets, lowest indices first among ties (a stable descending sort), through the bin's fine steps and
+    through an all-tied bin written by the split pass alike."""
     from fxglm5.lowering.triton import indexer
 
     T, L = 64, 32768

@@ -104,25 +104,6 @@ def _add3(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _step_bounds(thr, step):
-    """The three candidate lower ends of a step's sub-bins: thr with the step's two bits set to 01, 10, 11."""
-    bit = tl.full([], 1, tl.uint32) << (30 - 2 * step).to(tl.uint32)
-    return thr | bit, thr | (bit << 1), thr | (bit * 3)
-
-
-@triton.jit
-def _pick(thr, n_lo, n_hi, c1, c2, c3, n1, n2, n3, k_eff):
-    """The highest sub-bin whose lower end still has k_eff keys at or above it -> (thr, n_lo, n_hi)."""
-    p3 = n3 >= k_eff
-    p2 = n2 >= k_eff
-    p1 = n1 >= k_eff
-    thr_new = tl.where(p3, c3, tl.where(p2, c2, tl.where(p1, c1, thr)))
-    n_hi_new = tl.where(p3, n_hi, tl.where(p2, n3, tl.where(p1, n2, n1)))
-    n_lo_new = tl.where(p3, n3, tl.where(p2, n2, tl.where(p1, n1, n_lo)))
-    return thr_new, n_lo_new, n_hi_new
-
-
-@triton.jit
 def _narrow(k0, k1, k2, k3, k_eff, thr, n_lo, n_hi, step, cap):
     """Narrow the bin ``[thr, thr | (2^(32 - 2 step) - 1)]`` that holds the k_eff-th largest of the four chunks'
     keys two bits per step, until it holds at most ``cap`` keys or all 32 bits are fixed. ``n_lo`` / ``n_hi``:
@@ -132,10 +113,19 @@ def _narrow(k0, k1, k2, k3, k_eff, thr, n_lo, n_hi, step, cap):
     40-70 % slower whenever that code had left L2 (bench/results/indexer_composed_profile.md).
     Returns ``(thr, n_lo, n_hi, step)``."""
     while (step < 16) & (n_lo - n_hi > cap):
-        c1, c2, c3 = _step_bounds(thr, step)
+        bit = tl.full([], 1, tl.uint32) << (30 - 2 * step).to(tl.uint32)
+        c1 = thr | bit  # the lower ends of the sub-bins 01, 10, 11
+        c2 = thr | (bit << 1)
+        c3 = thr | (bit * 3)
         n1, n2, n3 = tl.reduce((_count_ge(k0, k1, k2, k3, c1), _count_ge(k0, k1, k2, k3, c2),
                                 _count_ge(k0, k1, k2, k3, c3)), 0, _add3)
-        thr, n_lo, n_hi = _pick(thr, n_lo, n_hi, c1, c2, c3, n1, n2, n3, k_eff)
+        # the highest sub-bin whose lower end still has k_eff keys at or above it
+        p3 = n3 >= k_eff
+        p2 = n2 >= k_eff
+        p1 = n1 >= k_eff
+        thr = tl.where(p3, c3, tl.where(p2, c2, tl.where(p1, c1, thr)))
+        n_hi = tl.where(p3, n_hi, tl.where(p2, n3, tl.where(p1, n2, n1)))
+        n_lo = tl.where(p3, n3, tl.where(p2, n2, tl.where(p1, n1, n_lo)))
         step += 1
     return thr, n_lo, n_hi, step
 
@@ -218,7 +208,8 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
     bits are resolved over those few. That cuts the per-key counting (what bounds the kernel:
     bench/results/topk_round_phases.md) from 16 steps to the few coarse ones. Output order: the keys above the
     bin in list order, then the bin's selected keys in list order (ties: the first in list order win). A bin
-    that never gets small (all keys tied) is resolved in registers and placed in list order."""
+    that never gets small (all bits fixed: massive ties) needs no fine steps: the split pass writes its first
+    ties straight to the output."""
     t = tl.program_id(0)
     sg = tl.program_id(1)
     t64 = t.to(tl.int64)
