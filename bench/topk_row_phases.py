@@ -1,14 +1,14 @@
 """Where the top-k's time goes (H200, 64 rows x 32768 logits, top-2048), and what the tournament buys.
 
-``fxglm5/lowering/triton/indexer.py``'s segment kernel does three things per segment: load it into registers
-as order-preserving keys, search the k-th largest key two bits at a time (CTA-wide reductions), and place
-the selection with one packed prefix sum per chunk. The cut kernel runs the full 16-step search over every key
-(the package kernel since session 5 stops once the bin is small and finishes over the bin's keys). With one segment per row (``chunk=32768``, the row kernel
-of earlier sessions) this script times the kernel cut after each phase (each cut writes something that depends
-on the work before it, so nothing is dead code). Then the package's top-k per segment length: 32768 is one
-round of 64 CTAs; 16384 (the default) is a round of 128 CTAs that keeps 2 x 2048 candidates per row, then a
-round of 64 CTAs over those; 8192 and 4096 cut finer. Every package row is checked exact against ``torch.topk``.
-Saves bench/results/topk_row_phases.*.
+``fxglm5/lowering/triton/topk.py``'s segment kernel loads a segment into registers as order-preserving keys,
+searches the k-th largest key two bits at a time (CTA-wide reductions) and places the selection with one
+packed prefix sum per chunk. The cut kernel here runs the full 16-step search over every key (since session 5
+the package kernel stops once the bin is small and finishes over the bin's keys: bench/topk_round_phases.py).
+With one segment per row (``chunk=32768``, the row kernel of earlier sessions) this script times the kernel cut
+after each phase (each cut writes something that depends on the work before it, so nothing is dead code). Then
+the package's top-k per segment length: 32768 is one round of 64 CTAs; 16384 (the default) is a round of 128
+CTAs that keeps 2 x 2048 candidates per row, then a round of 64 CTAs over those; 8192 and 4096 cut finer. Every
+package row is checked exact against ``torch.topk``. Saves bench/results/topk_row_phases.*.
 
     python bench/topk_row_phases.py
 """
