@@ -61,8 +61,8 @@ def main():
     top = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
     big = torch.zeros(2**29, dtype=torch.uint8, device="cuda")  # 512 MB: several times L2
 
-    def topk(method=None):
-        indexer.topk_from_logits(logits, pos, TOPK, out=top, method=method, validate=False)
+    def topk():
+        indexer.topk_from_logits(logits, pos, TOPK, out=top, validate=False)
 
     graphs = {
         "logits": capture_graph(lambda: indexer.indexer_logits_paged(q, w, kc, bt, req, pos, out=logits,
@@ -78,11 +78,6 @@ def main():
         "logits, scores re-read, then topk": capture_graph(
             lambda: (indexer.indexer_logits_paged(q, w, kc, bt, req, pos, out=logits, validate=False), logits.sum(),
                      topk())),
-        # the bins method (segment histograms, one split pass, a per-row resolve) alone and composed
-        "topk [bins]": capture_graph(lambda: topk("bins")),
-        "composed [bins]": capture_graph(lambda: indexer.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK,
-                                                                            validate=False, logits_buf=logits,
-                                                                            out=top, method="bins")),
     }
     results = Results()
     for name, graph in graphs.items():

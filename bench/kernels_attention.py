@@ -325,7 +325,7 @@ def bench_indexer(results):
              torch_us=_time_torch(torch_logits) if B * ctx <= 2**21 else None,
              note=f"cfg={indexer.tuned_config()}")
         default = "segments" if L <= indexer.SEGMENT_MAX else "multi"
-        for method in ("segments", "multi", "bins"):  # the top-k methods side by side; the note marks the default
+        for method in ("segments", "multi"):  # both top-k methods side by side; the note marks the default
             us_t = time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, method=method))
             _row(results, "radix_topk", f"B={B} L={L} topk={TOPK}", us_t,
                  torch_us=_time_torch(lambda: torch.topk(logits, TOPK, dim=1)) if method == default else None,
@@ -333,12 +333,7 @@ def bench_indexer(results):
         us_a = time_graph_us(run_all, calls_per_graph=ncalls)
         _row(results, "indexer_topk (logits+topk)", shape, us_a, bytes_=kbytes,
              torch_us=_time_torch(lambda: (run_logits(), torch.topk(logits, TOPK, dim=1))),
-             note=f"{default} (default); bytes = FP8 keys read; torch_us = our logits + torch.topk")
-        for method in [m for m in ("segments", "bins") if m != default] if L <= indexer.SEGMENT_MAX else ():
-            us_m = time_graph_us(lambda: indexer.indexer_topk_paged(q, w, kc, bt, nxt(), pos, TOPK, validate=False,
-                                                                    logits_buf=logits, out=top, method=method),
-                                 calls_per_graph=ncalls)
-            _row(results, "indexer_topk (logits+topk)", shape, us_m, bytes_=kbytes, note=method)
+             note="bytes = FP8 keys read; torch_us = our logits + torch.topk")
 
 
 def bench_cache_write(results):

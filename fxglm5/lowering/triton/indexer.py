@@ -217,12 +217,10 @@ def tma_tiles_fit(block_size: int, block_n: int) -> bool:
 
 
 def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk: int, *, validate: bool = True,
-                       logits_buf: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                       method: str | None = None):
-    """DSA lightning indexer -> int32 [T, topk] positions (any order), -1 padded; ``method`` picks the top-k's
-    (``topk_from_logits``)."""
+                       logits_buf: torch.Tensor | None = None, out: torch.Tensor | None = None):
+    """DSA lightning indexer -> int32 [T, topk] positions (any order), -1 padded."""
     if validate:
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk)
     logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
                                   validate=False)
-    return topk_from_logits(logits, positions, topk, out=out, method=method, validate=False)
+    return topk_from_logits(logits, positions, topk, out=out, validate=False)

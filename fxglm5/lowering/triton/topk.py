@@ -104,28 +104,6 @@ def _add3(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _pick_subbin(thr, n_lo, n_hi, step, k_eff, n1, n2, n3):
-    """One narrowing step's choice: of the sub-bins 00, 01, 10, 11 of ``[thr, thr | (2^(32 - 2 step) - 1)]``, the
-    highest whose lower end still has k_eff keys at or above it; ``n1..n3`` count the keys at or above the lower
-    ends of 01, 10, 11. Returns ``(thr, n_lo, n_hi, step + 1)``."""
-    bit = tl.full([], 1, tl.uint32) << (30 - 2 * step).to(tl.uint32)
-    p3 = n3 >= k_eff
-    p2 = n2 >= k_eff
-    p1 = n1 >= k_eff
-    new_thr = tl.where(p3, thr | (bit * 3), tl.where(p2, thr | (bit << 1), tl.where(p1, thr | bit, thr)))
-    new_hi = tl.where(p3, n_hi, tl.where(p2, n3, tl.where(p1, n2, n1)))
-    new_lo = tl.where(p3, n3, tl.where(p2, n2, tl.where(p1, n1, n_lo)))
-    return new_thr, new_lo, new_hi, step + 1
-
-
-@triton.jit
-def _subbin_ends(thr, step):
-    """The lower ends of the sub-bins 01, 10, 11 of the bin ``[thr, ..]`` after ``step`` steps."""
-    bit = tl.full([], 1, tl.uint32) << (30 - 2 * step).to(tl.uint32)
-    return thr | bit, thr | (bit << 1), thr | (bit * 3)
-
-
-@triton.jit
 def _narrow(k0, k1, k2, k3, k_eff, thr, n_lo, n_hi, step, cap):
     """Narrow the bin ``[thr, thr | (2^(32 - 2 step) - 1)]`` that holds the k_eff-th largest of the four chunks'
     keys two bits per step, until it holds at most ``cap`` keys or all 32 bits are fixed. ``n_lo`` / ``n_hi``:
@@ -135,22 +113,31 @@ def _narrow(k0, k1, k2, k3, k_eff, thr, n_lo, n_hi, step, cap):
     40-70 % slower whenever that code had left L2 (bench/results/indexer_composed_profile.md).
     Returns ``(thr, n_lo, n_hi, step)``."""
     while (step < 16) & (n_lo - n_hi > cap):
-        c1, c2, c3 = _subbin_ends(thr, step)
+        bit = tl.full([], 1, tl.uint32) << (30 - 2 * step).to(tl.uint32)
+        c1 = thr | bit  # the lower ends of the sub-bins 01, 10, 11
+        c2 = thr | (bit << 1)
+        c3 = thr | (bit * 3)
         n1, n2, n3 = tl.reduce((_count_ge(k0, k1, k2, k3, c1), _count_ge(k0, k1, k2, k3, c2),
                                 _count_ge(k0, k1, k2, k3, c3)), 0, _add3)
-        thr, n_lo, n_hi, step = _pick_subbin(thr, n_lo, n_hi, step, k_eff, n1, n2, n3)
+        # the highest sub-bin whose lower end still has k_eff keys at or above it
+        p3 = n3 >= k_eff
+        p2 = n2 >= k_eff
+        p1 = n1 >= k_eff
+        thr = tl.where(p3, c3, tl.where(p2, c2, tl.where(p1, c1, thr)))
+        n_hi = tl.where(p3, n_hi, tl.where(p2, n3, tl.where(p1, n2, n1)))
+        n_lo = tl.where(p3, n3, tl.where(p2, n2, tl.where(p1, n1, n_lo)))
+        step += 1
     return thr, n_lo, n_hi, step
 
 
 @triton.jit
-def _split_bin(key, ids, thr, top, exact, n_hi, quota, above_base, bin_base, orow, okrow, brow, ids_off,
-               KEYS_OUT: tl.constexpr):
+def _split_bin(key, ids, thr, top, exact, n_hi, quota, above_base, bin_base, orow, okrow, brow,
+               KEYS_OUT: tl.constexpr, CAP: tl.constexpr):
     """One chunk of the split pass, in list order at running offsets (one prefix sum, above in the low 16 bits).
     Keys above the bin's upper end ``top`` go to the output (selected whatever the exact threshold). Keys inside
-    ``[thr, top]`` go to the bin scratch (keys, and their indices ``ids_off`` entries further); or, when the bin
-    needs no resolving (``exact`` = 1: all bits fixed, e.g. massive ties, or every key of the bin selected), the
-    first ``quota`` of them go straight to the output after the ``n_hi`` keys above. Returns the running
-    offsets."""
+    ``[thr, top]`` go to the bin scratch (CAP keys, then CAP indices); or, once the bin is a single key value
+    (``exact`` = 1, all bits fixed, e.g. massive ties), the first ``quota`` of them go straight to the output
+    after the ``n_hi`` keys above. Returns the running offsets."""
     above = (key > top).to(tl.int32)
     inb = ((key >= thr) & (key <= top)).to(tl.int32)
     cs = tl.cumsum(above + (inb << 16), 0)
@@ -162,32 +149,31 @@ def _split_bin(key, ids, thr, top, exact, n_hi, quota, above_base, bin_base, oro
         tl.store(okrow + o_slot, key.to(tl.int32, bitcast=True), mask=to_out)
     to_bin = (inb == 1) & (exact == 0)
     tl.store(brow + b_rank, key.to(tl.int32, bitcast=True), mask=to_bin)
-    tl.store(brow + ids_off + b_rank, ids, mask=to_bin)
+    tl.store(brow + CAP + b_rank, ids, mask=to_bin)
     tot = tl.sum(above + (inb << 16), 0)
     return above_base + (tot & 0xFFFF), bin_base + (tot >> 16)
 
 
 @triton.jit
-def _bin_chunk(brow, ids_off, c, n_bin, BIN_C: tl.constexpr):
-    """Chunk ``c`` of the bin scratch (keys, their indices ``ids_off`` further): (keys, indices), key 0 past the
-    ``n_bin`` entries."""
+def _bin_chunk(brow, c, n_bin, BIN_C: tl.constexpr, CHUNK: tl.constexpr):
+    """Chunk ``c`` of the bin scratch: (keys, indices), key 0 past the ``n_bin`` entries."""
     j = c * BIN_C + tl.arange(0, BIN_C)
     m = j < n_bin
     key = tl.load(brow + j, mask=m, other=0).to(tl.uint32, bitcast=True)
-    return key, tl.load(brow + ids_off + j, mask=m, other=-1)
+    return key, tl.load(brow + CHUNK + j, mask=m, other=-1)
 
 
 @triton.jit
-def _select_in_bin(brow, ids_off, n_bin, thr, step, k_eff, n_above, orow, okrow, KEYS_OUT: tl.constexpr,
+def _select_in_bin(brow, n_bin, thr, step, k_eff, n_above, orow, okrow, KEYS_OUT: tl.constexpr,
                    BIN_C: tl.constexpr):
     """After the split pass: resolve the remaining bits over the bin scratch's ``n_bin`` keys and write the
     bin's selected indices (keys above the exact threshold, then ties in list order) after the ``n_above``
     already written."""
     tl.debug_barrier()  # the bin scratch was written by other threads of this CTA
-    b0, i0 = _bin_chunk(brow, ids_off, 0, n_bin, BIN_C)
-    b1, i1 = _bin_chunk(brow, ids_off, 1, n_bin, BIN_C)
-    b2, i2 = _bin_chunk(brow, ids_off, 2, n_bin, BIN_C)
-    b3, i3 = _bin_chunk(brow, ids_off, 3, n_bin, BIN_C)
+    b0, i0 = _bin_chunk(brow, 0, n_bin, BIN_C, 4 * BIN_C)
+    b1, i1 = _bin_chunk(brow, 1, n_bin, BIN_C, 4 * BIN_C)
+    b2, i2 = _bin_chunk(brow, 2, n_bin, BIN_C, 4 * BIN_C)
+    b3, i3 = _bin_chunk(brow, 3, n_bin, BIN_C, 4 * BIN_C)
     k_rem = k_eff - n_above
     thr, n_lo, n_gt, step = _narrow(b0, b1, b2, b3, k_rem, thr, n_bin, tl.zeros([], tl.int32), step, 0)
     quota = k_rem - n_gt
@@ -246,138 +232,13 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
     top = tl.where(exact == 1, thr, thr | low_bits)
     quota = k_eff - n_hi
     brow = bin_ptr + (t64 * tl.num_programs(1) + sg) * (8 * BIN_C)
-    ab, bb = _split_bin(k0, i0, thr, top, exact, n_hi, quota, 0, 0, orow, okrow, brow, 4 * BIN_C, KEYS_OUT)
-    ab, bb = _split_bin(k1, i1, thr, top, exact, n_hi, quota, ab, bb, orow, okrow, brow, 4 * BIN_C, KEYS_OUT)
-    ab, bb = _split_bin(k2, i2, thr, top, exact, n_hi, quota, ab, bb, orow, okrow, brow, 4 * BIN_C, KEYS_OUT)
-    ab, bb = _split_bin(k3, i3, thr, top, exact, n_hi, quota, ab, bb, orow, okrow, brow, 4 * BIN_C, KEYS_OUT)
+    ab, bb = _split_bin(k0, i0, thr, top, exact, n_hi, quota, 0, 0, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+    ab, bb = _split_bin(k1, i1, thr, top, exact, n_hi, quota, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+    ab, bb = _split_bin(k2, i2, thr, top, exact, n_hi, quota, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
+    ab, bb = _split_bin(k3, i3, thr, top, exact, n_hi, quota, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
     if exact == 0:
-        _select_in_bin(brow, 4 * BIN_C, bb, thr, step, k_eff, n_hi, orow, okrow, KEYS_OUT, BIN_C)
+        _select_in_bin(brow, bb, thr, step, k_eff, n_hi, orow, okrow, KEYS_OUT, BIN_C)
     _pad(orow, okrow, k_eff, topk, KEYS_OUT, C)
-
-
-@triton.jit
-def _bins_hist_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, L, NSEG, SEG: tl.constexpr, CH: tl.constexpr,
-                      BITS: tl.constexpr):
-    """One CTA per (row, SEG-long segment): the segment's histogram over the keys' top BITS bits (10: sign,
-    exponent, one mantissa bit: half-octave bins), stored whole (no atomics, no zeroing)."""
-    NB: tl.constexpr = 1 << BITS
-    t = tl.program_id(0)
-    sg = tl.program_id(1)
-    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
-    x_row = x_ptr + t.to(tl.int64) * stride_xt
-    h = tl.zeros([NB], tl.int32)
-    for c in tl.static_range(SEG // CH):
-        key, _ = _segment_keys(x_row, x_row, x_row, sg * SEG + c * CH, L, n_valid, False, CH)
-        h += tl.histogram((key >> (32 - BITS)).to(tl.int32), NB, mask=key > 0)
-    tl.store(hist_ptr + (t * NSEG + sg) * NB + tl.arange(0, NB), h)
-
-
-@triton.jit
-def _bins_plan(hist_ptr, t, sg, NSEG, k_eff, NSEG_PAD: tl.constexpr, NB: tl.constexpr):
-    """From the row's segment histograms: the bin ``b`` holding its k_eff-th largest key, the row's keys above
-    that bin and inside it, and this segment's offsets (the keys above / inside the bin in earlier segments)."""
-    s = tl.arange(0, NSEG_PAD)
-    b = tl.arange(0, NB)
-    h = tl.load(hist_ptr + (t * NSEG + s[:, None]) * NB + b[None, :], mask=(s < NSEG)[:, None], other=0)
-    row = tl.sum(h, 0)
-    b_k = tl.max(tl.where(tl.cumsum(row, 0, reverse=True) >= k_eff, b, 0), 0)
-    above = (b > b_k)[None, :]
-    inside = (b == b_k)[None, :]
-    before = (s < sg)[:, None]
-    n_above = tl.sum(tl.sum(tl.where(above, h, 0), 1), 0)
-    n_bin = tl.sum(tl.sum(tl.where(inside, h, 0), 1), 0)
-    above_base = tl.sum(tl.sum(tl.where(above & before, h, 0), 1), 0)
-    bin_base = tl.sum(tl.sum(tl.where(inside & before, h, 0), 1), 0)
-    return b_k, n_above, n_bin, above_base, bin_base
-
-
-@triton.jit
-def _bins_split_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, plan_ptr, o_ptr, stride_ot, cand_ptr, stride_ct, L,
-                       topk, NSEG, SEG: tl.constexpr, CH: tl.constexpr, BITS: tl.constexpr, NSEG_PAD: tl.constexpr):
-    """One CTA per (row, segment), after every segment's histogram: keys above the row's k-th bin go to the
-    output at their segment's offset (list order), keys inside it to the row's candidate scratch (keys, then
-    indices) at theirs; when the whole bin is selected it goes straight to the output instead. CTA 0 of a row
-    leaves (bin, keys above, keys inside) for the resolve kernel."""
-    t = tl.program_id(0)
-    sg = tl.program_id(1)
-    t64 = t.to(tl.int64)
-    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
-    k_eff = tl.minimum(topk, n_valid)
-    b_k, n_above, n_bin, ab, bb = _bins_plan(hist_ptr, t, sg, NSEG, k_eff, NSEG_PAD, 1 << BITS)
-    if sg == 0:
-        tl.store(plan_ptr + t * 4 + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, b_k,
-                                                               tl.where(tl.arange(0, 4) == 1, n_above, n_bin)))
-    shift: tl.constexpr = 32 - BITS
-    thr = b_k.to(tl.uint32) << shift
-    top = thr | ((tl.full([], 1, tl.uint32) << shift) - 1)
-    quota = k_eff - n_above
-    direct = (n_bin == quota).to(tl.int32)
-    x_row = x_ptr + t64 * stride_xt
-    orow = o_ptr + t64 * stride_ot
-    crow = cand_ptr + t64 * stride_ct
-    for c in tl.static_range(SEG // CH):
-        key, ids = _segment_keys(x_row, x_row, x_row, sg * SEG + c * CH, L, n_valid, False, CH)
-        ab, bb = _split_bin(key, ids, thr, top, direct, n_above, quota, ab, bb, orow, orow, crow, stride_ct // 2,
-                            False)
-
-
-@triton.jit
-def _bins_resolve_kernel(plan_ptr, cand_ptr, stride_ct, o_ptr, stride_ot, pos_ptr, L, topk, BITS: tl.constexpr,
-                         BIN_C: tl.constexpr, CH: tl.constexpr):
-    """One CTA per row: the bin's selection from the candidate scratch (when the split pass did not write it),
-    then -1 in the slots past k_eff. Up to 4*BIN_C candidates narrow in registers; more (a bin of massive ties)
-    stream through chunk loops, exact and slower."""
-    t = tl.program_id(0)
-    t64 = t.to(tl.int64)
-    n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
-    k_eff = tl.minimum(topk, n_valid)
-    b_k = tl.load(plan_ptr + t * 4)
-    n_above = tl.load(plan_ptr + t * 4 + 1)
-    n_bin = tl.load(plan_ptr + t * 4 + 2)
-    orow = o_ptr + t64 * stride_ot
-    crow = cand_ptr + t64 * stride_ct
-    thr = b_k.to(tl.uint32) << (32 - BITS)
-    step = tl.zeros([], tl.int32) + BITS // 2  # the 2-bit steps the histogram bin fixed
-    if n_bin > k_eff - n_above:
-        if n_bin <= 4 * BIN_C:
-            _select_in_bin(crow, stride_ct // 2, n_bin, thr, step, k_eff, n_above, orow, orow, False, BIN_C)
-        else:
-            _select_in_bin_streamed(crow, stride_ct // 2, n_bin, thr, step, k_eff, n_above, orow, CH)
-    _pad(orow, orow, k_eff, topk, False, CH)
-
-
-@triton.jit
-def _count3_streamed(crow, n_bin, c1, c2, c3, CH: tl.constexpr):
-    """Keys of the candidate scratch at or above c1, c2, c3, read chunk by chunk."""
-    n1 = tl.zeros([], tl.int32)
-    n2 = tl.zeros([], tl.int32)
-    n3 = tl.zeros([], tl.int32)
-    for c0 in range(0, n_bin, CH):
-        j = c0 + tl.arange(0, CH)
-        key = tl.load(crow + j, mask=j < n_bin, other=0).to(tl.uint32, bitcast=True)
-        n1 += tl.sum((key >= c1).to(tl.int32), 0)
-        n2 += tl.sum((key >= c2).to(tl.int32), 0)
-        n3 += tl.sum((key >= c3).to(tl.int32), 0)
-    return n1, n2, n3
-
-
-@triton.jit
-def _select_in_bin_streamed(crow, ids_off, n_bin, thr, step, k_eff, n_above, orow, CH: tl.constexpr):
-    """``_select_in_bin`` for a bin too big for registers: every narrowing step and the placement read the
-    candidates chunk by chunk."""
-    k_rem = k_eff - n_above
-    n_lo = n_bin
-    n_hi = tl.zeros([], tl.int32)
-    while step < 16:
-        c1, c2, c3 = _subbin_ends(thr, step)
-        n1, n2, n3 = _count3_streamed(crow, n_bin, c1, c2, c3, CH)
-        thr, n_lo, n_hi, step = _pick_subbin(thr, n_lo, n_hi, step, k_rem, n1, n2, n3)
-    quota = k_rem - n_hi
-    base = n_above
-    eqb = tl.zeros([], tl.int32)
-    for c0 in range(0, n_bin, CH):
-        key, ids = _bin_chunk(crow + c0, ids_off, 0, n_bin - c0, CH)
-        base, eqb = _place(key, ids, thr, base, eqb, quota, orow, orow, False)
 
 
 @triton.jit
@@ -511,33 +372,6 @@ def _launch_segments(x, cand, pos, out, out_keys, n_list, topk, seg, num_warps, 
         num_warps=nw)
 
 
-HIST_BITS = 10  # the bins method's histogram: the keys' top 10 bits (sign, exponent, one mantissa bit)
-BINS_NSEG_MAX = 16  # segments per row: the split kernel holds [NSEG, 2^HIST_BITS] counts in registers
-
-
-def _bins(x, pos, topk, out, seg, num_warps, interp):
-    """The bins method's three launches (see ``topk_from_logits``). Workspace: the segment histograms
-    [T, NSEG, 1024], a per-row plan and a candidate scratch of a row's length (keys, then indices): the bin of
-    the k-th key can hold the whole row (ties)."""
-    T, L = x.shape
-    seg = max(seg, triton.next_power_of_2(triton.cdiv(L, BINS_NSEG_MAX)))
-    ch = min(seg, 64 if interp else 4096)
-    nseg = triton.cdiv(L, seg)
-    nw = num_warps or (4 if interp else 8)
-    bin_c = 16 if interp else 32 * nw * 4  # 4*bin_c candidates in registers (4096 on the GPU)
-    hist = torch.empty(T, nseg, 1 << HIST_BITS, dtype=torch.int32, device=x.device)
-    plan = torch.empty(T, 4, dtype=torch.int32, device=x.device)
-    cand = torch.empty(T, 2 * nseg * seg, dtype=torch.int32, device=x.device)
-    grid = (T, nseg)
-    _bins_hist_kernel[grid](x, x.stride(0), pos, hist, L, nseg, SEG=seg, CH=ch, BITS=HIST_BITS, num_warps=nw)
-    _bins_split_kernel[grid](x, x.stride(0), pos, hist, plan, out, out.stride(0), cand, cand.stride(0), L, topk,
-                             nseg, SEG=seg, CH=ch, BITS=HIST_BITS, NSEG_PAD=max(2, triton.next_power_of_2(nseg)),
-                             num_warps=nw)
-    _bins_resolve_kernel[(T,)](plan, cand, cand.stride(0), out, out.stride(0), pos, L, topk, BITS=HIST_BITS,
-                               BIN_C=bin_c, CH=ch, num_warps=nw)
-    return out
-
-
 def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
                      method: str | None = None, workspace: dict | None = None, num_warps: int | None = None,
                      validate: bool = True):
@@ -568,11 +402,9 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     if T == 0:
         return out
     method = method or ("segments" if L <= SEGMENT_MAX else "multi")
-    if method not in ("segments", "multi", "bins"):
-        raise InputError(f"topk_from_logits: method {method!r} (expected 'segments', 'multi' or 'bins')")
+    if method not in ("segments", "multi"):
+        raise InputError(f"topk_from_logits: method {method!r} (expected 'segments' or 'multi')")
     interp = _INTERPRET or logits.device.type != "cuda"
-    if method == "bins":
-        return _bins(logits, positions, topk, out, chunk or (64 if interp else 4096), num_warps, interp)
     if method == "segments":
         return _tournament(logits, positions, topk, out, _segment_length(topk, chunk, interp), num_warps, interp)
     seg = chunk or (64 if interp else 4096)
