@@ -8,7 +8,9 @@ one prefix sum per chunk, resolves the remaining bits over the bin (the fine ste
 selection. A copy of the kernel cut after each phase (each cut stores something that depends on the work before
 it) gives the phase costs; then the package kernel at other widths and bin sizes, and round 2 (64 CTAs over 4096
 candidates) at three widths. Inputs stay in L2 between the 20 calls captured per graph, as the scores do right
-after the logits kernel. Every package variant is checked exact. Saves bench/results/topk_round_phases.*.
+after the logits kernel. Every package variant is checked exact. A second table times each cut, and the package
+kernel at four widths, as the only top-k kernel after other work (nothing, a sleep kernel, 512 MB of reads), as
+it runs in a model after the logits kernel. Saves bench/results/topk_round_phases.*.
 
     python bench/topk_round_phases.py
 """
@@ -24,7 +26,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import Results, time_graph_us  # noqa: E402
+from bench.harness import Results, capture_graph, time_graph_us  # noqa: E402
+from bench.indexer_composed_profile import _profile  # noqa: E402
 from fxglm5.lowering.triton import topk  # noqa: E402
 from fxglm5.lowering.triton.topk import (_bin_chunk, _narrow, _segment_chunks, _select_in_bin,  # noqa: E402
                                          _split_bin)
@@ -87,6 +90,47 @@ def _exact_round1(x, kept):
     return True
 
 
+def _phases_after_other_traffic(results, x, pos, kept, C):
+    """The same cuts, each the only top-k kernel after 512 MB of unrelated reads (the whole round then runs
+    ~9 us slower, as it does after the logits kernel: bench/results/indexer_composed_profile.md), timed by the
+    profiler: which phase slows down? Three more preludes test three causes. A sleep kernel: is it any kernel
+    before (clocks, launch state) rather than the traffic? The load cut run first (same grid,
+    so each segment is read again by the same CTA index, on the same SM as far as the scheduler repeats
+    itself) brings the scores back where the cut finds them when it repeats itself; zeroing the output and bin
+    buffers brings the lines it writes back into L2."""
+    big = torch.zeros(2**29, dtype=torch.uint8, device="cuda")
+    bins = torch.empty(B, 2, 8 * 512, dtype=torch.int32, device="cuda")
+
+    def cut(phase):
+        _round_cut[(B, L // SEG)](x, x.stride(0), pos, kept[0], kept[1], kept.stride(1), bins, L, TOPK, C=C,
+                                  BIN_C=512, PHASE=phase, num_warps=16)
+
+    preludes = {"nothing": lambda: None,
+                "a 250 us sleep kernel (no memory traffic)": lambda: torch.cuda._sleep(500_000),
+                "512 MB read": lambda: big.max(),
+                "512 MB read, load cut": lambda: (big.max(), cut(0)),
+                "512 MB read, outputs zeroed": lambda: (big.max(), kept.zero_(), bins.zero_())}
+    for phase, name in enumerate(PHASES):
+        for pre_name, pre in preludes.items():
+            kern, _ = _profile(capture_graph(lambda: (pre(), cut(phase))))
+            us = kern[max(kern)]  # the last kernel of the replay: the cut
+            results.add(kernel=f"round 1 cut: {name}, after {pre_name}", num_warps=16, bin_c=512, us=round(us, 1),
+                        exact="")
+    # the package kernel at several widths, the same way
+    for nw, bin_c in ((8, 256), (16, 256), (16, 512), (4, 128)):
+        pbins = torch.empty(B, 2, 8 * bin_c, dtype=torch.int32, device="cuda")
+
+        def run():
+            topk._segment_topk_kernel[(B, L // SEG)](x, x.stride(0), kept[0], kept[1], kept.stride(1), pos, kept[0],
+                                                     kept[1], kept.stride(1), pbins, L, L, TOPK, C=C, GATHER=False,
+                                                     KEYS_OUT=True, BIN_C=bin_c, num_warps=nw)
+
+        for pre_name in ("nothing", "512 MB read", "512 MB read, load cut"):
+            kern, _ = _profile(capture_graph(lambda: (preludes[pre_name](), run())))
+            results.add(kernel=f"round 1 package kernel, after {pre_name}", num_warps=nw, bin_c=bin_c,
+                        us=round(kern[max(kern)], 1), exact="")
+
+
 def main():
     torch.manual_seed(0)
     x = torch.randn(B, L, device="cuda")
@@ -100,6 +144,7 @@ def main():
                                                              bins, L, TOPK, C=C, BIN_C=512, PHASE=phase,
                                                              num_warps=16), calls_per_graph=20)
         results.add(kernel=f"round 1 cut: {name}", num_warps=16, bin_c=512, us=round(us, 1), exact="")
+    _phases_after_other_traffic(results, x, pos, kept, C)
     for nw, bin_c in ((16, 512), (16, 256), (16, 1024), (8, 256), (8, 512), (32, 512), (32, 1024)):
         bins = torch.empty(B, 2, 8 * bin_c, dtype=torch.int32, device="cuda")
 

@@ -7,7 +7,7 @@ data-dependent shapes: every buffer is sized by the arguments.
 - Rows up to 32768 ("segments"): a tournament. Each round cuts every row's list (the scores row, then the
   candidates the previous round kept, indices and keys side by side) into segments of 16384 entries; one CTA
   per segment narrows the bin holding its k-th largest key two bits at a time (CTA-wide reductions of three
-  counts) until the bin holds at most 128 keys per warp (1024 of 16384 in round 1, 512 of 4096 in round 2);
+  counts) until the bin holds at most 128 keys per warp (2048 of 16384 in round 1, 512 of 4096 in round 2);
   a prefix-sum pass writes the keys above the bin to the output and copies the bin to scratch, where the
   remaining bits are resolved over those few keys before the bin's selected keys are written. A row's top-k
   lies inside the union of its segments' top-k, so the list shrinks 8x per round at GLM-5's top-2048 until
@@ -358,10 +358,12 @@ def _tournament(x, pos, topk, out, seg, num_warps, interp):
 def _launch_segments(x, cand, pos, out, out_keys, n_list, topk, seg, num_warps, interp):
     """One round over ``x``'s rows (``cand`` None) or over the previous round's (ids, keys); ``out_keys``
     (None in the last round) receives the kept keys beside ``out``'s indices. The bin scratch holds four
-    keys per thread: 1024 of round 1's 16384 entries, 512 of round 2's 4096."""
+    keys per thread: 2048 of round 1's 16384 entries, 512 of round 2's 4096."""
     C = seg // 4
-    # 8 warps for 16384-entry segments, 4 for the 4096 candidates of round 2 (bench/results/topk_round_phases.md)
-    nw = num_warps or (4 if interp else max(4, min(8, C // 512)))
+    # 16 warps for 16384-entry segments, 4 for the 4096 candidates of round 2. Alone, 8 warps ran round 1 2 us
+    # faster; after other traffic (the logits kernel, in a model) they ran it 12 us slower and 16 warps 2 us: the
+    # narrower launch's binary holds more unrolled per-thread code (bench/results/topk_round_phases.md)
+    nw = num_warps or (4 if interp else max(4, min(16, C // 256)))
     bin_c = min(32 * nw, C // 4)
     nseg = triton.cdiv(n_list, seg)
     bins = torch.empty(x.shape[0], nseg, 8 * bin_c, dtype=torch.int32, device=x.device)
