@@ -296,7 +296,9 @@ def bench_indexer(results):
         if SWEEP and B == 64:
             extra = [dict(BLOCK_N=128, TILES=4, PROMOTE=32, num_warps=4)]
             extra += [dict(BLOCK_N=64, TILES=t, USE_TMA=True, num_warps=4, num_stages=ns)
-                      for t, ns in ((8, 2), (8, 4), (32, 3))]
+                      for t, ns in ((8, 2), (8, 4), (16, 4), (16, 6), (32, 3), (32, 4), (32, 6), (64, 3), (64, 4))]
+            extra += [dict(BLOCK_N=32, TILES=t, USE_TMA=True, num_warps=4, num_stages=ns)
+                      for t, ns in ((32, 4), (64, 6))]
             for cfg in _configs(indexer._LOGITS_CONFIGS) + extra:
                 try:
                     _row(results, "indexer_logits sweep", f"{shape} {cfg}",
