@@ -412,7 +412,7 @@ def test_indexer_logits_tma_needs_fitting_blocks():
                                       one, one, cfg=dict(BLOCK_N=16, TILES=1, USE_TMA=True))
 
 
-@pytest.mark.parametrize("bs, tma_kept", [(64, 3), (32, 0), (16, 0), (128, 3)])
+@pytest.mark.parametrize("bs, tma_kept", [(64, 4), (32, 0), (16, 0), (128, 4)])
 def test_indexer_autotune_offers_tma_only_where_blocks_fit(bs, tma_kept):
     """The autotuner never launches a TMA candidate whose box would straddle cache blocks."""
     kept = tindexer._fitting_configs(tindexer._LOGITS_CONFIGS, {}, BS=bs)
