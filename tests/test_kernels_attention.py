@@ -414,7 +414,9 @@ def test_indexer_logits_tma_needs_fitting_blocks():
 
 @pytest.mark.parametrize("bs, tma_kept", [(64, 4), (32, 0), (16, 0), (128, 4)])
 def test_indexer_autotune_offers_tma_only_where_blocks_fit(bs, tma_kept):
-    """The autotuner never launches a TMA candidate whose box would straddle cache blocks."""
+    """The autotuner never launches a TMA candidate whose box would straddle cache blocks, and tunes per token-count
+    bucket (a program length tuned at 64 tokens would leave the GPU idle at one)."""
+    assert tindexer._indexer_logits_tuned.keys == ["HI", "max_len", "BS", "T_BUCKET"]
     kept = tindexer._fitting_configs(tindexer._LOGITS_CONFIGS, {}, BS=bs)
     assert sum(bool(c.kwargs.get("USE_TMA")) for c in kept) == tma_kept
     assert all(tindexer.tma_tiles_fit(bs, c.kwargs["BLOCK_N"]) for c in kept if c.kwargs.get("USE_TMA"))

@@ -52,12 +52,12 @@ def _tile_logits(k8, q8, w, ksc, valid, F32DOT: tl.constexpr, PROMOTE: tl.conste
     return tl.where(valid, tl.sum(s, axis=1) * ksc, float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T_BUCKET"])  # an autotune key only: no recompiles per value
 def _indexer_logits_kernel(
     q_ptr, stride_qt, stride_qh, w_ptr, stride_wt,
     kc_ptr, ks_ptr, n_key_rows,
     bt_ptr, stride_bt, req_ptr, pos_ptr,
-    o_ptr, stride_ot, HI, max_len,
+    o_ptr, stride_ot, HI, max_len, T_BUCKET,
     BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     F32DOT: tl.constexpr, PROMOTE: tl.constexpr = 128, USE_TMA: tl.constexpr = False,
 ):
@@ -146,7 +146,9 @@ def _fitting_configs(configs, named_args, **kwargs):
     return [c for c in configs if not c.kwargs.get("USE_TMA") or tma_tiles_fit(kwargs["BS"], c.kwargs["BLOCK_N"])]
 
 
-_indexer_logits_tuned = triton.autotune(configs=_LOGITS_CONFIGS, key=["HI", "max_len", "BS"],
+# T_BUCKET (the token count rounded up to a power of two) is only a key: the best program length depends on how
+# many programs the tokens make, so a launch tuned at 64 tokens is not reused for one
+_indexer_logits_tuned = triton.autotune(configs=_LOGITS_CONFIGS, key=["HI", "max_len", "BS", "T_BUCKET"],
                                         prune_configs_by={"early_config_prune": _fitting_configs})(
     _indexer_logits_kernel)
 
@@ -176,7 +178,7 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     BLOCK_HI = max(16, triton.next_power_of_2(HI))
     args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache, k_cache.view(torch.float32),
             k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, out, out.stride(0), HI,
-            max_len)
+            max_len, triton.next_power_of_2(T))
     if not interp and not cfg and not _NO_TUNE:
         grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
         ensure_tma_allocator()
