@@ -10,6 +10,7 @@ copy bandwidth, so percentages are relative to the same machine on the same day.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import platform
@@ -97,6 +98,27 @@ def time_graph_us(fn: Callable[[], Any], n_warmup: int = 3, n_iters: int = 20, c
     """
     graph = capture_graph(fn, n_warmup, calls_per_graph)
     return statistics.median(events_us(graph.replay, n_iters)) / calls_per_graph
+
+
+def kernel_times(graph: "torch.cuda.CUDAGraph", replays: int = 20) -> tuple[dict, float]:
+    """Per-kernel mean device us per replay of ``graph`` (keyed by (position in the replay, name)), and the median
+    replay span (first kernel start to last kernel end), in us, from ``torch.profiler`` over ``replays``
+    synchronized replays. Which kernel of a composed graph slows down, and the gaps between kernels."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
+    kernels.sort(key=lambda e: e.time_range.start)
+    per_replay = len(kernels) // replays
+    names = collections.defaultdict(list)
+    spans = []
+    for r in range(replays):
+        chunk = kernels[r * per_replay:(r + 1) * per_replay]
+        spans.append(chunk[-1].time_range.end - chunk[0].time_range.start)
+        for i, e in enumerate(chunk):
+            names[(i, e.name[:60])].append(e.device_time)
+    return {k: statistics.mean(v) for k, v in names.items()}, statistics.median(spans)
 
 
 def rotating(make_inputs: Callable[[int], Any], n_copies: int | None = None, bytes_per_copy: int | None = None):

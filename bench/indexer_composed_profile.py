@@ -16,7 +16,6 @@ bench/results/indexer_composed_profile.*.
 
 from __future__ import annotations
 
-import collections
 import os
 import statistics
 import sys
@@ -25,30 +24,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import Results, capture_graph, events_us  # noqa: E402
+from bench.harness import Results, capture_graph, events_us, kernel_times  # noqa: E402
 from bench.kernels_attention import BS, HI, TOPK, _paged  # noqa: E402
 from fxglm5.lowering.triton import indexer  # noqa: E402
 
 B, CTX, REPLAYS = 64, 32768, 20
-
-
-def _profile(graph):
-    """Per-kernel mean device us per replay, and the mean replay span (first start to last end), in us."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(REPLAYS):
-            graph.replay()
-            torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
-    kernels.sort(key=lambda e: e.time_range.start)
-    per_replay = len(kernels) // REPLAYS
-    names = collections.defaultdict(list)
-    spans = []
-    for r in range(REPLAYS):
-        chunk = kernels[r * per_replay:(r + 1) * per_replay]
-        spans.append(chunk[-1].time_range.end - chunk[0].time_range.start)
-        for i, e in enumerate(chunk):
-            names[(i, e.name[:60])].append(e.device_time)
-    return {k: statistics.mean(v) for k, v in names.items()}, statistics.median(spans)
 
 
 def main():
@@ -82,7 +62,7 @@ def main():
     results = Results()
     for name, graph in graphs.items():
         replay_us = statistics.median(events_us(graph.replay, REPLAYS))
-        kern, span = _profile(graph)
+        kern, span = kernel_times(graph, REPLAYS)
         for (i, kname), us in sorted(kern.items()):
             results.add(graph=name, item=f"kernel {i}: {kname}", us=round(us, 1))
         results.add(graph=name, item="sum of kernels", us=round(sum(kern.values()), 1))

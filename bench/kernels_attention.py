@@ -13,6 +13,7 @@ many requests inside one graph so each captured call reads different memory.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -275,8 +276,8 @@ def bench_indexer(results):
     # the ceiling of a kernel that only streams (the logits kernel reads 277 MB and writes 8 MB): a copy's
     # reads and writes share the bus, so this can exceed 100 % of the copy
     src = torch.zeros(2**29, dtype=torch.int32, device="cuda")
-    _row(results, "stream_read (read ceiling)", "2 GiB", time_graph_us(lambda: stream_read(src)), bytes_=2**31,
-         note="bench/read_stream.py")
+    _row(results, "stream_read (read ceiling)", "2 GiB", time_graph_us(functools.partial(stream_read, src)),
+         bytes_=2**31, note="bench/read_stream.py")
     del src
     for B, ctx in [(64, 32768)] if QUICK else [(64, 32768), (1, 131072), (8, 65536)]:
         nreq = max(B, 8)

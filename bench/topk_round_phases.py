@@ -26,8 +26,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import Results, capture_graph, time_graph_us  # noqa: E402
-from bench.indexer_composed_profile import _profile  # noqa: E402
+from bench.harness import Results, capture_graph, kernel_times, time_graph_us  # noqa: E402
 from fxglm5.lowering.triton import topk  # noqa: E402
 from fxglm5.lowering.triton.topk import (_bin_chunk, _narrow, _segment_chunks, _select_in_bin,  # noqa: E402
                                          _split_bin)
@@ -112,7 +111,7 @@ def _phases_after_other_traffic(results, x, pos, kept, C):
                 "512 MB read, outputs zeroed": lambda: (big.max(), kept.zero_(), bins.zero_())}
     for phase, name in enumerate(PHASES):
         for pre_name, pre in preludes.items():
-            kern, _ = _profile(capture_graph(lambda: (pre(), cut(phase))))
+            kern, _ = kernel_times(capture_graph(lambda: (pre(), cut(phase))))
             us = kern[max(kern)]  # the last kernel of the replay: the cut
             results.add(kernel=f"round 1 cut: {name}, after {pre_name}", num_warps=16, bin_c=512, us=round(us, 1),
                         exact="")
@@ -126,7 +125,7 @@ def _phases_after_other_traffic(results, x, pos, kept, C):
                                                      KEYS_OUT=True, BIN_C=bin_c, num_warps=nw)
 
         for pre_name in ("nothing", "512 MB read", "512 MB read, load cut"):
-            kern, _ = _profile(capture_graph(lambda: (preludes[pre_name](), run())))
+            kern, _ = kernel_times(capture_graph(lambda: (preludes[pre_name](), run())))
             results.add(kernel=f"round 1 package kernel, after {pre_name}", num_warps=nw, bin_c=bin_c,
                         us=round(kern[max(kern)], 1), exact="")
 
