@@ -32,6 +32,7 @@ from fxglm5.lowering.triton.topk import (_bin_chunk, _narrow, _segment_chunks, _
                                          _split_bin)
 
 B, L, TOPK, SEG = 64, 32768, 2048, 16384
+C = SEG // 4  # a chunk: a segment is four
 PHASES = ("load", "+coarse steps", "+split", "+fine steps", "+bin placement (whole round)")
 
 
@@ -89,45 +90,56 @@ def _exact_round1(x, kept):
     return True
 
 
-def _phases_after_other_traffic(results, x, pos, kept, C):
-    """The same cuts, each the only top-k kernel after 512 MB of unrelated reads (the whole round then runs
-    ~9 us slower, as it does after the logits kernel: bench/results/indexer_composed_profile.md), timed by the
-    profiler: which phase slows down? Three more preludes test three causes. A sleep kernel: is it any kernel
-    before (clocks, launch state) rather than the traffic? The load cut run first (same grid,
-    so each segment is read again by the same CTA index, on the same SM as far as the scheduler repeats
-    itself) brings the scores back where the cut finds them when it repeats itself; zeroing the output and bin
-    buffers brings the lines it writes back into L2."""
+def _cut_bins():
+    """The bin scratch of the round-1 cuts (16 warps, 2048-key bin)."""
+    return torch.empty(B, 2, 8 * 512, dtype=torch.int32, device="cuda")
+
+
+def _cut_launcher(x, pos, kept, bins, phase):
+    """A launch of the round-1 cut after phase ``phase`` into ``bins`` (``_cut_bins``)."""
+    return lambda: _round_cut[(B, L // SEG)](x, x.stride(0), pos, kept[0], kept[1], kept.stride(1), bins, L, TOPK,
+                                             C=C, BIN_C=512, PHASE=phase, num_warps=16)
+
+
+def _round1_launcher(x, pos, kept, nw, bin_c):
+    """A launch of the package round-1 kernel at ``nw`` warps and 4*bin_c bin keys, with its own bin scratch;
+    it writes the kept indices to ``kept[0]`` and their keys to ``kept[1]``."""
+    bins = torch.empty(B, 2, 8 * bin_c, dtype=torch.int32, device="cuda")
+    return lambda: topk._segment_topk_kernel[(B, L // SEG)](x, x.stride(0), kept[0], kept[1], kept.stride(1), pos,
+                                                            kept[0], kept[1], kept.stride(1), bins, L, L, TOPK, C=C,
+                                                            GATHER=False, KEYS_OUT=True, BIN_C=bin_c, num_warps=nw)
+
+
+def _after_other_work(results, x, pos, kept):
+    """Each cut, and the package kernel at four widths, as the only top-k kernel of a replay after other work,
+    timed by the profiler. After 512 MB of unrelated reads the 8-warp round runs ~12 us slower, as it does after
+    the logits kernel (bench/results/indexer_composed_profile.md): which phase, and why? The preludes test the
+    causes: a sleep kernel (any kernel before: clocks, launch state); the load cut run after the reads (the same
+    grid reads the same segments again: where the scores sit); the output and bin buffers zeroed after the
+    reads (the lines the kernel writes)."""
     big = torch.zeros(2**29, dtype=torch.uint8, device="cuda")
-    bins = torch.empty(B, 2, 8 * 512, dtype=torch.int32, device="cuda")
-
-    def cut(phase):
-        _round_cut[(B, L // SEG)](x, x.stride(0), pos, kept[0], kept[1], kept.stride(1), bins, L, TOPK, C=C,
-                                  BIN_C=512, PHASE=phase, num_warps=16)
-
+    bins = _cut_bins()
+    load_cut = _cut_launcher(x, pos, kept, bins, 0)
     preludes = {"nothing": lambda: None,
                 "a 250 us sleep kernel (no memory traffic)": lambda: torch.cuda._sleep(500_000),
                 "512 MB read": lambda: big.max(),
-                "512 MB read, load cut": lambda: (big.max(), cut(0)),
+                "512 MB read, load cut": lambda: (big.max(), load_cut()),
                 "512 MB read, outputs zeroed": lambda: (big.max(), kept.zero_(), bins.zero_())}
+
+    def last_kernel_us(pre, launch):  # the last kernel of the replay: the one under test
+        kern, _ = kernel_times(capture_graph(lambda: (pre(), launch())))
+        return round(kern[max(kern)], 1)
+
     for phase, name in enumerate(PHASES):
+        cut = _cut_launcher(x, pos, kept, bins, phase)
         for pre_name, pre in preludes.items():
-            kern, _ = kernel_times(capture_graph(lambda: (pre(), cut(phase))))
-            us = kern[max(kern)]  # the last kernel of the replay: the cut
-            results.add(kernel=f"round 1 cut: {name}, after {pre_name}", num_warps=16, bin_c=512, us=round(us, 1),
-                        exact="")
-    # the package kernel at several widths, the same way
+            results.add(kernel=f"round 1 cut: {name}, after {pre_name}", num_warps=16, bin_c=512,
+                        us=last_kernel_us(pre, cut), exact="")
     for nw, bin_c in ((8, 256), (16, 256), (16, 512), (4, 128)):
-        pbins = torch.empty(B, 2, 8 * bin_c, dtype=torch.int32, device="cuda")
-
-        def run():
-            topk._segment_topk_kernel[(B, L // SEG)](x, x.stride(0), kept[0], kept[1], kept.stride(1), pos, kept[0],
-                                                     kept[1], kept.stride(1), pbins, L, L, TOPK, C=C, GATHER=False,
-                                                     KEYS_OUT=True, BIN_C=bin_c, num_warps=nw)
-
+        run = _round1_launcher(x, pos, kept, nw, bin_c)
         for pre_name in ("nothing", "512 MB read", "512 MB read, load cut"):
-            kern, _ = kernel_times(capture_graph(lambda: (preludes[pre_name](), run())))
             results.add(kernel=f"round 1 package kernel, after {pre_name}", num_warps=nw, bin_c=bin_c,
-                        us=round(kern[max(kern)], 1), exact="")
+                        us=last_kernel_us(preludes[pre_name], run), exact="")
 
 
 def main():
@@ -136,23 +148,13 @@ def main():
     pos = torch.full((B,), L - 1, device="cuda", dtype=torch.int32)
     kept = torch.empty(2, B, 2 * TOPK, dtype=torch.int32, device="cuda")
     results = Results()
-    C = SEG // 4
+    bins = _cut_bins()
     for phase, name in enumerate(PHASES):
-        bins = torch.empty(B, 2, 8 * 512, dtype=torch.int32, device="cuda")
-        us = time_graph_us(lambda: _round_cut[(B, L // SEG)](x, x.stride(0), pos, kept[0], kept[1], kept.stride(1),
-                                                             bins, L, TOPK, C=C, BIN_C=512, PHASE=phase,
-                                                             num_warps=16), calls_per_graph=20)
+        us = time_graph_us(_cut_launcher(x, pos, kept, bins, phase), calls_per_graph=20)
         results.add(kernel=f"round 1 cut: {name}", num_warps=16, bin_c=512, us=round(us, 1), exact="")
-    _phases_after_other_traffic(results, x, pos, kept, C)
+    _after_other_work(results, x, pos, kept)
     for nw, bin_c in ((16, 512), (16, 256), (16, 1024), (8, 256), (8, 512), (32, 512), (32, 1024)):
-        bins = torch.empty(B, 2, 8 * bin_c, dtype=torch.int32, device="cuda")
-
-        def run():
-            topk._segment_topk_kernel[(B, L // SEG)](x, x.stride(0), kept[0], kept[1], kept.stride(1), pos, kept[0],
-                                                     kept[1], kept.stride(1), bins, L, L, TOPK, C=C, GATHER=False,
-                                                     KEYS_OUT=True, BIN_C=bin_c, num_warps=nw)
-
-        us = time_graph_us(run, calls_per_graph=20)
+        us = time_graph_us(_round1_launcher(x, pos, kept, nw, bin_c), calls_per_graph=20)
         results.add(kernel="round 1 package kernel", num_warps=nw, bin_c=bin_c, us=round(us, 1),
                     exact=_exact_round1(x, kept[0]))
     topk._launch_segments(x, None, pos, kept[0], kept[1], L, TOPK, SEG, None, False)
@@ -168,7 +170,6 @@ def main():
     results.add(kernel="topk_from_logits (both rounds)", num_warps="default", bin_c="default", us=round(us, 1),
                 exact=torch.equal(torch.sort(out, 1).values, want))
     print("saved", results.save("topk_round_phases"))
-
 
 if __name__ == "__main__":
     main()
