@@ -270,7 +270,7 @@ def bench_sparse_mla(results):
 
 
 def bench_indexer(results):
-    from bench.read_stream import stream_read
+    from bench.read_stream import paged_read, stream_read
     from fxglm5.lowering.triton import indexer
 
     # the ceiling of a kernel that only streams (the logits kernel reads 277 MB and writes 8 MB): a copy's
@@ -331,6 +331,12 @@ def bench_indexer(results):
             s = torch.relu(torch.einsum("bhd,bnd->bhn", qq.float() * qs, k))
             return (s * w.unsqueeze(-1)).sum(1)
 
+        if B == 64:  # the ceiling of the logits kernel's access pattern: its blocks, boxes and order (nreq == B:
+            # every call reads all 277 MB again)
+            for tma in (True, False):
+                _row(results, "paged_read (paged read ceiling)", f"B={B} ctx={ctx}",
+                     time_graph_us(lambda: paged_read(kc, bt, use_tma=tma), calls_per_graph=ncalls),
+                     bytes_=kbytes, note="bench/read_stream.py, " + ("TMA boxes" if tma else "16-byte loads"))
         _row(results, "indexer_logits", shape, us_l, bytes_=kbytes,
              torch_us=_time_torch(torch_logits) if B * ctx <= 2**21 else None,
              note=f"cfg={indexer.tuned_config()}")
