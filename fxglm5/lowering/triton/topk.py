@@ -7,11 +7,12 @@ data-dependent shapes: every buffer is sized by the arguments.
 - Rows up to 32768 ("segments"): a tournament. Each round cuts every row's list (the scores row, then the
   candidates the previous round kept, indices and keys side by side) into segments of 16384 entries; one CTA
   per segment narrows the bin holding its k-th largest key two bits at a time (CTA-wide reductions of three
-  counts) until the bin holds at most 128 keys per warp (2048 of 16384 in round 1, 512 of 4096 in round 2);
-  a prefix-sum pass writes the keys above the bin to the output and copies the bin to scratch, where the
-  remaining bits are resolved over those few keys before the bin's selected keys are written. A row's top-k
-  lies inside the union of its segments' top-k, so the list shrinks 8x per round at GLM-5's top-2048 until
-  one segment holds it; the last round is the answer.
+  counts) until the bin holds at most 128 keys per warp (2048 of round 1's 16384). A round that is not the last
+  keeps every key at or above the bin (fewer than k + 2048: a superset of the segment's top-k) and stops there;
+  the last round writes the keys above the bin to the output and copies the bin to scratch, where the remaining
+  bits are resolved over those few keys before the bin's selected keys are written. A row's top-k lies inside
+  the union of its segments' top-k, so at GLM-5's top-2048 a 32768-entry row becomes 8192 candidates, which one
+  segment holds; the last round is the answer.
 - Longer rows ("multi"): every row is cut into ``chunk``-long segments, one CTA each; 4 passes of 8 bits, each
   a ``tl.histogram`` per segment added into a global [4, T, 256] histogram with atomics (every CTA replays the
   earlier passes' digit choices from those histograms: a reverse cumsum finds the digit that holds the k-th
@@ -131,8 +132,7 @@ def _narrow(k0, k1, k2, k3, k_eff, thr, n_lo, n_hi, step, cap):
 
 
 @triton.jit
-def _split_bin(key, ids, thr, top, exact, n_hi, quota, above_base, bin_base, orow, okrow, brow,
-               KEYS_OUT: tl.constexpr, CAP: tl.constexpr):
+def _split_bin(key, ids, thr, top, exact, n_hi, quota, above_base, bin_base, orow, brow, CAP: tl.constexpr):
     """One chunk of the split pass, in list order at running offsets (one prefix sum, above in the low 16 bits).
     Keys above the bin's upper end ``top`` go to the output (selected whatever the exact threshold). Keys inside
     ``[thr, top]`` go to the bin scratch (CAP keys, then CAP indices); or, once the bin is a single key value
@@ -145,8 +145,6 @@ def _split_bin(key, ids, thr, top, exact, n_hi, quota, above_base, bin_base, oro
     to_out = (above == 1) | ((inb == 1) & (exact == 1) & (b_rank < quota))
     o_slot = tl.where(above == 1, above_base + (cs & 0xFFFF) - 1, n_hi + b_rank)
     tl.store(orow + o_slot, ids, mask=to_out)
-    if KEYS_OUT:
-        tl.store(okrow + o_slot, key.to(tl.int32, bitcast=True), mask=to_out)
     to_bin = (inb == 1) & (exact == 0)
     tl.store(brow + b_rank, key.to(tl.int32, bitcast=True), mask=to_bin)
     tl.store(brow + CAP + b_rank, ids, mask=to_bin)
@@ -164,8 +162,7 @@ def _bin_chunk(brow, c, n_bin, BIN_C: tl.constexpr, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _select_in_bin(brow, n_bin, thr, step, k_eff, n_above, orow, okrow, KEYS_OUT: tl.constexpr,
-                   BIN_C: tl.constexpr):
+def _select_in_bin(brow, n_bin, thr, step, k_eff, n_above, orow, BIN_C: tl.constexpr):
     """After the split pass: resolve the remaining bits over the bin scratch's ``n_bin`` keys and write the
     bin's selected indices (keys above the exact threshold, then ties in list order) after the ``n_above``
     already written."""
@@ -177,18 +174,18 @@ def _select_in_bin(brow, n_bin, thr, step, k_eff, n_above, orow, okrow, KEYS_OUT
     k_rem = k_eff - n_above
     thr, n_lo, n_gt, step = _narrow(b0, b1, b2, b3, k_rem, thr, n_bin, tl.zeros([], tl.int32), step, 0)
     quota = k_rem - n_gt
-    base, eqb = _place(b0, i0, thr, n_above, 0, quota, orow, okrow, KEYS_OUT)
-    base, eqb = _place(b1, i1, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
-    base, eqb = _place(b2, i2, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
-    base, eqb = _place(b3, i3, thr, base, eqb, quota, orow, okrow, KEYS_OUT)
+    base, eqb = _place(b0, i0, thr, n_above, 0, quota, orow, orow, False)
+    base, eqb = _place(b1, i1, thr, base, eqb, quota, orow, orow, False)
+    base, eqb = _place(b2, i2, thr, base, eqb, quota, orow, orow, False)
+    base, eqb = _place(b3, i3, thr, base, eqb, quota, orow, orow, False)
 
 
 @triton.jit
-def _pad(orow, okrow, k_eff, topk, KEYS_OUT: tl.constexpr, C: tl.constexpr):
-    """-1 (and key 0) in the output slots ``k_eff .. topk``."""
-    for c0 in range(0, topk, C):
+def _pad(orow, okrow, n_out, width, KEYS_OUT: tl.constexpr, C: tl.constexpr):
+    """-1 (and key 0) in the output slots ``n_out .. width``."""
+    for c0 in range(0, width, C):
         pad = c0 + tl.arange(0, C)
-        pmask = (pad >= k_eff) & (pad < topk)
+        pmask = (pad >= n_out) & (pad < width)
         tl.store(orow + pad, tl.full([C], -1, tl.int32), mask=pmask)
         if KEYS_OUT:
             tl.store(okrow + pad, tl.zeros([C], tl.int32), mask=pmask)
@@ -196,20 +193,24 @@ def _pad(orow, okrow, k_eff, topk, KEYS_OUT: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr, o_ptr, ko_ptr, stride_ot, bin_ptr,
-                         L, n_list, topk, C: tl.constexpr, GATHER: tl.constexpr, KEYS_OUT: tl.constexpr,
+                         L, n_list, topk, C: tl.constexpr, GATHER: tl.constexpr, KEEP: tl.constexpr,
                          BIN_C: tl.constexpr):
-    """One CTA per (row, segment of 4*C list entries), the segment in registers as four C-long chunks: the
-    segment's top-``topk`` row indices (ties first in list order), -1 padded, written to
-    ``o[row, segment * topk ...]``; with KEYS_OUT their keys go to ``ko`` at the same places (0 for padding).
+    """One CTA per (row, segment of 4*C list entries), the segment in registers as four C-long chunks.
 
-    The search narrows the bin holding the k-th key over all 4*C keys only until the bin holds at most
-    4*BIN_C of them (a few steps at GLM-5's shapes); a split pass then writes the keys above the bin straight
-    to the output and copies the bin's (key, index) pairs to this CTA's ``bin_ptr`` scratch, and the remaining
-    bits are resolved over those few. That cuts the per-key counting (what bounds the kernel:
-    bench/results/topk_round_phases.md) from 16 steps to the few coarse ones. Output order: the keys above the
-    bin in list order, then the bin's selected keys in list order (ties: the first in list order win). A bin
-    that never gets small (all bits fixed: massive ties) needs no fine steps: the split pass writes its first
-    ties straight to the output."""
+    The search narrows the bin holding the segment's k-th key over all 4*C keys only until the bin holds at most
+    4*BIN_C of them (a few steps at GLM-5's shapes). Then:
+
+    - ``KEEP`` (every round but the last): the segment keeps every key at or above the bin's lower end, a superset
+      of its top-k of fewer than ``topk + 4*BIN_C`` keys, in list order: indices to ``o[row, segment * width ...]``
+      and keys to ``ko`` at the same places, -1 / key 0 padded to ``width = topk + 4*BIN_C``. The next round
+      selects among them, so this round needs neither the remaining bits nor the bin scratch (they took a third of
+      round 1: bench/results/topk_round_phases.md). A bin of one key value (all bits fixed: massive ties) keeps
+      only the first ``topk - above`` of its ties.
+    - the last round: the exact top-``topk`` row indices (ties first in list order), -1 padded, to
+      ``o[row, :topk]``. A split pass writes the keys above the bin straight to the output and copies the bin's
+      (key, index) pairs to this CTA's ``bin_ptr`` scratch, and the remaining bits are resolved over those few.
+      Output order: the keys above the bin in list order, then the bin's selected keys in list order. A bin of one
+      key value needs no fine steps: the split pass writes its first ties straight to the output."""
     t = tl.program_id(0)
     sg = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -223,22 +224,32 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
     zero = tl.zeros([], tl.int32)
     thr, n_lo, n_hi, step = _narrow(k0, k1, k2, k3, k_eff, tl.zeros([], tl.uint32), zero + 4 * C, zero, zero,
                                     4 * BIN_C)
-    orow = o_ptr + t64 * stride_ot + sg * topk
-    okrow = ko_ptr + t64 * stride_ot + sg * topk
     # the bin [thr, top] holds at most 4*BIN_C keys, or one key value when all 32 bits are fixed (exact); the n_hi
     # keys above it are all selected
     exact = (step == 16).to(tl.int32)
-    low_bits = tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * tl.minimum(step, 15)).to(tl.uint32)
-    top = tl.where(exact == 1, thr, thr | low_bits)
     quota = k_eff - n_hi
-    brow = bin_ptr + (t64 * tl.num_programs(1) + sg) * (8 * BIN_C)
-    ab, bb = _split_bin(k0, i0, thr, top, exact, n_hi, quota, 0, 0, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
-    ab, bb = _split_bin(k1, i1, thr, top, exact, n_hi, quota, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
-    ab, bb = _split_bin(k2, i2, thr, top, exact, n_hi, quota, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
-    ab, bb = _split_bin(k3, i3, thr, top, exact, n_hi, quota, ab, bb, orow, okrow, brow, KEYS_OUT, 4 * BIN_C)
-    if exact == 0:
-        _select_in_bin(brow, bb, thr, step, k_eff, n_hi, orow, okrow, KEYS_OUT, BIN_C)
-    _pad(orow, okrow, k_eff, topk, KEYS_OUT, C)
+    if KEEP:
+        width = topk + 4 * BIN_C
+        orow = o_ptr + t64 * stride_ot + sg * width
+        okrow = ko_ptr + t64 * stride_ot + sg * width
+        ties = tl.where(exact == 1, quota, 4 * C)
+        gb, eb = _place(k0, i0, thr, 0, 0, ties, orow, okrow, True)
+        gb, eb = _place(k1, i1, thr, gb, eb, ties, orow, okrow, True)
+        gb, eb = _place(k2, i2, thr, gb, eb, ties, orow, okrow, True)
+        gb, eb = _place(k3, i3, thr, gb, eb, ties, orow, okrow, True)
+        _pad(orow, okrow, gb + tl.minimum(eb, ties), width, True, C)
+    else:
+        orow = o_ptr + t64 * stride_ot
+        low_bits = tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * tl.minimum(step, 15)).to(tl.uint32)
+        top = tl.where(exact == 1, thr, thr | low_bits)
+        brow = bin_ptr + t64 * (8 * BIN_C)
+        ab, bb = _split_bin(k0, i0, thr, top, exact, n_hi, quota, 0, 0, orow, brow, 4 * BIN_C)
+        ab, bb = _split_bin(k1, i1, thr, top, exact, n_hi, quota, ab, bb, orow, brow, 4 * BIN_C)
+        ab, bb = _split_bin(k2, i2, thr, top, exact, n_hi, quota, ab, bb, orow, brow, 4 * BIN_C)
+        ab, bb = _split_bin(k3, i3, thr, top, exact, n_hi, quota, ab, bb, orow, brow, 4 * BIN_C)
+        if exact == 0:
+            _select_in_bin(brow, bb, thr, step, k_eff, n_hi, orow, BIN_C)
+        _pad(orow, orow, k_eff, topk, False, C)
 
 
 @triton.jit
@@ -347,31 +358,38 @@ def _tournament(x, pos, topk, out, seg, num_warps, interp):
     writes ``out``."""
     T = x.shape[0]
     cand, n_list = None, x.shape[1]
-    while n_list > seg:  # a round: every segment keeps its top-k candidates (indices and keys)
-        kept = torch.empty(2, T, triton.cdiv(n_list, seg) * topk, dtype=torch.int32, device=x.device)
-        _launch_segments(x, cand, pos, kept[0], kept[1], n_list, topk, seg, num_warps, interp)
+    while n_list > seg:  # a round: every segment keeps a superset of its top-k (indices and keys)
+        C, nw, bin_c = _round_shape(seg, num_warps, interp)
+        nseg = triton.cdiv(n_list, seg)
+        kept = torch.empty(2, T, nseg * (topk + 4 * bin_c), dtype=torch.int32, device=x.device)
+        _segment_topk_kernel[(T, nseg)](
+            x, x.stride(0), *_candidates(cand, kept[0]), pos, kept[0], kept[1], kept.stride(1), kept, x.shape[1],
+            n_list, topk, C=C, GATHER=cand is not None, KEEP=True, BIN_C=bin_c, num_warps=nw)
         cand, n_list = (kept[0], kept[1]), kept.shape[2]
-    _launch_segments(x, cand, pos, out, None, n_list, topk, _segment_len(n_list), num_warps, interp)
+    C, nw, bin_c = _round_shape(_segment_len(n_list), num_warps, interp)
+    bins = torch.empty(T, 8 * bin_c, dtype=torch.int32, device=x.device)
+    _segment_topk_kernel[(T, 1)](
+        x, x.stride(0), *_candidates(cand, out), pos, out, out, out.stride(0), bins, x.shape[1], n_list, topk, C=C,
+        GATHER=cand is not None, KEEP=False, BIN_C=bin_c, num_warps=nw)
     return out
 
 
-def _launch_segments(x, cand, pos, out, out_keys, n_list, topk, seg, num_warps, interp):
-    """One round over ``x``'s rows (``cand`` None) or over the previous round's (ids, keys); ``out_keys``
-    (None in the last round) receives the kept keys beside ``out``'s indices. The bin scratch holds four
-    keys per thread: 2048 of round 1's 16384 entries, 512 of round 2's 4096."""
+def _candidates(cand, dummy):
+    """(ids, keys, row stride) of the previous round's candidates; ``dummy`` stands in for them in the first round,
+    which reads the scores instead."""
+    ids, keys = cand if cand is not None else (dummy, dummy)
+    return ids, keys, ids.stride(0)
+
+
+def _round_shape(seg, num_warps, interp):
+    """(chunk length, warps, bin chunk) of a round over ``seg``-entry segments. The bin holds four keys per thread:
+    2048 of round 1's 16384 entries, 1024 of the last round's 8192.
+    16 warps for 16384-entry segments, 8 for the 8192 candidates of the last round. Alone, 8 warps ran round 1 2 us
+    faster; after other traffic (the logits kernel, in a model) they ran it 12 us slower and 16 warps 2 us: the
+    narrower launch's binary holds more unrolled per-thread code (bench/results/topk_round_phases.md)."""
     C = seg // 4
-    # 16 warps for 16384-entry segments, 4 for the 4096 candidates of round 2. Alone, 8 warps ran round 1 2 us
-    # faster; after other traffic (the logits kernel, in a model) they ran it 12 us slower and 16 warps 2 us: the
-    # narrower launch's binary holds more unrolled per-thread code (bench/results/topk_round_phases.md)
     nw = num_warps or (4 if interp else max(4, min(16, C // 256)))
-    bin_c = min(32 * nw, C // 4)
-    nseg = triton.cdiv(n_list, seg)
-    bins = torch.empty(x.shape[0], nseg, 8 * bin_c, dtype=torch.int32, device=x.device)
-    ids, keys = cand if cand is not None else (out, out)  # unused without GATHER
-    _segment_topk_kernel[(x.shape[0], nseg)](
-        x, x.stride(0), ids, keys, ids.stride(0), pos, out, out if out_keys is None else out_keys, out.stride(0),
-        bins, x.shape[1], n_list, topk, C=C, GATHER=cand is not None, KEYS_OUT=out_keys is not None, BIN_C=bin_c,
-        num_warps=nw)
+    return C, nw, min(32 * nw, C // 4)
 
 
 def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
@@ -383,12 +401,13 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     ``method="segments"`` (the default for rows up to ``SEGMENT_MAX``): a tournament of exact selections. Each
     round cuts every row's list (first the logits row, then the candidates the previous round kept) into
     segments of ``chunk`` entries (a power of two; 16384 on the GPU: bench/results/topk_row_phases.md). One CTA
-    per segment keeps it in registers, narrows the bin holding its ``topk``-th largest key two bits at a time
-    until the bin is small, then resolves the rest over the bin's few keys, and writes the segment's top ``topk``
-    indices. Every index of the row's top-k is in its segment's top-k, so the candidates shrink at least 2x (8x
-    at GLM-5's shapes) per round until one segment holds a row; that last round's selection is the answer: the
-    keys above the last bin in increasing index order, then the rest of the selection in increasing index
-    order. 64 x 32768 becomes 128 CTAs, then 64 over 4096 candidates each, instead of 64 CTAs on the whole row.
+    per segment keeps it in registers and narrows the bin holding its ``topk``-th largest key two bits at a time
+    until the bin is small. A round that is not the last keeps the keys at or above the bin (a superset of the
+    segment's top ``topk``, with their keys); the last round resolves the rest over the bin's few keys and writes
+    the row's top ``topk`` indices. Every index of the row's top-k is in its segment's top-k, so the candidates
+    shrink at least 4/3x (4x at GLM-5's shapes) per round until one segment holds a row; that last round's
+    selection is the answer: the keys above the last bin in increasing index order, then the rest of the selection
+    in increasing index order. 64 x 32768 becomes 128 CTAs, then 64 over 8192 candidates each, instead of 64 CTAs on the whole row.
     ``method="multi"`` (the default for longer rows, where the tournament's rounds of few CTAs lose to its
     parallelism: bench/results/kernels_attention.md): radix select spread over ``T x ceil(L / chunk)`` CTAs,
     4 histogram passes (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with
