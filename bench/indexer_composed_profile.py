@@ -25,20 +25,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import Results, capture_graph, events_us, kernel_times  # noqa: E402
-from bench.kernels_attention import BS, HI, TOPK, _paged  # noqa: E402
+from bench.kernels_attention import TOPK, indexer_inputs  # noqa: E402
 from fxglm5.lowering.triton import indexer  # noqa: E402
 
 B, CTX, REPLAYS = 64, 32768, 20
 
 
 def main():
-    kc, bt = _paged(B, CTX, 132, torch.uint8)
-    q = torch.randn(B, HI, 128, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(B, HI, device="cuda")
-    pos = torch.full((B,), CTX - 1, device="cuda", dtype=torch.int32)
-    req = torch.arange(B, device="cuda", dtype=torch.int32)
-    logits = torch.empty(B, bt.shape[1] * BS, device="cuda")
-    top = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
+    kc, bt, q, w, pos, req, logits, top = indexer_inputs(B, CTX)
     big = torch.zeros(2**29, dtype=torch.uint8, device="cuda")  # 512 MB: several times L2
 
     def topk():

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernels_attention import BS, HI, TOPK, _paged  # noqa: E402
+from bench.kernels_attention import TOPK, indexer_inputs  # noqa: E402
 from bench.read_stream import paged_read  # noqa: E402
 from fxglm5.lowering.triton import indexer  # noqa: E402
 
@@ -29,13 +29,7 @@ LOGITS_CFG = dict(BLOCK_N=64, TILES=32, USE_TMA=True, num_warps=4, num_stages=4)
 
 
 def main():
-    kc, bt = _paged(B, CTX, 132, torch.uint8)
-    q = torch.randn(B, HI, 128, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(B, HI, device="cuda")
-    pos = torch.full((B,), CTX - 1, device="cuda", dtype=torch.int32)
-    req = torch.arange(B, device="cuda", dtype=torch.int32)
-    logits = torch.empty(B, bt.shape[1] * BS, device="cuda")
-    top = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
+    kc, bt, q, w, pos, req, logits, top = indexer_inputs(B, CTX)
     for _ in range(2):  # launch 1-4 warm up, 5-8 are profiled (ncu --launch-skip 4)
         paged_read(kc, bt)
         indexer.indexer_logits_paged(q, w, kc, bt, req, pos, out=logits, validate=False, cfg=LOGITS_CFG)

@@ -58,6 +58,19 @@ def _request_batches(B, nreq, ncalls):
                     n_copies=ncalls)
 
 
+def indexer_inputs(B, ctx):
+    """One decode step of the indexer at B requests of ``ctx`` tokens (the last position each): the paged FP8 key
+    cache and block table, queries, head weights, positions, request ids, and the logits / top-k outputs."""
+    kc, bt = _paged(B, ctx, 132, torch.uint8)
+    q = torch.randn(B, HI, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(B, HI, device="cuda")
+    pos = torch.full((B,), ctx - 1, device="cuda", dtype=torch.int32)
+    req = torch.arange(B, device="cuda", dtype=torch.int32)
+    logits = torch.empty(B, bt.shape[1] * BS, device="cuda")
+    top = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
+    return kc, bt, q, w, pos, req, logits, top
+
+
 def _paged(B, ctx, width, dtype, seed=0):
     """B requests of ``ctx`` tokens each, own blocks in random order; cache filled with random bytes/values."""
     nblk = -(-ctx // BS)
