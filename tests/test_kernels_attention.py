@@ -506,6 +506,23 @@ def test_topk_all_tied_rows_take_the_first_indices(method):
         assert sorted(out[t].tolist()) == want[t]
 
 
+def test_topk_bin_decided_before_it_is_small():
+    """Exactly k scores at or above a coarse bin boundary (here the k scores >= 2.0, which fix the key's top bits
+    in the first step): the search stops there with more keys in the bin than its scratch holds (k = 48 > 32 in
+    the interpreter's launch), and the whole bin is written straight to the output, in both the single round and
+    a round that keeps candidates for the next. The scratch beyond this row's is never written."""
+    g = torch.Generator().manual_seed(3)
+    for L in (128, 1000):
+        x = -torch.rand(2, L, generator=g) - 0.5  # every score below 0
+        hot = torch.randperm(L, generator=g)[:48]
+        x[0, hot] = 2.0 + torch.rand(48, generator=g)  # 48 distinct scores in [2, 3)
+        x[1] = torch.linspace(-1.0, 1.0, L)  # the other row: a bin that gets small, then fine steps
+        pos = torch.full((2,), L - 1, dtype=torch.int32)
+        out = tindexer.topk_from_logits(x, pos, 48)
+        assert sorted(out[0].tolist()) == sorted(hot.tolist()), L
+        assert sorted(out[1].tolist()) == list(range(L - 48, L)), L
+
+
 # --------------------------------------------------------------------------------------------------------------
 # bad inputs
 # --------------------------------------------------------------------------------------------------------------

@@ -107,13 +107,16 @@ def _add3(a0, a1, a2, b0, b1, b2):
 @triton.jit
 def _narrow(k0, k1, k2, k3, k_eff, thr, n_lo, n_hi, step, cap):
     """Narrow the bin ``[thr, thr | (2^(32 - 2 step) - 1)]`` that holds the k_eff-th largest of the four chunks'
-    keys two bits per step, until it holds at most ``cap`` keys or all 32 bits are fixed. ``n_lo`` / ``n_hi``:
-    the keys at or above the bin's lower end / above its upper end (so ``n_hi < k_eff <= n_lo`` for k_eff > 0).
+    keys two bits per step, until it holds at most ``cap`` keys, or all 32 bits are fixed, or exactly k_eff keys
+    are at or above its lower end (then those are the selection, whatever the remaining bits: with distinct
+    scores this ends the search once the bin's lower end passes the (k_eff+1)-th key, several steps before all
+    bits are fixed). ``n_lo`` / ``n_hi``: the keys at or above the bin's lower end / above its upper end (so
+    ``n_hi < k_eff <= n_lo`` for k_eff > 0).
     A step is one CTA-wide reduction of three counts (no histograms, no atomics); a runtime loop, not unrolled:
     the unrolled search was ~14k instructions of straight-line code, fetched again by every CTA, which ran
     40-70 % slower whenever that code had left L2 (bench/results/indexer_composed_profile.md).
     Returns ``(thr, n_lo, n_hi, step)``."""
-    while (step < 16) & (n_lo - n_hi > cap):
+    while (step < 16) & (n_lo - n_hi > cap) & (n_lo != k_eff):
         bit = tl.full([], 1, tl.uint32) << (30 - 2 * step).to(tl.uint32)
         c1 = thr | bit  # the lower ends of the sub-bins 01, 10, 11
         c2 = thr | (bit << 1)
@@ -132,20 +135,20 @@ def _narrow(k0, k1, k2, k3, k_eff, thr, n_lo, n_hi, step, cap):
 
 
 @triton.jit
-def _split_bin(key, ids, thr, top, exact, n_hi, quota, above_base, bin_base, orow, brow, CAP: tl.constexpr):
+def _split_bin(key, ids, thr, top, decided, n_hi, quota, above_base, bin_base, orow, brow, CAP: tl.constexpr):
     """One chunk of the split pass, in list order at running offsets (one prefix sum, above in the low 16 bits).
     Keys above the bin's upper end ``top`` go to the output (selected whatever the exact threshold). Keys inside
-    ``[thr, top]`` go to the bin scratch (CAP keys, then CAP indices); or, once the bin is a single key value
-    (``exact`` = 1, all bits fixed, e.g. massive ties), the first ``quota`` of them go straight to the output
-    after the ``n_hi`` keys above. Returns the running offsets."""
+    ``[thr, top]`` go to the bin scratch (CAP keys, then CAP indices); or, once the selection is ``decided`` (the
+    bin is a single key value, e.g. massive ties, or all its keys are selected), the first ``quota`` of them go
+    straight to the output after the ``n_hi`` keys above. Returns the running offsets."""
     above = (key > top).to(tl.int32)
     inb = ((key >= thr) & (key <= top)).to(tl.int32)
     cs = tl.cumsum(above + (inb << 16), 0)
     b_rank = bin_base + (cs >> 16) - 1
-    to_out = (above == 1) | ((inb == 1) & (exact == 1) & (b_rank < quota))
+    to_out = (above == 1) | ((inb == 1) & (decided == 1) & (b_rank < quota))
     o_slot = tl.where(above == 1, above_base + (cs & 0xFFFF) - 1, n_hi + b_rank)
     tl.store(orow + o_slot, ids, mask=to_out)
-    to_bin = (inb == 1) & (exact == 0)
+    to_bin = (inb == 1) & (decided == 0)
     tl.store(brow + b_rank, key.to(tl.int32, bitcast=True), mask=to_bin)
     tl.store(brow + CAP + b_rank, ids, mask=to_bin)
     tot = tl.sum(above + (inb << 16), 0)
@@ -173,7 +176,8 @@ def _select_in_bin(brow, n_bin, thr, step, k_eff, n_above, orow, BIN_C: tl.const
     b3, i3 = _bin_chunk(brow, 3, n_bin, BIN_C, 4 * BIN_C)
     k_rem = k_eff - n_above
     thr, n_lo, n_gt, step = _narrow(b0, b1, b2, b3, k_rem, thr, n_bin, tl.zeros([], tl.int32), step, 0)
-    quota = k_rem - n_gt
+    # all 32 bits fixed: the n_gt keys above the value thr and its first ties; else exactly k_rem keys are >= thr
+    quota = tl.where(n_lo == k_rem, k_rem, k_rem - n_gt)
     base, eqb = _place(b0, i0, thr, n_above, 0, quota, orow, orow, False)
     base, eqb = _place(b1, i1, thr, base, eqb, quota, orow, orow, False)
     base, eqb = _place(b2, i2, thr, base, eqb, quota, orow, orow, False)
@@ -205,12 +209,14 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
       and keys to ``ko`` at the same places, -1 / key 0 padded to ``width = topk + 4*BIN_C``. The next round
       selects among them, so this round needs neither the remaining bits nor the bin scratch (they took a third of
       round 1: bench/results/topk_round_phases.md). A bin of one key value (all bits fixed: massive ties) keeps
-      only the first ``topk - above`` of its ties.
+      only the first ``topk - above`` of its ties. With ``BIN_C`` = 0 the search runs until exactly the segment's
+      top-k remain (for lists that supersets would not shorten).
     - the last round: the exact top-``topk`` row indices (ties first in list order), -1 padded, to
       ``o[row, :topk]``. A split pass writes the keys above the bin straight to the output and copies the bin's
       (key, index) pairs to this CTA's ``bin_ptr`` scratch, and the remaining bits are resolved over those few.
-      Output order: the keys above the bin in list order, then the bin's selected keys in list order. A bin of one
-      key value needs no fine steps: the split pass writes its first ties straight to the output."""
+      Output order: the keys above the bin in list order, then the bin's selected keys in list order. A decided
+      bin (one key value, or exactly k keys at or above its lower end, however many) needs no fine steps: the
+      split pass writes its first ``topk - above`` keys straight to the output."""
     t = tl.program_id(0)
     sg = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -224,9 +230,10 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
     zero = tl.zeros([], tl.int32)
     thr, n_lo, n_hi, step = _narrow(k0, k1, k2, k3, k_eff, tl.zeros([], tl.uint32), zero + 4 * C, zero, zero,
                                     4 * BIN_C)
-    # the bin [thr, top] holds at most 4*BIN_C keys, or one key value when all 32 bits are fixed (exact); the n_hi
-    # keys above it are all selected
+    # the bin [thr, top] holds at most 4*BIN_C keys, or one key value when all 32 bits are fixed (exact), or its
+    # keys are all selected (n_lo == k_eff: decided, however many); the n_hi keys above it are all selected
     exact = (step == 16).to(tl.int32)
+    decided = exact | (n_lo == k_eff).to(tl.int32)
     quota = k_eff - n_hi
     if KEEP:
         width = topk + 4 * BIN_C
@@ -243,11 +250,11 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
         low_bits = tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * tl.minimum(step, 15)).to(tl.uint32)
         top = tl.where(exact == 1, thr, thr | low_bits)
         brow = bin_ptr + t64 * (8 * BIN_C)
-        ab, bb = _split_bin(k0, i0, thr, top, exact, n_hi, quota, 0, 0, orow, brow, 4 * BIN_C)
-        ab, bb = _split_bin(k1, i1, thr, top, exact, n_hi, quota, ab, bb, orow, brow, 4 * BIN_C)
-        ab, bb = _split_bin(k2, i2, thr, top, exact, n_hi, quota, ab, bb, orow, brow, 4 * BIN_C)
-        ab, bb = _split_bin(k3, i3, thr, top, exact, n_hi, quota, ab, bb, orow, brow, 4 * BIN_C)
-        if exact == 0:
+        ab, bb = _split_bin(k0, i0, thr, top, decided, n_hi, quota, 0, 0, orow, brow, 4 * BIN_C)
+        ab, bb = _split_bin(k1, i1, thr, top, decided, n_hi, quota, ab, bb, orow, brow, 4 * BIN_C)
+        ab, bb = _split_bin(k2, i2, thr, top, decided, n_hi, quota, ab, bb, orow, brow, 4 * BIN_C)
+        ab, bb = _split_bin(k3, i3, thr, top, decided, n_hi, quota, ab, bb, orow, brow, 4 * BIN_C)
+        if decided == 0:
             _select_in_bin(brow, bb, thr, step, k_eff, n_hi, orow, BIN_C)
         _pad(orow, orow, k_eff, topk, False, C)
 
@@ -361,6 +368,10 @@ def _tournament(x, pos, topk, out, seg, num_warps, interp):
     while n_list > seg:  # a round: every segment keeps a superset of its top-k (indices and keys)
         C, nw, bin_c = _round_shape(seg, num_warps, interp)
         nseg = triton.cdiv(n_list, seg)
+        if nseg * (topk + 4 * bin_c) >= n_list:
+            # a list only a little longer than a segment: supersets would not shorten it, so this round keeps
+            # exactly each segment's top-k (no bin: the search runs to the last bit), which halves it (seg >= 2k)
+            bin_c = 0
         kept = torch.empty(2, T, nseg * (topk + 4 * bin_c), dtype=torch.int32, device=x.device)
         _segment_topk_kernel[(T, nseg)](
             x, x.stride(0), *_candidates(cand, kept[0]), pos, kept[0], kept[1], kept.stride(1), kept, x.shape[1],
