@@ -329,6 +329,11 @@ def bench_indexer(results):
             for ch in (8192, 16384, 32768):
                 _row(results, "radix_topk sweep", f"B={B} L={L} method=segments chunk={ch}",
                      time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, chunk=ch)))
+                # the same after the logits kernel, as a model runs it
+                _row(results, "indexer_topk sweep (logits+topk)", f"{shape} chunk={ch}",
+                     time_graph_us(lambda: (run_logits(), indexer.topk_from_logits(logits, pos, TOPK, out=top,
+                                                                                   chunk=ch, validate=False)),
+                                   calls_per_graph=ncalls), bytes_=kbytes)
             for ch in (2048, 4096, 8192):
                 _row(results, "radix_topk sweep", f"B={B} L={L} method=multi chunk={ch}",
                      time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, chunk=ch,
