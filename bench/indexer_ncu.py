@@ -5,10 +5,12 @@ kernel (the tuned B=64 launch: 2048-key TMA programs), the two top-k rounds, and
 (``bench/read_stream.py``: the logits kernel's blocks and boxes with no MMA) once each after a warm-up, for::
 
     ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-        --section Occupancy --section SchedulerStats --section SourceCounters --launch-skip 4 \
+        --section Occupancy --section SchedulerStats --section LaunchStats --section SourceCounters \
+        --print-details all -k regex:"paged_read|indexer_logits|segment_topk" --launch-skip 4 --launch-count 4 \
         python bench/indexer_ncu.py
 
-(the warm-up is the first four launches). Its reports are kept under ``bench/results/indexer_ncu_s7/``.
+(the kernel filter matters: the set-up launches torch kernels of its own; the warm-up is the first four matching
+launches). The report is kept in ``bench/results/indexer_s7/ncu_details.txt``.
 """
 
 from __future__ import annotations

@@ -65,9 +65,9 @@ def paged_read(cache: torch.Tensor, block_table: torch.Tensor, blocks_per_progra
     bs = cache.shape[1]
     words = cache.view(torch.int32)
     rows, nblk = block_table.shape
-    grid = (rows, triton.cdiv(nblk, blocks_per_program))
     if nblk % blocks_per_program:
         raise ValueError(f"paged_read: {nblk} blocks per row is not a multiple of {blocks_per_program}")
+    grid = (rows, nblk // blocks_per_program)
     out = torch.empty(grid, dtype=torch.int32, device=cache.device)
     if use_tma:
         ensure_tma_allocator()

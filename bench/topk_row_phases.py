@@ -2,12 +2,15 @@
 
 ``fxglm5/lowering/triton/topk.py``'s segment kernel loads a segment into registers as order-preserving keys,
 searches the k-th largest key two bits at a time (CTA-wide reductions) and places the selection with one
-packed prefix sum per chunk. The cut kernel here runs the full 16-step search over every key (since session 5
-the package kernel stops once the bin is small and finishes over the bin's keys: bench/topk_round_phases.py).
+packed prefix sum per chunk. The cut kernel here searches over every key with no bin (since session 5 the package
+kernel stops once the bin is small and finishes over the bin's keys: bench/topk_round_phases.py); since session 7
+that search, like the package's, also stops once exactly k keys are at or above the bin (the committed results
+predate that).
 With one segment per row (``chunk=32768``, the row kernel of earlier sessions) this script times the kernel cut
 after each phase (each cut writes something that depends on the work before it, so nothing is dead code). Then
 the package's top-k per segment length: 32768 is one round of 64 CTAs; 16384 (the default) is a round of 128
-CTAs that keeps 2 x 2048 candidates per row, then a round of 64 CTAs over those; 8192 and 4096 cut finer. Every
+CTAs that keeps up to 2 x 4096 candidates per row (session 7; 2 x 2048 in the committed results), then a round of
+64 CTAs over those; 8192 and 4096 cut finer. Every
 package row is checked exact against ``torch.topk``. Saves bench/results/topk_row_phases.*.
 
     python bench/topk_row_phases.py
@@ -46,7 +49,8 @@ def _row_topk_cut(x_ptr, stride_xt, pos_ptr, o_ptr, stride_ot, L, topk, C: tl.co
         tl.store(orow, tl.max(tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3)), 0).to(tl.int32, bitcast=True))
     else:
         zero = tl.zeros([], tl.int32)
-        # cap 0: all 16 steps over every key (the search of sessions 2-4, before the bin split)
+        # cap 0: the search over every key with no bin (sessions 2-4: all 16 steps; now it also stops once
+        # exactly k_eff keys are >= thr, and the placement below then writes all of them)
         thr, n_lo, n_gt, step = _narrow(k0, k1, k2, k3, k_eff, tl.zeros([], tl.uint32), zero + 4 * C, zero, zero, 0)
         if PHASE == 1:
             tl.store(orow, thr.to(tl.int32, bitcast=True))
