@@ -319,6 +319,30 @@ def test_sparse_mla_paged(s, H, cdtype, K, data):
            ref.sparse_mla_paged(qb, cache, s["bt"], req, topk, SCALE), atol=2e-2, rtol=2e-2)
 
 
+def test_mla_decode_combines_many_splits():
+    """130 and 65 splits (the combine's 256- and 128-wide split axis, 16 / 32 columns a program), with empty splits
+    for the shorter request, match the reference."""
+    bs, n = 64, 130 * 64
+    perm = torch.randperm(141, generator=torch.Generator().manual_seed(7)).int() + 1
+    bt = torch.zeros(2, 130, dtype=torch.int32)
+    bt[0], bt[1, :11] = perm[:130], perm[130:]
+    s = dict(B=2, bs=bs, lens=[n, 700], bt=bt, nb=142, seed=7)
+    cache = _filled_latent(s, torch.float32)
+    req = torch.tensor([0, 1], dtype=torch.int32)
+    pos = torch.tensor([n - 1, 699], dtype=torch.int32)
+    q = torch.randn(2, 2, D, generator=torch.Generator().manual_seed(8))
+    r = ref.mla_paged(q, cache, bt, req, pos, SCALE)
+    for ns in (130, 100):  # split lengths 64 and 128 rows: 130 and 65 splits
+        _close(tmla.mla_decode_paged(q, cache, bt, req, pos, SCALE, num_splits=ns), r, atol=1e-4)
+
+
+def test_split_picker_fills_the_gpu_at_batch_one():
+    assert tmla.pick_num_splits(1, 32768, 132) == 128  # one long row: every SM busy, 4 tiles a split
+    assert tmla.pick_num_splits(64, 32768, 132) == 2  # a full batch: one wave of 128 programs
+    for units, length in [(1, 100), (1, 8192), (1, 131072), (3, 131072), (200, 4096)]:
+        assert 1 <= tmla.pick_num_splits(units, length, 132) <= min(256, -(-length // 64))
+
+
 def test_sparse_equals_dense_when_topk_lists_the_whole_window():
     s = dict(B=1, bs=4, lens=[9], bt=torch.tensor([[2, 3, 1]], dtype=torch.int32), nb=4, seed=0)
     cache = _filled_latent(s, torch.float32)
