@@ -494,6 +494,17 @@ def test_radix_topk_from_logits(T, L, K, chunk, seed, method):
         assert torch.equal(x[t, got].sort().values, x[t, :n].topk(k).values.sort().values)
 
 
+def test_multi_segment_length_fills_the_sms():
+    from fxglm5.lowering.triton.topk import multi_segment_length
+
+    assert multi_segment_length(16, 65536, 132) == 4096  # 256 CTAs already
+    assert multi_segment_length(8, 65536, 132) == 2048  # 128 CTAs -> 256
+    assert multi_segment_length(4, 65536, 132) == 1024  # 64 -> 256
+    assert multi_segment_length(1, 131072, 132) == 512  # the floor: 256 CTAs
+    assert multi_segment_length(1, 1000, 132) == 512
+    assert multi_segment_length(64, 131072, 132) == 4096
+
+
 @given(st.integers(1, 3), st.integers(1, 400), st.integers(1, 80), st.sampled_from([64, 128]), st.integers(0, 2**16),
        st.sampled_from(["multi", "segments"]))
 def test_topk_ties_take_the_lowest_indices(T, L, K, chunk, seed, method):

@@ -195,9 +195,11 @@ def _assert_exact_topk(o, scores, pos):
     return rows
 
 
-@pytest.mark.parametrize("method, L", [("multi", 200_000), ("segments", 200_000), ("segments", 131_072),
-                                       ("segments", 32_768), ("segments", 5_000)])
+@pytest.mark.parametrize("method, L", [("multi", 200_000), ("multi", 131_072), ("multi", 65_536), ("segments", 200_000),
+                                       ("segments", 131_072), ("segments", 32_768), ("segments", 5_000)])
 def test_radix_topk_long_rows(method, L):
+    """Exact top-k of 3 long rows; the multi radix at 131k and 65k runs 2048- and 1024-score segments (fewer rows
+    than SMs: multi_segment_length)."""
     from fxglm5.lowering.triton import indexer
 
     T = 3

@@ -35,7 +35,7 @@ from fxglm5.lowering.triton.paged_cache import interpreter_compat
 
 interpreter_compat()
 
-__all__ = ["topk_from_logits", "SEGMENT_MAX"]
+__all__ = ["topk_from_logits", "multi_segment_length", "SEGMENT_MAX"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -403,6 +403,17 @@ def _round_shape(seg, num_warps, interp):
     return C, nw, min(32 * nw, C // 4)
 
 
+def multi_segment_length(rows: int, length: int, sms: int) -> int:
+    """The multi radix's scores per CTA: 4096, halved (down to 512) while the rows make fewer CTAs than SMs. At
+    batch 1 / 131k, 4096 gave 32 CTAs and a 36.7 us span against 31.1 at 512; at batch 4 / 65k 36.7 against 31.8
+    at 1024; at batch 8 / 65k 2048 and 4096 are even (37.5 / 37.7); from batch 16 / 65k 4096 is the fastest
+    (bench/results/indexer_s8/multi_chunk_first_look.log, kernel spans of one call)."""
+    seg = 4096
+    while seg > 512 and rows * triton.cdiv(length, seg) < sms:
+        seg //= 2
+    return seg
+
+
 def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None = None, chunk: int | None = None,
                      method: str | None = None, workspace: dict | None = None, num_warps: int | None = None,
                      validate: bool = True):
@@ -420,7 +431,8 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     selection is the answer: the keys above the last bin in increasing index order, then the rest of the selection
     in increasing index order. 64 x 32768 becomes 128 CTAs, then 64 over 8192 candidates each, instead of 64 CTAs on the whole row.
     ``method="multi"`` (the default for longer rows, where the tournament's rounds of few CTAs lose to its
-    parallelism: bench/results/kernels_attention.md): radix select spread over ``T x ceil(L / chunk)`` CTAs,
+    parallelism: bench/results/kernels_attention.md): radix select spread over ``T x ceil(L / chunk)`` CTAs
+    (``chunk`` from :func:`multi_segment_length` on the GPU: at least as many CTAs as SMs where it can),
     4 histogram passes (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with
     deterministic prefix sums: 6 launches. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and
     ``cnt``.
@@ -439,7 +451,8 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     interp = _INTERPRET or logits.device.type != "cuda"
     if method == "segments":
         return _tournament(logits, positions, topk, out, _segment_length(topk, chunk, interp), num_warps, interp)
-    seg = chunk or (64 if interp else 4096)
+    seg = chunk or (64 if interp else multi_segment_length(T, L, torch.cuda.get_device_properties(
+        logits.device).multi_processor_count))
     nseg = max(triton.cdiv(L, seg), triton.cdiv(topk, seg))
     ws = workspace if workspace is not None else {}
     hist = ws.get("hist")
