@@ -332,8 +332,8 @@ def pick_num_splits(units: int, max_len: int, sms: int, max_splits: int = 256) -
     """Split count from shapes only: minimize waves x (64-row tiles per split + a per-split overhead of 2).
 
     ``max_splits`` is 256, not 64, so that one long row fills the GPU: at batch 1 / 32k the 64-split cap left
-    68 of 132 SMs idle, and 128 splits measured 41 us instead of 46 (bf16) and 41 instead of 61 (FP8); at
-    131k, 114 instead of 139 / 205 (bench/results/mla_decode_splits.md)."""
+    68 of 132 SMs idle, and 128 splits measured 34.6 us instead of 45.9 (bf16) and 48.7 instead of 61.6 (FP8); at
+    131k, 82 instead of 138 (bf16) and 148 instead of 206 (FP8) (bench/results/mla_decode_splits.md)."""
     best, best_cost = 1, None
     for s in range(1, max(1, min(max_splits, triton.cdiv(max(max_len, 1), 64))) + 1):
         cost = triton.cdiv(units * s, sms) * (triton.cdiv(max(max_len, 1), s * 64) + 2)
