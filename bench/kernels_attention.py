@@ -286,6 +286,7 @@ def bench_indexer(results):
     from bench.read_stream import paged_read, stream_read
     from fxglm5.lowering.triton import indexer
     from fxglm5.lowering.triton import topk as topk_mod
+    from fxglm5.lowering.triton.device import num_sms
 
     # the ceiling of a kernel that only streams (the logits kernel reads 277 MB and writes 8 MB): a copy's
     # reads and writes share the bus, so this can exceed 100 % of the copy
@@ -337,8 +338,7 @@ def bench_indexer(results):
                                    calls_per_graph=ncalls), bytes_=kbytes)
         if SWEEP:  # the multi radix's segment length, for every shape (the default picks it from T, L, SMs)
             run_logits()  # real scores to select from
-            default_chunk = topk_mod.multi_segment_length(B, L, torch.cuda.get_device_properties(0)
-                                                          .multi_processor_count)
+            default_chunk = topk_mod.multi_segment_length(B, L, num_sms(logits.device))
             for ch in (512, 1024, 2048, 4096, 8192):
                 _row(results, "radix_topk sweep", f"B={B} L={L} method=multi chunk={ch}",
                      time_graph_us(lambda: indexer.topk_from_logits(logits, pos, TOPK, out=top, chunk=ch,

@@ -21,13 +21,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import kernels_attention as ka  # noqa: E402
 from bench.harness import Results, copy_bandwidth_gbs, time_graph_us  # noqa: E402
 from fxglm5.lowering.triton import mla  # noqa: E402
+from fxglm5.lowering.triton.device import num_sms  # noqa: E402
 
 SHAPES = [(1, 8192), (1, 32768), (1, 131072), (2, 32768), (4, 32768), (8, 32768)]
 
 
 def main():
     results = Results(copy_bandwidth_gbs())
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = num_sms(torch.device("cuda"))
     for cdt in (torch.bfloat16, torch.uint8):
         width = 656 if cdt == torch.uint8 else 576
         name = f"mla_decode[{'fp8' if cdt == torch.uint8 else 'bf16'}]"

@@ -26,7 +26,6 @@ loops with runtime bounds, and CI runs these kernels interpreted.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
@@ -35,6 +34,7 @@ import triton
 import triton.language as tl
 
 from fxglm5.lowering.reference import fp8 as ref
+from fxglm5.lowering.triton.device import num_sms
 
 BLOCK_K = 128
 
@@ -229,13 +229,6 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, SPLIT_K: tl.constexpr,
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    if not torch.cuda.is_available():
-        return 4
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 # Regime defaults, the winners of the H200 sweeps (rows "sweep" in bench/results/kernels_gemm_moe*.json);
 # ``fp8_linear(config=...)`` overrides any key. Decode split-K is derived: CTAS_PER_SM CTAs per SM.
 # FIXUP (last CTA reduces in-kernel, one launch) measured equal to the reduce kernel, so it is off.
@@ -298,7 +291,7 @@ def fp8_linear(
     weight = weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
     kg = triton.cdiv(k, 128)
-    sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
+    sms = num_sms(x.device)
     cfg = pick_config(m, n, k, act_quant, sms, config)
     if act_quant and not cfg["fused_quant"]:
         a, a_s, mode = *quantize_act_1x128(x2), 0

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from fxglm5.lowering.reference import paged as ref
+from fxglm5.lowering.triton.device import num_sms
 from fxglm5.lowering.triton.paged_cache import ensure_tma_allocator, interpreter_compat
 
 interpreter_compat()
@@ -318,12 +319,6 @@ def _cache_views(cache):
     return cache, cache, cache, False
 
 
-def _num_sms(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def _pick_block_h(H: int) -> int:
     return max(16, min(64, triton.next_power_of_2(H)))
 
@@ -374,7 +369,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
         max_len = block_table.shape[1] * bs
         stride_pt = 0
     if num_splits is None:
-        num_splits = pick_num_splits(T * n_hb, max_len, _num_sms(q.device))
+        num_splits = pick_num_splits(T * n_hb, max_len, num_sms(q.device))
     split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), 64) * 64
     num_splits = max(1, triton.cdiv(max(max_len, 1), split_len))
     if K == 0 and sparse:
@@ -424,7 +419,7 @@ def dispatch_num_splits(q) -> int | None:
     """1 (no split, the prefill path) when the tokens' head blocks alone fill the GPU twice over; else None
     (split-KV, the count picked from the shapes)."""
     n_hb = triton.cdiv(q.shape[1], _pick_block_h(q.shape[1]))
-    return 1 if q.shape[0] * n_hb >= 2 * _num_sms(q.device) else None
+    return 1 if q.shape[0] * n_hb >= 2 * num_sms(q.device) else None
 
 
 def mla_decode_paged(q, cache, block_table, req_idx, positions, scale: float, *, num_splits: int | None = None,

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
+from fxglm5.lowering.triton.device import num_sms
 from fxglm5.lowering.triton.paged_cache import interpreter_compat
 
 interpreter_compat()
@@ -451,8 +452,7 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     interp = _INTERPRET or logits.device.type != "cuda"
     if method == "segments":
         return _tournament(logits, positions, topk, out, _segment_length(topk, chunk, interp), num_warps, interp)
-    seg = chunk or (64 if interp else multi_segment_length(T, L, torch.cuda.get_device_properties(
-        logits.device).multi_processor_count))
+    seg = chunk or (64 if interp else multi_segment_length(T, L, num_sms(logits.device)))
     nseg = max(triton.cdiv(L, seg), triton.cdiv(topk, seg))
     ws = workspace if workspace is not None else {}
     hist = ws.get("hist")
