@@ -141,6 +141,10 @@ def _time_torch(fn):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# cfg={} launches the generic Triton kernel, autotuned, timed beside the Hopper kernel where that one runs
+TRITON = {}
+
+
 def bench_mla(results):
     from fxglm5.lowering.triton import mla
 
@@ -181,6 +185,9 @@ def bench_mla(results):
                                              torch.arange(ctx, device="cuda").repeat(B), BS).view(B, ctx)
             tus = _time_torch(lambda: _sdpa_gathered(q, cache, slots))
         _row(results, name, shape, us, bytes_=bytes_, flops=flops, torch_us=tus, note=f"cfg={mla.tuned_config()}")
+        if mla._LAST["impl"] == "hopper":  # the generic Triton kernel, side by side
+            us = time_graph_us(lambda: run(TRITON), calls_per_graph=ncalls)
+            _row(results, name + " triton", shape, us, bytes_=bytes_, flops=flops, note=f"cfg={mla.tuned_config()}")
 
     # prefill (causal, one request, 4k new tokens after a 0 / 4k cached prefix)
     for prefix, n in [(0, 4096)] if QUICK else [(0, 4096), (4096, 2048)]:
@@ -191,6 +198,11 @@ def bench_mla(results):
         pos = torch.arange(prefix, ctx, device="cuda", dtype=torch.int32)
         out = torch.empty(n, H, R, device="cuda", dtype=torch.bfloat16)
         us = time_graph_us(lambda: mla.mla_prefill_paged(q, cache, bt, req, pos, SCALE, validate=False, out=out))
+        note = f"cfg={mla.tuned_config()}"
+        if mla._LAST["impl"] == "hopper":
+            tri = time_graph_us(lambda: mla.mla_prefill_paged(q, cache, bt, req, pos, SCALE, validate=False, out=out,
+                                                              cfg=TRITON))
+            note += f"; Triton kernel {tri:.0f} us ({mla.tuned_config()})"
         flops = 2 * H * (D + R) * sum(range(prefix + 1, ctx + 1))
         slots = ref.slots_from_positions(bt, torch.zeros(ctx, dtype=torch.int32, device="cuda"),
                                          torch.arange(ctx, device="cuda"), BS)
@@ -204,7 +216,7 @@ def bench_mla(results):
 
         del rows
         _row(results, "mla_prefill[bf16]", f"T={n} prefix={prefix} H={H}", us, flops=flops, torch_us=_time_torch(tfn),
-             note=f"cfg={mla.tuned_config()}")
+             note=note)
 
 
 def bench_sparse_mla(results):
@@ -243,6 +255,10 @@ def bench_sparse_mla(results):
             tus = _time_torch(lambda: _sdpa_gathered(q, cache, slots))
             _row(results, f"sparse_mla_decode[{tag}]", shape, us, bytes_=bytes_, flops=flops, torch_us=tus,
                  note=f"cfg={mla.tuned_config()}")
+            if mla._LAST["impl"] == "hopper":
+                us = time_graph_us(lambda: run(TRITON), calls_per_graph=ncalls)
+                _row(results, f"sparse_mla_decode[{tag}] triton", shape, us, bytes_=bytes_, flops=flops,
+                     note=f"cfg={mla.tuned_config()}")
 
     # prefill: 8k tokens of one request, each attends to 2048 of its causal window (all of it when shorter)
     T = 8192
@@ -278,8 +294,10 @@ def bench_sparse_mla(results):
             sl = ref._slots_2d(bt, req[:1024], topk[:1024], BS)
             t1 = _time_torch(lambda: _sdpa_gathered(q[:1024], cache, sl, valid=(topk[:1024] >= 0)))
             tus = None if t1 is None else t1 * (T / 1024)
-        _row(results, f"sparse_mla_prefill[{tag}]", shape, us, flops=flops, torch_us=tus,
-             note=f"cfg={mla.tuned_config()}" + ("; torch_us: 1024-token gathered SDPA x 8" if tus else ""))
+        note = f"cfg={mla.tuned_config()}" + ("; torch_us: 1024-token gathered SDPA x 8" if tus else "")
+        if mla._LAST["impl"] == "hopper":
+            note += f"; Triton kernel {time_graph_us(lambda: runp(TRITON)):.0f} us ({mla.tuned_config()})"
+        _row(results, f"sparse_mla_prefill[{tag}]", shape, us, flops=flops, torch_us=tus, note=note)
 
 
 def bench_indexer(results):

@@ -423,6 +423,7 @@ def sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, 
     slots = _slots_2d(block_table, req_idx, topk_pos, bs)  # [T, K]
     valid = slots >= 0
     rows = read_latent_rows(cache, slots.clamp_min(0).reshape(-1), validate=False).view(T, -1, LATENT_DIM)
+    rows = torch.where(valid.unsqueeze(-1), rows, 0.0)  # unused entries read slot 0, whose bytes may be stale (NaN)
     s = torch.einsum("thd,tkd->thk", q.float(), rows) * scale
     s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
     any_valid = valid.any(dim=1)

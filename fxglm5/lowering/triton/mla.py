@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from fxglm5.lowering.reference import paged as ref
+from fxglm5.lowering.triton import mla_hopper
 from fxglm5.lowering.triton.device import num_sms
 from fxglm5.lowering.triton.paged_cache import ensure_tma_allocator, interpreter_compat
 
@@ -308,7 +309,10 @@ _LAST: dict = {}
 
 
 def tuned_config(kernel=None):
-    """The configuration the autotuner picked for the last launch (None before the first GPU call)."""
+    """The launch of the last call: the Hopper kernel's fixed one, or the configuration the autotuner picked
+    (None before the first GPU call)."""
+    if kernel is None and _LAST.get("impl") == "hopper":
+        return dict(kernel="hopper-gluon", BLOCK_N=mla_hopper.BLOCK_N, stages=mla_hopper.STAGES, num_warps=8)
     bc = getattr(kernel or _LAST.get("tuner"), "best_config", None)
     return None if bc is None else dict(bc.kwargs, num_warps=bc.num_warps, num_stages=bc.num_stages)
 
@@ -347,7 +351,10 @@ def _default_cfg(q, sparse):
 
 def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, sparse: bool,
                num_splits: int | None = None, out: torch.Tensor | None = None, cfg: dict | None = None):
-    """Launch the shared MLA kernel (dense or sparse). ``num_splits=None`` picks from the shapes only."""
+    """Launch MLA (dense or sparse). ``num_splits=None`` picks from the shapes only.
+
+    ``cfg=None`` takes the Hopper kernel where it applies (:func:`mla_hopper.supported`), else the Triton
+    kernel autotuned; ``cfg={}`` forces the autotuned Triton kernel, a non-empty ``cfg`` one explicit launch."""
     T, H, _ = q.shape
     R = 512
     if out is None:
@@ -381,6 +388,28 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     else:
         po = torch.empty(T, num_splits, H, R, dtype=torch.float32, device=q.device)
         plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
+    if cfg is None and not _INTERPRET and mla_hopper.supported(q, cache, block_table, sparse=sparse):
+        _LAST["impl"] = "hopper"
+        ensure_tma_allocator()
+        mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len, num_splits,
+                          out, po, plse, sparse=sparse)
+    else:
+        _LAST["impl"] = "triton"
+        _launch_triton(q, cache, c8, c32, c16, fp8, block_table, req_idx, pos_or_topk, stride_pt, K, scale, out,
+                       po, plse, BLOCK_H, n_hb, num_splits, split_len, sparse, direct, cfg)
+    if not direct:
+        S_PAD = max(2, triton.next_power_of_2(num_splits))
+        BLOCK_D = 128 if S_PAD <= 16 else min(64, 4096 // S_PAD)  # at most 4096 partials a program past 16 splits
+        _mla_combine_kernel[(T, H, R // BLOCK_D)](po, plse, out, out.stride(0), out.stride(1), H, num_splits, R=R,
+                                                  S_PAD=S_PAD, BLOCK_D=BLOCK_D, num_warps=4)
+    return out
+
+
+def _launch_triton(q, cache, c8, c32, c16, fp8, block_table, req_idx, pos_or_topk, stride_pt, K, scale, out, po,
+                   plse, BLOCK_H, n_hb, num_splits, split_len, sparse, direct, cfg):
+    """The generic Triton kernel: autotuned on CUDA, a fixed (or the explicit ``cfg``) launch elsewhere."""
+    T, H, _ = q.shape
+    bs = cache.shape[1]
     grid = (T * n_hb, num_splits)
     args = (q, q.stride(0), q.stride(1), c8, c32, c16, block_table, block_table.stride(0), req_idx,
             pos_or_topk, stride_pt, K, out, out.stride(0), out.stride(1), po, plse,
@@ -407,12 +436,6 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
             ensure_tma_allocator()
         _mla_fwd_kernel[grid](*args, **const, BLOCK_N=c["BLOCK_N"], USE_TMA=bool(c.get("USE_TMA", False)),
                               num_warps=c["num_warps"], num_stages=c["num_stages"])
-    if not direct:
-        S_PAD = max(2, triton.next_power_of_2(num_splits))
-        BLOCK_D = 128 if S_PAD <= 16 else min(64, 4096 // S_PAD)  # at most 4096 partials a program past 16 splits
-        _mla_combine_kernel[(T, H, R // BLOCK_D)](po, plse, out, out.stride(0), out.stride(1), H, num_splits, R=R,
-                                                  S_PAD=S_PAD, BLOCK_D=BLOCK_D, num_warps=4)
-    return out
 
 
 def dispatch_num_splits(q) -> int | None:

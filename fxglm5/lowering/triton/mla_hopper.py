@@ -1,0 +1,322 @@
+"""Hopper MLA decode in Gluon: the dense, bf16-cache split-KV decode with the QK^T split across warpgroups.
+
+Same semantics as the ``SPARSE=False`` path of :mod:`fxglm5.lowering.triton.mla` for 64 heads, a bf16 576-value
+latent cache and cache blocks that hold whole 64-row tiles; :func:`supported` says when it applies and
+``launch_mla`` picks it then. It exists because of one layout decision Triton 3.6 makes for the generic kernel
+(bench/results/kernels_attention_NOTES.md, "Duplicated QK^T"): a QK^T whose result feeds P @ V in the same loop
+gets all 8 warps along its 64 rows, so both warpgroups issue the same QK^T MMAs. Gluon states the layouts:
+
+- S = Q K^T [64 heads x 64 keys] is laid out ``warps_per_cta=[4, 2]``: each warpgroup computes 32 of the 64
+  key columns (once), and the row max / sum cross the warpgroups through shared memory;
+- P goes to shared memory once and both warpgroups read it as the A operand of P @ V, each for its own half of
+  every 256-column latent half (``[4, 2]`` over [64 x 256], two accumulators);
+- the queries (64 x 576) stay in shared memory for the whole program; cache tiles arrive by TMA into a ring of
+  two stages, the next tile's copy issued as soon as the previous tile's P @ V has finished with its stage;
+- the MMAs are asynchronous: P @ V of a tile runs while the next tile's QK^T is issued behind it.
+
+Gluon kernels do not run under ``TRITON_INTERPRET=1``, so this path is checked on the GPU only
+(tests/gpu/test_gpu_attention.py, against the reference op and the Triton kernel); the Triton kernel stays the
+CPU-tested path and the fallback for every other shape, dtype and device.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+__all__ = ["supported", "launch"]
+
+H_ALL = 64
+BLOCK_N = 64
+STAGES = 2
+
+
+def supported(q, cache, block_table, *, sparse: bool) -> bool:
+    """Shapes, dtypes and devices the Hopper kernel serves (everything else takes the Triton kernel)."""
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and q.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16 and q.shape[1] == H_ALL
+            and q.shape[2] == 576 and q.stride(2) == 1 and (sparse or cache.shape[1] % BLOCK_N == 0)
+            and cache.is_contiguous() and cache.data_ptr() % 16 == 0)
+
+
+@gluon.jit
+def _stage_queries(q_ptr, q_row, stride_qh, qa_s, qb_s, qpe_s):
+    """The 64 x 576 queries of one token -> three shared-memory operands (latent halves and rope)."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    h = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
+    c = gl.arange(0, 256, layout=gl.SliceLayout(0, ld))
+    cp = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+    base = q_ptr + q_row + h[:, None] * stride_qh
+    qa_s.store(gl.load(base + c[None, :]))
+    qb_s.store(gl.load(base + 256 + c[None, :]))
+    qpe_s.store(gl.load(base + 512 + cp[None, :]))
+
+
+@gluon.jit
+def _issue_dense_tile(j, n_full, start, end, req, bt_ptr, stride_bt, cache_ptr, desc, desc_pe, ka_s, kb_s, kpe_s,
+                      ready, BS: gl.constexpr, BLOCK: gl.constexpr, STAGES_: gl.constexpr):
+    """TMA-copy key tile ``j`` of the split into its stage. A full tile reads through the cache-wide
+    descriptors; the ragged last tile through descriptors that end at the last valid row, so TMA zero-fills the
+    rest (rows past the sequence may hold stale bytes, NaN included, that P @ V would otherwise multiply by 0)."""
+    s = j % STAGES_
+    n0 = start + j * BLOCK
+    row = gl.load(bt_ptr + req * stride_bt + n0 // BS).to(gl.int64) * BS + (n0 % BS)
+    bar = ready.index(s)
+    mbarrier.expect(bar, BLOCK * 576 * 2)
+    if j < n_full:
+        tma.async_copy_global_to_shared(desc, [row.to(gl.int32), 0], bar, ka_s.index(s))
+        tma.async_copy_global_to_shared(desc, [row.to(gl.int32), 256], bar, kb_s.index(s))
+        tma.async_copy_global_to_shared(desc_pe, [row.to(gl.int32), 512], bar, kpe_s.index(s))
+    else:
+        rem = end - n0
+        tail = tma.make_tensor_descriptor(cache_ptr + row * 576, shape=[rem, 576], strides=[576, 1],
+                                          block_shape=[BLOCK, 256], layout=desc.layout)
+        tail_pe = tma.make_tensor_descriptor(cache_ptr + row * 576, shape=[rem, 576], strides=[576, 1],
+                                             block_shape=[BLOCK, 64], layout=desc_pe.layout)
+        tma.async_copy_global_to_shared(tail, [0, 0], bar, ka_s.index(s))
+        tma.async_copy_global_to_shared(tail, [0, 256], bar, kb_s.index(s))
+        tma.async_copy_global_to_shared(tail_pe, [0, 512], bar, kpe_s.index(s))
+
+
+@gluon.jit
+def _gather_part(dst, cache_ptr, slot, valid, col0, NCOL: gl.constexpr, layout: gl.constexpr):
+    """Asynchronous 16-byte copies of columns col0 .. col0+NCOL-1 of the listed rows into ``dst``; invalid rows
+    are zero-filled (cp.async with a zero source size), so they add nothing to P @ V."""
+    c = gl.arange(0, NCOL, layout=gl.SliceLayout(0, layout))
+    ptr = cache_ptr + slot[:, None] * 576 + col0 + c[None, :]
+    async_copy.async_copy_global_to_shared(dst, ptr, mask=valid[:, None])
+
+
+@gluon.jit
+def _issue_sparse_tile(j, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, cache_ptr, ka_s, kb_s,
+                       kpe_s, BS: gl.constexpr, BLOCK: gl.constexpr, STAGES_: gl.constexpr):
+    """Gather the BLOCK listed rows of tile ``j`` (top-k positions through the block table) into its stage with
+    cp.async (one commit group per tile)."""
+    gth: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+    s = j % STAGES_
+    offs = start + j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gth))
+    inside = offs < end
+    p = gl.load(pos_ptr + t64 * stride_pt + offs, mask=inside, other=-1)
+    valid = inside & (p >= 0)
+    p = gl.maximum(p, 0)
+    slot = gl.load(bt_ptr + req * stride_bt + p // BS, mask=valid, other=0).to(gl.int64) * BS + (p % BS)
+    _gather_part(ka_s.index(s), cache_ptr, slot, valid, 0, 256, gth)
+    _gather_part(kb_s.index(s), cache_ptr, slot, valid, 256, 256, gth)
+    _gather_part(kpe_s.index(s), cache_ptr, slot, valid, 512, 64, gth)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _issue_tile(j, n_full, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, cache_ptr, desc, desc_pe,
+                ka_s, kb_s, kpe_s, ready, BS: gl.constexpr, BLOCK: gl.constexpr, STAGES_: gl.constexpr,
+                SPARSE: gl.constexpr):
+    if SPARSE:
+        _issue_sparse_tile(j, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, cache_ptr, ka_s, kb_s,
+                           kpe_s, BS, BLOCK, STAGES_)
+    else:
+        _issue_dense_tile(j, n_full, start, end, req, bt_ptr, stride_bt, cache_ptr, desc, desc_pe, ka_s, kb_s,
+                          kpe_s, ready, BS, BLOCK, STAGES_)
+
+
+@gluon.jit
+def _wait_tile(j, ready, STAGES_: gl.constexpr, SPARSE: gl.constexpr):
+    """Tile ``j`` is in shared memory and visible to the MMAs (TMA: its barrier; cp.async: every thread's
+    copies, then a fence to the async proxy and a CTA barrier)."""
+    if SPARSE:
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+    else:
+        mbarrier.wait(ready.index(j % STAGES_), (j // STAGES_) & 1)
+
+
+@gluon.jit
+def _tile_mask(j, start, end, t64, pos_ptr, stride_pt, layout: gl.constexpr, BLOCK: gl.constexpr,
+               SPARSE: gl.constexpr):
+    """Key columns of tile ``j`` that take part: inside the split, and (sparse) listed (>= 0)."""
+    offs = start + j * BLOCK + gl.arange(0, BLOCK, layout=layout)
+    valid = offs < end
+    if SPARSE:
+        valid = valid & (gl.load(pos_ptr + t64 * stride_pt + offs, mask=valid, other=-1) >= 0)
+    return valid
+
+
+@gluon.jit
+def _issue_qk(qa_s, qb_s, qpe_s, ka_s, kb_s, kpe_s, s, s_l: gl.constexpr, BLOCK: gl.constexpr):
+    """Issue S = Q K^T over the 576 columns of stage ``s`` (three asynchronous MMA groups)."""
+    qk = warpgroup_mma(qa_s, ka_s.index(s).permute((1, 0)), gl.zeros([64, BLOCK], gl.float32, s_l), use_acc=False,
+                       is_async=True)
+    qk = warpgroup_mma(qb_s, kb_s.index(s).permute((1, 0)), qk, is_async=True)
+    return warpgroup_mma(qpe_s, kpe_s.index(s).permute((1, 0)), qk, is_async=True)
+
+
+@gluon.jit
+def _online_softmax(qk, m_i, l_i, sm_scale_log2, j, start, end, t64, pos_ptr, stride_pt, s_l: gl.constexpr,
+                    BLOCK: gl.constexpr, SPARSE: gl.constexpr):
+    """Masked online-softmax step in the exp2 domain -> (P, rescale of the running output, new max, new sum)."""
+    valid = _tile_mask(j, start, end, t64, pos_ptr, stride_pt, gl.SliceLayout(0, s_l), BLOCK, SPARSE)
+    qk = gl.where(valid[None, :], qk * sm_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, 1))
+    if SPARSE:  # a sparse tile may list no valid key
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(qk - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _store_rows(ptr, rows, acc, col0, layout: gl.constexpr):
+    """Store a [64, 256] register tile at ``ptr + rows[h] + col0 + c`` (rows: int64 offsets per head)."""
+    c = gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
+    gl.store(ptr + rows[:, None] + col0 + c[None, :], acc.to(ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _mla_hopper_kernel(
+    q_ptr, stride_qt, stride_qh,
+    cache_ptr, bt_ptr, stride_bt, req_ptr, pos_ptr, stride_pt, K,
+    o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr,
+    sm_scale_log2, split_len, num_splits, n_rows,
+    BS: gl.constexpr, DIRECT: gl.constexpr, SPARSE: gl.constexpr, BLOCK: gl.constexpr, STAGES_: gl.constexpr,
+    OVERLAP_SOFTMAX: gl.constexpr,
+):
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
+    lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], gl.bfloat16)
+    pe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 64], gl.bfloat16)
+    qlat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
+    qpe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+    p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK], gl.bfloat16)
+
+    t = gl.program_id(0)
+    sp = gl.program_id(1)
+    t64 = t.to(gl.int64)
+    req = gl.load(req_ptr + t).to(gl.int64)
+    if SPARSE:
+        n_total = K
+    else:
+        n_total = gl.load(pos_ptr + t).to(gl.int32) + 1
+    start = sp * split_len
+    end = gl.minimum(start + split_len, n_total)
+    n_keys = gl.maximum(end - start, 0)
+    n_full = n_keys // BLOCK
+    n_tiles = (n_keys + BLOCK - 1) // BLOCK
+
+    qa_s = gl.allocate_shared_memory(gl.bfloat16, [64, 256], qlat_l)
+    qb_s = gl.allocate_shared_memory(gl.bfloat16, [64, 256], qlat_l)
+    qpe_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], qpe_l)
+    ka_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, BLOCK, 256], lat_l)
+    kb_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, BLOCK, 256], lat_l)
+    kpe_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, BLOCK, 64], pe_l)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK], p_l)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES_):
+        mbarrier.init(ready.index(i), count=1)
+
+    desc = tma.make_tensor_descriptor(cache_ptr, shape=[n_rows, 576], strides=[576, 1], block_shape=[BLOCK, 256],
+                                      layout=lat_l)
+    desc_pe = tma.make_tensor_descriptor(cache_ptr, shape=[n_rows, 576], strides=[576, 1], block_shape=[BLOCK, 64],
+                                         layout=pe_l)
+    if n_tiles > 0:
+        _issue_tile(0, n_full, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, cache_ptr, desc, desc_pe,
+                    ka_s, kb_s, kpe_s, ready, BS, BLOCK, STAGES_, SPARSE)
+    _stage_queries(q_ptr, t64 * stride_qt, stride_qh, qa_s, qb_s, qpe_s)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
+    acc_a = gl.zeros([64, 256], gl.float32, o_l)
+    acc_b = gl.zeros([64, 256], gl.float32, o_l)
+    # tile 0: QK^T and softmax only (its P @ V is issued behind tile 1's QK^T)
+    if n_tiles > 0:
+        _wait_tile(0, ready, STAGES_, SPARSE)
+        qk = _issue_qk(qa_s, qb_s, qpe_s, ka_s, kb_s, kpe_s, 0, s_l, BLOCK)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        if n_tiles > 1:
+            _issue_tile(1, n_full, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, cache_ptr, desc,
+                        desc_pe, ka_s, kb_s, kpe_s, ready, BS, BLOCK, STAGES_, SPARSE)
+        p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i, sm_scale_log2, 0, start, end, t64, pos_ptr, stride_pt,
+                                             s_l, BLOCK, SPARSE)
+        p_s.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+    for j in range(1, n_tiles):
+        s = j % STAGES_
+        prev = (j - 1) % STAGES_
+        if not OVERLAP_SOFTMAX:  # P @ V of tile j-1 runs while tile j may still be arriving
+            acc_a = warpgroup_mma(p_s, ka_s.index(prev), acc_a, is_async=True)
+            acc_b = warpgroup_mma(p_s, kb_s.index(prev), acc_b, is_async=True)
+        _wait_tile(j, ready, STAGES_, SPARSE)
+        qk = _issue_qk(qa_s, qb_s, qpe_s, ka_s, kb_s, kpe_s, s, s_l, BLOCK)
+        if OVERLAP_SOFTMAX:  # P @ V of tile j-1 runs behind this QK^T, under the softmax
+            acc_a = warpgroup_mma(p_s, ka_s.index(prev), acc_a, is_async=True)
+            acc_b = warpgroup_mma(p_s, kb_s.index(prev), acc_b, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=2, deps=(qk,))
+            p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i, sm_scale_log2, j, start, end, t64, pos_ptr,
+                                                 stride_pt, s_l, BLOCK, SPARSE)
+            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+        else:
+            qk, acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc_a, acc_b))
+        gl.thread_barrier()  # both warpgroups are done with tile j-1's stage and with P
+        if j + 1 < n_tiles:
+            _issue_tile(j + 1, n_full, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, cache_ptr, desc,
+                        desc_pe, ka_s, kb_s, kpe_s, ready, BS, BLOCK, STAGES_, SPARSE)
+        if not OVERLAP_SOFTMAX:
+            p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i, sm_scale_log2, j, start, end, t64, pos_ptr,
+                                                 stride_pt, s_l, BLOCK, SPARSE)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        acc_a = acc_a * alpha_o
+        acc_b = acc_b * alpha_o
+        p_s.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+    if n_tiles > 0:
+        last = (n_tiles - 1) % STAGES_
+        acc_a = warpgroup_mma(p_s, ka_s.index(last), acc_a, is_async=True)
+        acc_b = warpgroup_mma(p_s, kb_s.index(last), acc_b, is_async=True)
+        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
+    for i in gl.static_range(STAGES_):
+        mbarrier.invalidate(ready.index(i))
+
+    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+    inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_l))[:, None]
+    heads = gl.arange(0, 64, layout=gl.SliceLayout(1, o_l)).to(gl.int64)
+    if DIRECT:
+        rows = t64 * stride_ot + heads * stride_oh
+        _store_rows(o_ptr, rows, acc_a * inv, 0, o_l)
+        _store_rows(o_ptr, rows, acc_b * inv, 256, o_l)
+    else:
+        base = (t64 * num_splits + sp) * 64 + heads
+        _store_rows(po_ptr, base * 512, acc_a * inv, 0, o_l)
+        _store_rows(po_ptr, base * 512, acc_b * inv, 256, o_l)
+        lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
+        lse_heads = gl.arange(0, 64, layout=gl.SliceLayout(1, s_l)).to(gl.int64)
+        gl.store(plse_ptr + (t64 * num_splits + sp) * 64 + lse_heads, lse)
+
+
+def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split_len: int, num_splits: int,
+           out, po, plse, *, sparse: bool, overlap_softmax: bool | None = None):
+    """One program per (token, split); writes ``out`` directly at one split, else the partials for the
+    combine kernel of :mod:`fxglm5.lowering.triton.mla`. Dense: ``pos_or_topk`` are the query positions;
+    sparse: the [T, K] listed positions (-1 = unused)."""
+    T = q.shape[0]
+    bs = cache.shape[1]
+    stride_pt, K = (pos_or_topk.stride(0), pos_or_topk.shape[1]) if sparse else (0, 0)
+    _mla_hopper_kernel[(T, num_splits)](
+        q, q.stride(0), q.stride(1), cache, block_table, block_table.stride(0), req_idx, pos_or_topk, stride_pt, K,
+        out, out.stride(0), out.stride(1), po, plse,
+        scale_log2, split_len, num_splits, cache.shape[0] * bs,
+        BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, BLOCK=BLOCK_N, STAGES_=STAGES,
+        OVERLAP_SOFTMAX=num_splits == 1 if overlap_softmax is None else overlap_softmax, num_warps=8)
