@@ -62,14 +62,32 @@ def _stage_queries(q_ptr, q_row, stride_qh, qa_s, qb_s, qpe_s):
 
 
 @gluon.jit
-def _issue_dense_tile(j, n_full, start, end, req, bt_ptr, stride_bt, cache_ptr, desc, desc_pe, ka_s, kb_s, kpe_s,
-                      ready, BS: gl.constexpr, BLOCK: gl.constexpr, STAGES_: gl.constexpr):
-    """TMA-copy key tile ``j`` of the split into its stage. A full tile reads through the cache-wide
+def _tile_rows(j, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS: gl.constexpr,
+               BLOCK: gl.constexpr, SPARSE: gl.constexpr):
+    """Where tile ``j``'s rows are in the cache. Dense: the first row (a tile lies inside one cache block);
+    sparse: the slot of every listed position and whether it is valid. These are dependent global loads (list,
+    then block table), so the kernel issues them for the next tile while this tile's QK^T runs."""
+    if SPARSE:
+        gth: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+        offs = start + j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gth))
+        inside = offs < end
+        p = gl.load(pos_ptr + t64 * stride_pt + offs, mask=inside, other=-1)
+        valid = inside & (p >= 0)
+        p = gl.maximum(p, 0)
+        slot = gl.load(bt_ptr + req * stride_bt + p // BS, mask=valid, other=0).to(gl.int64) * BS + (p % BS)
+        return slot, valid
+    else:
+        n0 = start + j * BLOCK  # past the split for the tile after the last: not read (the table may end)
+        return gl.load(bt_ptr + req * stride_bt + n0 // BS, mask=n0 < end, other=0).to(gl.int64) * BS + (n0 % BS), n0
+
+
+@gluon.jit
+def _issue_dense_tile(row, n0, j, n_full, end, cache_ptr, desc, desc_pe, ka_s, kb_s, kpe_s, ready,
+                      BLOCK: gl.constexpr, STAGES_: gl.constexpr):
+    """TMA-copy the tile starting at cache row ``row`` into its stage. A full tile reads through the cache-wide
     descriptors; the ragged last tile through descriptors that end at the last valid row, so TMA zero-fills the
     rest (rows past the sequence may hold stale bytes, NaN included, that P @ V would otherwise multiply by 0)."""
     s = j % STAGES_
-    n0 = start + j * BLOCK
-    row = gl.load(bt_ptr + req * stride_bt + n0 // BS).to(gl.int64) * BS + (n0 % BS)
     bar = ready.index(s)
     mbarrier.expect(bar, BLOCK * 576 * 2)
     if j < n_full:
@@ -88,43 +106,30 @@ def _issue_dense_tile(j, n_full, start, end, req, bt_ptr, stride_bt, cache_ptr, 
 
 
 @gluon.jit
-def _gather_part(dst, cache_ptr, slot, valid, col0, NCOL: gl.constexpr, layout: gl.constexpr):
+def _gather_part(dst, cache_ptr, slot, valid, col0, NCOL: gl.constexpr):
     """Asynchronous 16-byte copies of columns col0 .. col0+NCOL-1 of the listed rows into ``dst``; invalid rows
     are zero-filled (cp.async with a zero source size), so they add nothing to P @ V."""
-    c = gl.arange(0, NCOL, layout=gl.SliceLayout(0, layout))
+    c = gl.arange(0, NCOL, layout=gl.SliceLayout(0, slot.type.layout.parent))
     ptr = cache_ptr + slot[:, None] * 576 + col0 + c[None, :]
     async_copy.async_copy_global_to_shared(dst, ptr, mask=valid[:, None])
 
 
 @gluon.jit
-def _issue_sparse_tile(j, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, cache_ptr, ka_s, kb_s,
-                       kpe_s, BS: gl.constexpr, BLOCK: gl.constexpr, STAGES_: gl.constexpr):
-    """Gather the BLOCK listed rows of tile ``j`` (top-k positions through the block table) into its stage with
-    cp.async (one commit group per tile)."""
-    gth: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
-    s = j % STAGES_
-    offs = start + j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gth))
-    inside = offs < end
-    p = gl.load(pos_ptr + t64 * stride_pt + offs, mask=inside, other=-1)
-    valid = inside & (p >= 0)
-    p = gl.maximum(p, 0)
-    slot = gl.load(bt_ptr + req * stride_bt + p // BS, mask=valid, other=0).to(gl.int64) * BS + (p % BS)
-    _gather_part(ka_s.index(s), cache_ptr, slot, valid, 0, 256, gth)
-    _gather_part(kb_s.index(s), cache_ptr, slot, valid, 256, 256, gth)
-    _gather_part(kpe_s.index(s), cache_ptr, slot, valid, 512, 64, gth)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _issue_tile(j, n_full, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, cache_ptr, desc, desc_pe,
-                ka_s, kb_s, kpe_s, ready, BS: gl.constexpr, BLOCK: gl.constexpr, STAGES_: gl.constexpr,
-                SPARSE: gl.constexpr):
+def _issue_tile(rows, j, n_full, end, cache_ptr, desc, desc_pe, ka_s, kb_s, kpe_s, ready, BLOCK: gl.constexpr,
+                STAGES_: gl.constexpr, SPARSE: gl.constexpr):
+    """Start copying tile ``j`` (located by :func:`_tile_rows`) into its stage: TMA (dense) or cp.async
+    gathers, one commit group per tile (sparse)."""
     if SPARSE:
-        _issue_sparse_tile(j, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, cache_ptr, ka_s, kb_s,
-                           kpe_s, BS, BLOCK, STAGES_)
+        s = j % STAGES_
+        slot, valid = rows
+        _gather_part(ka_s.index(s), cache_ptr, slot, valid, 0, 256)
+        _gather_part(kb_s.index(s), cache_ptr, slot, valid, 256, 256)
+        _gather_part(kpe_s.index(s), cache_ptr, slot, valid, 512, 64)
+        async_copy.commit_group()
     else:
-        _issue_dense_tile(j, n_full, start, end, req, bt_ptr, stride_bt, cache_ptr, desc, desc_pe, ka_s, kb_s,
-                          kpe_s, ready, BS, BLOCK, STAGES_)
+        row, n0 = rows
+        _issue_dense_tile(row, n0, j, n_full, end, cache_ptr, desc, desc_pe, ka_s, kb_s, kpe_s, ready, BLOCK,
+                          STAGES_)
 
 
 @gluon.jit
@@ -160,10 +165,8 @@ def _issue_qk(qa_s, qb_s, qpe_s, ka_s, kb_s, kpe_s, s, s_l: gl.constexpr, BLOCK:
 
 
 @gluon.jit
-def _online_softmax(qk, m_i, l_i, sm_scale_log2, j, start, end, t64, pos_ptr, stride_pt, s_l: gl.constexpr,
-                    BLOCK: gl.constexpr, SPARSE: gl.constexpr):
+def _online_softmax(qk, valid, m_i, l_i, sm_scale_log2, SPARSE: gl.constexpr):
     """Masked online-softmax step in the exp2 domain -> (P, rescale of the running output, new max, new sum)."""
-    valid = _tile_mask(j, start, end, t64, pos_ptr, stride_pt, gl.SliceLayout(0, s_l), BLOCK, SPARSE)
     qk = gl.where(valid[None, :], qk * sm_scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(qk, 1))
     if SPARSE:  # a sparse tile may list no valid key
@@ -189,7 +192,6 @@ def _mla_hopper_kernel(
     o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr,
     sm_scale_log2, split_len, num_splits, n_rows,
     BS: gl.constexpr, DIRECT: gl.constexpr, SPARSE: gl.constexpr, BLOCK: gl.constexpr, STAGES_: gl.constexpr,
-    OVERLAP_SOFTMAX: gl.constexpr,
 ):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
@@ -229,8 +231,8 @@ def _mla_hopper_kernel(
     desc_pe = tma.make_tensor_descriptor(cache_ptr, shape=[n_rows, 576], strides=[576, 1], block_shape=[BLOCK, 64],
                                          layout=pe_l)
     if n_tiles > 0:
-        _issue_tile(0, n_full, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, cache_ptr, desc, desc_pe,
-                    ka_s, kb_s, kpe_s, ready, BS, BLOCK, STAGES_, SPARSE)
+        _issue_tile(_tile_rows(0, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE),
+                    0, n_full, end, cache_ptr, desc, desc_pe, ka_s, kb_s, kpe_s, ready, BLOCK, STAGES_, SPARSE)
     _stage_queries(q_ptr, t64 * stride_qt, stride_qh, qa_s, qb_s, qpe_s)
     fence_async_shared()
     gl.thread_barrier()
@@ -239,43 +241,29 @@ def _mla_hopper_kernel(
     l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
     acc_a = gl.zeros([64, 256], gl.float32, o_l)
     acc_b = gl.zeros([64, 256], gl.float32, o_l)
-    # tile 0: QK^T and softmax only (its P @ V is issued behind tile 1's QK^T)
-    if n_tiles > 0:
-        _wait_tile(0, ready, STAGES_, SPARSE)
-        qk = _issue_qk(qa_s, qb_s, qpe_s, ka_s, kb_s, kpe_s, 0, s_l, BLOCK)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        if n_tiles > 1:
-            _issue_tile(1, n_full, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, cache_ptr, desc,
-                        desc_pe, ka_s, kb_s, kpe_s, ready, BS, BLOCK, STAGES_, SPARSE)
-        p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i, sm_scale_log2, 0, start, end, t64, pos_ptr, stride_pt,
-                                             s_l, BLOCK, SPARSE)
-        p_s.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-    for j in range(1, n_tiles):
+    # Per tile j: P @ V of tile j-1 is issued first, so it runs while tile j may still be arriving (decode is
+    # bound by the cache read); then QK^T of tile j; while both run, the mask of tile j and the location of tile
+    # j+1 are loaded. After the MMAs, tile j+1's copy goes into the stage tile j-1 used, as early as a two-stage
+    # ring allows. (Issuing P @ V behind QK^T instead, under the softmax, measured 920 vs 732 us at B=64 / 32k:
+    # bench/results/attention_s9/loop_ordering.json.) Tile 0 has no P @ V before it, the last one's follows the
+    # loop, so no MMA is in flight across the loop's back edge (ptxas would serialize the MMAs otherwise).
+    for j in range(n_tiles):
         s = j % STAGES_
-        prev = (j - 1) % STAGES_
-        if not OVERLAP_SOFTMAX:  # P @ V of tile j-1 runs while tile j may still be arriving
+        if j > 0:
+            prev = (j - 1) % STAGES_
             acc_a = warpgroup_mma(p_s, ka_s.index(prev), acc_a, is_async=True)
             acc_b = warpgroup_mma(p_s, kb_s.index(prev), acc_b, is_async=True)
+            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b))
         _wait_tile(j, ready, STAGES_, SPARSE)
         qk = _issue_qk(qa_s, qb_s, qpe_s, ka_s, kb_s, kpe_s, s, s_l, BLOCK)
-        if OVERLAP_SOFTMAX:  # P @ V of tile j-1 runs behind this QK^T, under the softmax
-            acc_a = warpgroup_mma(p_s, ka_s.index(prev), acc_a, is_async=True)
-            acc_b = warpgroup_mma(p_s, kb_s.index(prev), acc_b, is_async=True)
-            qk = warpgroup_mma_wait(num_outstanding=2, deps=(qk,))
-            p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i, sm_scale_log2, j, start, end, t64, pos_ptr,
-                                                 stride_pt, s_l, BLOCK, SPARSE)
-            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
-        else:
-            qk, acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc_a, acc_b))
+        valid = _tile_mask(j, start, end, t64, pos_ptr, stride_pt, gl.SliceLayout(0, s_l), BLOCK, SPARSE)
+        nxt = _tile_rows(j + 1, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE)
+        qk, acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc_a, acc_b))
         gl.thread_barrier()  # both warpgroups are done with tile j-1's stage and with P
         if j + 1 < n_tiles:
-            _issue_tile(j + 1, n_full, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, cache_ptr, desc,
-                        desc_pe, ka_s, kb_s, kpe_s, ready, BS, BLOCK, STAGES_, SPARSE)
-        if not OVERLAP_SOFTMAX:
-            p, alpha, m_i, l_i = _online_softmax(qk, m_i, l_i, sm_scale_log2, j, start, end, t64, pos_ptr,
-                                                 stride_pt, s_l, BLOCK, SPARSE)
+            _issue_tile(nxt, j + 1, n_full, end, cache_ptr, desc, desc_pe, ka_s, kb_s, kpe_s, ready, BLOCK, STAGES_,
+                        SPARSE)
+        p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2, SPARSE)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         acc_a = acc_a * alpha_o
         acc_b = acc_b * alpha_o
@@ -307,7 +295,7 @@ def _mla_hopper_kernel(
 
 
 def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split_len: int, num_splits: int,
-           out, po, plse, *, sparse: bool, overlap_softmax: bool | None = None):
+           out, po, plse, *, sparse: bool):
     """One program per (token, split); writes ``out`` directly at one split, else the partials for the
     combine kernel of :mod:`fxglm5.lowering.triton.mla`. Dense: ``pos_or_topk`` are the query positions;
     sparse: the [T, K] listed positions (-1 = unused)."""
@@ -318,5 +306,4 @@ def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split
         q, q.stride(0), q.stride(1), cache, block_table, block_table.stride(0), req_idx, pos_or_topk, stride_pt, K,
         out, out.stride(0), out.stride(1), po, plse,
         scale_log2, split_len, num_splits, cache.shape[0] * bs,
-        BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, BLOCK=BLOCK_N, STAGES_=STAGES,
-        OVERLAP_SOFTMAX=num_splits == 1 if overlap_softmax is None else overlap_softmax, num_warps=8)
+        BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, BLOCK=BLOCK_N, STAGES_=STAGES, num_warps=8)
