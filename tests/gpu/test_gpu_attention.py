@@ -120,32 +120,39 @@ def _hopper_only():
         pytest.skip("the Gluon kernel targets Hopper (sm_90)")
 
 
-def _nan_stale_cache(lens, seed):
-    """A bf16 latent cache whose unowned rows are NaN (stale bytes): they must never reach an output."""
+def _stale_caches(lens, seed, cdtype):
+    """Two latent caches with the same rows of ``lens``: one whose unowned bytes are 0xFF (NaN as e4m3, bf16
+    and fp32: stale bytes that must never reach an output), one whose unowned bytes are zero."""
     bt, nb = _mk_table(lens, seed=seed)
-    cache = torch.full((nb, BS, 576), float("nan"), dtype=torch.bfloat16, device="cuda")
-    _fill(cache, bt, lens, seed=seed)
-    return cache, bt
+    width = 656 if cdtype == torch.uint8 else 576
+    stale = torch.full((nb, BS, width), 255, dtype=torch.uint8, device="cuda")
+    if cdtype == torch.bfloat16:
+        stale = torch.full((nb, BS, width), float("nan"), dtype=cdtype, device="cuda")
+    clean = torch.zeros(nb, BS, width, dtype=cdtype, device="cuda")
+    _fill(stale, bt, lens, seed=seed)
+    _fill(clean, bt, lens, seed=seed)
+    return stale, clean, bt
 
 
 TRITON_TMA = dict(BLOCK_N=64, num_warps=8, num_stages=2, USE_TMA=True)
 
 
-def test_hopper_mla_decode_matches_reference_and_triton():
-    """The Gluon Hopper kernel (bf16 cache, 64 heads): ragged tails over NaN-filled unowned rows, every split
+@pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
+def test_hopper_mla_decode_matches_reference_and_triton(cdtype):
+    """The Gluon Hopper kernel (64 heads, bf16 and FP8 caches): ragged tails over stale NaN bytes, every split
     count from one (direct store, also the prefill path) to 128, against the reference op; and against the
-    Triton kernel on the same rows with the stale ones zeroed."""
+    Triton kernel on the same rows with the stale bytes zeroed."""
     from fxglm5.lowering.triton import mla, mla_hopper
 
     _hopper_only()
     lens = [1, 63, 64, 65, 700, 2100, 4000, 8191]
-    cache, bt = _nan_stale_cache(lens, seed=5)
+    cache, clean, bt = _stale_caches(lens, 5, cdtype)
     req = torch.arange(len(lens), device="cuda", dtype=torch.int32)
     pos = torch.tensor([l - 1 for l in lens], device="cuda", dtype=torch.int32)
     q = torch.randn(len(lens), H, D, device="cuda", dtype=torch.bfloat16)
     assert mla_hopper.supported(q, cache, bt, sparse=False)
     r = ref.mla_paged(q, cache, bt, req, pos, SCALE)
-    tri = mla.mla_decode_paged(q, cache.nan_to_num(0.0), bt, req, pos, SCALE, cfg=TRITON_TMA)
+    tri = mla.mla_decode_paged(q, clean, bt, req, pos, SCALE, cfg=TRITON_TMA)
     assert mla._LAST["impl"] == "triton"
     for ns in (None, 1, 2, 7, 128):
         o = mla.mla_decode_paged(q, cache, bt, req, pos, SCALE, num_splits=ns)
@@ -161,14 +168,15 @@ def test_hopper_mla_decode_matches_reference_and_triton():
     assert mla._LAST["impl"] == "hopper"
 
 
-def test_hopper_sparse_mla_matches_reference():
-    """Sparse MLA through the Gluon kernel's cp.async gathers: unused (-1) entries, a row with none, NaN stale
-    rows, splits from one to many, and the prefill launch."""
+@pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
+def test_hopper_sparse_mla_matches_reference(cdtype):
+    """Sparse MLA through the Gluon kernel's cp.async gathers: unused (-1) entries, a row with none, tiles with
+    none, stale NaN bytes, splits from one to many, and the prefill launch."""
     from fxglm5.lowering.triton import mla, sparse_mla
 
     _hopper_only()
     lens = [5000, 3000, 1000]
-    cache, bt = _nan_stale_cache(lens, seed=6)
+    cache, clean, bt = _stale_caches(lens, 6, cdtype)
     T = 24
     req = (torch.arange(T) % 3).int().cuda()
     lim = torch.tensor(lens, device="cuda")[req.long()]
@@ -178,23 +186,27 @@ def test_hopper_sparse_mla_matches_reference():
     topk[7, 64:] = -1  # one valid tile, then tiles with no valid entry
     q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
     r = ref.sparse_mla_paged(q, cache, bt, req, topk, SCALE)
+    tri = sparse_mla.sparse_mla_decode_paged(q, clean, bt, req, topk, SCALE, cfg={})
+    assert mla._LAST["impl"] == "triton"
     for ns in (None, 1, 5, 32):
         o = sparse_mla.sparse_mla_decode_paged(q, cache, bt, req, topk, SCALE, num_splits=ns)
         assert mla._LAST["impl"] == "hopper"
         assert torch.isfinite(o).all(), ns
         _close(o, r)
+        _close(o, tri, tol=1e-2)
         assert o[5].abs().max().item() == 0.0
     _close(sparse_mla.sparse_mla_prefill_paged(q, cache, bt, req, topk, SCALE), r)
     assert mla._LAST["impl"] == "hopper"
 
 
-def test_hopper_mla_decode_captures_in_cuda_graph():
+@pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
+def test_hopper_mla_decode_captures_in_cuda_graph(cdtype):
     from fxglm5.lowering.triton import mla
 
     _hopper_only()
     lens = [3000, 1200]
     bt, nb = _mk_table(lens, seed=4)
-    cache = torch.zeros(nb, BS, 576, dtype=torch.bfloat16, device="cuda")
+    cache = torch.zeros(nb, BS, 656 if cdtype == torch.uint8 else 576, dtype=cdtype, device="cuda")
     _fill(cache, bt, lens, seed=4)
     req = torch.tensor([0, 1], device="cuda", dtype=torch.int32)
     pos = torch.tensor([10, 20], device="cuda", dtype=torch.int32)

@@ -1,18 +1,23 @@
-"""Hopper MLA decode in Gluon: the dense, bf16-cache split-KV decode with the QK^T split across warpgroups.
+"""MLA on Hopper in Gluon: dense and sparse, bf16 and FP8 (ds_mla) caches, the QK^T split across warpgroups.
 
-Same semantics as the ``SPARSE=False`` path of :mod:`fxglm5.lowering.triton.mla` for 64 heads, a bf16 576-value
-latent cache and cache blocks that hold whole 64-row tiles; :func:`supported` says when it applies and
-``launch_mla`` picks it then. It exists because of one layout decision Triton 3.6 makes for the generic kernel
-(bench/results/kernels_attention_NOTES.md, "Duplicated QK^T"): a QK^T whose result feeds P @ V in the same loop
-gets all 8 warps along its 64 rows, so both warpgroups issue the same QK^T MMAs. Gluon states the layouts:
+Same semantics as :mod:`fxglm5.lowering.triton.mla` (the reference is
+:func:`fxglm5.lowering.reference.paged.mla_paged` / ``sparse_mla_paged``) for 64 heads; :func:`supported` says
+when it applies and ``launch_mla`` picks it then. It exists because of one layout decision Triton 3.6 makes for
+the generic kernel (bench/results/kernels_attention_NOTES.md, "Duplicated QK^T"): a QK^T whose result feeds
+P @ V in the same loop gets all 8 warps along its 64 rows, so both warpgroups issue the same QK^T MMAs. Gluon
+states the layouts:
 
 - S = Q K^T [64 heads x 64 keys] is laid out ``warps_per_cta=[4, 2]``: each warpgroup computes 32 of the 64
   key columns (once), and the row max / sum cross the warpgroups through shared memory;
 - P goes to shared memory once and both warpgroups read it as the A operand of P @ V, each for its own half of
   every 256-column latent half (``[4, 2]`` over [64 x 256], two accumulators);
-- the queries (64 x 576) stay in shared memory for the whole program; cache tiles arrive by TMA into a ring of
-  two stages, the next tile's copy issued as soon as the previous tile's P @ V has finished with its stage;
-- the MMAs are asynchronous: P @ V of a tile runs while the next tile's QK^T is issued behind it.
+- the queries (64 x 576) stay in shared memory for the whole program; cache tiles arrive in a ring of two
+  stages: TMA boxes for dense attention (a tile is 64 rows of one cache block), cp.async gathers through the
+  block table for sparse attention (invalid rows zero-filled);
+- FP8 rows (512 e4m3 values, four power-of-two scales, 64 bf16 rope values) arrive as they are stored; the
+  warps dequantize a tile into one bf16 buffer that both MMAs read, which frees the stage early, so FP8 keeps
+  two tiles in flight (bf16 one);
+- the MMAs are asynchronous, and the loop order is the one measured fastest (see the kernel).
 
 Gluon kernels do not run under ``TRITON_INTERPRET=1``, so this path is checked on the GPU only
 (tests/gpu/test_gpu_attention.py, against the reference op and the Triton kernel); the Triton kernel stays the
@@ -43,7 +48,7 @@ STAGES = 2
 def supported(q, cache, block_table, *, sparse: bool) -> bool:
     """Shapes, dtypes and devices the Hopper kernel serves (everything else takes the Triton kernel)."""
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-            and q.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16 and q.shape[1] == H_ALL
+            and q.dtype == torch.bfloat16 and cache.dtype in (torch.bfloat16, torch.uint8) and q.shape[1] == H_ALL
             and q.shape[2] == 576 and q.stride(2) == 1 and (sparse or cache.shape[1] % BLOCK_N == 0)
             and cache.is_contiguous() and cache.data_ptr() % 16 == 0)
 
@@ -61,15 +66,21 @@ def _stage_queries(q_ptr, q_row, stride_qh, qa_s, qb_s, qpe_s):
     qpe_s.store(gl.load(base + 512 + cp[None, :]))
 
 
+@gluon.constexpr_function
+def _rows_layout(VEC):
+    """Register layout of a [64, n] tile of cache rows: VEC contiguous elements (16 bytes) per thread, 32 rows a
+    pass. Every row-indexed vector of the kernel's copies lives in its row slice, which is the same for any VEC."""
+    return gl.BlockedLayout([1, VEC], [4, 8], [8, 1], [1, 0])
+
+
 @gluon.jit
 def _tile_rows(j, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS: gl.constexpr,
                BLOCK: gl.constexpr, SPARSE: gl.constexpr):
     """Where tile ``j``'s rows are in the cache. Dense: the first row (a tile lies inside one cache block);
     sparse: the slot of every listed position and whether it is valid. These are dependent global loads (list,
-    then block table), so the kernel issues them for the next tile while this tile's QK^T runs."""
+    then block table), so the kernel issues them for a later tile while this tile's QK^T runs."""
     if SPARSE:
-        gth: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
-        offs = start + j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, gth))
+        offs = start + j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, _rows_layout(8)))
         inside = offs < end
         p = gl.load(pos_ptr + t64 * stride_pt + offs, mask=inside, other=-1)
         valid = inside & (p >= 0)
@@ -77,67 +88,91 @@ def _tile_rows(j, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, B
         slot = gl.load(bt_ptr + req * stride_bt + p // BS, mask=valid, other=0).to(gl.int64) * BS + (p % BS)
         return slot, valid
     else:
-        n0 = start + j * BLOCK  # past the split for the tile after the last: not read (the table may end)
+        n0 = start + j * BLOCK  # past the split for the tiles after the last: not read (the table may end)
         return gl.load(bt_ptr + req * stride_bt + n0 // BS, mask=n0 < end, other=0).to(gl.int64) * BS + (n0 % BS), n0
 
 
 @gluon.jit
-def _issue_dense_tile(row, n0, j, n_full, end, cache_ptr, desc, desc_pe, ka_s, kb_s, kpe_s, ready,
-                      BLOCK: gl.constexpr, STAGES_: gl.constexpr):
-    """TMA-copy the tile starting at cache row ``row`` into its stage. A full tile reads through the cache-wide
-    descriptors; the ragged last tile through descriptors that end at the last valid row, so TMA zero-fills the
-    rest (rows past the sequence may hold stale bytes, NaN included, that P @ V would otherwise multiply by 0)."""
-    s = j % STAGES_
-    bar = ready.index(s)
-    mbarrier.expect(bar, BLOCK * 576 * 2)
-    if j < n_full:
-        tma.async_copy_global_to_shared(desc, [row.to(gl.int32), 0], bar, ka_s.index(s))
-        tma.async_copy_global_to_shared(desc, [row.to(gl.int32), 256], bar, kb_s.index(s))
-        tma.async_copy_global_to_shared(desc_pe, [row.to(gl.int32), 512], bar, kpe_s.index(s))
+def _copy_boxes(d_lat, d_pe, d_sc, r, bar, la, lb, pe, sc, FP8: gl.constexpr, PE_COL: gl.constexpr):
+    """The TMA boxes of one tile at descriptor row ``r``: two latent halves, the rope columns, FP8 scales."""
+    tma.async_copy_global_to_shared(d_lat, [r, 0], bar, la)
+    tma.async_copy_global_to_shared(d_lat, [r, 256], bar, lb)
+    tma.async_copy_global_to_shared(d_pe, [r, PE_COL], bar, pe)
+    if FP8:
+        tma.async_copy_global_to_shared(d_sc, [r, 128], bar, sc)
+
+
+@gluon.jit
+def _row_descs(lat_ptr, pe_ptr, sc_ptr, row0, n_rows, lat_l: gl.constexpr, pe_l: gl.constexpr,
+               sc_l: gl.constexpr, BLOCK: gl.constexpr, FP8: gl.constexpr):
+    """TMA descriptors over cache rows row0 .. row0 + n_rows - 1 (rows past them read as zeros): the latent
+    (576 bf16 / 656 bytes a row), the rope (bf16 view) and the FP8 scales (fp32 view)."""
+    LAT_W: gl.constexpr = 656 if FP8 else 576
+    PE_W: gl.constexpr = 328 if FP8 else 576
+    d_lat = tma.make_tensor_descriptor(lat_ptr + row0 * LAT_W, shape=[n_rows, LAT_W], strides=[LAT_W, 1],
+                                       block_shape=[BLOCK, 256], layout=lat_l)
+    d_pe = tma.make_tensor_descriptor(pe_ptr + row0 * PE_W, shape=[n_rows, PE_W], strides=[PE_W, 1],
+                                      block_shape=[BLOCK, 64], layout=pe_l)
+    if FP8:
+        d_sc = tma.make_tensor_descriptor(sc_ptr + row0 * 164, shape=[n_rows, 164], strides=[164, 1],
+                                          block_shape=[BLOCK, 4], layout=sc_l)
     else:
-        rem = end - n0
-        tail = tma.make_tensor_descriptor(cache_ptr + row * 576, shape=[rem, 576], strides=[576, 1],
-                                          block_shape=[BLOCK, 256], layout=desc.layout)
-        tail_pe = tma.make_tensor_descriptor(cache_ptr + row * 576, shape=[rem, 576], strides=[576, 1],
-                                             block_shape=[BLOCK, 64], layout=desc_pe.layout)
-        tma.async_copy_global_to_shared(tail, [0, 0], bar, ka_s.index(s))
-        tma.async_copy_global_to_shared(tail, [0, 256], bar, kb_s.index(s))
-        tma.async_copy_global_to_shared(tail_pe, [0, 512], bar, kpe_s.index(s))
+        d_sc = d_pe  # no scales
+    return d_lat, d_pe, d_sc
 
 
 @gluon.jit
-def _gather_part(dst, cache_ptr, slot, valid, col0, NCOL: gl.constexpr):
-    """Asynchronous 16-byte copies of columns col0 .. col0+NCOL-1 of the listed rows into ``dst``; invalid rows
-    are zero-filled (cp.async with a zero source size), so they add nothing to P @ V."""
-    c = gl.arange(0, NCOL, layout=gl.SliceLayout(0, slot.type.layout.parent))
-    ptr = cache_ptr + slot[:, None] * 576 + col0 + c[None, :]
-    async_copy.async_copy_global_to_shared(dst, ptr, mask=valid[:, None])
+def _gather_part(dst, ptr, W: gl.constexpr, slot, valid, col0, NCOL: gl.constexpr, VEC: gl.constexpr):
+    """Asynchronous 16-byte copies of columns col0 .. col0+NCOL-1 of the listed rows (row stride W elements)
+    into ``dst``; invalid rows are zero-filled (cp.async with a zero source size), so they add nothing."""
+    lay: gl.constexpr = _rows_layout(VEC)
+    slot = gl.convert_layout(slot, gl.SliceLayout(1, lay))
+    valid = gl.convert_layout(valid, gl.SliceLayout(1, lay))
+    c = gl.arange(0, NCOL, layout=gl.SliceLayout(0, lay))
+    async_copy.async_copy_global_to_shared(dst, ptr + slot[:, None] * W + col0 + c[None, :], mask=valid[:, None])
 
 
 @gluon.jit
-def _issue_tile(rows, j, n_full, end, cache_ptr, desc, desc_pe, ka_s, kb_s, kpe_s, ready, BLOCK: gl.constexpr,
-                STAGES_: gl.constexpr, SPARSE: gl.constexpr):
-    """Start copying tile ``j`` (located by :func:`_tile_rows`) into its stage: TMA (dense) or cp.async
-    gathers, one commit group per tile (sparse)."""
+def _issue_tile(rows, j, n_full, end, lat_ptr, pe_ptr, sc_ptr, descs, la_s, lb_s, pe_s, sc_s, ready,
+                lat_l: gl.constexpr, pe_l: gl.constexpr, sc_l: gl.constexpr, BLOCK: gl.constexpr,
+                STAGES_: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr):
+    """Start copying tile ``j`` (located by :func:`_tile_rows`) into its stage. Sparse: cp.async gathers, one
+    commit group per tile. Dense: TMA boxes; a full tile through the cache-wide descriptors, the ragged last
+    tile through descriptors that end at the last valid row, so TMA zero-fills the rest (rows past the
+    sequence may hold stale bytes, NaN included, that P @ V would otherwise multiply by 0)."""
+    s = j % STAGES_
+    PE_COL: gl.constexpr = 264 if FP8 else 512
     if SPARSE:
-        s = j % STAGES_
         slot, valid = rows
-        _gather_part(ka_s.index(s), cache_ptr, slot, valid, 0, 256)
-        _gather_part(kb_s.index(s), cache_ptr, slot, valid, 256, 256)
-        _gather_part(kpe_s.index(s), cache_ptr, slot, valid, 512, 64)
+        LAT_W: gl.constexpr = 656 if FP8 else 576
+        LAT_VEC: gl.constexpr = 16 if FP8 else 8
+        _gather_part(la_s.index(s), lat_ptr, LAT_W, slot, valid, 0, 256, LAT_VEC)
+        _gather_part(lb_s.index(s), lat_ptr, LAT_W, slot, valid, 256, 256, LAT_VEC)
+        _gather_part(pe_s.index(s), pe_ptr, 328 if FP8 else 576, slot, valid, PE_COL, 64, 8)
+        if FP8:
+            _gather_part(sc_s.index(s), sc_ptr, 164, slot, valid, 128, 4, 4)
         async_copy.commit_group()
     else:
         row, n0 = rows
-        _issue_dense_tile(row, n0, j, n_full, end, cache_ptr, desc, desc_pe, ka_s, kb_s, kpe_s, ready, BLOCK,
-                          STAGES_)
+        bar = ready.index(s)
+        mbarrier.expect(bar, BLOCK * (656 if FP8 else 1152))
+        d_lat, d_pe, d_sc = descs
+        if j < n_full:
+            _copy_boxes(d_lat, d_pe, d_sc, row.to(gl.int32), bar, la_s.index(s), lb_s.index(s), pe_s.index(s),
+                        sc_s.index(s), FP8, PE_COL)
+        else:
+            t_lat, t_pe, t_sc = _row_descs(lat_ptr, pe_ptr, sc_ptr, row, end - n0, lat_l, pe_l, sc_l, BLOCK, FP8)
+            _copy_boxes(t_lat, t_pe, t_sc, 0, bar, la_s.index(s), lb_s.index(s), pe_s.index(s), sc_s.index(s), FP8,
+                        PE_COL)
 
 
 @gluon.jit
-def _wait_tile(j, ready, STAGES_: gl.constexpr, SPARSE: gl.constexpr):
-    """Tile ``j`` is in shared memory and visible to the MMAs (TMA: its barrier; cp.async: every thread's
-    copies, then a fence to the async proxy and a CTA barrier)."""
+def _wait_tile(j, ready, STAGES_: gl.constexpr, SPARSE: gl.constexpr, AHEAD: gl.constexpr):
+    """Tile ``j`` is in shared memory and visible to the MMAs. TMA: its barrier. cp.async: every thread's
+    copies of it (the AHEAD-1 later tiles' commit groups may stay in flight; past the last tile they are
+    empty), a fence to the async proxy, a CTA barrier."""
     if SPARSE:
-        async_copy.wait_group(0)
+        async_copy.wait_group(AHEAD - 1)
         fence_async_shared()
         gl.thread_barrier()
     else:
@@ -156,12 +191,28 @@ def _tile_mask(j, start, end, t64, pos_ptr, stride_pt, layout: gl.constexpr, BLO
 
 
 @gluon.jit
-def _issue_qk(qa_s, qb_s, qpe_s, ka_s, kb_s, kpe_s, s, s_l: gl.constexpr, BLOCK: gl.constexpr):
-    """Issue S = Q K^T over the 576 columns of stage ``s`` (three asynchronous MMA groups)."""
-    qk = warpgroup_mma(qa_s, ka_s.index(s).permute((1, 0)), gl.zeros([64, BLOCK], gl.float32, s_l), use_acc=False,
+def _dequant(src, sc, G0: gl.constexpr):
+    """[BLOCK, 256] e4m3 (columns of scale groups G0, G0+1) x their per-row power-of-two scales -> bf16
+    registers (exact: the cache writer's scales are powers of two)."""
+    lay: gl.constexpr = _rows_layout(16)
+    scl: gl.constexpr = _rows_layout(4)
+    x = src.load(lay)
+    scales = sc.load(scl)
+    g = gl.arange(0, 4, layout=gl.SliceLayout(0, scl))
+    sa = gl.convert_layout(gl.sum(gl.where(g[None, :] == G0, scales, 0.0), 1), gl.SliceLayout(1, lay))
+    sb = gl.convert_layout(gl.sum(gl.where(g[None, :] == G0 + 1, scales, 0.0), 1), gl.SliceLayout(1, lay))
+    cols = gl.arange(0, 256, layout=gl.SliceLayout(0, lay))
+    s2 = gl.where(cols[None, :] < 128, sa[:, None], sb[:, None])
+    return x.to(gl.bfloat16) * s2.to(gl.bfloat16)
+
+
+@gluon.jit
+def _issue_qk(qa_s, qb_s, qpe_s, ka, kb, kpe, s_l: gl.constexpr, BLOCK: gl.constexpr):
+    """Issue S = Q K^T over the 576 columns of one tile (three asynchronous MMA groups)."""
+    qk = warpgroup_mma(qa_s, ka.permute((1, 0)), gl.zeros([64, BLOCK], gl.float32, s_l), use_acc=False,
                        is_async=True)
-    qk = warpgroup_mma(qb_s, kb_s.index(s).permute((1, 0)), qk, is_async=True)
-    return warpgroup_mma(qpe_s, kpe_s.index(s).permute((1, 0)), qk, is_async=True)
+    qk = warpgroup_mma(qb_s, kb.permute((1, 0)), qk, is_async=True)
+    return warpgroup_mma(qpe_s, kpe.permute((1, 0)), qk, is_async=True)
 
 
 @gluon.jit
@@ -188,18 +239,25 @@ def _store_rows(ptr, rows, acc, col0, layout: gl.constexpr):
 @gluon.jit
 def _mla_hopper_kernel(
     q_ptr, stride_qt, stride_qh,
-    cache_ptr, bt_ptr, stride_bt, req_ptr, pos_ptr, stride_pt, K,
+    lat_ptr, pe_ptr, sc_ptr, bt_ptr, stride_bt, req_ptr, pos_ptr, stride_pt, K,
     o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr,
     sm_scale_log2, split_len, num_splits, n_rows,
-    BS: gl.constexpr, DIRECT: gl.constexpr, SPARSE: gl.constexpr, BLOCK: gl.constexpr, STAGES_: gl.constexpr,
+    BS: gl.constexpr, DIRECT: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr, BLOCK: gl.constexpr,
+    STAGES_: gl.constexpr,
 ):
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
-    lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], gl.bfloat16)
+    lat_dt: gl.constexpr = gl.float8e4nv if FP8 else gl.bfloat16
+    lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], lat_dt)
+    kv_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], gl.bfloat16)
     pe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 64], gl.bfloat16)
+    sc_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     qlat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
     qpe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK], gl.bfloat16)
+    # tiles copied ahead: a bf16 stage is read by P @ V until the next tile's MMAs; an FP8 stage only until its
+    # dequantization and QK^T, so FP8 issues the tile after next at that point
+    AHEAD: gl.constexpr = 2 if FP8 else 1
 
     t = gl.program_id(0)
     sp = gl.program_id(1)
@@ -218,21 +276,30 @@ def _mla_hopper_kernel(
     qa_s = gl.allocate_shared_memory(gl.bfloat16, [64, 256], qlat_l)
     qb_s = gl.allocate_shared_memory(gl.bfloat16, [64, 256], qlat_l)
     qpe_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], qpe_l)
-    ka_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, BLOCK, 256], lat_l)
-    kb_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, BLOCK, 256], lat_l)
-    kpe_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, BLOCK, 64], pe_l)
+    la_s = gl.allocate_shared_memory(lat_dt, [STAGES_, BLOCK, 256], lat_l)
+    lb_s = gl.allocate_shared_memory(lat_dt, [STAGES_, BLOCK, 256], lat_l)
+    pe_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, BLOCK, 64], pe_l)
+    if FP8:  # the scales' ring, and the one dequantized bf16 tile both MMAs read
+        sc_s = gl.allocate_shared_memory(gl.float32, [STAGES_, BLOCK, 4], sc_l)
+        ka_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, 256], kv_l)
+        kb_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, 256], kv_l)
+    else:
+        sc_s = pe_s  # unused
+        ka_s = la_s
+        kb_s = lb_s
     p_s = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK], p_l)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES_):
         mbarrier.init(ready.index(i), count=1)
 
-    desc = tma.make_tensor_descriptor(cache_ptr, shape=[n_rows, 576], strides=[576, 1], block_shape=[BLOCK, 256],
-                                      layout=lat_l)
-    desc_pe = tma.make_tensor_descriptor(cache_ptr, shape=[n_rows, 576], strides=[576, 1], block_shape=[BLOCK, 64],
-                                         layout=pe_l)
-    if n_tiles > 0:
-        _issue_tile(_tile_rows(0, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE),
-                    0, n_full, end, cache_ptr, desc, desc_pe, ka_s, kb_s, kpe_s, ready, BLOCK, STAGES_, SPARSE)
+    descs = _row_descs(lat_ptr, pe_ptr, sc_ptr, 0, n_rows, lat_l, pe_l, sc_l, BLOCK, FP8)
+    for i in gl.static_range(AHEAD):
+        if i < n_tiles:
+            _issue_tile(_tile_rows(i, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE),
+                        i, n_full, end, lat_ptr, pe_ptr, sc_ptr, descs, la_s, lb_s, pe_s, sc_s, ready, lat_l, pe_l,
+                        sc_l, BLOCK, STAGES_, SPARSE, FP8)
+        elif SPARSE:
+            async_copy.commit_group()  # an empty group keeps one group per tile for _wait_tile
     _stage_queries(q_ptr, t64 * stride_qt, stride_qh, qa_s, qb_s, qpe_s)
     fence_async_shared()
     gl.thread_barrier()
@@ -242,27 +309,38 @@ def _mla_hopper_kernel(
     acc_a = gl.zeros([64, 256], gl.float32, o_l)
     acc_b = gl.zeros([64, 256], gl.float32, o_l)
     # Per tile j: P @ V of tile j-1 is issued first, so it runs while tile j may still be arriving (decode is
-    # bound by the cache read); then QK^T of tile j; while both run, the mask of tile j and the location of tile
-    # j+1 are loaded. After the MMAs, tile j+1's copy goes into the stage tile j-1 used, as early as a two-stage
-    # ring allows. (Issuing P @ V behind QK^T instead, under the softmax, measured 920 vs 732 us at B=64 / 32k:
-    # bench/results/attention_s9/loop_ordering.json.) Tile 0 has no P @ V before it, the last one's follows the
-    # loop, so no MMA is in flight across the loop's back edge (ptxas would serialize the MMAs otherwise).
+    # bound by the cache read); FP8 then dequantizes tile j into the bf16 tile; then QK^T of tile j; while
+    # it runs, the mask of tile j and the location of tile j+AHEAD are loaded. After the MMAs, that tile's copy
+    # goes into the stage it may reuse. (Issuing P @ V behind QK^T instead, under the softmax, measured 920 vs
+    # 732 us at B=64 / 32k: bench/results/attention_s9/loop_ordering.json.) Tile 0 has no P @ V before it, the
+    # last one's follows the loop, so no MMA is in flight across the loop's back edge (ptxas would serialize the
+    # MMAs otherwise).
     for j in range(n_tiles):
         s = j % STAGES_
+        kv = 0 if FP8 else s
         if j > 0:
-            prev = (j - 1) % STAGES_
+            prev = 0 if FP8 else (j - 1) % STAGES_
             acc_a = warpgroup_mma(p_s, ka_s.index(prev), acc_a, is_async=True)
             acc_b = warpgroup_mma(p_s, kb_s.index(prev), acc_b, is_async=True)
-            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=2, deps=(acc_a, acc_b))
-        _wait_tile(j, ready, STAGES_, SPARSE)
-        qk = _issue_qk(qa_s, qb_s, qpe_s, ka_s, kb_s, kpe_s, s, s_l, BLOCK)
+            # FP8 waits at once: kept in flight over the tile wait, at 255 registers, ptxas serialized the MMAs
+            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0 if FP8 else 2, deps=(acc_a, acc_b))
+        _wait_tile(j, ready, STAGES_, SPARSE, AHEAD)
+        if FP8:
+            gl.thread_barrier()  # both warpgroups are done with the bf16 tile (P @ V of tile j-1)
+            ka_s.index(0).store(_dequant(la_s.index(s), sc_s.index(s), 0))
+            kb_s.index(0).store(_dequant(lb_s.index(s), sc_s.index(s), 2))
+            fence_async_shared()
+            gl.thread_barrier()
+        qk = _issue_qk(qa_s, qb_s, qpe_s, ka_s.index(kv), kb_s.index(kv), pe_s.index(s), s_l, BLOCK)
         valid = _tile_mask(j, start, end, t64, pos_ptr, stride_pt, gl.SliceLayout(0, s_l), BLOCK, SPARSE)
-        nxt = _tile_rows(j + 1, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE)
+        nxt = _tile_rows(j + AHEAD, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE)
         qk, acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc_a, acc_b))
-        gl.thread_barrier()  # both warpgroups are done with tile j-1's stage and with P
-        if j + 1 < n_tiles:
-            _issue_tile(nxt, j + 1, n_full, end, cache_ptr, desc, desc_pe, ka_s, kb_s, kpe_s, ready, BLOCK, STAGES_,
-                        SPARSE)
+        gl.thread_barrier()  # both warpgroups are done with the stage the next copy goes to, and with P
+        if j + AHEAD < n_tiles:
+            _issue_tile(nxt, j + AHEAD, n_full, end, lat_ptr, pe_ptr, sc_ptr, descs, la_s, lb_s, pe_s, sc_s, ready,
+                        lat_l, pe_l, sc_l, BLOCK, STAGES_, SPARSE, FP8)
+        elif SPARSE:
+            async_copy.commit_group()
         p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2, SPARSE)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         acc_a = acc_a * alpha_o
@@ -271,7 +349,7 @@ def _mla_hopper_kernel(
         fence_async_shared()
         gl.thread_barrier()
     if n_tiles > 0:
-        last = (n_tiles - 1) % STAGES_
+        last = 0 if FP8 else (n_tiles - 1) % STAGES_
         acc_a = warpgroup_mma(p_s, ka_s.index(last), acc_a, is_async=True)
         acc_b = warpgroup_mma(p_s, kb_s.index(last), acc_b, is_async=True)
         acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
@@ -301,9 +379,12 @@ def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split
     sparse: the [T, K] listed positions (-1 = unused)."""
     T = q.shape[0]
     bs = cache.shape[1]
+    fp8 = cache.dtype == torch.uint8
+    lat, pe, sc = ((cache.view(torch.float8_e4m3fn), cache.view(torch.bfloat16), cache.view(torch.float32)) if fp8
+                   else (cache, cache, cache))
     stride_pt, K = (pos_or_topk.stride(0), pos_or_topk.shape[1]) if sparse else (0, 0)
     _mla_hopper_kernel[(T, num_splits)](
-        q, q.stride(0), q.stride(1), cache, block_table, block_table.stride(0), req_idx, pos_or_topk, stride_pt, K,
-        out, out.stride(0), out.stride(1), po, plse,
+        q, q.stride(0), q.stride(1), lat, pe, sc, block_table, block_table.stride(0), req_idx, pos_or_topk,
+        stride_pt, K, out, out.stride(0), out.stride(1), po, plse,
         scale_log2, split_len, num_splits, cache.shape[0] * bs,
-        BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, BLOCK=BLOCK_N, STAGES_=STAGES, num_warps=8)
+        BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, FP8=fp8, BLOCK=BLOCK_N, STAGES_=STAGES, num_warps=8)
