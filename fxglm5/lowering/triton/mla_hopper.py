@@ -310,11 +310,11 @@ def _mla_hopper_kernel(
     acc_b = gl.zeros([64, 256], gl.float32, o_l)
     # Per tile j: P @ V of tile j-1 is issued first, so it runs while tile j may still be arriving (decode is
     # bound by the cache read); FP8 then dequantizes tile j into the bf16 tile; then QK^T of tile j; while
-    # it runs, the mask of tile j and the location of tile j+AHEAD are loaded. After the MMAs, that tile's copy
-    # goes into the stage it may reuse. (Issuing P @ V behind QK^T instead, under the softmax, measured 920 vs
-    # 732 us at B=64 / 32k: bench/results/attention_s9/loop_ordering.json.) Tile 0 has no P @ V before it, the
-    # last one's follows the loop, so no MMA is in flight across the loop's back edge (ptxas would serialize the
-    # MMAs otherwise).
+    # it runs, the mask of tile j and the location of tile j+AHEAD are loaded, and as soon as the stage that
+    # tile reuses is free (bf16: after P @ V of tile j-1, while QK^T still runs) its copy is issued. (Issuing
+    # P @ V behind QK^T instead, under the softmax, measured 920 vs 732 us at B=64 / 32k:
+    # bench/results/attention_s9/loop_ordering.json.) Tile 0 has no P @ V before it, the last one's follows the
+    # loop, so no MMA is in flight across the loop's back edge (ptxas would serialize the MMAs otherwise).
     for j in range(n_tiles):
         s = j % STAGES_
         kv = 0 if FP8 else s
@@ -334,13 +334,17 @@ def _mla_hopper_kernel(
         qk = _issue_qk(qa_s, qb_s, qpe_s, ka_s.index(kv), kb_s.index(kv), pe_s.index(s), s_l, BLOCK)
         valid = _tile_mask(j, start, end, t64, pos_ptr, stride_pt, gl.SliceLayout(0, s_l), BLOCK, SPARSE)
         nxt = _tile_rows(j + AHEAD, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE)
-        qk, acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc_a, acc_b))
+        if FP8:  # the next copy reuses this tile's stage, whose rope columns QK^T reads
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
+        else:  # the next copy reuses tile j-1's stage: free once P @ V of tile j-1 is done, QK^T may still run
+            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=3, deps=(acc_a, acc_b))
         gl.thread_barrier()  # both warpgroups are done with the stage the next copy goes to, and with P
         if j + AHEAD < n_tiles:
             _issue_tile(nxt, j + AHEAD, n_full, end, lat_ptr, pe_ptr, sc_ptr, descs, la_s, lb_s, pe_s, sc_s, ready,
                         lat_l, pe_l, sc_l, BLOCK, STAGES_, SPARSE, FP8)
         elif SPARSE:
             async_copy.commit_group()
+        qk, acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc_a, acc_b))
         p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2, SPARSE)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         acc_a = acc_a * alpha_o
