@@ -363,23 +363,14 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    c8, c32, c16, fp8 = _cache_views(cache)
-    bs = cache.shape[1]
     BLOCK_H = (cfg or {}).get("BLOCK_H") or _pick_block_h(H)
     n_hb = triton.cdiv(H, BLOCK_H)
-    if sparse:
-        K = pos_or_topk.shape[1]
-        max_len = K
-        stride_pt = pos_or_topk.stride(0)
-    else:
-        K = 0
-        max_len = block_table.shape[1] * bs
-        stride_pt = 0
+    max_len = pos_or_topk.shape[1] if sparse else block_table.shape[1] * cache.shape[1]
     if num_splits is None:
         num_splits = pick_num_splits(T * n_hb, max_len, num_sms(q.device))
     split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), 64) * 64
     num_splits = max(1, triton.cdiv(max(max_len, 1), split_len))
-    if K == 0 and sparse:
+    if sparse and max_len == 0:
         out.zero_()
         return out
     direct = num_splits == 1
@@ -395,8 +386,8 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
                           out, po, plse, sparse=sparse)
     else:
         _LAST["impl"] = "triton"
-        _launch_triton(q, cache, c8, c32, c16, fp8, block_table, req_idx, pos_or_topk, stride_pt, K, scale, out,
-                       po, plse, BLOCK_H, n_hb, num_splits, split_len, sparse, direct, cfg)
+        _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, plse, BLOCK_H, num_splits,
+                       split_len, sparse, cfg)
     if not direct:
         S_PAD = max(2, triton.next_power_of_2(num_splits))
         BLOCK_D = 128 if S_PAD <= 16 else min(64, 4096 // S_PAD)  # at most 4096 partials a program past 16 splits
@@ -405,11 +396,15 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     return out
 
 
-def _launch_triton(q, cache, c8, c32, c16, fp8, block_table, req_idx, pos_or_topk, stride_pt, K, scale, out, po,
-                   plse, BLOCK_H, n_hb, num_splits, split_len, sparse, direct, cfg):
+def _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, plse, BLOCK_H, num_splits,
+                   split_len, sparse, cfg):
     """The generic Triton kernel: autotuned on CUDA, a fixed (or the explicit ``cfg``) launch elsewhere."""
     T, H, _ = q.shape
     bs = cache.shape[1]
+    c8, c32, c16, fp8 = _cache_views(cache)
+    K, stride_pt = (pos_or_topk.shape[1], pos_or_topk.stride(0)) if sparse else (0, 0)
+    n_hb = triton.cdiv(H, BLOCK_H)
+    direct = num_splits == 1
     grid = (T * n_hb, num_splits)
     args = (q, q.stride(0), q.stride(1), c8, c32, c16, block_table, block_table.stride(0), req_idx,
             pos_or_topk, stride_pt, K, out, out.stride(0), out.stride(1), po, plse,

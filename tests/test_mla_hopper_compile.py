@@ -1,0 +1,80 @@
+"""The Gluon Hopper MLA kernel, compiled for sm_90 without a GPU (Triton's bundled ptxas).
+
+Gluon kernels do not run under TRITON_INTERPRET=1, so CI cannot check their numbers (tests/gpu does, on an
+H200). What CI can check is what made the kernel's speed in the first place and breaks silently when the
+kernel is edited: it compiles for sm_90 in every variant, fits shared memory, does not spill, and ptxas does not
+serialize its asynchronous MMAs (the C7515 warning, which a register move of an in-flight accumulator causes).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from fxglm5.lowering.triton import mla_hopper  # noqa: E402
+
+SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
+
+_POINTERS = ("q_ptr", "lat_ptr", "pe_ptr", "sc_ptr", "bt_ptr", "req_ptr", "pos_ptr", "o_ptr", "po_ptr", "plse_ptr")
+
+
+def _compile(sparse: bool, fp8: bool, direct: bool):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "lat_ptr": "*fp8e4nv" if fp8 else "*bf16",
+           "pe_ptr": "*bf16", "sc_ptr": "*fp32" if fp8 else "*bf16", "bt_ptr": "*i32", "stride_bt": "i32",
+           "req_ptr": "*i32", "pos_ptr": "*i32", "stride_pt": "i32", "K": "i32", "o_ptr": "*bf16",
+           "stride_ot": "i32", "stride_oh": "i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "sm_scale_log2": "fp32",
+           "split_len": "i32", "num_splits": "i32", "n_rows": "i32", "BS": "constexpr", "DIRECT": "constexpr",
+           "SPARSE": "constexpr", "FP8": "constexpr", "BLOCK": "constexpr", "STAGES_": "constexpr"}
+    const = dict(BS=64, DIRECT=direct, SPARSE=sparse, FP8=fp8, BLOCK=mla_hopper.BLOCK_N, STAGES_=mla_hopper.STAGES)
+    names = list(sig)
+    # what the launcher's JIT specializes: 16-byte aligned pointers (supported() requires the cache's)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _POINTERS}
+    src = GluonASTSource(mla_hopper._mla_hopper_kernel, sig, const, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+
+def _report(sparse: bool, fp8: bool, direct: bool) -> dict:
+    """Compile one variant and run ptxas -v on it (in a process where Triton does not interpret: importing
+    triton under TRITON_INTERPRET=1 turns its library functions into interpreted ones)."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    k = _compile(sparse, fp8, direct)
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/k.ptx", "w") as f:
+            f.write(k.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                             capture_output=True, text=True, check=True).stderr
+    return dict(shared=k.metadata.shared, ptxas=log, ptx=k.asm["ptx"])
+
+
+@pytest.mark.parametrize("sparse,fp8,direct", [(False, False, False), (True, False, False), (False, True, False),
+                                               (True, True, False), (True, True, True)])
+def test_hopper_kernel_compiles_without_spills_or_serialized_mmas(sparse, fp8, direct):
+    code = ("import json, sys; from tests.test_mla_hopper_compile import _report; "
+            f"json.dump(_report({sparse}, {fp8}, {direct}), sys.stdout)")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                  env=env, cwd=root).stdout)
+    assert r["shared"] <= SMEM_LIMIT, r["shared"]
+    assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], r["ptxas"]
+    assert "C7515" not in r["ptxas"], r["ptxas"]  # wgmma serialized
+    assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in r["ptx"]  # QK^T: 32 key columns per warpgroup
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in r["ptx"]  # P @ V: 128 columns per warpgroup
+
+
+def test_supported_only_on_hopper_cuda_with_bf16_queries():
+    q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    assert not mla_hopper.supported(q, cache, bt, sparse=False)  # a CPU tensor
