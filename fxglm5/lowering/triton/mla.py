@@ -24,8 +24,10 @@ cache layouts (compute dtype 576 / FP8 ds_mla 656 bytes):
   path: many tokens already fill the machine; queries of a prefill re-read their prefix tiles, mostly from L2).
 The number of splits is a function of the shapes only (``T``, ``H``, the block-table width), never of data,
 so the launch is CUDA-graph safe (no host sync); buffers are sized by the arguments.
-Measured on an H200 (bench/results/kernels_attention.md): bf16 decode at 55 % of the copy bandwidth, FP8 at
-21 %. Two limits of Triton 3.6 on this shape (bench/results/kernels_attention_NOTES.md): a QK^T that feeds
+On Hopper, ``launch_mla`` runs :mod:`fxglm5.lowering.triton.mla_hopper` instead (a Gluon kernel with the same
+semantics, for 64 heads and bf16 queries); this kernel is the CPU-tested path and the fallback everywhere else.
+Measured on an H200 (bench/results/kernels_attention.md): bf16 decode at 54 % of the copy bandwidth, FP8 at
+21 % (the Hopper kernel: 82 % / 27 %). Two limits of Triton 3.6 on this shape (bench/results/kernels_attention_NOTES.md): a QK^T that feeds
 P @ V in the same iteration gets all 8 warps along its 64 rows, so both warpgroups issue the same QK^T MMAs
 (N=32 instructions that re-read the 64 x 576 queries from shared memory); and no warp specialization, so
 loads, softmax and MMAs of one tile do not overlap another's. Moving P @ V one iteration later removes the
