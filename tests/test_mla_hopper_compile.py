@@ -27,7 +27,7 @@ def _compile(sparse: bool, fp8: bool, direct: bool):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "lat_ptr": "*fp8e4nv" if fp8 else "*bf16",
+    sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "H": "i32", "lat_ptr": "*fp8e4nv" if fp8 else "*bf16",
            "pe_ptr": "*bf16", "sc_ptr": "*fp32" if fp8 else "*bf16", "bt_ptr": "*i32", "stride_bt": "i32",
            "req_ptr": "*i32", "pos_ptr": "*i32", "stride_pt": "i32", "K": "i32", "o_ptr": "*bf16",
            "stride_ot": "i32", "stride_oh": "i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "sm_scale_log2": "fp32",

@@ -160,6 +160,9 @@ def test_hopper_mla_decode_matches_reference_and_triton(cdtype):
         assert torch.isfinite(o).all(), ns
         _close(o, r)
         _close(o, tri, tol=1e-2)
+    q16 = q[:, 16:32].contiguous()  # 16 heads (a tensor-parallel shard): padded to the 64 MMA rows
+    _close(mla.mla_decode_paged(q16, cache, bt, req, pos, SCALE), ref.mla_paged(q16, cache, bt, req, pos, SCALE))
+    assert mla._LAST["impl"] == "hopper"
     # prefill with a cached prefix (one split per token: the direct store)
     req = torch.cat([torch.full((300,), 6), torch.full((100,), 5)]).int().cuda()
     pos = torch.cat([torch.arange(1500, 1800), torch.arange(100)]).int().cuda()

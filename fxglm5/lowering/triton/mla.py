@@ -25,7 +25,7 @@ cache layouts (compute dtype 576 / FP8 ds_mla 656 bytes):
 The number of splits is a function of the shapes only (``T``, ``H``, the block-table width), never of data,
 so the launch is CUDA-graph safe (no host sync); buffers are sized by the arguments.
 On Hopper, ``launch_mla`` runs :mod:`fxglm5.lowering.triton.mla_hopper` instead (a Gluon kernel with the same
-semantics, for 64 heads and bf16 queries); this kernel is the CPU-tested path and the fallback everywhere else.
+semantics, for up to 64 heads and bf16 queries); this kernel is the CPU-tested path and the fallback everywhere else.
 Measured on an H200 (bench/results/kernels_attention.md): bf16 decode at 54 % of the copy bandwidth, FP8 at
 21 % (the Hopper kernel: 82 % / 27 %). Two limits of Triton 3.6 on this shape (bench/results/kernels_attention_NOTES.md): a QK^T that feeds
 P @ V in the same iteration gets all 8 warps along its 64 rows, so both warpgroups issue the same QK^T MMAs

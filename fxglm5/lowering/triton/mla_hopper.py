@@ -1,7 +1,8 @@
 """MLA on Hopper in Gluon: dense and sparse, bf16 and FP8 (ds_mla) caches, the QK^T split across warpgroups.
 
 Same semantics as :mod:`fxglm5.lowering.triton.mla` (the reference is
-:func:`fxglm5.lowering.reference.paged.mla_paged` / ``sparse_mla_paged``) for 64 heads; :func:`supported` says
+:func:`fxglm5.lowering.reference.paged.mla_paged` / ``sparse_mla_paged``) for up to 64 heads (GLM-5's 64, or a
+tensor-parallel shard of them, padded to 64 MMA rows); :func:`supported` says
 when it applies and ``launch_mla`` picks it then. It exists because of one layout decision Triton 3.6 makes for
 the generic kernel (bench/results/kernels_attention_NOTES.md, "Duplicated QK^T"): a QK^T whose result feeds
 P @ V in the same loop gets all 8 warps along its 64 rows, so both warpgroups issue the same QK^T MMAs. Gluon
@@ -48,22 +49,24 @@ STAGES = 2
 def supported(q, cache, block_table, *, sparse: bool) -> bool:
     """Shapes, dtypes and devices the Hopper kernel serves (everything else takes the Triton kernel)."""
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-            and q.dtype == torch.bfloat16 and cache.dtype in (torch.bfloat16, torch.uint8) and q.shape[1] == H_ALL
+            and q.dtype == torch.bfloat16 and cache.dtype in (torch.bfloat16, torch.uint8) and q.shape[1] <= H_ALL
             and q.shape[2] == 576 and q.stride(2) == 1 and (sparse or cache.shape[1] % BLOCK_N == 0)
             and cache.is_contiguous() and cache.data_ptr() % 16 == 0)
 
 
 @gluon.jit
-def _stage_queries(q_ptr, q_row, stride_qh, qa_s, qb_s, qpe_s):
-    """The 64 x 576 queries of one token -> three shared-memory operands (latent halves and rope)."""
+def _stage_queries(q_ptr, q_row, stride_qh, H, qa_s, qb_s, qpe_s):
+    """The H x 576 queries of one token -> three shared-memory operands (latent halves and rope); rows past H
+    (fewer heads, e.g. a tensor-parallel shard) are zeros, computed and never stored."""
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
     h = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
     c = gl.arange(0, 256, layout=gl.SliceLayout(0, ld))
     cp = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
     base = q_ptr + q_row + h[:, None] * stride_qh
-    qa_s.store(gl.load(base + c[None, :]))
-    qb_s.store(gl.load(base + 256 + c[None, :]))
-    qpe_s.store(gl.load(base + 512 + cp[None, :]))
+    hm = (h < H)[:, None]
+    qa_s.store(gl.load(base + c[None, :], mask=hm, other=0.0))
+    qb_s.store(gl.load(base + 256 + c[None, :], mask=hm, other=0.0))
+    qpe_s.store(gl.load(base + 512 + cp[None, :], mask=hm, other=0.0))
 
 
 @gluon.constexpr_function
@@ -230,15 +233,15 @@ def _online_softmax(qk, valid, m_i, l_i, sm_scale_log2, SPARSE: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(ptr, rows, acc, col0, layout: gl.constexpr):
-    """Store a [64, 256] register tile at ``ptr + rows[h] + col0 + c`` (rows: int64 offsets per head)."""
+def _store_rows(ptr, rows, hmask, acc, col0, layout: gl.constexpr):
+    """Store the heads ``hmask`` of a [64, 256] register tile at ``ptr + rows[h] + col0 + c`` (int64 rows)."""
     c = gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
-    gl.store(ptr + rows[:, None] + col0 + c[None, :], acc.to(ptr.dtype.element_ty))
+    gl.store(ptr + rows[:, None] + col0 + c[None, :], acc.to(ptr.dtype.element_ty), mask=hmask[:, None])
 
 
 @gluon.jit
 def _mla_hopper_kernel(
-    q_ptr, stride_qt, stride_qh,
+    q_ptr, stride_qt, stride_qh, H,
     lat_ptr, pe_ptr, sc_ptr, bt_ptr, stride_bt, req_ptr, pos_ptr, stride_pt, K,
     o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr,
     sm_scale_log2, split_len, num_splits, n_rows,
@@ -300,7 +303,7 @@ def _mla_hopper_kernel(
                         sc_l, BLOCK, STAGES_, SPARSE, FP8)
         elif SPARSE:
             async_copy.commit_group()  # an empty group keeps one group per tile for _wait_tile
-    _stage_queries(q_ptr, t64 * stride_qt, stride_qh, qa_s, qb_s, qpe_s)
+    _stage_queries(q_ptr, t64 * stride_qt, stride_qh, H, qa_s, qb_s, qpe_s)
     fence_async_shared()
     gl.thread_barrier()
 
@@ -363,17 +366,18 @@ def _mla_hopper_kernel(
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_l))[:, None]
     heads = gl.arange(0, 64, layout=gl.SliceLayout(1, o_l)).to(gl.int64)
+    hmask = heads < H
     if DIRECT:
         rows = t64 * stride_ot + heads * stride_oh
-        _store_rows(o_ptr, rows, acc_a * inv, 0, o_l)
-        _store_rows(o_ptr, rows, acc_b * inv, 256, o_l)
-    else:
-        base = (t64 * num_splits + sp) * 64 + heads
-        _store_rows(po_ptr, base * 512, acc_a * inv, 0, o_l)
-        _store_rows(po_ptr, base * 512, acc_b * inv, 256, o_l)
+        _store_rows(o_ptr, rows, hmask, acc_a * inv, 0, o_l)
+        _store_rows(o_ptr, rows, hmask, acc_b * inv, 256, o_l)
+    else:  # the combine kernel's partial layout: [T, num_splits, H, 512] and [T, num_splits, H]
+        base = (t64 * num_splits + sp) * H + heads
+        _store_rows(po_ptr, base * 512, hmask, acc_a * inv, 0, o_l)
+        _store_rows(po_ptr, base * 512, hmask, acc_b * inv, 256, o_l)
         lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
         lse_heads = gl.arange(0, 64, layout=gl.SliceLayout(1, s_l)).to(gl.int64)
-        gl.store(plse_ptr + (t64 * num_splits + sp) * 64 + lse_heads, lse)
+        gl.store(plse_ptr + (t64 * num_splits + sp) * H + lse_heads, lse, mask=lse_heads < H)
 
 
 def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split_len: int, num_splits: int,
@@ -388,7 +392,7 @@ def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split
                    else (cache, cache, cache))
     stride_pt, K = (pos_or_topk.stride(0), pos_or_topk.shape[1]) if sparse else (0, 0)
     _mla_hopper_kernel[(T, num_splits)](
-        q, q.stride(0), q.stride(1), lat, pe, sc, block_table, block_table.stride(0), req_idx, pos_or_topk,
+        q, q.stride(0), q.stride(1), q.shape[1], lat, pe, sc, block_table, block_table.stride(0), req_idx, pos_or_topk,
         stride_pt, K, out, out.stride(0), out.stride(1), po, plse,
         scale_log2, split_len, num_splits, cache.shape[0] * bs,
         BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, FP8=fp8, BLOCK=BLOCK_N, STAGES_=STAGES, num_warps=8)
