@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 __all__ = ["supported", "launch"]
 
-H_ALL = 64
+MAX_HEADS = 64  # the MMA rows of one program
 BLOCK_N = 64
 STAGES = 2
 
@@ -49,7 +49,7 @@ STAGES = 2
 def supported(q, cache, block_table, *, sparse: bool) -> bool:
     """Shapes, dtypes and devices the Hopper kernel serves (everything else takes the Triton kernel)."""
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
-            and q.dtype == torch.bfloat16 and cache.dtype in (torch.bfloat16, torch.uint8) and q.shape[1] <= H_ALL
+            and q.dtype == torch.bfloat16 and cache.dtype in (torch.bfloat16, torch.uint8) and q.shape[1] <= MAX_HEADS
             and q.shape[2] == 576 and q.stride(2) == 1 and (sparse or cache.shape[1] % BLOCK_N == 0)
             and cache.is_contiguous() and cache.data_ptr() % 16 == 0)
 
@@ -325,7 +325,8 @@ def _mla_hopper_kernel(
             prev = 0 if FP8 else (j - 1) % STAGES_
             acc_a = warpgroup_mma(p_s, ka_s.index(prev), acc_a, is_async=True)
             acc_b = warpgroup_mma(p_s, kb_s.index(prev), acc_b, is_async=True)
-            # FP8 waits at once: kept in flight over the tile wait, at 255 registers, ptxas serialized the MMAs
+            # FP8 waits at once: the dequantization overwrites the bf16 tile this P @ V reads (dequantizing into
+            # registers meanwhile took 255 registers, and ptxas serialized the MMAs)
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0 if FP8 else 2, deps=(acc_a, acc_b))
         _wait_tile(j, ready, STAGES_, SPARSE, AHEAD)
         if FP8:
