@@ -125,9 +125,7 @@ def _stale_caches(lens, seed, cdtype):
     and fp32: stale bytes that must never reach an output), one whose unowned bytes are zero."""
     bt, nb = _mk_table(lens, seed=seed)
     width = 656 if cdtype == torch.uint8 else 576
-    stale = torch.full((nb, BS, width), 255, dtype=torch.uint8, device="cuda")
-    if cdtype == torch.bfloat16:
-        stale = torch.full((nb, BS, width), float("nan"), dtype=cdtype, device="cuda")
+    stale = torch.full((nb, BS, width), 255 if cdtype == torch.uint8 else float("nan"), dtype=cdtype, device="cuda")
     clean = torch.zeros(nb, BS, width, dtype=cdtype, device="cuda")
     _fill(stale, bt, lens, seed=seed)
     _fill(clean, bt, lens, seed=seed)

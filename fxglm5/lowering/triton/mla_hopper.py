@@ -39,6 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from fxglm5.lowering.triton.device import capability
+
 __all__ = ["supported", "launch"]
 
 MAX_HEADS = 64  # the MMA rows of one program
@@ -48,7 +50,7 @@ STAGES = 2
 
 def supported(q, cache, block_table, *, sparse: bool) -> bool:
     """Shapes, dtypes and devices the Hopper kernel serves (everything else takes the Triton kernel)."""
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    return (q.is_cuda and capability(q.device)[0] == 9
             and q.dtype == torch.bfloat16 and cache.dtype in (torch.bfloat16, torch.uint8) and q.shape[1] <= MAX_HEADS
             and q.shape[2] == 576 and q.stride(2) == 1 and (sparse or cache.shape[1] % BLOCK_N == 0)
             and cache.is_contiguous() and cache.data_ptr() % 16 == 0)
