@@ -95,3 +95,26 @@ def test_compute_dtype_latent_with_fp8_indexer_tracks_full_recompute():
     model, _ = model_and_graph("fp8")
     batch = prompts(torch.Generator().manual_seed(3), [28, 10])
     check_close(model, runner("fp8", kv_cache="bf16", index_cache="fp8", block_size=8).run(batch, NEW_TOKENS))
+
+
+def test_bf16_model_gives_the_attention_kernels_bf16_queries(monkeypatch):
+    """The absorbed query reaches the MLA kernels in the model's dtype. A float32 query made a bf16 model's
+    sparse MLA take the generic Triton kernel's float32 dot (no tensor cores) instead of the Hopper kernel:
+    35.6 ms vs 185 us for the lowered step at B=64 / 32k on an H200 (bench/results/attention_s10)."""
+    import fxglm5.lowering.reference.paged as paged
+    from fxglm5.model.config import Glm5Config
+    from fxglm5.runtime.runner import Runner
+    from tests.helpers import random_model
+
+    seen = []
+    sparse_mla = paged.sparse_mla_paged
+
+    def record(q, *args, **kwargs):
+        seen.append(q.dtype)
+        return sparse_mla(q, *args, **kwargs)
+
+    monkeypatch.setattr(paged, "sparse_mla_paged", record)
+    model = random_model(Glm5Config.preset("tiny"), torch.bfloat16)
+    Runner(model, kv_cache="fp8", index_cache="fp8", block_size=16, dtype=torch.bfloat16, max_cache_tokens=64,
+           backend="reference").generate([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38]], 2)
+    assert seen and set(seen) == {torch.bfloat16}, seen

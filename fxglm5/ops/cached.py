@@ -182,10 +182,13 @@ def _(q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, posi
 # latent attention
 # ---------------------------------------------------------------------------------------------------------
 def _absorbed_query(q_nope, q_pe, w_uk) -> Tensor:
-    """float32 [T, H, 576]: ``[q_nope . W_UK | q_pe]``, zero-padded to the latent row layout."""
+    """[T, H, 576] in the model's dtype: ``[q_nope . W_UK | q_pe]`` (the product in float32, then rounded once),
+    zero-padded to the latent row layout. The model's dtype, not float32: a bf16 model's attention kernels take
+    bf16 queries (the Hopper MLA kernel only those), as every MLA serving kernel does; float32 models stay exact."""
     q_abs = torch.einsum("thd,hdr->thr", _flat(q_nope, "q_nope", 4).float(), w_uk.float())
     q_abs = _pad(q_abs, paged.KV_LORA_RANK, "w_uk")
-    return torch.cat([q_abs, _pad(_flat(q_pe, "q_pe", 4).float(), paged.ROPE_DIM, "q_pe")], dim=-1)
+    q_pe = _pad(_flat(q_pe, "q_pe", 4).float(), paged.ROPE_DIM, "q_pe")
+    return torch.cat([q_abs, q_pe], dim=-1).to(q_nope.dtype)
 
 
 def _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table, req_idx,
