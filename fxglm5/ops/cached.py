@@ -182,13 +182,14 @@ def _(q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, posi
 # latent attention
 # ---------------------------------------------------------------------------------------------------------
 def _absorbed_query(q_nope, q_pe, w_uk) -> Tensor:
-    """[T, H, 576] in the model's dtype: ``[q_nope . W_UK | q_pe]`` (the product in float32, then rounded once),
-    zero-padded to the latent row layout. The model's dtype, not float32: a bf16 model's attention kernels take
-    bf16 queries (the Hopper MLA kernel only those), as every MLA serving kernel does; float32 models stay exact."""
-    q_abs = torch.einsum("thd,hdr->thr", _flat(q_nope, "q_nope", 4).float(), w_uk.float())
+    """[T, H, 576] in the model's dtype: ``[q_nope . W_UK | q_pe]``, zero-padded to the latent row layout.
+
+    The model's dtype, not float32: a bf16 model's MLA kernels take bf16 queries (the Hopper kernel only those),
+    as every MLA serving kernel does. The product runs in that dtype too (float32 accumulation, one rounding;
+    a batched GEMM on tensor cores, the constant W_UK never converted per call); float32 models stay exact."""
+    q_abs = torch.einsum("thd,hdr->thr", _flat(q_nope, "q_nope", 4), w_uk.to(q_nope.dtype))
     q_abs = _pad(q_abs, paged.KV_LORA_RANK, "w_uk")
-    q_pe = _pad(_flat(q_pe, "q_pe", 4).float(), paged.ROPE_DIM, "q_pe")
-    return torch.cat([q_abs, q_pe], dim=-1).to(q_nope.dtype)
+    return torch.cat([q_abs, _pad(_flat(q_pe, "q_pe", 4).to(q_abs.dtype), paged.ROPE_DIM, "q_pe")], dim=-1)
 
 
 def _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table, req_idx,
@@ -216,8 +217,9 @@ def _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping
 
 
 def _project_out(o_lat: Tensor, w_uv: Tensor, like: Tensor) -> Tensor:
-    o = torch.einsum("thr,hvr->thv", o_lat[..., : w_uv.shape[2]].float(), w_uv.float())
-    return o.to(like.dtype).reshape(*like.shape[:3], w_uv.shape[1]).contiguous()
+    """[T, H, 512] latent outputs x W_UV -> the value heads, in the model's dtype (as _absorbed_query)."""
+    o = torch.einsum("thr,hvr->thv", o_lat[..., : w_uv.shape[2]].to(like.dtype), w_uv.to(like.dtype))
+    return o.reshape(*like.shape[:3], w_uv.shape[1]).contiguous()
 
 
 def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping, block_table,
