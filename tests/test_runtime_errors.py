@@ -8,6 +8,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fxglm5.errors import CacheFullError, InputError
 from fxglm5.ops.cached import validation, validation_enabled
@@ -171,3 +173,28 @@ def test_block_manager_rejection_changes_nothing_and_prefixes_are_refcounted():
     assert bm.allocate("d", [8] * 10) == 0  # 5 blocks: the 3 free ones, then the 2 cached ones are evicted
     bm.free("d")
     assert bm.allocate("e", [1, 2, 3, 4, 5]) == 0  # evicted: nothing to reuse
+
+
+@given(st.integers(1, 5), st.lists(st.integers(0, 3), min_size=1, max_size=24), st.integers(1, 30))
+def test_block_manager_commits_incrementally_the_keys_of_the_whole_sequence(block_size, prompt, steps):
+    """Committing after every decode step (as the runner does) hashes only the newly filled blocks; the
+    block -> key maps must equal those of one commit of the whole sequence, and a later request must reuse
+    every full block of it."""
+    from fxglm5.runtime.block_manager import BlockManager
+
+    step_by_step, at_once = BlockManager(64, block_size), BlockManager(64, block_size)
+    tokens = list(prompt)
+    for bm in (step_by_step, at_once):
+        bm.allocate("a", tokens)
+    for i in range(steps):
+        step_by_step.commit("a", tokens)
+        tokens.append(i % 4)
+        step_by_step.extend("a", len(tokens))
+    step_by_step.commit("a", tokens)
+    at_once.extend("a", len(tokens))
+    at_once.commit("a", tokens)
+    assert step_by_step._key_of == at_once._key_of and step_by_step._block_of == at_once._block_of
+    full = len(tokens) // block_size
+    assert len(step_by_step._key_of) == full
+    step_by_step.free("a")
+    assert step_by_step.allocate("b", tokens + [0]) == full * block_size

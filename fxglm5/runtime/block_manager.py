@@ -30,14 +30,16 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # ref 0, keyed
         self.tables: dict[object, list[int]] = {}
+        self._committed: dict[object, tuple[int, bytes]] = {}  # per request: full blocks keyed, the last key
 
     @property
     def num_free(self) -> int:
         return len(self._free) + len(self._evictable)
 
-    def _keys(self, tokens, n_blocks: int) -> list[bytes]:
-        keys, digest, bs = [], b"", self.block_size
-        for i in range(n_blocks):
+    def _keys(self, tokens, n_blocks: int, first: int = 0, digest: bytes = b"") -> list[bytes]:
+        """Keys of blocks ``first`` .. ``n_blocks - 1``; ``digest`` is block ``first - 1``'s key (chained)."""
+        keys, bs = [], self.block_size
+        for i in range(first, n_blocks):
             chunk = ",".join(map(str, tokens[i * bs:(i + 1) * bs])).encode()
             digest = hashlib.sha256(digest + b"|" + chunk).digest()
             keys.append(digest)
@@ -91,14 +93,24 @@ class BlockManager:
             table.append(block)
 
     def commit(self, seq_id, tokens) -> None:
-        """Make the full blocks of ``tokens`` (all of them already in the cache) reusable as a prefix."""
+        """Make the full blocks of ``tokens`` (all of them already in the cache) reusable as a prefix.
+
+        Incremental: a request's tokens only grow, so only the blocks filled since its last commit are hashed,
+        chained from the last key (re-hashing the whole sequence every decode step cost O(context) host time
+        per request per step)."""
         table = self.tables[seq_id]
-        for block, key in zip(table, self._keys(tokens, len(tokens) // self.block_size)):
+        done, digest = self._committed.get(seq_id, (0, b""))
+        n_full = len(tokens) // self.block_size
+        keys = self._keys(tokens, n_full, done, digest)
+        for block, key in zip(table[done:n_full], keys):
             if block not in self._key_of and key not in self._block_of:
                 self._key_of[block], self._block_of[key] = key, block
+        if keys:
+            self._committed[seq_id] = (n_full, keys[-1])
 
     def free(self, seq_id) -> None:
         """Release a request's blocks; tail first, so eviction takes a prefix's last blocks before its head."""
+        self._committed.pop(seq_id, None)
         for block in reversed(self.tables.pop(seq_id, [])):
             self._ref[block] -= 1
             if self._ref[block] == 0:

@@ -95,10 +95,11 @@ class Runner:
         return logits[0, ctx.cu_seqlens[1:].long() - 1].float()
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        for seq, row in zip(seqs, logits):
+        next_tokens = logits.argmax(-1).tolist()  # one reduction and one device -> host copy for the batch
+        for seq, row, token in zip(seqs, logits, next_tokens):
             seq.cached = len(seq.tokens)
             self.blocks.commit(seq.id, seq.tokens)
-            seq.output.append(int(row.argmax()))
+            seq.output.append(token)
             if self.keep_logits:
                 seq.logits.append(row)
 
