@@ -48,7 +48,6 @@ def test_paged_runtime_triton_same_tokens_as_reference(kv_cache):
     assert outputs["triton"] == outputs["reference"]
 
 
-
 def _teacher_forced(runner, prompts, forced):
     """Prefill ``prompts`` and decode, feeding ``forced[i][step]`` (not the runner's own argmax) as each next
     token, so two backends see the same token streams; returns the logits [prompts, steps, vocab]."""
