@@ -76,5 +76,4 @@ def test_hopper_kernel_compiles_without_spills_or_serialized_mmas(sparse, fp8, d
 def test_supported_only_on_hopper_cuda_with_bf16_queries():
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
     cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
-    bt = torch.zeros(1, 2, dtype=torch.int32)
-    assert not mla_hopper.supported(q, cache, bt, sparse=False)  # a CPU tensor
+    assert not mla_hopper.supported(q, cache, sparse=False)  # a CPU tensor

@@ -11,7 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fxglm5.lowering.reference.paged as paged
+from fxglm5.model.config import Glm5Config
 from fxglm5.model.generate import greedy_generate
+from fxglm5.runtime.runner import Runner
+from tests.helpers import random_model
 from tests.paged_helpers import model_and_graph, prompts, reference_logits, runner
 
 NEW_TOKENS = 32
@@ -101,11 +105,6 @@ def test_bf16_model_gives_the_attention_kernels_bf16_queries(monkeypatch):
     """The absorbed query reaches the MLA kernels in the model's dtype. A float32 query made a bf16 model's
     sparse MLA take the generic Triton kernel's float32 dot (no tensor cores) instead of the Hopper kernel:
     35.6 ms vs 109 us for the lowered step at B=64 / 32k on an H200 (bench/results/attention_s10)."""
-    import fxglm5.lowering.reference.paged as paged
-    from fxglm5.model.config import Glm5Config
-    from fxglm5.runtime.runner import Runner
-    from tests.helpers import random_model
-
     seen = []
     sparse_mla = paged.sparse_mla_paged
 

@@ -148,7 +148,7 @@ def test_hopper_mla_decode_matches_reference_and_triton(cdtype):
     req = torch.arange(len(lens), device="cuda", dtype=torch.int32)
     pos = torch.tensor([l - 1 for l in lens], device="cuda", dtype=torch.int32)
     q = torch.randn(len(lens), H, D, device="cuda", dtype=torch.bfloat16)
-    assert mla_hopper.supported(q, cache, bt, sparse=False)
+    assert mla_hopper.supported(q, cache, sparse=False)
     r = ref.mla_paged(q, cache, bt, req, pos, SCALE)
     tri = mla.mla_decode_paged(q, clean, bt, req, pos, SCALE, cfg=TRITON_TMA)
     assert mla._LAST["impl"] == "triton"

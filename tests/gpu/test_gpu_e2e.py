@@ -73,7 +73,7 @@ def test_paged_runtime_hopper_mla_matches_reference(kv_cache, monkeypatch):
     from fxglm5.lowering.triton import mla_hopper
 
     if not mla_hopper.supported(torch.zeros(1, 16, 576, dtype=torch.bfloat16, device="cuda"),
-                                torch.zeros(2, 64, 576, dtype=torch.bfloat16, device="cuda"), None, sparse=True):
+                                torch.zeros(2, 64, 576, dtype=torch.bfloat16, device="cuda"), sparse=True):
         pytest.skip("the Hopper MLA kernel needs sm_90")
     calls = []
     launch = mla_hopper.launch

@@ -381,7 +381,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     else:
         po = torch.empty(T, num_splits, H, R, dtype=torch.float32, device=q.device)
         plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
-    if cfg is None and not _INTERPRET and mla_hopper.supported(q, cache, block_table, sparse=sparse):
+    if cfg is None and not _INTERPRET and mla_hopper.supported(q, cache, sparse=sparse):
         _LAST["impl"] = "hopper"
         ensure_tma_allocator()
         mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len, num_splits,

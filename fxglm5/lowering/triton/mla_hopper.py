@@ -48,7 +48,7 @@ BLOCK_N = 64
 STAGES = 2
 
 
-def supported(q, cache, block_table, *, sparse: bool) -> bool:
+def supported(q, cache, *, sparse: bool) -> bool:
     """Shapes, dtypes and devices the Hopper kernel serves (everything else takes the Triton kernel)."""
     return (q.is_cuda and capability(q.device)[0] == 9
             and q.dtype == torch.bfloat16 and cache.dtype in (torch.bfloat16, torch.uint8) and q.shape[1] <= MAX_HEADS
