@@ -21,7 +21,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import Results, copy_bandwidth_gbs, events_us, rotating, time_graph_us  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Results, capture_graph, copy_bandwidth_gbs, events_us, kernel_times, rotating, time_graph_us,
+)
 from fxglm5.lowering.reference import paged as ref  # noqa: E402
 
 H, R, DR, D = 64, 512, 64, 576
@@ -410,11 +412,69 @@ def bench_cache_write(results):
                  bytes_=T * (576 * 2 + width), torch_us=tus)
 
 
+def _device_span_us(fn):
+    """Device time of one captured ``fn()``: first kernel start to last kernel end (torch.profiler over graph
+    replays). Kernels of 1-10 us sit below the ~10 us floor that timing a whole graph replay has, and three
+    chained kernels against one fused kernel is exactly what that floor would hide."""
+    return kernel_times(capture_graph(fn), replays=30)[1]
+
+
+def bench_norm_rope_fusion(results):
+    """The RMSNorm / RoPE (/ LayerNorm) that produce the cached values, three ways at GLM-5 widths (bf16 model),
+    in device time: the model's torch ops + the plain write (torch_us), the standalone Triton kernels + the plain
+    write (note), and everything inside one cache-write / query-assembly kernel (us). Rows are read from strided
+    splits, as the graph hands them over."""
+    from fxglm5.lowering.reference import norm_rope as nr
+    from fxglm5.lowering.triton import norm_rope as tnr
+    from fxglm5.lowering.triton import paged_cache as pc
+
+    def row(kernel, shape, fused, split, eager, bytes_, what="standalone Triton kernels"):
+        _row(results, kernel, shape, _device_span_us(fused), bytes_=bytes_,
+             torch_us=None if NO_TORCH else _device_span_us(eager),
+             note=f"device span; {what} {_device_span_us(split):.2f} us")
+
+    for T in (64, 8192):
+        kv = torch.randn(T, R + DR, dtype=torch.bfloat16).cuda()
+        kv_c, k_pe = kv[:, :R], kv[:, R:]
+        norm = (1 + 0.1 * torch.randn(R)).bfloat16().cuda(), 1e-6
+        angles = torch.rand(T, 1) * 1000 * torch.logspace(0, -6, DR // 2)[None]
+        rope = angles.cos().cuda(), angles.sin().cuda()
+        slots = torch.arange(T, device="cuda") + BS
+        for cdt, width in ((torch.bfloat16, 576), (torch.uint8, 656)):
+            cache = torch.zeros(T // BS + 8, BS, width, dtype=cdt, device="cuda")
+            row(f"write_latent_cache[{'fp8' if cdt == torch.uint8 else 'bf16'}]+rmsnorm+rope", f"T={T}",
+                lambda: pc.write_latent_cache(cache, kv_c, k_pe, slots, validate=False, norm=norm, rope=rope),
+                lambda: pc.write_latent_cache(cache, tnr.rms_norm(kv_c, *norm, validate=False),
+                                              tnr.rope_interleaved(k_pe[:, None], *rope, validate=False)[:, 0], slots,
+                                              validate=False),
+                lambda: pc.write_latent_cache(cache, nr.rms_norm(kv_c, *norm), nr.rope_interleaved(k_pe, *rope), slots,
+                                              validate=False),
+                T * ((R + DR) * 2 + width))
+        k = torch.randn(T, 128, dtype=torch.bfloat16).cuda()
+        ln = (1 + 0.1 * torch.randn(128)).bfloat16().cuda(), (0.1 * torch.randn(128)).bfloat16().cuda(), 1e-6
+        icache = torch.zeros(T // BS + 8, BS, 132, dtype=torch.uint8, device="cuda")
+        row("write_indexer_cache+layernorm+rope", f"T={T}",
+            lambda: pc.write_indexer_cache(icache, k, slots, validate=False, norm=ln, rope=rope),
+            lambda: pc.write_indexer_cache(icache, tnr.rope_interleaved(nr.layer_norm(k, *ln)[:, None], *rope,
+                                                                        validate=False)[:, 0], slots, validate=False),
+            lambda: pc.write_indexer_cache(icache, nr.rope_interleaved(nr.layer_norm(k, *ln), *rope), slots,
+                                           validate=False),
+            T * (128 * 2 + 132), what="torch LayerNorm + Triton RoPE + write")
+        if T == 64:  # the query assembly: decode batch 64, 64 heads
+            q_abs = torch.randn(H, T, R, dtype=torch.bfloat16).cuda().transpose(0, 1)
+            q_pe = torch.randn(T, H, 192, dtype=torch.bfloat16).cuda()[..., 128:]
+            row("latent_query+rope", f"T={T} H={H}", lambda: pc.latent_query(q_abs, q_pe, rope),
+                lambda: pc.latent_query(q_abs, tnr.rope_interleaved(q_pe, *rope, validate=False)),
+                lambda: torch.cat([q_abs, nr.rope_interleaved(q_pe, *rope)], dim=-1),
+                T * H * (R + DR) * 2 * 2, what="Triton RoPE + assembly")
+
+
 SECTIONS = {
     "mla": bench_mla,
     "sparse_mla": bench_sparse_mla,
     "indexer": bench_indexer,
     "cache_write": bench_cache_write,
+    "norm_rope": bench_norm_rope_fusion,
 }
 
 try:  # also reachable as `python bench/kernels.py --only mla,sparse_mla,...` (harness sections take (results, args))

@@ -60,7 +60,7 @@ def paged_read(cache: torch.Tensor, block_table: torch.Tensor, blocks_per_progra
     """Read every block a ``[rows, blocks]`` block table names from a block-major ``[blocks, BS, 132]`` uint8
     indexer cache, in the logits kernel's order and box shape: the ceiling for its access pattern (random 8 KB
     key runs plus 256-byte scale runs, not one sequential stream)."""
-    from fxglm5.lowering.triton.paged_cache import ensure_tma_allocator
+    from fxglm5.lowering.triton.device import ensure_tma_allocator
 
     bs = cache.shape[1]
     words = cache.view(torch.int32)

@@ -55,12 +55,17 @@ def test_tiny_model_counts_signature_and_outputs():
     gm = capture(model)
     run_pipeline(gm, PassContext(config=cfg), stages=("match", "fuse"))
     canonical = copy.deepcopy(gm)
-    (result,) = run_pipeline(gm, PassContext(config=cfg, strict=True), stages=("cache",))
+    result, folded = run_pipeline(gm, PassContext(config=cfg, strict=True), stages=("cache",))
     assert (result.name, result.num_matches, result.expected) == ("insert_paged_cache", 4, 4)
     assert result.details == {"indexers": 4}
+    # 4 MLA ops (kv norm + q/k RoPE each) and 4 indexers (k LayerNorm + RoPE each)
+    assert (folded.name, folded.num_matches, folded.expected) == ("fuse_norm_rope_into_cache_writes", 8, 8)
+    assert folded.details == {"norms": 8, "ropes": 12}
     ops = op_histogram(gm)
     assert not any(op in ops for op in CANONICAL_ATTENTION)
     assert ops["fxglm5.rtp_sparse_mla"] == 4 and ops["fxglm5.rtp_indexer"] == 4 and "fxglm5.rtp_mla" not in ops
+    # left: 4 norms per layer + the final one, less the 4 folded kv norms; the 4 indexer query RoPEs
+    assert ops["fxglm5.rms_norm"] == 13 and ops["fxglm5.rope_interleaved"] == 4 and "aten.layer_norm" not in ops
     caches = [f"{kind}_cache_{i}" for i in range(4) for kind in ("kv", "index")]
     assert placeholders(gm) == ["input_ids", "position_ids", "slot_mapping", "block_table", "req_idx", *caches]
     assert gm.meta["paged_cache"].cache_names == caches
@@ -95,13 +100,19 @@ class DenseMLA(nn.Module):
         self.kv_c, self.k_pe = nn.Linear(width, rank), nn.Linear(width, dr)
         self.w_uk = nn.Parameter(torch.randn(heads, dn, rank) * 0.2)
         self.w_uv = nn.Parameter(torch.randn(heads, dv, rank) * 0.2)
+        self.kv_norm = nn.Parameter(1 + 0.1 * torch.randn(rank))
 
     def forward(self, input_ids, position_ids):
         b, s = input_ids.shape
         h, dn, dr = self.shape
         x = self.emb(input_ids) + 0.1 * position_ids[..., None].float()
-        out = torch.ops.fxglm5.mla(self.q_nope(x).view(b, s, h, dn), self.q_pe(x).view(b, s, h, dr), self.kv_c(x),
-                                   self.k_pe(x), self.w_uk, self.w_uv, 0.3)
+        angles = position_ids[..., None].float() * torch.linspace(1.0, 0.01, dr // 2)
+        cos, sin = angles.cos(), angles.sin()
+        rope = torch.ops.fxglm5.rope_interleaved
+        q_pe = rope(self.q_pe(x).view(b, s, h, dr), cos, sin)
+        k_pe = rope(self.k_pe(x).view(b, s, 1, dr), cos, sin).squeeze(2)
+        kv_c = torch.ops.fxglm5.rms_norm(self.kv_c(x), self.kv_norm, 1e-6)
+        out = torch.ops.fxglm5.mla(self.q_nope(x).view(b, s, h, dn), q_pe, kv_c, k_pe, self.w_uk, self.w_uv, 0.3)
         return out.reshape(b, s, -1)
 
 
@@ -109,10 +120,12 @@ def test_dense_mla_becomes_rtp_mla():
     torch.manual_seed(0)
     model = DenseMLA().requires_grad_(False)
     gm = capture(model)
-    (result,) = run_pipeline(gm, PassContext(), stages=("cache",))
+    result, folded = run_pipeline(gm, PassContext(), stages=("cache",))
     assert result.num_matches == 1 and result.details == {"indexers": 0}
+    assert folded.num_matches == 1 and folded.details == {"norms": 1, "ropes": 2}
     ops = op_histogram(gm)
     assert ops.get("fxglm5.rtp_mla") == 1 and "fxglm5.mla" not in ops
+    assert "fxglm5.rms_norm" not in ops and "fxglm5.rope_interleaved" not in ops
     assert placeholders(gm)[-1] == "kv_cache_0"
     ids, req, pos, table, slots, used = flat_batch([6, 3], 2, 50, torch.Generator().manual_seed(1))
     out = gm(torch.cat(ids)[None], pos[None], slots, table, req, torch.zeros(used, 2, 576))

@@ -643,7 +643,7 @@ def test_write_bad_inputs(mod):
     with pytest.raises(InputError, match="slot_mapping"):
         mod.write_latent_cache(cache, kv, pe, torch.tensor([4]))
     with pytest.raises(InputError, match="kv_c"):
-        mod.write_latent_cache(cache, torch.randn(2, 500), pe, sl)
+        mod.write_latent_cache(cache, torch.randn(2, 520), pe, sl)
     with pytest.raises(InputError, match="k_pe"):
         mod.write_latent_cache(cache, kv, torch.randn(3, DR), sl)
     with pytest.raises(InputError, match="cache"):
@@ -653,7 +653,7 @@ def test_write_bad_inputs(mod):
     kc = torch.zeros(3, 4, 132, dtype=torch.uint8)
     mod.write_indexer_cache(kc, torch.randn(2, 128), sl)
     with pytest.raises(InputError, match="k"):
-        mod.write_indexer_cache(kc, torch.randn(2, 64), sl)
+        mod.write_indexer_cache(kc, torch.randn(2, 130), sl)
     with pytest.raises(InputError, match="cache"):
         mod.write_indexer_cache(torch.zeros(3, 4, 128, dtype=torch.uint8), torch.randn(2, 128), sl)
     with pytest.raises(InputError, match="slot_mapping"):

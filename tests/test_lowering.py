@@ -27,7 +27,8 @@ def test_lowered_tiny_matches_eager(backend):
     cfg = Glm5Config.preset("tiny")
     model, gm, lowered = _lowered(cfg, backend)
     assert lowered.num_matches == sum(lowered.ops_before.get(f"fxglm5.{op}", 0) for op in
-                                      ("fp8_linear", "moe_route", "moe_fp8", "indexer_topk", "sparse_mla"))
+                                      ("fp8_linear", "moe_route", "moe_fp8", "indexer_topk", "sparse_mla", "rms_norm",
+                                       "rope_interleaved"))
     assert lowered.details["backends"].startswith(backend)
     assert not any(str(n.target).startswith("fxglm5.") for n in gm.graph.nodes if n.op == "call_function")
     ids, pos = torch.randint(0, cfg.vocab_size, (1, 9)), torch.arange(9)[None]

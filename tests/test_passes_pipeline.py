@@ -11,7 +11,7 @@ from fxglm5.model.config import Glm5Config
 from fxglm5.passes import PassContext, PassManager, op_histogram, run_pipeline
 from fxglm5.passes.registry import REGISTRY
 
-GENERIC_LEFTOVERS = ("aten.softmax", "aten._softmax", "aten.einsum", "aten.sigmoid")
+GENERIC_LEFTOVERS = ("aten.softmax", "aten._softmax", "aten.einsum", "aten.sigmoid", "aten.rsqrt", "aten.stack")
 
 
 def _tiny(fp8: bool, shared: bool = False) -> Glm5Config:
@@ -52,6 +52,8 @@ def test_pipeline_rewrites_everything_float32(fp8, shared):
     n_full = sum(cfg.has_indexer(i) for i in range(cfg.num_hidden_layers))
     assert ops["fxglm5.sparse_mla"] == cfg.num_hidden_layers and ops["fxglm5.indexer_topk"] == n_full
     assert ops["fxglm5.moe_fp8"] == 3 and ops.get("fxglm5.fp8_linear", 0) == ((36 - 4 * shared) if fp8 else 0)
+    assert ops["fxglm5.rms_norm"] == 4 * cfg.num_hidden_layers + 1
+    assert ops["fxglm5.rope_interleaved"] == 2 * cfg.num_hidden_layers + 2 * n_full
     # Prompt longer than index_topk (8) and a position offset: the selection really selects.
     ids, pos = _inputs(cfg, offset=5)
     assert rel_err(gm(ids, pos), model(ids, pos)) < 1e-4
@@ -103,9 +105,10 @@ def test_dump_dir_writes_before_after_and_summary(tmp_path):
     gm = capture(random_model(cfg))
     PassManager(PassContext(config=cfg), dump_dir=str(tmp_path)).run(gm)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert "00_match_sparse_mla.before.py" in names and "03_fuse_fp8_moe.after.py" in names
+    assert "00_match_sparse_mla.before.py" in names and "05_fuse_fp8_moe.after.py" in names
     summary = (tmp_path / "summary.txt").read_text().splitlines()
-    assert [line.split()[1] for line in summary] == ["match_sparse_mla", "match_mla", "fuse_fp8_linear", "fuse_fp8_moe"]
+    assert [line.split()[1] for line in summary] == [
+        "match_sparse_mla", "match_mla", "match_rms_norm", "match_rope", "fuse_fp8_linear", "fuse_fp8_moe"]
     assert "torch.ops.fxglm5.sparse_mla" in (tmp_path / "00_match_sparse_mla.after.py").read_text()
 
 
@@ -113,3 +116,16 @@ def test_registry_has_stages_and_source_hashes():
     specs = {name: spec for name, spec in REGISTRY.items()}
     assert specs["match_sparse_mla"].stage == "match" and specs["fuse_fp8_moe"].stage == "fuse"
     assert len({s.source_hash for s in specs.values()}) == len(specs)
+
+
+def test_disabled_passes_are_skipped_and_unknown_names_refused(monkeypatch):
+    cfg = _tiny(True)
+    gm = capture(random_model(cfg))
+    monkeypatch.setenv("FXGLM5_DISABLE_PASSES", "match_rope")
+    results = PassManager(PassContext(config=cfg, disabled=("match_rms_norm",))).run(gm)
+    assert [r.name for r in results] == ["match_sparse_mla", "match_mla", "fuse_fp8_linear", "fuse_fp8_moe"]
+    ops = op_histogram(gm)
+    assert "fxglm5.rms_norm" not in ops and "fxglm5.rope_interleaved" not in ops and ops["aten.rsqrt"] == 17
+    monkeypatch.setenv("FXGLM5_DISABLE_PASSES", "match_ropes")
+    with pytest.raises(PassError, match="match_ropes"):
+        PassManager(PassContext(config=cfg))

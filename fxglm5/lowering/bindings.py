@@ -76,6 +76,36 @@ def _fp8_linear_aiter(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     return out.view(*lead, weight.shape[0])
 
 
+# ---- Triton: RMSNorm and RoPE -------------------------------------------------------------------------
+def _norm_supported(x, weight, eps):
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"x is {x.dtype}"
+    return _cuda_or_interpreted(x, weight)
+
+
+@register("rms_norm", "triton", _norm_supported)
+def _rms_norm_triton(x, weight, eps):
+    from fxglm5.lowering.triton.norm_rope import rms_norm
+
+    return rms_norm(x, weight, eps)
+
+
+def _rope_supported(x, cos, sin):
+    if x.shape[-1] % 2:
+        return f"an odd feature count ({x.shape[-1]})"
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"x is {x.dtype}"
+    return _cuda_or_interpreted(x, cos, sin)
+
+
+@register("rope_interleaved", "triton", _rope_supported)
+def _rope_triton(x, cos, sin):
+    from fxglm5.lowering.triton.norm_rope import rope_interleaved
+    from fxglm5.ops.canonical import flat_rope_args
+
+    return rope_interleaved(*flat_rope_args(x, cos, sin), validate=False).view(x.shape)
+
+
 # ---- Triton: the cached RTP attention ops (paged caches) -------------------------------------------
 def _paged_supported(cache_arg: int):
     def check(*args):

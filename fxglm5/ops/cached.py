@@ -21,6 +21,14 @@ Signatures (q/k/kv tensors have leading dims [N, S] with N * S = T; the graph us
   ``q = [q_nope . W_UK | q_pe]`` over the listed positions, ``o = o_lat . W_UV^T``.
 - ``rtp_mla(...)``: the same without ``topk_pos``, attending to every cached position 0..positions[t].
 
+Optional trailing arguments fold the producers of the cached values into the ops (see the pass
+``fuse_norm_rope_into_cache_writes``), so a Triton backend computes them inside the cache write and the
+query assembly instead of as separate kernels; absent, the inputs are taken as final:
+- ``rope_cos`` / ``rope_sin`` f32 [N,S,dr/2]: q_pe and k_pe (rtp_*mla) or the first dr features of k
+  (rtp_indexer) arrive un-rotated; interleaved RoPE is applied to them.
+- ``kv_norm_weight`` [R], ``kv_norm_eps`` (rtp_*mla): kv_c arrives before its RMSNorm.
+- ``k_norm_weight`` / ``k_norm_bias`` [D], ``k_norm_eps`` (rtp_indexer): k arrives before its LayerNorm.
+
 Cache layouts are RTP's (``fxglm5.lowering.reference.paged``): latent rows of 576 in the compute dtype or
 656-byte FP8 "ds_mla" rows, an indexer cache of 132 bytes per token (block-major: a block's e4m3 keys, then
 their fp32 scales). An indexer cache may instead
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -142,24 +151,38 @@ def _check_index_cache(cache: Tensor) -> None:
         raise InputError("index_cache: must be contiguous")
 
 
-def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions, max_positions):
+def _rope(cos, sin) -> tuple[Tensor, Tensor] | None:
+    if cos is None and sin is None:
+        return None
+    if cos is None or sin is None:
+        raise InputError("rope_cos / rope_sin: give both or neither")
+    return _flat(cos, "rope_cos", 3), _flat(sin, "rope_sin", 3)
+
+
+def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions, max_positions,
+                 rope_cos=None, rope_sin=None, k_norm_weight=None, k_norm_bias=None, k_norm_eps=0.0):
     """rtp_indexer's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
     qf = _pad(_flat(q, "q", 4), paged.INDEX_DIM, "q")
-    kf = _pad(_flat(k, "k", 3), paged.INDEX_DIM, "k")
+    kf = _flat(k, "k", 3)
     wf = _flat(weights, "weights", 3)
+    rope = _rope(rope_cos, rope_sin)
+    norm = None if k_norm_weight is None else (k_norm_weight, k_norm_bias, k_norm_eps)
     fp8 = index_cache.dtype == torch.uint8
     if validation_enabled():
         _check_index_cache(index_cache)
         check_context(index_cache, slot_mapping, block_table, req_idx, positions, max_positions)
+        if norm is not None and k_norm_bias is None:
+            raise InputError("k_norm_bias: required with k_norm_weight (the indexer's LayerNorm)")
         if fp8:
-            paged.validate_write_indexer_cache(index_cache, kf, slot_mapping)
+            paged.validate_write_indexer_cache(index_cache, kf, slot_mapping, norm, rope)
             paged.validate_indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk)
         elif kf.shape[0] != slot_mapping.shape[0] or tuple(wf.shape) != tuple(qf.shape[:2]):
             raise InputError(f"k/weights: shapes {tuple(k.shape)} / {tuple(weights.shape)} do not fit q {tuple(q.shape)}")
     if fp8:
-        kern.write_indexer_cache(index_cache, kf, slot_mapping, validate=False)
+        kern.write_indexer_cache(index_cache, kf, slot_mapping, validate=False, norm=norm, rope=rope)
         out = kern.indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk, validate=False)
     else:
+        kf = paged.prepare_index_keys(kf, norm, rope)
         keep = slot_mapping >= 0
         index_cache.view(-1, paged.INDEX_DIM)[slot_mapping[keep].long()] = kf[keep].to(index_cache.dtype)
         out = _compute_index_topk(qf, wf, index_cache, block_table, req_idx, positions, topk)
@@ -168,36 +191,42 @@ def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_tab
 
 @torch.library.custom_op("fxglm5::rtp_indexer", mutates_args=("index_cache",))
 def rtp_indexer(q: Tensor, k: Tensor, weights: Tensor, topk: int, index_cache: Tensor, slot_mapping: Tensor,
-                block_table: Tensor, req_idx: Tensor, positions: Tensor, max_positions: int) -> Tensor:
+                block_table: Tensor, req_idx: Tensor, positions: Tensor, max_positions: int,
+                rope_cos: Optional[Tensor] = None, rope_sin: Optional[Tensor] = None,
+                k_norm_weight: Optional[Tensor] = None, k_norm_bias: Optional[Tensor] = None,
+                k_norm_eps: float = 0.0) -> Tensor:
     return indexer_step(paged, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions,
-                        max_positions)
+                        max_positions, rope_cos, rope_sin, k_norm_weight, k_norm_bias, k_norm_eps)
 
 
 @rtp_indexer.register_fake
-def _(q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions, max_positions):
+def _(q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions, max_positions, *folded):
     return q.new_empty(q.shape[0], q.shape[1], topk, dtype=torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # latent attention
 # ---------------------------------------------------------------------------------------------------------
-def _absorbed_query(q_nope, q_pe, w_uk) -> Tensor:
-    """[T, H, 576] in the model's dtype: ``[q_nope . W_UK | q_pe]``, zero-padded to the latent row layout.
+def _absorbed_query(q_nope, w_uk) -> Tensor:
+    """[T, H, R] ``q_nope . W_UK`` in the model's dtype.
 
     The model's dtype, not float32: a bf16 model's MLA kernels take bf16 queries (the Hopper kernel only those),
     as every MLA serving kernel does. The product runs in that dtype too (float32 accumulation, one rounding;
     a batched GEMM on tensor cores, the constant W_UK never converted per call); float32 models stay exact."""
-    q_abs = torch.einsum("thd,hdr->thr", _flat(q_nope, "q_nope", 4), w_uk.to(q_nope.dtype))
-    q_abs = _pad(q_abs, paged.KV_LORA_RANK, "w_uk")
-    return torch.cat([q_abs, _pad(_flat(q_pe, "q_pe", 4).to(q_abs.dtype), paged.ROPE_DIM, "q_pe")], dim=-1)
+    return torch.einsum("thd,hdr->thr", _flat(q_nope, "q_nope", 4), w_uk.to(q_nope.dtype))
 
 
-def _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table, req_idx,
-                    positions, max_positions):
-    """Validate everything, then return (q_abs, kv rows, k_pe rows) ready for the paged reference."""
+def _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table, req_idx,
+                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps):
+    """Validate everything, then return the [T, H, 576] queries and ``write()``, which stores this step's rows.
+
+    The write is deferred so that the caller validates its attention arguments (which need the queries)
+    before anything already cached is touched."""
+    rope = _rope(rope_cos, rope_sin)
+    norm = None if kv_norm_weight is None else (kv_norm_weight, kv_norm_eps)
+    kv, pe = _flat(kv_c, "kv_c", 3), _flat(k_pe, "k_pe", 3)
     if validation_enabled():
-        for name, t, nd in (("q_nope", q_nope, 4), ("q_pe", q_pe, 4), ("kv_c", kv_c, 3), ("k_pe", k_pe, 3),
-                            ("w_uk", w_uk, 3), ("w_uv", w_uv, 3)):
+        for name, t, nd in (("q_nope", q_nope, 4), ("q_pe", q_pe, 4), ("w_uk", w_uk, 3), ("w_uv", w_uv, 3)):
             if not isinstance(t, Tensor) or t.dim() != nd:
                 raise InputError(f"{name}: expected {nd} dims, got {tuple(getattr(t, 'shape', ()))}")
         if w_uk.shape[0] != q_nope.shape[2] or w_uk.shape[1] != q_nope.shape[3] or w_uk.shape[2] != kv_c.shape[2]:
@@ -207,13 +236,20 @@ def _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping
             raise InputError(f"w_uv: shape {tuple(w_uv.shape)} does not fit w_uk {tuple(w_uk.shape)}")
         if q_pe.shape[-1] != k_pe.shape[-1]:
             raise InputError(f"k_pe: rope dim {k_pe.shape[-1]} != q_pe's {q_pe.shape[-1]}")
+        if q_pe.shape[-1] > paged.ROPE_DIM or w_uk.shape[2] > paged.KV_LORA_RANK:
+            raise InputError(f"q_pe / w_uk: widths {q_pe.shape[-1]} / {w_uk.shape[2]} exceed the cache layout's "
+                             f"{paged.ROPE_DIM} / {paged.KV_LORA_RANK}")
+        if rope is not None and 2 * rope[0].shape[-1] != q_pe.shape[-1]:
+            raise InputError(f"rope_cos: rotates {2 * rope[0].shape[-1]} features, q_pe / k_pe have {q_pe.shape[-1]}")
         paged._validate_latent_cache(kv_cache, "kv_cache")
         check_context(kv_cache, slot_mapping, block_table, req_idx, positions, max_positions)
-    kv = _pad(_flat(kv_c, "kv_c", 3), paged.KV_LORA_RANK, "kv_c")
-    pe = _pad(_flat(k_pe, "k_pe", 3), paged.ROPE_DIM, "k_pe")
-    if validation_enabled():
-        paged.validate_write_latent_cache(kv_cache, kv, pe, slot_mapping)
-    return _absorbed_query(q_nope, q_pe, w_uk), kv, pe
+        paged.validate_write_latent_cache(kv_cache, kv, pe, slot_mapping, norm, rope)
+    q = kern.latent_query(_absorbed_query(q_nope, w_uk), _flat(q_pe, "q_pe", 4), rope)
+
+    def write():
+        kern.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False, norm=norm, rope=rope)
+
+    return q, write
 
 
 def _project_out(o_lat: Tensor, w_uv: Tensor, like: Tensor) -> Tensor:
@@ -223,16 +259,17 @@ def _project_out(o_lat: Tensor, w_uv: Tensor, like: Tensor) -> Tensor:
 
 
 def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping, block_table,
-                    req_idx, positions, max_positions):
+                    req_idx, positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None,
+                    kv_norm_eps=0.0):
     """rtp_sparse_mla's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
-    q, kv, pe = _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
-                                req_idx, positions, max_positions)
+    q, write = _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
+                               req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps)
     top = _flat(topk_pos, "topk_pos", 3)
     if validation_enabled():
         paged.validate_sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale)
         if top.numel() and bool((top.long() > positions.long()[:, None]).any()):
             raise InputError("topk_pos: a selected position lies after its query's position (not causal)")
-    kern.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False)
+    write()
     o_lat = kern.sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale, validate=False)
     return _project_out(o_lat, w_uv, q_nope)
 
@@ -240,25 +277,28 @@ def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale,
 @torch.library.custom_op("fxglm5::rtp_sparse_mla", mutates_args=("kv_cache",))
 def rtp_sparse_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_uk: Tensor, w_uv: Tensor,
                    topk_pos: Tensor, scale: float, kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor,
-                   req_idx: Tensor, positions: Tensor, max_positions: int) -> Tensor:
+                   req_idx: Tensor, positions: Tensor, max_positions: int, rope_cos: Optional[Tensor] = None,
+                   rope_sin: Optional[Tensor] = None, kv_norm_weight: Optional[Tensor] = None,
+                   kv_norm_eps: float = 0.0) -> Tensor:
     return sparse_mla_step(paged, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping,
-                           block_table, req_idx, positions, max_positions)
+                           block_table, req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight,
+                           kv_norm_eps)
 
 
 @rtp_sparse_mla.register_fake
 def _(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping, block_table, req_idx,
-      positions, max_positions):
+      positions, max_positions, *folded):
     return q_nope.new_empty(*q_nope.shape[:3], w_uv.shape[1])
 
 
 def mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table, req_idx,
-             positions, max_positions):
+             positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None, kv_norm_eps=0.0):
     """rtp_mla's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
-    q, kv, pe = _prepare_latent(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
-                                req_idx, positions, max_positions)
+    q, write = _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
+                               req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps)
     if validation_enabled():
         paged.validate_mla_paged(q, kv_cache, block_table, req_idx, positions, scale)
-    kern.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False)
+    write()
     o_lat = kern.mla_paged(q, kv_cache, block_table, req_idx, positions, scale, validate=False)
     return _project_out(o_lat, w_uv, q_nope)
 
@@ -266,14 +306,15 @@ def mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_m
 @torch.library.custom_op("fxglm5::rtp_mla", mutates_args=("kv_cache",))
 def rtp_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float,
             kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor, req_idx: Tensor, positions: Tensor,
-            max_positions: int) -> Tensor:
-    return mla_step(paged, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table,
-                    req_idx, positions, max_positions)
+            max_positions: int, rope_cos: Optional[Tensor] = None, rope_sin: Optional[Tensor] = None,
+            kv_norm_weight: Optional[Tensor] = None, kv_norm_eps: float = 0.0) -> Tensor:
+    return mla_step(paged, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table, req_idx,
+                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps)
 
 
 @rtp_mla.register_fake
 def _(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table, req_idx, positions,
-      max_positions):
+      max_positions, *folded):
     return q_nope.new_empty(*q_nope.shape[:3], w_uv.shape[1])
 
 

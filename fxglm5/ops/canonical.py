@@ -20,6 +20,9 @@ Signatures (B = batch, S = sequence, H = heads, R = kv_lora_rank, dn/dr/dv = nop
   lightning indexer, score = sum_h weights * relu(q . k) with every scale folded into weights; -1 pads.
 - ``sparse_mla(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_indices int32 [B,S,K], scale) -> [B,S,H,dv]``:
   ``mla`` restricted to the selected keys.
+- ``rms_norm(x [..., D], weight [D], eps) -> [..., D]``: RMSNorm in x's dtype (float32 statistics).
+- ``rope_interleaved(x [B,S,H,D], cos f32 [B,S,R/2], sin) -> [B,S,H,D]``: RoPE on the first R features
+  (interleaved pairs), the rest passed through.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fxglm5.errors import InputError
 from fxglm5.lowering.reference import attention as ref_attn
 from fxglm5.lowering.reference import fp8 as ref_fp8
+from fxglm5.lowering.reference import norm_rope as ref_norm_rope
 
 
 @torch.library.custom_op("fxglm5::fp8_linear", mutates_args=())
@@ -116,6 +121,38 @@ def _(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_indices, scale):
     return q_nope.new_empty(*q_nope.shape[:3], w_uv.shape[1])
 
 
+@torch.library.custom_op("fxglm5::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    ref_norm_rope.validate_rms_norm(x, weight, eps)
+    return ref_norm_rope.rms_norm(x, weight, eps).contiguous()
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def flat_rope_args(x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The canonical [B, S, H, D] / [B, S, R/2] rope arguments as [T, H, D] / [T, R/2] (validated)."""
+    if x.dim() != 4 or cos.dim() != 3 or tuple(cos.shape[:2]) != tuple(x.shape[:2]):
+        raise InputError(f"rope_interleaved: expected x [B, S, H, D] and cos [B, S, R/2], got "
+                         f"{tuple(x.shape)} / {tuple(cos.shape)}")
+    x, cos, sin = x.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1)
+    ref_norm_rope.validate_rope(x, cos, sin)
+    return x, cos, sin
+
+
+@torch.library.custom_op("fxglm5::rope_interleaved", mutates_args=())
+def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    flat = flat_rope_args(x, cos, sin)
+    return ref_norm_rope.rope_interleaved(*flat).view(x.shape)
+
+
+@rope_interleaved.register_fake
+def _(x, cos, sin):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 CANONICAL_OPS = {
     "fp8_linear": torch.ops.fxglm5.fp8_linear.default,
     "moe_route": torch.ops.fxglm5.moe_route.default,
@@ -123,4 +160,6 @@ CANONICAL_OPS = {
     "mla": torch.ops.fxglm5.mla.default,
     "indexer_topk": torch.ops.fxglm5.indexer_topk.default,
     "sparse_mla": torch.ops.fxglm5.sparse_mla.default,
+    "rms_norm": torch.ops.fxglm5.rms_norm.default,
+    "rope_interleaved": torch.ops.fxglm5.rope_interleaved.default,
 }

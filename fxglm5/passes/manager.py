@@ -3,6 +3,8 @@
 After every pass: dead code is removed, the graph is linted and recompiled, and (with
 ``FXGLM5_DUMP_DIR``) the graph before and after is written as readable Python plus one summary line.
 ``strict=True`` turns a pass that finds fewer matches than the model must have into a PassError.
+``FXGLM5_DISABLE_PASSES=name,name`` (or ``PassContext.disabled``) skips passes by name: an A/B switch for
+measuring what a pass buys in the same run, and a way around a pass suspected of a miscompile.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class PassContext:
     act_quant: bool = False  # W8A8 (dynamic 1x128 activation quantization) in fused FP8 GEMMs
     strict: bool = False
     backend: Optional[str] = None  # lower stage: "triton" | "aiter" | "reference" | None (auto)
+    disabled: tuple[str, ...] = ()  # pass names to skip (added to FXGLM5_DISABLE_PASSES)
     extras: dict = dataclasses.field(default_factory=dict)
 
 
@@ -84,7 +87,11 @@ def cleanup(gm: fx.GraphModule) -> None:
 class PassManager:
     def __init__(self, ctx: PassContext | None = None, stages=STAGES[:2], dump_dir: str | None = None):
         self.ctx = ctx or PassContext()
-        self.passes: list[PassSpec] = passes_for(stages)
+        disabled = {*self.ctx.disabled, *filter(None, os.environ.get("FXGLM5_DISABLE_PASSES", "").split(","))}
+        unknown = disabled - {spec.name for spec in passes_for(STAGES)}
+        if unknown:
+            raise PassError(f"FXGLM5_DISABLE_PASSES / PassContext.disabled: no pass named {sorted(unknown)}")
+        self.passes: list[PassSpec] = [spec for spec in passes_for(stages) if spec.name not in disabled]
         dump_dir = dump_dir or os.environ.get("FXGLM5_DUMP_DIR")
         self.dump_dir = Path(dump_dir) if dump_dir else None
 

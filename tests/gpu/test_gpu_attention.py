@@ -86,6 +86,63 @@ def test_cache_writes_match_reference(cdtype):
     assert torch.equal(k1, k2)
 
 
+def _mostly_equal(a, b, rtol):
+    """Within ``rtol`` everywhere and bit-equal almost everywhere (only a differently ordered sum, or a fused
+    multiply-add, may move a value by one rounding)."""
+    a, b = a.float(), b.float()
+    torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item())
+    assert (a == b).float().mean() > 0.97
+
+
+def _rope_tables(T, half):
+    angles = torch.arange(T, device="cuda")[:, None].float() * 1e6 ** (-torch.arange(half, device="cuda") / half)
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
+def test_fused_norm_rope_writes_at_glm5_sizes(cdtype):
+    """RMSNorm + RoPE (+ FP8) inside the cache writes and the query assembly vs the unfused torch chain."""
+    from fxglm5.lowering.reference import norm_rope as nr
+    from fxglm5.lowering.triton import norm_rope as tnr
+    from fxglm5.lowering.triton import paged_cache as pc
+
+    nb, T = 40, 300
+    width = 656 if cdtype == torch.uint8 else 576
+    fused, unfused = (torch.zeros(nb, BS, width, dtype=cdtype, device="cuda") for _ in range(2))
+    slots = torch.randperm((nb - 1) * BS, device="cuda")[:T] + BS
+    slots[::7] = -1
+    kv = torch.randn(T, R + DR, device="cuda", dtype=torch.bfloat16) * 4  # kv_a_proj's output, split
+    norm = (1 + 0.1 * torch.randn(R, device="cuda")).bfloat16(), 1e-6
+    rope = _rope_tables(T, DR // 2)
+    pc.write_latent_cache(fused, kv[:, :R], kv[:, R:], slots, norm=norm, rope=rope)
+    ref.write_latent_cache(unfused, *ref.prepare_latent_rows(kv[:, :R], kv[:, R:], norm, rope), slots)
+    if cdtype == torch.uint8:
+        assert (fused == unfused).float().mean() > 0.97
+        a, b = (ref.read_latent_rows(c, slots[slots >= 0]) for c in (fused, unfused))
+        _mostly_equal(a, b, 2.0**-3)
+    else:
+        _mostly_equal(fused, unfused, 2.0**-7)
+
+    k = torch.randn(T, 128, device="cuda", dtype=torch.bfloat16) * 2
+    ln = (1 + 0.1 * torch.randn(128, device="cuda")).bfloat16(), (0.1 * torch.randn(128, device="cuda")).bfloat16(), 1e-6
+    k1, k2 = (torch.zeros(nb, BS, 132, dtype=torch.uint8, device="cuda") for _ in range(2))
+    pc.write_indexer_cache(k1, k, slots, norm=ln, rope=rope)
+    ref.write_indexer_cache(k2, ref.prepare_index_keys(k, ln, rope), slots)
+    assert (k1 == k2).float().mean() > 0.97
+    _mostly_equal(ref.read_indexer_rows(k1, slots[slots >= 0]), ref.read_indexer_rows(k2, slots[slots >= 0]), 2.0**-3)
+
+    q_abs = torch.randn(H, T, R, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    q_pe = torch.randn(T, H, 192, device="cuda", dtype=torch.bfloat16)[..., 128:]  # a split of q_b_proj's heads
+    _mostly_equal(pc.latent_query(q_abs, q_pe, rope), ref.latent_query(q_abs, q_pe, rope), 2.0**-7)
+
+    for D in (512, 2048, 6144):  # kv_a / q_a / the hidden norms
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16) * 3
+        w = (1 + 0.1 * torch.randn(D, device="cuda")).bfloat16()
+        _mostly_equal(tnr.rms_norm(x, w, 1e-5), nr.rms_norm(x, w, 1e-5), 2.0**-7)
+    xq = torch.randn(T, HI, 128, device="cuda", dtype=torch.bfloat16)  # the indexer query: RoPE on 64 of 128
+    _mostly_equal(tnr.rope_interleaved(xq, *rope), nr.rope_interleaved(xq, *rope), 2.0**-7)
+
+
 @pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
 def test_mla_decode_and_prefill(cdtype):
     from fxglm5.lowering.triton import mla

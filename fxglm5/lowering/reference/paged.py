@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from fxglm5.errors import InputError
+from fxglm5.lowering.reference import norm_rope
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -54,6 +55,9 @@ __all__ = [
     "slots_from_positions",
     "validate_slots_from_positions",
     "write_latent_cache",
+    "latent_query",
+    "prepare_latent_rows",
+    "prepare_index_keys",
     "validate_write_latent_cache",
     "write_indexer_cache",
     "validate_write_indexer_cache",
@@ -236,27 +240,55 @@ def _slots_2d(block_table, req_idx, pos2d, block_size):
 # ----------------------------------------------------------------------------------------------------------
 # cache writes / reads
 # ----------------------------------------------------------------------------------------------------------
-def validate_write_latent_cache(cache, kv_c, k_pe, slot_mapping):
+def validate_write_latent_cache(cache, kv_c, k_pe, slot_mapping, norm=None, rope=None):
+    """kv_c [T, <=512] and k_pe [T, <=64] (narrower rows are zero-padded); ``norm`` = (weight, eps) of the
+    RMSNorm still to apply to kv_c, ``rope`` = (cos, sin) [T, DR/2] of the RoPE still to apply to k_pe."""
     _validate_latent_cache(cache)
     _check_tensor("kv_c", kv_c, 2, COMPUTE_DTYPES)
     _check_tensor("k_pe", k_pe, 2, COMPUTE_DTYPES)
-    if kv_c.shape[1] != KV_LORA_RANK:
-        raise InputError(f"kv_c: expected [T, {KV_LORA_RANK}], got {tuple(kv_c.shape)}")
-    if k_pe.shape[1] != ROPE_DIM:
-        raise InputError(f"k_pe: expected [T, {ROPE_DIM}], got {tuple(k_pe.shape)}")
+    if kv_c.shape[1] > KV_LORA_RANK:
+        raise InputError(f"kv_c: expected [T, <= {KV_LORA_RANK}], got {tuple(kv_c.shape)}")
+    if k_pe.shape[1] > ROPE_DIM:
+        raise InputError(f"k_pe: expected [T, <= {ROPE_DIM}], got {tuple(k_pe.shape)}")
     if k_pe.shape[0] != kv_c.shape[0]:
         raise InputError(f"k_pe: {k_pe.shape[0]} tokens but kv_c has {kv_c.shape[0]}")
     _check_tensor("slot_mapping", slot_mapping, 1, _INT_DTYPES)
     if slot_mapping.shape[0] != kv_c.shape[0]:
         raise InputError(f"slot_mapping: {slot_mapping.shape[0]} entries but kv_c has {kv_c.shape[0]} tokens")
     _check_device("cache", cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
+    if norm is not None:
+        norm_rope.validate_rms_norm(kv_c, *norm)
+    if rope is not None:
+        norm_rope.validate_rope(k_pe, *rope)
     _validate_slots(slot_mapping, cache.shape[0] * cache.shape[1], "slot_mapping", allow_negative=True)
 
 
-def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True) -> None:
-    """Write ``[kv_c | k_pe]`` rows at ``slot_mapping`` (slot < 0: padding, skipped), in place."""
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def prepare_latent_rows(kv_c, k_pe, norm=None, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values a latent row stores: kv_c RMS-normed (``norm``), k_pe rotated (``rope``), zero-padded to 512 / 64."""
+    if norm is not None:
+        kv_c = norm_rope.rms_norm(kv_c, *norm)
+    if rope is not None:
+        k_pe = norm_rope.rope_interleaved(k_pe, *rope)
+    return _pad_last(kv_c, KV_LORA_RANK), _pad_last(k_pe, ROPE_DIM)
+
+
+def latent_query(q_abs, q_pe, rope=None) -> torch.Tensor:
+    """``[q_abs | q_pe]`` per head, q_pe rotated (``rope`` = (cos, sin) [T, DR/2]), zero-padded to 512 + 64."""
+    if rope is not None:
+        q_pe = norm_rope.rope_interleaved(q_pe, *rope)
+    return torch.cat([_pad_last(q_abs, KV_LORA_RANK), _pad_last(q_pe.to(q_abs.dtype), ROPE_DIM)], dim=-1)
+
+
+def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True, norm=None, rope=None) -> None:
+    """Write ``[kv_c | k_pe]`` rows at ``slot_mapping`` (slot < 0: padding, skipped), in place; ``norm`` / ``rope``
+    as in :func:`prepare_latent_rows`."""
     if validate:
-        validate_write_latent_cache(cache, kv_c, k_pe, slot_mapping)
+        validate_write_latent_cache(cache, kv_c, k_pe, slot_mapping, norm, rope)
+    kv_c, k_pe = prepare_latent_rows(kv_c, k_pe, norm, rope)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     if slots.numel() == 0:
@@ -275,16 +307,34 @@ def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True
         flat[slots] = torch.cat([kv, pe], dim=1).to(cache.dtype)
 
 
-def validate_write_indexer_cache(cache, k, slot_mapping):
+def validate_write_indexer_cache(cache, k, slot_mapping, norm=None, rope=None):
+    """k [T, <=128] (narrower keys are zero-padded); ``norm`` = (weight, bias, eps) of the LayerNorm still to
+    apply, ``rope`` = (cos, sin) [T, R/2] of the RoPE still to apply to its first R features."""
     _validate_indexer_cache(cache)
     _check_tensor("k", k, 2, COMPUTE_DTYPES)
-    if k.shape[1] != INDEX_DIM:
-        raise InputError(f"k: expected [T, {INDEX_DIM}], got {tuple(k.shape)}")
+    if k.shape[1] > INDEX_DIM:
+        raise InputError(f"k: expected [T, <= {INDEX_DIM}], got {tuple(k.shape)}")
     _check_tensor("slot_mapping", slot_mapping, 1, _INT_DTYPES)
     if slot_mapping.shape[0] != k.shape[0]:
         raise InputError(f"slot_mapping: {slot_mapping.shape[0]} entries but k has {k.shape[0]} tokens")
     _check_device("cache", cache, k=k, slot_mapping=slot_mapping)
+    if norm is not None:
+        weight, bias, eps = norm
+        norm_rope.validate_rms_norm(k, weight, eps)
+        if bias.shape != weight.shape:
+            raise InputError(f"k norm bias: expected {tuple(weight.shape)}, got {tuple(bias.shape)}")
+    if rope is not None:
+        norm_rope.validate_rope(k, *rope)
     _validate_slots(slot_mapping, cache.shape[0] * cache.shape[1], "slot_mapping", allow_negative=True)
+
+
+def prepare_index_keys(k, norm=None, rope=None) -> torch.Tensor:
+    """The keys the indexer cache stores: LayerNorm (``norm``), RoPE on the first features (``rope``), padded to 128."""
+    if norm is not None:
+        k = norm_rope.layer_norm(k, *norm)
+    if rope is not None:
+        k = norm_rope.rope_interleaved(k, *rope)
+    return _pad_last(k, INDEX_DIM)
 
 
 def indexer_cache_parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,10 +347,12 @@ def indexer_cache_parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return keys, scales
 
 
-def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True) -> None:
-    """Write FP8 indexer keys (one power-of-two scale per 128-vector) at ``slot_mapping``, in place."""
+def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True, norm=None, rope=None) -> None:
+    """Write FP8 indexer keys (one power-of-two scale per 128-vector) at ``slot_mapping``, in place; ``norm`` /
+    ``rope`` as in :func:`prepare_index_keys`."""
     if validate:
-        validate_write_indexer_cache(cache, k, slot_mapping)
+        validate_write_indexer_cache(cache, k, slot_mapping, norm, rope)
+    k = prepare_index_keys(k, norm, rope)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     if slots.numel() == 0:

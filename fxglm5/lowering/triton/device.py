@@ -1,10 +1,13 @@
-"""What the Triton launch heuristics need to know about the device they launch on."""
+"""What Triton launches need to know about the device they launch on: its size and capability, the global
+scratch allocator TMA descriptors need, and the interpreter (CPU) quirks to work around."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+import triton
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,3 +36,36 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) compute capability of a CUDA device (looked up once per device, not per launch); None
     elsewhere."""
     return _cuda_capability(_index(device)) if device.type == "cuda" else None
+
+
+def interpreter_compat() -> None:
+    """Make Triton 3.6's interpreter work with numpy >= 2.3 (idempotent; a no-op when not interpreting).
+
+    The interpreter holds every scalar as a 1-element array and implements ``tensor.__index__`` as
+    ``int(array)``, which numpy 2.3+ refuses for 1-d arrays: any ``range()`` with a runtime bound fails. We
+    wrap its tensor patcher so that ``__index__`` uses ``.item()``.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return
+    try:
+        import triton.runtime.interpreter as interp
+    except Exception:  # pragma: no cover
+        return
+    orig = getattr(interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_fxglm5_compat", False):
+        return
+
+    def _patched(tensor, scope, _orig=orig):
+        _orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _patched._fxglm5_compat = True
+    interp._patch_lang_tensor = _patched
+
+
+def ensure_tma_allocator() -> None:
+    """TMA descriptors built in-kernel need a global scratch allocator (set once, if nobody set one)."""
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))

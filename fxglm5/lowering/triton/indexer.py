@@ -26,7 +26,8 @@ import triton.language as tl
 
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
-from fxglm5.lowering.triton.paged_cache import e4m3_bits, ensure_tma_allocator, interpreter_compat, pow2_scale
+from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat
+from fxglm5.lowering.triton.paged_cache import e4m3_bits, pow2_scale
 from fxglm5.lowering.triton.topk import SEGMENT_MAX, topk_from_logits
 
 interpreter_compat()

@@ -46,7 +46,7 @@ import triton.language as tl
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton import mla_hopper
 from fxglm5.lowering.triton.device import num_sms
-from fxglm5.lowering.triton.paged_cache import ensure_tma_allocator, interpreter_compat
+from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat
 
 interpreter_compat()
 

@@ -8,53 +8,19 @@ token; runs on CUDA and under ``TRITON_INTERPRET=1`` on CPU tensors.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from fxglm5.lowering.reference import paged as ref
-
-
-def interpreter_compat() -> None:
-    """Make Triton 3.6's interpreter work with numpy >= 2.3 (idempotent; a no-op when not interpreting).
-
-    The interpreter holds every scalar as a 1-element array and implements ``tensor.__index__`` as
-    ``int(array)``, which numpy 2.3+ refuses for 1-d arrays: any ``range()`` with a runtime bound fails. We
-    wrap its tensor patcher so that ``__index__`` uses ``.item()``.
-    """
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
-        return
-    try:
-        import triton.runtime.interpreter as interp
-    except Exception:  # pragma: no cover
-        return
-    orig = getattr(interp, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_fxglm5_compat", False):
-        return
-
-    def _patched(tensor, scope, _orig=orig):
-        _orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _patched._fxglm5_compat = True
-    interp._patch_lang_tensor = _patched
-
+from fxglm5.lowering.triton.device import interpreter_compat
+from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, rms_normalize, rotate_pairs, round_to
 
 interpreter_compat()
 
 
-def ensure_tma_allocator() -> None:
-    """TMA descriptors built in-kernel need a global scratch allocator (set once, if nobody set one)."""
-    from triton.runtime import _allocation
-
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-
-
-__all__ = ["write_latent_cache", "write_indexer_cache", "slots_from_positions", "pow2_scale", "e4m3_bits",
-           "bf16_bits", "ensure_tma_allocator", "interpreter_compat"]
+__all__ = ["write_latent_cache", "write_indexer_cache", "latent_query", "slots_from_positions", "pow2_scale", "e4m3_bits",
+           "bf16_bits"]
 
 
 @triton.jit
@@ -93,96 +59,200 @@ def pow2_scale(amax):
 
 
 @triton.jit
-def _write_latent_bf_kernel(kv_ptr, pe_ptr, slot_ptr, cache_ptr, stride_kv, stride_pe,
-                            R: tl.constexpr, DR: tl.constexpr, BF16: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        offs = tl.arange(0, R)
-        x = tl.load(kv_ptr + t * stride_kv + offs)
-        od = tl.arange(0, DR)
-        p = tl.load(pe_ptr + t * stride_pe + od)
-        row = cache_ptr + slot * (R + DR)
-        if BF16:  # cache_ptr is a uint16 view
-            tl.store(row + offs, bf16_bits(x.to(tl.float32)))
-            tl.store(row + R + od, bf16_bits(p.to(tl.float32)))
-        else:
-            tl.store(row + offs, x.to(cache_ptr.dtype.element_ty))
-            tl.store(row + R + od, p.to(cache_ptr.dtype.element_ty))
+def _latent_values(kv_row, w_ptr, RK, eps, R: tl.constexpr, G: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
+    """The 512 latent values of one token as a float32 [R // G, G] tile (zero past RK), RMS-normed if NORM."""
+    idx = tl.arange(0, R // G)[:, None] * G + tl.arange(0, G)[None, :]
+    x = tl.load(kv_row + idx, mask=idx < RK, other=0.0).to(tl.float32)
+    if NORM:
+        w = tl.load(w_ptr + idx, mask=idx < RK, other=0.0).to(tl.float32)
+        x = rms_normalize(x, w, eps, RK, DT)
+    return x
 
 
 @triton.jit
-def _write_latent_fp8_kernel(kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, stride_kv, stride_pe,
-                             R: tl.constexpr, DR: tl.constexpr, G: tl.constexpr):
+def _rope_values(pe_row, cos_row, sin_row, RP, HALF, DR: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr):
+    """The (even, odd) halves of one token's rope features, [DR // 2] each (zero past RP), rotated if ROPE."""
+    op = tl.arange(0, DR // 2)
+    m = op < RP // 2
+    even = tl.load(pe_row + 2 * op, mask=m, other=0.0).to(tl.float32)
+    odd = tl.load(pe_row + 2 * op + 1, mask=m, other=0.0).to(tl.float32)
+    if ROPE:
+        c = tl.load(cos_row + op, mask=op < HALF, other=1.0)
+        s = tl.load(sin_row + op, mask=op < HALF, other=0.0)
+        even, odd = rotate_pairs(even, odd, c, s, DT)
+    return even, odd
+
+
+@triton.jit
+def _write_latent_bf_kernel(kv_ptr, pe_ptr, slot_ptr, cache_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv, stride_pe,
+                            stride_c, RK, RP, HALF, eps, R: tl.constexpr, DR: tl.constexpr, NORM: tl.constexpr,
+                            ROPE: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        x = _latent_values(kv_ptr + t * stride_kv, w_ptr, RK, eps, R, 128, NORM, DT)
+        even, odd = _rope_values(pe_ptr + t * stride_pe, cos_ptr + t * stride_c, sin_ptr + t * stride_c, RP, HALF,
+                                 DR, ROPE, DT)
+        idx = tl.arange(0, R // 128)[:, None] * 128 + tl.arange(0, 128)[None, :]
+        op = tl.arange(0, DR // 2)
+        row = cache_ptr + slot * (R + DR)
+        if BF16:  # cache_ptr is a uint16 view
+            tl.store(row + idx, bf16_bits(x))
+            tl.store(row + R + 2 * op, bf16_bits(even))
+            tl.store(row + R + 2 * op + 1, bf16_bits(odd))
+        else:
+            tl.store(row + idx, x.to(cache_ptr.dtype.element_ty))
+            tl.store(row + R + 2 * op, even.to(cache_ptr.dtype.element_ty))
+            tl.store(row + R + 2 * op + 1, odd.to(cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _write_latent_fp8_kernel(kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv,
+                             stride_pe, stride_c, RK, RP, HALF, eps, R: tl.constexpr, DR: tl.constexpr,
+                             G: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr):
     # c8: the uint8 cache (656 per row), c32: float32 view (164 per row), c16: int16 view (328 per row)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        NG: tl.constexpr = R // G
-        og = tl.arange(0, NG)
-        oi = tl.arange(0, G)
-        x = tl.load(kv_ptr + t * stride_kv + og[:, None] * G + oi[None, :]).to(tl.float32)  # [NG, G]
-        amax = tl.max(tl.abs(x), axis=1)
-        sc = pow2_scale(amax)
-        y = x * (1.0 / sc)[:, None]
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        tl.store(c8_ptr + slot * 656 + og[:, None] * G + oi[None, :], e4m3_bits(y))
-        tl.store(c32_ptr + slot * 164 + 128 + og, sc)
-        od = tl.arange(0, DR)
-        p = tl.load(pe_ptr + t * stride_pe + od).to(tl.float32)
-        tl.store(c16_ptr + slot * 328 + 264 + od, bf16_bits(p))
+        x = _latent_values(kv_ptr + t * stride_kv, w_ptr, RK, eps, R, G, NORM, DT)  # [R // G, G]
+        sc = pow2_scale(tl.max(tl.abs(x), axis=1))
+        y = tl.minimum(tl.maximum(x * (1.0 / sc)[:, None], -448.0), 448.0)
+        idx = tl.arange(0, R // G)[:, None] * G + tl.arange(0, G)[None, :]
+        tl.store(c8_ptr + slot * 656 + idx, e4m3_bits(y))
+        tl.store(c32_ptr + slot * 164 + 128 + tl.arange(0, R // G), sc)
+        even, odd = _rope_values(pe_ptr + t * stride_pe, cos_ptr + t * stride_c, sin_ptr + t * stride_c, RP, HALF,
+                                 DR, ROPE, DT)
+        op = tl.arange(0, DR // 2)
+        tl.store(c16_ptr + slot * 328 + 264 + 2 * op, bf16_bits(even))
+        tl.store(c16_ptr + slot * 328 + 264 + 2 * op + 1, bf16_bits(odd))
 
 
 @triton.jit
-def _write_index_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, stride_k, D: tl.constexpr, BS: tl.constexpr):
+def _write_index_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, stride_k, stride_c, KD,
+                        HALF, eps, D: tl.constexpr, BS: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                        DT: tl.constexpr):
     # block-major (reference.paged.indexer_cache_parts): a block is BS * 132 bytes, its BS keys (D bytes each)
-    # then their BS float32 scales; c32 is the float32 view (BS * 33 floats per block)
+    # then their BS float32 scales; c32 is the float32 view (BS * 33 floats per block). The key is held as a
+    # [D // 2, 2] tile of (even, odd) pairs so that RoPE can rotate them in registers.
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
+        op = tl.arange(0, D // 2)
+        oc = tl.arange(0, 2)[None, :]
+        idx = 2 * op[:, None] + oc
+        m = idx < KD
+        x = tl.load(k_ptr + t * stride_k + idx, mask=m, other=0.0).to(tl.float32)
+        if NORM:  # the indexer's LayerNorm (float32 statistics, one rounding)
+            mean = tl.sum(tl.sum(x, axis=1), axis=0) / KD
+            xc = tl.where(m, x - mean, 0.0)
+            r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(tl.sum(xc * xc, axis=1), axis=0) / KD + eps))
+            w = tl.load(w_ptr + idx, mask=m, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + idx, mask=m, other=0.0).to(tl.float32)
+            x = round_to(xc * r * w + b, DT)
+        if ROPE:
+            c = tl.load(cos_ptr + t * stride_c + op, mask=op < HALF, other=1.0)
+            s = tl.load(sin_ptr + t * stride_c + op, mask=op < HALF, other=0.0)
+            even, odd = rotate_pairs(tl.sum(tl.where(oc == 0, x, 0.0), axis=1), tl.sum(tl.where(oc == 1, x, 0.0), axis=1),
+                                     c, s, DT)
+            x = tl.where(oc == 0, even[:, None], odd[:, None])
+        sc = pow2_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        y = tl.minimum(tl.maximum(x * (1.0 / sc), -448.0), 448.0)
         blk = slot // BS
         off = slot % BS
-        od = tl.arange(0, D)
-        x = tl.load(k_ptr + t * stride_k + od).to(tl.float32)
-        sc = pow2_scale(tl.max(tl.abs(x), axis=0))
-        y = tl.minimum(tl.maximum(x * (1.0 / sc), -448.0), 448.0)
-        tl.store(c8_ptr + blk * (BS * 132) + off * D + od, e4m3_bits(y))
+        tl.store(c8_ptr + blk * (BS * 132) + off * D + idx, e4m3_bits(y))
         tl.store(c32_ptr + blk * (BS * 33) + BS * 32 + off, sc)
+
+
+@triton.jit
+def _latent_query_kernel(qa_ptr, pe_ptr, cos_ptr, sin_ptr, out_ptr, s_qa_t, s_qa_h, s_pe_t, s_pe_h, stride_c, H, RA,
+                         RP, HALF, R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, ROPE: tl.constexpr,
+                         DT: tl.constexpr):
+    # program (token, head block): out[t, h] = [q_abs (zero past RA) | q_pe rotated (zero past RP)]
+    t = tl.program_id(0).to(tl.int64)
+    oh = tl.program_id(1) * BH + tl.arange(0, BH)
+    hm = (oh < H)[:, None]
+    orr = tl.arange(0, R)[None, :]
+    a = tl.load(qa_ptr + t * s_qa_t + oh[:, None] * s_qa_h + orr, mask=hm & (orr < RA), other=0.0)
+    out_row = out_ptr + (t * H + oh[:, None]) * (R + DR)
+    tl.store(out_row + orr, a.to(out_ptr.dtype.element_ty), mask=hm)
+    op = tl.arange(0, DR // 2)[None, :]
+    pm = hm & (op < RP // 2)
+    pe_row = pe_ptr + t * s_pe_t + oh[:, None] * s_pe_h
+    even = tl.load(pe_row + 2 * op, mask=pm, other=0.0).to(tl.float32)
+    odd = tl.load(pe_row + 2 * op + 1, mask=pm, other=0.0).to(tl.float32)
+    if ROPE:
+        c = tl.load(cos_ptr + t * stride_c + op, mask=op < HALF, other=1.0)
+        s = tl.load(sin_ptr + t * stride_c + op, mask=op < HALF, other=0.0)
+        even, odd = rotate_pairs(even, odd, c, s, DT)
+    tl.store(out_row + R + 2 * op, even.to(out_ptr.dtype.element_ty), mask=hm)
+    tl.store(out_row + R + 2 * op + 1, odd.to(out_ptr.dtype.element_ty), mask=hm)
 
 
 def _contig_rows(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True) -> None:
-    """In-place write of ``[kv_c | k_pe]`` at ``slot_mapping`` in the 576 (compute dtype) or 656 (uint8) layout."""
+def _rope_args(rope, like):
+    """(cos, sin, row stride, pairs) for the kernels; dummies (never read) without RoPE."""
+    if rope is None:
+        return like, like, 0, 0
+    cos, sin = (c.contiguous() for c in rope)
+    return cos, sin, cos.stride(0), cos.shape[1]
+
+
+def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True, norm=None, rope=None) -> None:
+    """In-place write of ``[kv_c | k_pe]`` at ``slot_mapping`` in the 576 (compute dtype) or 656 (uint8) layout,
+    RMSNorm (``norm`` = (weight, eps)) and RoPE (``rope`` = (cos, sin)) applied in the same kernel."""
     if validate:
-        ref.validate_write_latent_cache(cache, kv_c, k_pe, slot_mapping)
+        ref.validate_write_latent_cache(cache, kv_c, k_pe, slot_mapping, norm, rope)
     T = kv_c.shape[0]
     if T == 0:
         return
-    kv_c = _contig_rows(kv_c)
-    k_pe = _contig_rows(k_pe)
+    kv_c, k_pe = _contig_rows(kv_c), _contig_rows(k_pe)
+    weight, eps = norm if norm is not None else (kv_c, 0.0)
+    cos, sin, stride_c, half = _rope_args(rope, kv_c)
+    common = dict(R=ref.KV_LORA_RANK, DR=ref.ROPE_DIM, NORM=norm is not None, ROPE=rope is not None,
+                  DT=DTYPE_CODES[kv_c.dtype], num_warps=4)
+    tail = (kv_c.stride(0), k_pe.stride(0), stride_c, kv_c.shape[1], k_pe.shape[1], half, float(eps))
     if cache.dtype == torch.uint8:
-        _write_latent_fp8_kernel[(T,)](
-            kv_c, k_pe, slot_mapping, cache, cache.view(torch.float32),
-            cache.view(torch.int16), kv_c.stride(0), k_pe.stride(0), R=512, DR=64, G=128, num_warps=4)
+        _write_latent_fp8_kernel[(T,)](kv_c, k_pe, slot_mapping, cache, cache.view(torch.float32),
+                                       cache.view(torch.int16), weight, cos, sin, *tail, G=ref.FP8_GROUP, **common)
     else:
         bf16 = cache.dtype == torch.bfloat16
-        _write_latent_bf_kernel[(T,)](kv_c, k_pe, slot_mapping, cache.view(torch.int16) if bf16 else cache,
-                                      kv_c.stride(0), k_pe.stride(0), R=512, DR=64, BF16=bf16, num_warps=4)
+        _write_latent_bf_kernel[(T,)](kv_c, k_pe, slot_mapping, cache.view(torch.int16) if bf16 else cache, weight,
+                                      cos, sin, *tail, BF16=bf16, **common)
 
 
-def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True) -> None:
-    """In-place write of FP8 indexer keys (block-major, 132 bytes per token) at ``slot_mapping``."""
+def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True, norm=None, rope=None) -> None:
+    """In-place write of FP8 indexer keys (block-major, 132 bytes per token) at ``slot_mapping``, LayerNorm
+    (``norm`` = (weight, bias, eps)) and RoPE on the first features (``rope`` = (cos, sin)) in the same kernel."""
     if validate:
-        ref.validate_write_indexer_cache(cache, k, slot_mapping)
+        ref.validate_write_indexer_cache(cache, k, slot_mapping, norm, rope)
     T = k.shape[0]
     if T == 0:
         return
     k = _contig_rows(k)
-    _write_index_kernel[(T,)](k, slot_mapping, cache, cache.view(torch.float32),
-                              k.stride(0), D=128, BS=cache.shape[1], num_warps=1)
+    weight, bias, eps = norm if norm is not None else (k, k, 0.0)
+    cos, sin, stride_c, half = _rope_args(rope, k)
+    _write_index_kernel[(T,)](k, slot_mapping, cache, cache.view(torch.float32), weight, bias, cos, sin, k.stride(0),
+                              stride_c, k.shape[1], half, float(eps), D=ref.INDEX_DIM, BS=cache.shape[1],
+                              NORM=norm is not None, ROPE=rope is not None, DT=DTYPE_CODES[k.dtype], num_warps=1)
+
+
+def latent_query(q_abs, q_pe, rope=None):
+    """``[q_abs | q_pe]`` [T, H, 576] in q_abs's dtype, q_pe rotated in the same kernel (``rope`` = (cos, sin))."""
+    T, H = q_abs.shape[:2]
+    out = torch.empty(T, H, ref.LATENT_DIM, dtype=q_abs.dtype, device=q_abs.device)
+    if T == 0:
+        return out
+    q_abs, q_pe = _contig_rows(q_abs), _contig_rows(q_pe)
+    cos, sin, stride_c, half = _rope_args(rope, q_pe)
+    bh = min(triton.next_power_of_2(H), 8)
+    _latent_query_kernel[(T, triton.cdiv(H, bh))](
+        q_abs, q_pe, cos, sin, out, q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), stride_c, H,
+        q_abs.shape[2], q_pe.shape[2], half, R=ref.KV_LORA_RANK, DR=ref.ROPE_DIM, BH=bh, ROPE=rope is not None,
+        DT=DTYPE_CODES[q_pe.dtype], num_warps=4)
+    return out
 
 
 def slots_from_positions(block_table, req_idx, positions, block_size: int = 64, *, validate: bool = True):

@@ -3,7 +3,7 @@ bodies (``fxglm5.ops.cached.*_step``) run unchanged over either kernel set."""
 
 from fxglm5.lowering.triton.indexer import indexer_topk_paged
 from fxglm5.lowering.triton.mla import mla_paged
-from fxglm5.lowering.triton.paged_cache import write_indexer_cache, write_latent_cache
+from fxglm5.lowering.triton.paged_cache import latent_query, write_indexer_cache, write_latent_cache
 from fxglm5.lowering.triton.sparse_mla import sparse_mla_paged
 
-__all__ = ["indexer_topk_paged", "mla_paged", "sparse_mla_paged", "write_indexer_cache", "write_latent_cache"]
+__all__ = ["indexer_topk_paged", "latent_query", "mla_paged", "sparse_mla_paged", "write_indexer_cache", "write_latent_cache"]

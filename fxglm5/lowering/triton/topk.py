@@ -32,7 +32,7 @@ import triton.language as tl
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton.device import num_sms
-from fxglm5.lowering.triton.paged_cache import interpreter_compat
+from fxglm5.lowering.triton.device import interpreter_compat
 
 interpreter_compat()
 

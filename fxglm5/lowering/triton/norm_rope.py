@@ -1,0 +1,110 @@
+"""Triton RMSNorm and interleaved RoPE, standalone and as ``@triton.jit`` helpers the cache writes fuse in.
+
+Rounding follows :mod:`fxglm5.lowering.reference.norm_rope` (float32 math, rounded to the model's dtype where
+the reference rounds), so a value is the same whether it went through these kernels or the fused cache write.
+Rounding to bf16 is done on the float32 bits: the interpreter's own bf16 cast truncates.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fxglm5.lowering.reference import norm_rope as ref
+from fxglm5.lowering.triton.device import interpreter_compat
+
+interpreter_compat()
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+__all__ = ["DTYPE_CODES", "rms_norm", "rope_interleaved", "round_to", "rms_normalize", "rotate_pairs"]
+
+
+@triton.jit
+def round_to(y, DT: tl.constexpr):
+    """float32 -> the nearest value of the model's dtype (DT: 0 float32, 1 bf16, 2 fp16), kept in float32."""
+    if DT == 1:
+        b = y.to(tl.int32, bitcast=True)
+        y = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    elif DT == 2:
+        y = y.to(tl.float16).to(tl.float32)
+    return y
+
+
+@triton.jit
+def rms_normalize(x, w, eps, n, DT: tl.constexpr):
+    """GLM-5's RMSNorm of the float32 tile x (padding entries 0) over all its n real values; w the weights (0 pad)."""
+    ms = tl.sum(tl.reshape(x * x, (x.numel,)), axis=0) / n
+    r = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
+    return round_to(w * round_to(x * r, DT), DT)
+
+
+@triton.jit
+def rotate_pairs(even, odd, c, s, DT: tl.constexpr):
+    """One interleaved RoPE pair rotation, rounded to the model's dtype."""
+    return round_to(even * c - odd * s, DT), round_to(odd * c + even * s, DT)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BLOCK: tl.constexpr, DT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = rms_normalize(x, w, eps, D, DT)
+    tl.store(out_ptr + row * D + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_c, H, HALF, D,
+                 BH: tl.constexpr, BP: tl.constexpr, DT: tl.constexpr):
+    # program (token, head block): pairs p < HALF rotate, the rest of the D features pass through
+    t = tl.program_id(0).to(tl.int64)
+    oh = tl.program_id(1) * BH + tl.arange(0, BH)
+    op = tl.arange(0, BP)
+    pairs = op < D // 2
+    mask = (oh[:, None] < H) & pairs[None, :]
+    src = x_ptr + t * stride_xt + oh[:, None] * stride_xh + 2 * op[None, :]
+    even = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    odd = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_c + op, mask=op < HALF, other=1.0)
+    s = tl.load(sin_ptr + t * stride_c + op, mask=op < HALF, other=0.0)
+    e2, o2 = rotate_pairs(even, odd, c[None, :], s[None, :], DT)
+    dst = out_ptr + t * H * D + oh[:, None] * D + 2 * op[None, :]
+    tl.store(dst, e2.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + 1, o2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, validate: bool = True) -> torch.Tensor:
+    """RMSNorm over the last dim of x (any leading dims, rows may be strided), out contiguous in x's dtype."""
+    if validate:
+        ref.validate_rms_norm(x, weight, eps)
+    D = x.shape[-1]
+    rows = x.reshape(-1, D)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(D)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), D, float(eps), BLOCK=block,
+                                           DT=DTYPE_CODES[x.dtype], num_warps=max(1, min(16, block // 512)))
+    return out
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
+    """x [T, H, D] (rows may be strided), cos/sin float32 [T, R/2] -> contiguous [T, H, D] (first R rotated)."""
+    if validate:
+        ref.validate_rope(x, cos, sin)
+    T, H, D = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    if T:
+        bh = min(triton.next_power_of_2(H), 16)
+        _rope_kernel[(T, triton.cdiv(H, bh))](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), H,
+                                              cos.shape[1], D, BH=bh, BP=triton.next_power_of_2(D // 2),
+                                              DT=DTYPE_CODES[x.dtype], num_warps=4)
+    return out

@@ -1,0 +1,118 @@
+"""match_rope: interleaved RoPE -> ``fxglm5::rope_interleaved``.
+
+The generic form rotates the pairs ``(x[2i], x[2i+1])`` with strided slices, four muls, a sub, an add, a
+stack and two casts (about nine kernels and four float32 temporaries per call); the indexer's partial form
+also splits off and re-concatenates the features it does not rotate. Both become one op (one kernel), which
+``fuse_norm_rope_into_cache_writes`` can then fold into the attention ops. GLM-5 applies RoPE to the MLA
+query and key in every layer and to the indexer's query and key in every layer that runs an indexer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from fxglm5.passes.graph_utils import aten, dtype_of, fake_call, getitem_of, insert_call, is_op, shape_of
+from fxglm5.passes.match_rms_norm import _upcast_source
+from fxglm5.passes.manager import PassOutcome
+from fxglm5.passes.registry import register_pass
+
+_CASTS = (aten.to.dtype, aten._to_copy.default)
+_END = 2**63 - 1
+
+
+def expected_ropes(ctx) -> int:
+    cfg = ctx.config
+    return 2 * cfg.num_hidden_layers + 2 * sum(cfg.has_indexer(i) for i in range(cfg.num_hidden_layers))
+
+
+def _strided_half(node, start: int):
+    """xf for ``xf[..., start::2]`` over the last of 4 dims."""
+    if not is_op(node, aten.slice.Tensor) or len(node.args) != 5:
+        return None
+    src, dim, begin, end, step = node.args
+    if dim not in (3, -1) or begin != start or end not in (_END, None) or step != 2:
+        return None
+    return src
+
+
+def _unsqueezed(node):
+    if is_op(node, aten.unsqueeze.default) and node.args[1] == 2 and len(shape_of(node.args[0]) or ()) == 3:
+        return node.args[0]
+    return None
+
+
+def _match(flat: fx.Node) -> tuple | None:
+    """(result node, x, cos, sin) when ``flat`` is the flatten of the rotated pairs."""
+    if not is_op(flat, aten.flatten.using_ints) or flat.args[1] != -2 or len(flat.args) > 2:
+        return None
+    stack = flat.args[0]
+    if not is_op(stack, aten.stack.default) or stack.args[1] != -1 or len(stack.args[0]) != 2:
+        return None
+    sub, add = stack.args[0]
+    if not is_op(sub, aten.sub.Tensor) or not is_op(add, aten.add.Tensor) or len(sub.args) != 2 or len(add.args) != 2:
+        return None
+    if not all(is_op(m, aten.mul.Tensor) for m in (*sub.args, *add.args)):
+        return None
+    x_cos, x_sin = sub.args  # even*cos - odd*sin
+    for even, c in (x_cos.args, x_cos.args[::-1]):
+        xf = _strided_half(even, 0)
+        cos = _unsqueezed(c)
+        if xf is None or cos is None:
+            continue
+        for odd, s in (x_sin.args, x_sin.args[::-1]):
+            sin = _unsqueezed(s)
+            if _strided_half(odd, 1) is not xf or sin is None:
+                continue
+            if set(add.args[0].args) != {odd, c} or set(add.args[1].args) != {even, s}:
+                continue
+            x = _upcast_source(xf)
+            if x is None or shape_of(x)[-1] != 2 * shape_of(cos)[-1] or dtype_of(cos) != torch.float32:
+                continue
+            result = flat
+            users = list(flat.users)
+            if len(users) == 1 and is_op(users[0], *_CASTS) and dtype_of(users[0]) == dtype_of(x):
+                result = users[0]
+            if dtype_of(result) != dtype_of(x):
+                continue
+            return result, x, cos, sin
+    return None
+
+
+def _partial(cat: fx.Node, op) -> tuple | None:
+    """(x, cos, sin) for ``cat([rope(x[..., :r]), x[..., r:]], -1)`` (the indexer's split-rotate-concat)."""
+    if not is_op(cat, aten.cat.default) or len(cat.args[0]) != 2 or (len(cat.args) > 1 and cat.args[1] not in (-1, 3)):
+        return None
+    rotated, rest = cat.args[0]
+    if not is_op(rotated, op):
+        return None
+    split = getitem_of(rotated.args[0], 0)
+    if split is None or getitem_of(rest, 1) is not split or not is_op(split, aten.split_with_sizes.default):
+        return None
+    if len(split.args[1]) != 2 or (len(split.args) > 2 and split.args[2] not in (-1, 3)):
+        return None
+    if len(rotated.users) != 1 or dtype_of(cat) != dtype_of(split.args[0]):
+        return None
+    return split.args[0], rotated.args[1], rotated.args[2]
+
+
+@register_pass("match", expected=expected_ropes)
+def match_rope(gm: fx.GraphModule, ctx) -> PassOutcome:
+    op = torch.ops.fxglm5.rope_interleaved.default
+    matches, partial = 0, 0
+    for node in list(gm.graph.nodes):
+        found = _match(node)
+        if found is None:
+            continue
+        result, *args = found
+        new = insert_call(gm, result, op, tuple(args), fake_call(op, *args))
+        result.replace_all_uses_with(new)
+        matches += 1
+    for node in list(gm.graph.nodes):
+        found = _partial(node, op)
+        if found is None:
+            continue
+        new = insert_call(gm, node, op, found, fake_call(op, *found))
+        node.replace_all_uses_with(new)
+        partial += 1
+    return PassOutcome(matches, {"partial": partial})

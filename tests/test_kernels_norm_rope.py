@@ -1,0 +1,194 @@
+"""RMSNorm, RoPE and their fusion into the cache writes: the torch references against independent float64 /
+complex-number oracles, and the Triton kernels (TRITON_INTERPRET=1 on CPU) against the references, standalone
+and fused (norm + RoPE + FP8 quantization in one cache-write kernel vs the unfused chain)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import fxglm5.ops  # noqa: E402,F401  (registers the canonical ops)
+from fxglm5.errors import InputError  # noqa: E402
+from fxglm5.lowering.reference import norm_rope as ref  # noqa: E402
+from fxglm5.lowering.reference import paged  # noqa: E402
+
+pytest.importorskip("triton")
+
+from fxglm5.lowering.triton import norm_rope as tnr  # noqa: E402
+from fxglm5.lowering.triton import paged_cache as tpc  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _ulps(dtype) -> float:
+    """Relative size of a couple of roundings in ``dtype`` (the reduction order of the mean may differ)."""
+    return 1e-5 if dtype == torch.float32 else 2 * 2.0**-8
+
+
+def _close(out, expected, dtype):
+    """Within a couple of roundings everywhere, and bit-equal almost everywhere: the kernels round where the
+    reference rounds, so only a differently ordered sum may move a value by one ulp."""
+    tol = _ulps(dtype)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol * expected.float().abs().max().item())
+    assert (out.float() == expected.float()).float().mean() > 0.97
+
+
+def _tables(T, half, gen):
+    angles = torch.rand(T, 1, generator=gen) * 300 * torch.logspace(0, -3, half)[None]
+    return angles.cos(), angles.sin()
+
+
+# ---- the references against independent oracles -----------------------------------------------------------
+@given(st.integers(1, 9), st.sampled_from([7, 64, 512]), st.integers(0, 99))
+def test_rms_norm_reference_is_rmsnorm(T, D, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(T, D, generator=gen, dtype=torch.float64) * 3, torch.randn(D, generator=gen, dtype=torch.float64)
+    oracle = w * x / (x.pow(2).sum(-1, keepdim=True) / D + 1e-6).sqrt()
+    torch.testing.assert_close(ref.rms_norm(x.float(), w.float(), 1e-6).double(), oracle, rtol=1e-5, atol=1e-5)
+
+
+@given(st.integers(1, 6), st.sampled_from([1, 3]), st.sampled_from([(8, 8), (16, 8), (64, 64), (128, 64)]),
+       st.integers(0, 99))
+def test_rope_reference_is_a_complex_rotation(T, H, dims, seed):
+    D, rot = dims
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, D, generator=gen)
+    cos, sin = _tables(T, rot // 2, gen)
+    pairs = torch.view_as_complex(x[..., :rot].double().reshape(T, H, rot // 2, 2).contiguous())
+    turned = torch.view_as_real(pairs * torch.polar(torch.ones_like(cos.double()), torch.atan2(sin, cos).double())[:, None])
+    out = ref.rope_interleaved(x, cos, sin)
+    torch.testing.assert_close(out[..., :rot].double(), turned.reshape(T, H, rot), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[..., rot:], x[..., rot:])
+
+
+# ---- standalone kernels ----------------------------------------------------------------------------------
+@given(st.integers(1, 7), st.sampled_from([64, 100, 512, 1536]), st.sampled_from(DTYPES), st.booleans(),
+       st.integers(0, 99))
+def test_rms_norm_kernel_matches_reference(T, D, dtype, strided, seed):
+    gen = torch.Generator().manual_seed(seed)
+    base = (torch.randn(T, D + 32 * strided, generator=gen) * 4).to(dtype)
+    x = base[:, :D]  # strided rows: a split of a wider projection, as in the graph
+    w = (1 + 0.1 * torch.randn(D, generator=gen)).to(dtype)
+    _close(tnr.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), dtype)
+
+
+@given(st.integers(1, 5), st.sampled_from([1, 4, 19]), st.sampled_from([(64, 64), (128, 64), (32, 32), (64, 32)]),
+       st.sampled_from(DTYPES), st.integers(0, 99))
+def test_rope_kernel_matches_reference(T, H, dims, dtype, seed):
+    D, rot = dims
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, D + 16, generator=gen).to(dtype)[..., 16:]  # not 16-aligned, strided
+    cos, sin = _tables(T, rot // 2, gen)
+    _close(tnr.rope_interleaved(x, cos, sin), ref.rope_interleaved(x, cos, sin), dtype)
+
+
+# ---- fused into the cache writes / the query assembly -------------------------------------------------------
+def _slots(T, nb, bs, gen):
+    slots = torch.randperm(nb * bs - bs, generator=gen)[:T] + bs  # block 0 reserved
+    slots[torch.rand(T, generator=gen) < 0.2] = -1
+    return slots
+
+
+def _decode_latent(cache):
+    if cache.dtype != torch.uint8:
+        return cache.float().view(-1, 576)
+    rows = cache.view(-1, 656)
+    c = rows[:, :512].clone().view(torch.float8_e4m3fn).float()
+    sc = rows[:, 512:528].clone().view(torch.float32)
+    return torch.cat([c * sc.repeat_interleave(128, dim=1), rows[:, 528:].clone().view(torch.bfloat16).float()], 1)
+
+
+@given(st.integers(1, 9), st.sampled_from([(512, 64), (128, 32)]), st.sampled_from(DTYPES),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]), st.booleans(), st.booleans(), st.integers(0, 99))
+def test_fused_latent_write_matches_the_unfused_chain(T, widths, dtype, cdtype, norm, rope, seed):
+    rk, rp = widths
+    gen = torch.Generator().manual_seed(seed)
+    kv = (torch.randn(T, rk + rp, generator=gen) * 3).to(dtype)  # one projection, split: strided rows
+    kv_c, k_pe = kv[:, :rk], kv[:, rk:]
+    norm_args = ((1 + 0.1 * torch.randn(rk, generator=gen)).to(dtype), 1e-6) if norm else None
+    rope_args = _tables(T, rp // 2, gen) if rope else None
+    slots = _slots(T, 4, 4, gen)
+    width = 656 if cdtype == torch.uint8 else 576
+    fused, unfused = torch.zeros(4, 4, width, dtype=cdtype), torch.zeros(4, 4, width, dtype=cdtype)
+    tpc.write_latent_cache(fused, kv_c, k_pe, slots, norm=norm_args, rope=rope_args)
+    rows = paged.prepare_latent_rows(kv_c, k_pe, norm_args, rope_args)  # the reference chain, then a plain write
+    paged.write_latent_cache(unfused, *rows, slots)
+    a, b = _decode_latent(fused), _decode_latent(unfused)
+    if cdtype == torch.uint8:  # one e4m3 step where a 1-ulp input difference crosses a rounding boundary
+        torch.testing.assert_close(a, b, rtol=2.0**-3, atol=1e-3 * b.abs().max().item())
+        assert (fused == unfused).float().mean() > 0.98
+    else:
+        _close(a, b, torch.bfloat16 if torch.bfloat16 in (dtype, cdtype) else dtype)
+    assert (fused[0] == 0).all()  # the reserved block stays untouched
+
+
+@given(st.integers(1, 9), st.sampled_from([(128, 64), (64, 32)]), st.sampled_from(DTYPES), st.booleans(),
+       st.booleans(), st.integers(0, 99))
+def test_fused_index_write_matches_the_unfused_chain(T, dims, dtype, norm, rope, seed):
+    kd, rot = dims
+    gen = torch.Generator().manual_seed(seed)
+    k = (torch.randn(T, kd, generator=gen) * 2 + 0.5).to(dtype)
+    norm_args = ((1 + 0.1 * torch.randn(kd, generator=gen)).to(dtype), (0.1 * torch.randn(kd, generator=gen)).to(dtype),
+                 1e-6) if norm else None
+    rope_args = _tables(T, rot // 2, gen) if rope else None
+    slots = _slots(T, 4, 8, gen)
+    fused, unfused = torch.zeros(4, 8, 132, dtype=torch.uint8), torch.zeros(4, 8, 132, dtype=torch.uint8)
+    tpc.write_indexer_cache(fused, k, slots, norm=norm_args, rope=rope_args)
+    paged.write_indexer_cache(unfused, paged.prepare_index_keys(k, norm_args, rope_args), slots)
+    keys_a, sc_a = paged.indexer_cache_parts(fused)
+    keys_b, sc_b = paged.indexer_cache_parts(unfused)
+    deq_a = keys_a.view(torch.float8_e4m3fn).float() * sc_a[..., None]
+    deq_b = keys_b.view(torch.float8_e4m3fn).float() * sc_b[..., None]
+    torch.testing.assert_close(deq_a, deq_b, rtol=2.0**-3, atol=1e-3 * deq_b.abs().max().item())
+    assert (fused == unfused).float().mean() > 0.98
+
+
+@given(st.integers(1, 5), st.sampled_from([1, 3, 16]), st.sampled_from([(512, 64), (128, 32)]),
+       st.sampled_from(DTYPES), st.booleans(), st.integers(0, 99))
+def test_latent_query_matches_reference(T, H, widths, dtype, rope, seed):
+    ra, rp = widths
+    gen = torch.Generator().manual_seed(seed)
+    q_abs = torch.randn(H, T, ra, generator=gen).to(dtype).transpose(0, 1)  # a bmm output, head-major
+    q_pe = torch.randn(T, H, rp + 8, generator=gen).to(dtype)[..., 8:]
+    rope_args = _tables(T, rp // 2, gen) if rope else None
+    out = tpc.latent_query(q_abs, q_pe, rope_args)
+    expected = paged.latent_query(q_abs, q_pe, rope_args)
+    assert out.shape == (T, H, 576) and out.dtype == dtype
+    _close(out, expected, dtype)
+    assert (out[..., ra:512] == 0).all() and (out[..., 512 + rp:] == 0).all()
+
+
+@pytest.mark.parametrize("mod", [paged, tpc])
+def test_fused_write_bad_inputs(mod):
+    cache = torch.zeros(3, 4, 576, dtype=torch.bfloat16)
+    kv, pe, sl = torch.randn(2, 512), torch.randn(2, 64), torch.tensor([4, -1])
+    cos, sin = torch.ones(2, 32), torch.zeros(2, 32)
+    with pytest.raises(InputError, match="rms_norm weight"):
+        mod.write_latent_cache(cache, kv, pe, sl, norm=(torch.ones(500), 1e-6))
+    with pytest.raises(InputError, match="rms_norm eps"):
+        mod.write_latent_cache(cache, kv, pe, sl, norm=(torch.ones(512), 0.0))
+    with pytest.raises(InputError, match="rope cos"):
+        mod.write_latent_cache(cache, kv, pe, sl, rope=(torch.ones(2, 40), torch.zeros(2, 40)))
+    with pytest.raises(InputError, match="rope cos"):
+        mod.write_latent_cache(cache, kv, pe, sl, rope=(cos.double(), sin))
+    with pytest.raises(InputError, match="rope cos"):
+        mod.write_latent_cache(cache, kv, pe, sl, rope=(cos[:1], sin[:1]))
+    with pytest.raises(InputError, match="rope sin"):
+        mod.write_latent_cache(cache, kv, pe, sl, rope=(cos, sin[:, :16]))
+    kc = torch.zeros(3, 4, 132, dtype=torch.uint8)
+    with pytest.raises(InputError, match="k norm bias"):
+        mod.write_indexer_cache(kc, torch.randn(2, 128), sl, norm=(torch.ones(128), torch.ones(64), 1e-6))
+    assert (cache == 0).all() and (kc == 0).all()  # nothing written by a refused call
+
+
+def test_standalone_bad_inputs():
+    with pytest.raises(InputError, match="rms_norm weight"):
+        tnr.rms_norm(torch.randn(2, 64), torch.ones(32), 1e-6)
+    with pytest.raises(InputError, match="rope cos"):
+        tnr.rope_interleaved(torch.randn(2, 1, 64), torch.ones(3, 32), torch.zeros(3, 32))
+    with pytest.raises(InputError, match="rope_interleaved"):
+        torch.ops.fxglm5.rope_interleaved(torch.randn(2, 64), torch.ones(2, 32), torch.zeros(2, 32))
