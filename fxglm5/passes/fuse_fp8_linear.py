@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from fxglm5.passes.dequant import match_dequant
-from fxglm5.passes.graph_utils import aten, fake_call, insert_call, is_op
+from fxglm5.passes.graph_utils import aten, is_op, replace_with_call
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -42,8 +42,7 @@ def fuse_fp8_linear(gm: fx.GraphModule, ctx) -> PassOutcome:
         if deq is None:
             continue
         args = (x, deq.weight, deq.scale, bias, bool(ctx.act_quant))
-        fused = insert_call(gm, node, op, args, fake_call(op, *args))
-        node.replace_all_uses_with(fused)
+        replace_with_call(gm, node, op, args)
         gm.graph.erase_node(node)
         matches += 1
     return PassOutcome(matches)

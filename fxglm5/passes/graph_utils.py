@@ -41,6 +41,10 @@ def shape_of(node: fx.Node) -> tuple | None:
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
+def is_cast(node: Any) -> bool:
+    return is_op(node, *_CASTS)
+
+
 def is_noop_cast(node: fx.Node) -> bool:
     return is_op(node, *_CASTS) and dtype_of(node) is not None and dtype_of(node) == dtype_of(node.args[0])
 
@@ -57,6 +61,14 @@ def through_casts(node: Any) -> Any:
     while isinstance(node, fx.Node) and (is_op(node, *_TRANSPARENT) or is_op(node, *_CASTS)):
         node = node.args[0]
     return node
+
+
+def float32_source(node: Any) -> fx.Node | None:
+    """x for ``x.float()`` (or x itself when it is already float32): the input of a float32 computation."""
+    node = through(node)
+    if is_cast(node) and dtype_of(node) == torch.float32:
+        return through(node.args[0])
+    return node if dtype_of(node) == torch.float32 else None
 
 
 def getitem_of(node: Any, index: int) -> fx.Node | None:
@@ -136,6 +148,14 @@ def insert_call(gm: fx.GraphModule, before: fx.Node, target: Callable, args: tup
     if example is not None:
         node.meta["val"] = example
     return node
+
+
+def replace_with_call(gm: fx.GraphModule, node: fx.Node, target: Callable, args: tuple) -> fx.Node:
+    """Insert ``target(*args)`` before ``node`` (its meta value from a fake run) and move every use of ``node``
+    to it; ``node`` and whatever only it read are left for dead-code elimination."""
+    new = insert_call(gm, node, target, args, fake_call(target, *args))
+    node.replace_all_uses_with(new)
+    return new
 
 
 def fake_call(target: Callable, *args) -> Any:

@@ -11,23 +11,16 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, const_float, dtype_of, fake_call, insert_call, is_op, shape_of, through
+from fxglm5.passes.graph_utils import (
+    aten, const_float, dtype_of, float32_source, is_cast, is_op, replace_with_call, shape_of, through,
+)
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
-_CASTS = (aten.to.dtype, aten._to_copy.default)
 
 
 def expected_norms(ctx) -> int:
     return 4 * ctx.config.num_hidden_layers + 1
-
-
-def _upcast_source(node) -> fx.Node | None:
-    """x for ``x.float()`` (or x itself when x is already float32)."""
-    node = through(node)
-    if is_op(node, *_CASTS) and dtype_of(node) == torch.float32:
-        return through(node.args[0])
-    return node if dtype_of(node) == torch.float32 else None
 
 
 def _match(anchor: fx.Node) -> tuple | None:
@@ -38,7 +31,7 @@ def _match(anchor: fx.Node) -> tuple | None:
         if not isinstance(weight, fx.Node) or weight.op != "get_attr" or len(shape_of(weight) or ()) != 1:
             continue
         scaled = through(normed)
-        if is_op(scaled, *_CASTS):
+        if is_cast(scaled):
             scaled = through(scaled.args[0])
         if not is_op(scaled, aten.mul.Tensor):
             continue
@@ -52,7 +45,7 @@ def _match(anchor: fx.Node) -> tuple | None:
             square = mean.args[0]
             if not keepdim or not is_op(square, aten.pow.Tensor_Scalar) or square.args[1] != 2 or square.args[0] is not xf:
                 continue
-            x = _upcast_source(xf)
+            x = float32_source(xf)
             if x is None or dtype_of(x) != dtype_of(anchor) or dtype_of(weight) != dtype_of(anchor):
                 continue
             if shape_of(weight)[0] != shape_of(x)[-1]:
@@ -69,7 +62,6 @@ def match_rms_norm(gm: fx.GraphModule, ctx) -> PassOutcome:
         found = _match(node)
         if found is None:
             continue
-        new = insert_call(gm, node, op, found, fake_call(op, *found))
-        node.replace_all_uses_with(new)
+        replace_with_call(gm, node, op, found)
         matches += 1
     return PassOutcome(matches)

@@ -12,12 +12,10 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, dtype_of, fake_call, getitem_of, insert_call, is_op, shape_of
-from fxglm5.passes.match_rms_norm import _upcast_source
+from fxglm5.passes.graph_utils import aten, dtype_of, float32_source, is_cast, getitem_of, is_op, replace_with_call, shape_of
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
-_CASTS = (aten.to.dtype, aten._to_copy.default)
 _END = 2**63 - 1
 
 
@@ -66,12 +64,12 @@ def _match(flat: fx.Node) -> tuple | None:
                 continue
             if set(add.args[0].args) != {odd, c} or set(add.args[1].args) != {even, s}:
                 continue
-            x = _upcast_source(xf)
+            x = float32_source(xf)
             if x is None or shape_of(x)[-1] != 2 * shape_of(cos)[-1] or dtype_of(cos) != torch.float32:
                 continue
             result = flat
             users = list(flat.users)
-            if len(users) == 1 and is_op(users[0], *_CASTS) and dtype_of(users[0]) == dtype_of(x):
+            if len(users) == 1 and is_cast(users[0]) and dtype_of(users[0]) == dtype_of(x):
                 result = users[0]
             if dtype_of(result) != dtype_of(x):
                 continue
@@ -105,14 +103,12 @@ def match_rope(gm: fx.GraphModule, ctx) -> PassOutcome:
         if found is None:
             continue
         result, *args = found
-        new = insert_call(gm, result, op, tuple(args), fake_call(op, *args))
-        result.replace_all_uses_with(new)
+        replace_with_call(gm, result, op, tuple(args))
         matches += 1
     for node in list(gm.graph.nodes):
         found = _partial(node, op)
         if found is None:
             continue
-        new = insert_call(gm, node, op, found, fake_call(op, *found))
-        node.replace_all_uses_with(new)
+        replace_with_call(gm, node, op, found)
         partial += 1
     return PassOutcome(matches, {"partial": partial})
