@@ -3,11 +3,12 @@ and device time per kernel (torch.profiler), so that any op outside the benchmar
 copy, a torch fallback, a launch-bound chain of small ops) shows up.
 
 The model is bf16 with GLM-5's widths and 2 layers (1 dense, 1 MoE: 256 experts, top-8; random FP8 block-scaled
-weights), 64 requests of 2048 prompt tokens by default, FP8 indexer cache. ``--without p1,p2`` also builds a
-runner with those passes disabled (FXGLM5_DISABLE_PASSES) over the same weights and prompts, and measures it
-in the same run: the baseline for what the passes buy.
+weights), 64 requests of 2048 prompt tokens by default, FP8 indexer cache; decode steps replay CUDA graphs
+(the runner's default on a GPU). Baselines over the same weights and prompts, measured in the same run:
+``--without p1,p2`` builds a runner with those passes disabled (FXGLM5_DISABLE_PASSES), ``--eager`` one that
+decodes eagerly (no CUDA graphs).
 
-    python bench/decode_step.py [--tiny] [B] [ctx] [kv_cache] [--without pass,pass]
+    python bench/decode_step.py [--tiny] [B] [ctx] [kv_cache] [--without pass,pass] [--eager]
 """
 
 from __future__ import annotations
@@ -45,14 +46,15 @@ def random_model(cfg, dev):
     return model.eval()
 
 
-def measure(model, prompts, B, ctx, kv, dev, disabled: str) -> dict:
+def measure(model, prompts, B, ctx, kv, dev, disabled: str = "", decode_graphs: bool | None = None) -> dict:
     """Prefill the prompts, then time decode steps and profile three of them, with ``disabled`` passes off."""
     os.environ["FXGLM5_DISABLE_PASSES"] = disabled
     t0 = time.time()
     runner = Runner(model, kv_cache=kv, index_cache="fp8", block_size=64, dtype=torch.bfloat16,
-                    max_cache_tokens=B * (ctx + 64), device=dev, backend="triton")
+                    max_cache_tokens=B * (ctx + 64), device=dev, backend="triton", decode_graphs=decode_graphs)
     os.environ.pop("FXGLM5_DISABLE_PASSES")
-    print(f"runner (capture + passes, disabled: {disabled or 'none'}): {time.time() - t0:.1f} s", flush=True)
+    print(f"runner (capture + passes, disabled: {disabled or 'none'}, decode graphs: "
+          f"{runner.decode_graphs is not None}): {time.time() - t0:.1f} s", flush=True)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     chunk = max(1, 16384 // ctx)  # prefill in chunks of requests (activation memory)
     for i in range(0, B, chunk):
@@ -76,12 +78,14 @@ def measure(model, prompts, B, ctx, kv, dev, disabled: str) -> dict:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0:
             per[e.name[:90]] += e.device_time / 3
-        elif e.name in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel"):
+        elif e.name in ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaGraphLaunch"):
             launches += 1
     top = sorted(per.items(), key=lambda kv_: -kv_[1])[:25]
+    graphs = runner.decode_graphs
+    replayed = graphs is not None and graphs.disabled is None and bool(graphs.graphs)
     del runner
-    return dict(disabled_passes=disabled or None, step_wall_us=[round(s, 1) for s in steps],
-                device_us_per_step=round(sum(per.values()), 1), kernel_launches_per_step=launches // 3,
+    return dict(disabled_passes=disabled or None, decode_graphs=replayed, step_wall_us=[round(s, 1) for s in steps],
+                device_us_per_step=round(sum(per.values()), 1), launches_per_step=launches // 3,
                 kernels_us_per_step={k: round(v, 1) for k, v in top},
                 host_table=prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
@@ -101,14 +105,17 @@ def main():
                                                 indexer_types=None, num_nextn_predict_layers=0)
     model = random_model(cfg, dev)
     prompts = torch.randint(0, cfg.vocab_size, (B, ctx), generator=torch.Generator().manual_seed(1)).tolist()
-    runs = [measure(model, prompts, B, ctx, kv, dev, "")]
+    runs = [measure(model, prompts, B, ctx, kv, dev)]
     if without:
-        runs.append(measure(model, prompts, B, ctx, kv, dev, without))
+        runs.append(measure(model, prompts, B, ctx, kv, dev, disabled=without))
+    if "--eager" in argv:
+        runs.append(measure(model, prompts, B, ctx, kv, dev, decode_graphs=False))
     res = dict(command="python bench/decode_step.py " + " ".join(argv), device=device_info(), B=B, ctx=ctx,
                kv_cache=kv, layers="tiny" if tiny else "1 dense + 1 MoE (GLM-5 widths)",
                no_autotune=os.environ.get("FXGLM5_NO_AUTOTUNE") == "1", runs=runs)
     for run in runs:
-        print(f"== passes disabled: {run['disabled_passes']}\n{run.pop('host_table')}", flush=True)
+        print(f"== passes disabled: {run['disabled_passes']}, decode graphs: {run['decode_graphs']}\n"
+              f"{run.pop('host_table')}", flush=True)
         print(json.dumps(run, indent=1), flush=True)
     path = os.path.join(os.environ.get("OUT", RESULTS_DIR), f"decode_step_{kv}_B{B}_ctx{ctx}.json")
     with open(path, "w") as f:

@@ -4,7 +4,8 @@ Built once from a checkpoint directory or a ``Glm5ForCausalLM``: capture, then t
 stages (``insert_paged_cache`` makes the caches and the forward context graph inputs). Each step builds an
 RTP-shaped :class:`ForwardContext`, validates it (nothing runs on a bad one), and calls the graph on the
 flat tokens of the whole batch. The ops' own validation is then redundant and is switched off, as it
-would be inside a CUDA graph.
+is inside a CUDA graph. On a CUDA device decode steps replay CUDA graphs captured per batch bucket
+(:mod:`fxglm5.runtime.decode_graphs`); prefill runs the graph eagerly.
 
 Requests are admitted one by one: one that does not fit the cache (at prefill or when a decode step
 needs a new block) gets a :class:`CacheFullError` in ``Sequence.error`` and its blocks are released; the
@@ -23,6 +24,7 @@ from fxglm5.errors import CacheFullError, InputError
 from fxglm5.ops.cached import validation
 from fxglm5.runtime.block_manager import BlockManager
 from fxglm5.runtime.cache import PagedCache, check_options
+from fxglm5.runtime.decode_graphs import DecodeGraphs
 from fxglm5.runtime.forward_context import ForwardContext
 
 
@@ -45,13 +47,17 @@ class Runner:
     def __init__(self, model, *, kv_cache: str = "bf16", index_cache: str | None = None, block_size: int = 64,
                  kernel_block_size: int | None = None, dtype: torch.dtype = torch.float32,
                  num_blocks: int | None = None, max_cache_tokens: int = 8192, device="cpu", keep_logits=False,
-                 graph=None, backend: str | None = None):
+                 graph=None, backend: str | None = None, decode_graphs: bool | None = None,
+                 max_decode_batch: int = 64):
         """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``). ``kv_cache``: "bf16"
         (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
         same kind (see fxglm5.runtime.cache). The cache holds ``num_blocks`` blocks of ``block_size`` tokens
         (default: enough for ``max_cache_tokens``). ``graph``: the compiled graph of another Runner over the
         same model, reused (it holds no cache) to skip capture. ``backend``: the kernels the ``lower`` stage
-        prefers ("triton", "aiter", "reference"; default: the best for ``device``, FXGLM5_BACKEND overrides)."""
+        prefers ("triton", "aiter", "reference"; default: the best for ``device``, FXGLM5_BACKEND overrides).
+        ``decode_graphs``: replay decode steps of up to ``max_decode_batch`` requests from CUDA graphs (default:
+        on a CUDA device unless ``backend`` is "reference", whose ops sync with the host; on a CPU, True runs the
+        same padded static-buffer steps without capture)."""
         from fxglm5.capture import capture
         from fxglm5.passes import PassContext, run_pipeline
 
@@ -72,17 +78,23 @@ class Runner:
         self.cache = PagedCache(self.graph.meta["paged_cache"], num_blocks, block_size, kernel_block_size, kv_cache,
                                 index_cache, model.dtype, device)
         self.blocks = BlockManager(num_blocks, block_size)
+        on_cuda = torch.device(device).type == "cuda"
+        self.decode_graphs = None
+        if decode_graphs if decode_graphs is not None else (on_cuda and backend != "reference"):
+            longest = min(-(-self.config.max_position_embeddings // block_size), num_blocks)
+            self.decode_graphs = DecodeGraphs(self.graph, self.cache.graph_inputs(), max_batch=max_decode_batch,
+                                              table_width=longest * self.cache.ratio, device=device, capture=on_cuda)
         self.active: list[Sequence] = []
         self._ids = itertools.count()
 
     # ---- one step -----------------------------------------------------------------------------------
-    def context(self, seqs: list[Sequence], prefill: bool) -> ForwardContext:
+    def context(self, seqs: list[Sequence], prefill: bool, device=None) -> ForwardContext:
         c = self.cache
         return ForwardContext.build(
             prefill, [len(s.prompt) - s.cached for s in seqs], [s.cached for s in seqs],
             [self.blocks.tables[s.id] for s in seqs], block_size=c.block_size, kernel_block_size=c.kernel_block_size,
             num_blocks=c.num_blocks, max_position_embeddings=self.config.max_position_embeddings,
-            prompt_lengths=[len(s.prompt) for s in seqs], device=self.device)
+            prompt_lengths=[len(s.prompt) for s in seqs], device=device or self.device)
 
     @torch.no_grad()
     def step(self, ctx: ForwardContext, input_ids: torch.Tensor) -> torch.Tensor:
@@ -132,9 +144,17 @@ class Runner:
                 self.blocks.free(seq.id)
         self.active = running
         if running:
-            ids = torch.tensor([s.tokens[-1] for s in running], device=self.device)
-            self._advance(running, self.step(self.context(running, False), ids))
+            self._advance(running, self._decode_step(running))
         return running
+
+    def _decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits of one decode step: replayed from a CUDA graph where one applies, else eagerly."""
+        last = [s.tokens[-1] for s in seqs]
+        if self.decode_graphs is not None:  # the context is built and validated on the host: no device syncs
+            logits = self.decode_graphs.run(torch.tensor(last), self.context(seqs, False, device="cpu").validate())
+            if logits is not None:
+                return logits
+        return self.step(self.context(seqs, False), torch.tensor(last, device=self.device))
 
     def release(self, seq: Sequence) -> None:
         """Give a request's blocks back (full prompt blocks stay reusable as a cached prefix)."""

@@ -1,0 +1,120 @@
+"""Decode steps replayed from CUDA graphs, one per (batch, block-table width) bucket.
+
+Why: the runner calls the lowered FX graph eagerly, and a decode step is then host-bound: on two GLM-5-width
+layers at batch 64 it spends 15-20 ms in Python (the graph's interpreter, the ops' dispatch, a few hundred
+launches) for about 3 ms of device work (``bench/results/norm_rope_s11/``), and the gap grows with every layer.
+A replayed graph costs one launch.
+
+How: the graph's inputs live in static device buffers sized for the largest batch bucket (token ids,
+positions, slot mapping, request index) and a block table per width bucket (powers of two of kernel blocks, up
+to the longest sequence the cache can hold). The width is bucketed too because kernels size their work by it:
+the indexer's logits rows are as wide as the table, and past a few thousand keys the top-k switches to its
+long-row method (one table as wide as the cache made a 2-layer step at 2k tokens 120 us slower than eager).
+A step copies its validated context into the buffers, padded to its (batch, width) bucket -- a padding token
+has slot -1 (its cache write is skipped), position 0 and an all-zero block-table row (block 0 is reserved), so
+it reads only block 0 and writes nothing -- replays that bucket's graph and returns the live rows' logits.
+A bucket is captured at its first use: the step first runs eagerly on the same buffers (kernel compilation
+and autotuning happen there, never inside capture; its result is that step's answer, as capture itself
+computes nothing), then the graph is captured. The op-level validation is off throughout (it syncs with the
+host); the runner validated the context.
+
+A step larger than the largest batch bucket, a table wider than the cache's longest sequence, or a graph that
+cannot be captured (an op that syncs with the host, as the exact-mode indexer cache's reference top-k does)
+runs eagerly; the last case is logged once and switches capture off for the runner. Without a CUDA device
+(``capture=False``) the padded static-buffer steps run without capture: the same inputs, checked on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from fxglm5.ops.cached import validation
+from fxglm5.runtime.forward_context import ForwardContext
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Powers of two up to ``max_batch``, and ``max_batch`` itself."""
+    return sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
+
+
+class DecodeGraphs:
+    def __init__(self, graph: Callable, caches: list[torch.Tensor], *, max_batch: int, table_width: int, device,
+                 capture: bool = True):
+        self.graph, self.caches, self.capture = graph, caches, capture
+        self.buckets, self.widths = batch_buckets(max_batch), batch_buckets(table_width)
+        self.device = device
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(1, max_batch, **i64)
+        self.positions = torch.zeros(1, max_batch, **i64)
+        self.slot_mapping = torch.full((max_batch,), -1, **i64)
+        self.req_idx = torch.zeros(max_batch, **i64)
+        self.tables: dict[int, torch.Tensor] = {}  # width bucket -> int32 [max_batch, width]
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, width) bucket
+        self.steps = 0  # decode steps run from the static buffers (replayed, or uncaptured on a CPU)
+        self.disabled: Optional[str] = None
+        self._pool = None
+
+    @staticmethod
+    def _fit(buckets: list[int], n: int) -> Optional[int]:
+        return next((b for b in buckets if b >= n), None)
+
+    def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Optional[torch.Tensor]:
+        """float32 logits [B, V] of a validated decode ``ctx`` (host or device tensors), or None: run it eagerly."""
+        B = ctx.batch_size
+        key = (self._fit(self.buckets, B), self._fit(self.widths, ctx.kernel_block_table.shape[1]))
+        if self.disabled is not None or None in key:
+            return None
+        self._load(input_ids, ctx, *key)
+        self.steps += 1
+        if not self.capture:
+            return self._forward(*key)[0, :B].float()
+        if key in self.graphs:
+            graph, out = self.graphs[key]
+            graph.replay()
+            return out[0, :B].to(torch.float32, copy=True)  # the static output is overwritten by the next replay
+        return self._warm_up_and_capture(key)[0, :B].float()
+
+    def _load(self, input_ids: torch.Tensor, ctx: ForwardContext, bucket: int, width: int) -> None:
+        """Copy the step into the static buffers; rows B..bucket-1 become padding tokens."""
+        B, used = ctx.batch_size, ctx.kernel_block_table.shape[1]
+        pad = bucket - B
+        self.input_ids[0, :bucket].copy_(torch.cat([input_ids.cpu(), torch.zeros(pad, dtype=torch.int64)]))
+        self.positions[0, :bucket].copy_(torch.cat([ctx.positions.cpu(), torch.zeros(pad, dtype=torch.int64)]))
+        self.slot_mapping[:bucket].copy_(torch.cat([ctx.slot_mapping.cpu(), torch.full((pad,), -1)]))
+        self.req_idx[:bucket].copy_(torch.arange(bucket))  # decode: token b is request b; padding reads row b
+        table = torch.zeros(bucket, width, dtype=torch.int32)
+        table[:B, :used] = ctx.kernel_block_table.cpu()
+        if width not in self.tables:
+            self.tables[width] = torch.zeros(self.input_ids.shape[1], width, dtype=torch.int32, device=self.device)
+        self.tables[width][:bucket].copy_(table)
+
+    def _forward(self, bucket: int, width: int) -> torch.Tensor:
+        with validation(False):
+            return self.graph(self.input_ids[:, :bucket], self.positions[:, :bucket], self.slot_mapping[:bucket],
+                              self.tables[width][:bucket], self.req_idx[:bucket], *self.caches)
+
+    def _warm_up_and_capture(self, key: tuple[int, int]) -> torch.Tensor:
+        bucket = key[0]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            logits = self._forward(*key)  # this step's answer; compiles and autotunes outside capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(*key)
+        except Exception as err:  # noqa: BLE001 - an op that cannot be captured: this runner decodes eagerly
+            self.disabled = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            log.warning("decode CUDA graphs off, capture failed at batch %d (%s); decoding eagerly", bucket,
+                        self.disabled)
+            torch.cuda.synchronize()
+            return logits
+        self._pool = graph.pool()
+        self.graphs[key] = (graph, out)
+        return logits
