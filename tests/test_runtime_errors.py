@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from fxglm5.errors import CacheFullError, InputError
 from fxglm5.ops.cached import validation, validation_enabled
 from fxglm5.runtime.forward_context import ForwardContext
+from fxglm5.runtime.runner import Tokens
 from tests.paged_helpers import model_and_graph, prompts, runner
 
 
@@ -198,3 +199,17 @@ def test_block_manager_commits_incrementally_the_keys_of_the_whole_sequence(bloc
     assert len(step_by_step._key_of) == full
     step_by_step.free("a")
     assert step_by_step.allocate("b", tokens + [0]) == full * block_size
+
+
+@given(st.lists(st.integers(0, 9), max_size=12), st.lists(st.integers(0, 9), max_size=12), st.data())
+def test_tokens_view_reads_like_the_concatenation(head, tail, data):
+    whole, view = head + tail, Tokens(head, tail)
+    assert len(view) == len(whole) and list(view) == whole
+    start = data.draw(st.integers(-15, 15))
+    stop = data.draw(st.integers(-15, 15))
+    assert view[start:stop] == whole[start:stop] and view[start:] == whole[start:] and view[::2] == whole[::2]
+    if whole:
+        index = data.draw(st.integers(-len(whole), len(whole) - 1))
+        assert view[index] == whole[index]
+    with pytest.raises(IndexError):
+        view[len(whole)]

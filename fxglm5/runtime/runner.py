@@ -14,6 +14,7 @@ other requests go on unchanged.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import itertools
 from pathlib import Path
@@ -28,6 +29,32 @@ from fxglm5.runtime.decode_graphs import DecodeGraphs
 from fxglm5.runtime.forward_context import ForwardContext
 
 
+class Tokens(collections.abc.Sequence):
+    """``head + tail`` without copying either: a decode step reads a request's length, last token and newly
+    filled blocks, and concatenating prompt and output for that cost O(context) per request per step."""
+
+    __slots__ = ("_head", "_tail")
+
+    def __init__(self, head: list[int], tail: list[int]):
+        self._head, self._tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self._head) + len(self._tail)
+
+    def __getitem__(self, index):
+        n = len(self._head)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return list(self)[index]
+            return self._head[start:min(stop, n)] + self._tail[max(start - n, 0):max(stop - n, 0)]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"token index {index} out of range")
+        return self._head[index] if index < n else self._tail[index - n]
+
+
 @dataclasses.dataclass
 class Sequence:
     id: int
@@ -39,8 +66,8 @@ class Sequence:
     prefix_reused: int = 0  # prompt tokens taken from an earlier request's blocks
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+    def tokens(self) -> Tokens:
+        return Tokens(self.prompt, self.output)
 
 
 class Runner:
@@ -108,12 +135,12 @@ class Runner:
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         next_tokens = logits.argmax(-1).tolist()  # one reduction and one device -> host copy for the batch
-        for seq, row, token in zip(seqs, logits, next_tokens):
+        for i, (seq, token) in enumerate(zip(seqs, next_tokens)):
             seq.cached = len(seq.tokens)
             self.blocks.commit(seq.id, seq.tokens)
             seq.output.append(token)
             if self.keep_logits:
-                seq.logits.append(row)
+                seq.logits.append(logits[i])
 
     # ---- requests -----------------------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]]) -> list[Sequence]:
