@@ -55,8 +55,10 @@ def test_tiny_model_counts_signature_and_outputs():
     gm = capture(model)
     run_pipeline(gm, PassContext(config=cfg), stages=("match", "fuse"))
     canonical = copy.deepcopy(gm)
-    result, folded = run_pipeline(gm, PassContext(config=cfg, strict=True), stages=("cache",))
+    result, selected, folded = run_pipeline(gm, PassContext(config=cfg, strict=True), stages=("cache",))
     assert (result.name, result.num_matches, result.expected) == ("insert_paged_cache", 4, 4)
+    # the kept rows are selected before the lm_head linear and the final norm
+    assert (selected.name, selected.num_matches, selected.details) == ("select_sampled_rows", 1, {"ops_moved": 2})
     assert result.details == {"indexers": 4}
     # 4 MLA ops (kv norm + q/k RoPE each) and 4 indexers (k LayerNorm + RoPE each)
     assert (folded.name, folded.num_matches, folded.expected) == ("fuse_norm_rope_into_cache_writes", 8, 8)
@@ -67,17 +69,22 @@ def test_tiny_model_counts_signature_and_outputs():
     # left: 4 norms per layer + the final one, less the 4 folded kv norms; the 4 indexer query RoPEs
     assert ops["fxglm5.rms_norm"] == 13 and ops["fxglm5.rope_interleaved"] == 4 and "aten.layer_norm" not in ops
     caches = [f"{kind}_cache_{i}" for i in range(4) for kind in ("kv", "index")]
-    assert placeholders(gm) == ["input_ids", "position_ids", "slot_mapping", "block_table", "req_idx", *caches]
+    assert placeholders(gm) == ["input_ids", "position_ids", "slot_mapping", "block_table", "req_idx",
+                                "logits_indices", *caches]
     assert gm.meta["paged_cache"].cache_names == caches
     assert run_pipeline(gm, PassContext(config=cfg), stages=("cache",))[0].num_matches == 0  # nothing left
 
     gen = torch.Generator().manual_seed(0)
     ids, req, pos, table, slots, used = flat_batch([11, 4, 7], 4, cfg.vocab_size, gen)
     tensors = [torch.zeros(used, 4, 576) if i % 2 == 0 else torch.zeros(used, 4, 128) for i in range(8)]
-    out = gm(torch.cat(ids)[None], pos[None], slots, table, req, *tensors)
+    out = gm(torch.cat(ids)[None], pos[None], slots, table, req, torch.arange(len(req)), *tensors)
     for i, seq in enumerate(ids):
         ref = canonical(seq[None], torch.arange(len(seq))[None])[0]
         torch.testing.assert_close(out[0, req == i], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    last = torch.tensor([10, 14, 21])  # each request's last token: the step again (same cache rows), 3 logits rows
+    kept = gm(torch.cat(ids)[None], pos[None], slots, table, req, last, *tensors)
+    assert kept.shape == (1, 3, cfg.vocab_size)
+    torch.testing.assert_close(kept[0], out[0, last], rtol=1e-5, atol=1e-5 * out.abs().max().item())
 
 
 def test_shared_indexer_layers_get_no_index_cache():
@@ -120,7 +127,8 @@ def test_dense_mla_becomes_rtp_mla():
     torch.manual_seed(0)
     model = DenseMLA().requires_grad_(False)
     gm = capture(model)
-    result, folded = run_pipeline(gm, PassContext(), stages=("cache",))
+    result, selected, folded = run_pipeline(gm, PassContext(), stages=("cache",))
+    assert selected.num_matches == 0  # the module ends in a reshape, not a row-wise op: selected at the output
     assert result.num_matches == 1 and result.details == {"indexers": 0}
     assert folded.num_matches == 1 and folded.details == {"norms": 1, "ropes": 2}
     ops = op_histogram(gm)
@@ -128,7 +136,7 @@ def test_dense_mla_becomes_rtp_mla():
     assert "fxglm5.rms_norm" not in ops and "fxglm5.rope_interleaved" not in ops
     assert placeholders(gm)[-1] == "kv_cache_0"
     ids, req, pos, table, slots, used = flat_batch([6, 3], 2, 50, torch.Generator().manual_seed(1))
-    out = gm(torch.cat(ids)[None], pos[None], slots, table, req, torch.zeros(used, 2, 576))
+    out = gm(torch.cat(ids)[None], pos[None], slots, table, req, torch.arange(len(req)), torch.zeros(used, 2, 576))
     for i, seq in enumerate(ids):
         ref = model(seq[None], torch.arange(len(seq))[None])[0]
         torch.testing.assert_close(out[0, req == i], ref, rtol=1e-5, atol=1e-5)

@@ -116,7 +116,7 @@ def graph_call(r, block_table, positions, slots=None):
     T = positions.shape[0]
     slots = slots if slots is not None else torch.arange(T) + 4  # blocks [1, 2] of 4
     return r.graph(torch.zeros(1, T, dtype=torch.long), positions[None], slots, block_table, torch.zeros(T, dtype=torch.long),
-                   *r.cache.graph_inputs())
+                   torch.arange(T), *r.cache.graph_inputs())
 
 
 @pytest.mark.parametrize("case", ["block id", "position", "slot", "padding block"])

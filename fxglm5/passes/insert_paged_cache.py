@@ -9,10 +9,12 @@ exported artifact carries no cache, and CUDA-graph capture sees fixed input addr
 The rewritten module is called positionally (plain FX codegen; the exported pytree signature is gone)::
 
     forward(input_ids [1, T], position_ids [1, T], slot_mapping [T], block_table [B, max_blocks],
-            req_idx [T], kv_cache_0, index_cache_0, kv_cache_1, ...) -> logits [1, T, vocab]
+            req_idx [T], logits_indices [R], kv_cache_0, index_cache_0, kv_cache_1, ...) -> logits [1, R, vocab]
 
 T tokens of B requests, flat (RTP style); ``position_ids[0]`` doubles as the ops' ``positions``; the block
-table is at kernel granularity (its block size is the caches' dim 1). Caches come per attention layer in
+table is at kernel granularity (its block size is the caches' dim 1). ``logits_indices`` lists the tokens
+whose logits the step needs (a request's last token; ``torch.arange(T)`` for all of them): the output keeps
+only those rows, and ``select_sampled_rows`` then computes only them. Caches come per attention layer in
 layer order: ``kv_cache_{l}`` always, ``index_cache_{l}`` only for a layer that runs its own indexer (a
 "shared" layer reuses an earlier layer's top-k). ``gm.meta["paged_cache"]`` (a :class:`PagedSignature`)
 lists them, so a runtime allocates exactly what the graph takes.
@@ -30,7 +32,7 @@ from fxglm5.passes.graph_utils import aten, is_op
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
-CONTEXT_INPUTS = ("slot_mapping", "block_table", "req_idx")
+CONTEXT_INPUTS = ("slot_mapping", "block_table", "req_idx", "logits_indices")
 _UNBOUNDED = 2**62
 
 
@@ -109,7 +111,11 @@ def insert_paged_cache(gm: fx.GraphModule, ctx) -> PassOutcome:
             args = (q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, node.args[6], cache, *context, max_pos)
             _replace(gm, node, ops.rtp_mla.default, args)
 
-    _drop_pytree_signature(gm, next(n for n in gm.graph.nodes if n.op == "output"))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    _drop_pytree_signature(gm, output)
+    with gm.graph.inserting_before(output):
+        rows = gm.graph.call_function(aten.index_select.default, (output.args[0], 1, inputs["logits_indices"]))
+    output.args = (rows,)
     gm.meta["paged_cache"] = PagedSignature(tuple(names))
     return PassOutcome(len(attention), {"indexers": len(indexers)})
 

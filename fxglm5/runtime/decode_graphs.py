@@ -52,7 +52,7 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(1, max_batch, **i64)
         self.positions = torch.zeros(1, max_batch, **i64)
         self.slot_mapping = torch.full((max_batch,), -1, **i64)
-        self.req_idx = torch.zeros(max_batch, **i64)
+        self.req_idx = torch.arange(max_batch, **i64)  # decode: token b is request b; padding reads row b
         self.tables: dict[int, torch.Tensor] = {}  # width bucket -> int32 [max_batch, width]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, width) bucket
         self.steps = 0  # decode steps run from the static buffers (replayed, or uncaptured on a CPU)
@@ -86,7 +86,6 @@ class DecodeGraphs:
         self.input_ids[0, :bucket].copy_(torch.cat([input_ids.cpu(), torch.zeros(pad, dtype=torch.int64)]))
         self.positions[0, :bucket].copy_(torch.cat([ctx.positions.cpu(), torch.zeros(pad, dtype=torch.int64)]))
         self.slot_mapping[:bucket].copy_(torch.cat([ctx.slot_mapping.cpu(), torch.full((pad,), -1)]))
-        self.req_idx[:bucket].copy_(torch.arange(bucket))  # decode: token b is request b; padding reads row b
         table = torch.zeros(bucket, width, dtype=torch.int32)
         table[:B, :used] = ctx.kernel_block_table.cpu()
         if width not in self.tables:
@@ -94,9 +93,10 @@ class DecodeGraphs:
         self.tables[width][:bucket].copy_(table)
 
     def _forward(self, bucket: int, width: int) -> torch.Tensor:
+        tokens = self.req_idx[:bucket]  # one token per request: token b is request b's and its logits' row
         with validation(False):
             return self.graph(self.input_ids[:, :bucket], self.positions[:, :bucket], self.slot_mapping[:bucket],
-                              self.tables[width][:bucket], self.req_idx[:bucket], *self.caches)
+                              self.tables[width][:bucket], tokens, tokens, *self.caches)
 
     def _warm_up_and_capture(self, key: tuple[int, int]) -> torch.Tensor:
         bucket = key[0]

@@ -129,9 +129,11 @@ class Runner:
         ctx.validate()
         if input_ids.shape != ctx.positions.shape:
             raise InputError(f"input_ids: expected {tuple(ctx.positions.shape)} tokens, got {tuple(input_ids.shape)}")
+        last = ctx.cu_seqlens[1:].long() - 1  # each request's last token: the only logits a step samples from
         with validation(False):
-            logits = self.graph(input_ids[None], ctx.positions[None], *ctx.graph_args(), *self.cache.graph_inputs())
-        return logits[0, ctx.cu_seqlens[1:].long() - 1].float()
+            logits = self.graph(input_ids[None], ctx.positions[None], *ctx.graph_args(), last,
+                                *self.cache.graph_inputs())
+        return logits[0].float()
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         next_tokens = logits.argmax(-1).tolist()  # one reduction and one device -> host copy for the batch
