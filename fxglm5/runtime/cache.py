@@ -32,7 +32,7 @@ def kernel_block_table(block_table: torch.Tensor, ratio: int) -> torch.Tensor:
     """[B, M] physical ids -> [B, M * ratio] kernel ids (physical * ratio + j; padding 0 stays 0)."""
     j = torch.arange(ratio, dtype=block_table.dtype, device=block_table.device)
     kernel = (block_table.unsqueeze(-1) * ratio + j).reshape(block_table.shape[0], -1)
-    pad = (block_table == 0).repeat_interleave(ratio, dim=1)
+    pad = (block_table == 0).unsqueeze(-1).expand(*block_table.shape, ratio).reshape(kernel.shape)
     return torch.where(pad, torch.zeros_like(kernel), kernel)
 
 

@@ -93,7 +93,8 @@ class ForwardContext:
         cu = torch.zeros(B + 1, dtype=torch.int32, device=n.device)
         cu[1:] = torch.cumsum(n, 0)
         self._check_given("cu_seqlens", self.cu_seqlens, cu)
-        req = torch.repeat_interleave(torch.arange(B, device=n.device), n)
+        # the request of every token (searchsorted: repeat_interleave costs 0.1-8 ms per call on a host CPU)
+        req = torch.searchsorted(cu[1:].long(), torch.arange(int(cu[-1]), device=n.device), right=True)
         pos = start.long()[req] + torch.arange(int(cu[-1]), device=n.device) - cu.long()[:-1][req]
         if int(pos.max()) >= self.max_position_embeddings:
             raise InputError(f"positions: position {int(pos.max())} is past max_position_embeddings "
