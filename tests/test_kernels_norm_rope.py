@@ -12,6 +12,7 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fxglm5.ops  # noqa: E402,F401  (registers the canonical ops)
+import fxglm5.ops.cached  # noqa: E402,F401  (registers the cached ops)
 from fxglm5.errors import InputError  # noqa: E402
 from fxglm5.lowering.reference import norm_rope as ref  # noqa: E402
 from fxglm5.lowering.reference import paged  # noqa: E402
@@ -167,7 +168,7 @@ def test_fused_write_bad_inputs(mod):
     cache = torch.zeros(3, 4, 576, dtype=torch.bfloat16)
     kv, pe, sl = torch.randn(2, 512), torch.randn(2, 64), torch.tensor([4, -1])
     cos, sin = torch.ones(2, 32), torch.zeros(2, 32)
-    with pytest.raises(InputError, match="rms_norm weight"):
+    with pytest.raises(InputError, match="kv_c rms_norm weight"):
         mod.write_latent_cache(cache, kv, pe, sl, norm=(torch.ones(500), 1e-6))
     with pytest.raises(InputError, match="rms_norm eps"):
         mod.write_latent_cache(cache, kv, pe, sl, norm=(torch.ones(512), 0.0))
@@ -180,9 +181,29 @@ def test_fused_write_bad_inputs(mod):
     with pytest.raises(InputError, match="rope sin"):
         mod.write_latent_cache(cache, kv, pe, sl, rope=(cos, sin[:, :16]))
     kc = torch.zeros(3, 4, 132, dtype=torch.uint8)
-    with pytest.raises(InputError, match="k norm bias"):
+    with pytest.raises(InputError, match="k layer_norm bias"):
         mod.write_indexer_cache(kc, torch.randn(2, 128), sl, norm=(torch.ones(128), torch.ones(64), 1e-6))
+    with pytest.raises(InputError, match="k layer_norm bias"):
+        mod.write_indexer_cache(kc, torch.randn(2, 128), sl, norm=(torch.ones(128), None, 1e-6))
     assert (cache == 0).all() and (kc == 0).all()  # nothing written by a refused call
+
+
+@pytest.mark.parametrize("index_dtype", [torch.uint8, torch.float32], ids=["fp8", "exact"])
+def test_indexer_op_refuses_bad_folded_norm_before_writing(index_dtype):
+    """Both index-cache kinds (FP8 rows, and exact compute-dtype keys) validate the folded LayerNorm / RoPE."""
+    T, width = 3, 132 if index_dtype == torch.uint8 else 128
+    cache = torch.zeros(4, 4, width, dtype=index_dtype)
+    context = (torch.tensor([4, 5, 6]), torch.tensor([[1, 2]]), torch.zeros(T, dtype=torch.long), torch.arange(T), 64)
+    q, k, w = torch.randn(1, T, 2, 128), torch.randn(1, T, 128), torch.rand(1, T, 2)
+    cos, sin = torch.ones(1, T, 32), torch.zeros(1, T, 32)
+    op = torch.ops.fxglm5.rtp_indexer
+    with pytest.raises(InputError, match="k layer_norm weight"):
+        op(q, k, w, 2, cache, *context, cos, sin, torch.ones(64), torch.zeros(64), 1e-6)
+    with pytest.raises(InputError, match="rope cos"):
+        op(q, k, w, 2, cache, *context, cos[:, :2], sin[:, :2], torch.ones(128), torch.zeros(128), 1e-6)
+    assert (cache == 0).all()
+    op(q, k, w, 2, cache, *context, cos, sin, torch.ones(128), torch.zeros(128), 1e-6)  # the valid call writes
+    assert (cache != 0).any()
 
 
 def test_standalone_bad_inputs():

@@ -6,15 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxglm5.runtime.decode_graphs import batch_buckets
+from fxglm5.runtime.decode_graphs import pow2_buckets
 from tests.paged_helpers import model_and_graph, prompts, runner
 from tests.test_runtime_generate import check_exact
 
 
 def test_buckets():
-    assert batch_buckets(1) == [1]
-    assert batch_buckets(6) == [1, 2, 4, 6]
-    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert pow2_buckets(1) == [1]
+    assert pow2_buckets(6) == [1, 2, 4, 6]
+    assert pow2_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
 
 
 def test_padded_decode_steps_give_the_exact_tokens():

@@ -171,12 +171,12 @@ def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_tab
     if validation_enabled():
         _check_index_cache(index_cache)
         check_context(index_cache, slot_mapping, block_table, req_idx, positions, max_positions)
-        if norm is not None and k_norm_bias is None:
-            raise InputError("k_norm_bias: required with k_norm_weight (the indexer's LayerNorm)")
         if fp8:
             paged.validate_write_indexer_cache(index_cache, kf, slot_mapping, norm, rope)
             paged.validate_indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk)
-        elif kf.shape[0] != slot_mapping.shape[0] or tuple(wf.shape) != tuple(qf.shape[:2]):
+        else:
+            paged.validate_index_keys(kf, norm, rope)
+        if kf.shape[0] != slot_mapping.shape[0] or tuple(wf.shape) != tuple(qf.shape[:2]):
             raise InputError(f"k/weights: shapes {tuple(k.shape)} / {tuple(weights.shape)} do not fit q {tuple(q.shape)}")
     if fp8:
         kern.write_indexer_cache(index_cache, kf, slot_mapping, validate=False, norm=norm, rope=rope)

@@ -123,7 +123,7 @@ def _(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_indices, scale):
 
 @torch.library.custom_op("fxglm5::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    ref_norm_rope.validate_rms_norm(x, weight, eps)
+    ref_norm_rope.validate_norm(x, weight, eps)
     return ref_norm_rope.rms_norm(x, weight, eps).contiguous()
 
 

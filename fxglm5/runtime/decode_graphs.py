@@ -37,16 +37,16 @@ from fxglm5.runtime.forward_context import ForwardContext
 log = logging.getLogger(__name__)
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-    """Powers of two up to ``max_batch``, and ``max_batch`` itself."""
-    return sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
+def pow2_buckets(limit: int) -> list[int]:
+    """Powers of two up to ``limit``, and ``limit`` itself (batch sizes; block-table widths)."""
+    return sorted({1 << i for i in range(limit.bit_length()) if 1 << i <= limit} | {limit})
 
 
 class DecodeGraphs:
     def __init__(self, graph: Callable, caches: list[torch.Tensor], *, max_batch: int, table_width: int, device,
                  capture: bool = True):
         self.graph, self.caches, self.capture = graph, caches, capture
-        self.buckets, self.widths = batch_buckets(max_batch), batch_buckets(table_width)
+        self.buckets, self.widths = pow2_buckets(max_batch), pow2_buckets(table_width)
         self.device = device
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(1, max_batch, **i64)

@@ -93,7 +93,7 @@ class ForwardContext:
         cu = torch.zeros(B + 1, dtype=torch.int32, device=n.device)
         cu[1:] = torch.cumsum(n, 0)
         self._check_given("cu_seqlens", self.cu_seqlens, cu)
-        # the request of every token (searchsorted: repeat_interleave costs 0.1-8 ms per call on a host CPU)
+        # the request of every token (searchsorted: repeat_interleave took 0.14 ms a call on the GPU host, ms under load)
         req = torch.searchsorted(cu[1:].long(), torch.arange(int(cu[-1]), device=n.device), right=True)
         pos = start.long()[req] + torch.arange(int(cu[-1]), device=n.device) - cu.long()[:-1][req]
         if int(pos.max()) >= self.max_position_embeddings:

@@ -106,8 +106,10 @@ class Runner:
                                 index_cache, model.dtype, device)
         self.blocks = BlockManager(num_blocks, block_size)
         on_cuda = torch.device(device).type == "cuda"
+        if decode_graphs is None:
+            decode_graphs = on_cuda and backend != "reference"
         self.decode_graphs = None
-        if decode_graphs if decode_graphs is not None else (on_cuda and backend != "reference"):
+        if decode_graphs:
             longest = min(-(-self.config.max_position_embeddings // block_size), num_blocks)
             self.decode_graphs = DecodeGraphs(self.graph, self.cache.graph_inputs(), max_batch=max_decode_batch,
                                               table_width=longest * self.cache.ratio, device=device, capture=on_cuda)

@@ -18,13 +18,15 @@ import torch.nn.functional as F
 from fxglm5.errors import InputError
 
 
-def validate_rms_norm(x, weight, eps) -> None:
+def validate_norm(x, weight, eps, bias=None, *, what: str = "rms_norm") -> None:
+    """The arguments of an RMSNorm (``bias`` None) or a LayerNorm over x's last dim; errors name ``what``."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise InputError(f"rms_norm x: expected a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
-    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise InputError(f"rms_norm weight: expected [{x.shape[-1]}], got {tuple(weight.shape)}")
+        raise InputError(f"{what} x: expected a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != x.shape[-1]):
+            raise InputError(f"{what} {name}: expected [{x.shape[-1]}], got {tuple(getattr(t, 'shape', ()))}")
     if not eps > 0:
-        raise InputError(f"rms_norm eps: expected > 0, got {eps}")
+        raise InputError(f"{what} eps: expected > 0, got {eps}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -58,6 +58,7 @@ __all__ = [
     "latent_query",
     "prepare_latent_rows",
     "prepare_index_keys",
+    "validate_index_keys",
     "validate_write_latent_cache",
     "write_indexer_cache",
     "validate_write_indexer_cache",
@@ -257,7 +258,7 @@ def validate_write_latent_cache(cache, kv_c, k_pe, slot_mapping, norm=None, rope
         raise InputError(f"slot_mapping: {slot_mapping.shape[0]} entries but kv_c has {kv_c.shape[0]} tokens")
     _check_device("cache", cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
     if norm is not None:
-        norm_rope.validate_rms_norm(kv_c, *norm)
+        norm_rope.validate_norm(kv_c, *norm, what="kv_c rms_norm")
     if rope is not None:
         norm_rope.validate_rope(k_pe, *rope)
     _validate_slots(slot_mapping, cache.shape[0] * cache.shape[1], "slot_mapping", allow_negative=True)
@@ -308,24 +309,29 @@ def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True
 
 
 def validate_write_indexer_cache(cache, k, slot_mapping, norm=None, rope=None):
-    """k [T, <=128] (narrower keys are zero-padded); ``norm`` = (weight, bias, eps) of the LayerNorm still to
-    apply, ``rope`` = (cos, sin) [T, R/2] of the RoPE still to apply to its first R features."""
+    """k [T, <=128] (narrower keys are zero-padded); ``norm`` / ``rope`` as in :func:`validate_index_keys`."""
     _validate_indexer_cache(cache)
-    _check_tensor("k", k, 2, COMPUTE_DTYPES)
-    if k.shape[1] > INDEX_DIM:
-        raise InputError(f"k: expected [T, <= {INDEX_DIM}], got {tuple(k.shape)}")
+    validate_index_keys(k, norm, rope)
     _check_tensor("slot_mapping", slot_mapping, 1, _INT_DTYPES)
     if slot_mapping.shape[0] != k.shape[0]:
         raise InputError(f"slot_mapping: {slot_mapping.shape[0]} entries but k has {k.shape[0]} tokens")
     _check_device("cache", cache, k=k, slot_mapping=slot_mapping)
+    _validate_slots(slot_mapping, cache.shape[0] * cache.shape[1], "slot_mapping", allow_negative=True)
+
+
+def validate_index_keys(k, norm=None, rope=None):
+    """k [T, <=128]; ``norm`` = (weight, bias, eps) of the LayerNorm still to apply, ``rope`` = (cos, sin) [T, R/2]
+    of the RoPE still to apply to its first R features."""
+    _check_tensor("k", k, 2, COMPUTE_DTYPES)
+    if k.shape[1] > INDEX_DIM:
+        raise InputError(f"k: expected [T, <= {INDEX_DIM}], got {tuple(k.shape)}")
     if norm is not None:
         weight, bias, eps = norm
-        norm_rope.validate_rms_norm(k, weight, eps)
-        if bias.shape != weight.shape:
-            raise InputError(f"k norm bias: expected {tuple(weight.shape)}, got {tuple(bias.shape)}")
+        if bias is None:
+            raise InputError("k layer_norm bias: required with its weight (the indexer's LayerNorm)")
+        norm_rope.validate_norm(k, weight, eps, bias, what="k layer_norm")
     if rope is not None:
         norm_rope.validate_rope(k, *rope)
-    _validate_slots(slot_mapping, cache.shape[0] * cache.shape[1], "slot_mapping", allow_negative=True)
 
 
 def prepare_index_keys(k, norm=None, rope=None) -> torch.Tensor:

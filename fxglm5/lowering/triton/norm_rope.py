@@ -80,7 +80,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, validate: bool = True) -> torch.Tensor:
     """RMSNorm over the last dim of x (any leading dims, rows may be strided), out contiguous in x's dtype."""
     if validate:
-        ref.validate_rms_norm(x, weight, eps)
+        ref.validate_norm(x, weight, eps)
     D = x.shape[-1]
     rows = x.reshape(-1, D)
     if rows.stride(-1) != 1:

@@ -60,13 +60,14 @@ def pow2_scale(amax):
 
 @triton.jit
 def _latent_values(kv_row, w_ptr, RK, eps, R: tl.constexpr, G: tl.constexpr, NORM: tl.constexpr, DT: tl.constexpr):
-    """The 512 latent values of one token as a float32 [R // G, G] tile (zero past RK), RMS-normed if NORM."""
+    """The 512 latent values of one token as a float32 [R // G, G] tile (zero past RK), RMS-normed if NORM, and
+    the tile's offsets in the row."""
     idx = tl.arange(0, R // G)[:, None] * G + tl.arange(0, G)[None, :]
     x = tl.load(kv_row + idx, mask=idx < RK, other=0.0).to(tl.float32)
     if NORM:
         w = tl.load(w_ptr + idx, mask=idx < RK, other=0.0).to(tl.float32)
         x = rms_normalize(x, w, eps, RK, DT)
-    return x
+    return x, idx
 
 
 @triton.jit
@@ -90,10 +91,9 @@ def _write_latent_bf_kernel(kv_ptr, pe_ptr, slot_ptr, cache_ptr, w_ptr, cos_ptr,
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        x = _latent_values(kv_ptr + t * stride_kv, w_ptr, RK, eps, R, 128, NORM, DT)
+        x, idx = _latent_values(kv_ptr + t * stride_kv, w_ptr, RK, eps, R, 128, NORM, DT)
         even, odd = _rope_values(pe_ptr + t * stride_pe, cos_ptr + t * stride_c, sin_ptr + t * stride_c, RP, HALF,
                                  DR, ROPE, DT)
-        idx = tl.arange(0, R // 128)[:, None] * 128 + tl.arange(0, 128)[None, :]
         op = tl.arange(0, DR // 2)
         row = cache_ptr + slot * (R + DR)
         if BF16:  # cache_ptr is a uint16 view
@@ -114,10 +114,9 @@ def _write_latent_fp8_kernel(kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr,
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        x = _latent_values(kv_ptr + t * stride_kv, w_ptr, RK, eps, R, G, NORM, DT)  # [R // G, G]
+        x, idx = _latent_values(kv_ptr + t * stride_kv, w_ptr, RK, eps, R, G, NORM, DT)  # [R // G, G]
         sc = pow2_scale(tl.max(tl.abs(x), axis=1))
         y = tl.minimum(tl.maximum(x * (1.0 / sc)[:, None], -448.0), 448.0)
-        idx = tl.arange(0, R // G)[:, None] * G + tl.arange(0, G)[None, :]
         tl.store(c8_ptr + slot * 656 + idx, e4m3_bits(y))
         tl.store(c32_ptr + slot * 164 + 128 + tl.arange(0, R // G), sc)
         even, odd = _rope_values(pe_ptr + t * stride_pe, cos_ptr + t * stride_c, sin_ptr + t * stride_c, RP, HALF,
