@@ -1,6 +1,7 @@
-"""One decode step of a GLM-5-width model through the paged runtime on the Triton backend: wall time per step
+"""One decode step (and the prefill before it) of a GLM-5-width model through the paged runtime on the Triton backend: wall time per step
 and device time per kernel (torch.profiler), so that any op outside the benchmarked kernels (a float32 detour, a
-copy, a torch fallback, a launch-bound chain of small ops) shows up.
+copy, a torch fallback, a launch-bound chain of small ops) shows up. The prefill's wall time per chunk of
+requests is recorded too (the first chunk includes compilation and autotuning).
 
 The model is bf16 with GLM-5's widths and 2 layers (1 dense, 1 MoE: 256 experts, top-8; random FP8 block-scaled
 weights), 64 requests of 2048 prompt tokens by default, FP8 indexer cache; decode steps replay CUDA graphs
@@ -57,8 +58,13 @@ def measure(model, prompts, B, ctx, kv, dev, disabled: str = "", decode_graphs: 
           f"{runner.decode_graphs is not None}): {time.time() - t0:.1f} s", flush=True)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     chunk = max(1, 16384 // ctx)  # prefill in chunks of requests (activation memory)
+    prefill_ms = []
     for i in range(0, B, chunk):
+        sync()
+        t0 = time.perf_counter()
         runner.prefill(prompts[i:i + chunk])
+        sync()
+        prefill_ms.append((time.perf_counter() - t0) * 1e3)
     for _ in range(3):  # warm-up: compiles / autotunes at the decode shapes
         runner.decode()
     sync()
@@ -84,7 +90,9 @@ def measure(model, prompts, B, ctx, kv, dev, disabled: str = "", decode_graphs: 
     graphs = runner.decode_graphs
     replayed = graphs is not None and graphs.disabled is None and bool(graphs.graphs)
     del runner
-    return dict(disabled_passes=disabled or None, decode_graphs=replayed, step_wall_us=[round(s, 1) for s in steps],
+    return dict(disabled_passes=disabled or None, decode_graphs=replayed,
+                prefill_chunk_tokens=min(chunk, B) * ctx, prefill_chunk_wall_ms=[round(m, 1) for m in prefill_ms],
+                step_wall_us=[round(s, 1) for s in steps],
                 device_us_per_step=round(sum(per.values()), 1), launches_per_step=launches // 3,
                 kernels_us_per_step={k: round(v, 1) for k, v in top},
                 host_table=prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))

@@ -85,3 +85,15 @@ def test_aiter_is_selected_where_importable(monkeypatch):
     assert dispatch(x, w, s, None, True).shape == (2, 5, 128)
     assert calls == [(torch.float8_e4m3fn, torch.float8_e4m3fn, (10, 2), (1, 2))]
     assert dispatch.chosen(x, w, s, torch.zeros(128, device=device), True) == "triton"  # aiter refuses a bias
+
+
+def test_rocm_gpus_get_no_nvidia_capability(monkeypatch):
+    """ROCm reports an MI300 as a "cuda" device of capability (9, 4): that must not select the sm_90 kernels."""
+    from fxglm5.lowering.triton import device
+
+    monkeypatch.setattr(device, "_cuda_capability", lambda index: (9, 4))
+    monkeypatch.setattr(torch.version, "hip", "6.3.0", raising=False)
+    assert device.capability(torch.device("cuda", 0)) is None
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert device.capability(torch.device("cuda", 0)) == (9, 4)
+    assert device.capability(torch.device("cpu")) is None

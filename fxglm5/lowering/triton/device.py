@@ -33,9 +33,12 @@ def num_sms(device: torch.device) -> int:
 
 
 def capability(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) compute capability of a CUDA device (looked up once per device, not per launch); None
-    elsewhere."""
-    return _cuda_capability(_index(device)) if device.type == "cuda" else None
+    """(major, minor) compute capability of an NVIDIA device (looked up once per device, not per launch); None
+    elsewhere. ROCm builds report AMD GPUs as "cuda" devices with a capability made of the gfx version (an MI300
+    is (9, 4), an MI250 (9, 0)), which would select the sm_90 Gluon kernels there, so ROCm gets None too."""
+    if device.type != "cuda" or getattr(torch.version, "hip", None):
+        return None
+    return _cuda_capability(_index(device))
 
 
 def interpreter_compat() -> None:

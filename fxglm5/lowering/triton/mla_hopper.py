@@ -50,7 +50,7 @@ STAGES = 2
 
 def supported(q, cache, *, sparse: bool) -> bool:
     """Shapes, dtypes and devices the Hopper kernel serves (everything else takes the Triton kernel)."""
-    return (q.is_cuda and capability(q.device)[0] == 9
+    return (q.is_cuda and capability(q.device) == (9, 0)
             and q.dtype == torch.bfloat16 and cache.dtype in (torch.bfloat16, torch.uint8) and q.shape[1] <= MAX_HEADS
             and q.shape[2] == 576 and q.stride(2) == 1 and (sparse or cache.shape[1] % BLOCK_N == 0)
             and cache.is_contiguous() and cache.data_ptr() % 16 == 0)
