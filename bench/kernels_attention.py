@@ -9,7 +9,6 @@ many requests inside one graph so each captured call reads different memory.
     python bench/kernels_attention.py            # all sections, saves bench/results/kernels_attention.{json,md}
     python bench/kernels_attention.py mla        # one section
     python bench/kernels_attention.py --sweep    # also time a few launch configs per kernel (tuning aid)
-    python bench/kernels_attention.py mla sparse_mla --tiles   # also every tile of the Hopper kernel
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ HI = 32
 SWEEP = "--sweep" in sys.argv
 NO_TORCH = "--no-torch" in sys.argv
 QUICK = "--quick" in sys.argv  # fewer shapes (the GLM-5 target shapes only)
-TILES = "--tiles" in sys.argv  # every (BLOCK, STAGES) of the Hopper MLA kernel beside its default
 
 
 def _configs(configs):
@@ -114,19 +112,6 @@ def _row(results, kernel, shape, us, *, bytes_=None, flops=None, torch_us=None, 
     return results.add(**row)
 
 
-def _hopper_tiles(results, name, shape, fp8: bool, time_cfg, **row):
-    """With --tiles, after a row the Hopper kernel ran: one row per other tile it offers (same call, same run)."""
-    from fxglm5.lowering.triton import mla, mla_hopper
-
-    if not TILES or mla._LAST.get("impl") != "hopper":
-        return
-    ran = mla._LAST["tile"]
-    for block, stages in mla_hopper.TILES[fp8]:
-        if (block, stages) != ran:
-            us = time_cfg(dict(kernel=mla.HOPPER, BLOCK_N=block, stages=stages))
-            _row(results, f"{name} tile {block}x{stages}", shape, us, note=f"default tile {ran[0]}x{ran[1]}", **row)
-
-
 def _sdpa_gathered(q, cache, slots, valid=None):
     """Torch baseline: gather (+ dequant) the rows, then SDPA. One KV head shared by all heads and one query
     per row set, so the heads are folded into the query-length dimension (no K/V expansion)."""
@@ -202,8 +187,6 @@ def bench_mla(results):
                                              torch.arange(ctx, device="cuda").repeat(B), BS).view(B, ctx)
             tus = _time_torch(lambda: _sdpa_gathered(q, cache, slots))
         _row(results, name, shape, us, bytes_=bytes_, flops=flops, torch_us=tus, note=f"cfg={mla.tuned_config()}")
-        _hopper_tiles(results, name, shape, cdt == torch.uint8,
-                      lambda cfg: time_graph_us(lambda: run(cfg), calls_per_graph=ncalls), bytes_=bytes_, flops=flops)
         if mla._LAST["impl"] == "hopper":  # the generic Triton kernel, side by side
             us = time_graph_us(lambda: run(TRITON), calls_per_graph=ncalls)
             _row(results, name + " triton", shape, us, bytes_=bytes_, flops=flops, note=f"cfg={mla.tuned_config()}")
@@ -218,15 +201,11 @@ def bench_mla(results):
         out = torch.empty(n, H, R, device="cuda", dtype=torch.bfloat16)
         us = time_graph_us(lambda: mla.mla_prefill_paged(q, cache, bt, req, pos, SCALE, validate=False, out=out))
         note = f"cfg={mla.tuned_config()}"
-        flops = 2 * H * (D + R) * sum(range(prefix + 1, ctx + 1))
-        _hopper_tiles(results, "mla_prefill[bf16]", f"T={n} prefix={prefix} H={H}", False,
-                      lambda cfg: time_graph_us(lambda: mla.mla_prefill_paged(q, cache, bt, req, pos, SCALE,
-                                                                              validate=False, out=out, cfg=cfg)),
-                      flops=flops)
         if mla._LAST["impl"] == "hopper":
             tri = time_graph_us(lambda: mla.mla_prefill_paged(q, cache, bt, req, pos, SCALE, validate=False, out=out,
                                                               cfg=TRITON))
             note += f"; Triton kernel {tri:.0f} us ({mla.tuned_config()})"
+        flops = 2 * H * (D + R) * sum(range(prefix + 1, ctx + 1))
         slots = ref.slots_from_positions(bt, torch.zeros(ctx, dtype=torch.int32, device="cuda"),
                                          torch.arange(ctx, device="cuda"), BS)
         rows = cache.view(-1, 576)[slots]
@@ -278,9 +257,6 @@ def bench_sparse_mla(results):
             tus = _time_torch(lambda: _sdpa_gathered(q, cache, slots))
             _row(results, f"sparse_mla_decode[{tag}]", shape, us, bytes_=bytes_, flops=flops, torch_us=tus,
                  note=f"cfg={mla.tuned_config()}")
-            _hopper_tiles(results, f"sparse_mla_decode[{tag}]", shape, tag == "fp8",
-                          lambda cfg: time_graph_us(lambda: run(cfg), calls_per_graph=ncalls), bytes_=bytes_,
-                          flops=flops)
             if mla._LAST["impl"] == "hopper":
                 us = time_graph_us(lambda: run(TRITON), calls_per_graph=ncalls)
                 _row(results, f"sparse_mla_decode[{tag}] triton", shape, us, bytes_=bytes_, flops=flops,
@@ -315,8 +291,6 @@ def bench_sparse_mla(results):
                 except Exception as e:  # noqa: BLE001
                     print("sweep config failed", cfg, type(e).__name__, str(e)[:200])
         us = time_graph_us(runp)
-        _hopper_tiles(results, f"sparse_mla_prefill[{tag}]", shape, tag == "fp8",
-                      lambda cfg: time_graph_us(lambda: runp(cfg)), flops=flops)
         tus = None
         if tag == "bf16":  # baseline on 1k tokens (the gathered rows of 8k would be 19 GB), scaled by 8
             sl = ref._slots_2d(bt, req[:1024], topk[:1024], BS)
@@ -519,7 +493,7 @@ def main(argv=None):
     names = argv or list(SECTIONS)
     results = Results(copy_gbs=copy_bandwidth_gbs())
     print(f"copy bandwidth: {results.copy_gbs:.0f} GB/s")
-    name = "kernels_attention" + ("_sweep" if SWEEP else "") + ("_tiles" if TILES else "")
+    name = "kernels_attention" + ("_sweep" if SWEEP else "")
     for n in names:
         t0 = time.time()
         try:

@@ -43,7 +43,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton import mla_hopper
 from fxglm5.lowering.triton.device import num_sms
@@ -309,15 +308,13 @@ _DENSE_CONFIGS = [
 _mla_sparse_tuned = triton.autotune(configs=_SPARSE_CONFIGS, key=["H", "K", "num_splits"])(_mla_fwd_kernel)
 _mla_dense_tuned = triton.autotune(configs=_DENSE_CONFIGS, key=["H", "num_splits"])(_mla_fwd_kernel)
 _LAST: dict = {}
-HOPPER = "hopper-gluon"  # cfg={"kernel": HOPPER, "BLOCK_N": b, "stages": s} is one explicit Hopper launch
 
 
 def tuned_config(kernel=None):
     """The launch of the last call: the Hopper kernel's fixed one, or the configuration the autotuner picked
     (None before the first GPU call)."""
     if kernel is None and _LAST.get("impl") == "hopper":
-        block, stages = _LAST["tile"]
-        return dict(kernel=HOPPER, BLOCK_N=block, stages=stages, num_warps=8)
+        return dict(kernel="hopper-gluon", BLOCK_N=mla_hopper.BLOCK_N, stages=mla_hopper.STAGES, num_warps=8)
     bc = getattr(kernel or _LAST.get("tuner"), "best_config", None)
     return None if bc is None else dict(bc.kwargs, num_warps=bc.num_warps, num_stages=bc.num_stages)
 
@@ -359,8 +356,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     """Launch MLA (dense or sparse). ``num_splits=None`` picks from the shapes only.
 
     ``cfg=None`` takes the Hopper kernel where it applies (:func:`mla_hopper.supported`), else the Triton
-    kernel autotuned; ``cfg={}`` forces the autotuned Triton kernel, a non-empty ``cfg`` one explicit launch
-    (of the Hopper kernel when it names ``kernel=HOPPER``, which must then apply)."""
+    kernel autotuned; ``cfg={}`` forces the autotuned Triton kernel, a non-empty ``cfg`` one explicit launch."""
     T, H, _ = q.shape
     R = 512
     if out is None:
@@ -385,18 +381,11 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     else:
         po = torch.empty(T, num_splits, H, R, dtype=torch.float32, device=q.device)
         plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
-    hopper_cfg = cfg is not None and cfg.get("kernel") == HOPPER
-    tile = (cfg["BLOCK_N"], cfg["stages"]) if hopper_cfg else None
-    use_hopper = (cfg is None or hopper_cfg) and not _INTERPRET and mla_hopper.supported(q, cache, sparse=sparse,
-                                                                                           tile=tile)
-    if hopper_cfg and not use_hopper:
-        raise InputError(f"MLA: the Hopper kernel does not serve this call ({cfg}; an sm_90 GPU, bf16 queries "
-                         f"of at most {mla_hopper.MAX_HEADS} heads x 576, a contiguous 16-byte aligned cache)")
-    if use_hopper:
+    if cfg is None and not _INTERPRET and mla_hopper.supported(q, cache, sparse=sparse):
         _LAST["impl"] = "hopper"
         ensure_tma_allocator()
-        _LAST["tile"] = mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E,
-                                          split_len, num_splits, out, po, plse, sparse=sparse, tile=tile)
+        mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len, num_splits,
+                          out, po, plse, sparse=sparse)
     else:
         _LAST["impl"] = "triton"
         _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, plse, BLOCK_H, num_splits,

@@ -44,23 +44,15 @@ from fxglm5.lowering.triton.device import capability
 __all__ = ["supported", "launch"]
 
 MAX_HEADS = 64  # the MMA rows of one program
-# (key rows a tile, tiles in the ring) that fit shared memory, for bf16 caches (72 KB a 64-row tile) and FP8
-# ones (41 KB a 64-row tile, plus the one dequantized bf16 tile)
-TILES = {False: ((64, 2), (32, 3), (32, 4)), True: ((64, 2), (32, 3), (32, 4), (32, 5))}
-_DEFAULT_TILE = (64, 2)
+BLOCK_N = 64
+STAGES = 2
 
 
-def default_tile(sparse: bool, fp8: bool) -> tuple[int, int]:
-    """The launch's (BLOCK, STAGES) for a call of this kind."""
-    return _DEFAULT_TILE
-
-
-def supported(q, cache, *, sparse: bool, tile: tuple[int, int] | None = None) -> bool:
+def supported(q, cache, *, sparse: bool) -> bool:
     """Shapes, dtypes and devices the Hopper kernel serves (everything else takes the Triton kernel)."""
-    block = (tile or default_tile(sparse, cache.dtype == torch.uint8))[0]
     return (q.is_cuda and capability(q.device) == (9, 0)
             and q.dtype == torch.bfloat16 and cache.dtype in (torch.bfloat16, torch.uint8) and q.shape[1] <= MAX_HEADS
-            and q.shape[2] == 576 and q.stride(2) == 1 and (sparse or cache.shape[1] % block == 0)
+            and q.shape[2] == 576 and q.stride(2) == 1 and (sparse or cache.shape[1] % BLOCK_N == 0)
             and cache.is_contiguous() and cache.data_ptr() % 16 == 0)
 
 
@@ -258,8 +250,7 @@ def _mla_hopper_kernel(
     BS: gl.constexpr, DIRECT: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr, BLOCK: gl.constexpr,
     STAGES_: gl.constexpr,
 ):
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK // 2, 16])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
     lat_dt: gl.constexpr = gl.float8e4nv if FP8 else gl.bfloat16
     lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], lat_dt)
@@ -269,9 +260,9 @@ def _mla_hopper_kernel(
     qlat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
     qpe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
     p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK], gl.bfloat16)
-    # tiles copied ahead: a bf16 stage is read by P @ V until the next tile's MMAs, so one stage is always busy;
-    # an FP8 stage only until its dequantization and QK^T, so FP8 refills it at that point
-    AHEAD: gl.constexpr = STAGES_ if FP8 else STAGES_ - 1
+    # tiles copied ahead: a bf16 stage is read by P @ V until the next tile's MMAs; an FP8 stage only until its
+    # dequantization and QK^T, so FP8 issues the tile after next at that point
+    AHEAD: gl.constexpr = 2 if FP8 else 1
 
     t = gl.program_id(0)
     sp = gl.program_id(1)
@@ -393,17 +384,13 @@ def _mla_hopper_kernel(
 
 
 def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split_len: int, num_splits: int,
-           out, po, plse, *, sparse: bool, tile: tuple[int, int] | None = None) -> tuple[int, int]:
+           out, po, plse, *, sparse: bool):
     """One program per (token, split); writes ``out`` directly at one split, else the partials for the
     combine kernel of :mod:`fxglm5.lowering.triton.mla`. Dense: ``pos_or_topk`` are the query positions;
-    sparse: the [T, K] listed positions (-1 = unused). ``tile`` is one of ``TILES[fp8]`` (default: ``default_tile``);
-    split_len must be a multiple of its BLOCK. Returns the tile launched."""
+    sparse: the [T, K] listed positions (-1 = unused)."""
     T = q.shape[0]
     bs = cache.shape[1]
     fp8 = cache.dtype == torch.uint8
-    block, stages = tile or default_tile(sparse, fp8)
-    if (block, stages) not in TILES[fp8]:
-        raise ValueError(f"Hopper MLA tile {(block, stages)} is not one of {TILES[fp8]} ({'FP8' if fp8 else 'bf16'})")
     lat, pe, sc = ((cache.view(torch.float8_e4m3fn), cache.view(torch.bfloat16), cache.view(torch.float32)) if fp8
                    else (cache, cache, cache))
     stride_pt, K = (pos_or_topk.stride(0), pos_or_topk.shape[1]) if sparse else (0, 0)
@@ -411,5 +398,4 @@ def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split
         q, q.stride(0), q.stride(1), q.shape[1], lat, pe, sc, block_table, block_table.stride(0), req_idx, pos_or_topk,
         stride_pt, K, out, out.stride(0), out.stride(1), po, plse,
         scale_log2, split_len, num_splits, cache.shape[0] * bs,
-        BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, FP8=fp8, BLOCK=block, STAGES_=stages, num_warps=8)
-    return block, stages
+        BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, FP8=fp8, BLOCK=BLOCK_N, STAGES_=STAGES, num_warps=8)
