@@ -13,16 +13,37 @@ from torch.export import Dim
 _METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
-def capture(model: torch.nn.Module, max_batch: int = 1024, max_seq: int | None = None) -> fx.GraphModule:
+HEADS = ("logits", "hidden")
+
+
+class _DecoderOnly(torch.nn.Module):
+    """A causal LM without its lm_head, under the same parameter names (``model.layers.0...``), so every pass
+    matches it as it matches the whole model."""
+
+    def __init__(self, causal_lm: torch.nn.Module):
+        super().__init__()
+        self.config, self.model = causal_lm.config, causal_lm.model
+
+    def forward(self, input_ids, position_ids):
+        return self.model(input_ids, position_ids)
+
+
+def capture(model: torch.nn.Module, max_batch: int = 1024, max_seq: int | None = None,
+            head: str = "logits") -> fx.GraphModule:
     """Export ``model(input_ids, position_ids)`` with dynamic [batch, seq]; returns the graph the passes
     work on. Both inputs are [batch, seq] int64; positions are explicit so the paged runtime can feed
-    each token's real position (a decode step's token is not at position 0)."""
+    each token's real position (a decode step's token is not at position 0). ``head="hidden"`` exports the
+    decoder alone: the output is the hidden states after the final norm, for engines that apply the lm_head
+    themselves (RTP-LLM)."""
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {HEADS}, got {head!r}")
     cfg = getattr(model, "config", None)
     max_seq = max_seq or (cfg.max_position_embeddings if cfg is not None else 4096)
     device = next(model.parameters()).device
     example = torch.zeros(2, 3, dtype=torch.long, device=device)
     dims = {0: Dim("batch", min=1, max=max_batch), 1: Dim("seq", min=1, max=max_seq)}
-    return export_graph(model, (example, example.clone()), {"input_ids": dims, "position_ids": dims})
+    module = _DecoderOnly(model) if head == "hidden" else model
+    return export_graph(module, (example, example.clone()), {"input_ids": dims, "position_ids": dims})
 
 
 def export_graph(module: torch.nn.Module, args: tuple, dynamic_shapes) -> fx.GraphModule:

@@ -1,6 +1,7 @@
 """Glm5ForCausalLM: GLM-5 written once, in plain PyTorch, without a KV cache.
 
-``forward(input_ids [B, S], position_ids=None) -> logits [B, S, vocab]``. The module tree and parameter
+``forward(input_ids [B, S], position_ids=None) -> logits [B, S, vocab]``; ``model(...)`` (the decoder) gives
+the hidden states after the final norm. The module tree and parameter
 names follow the HF checkpoint (``model.layers.{i}.self_attn.q_a_proj.weight`` ...), except that routed
 experts are stacked per layer (``mlp.experts.gate_up_proj`` [E, 2I, H]); the checkpoint loader stacks them.
 """
@@ -36,12 +37,31 @@ class DecoderLayer(nn.Module):
 
 
 class Glm5Model(nn.Module):
+    """The decoder without the vocabulary projection: ``forward(input_ids, position_ids) -> hidden [B, S, H]``
+    after the final RMSNorm (what an engine that applies the lm_head itself, as RTP-LLM does, takes)."""
+
     def __init__(self, cfg: Glm5Config, dtype: torch.dtype, device=None):
         super().__init__()
+        self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+            check_input_ids(input_ids, self.config.vocab_size)
+        bsz, seq = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=input_ids.device)[None].expand(bsz, seq)
+        cos, sin = rope_cos_sin(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
+        idx = torch.arange(seq, device=input_ids.device)
+        causal = (idx[None, :] <= idx[:, None])[None]
+        x = self.embed_tokens(input_ids)
+        selection = causal
+        for layer in self.layers:
+            x, selection = layer(x, cos, sin, causal, selection)
+        return self.norm(x)
 
 
 class Glm5ForCausalLM(nn.Module):
@@ -56,19 +76,7 @@ class Glm5ForCausalLM(nn.Module):
         self.lm_head.requires_grad_(False)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
-            check_input_ids(input_ids, self.config.vocab_size)
-        bsz, seq = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(seq, device=input_ids.device)[None].expand(bsz, seq)
-        cos, sin = rope_cos_sin(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
-        idx = torch.arange(seq, device=input_ids.device)
-        causal = (idx[None, :] <= idx[:, None])[None]
-        x = self.model.embed_tokens(input_ids)
-        selection = causal
-        for layer in self.model.layers:
-            x, selection = layer(x, cos, sin, causal, selection)
-        return self.lm_head(self.model.norm(x))
+        return self.lm_head(self.model(input_ids, position_ids))
 
     @classmethod
     def from_pretrained(cls, path, dtype: torch.dtype = torch.bfloat16, device="cpu", progress: bool = True):

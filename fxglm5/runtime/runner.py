@@ -25,6 +25,7 @@ from fxglm5.errors import CacheFullError, InputError
 from fxglm5.ops.cached import validation
 from fxglm5.runtime.block_manager import BlockManager
 from fxglm5.runtime.cache import PagedCache, check_options
+from fxglm5.runtime.compile import compile_paged
 from fxglm5.runtime.decode_graphs import DecodeGraphs
 from fxglm5.runtime.forward_context import ForwardContext
 
@@ -85,9 +86,6 @@ class Runner:
         ``decode_graphs``: replay decode steps of up to ``max_decode_batch`` requests from CUDA graphs (default:
         on a CUDA device unless ``backend`` is "reference", whose ops sync with the host; on a CPU, True runs the
         same padded static-buffer steps without capture)."""
-        from fxglm5.capture import capture
-        from fxglm5.passes import PassContext, run_pipeline
-
         check_options(block_size, kernel_block_size, kv_cache, index_cache)  # before the slow part
         if isinstance(model, (str, Path)):
             from fxglm5.model.checkpoint import load_checkpoint
@@ -97,11 +95,11 @@ class Runner:
         num_blocks = num_blocks or -(-max_cache_tokens // block_size) + 1
         self.graph, self.pass_results = graph, []
         if graph is None:  # a step's flat token count is bounded by the cache, not by one sequence's length
-            self.graph = capture(model, max_seq=max(self.config.max_position_embeddings, num_blocks * block_size))
-            ctx = PassContext(config=self.config, backend=backend, extras={"device": torch.device(device).type})
-            self.pass_results = run_pipeline(self.graph, ctx, stages=("match", "fuse", "cache", "lower"))
+            self.graph, self.pass_results = compile_paged(
+                model, max_tokens=max(self.config.max_position_embeddings, num_blocks * block_size), device=device,
+                backend=backend)
         if "paged_cache" not in self.graph.meta:
-            raise InputError("model: insert_paged_cache found no attention to put on the paged cache")
+            raise InputError("graph: not a paged graph (insert_paged_cache did not run on it)")
         self.cache = PagedCache(self.graph.meta["paged_cache"], num_blocks, block_size, kernel_block_size, kv_cache,
                                 index_cache, model.dtype, device)
         self.blocks = BlockManager(num_blocks, block_size)

@@ -1,0 +1,167 @@
+"""RTP-LLM's per-step inputs as the compiled graph's inputs.
+
+- :func:`bind_caches`: the per-layer caches RTP allocated (``kv_cache_base``: latent rows;
+  ``kv_scale_base``: the indexer's 132-byte rows), checked against what the graph takes, in its input order.
+- :class:`StepMetadata`: positions, slots, request of every token and the kernel block table of one step,
+  from a ``PyAttentionInputs``. Host fields are read (RTP gives every bare-named field as a host tensor), so
+  an eager step validates with :meth:`ForwardContext.validate` (errors name the field) before any kernel runs.
+  For RTP's decode CUDA graphs the metadata lives in static device buffers, refilled by
+  :meth:`StepMetadata.prepare_cuda_graph` before each replay: RTP zeroes the static block table and copies
+  the live rows into its first rows, so a row whose first block is 0 (never handed out) is padding, and gets
+  position 0 and slot -1 (no cache write) instead of the stale lengths it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fxglm5.errors import InputError
+from fxglm5.lowering.reference import paged
+from fxglm5.runtime.cache import PagedCache
+from fxglm5.runtime.forward_context import ForwardContext
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    block_size: int  # physical (SEQ_SIZE_PER_BLOCK)
+    kernel_block_size: int  # KERNEL_SEQ_SIZE_PER_BLOCK
+    num_blocks: int  # physical blocks
+    max_position_embeddings: int
+
+
+def _check_cache(name: str, t, kernel_blocks: int, kbs: int, dtypes: tuple, widths: tuple) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 3:
+        raise InputError(f"{name}: expected a [kernel_blocks, kernel_block_size, row] tensor, got "
+                         f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+    if t.dtype not in dtypes or t.shape[2] != widths[dtypes.index(t.dtype)] or tuple(t.shape[:2]) != (kernel_blocks, kbs):
+        want = " or ".join(f"{dt} [{kernel_blocks}, {kbs}, {w}]" for dt, w in zip(dtypes, widths))
+        raise InputError(f"{name}: expected {want}, got {t.dtype} {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise InputError(f"{name}: must be contiguous")
+
+
+def bind_caches(kv_cache, signature, dtype: torch.dtype, max_position_embeddings: int):
+    """RTP's ``KVCache`` -> (graph cache inputs in order, :class:`CacheLayout`); InputError naming the layer."""
+    block_size = int(kv_cache.get_seq_size_per_block())
+    kbs = int(kv_cache.get_kernel_seq_size_per_block() or block_size)
+    if kbs < 1 or block_size % kbs:
+        raise InputError(f"kv_cache: kernel block size {kbs} does not divide the block size {block_size}")
+    layers = int(getattr(kv_cache, "layer_count", len(signature.layers)))
+    if layers < len(signature.layers):
+        raise InputError(f"kv_cache: {layers} layers, the model has {len(signature.layers)} attention layers")
+    inputs, kernel_blocks = [], None
+    for layer, (kv_name, index_name) in enumerate(signature.layers):
+        lc = kv_cache.get_layer_cache(layer)
+        kv = lc.kv_cache_base
+        kernel_blocks = kernel_blocks or (kv.shape[0] if isinstance(kv, torch.Tensor) and kv.dim() == 3 else 0)
+        _check_cache(f"kv_cache layer {layer} kv_cache_base", kv, kernel_blocks, kbs, (dtype, torch.uint8),
+                     (paged.LATENT_DIM, paged.FP8_ROW_BYTES))
+        inputs.append(kv)
+        if index_name is not None:
+            _check_cache(f"kv_cache layer {layer} kv_scale_base (indexer keys)", lc.kv_scale_base, kernel_blocks, kbs,
+                         (torch.uint8,), (paged.INDEX_ROW_BYTES,))
+            inputs.append(lc.kv_scale_base)
+    ratio = block_size // kbs
+    if kernel_blocks % ratio or kernel_blocks // ratio < 2:
+        raise InputError(f"kv_cache: {kernel_blocks} kernel blocks is not a whole number (>= 2) of physical blocks "
+                         f"of {ratio}")
+    return inputs, CacheLayout(block_size, kbs, kernel_blocks // ratio, max_position_embeddings)
+
+
+def _host(attn, name: str):
+    t = getattr(attn, name, None)
+    return None if t is None else t.detach().to("cpu")
+
+
+def _context(attn, rows, layout: CacheLayout, tables=None) -> ForwardContext:
+    """The step's :class:`ForwardContext` over ``rows`` of the batch (host tensors, validated)."""
+    prefill = bool(attn.is_prefill)
+    lengths = _host(attn, "input_lengths")[rows]
+    empty = torch.zeros(0, dtype=torch.int32)
+    if prefill:
+        prefix = _host(attn, "prefix_lengths")
+        prefix = torch.zeros_like(lengths) if prefix is None or prefix.numel() == 0 else prefix[rows]
+        seq = empty
+    else:
+        seq = _host(attn, "sequence_lengths")
+        if seq is None or seq.numel() == 0:
+            seq = _host(attn, "sequence_lengths_plus_1_device") - 1
+        seq, prefix = seq[rows], empty
+    table, kernel = tables or (_host(attn, "kv_cache_block_id")[rows], _host(attn, "kv_cache_kernel_block_id")[rows])
+    ctx = ForwardContext(prefill, lengths, prefix, seq, table, kernel, layout.block_size, layout.kernel_block_size,
+                         layout.num_blocks, layout.max_position_embeddings)
+    cu = _host(attn, "cu_seqlens")
+    if prefill and tables is None and cu is not None and cu.numel() == lengths.shape[0] + 1:
+        ctx.cu_seqlens = cu  # checked against the lengths
+    return ctx.validate()
+
+
+class StepMetadata:
+    """The graph's step inputs (``positions``, ``slot_mapping``, ``block_table``, ``req_idx``,
+    ``logits_indices``) and, without an RTP cache (warm-up), private scratch caches (``caches``)."""
+
+    def __init__(self, attn, layout: CacheLayout | None, device, *, static: bool = False, scratch=None):
+        self.static, self.device, self.layout, self.caches = static, device, layout, None
+        if static:
+            rows = _host(attn, "input_lengths").shape[0]
+            self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+            self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
+            self.req_idx = torch.arange(rows, device=device)
+            self.logits_indices = self.req_idx
+            self.block_table = attn.kv_cache_kernel_block_id_device  # RTP's static buffer: its address is fixed
+            self.prepare_cuda_graph(attn)
+            return
+        if layout is None:  # no RTP cache yet: contiguous private blocks, as many as the step needs
+            ctx, self.caches = scratch(attn)
+        else:
+            ctx = _context(attn, slice(None), layout)
+        self.positions, self.slot_mapping, self.req_idx = (t.to(device) for t in (ctx.positions, ctx.slot_mapping,
+                                                                                  ctx.req_idx))
+        given = getattr(attn, "kv_cache_kernel_block_id_device", None) if layout is not None else None
+        self.block_table = given if given is not None else ctx.kernel_block_table.to(device)
+        self.logits_indices = torch.arange(self.positions.shape[0], device=device)
+
+    def prepare_cuda_graph(self, attn) -> None:
+        """Refill the static buffers from RTP's static inputs before a replay (outside the graph)."""
+        if self.layout is None:
+            raise InputError("CUDA-graph decode before initialize() was given RTP's KV cache")
+        table = _host(attn, "kv_cache_kernel_block_id")
+        live = torch.nonzero(table[:, 0] != 0).flatten()
+        positions = torch.zeros(table.shape[0], dtype=torch.int64)
+        slots = torch.full((table.shape[0],), -1, dtype=torch.int64)
+        if live.numel():
+            ctx = _context(attn, live, self.layout)
+            positions[live], slots[live] = ctx.positions, ctx.slot_mapping
+        self.positions.copy_(positions)
+        self.slot_mapping.copy_(slots)
+
+
+def scratch_step(attn, signature, kv_cache: str, dtype: torch.dtype, device, max_position_embeddings: int,
+                 block_size: int = 64):
+    """A warm-up step before RTP hands over its cache: (context, caches) over private contiguous blocks, so
+    that RTP's cache is never written."""
+    prefill = bool(attn.is_prefill)
+    lengths = _host(attn, "input_lengths")
+    if prefill:
+        prefix = _host(attn, "prefix_lengths")
+        starts = [0] * lengths.shape[0] if prefix is None or prefix.numel() == 0 else prefix.tolist()
+        ends = [s + n for s, n in zip(starts, lengths.tolist())]
+    else:
+        seq = _host(attn, "sequence_lengths")
+        if seq is None or seq.numel() == 0:
+            seq = _host(attn, "sequence_lengths_plus_1_device") - 1
+        starts = seq.tolist()
+        ends = [s + 1 for s in starts]
+    tables, nxt = [], 1
+    for end in ends:
+        n = -(-end // block_size)
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    cache = PagedCache(signature, nxt, block_size, None, kv_cache, "fp8", dtype, device)
+    ctx = ForwardContext.build(prefill, lengths.tolist(), starts, tables, block_size=block_size,
+                               kernel_block_size=block_size, num_blocks=nxt,
+                               max_position_embeddings=max_position_embeddings,
+                               prompt_lengths=lengths.tolist(), device="cpu").validate()
+    return ctx, cache.graph_inputs()

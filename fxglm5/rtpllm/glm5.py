@@ -1,0 +1,156 @@
+"""fxglm5's GLM-5 as an RTP-LLM model (imported only where ``rtp_llm`` is).
+
+- :class:`Fxglm5Glm5` (an RTP ``BaseModel``): the config for RTP's cache allocator, the checkpoint loaded as
+  is (FP8 block-scaled or bf16), the lm_head / embedding / final norm published for RTP's C++ side.
+- :class:`Fxglm5PyModel` (an RTP ``GptModelBase``): the decoder captured once and rewritten by fxglm5's
+  passes (``head="hidden"``: RTP applies the lm_head itself), run on the caches RTP allocated. ``forward``
+  never syncs with the host, so RTP can capture it in its decode CUDA graphs.
+
+One rank only: tensor / expert parallel shards are refused at load with a clear error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+
+import torch
+
+from fxglm5.errors import ConfigError, InputError
+from fxglm5.model.config import Glm5Config
+from fxglm5.model.modeling import check_input_ids
+from fxglm5.ops.cached import validation
+from fxglm5.rtpllm.config import compute_dtype, fill_model_config
+from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step
+from fxglm5.runtime.compile import compile_paged
+from rtp_llm.models.base_model import BaseModel
+from rtp_llm.models_py.model_desc.module_base import GptModelBase
+
+log = logging.getLogger(__name__)
+NAME, ALIAS, ARCHITECTURE = "glm_5", "fxglm5_glm5", "GlmMoeDsaForCausalLM"
+
+
+def _rtp_symbol(*paths: str):
+    """The first importable ``module:name`` (RTP moved these between versions)."""
+    for path in paths:
+        module, name = path.split(":")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(f"rtp_llm provides none of {paths}")
+
+
+def _fp8_kv_cache(model_config) -> bool:
+    """FP8_KV_CACHE=1: RTP's kv_cache_dtype is float8_e4m3fn (an enum or a name in some versions)."""
+    kv_dtype = getattr(getattr(model_config, "attn_config", None), "kv_cache_dtype", None)
+    text = str(kv_dtype).lower()
+    return kv_dtype is not None and ("float8" in text or text.endswith("fp8"))
+
+
+class Fxglm5PyModel(GptModelBase):
+    """The compiled decoder on RTP's paged caches; ``forward`` returns the final-norm hidden states."""
+
+    def __init__(self, config, parallelism_config, weight, max_generate_batch_size, fmha_config=None,
+                 py_hw_kernel_config=None, device_resource_config=None, *, model, kv_cache: str = "bf16"):
+        super().__init__(config, parallelism_config, weight, max_generate_batch_size, fmha_config, py_hw_kernel_config,
+                         device_resource_config)
+        self.glm5_config: Glm5Config = model.config
+        self.dtype, self.kv_cache_kind = model.dtype, kv_cache
+        self.device = next(model.parameters()).device
+        self.graph, self.pass_results = compile_paged(model, max_tokens=max(model.config.max_position_embeddings, 1 << 20),
+                                                      device=self.device, head="hidden")
+        self.signature = self.graph.meta["paged_cache"]
+        self.caches, self.layout = None, None
+
+    def initialize(self, init_resource) -> bool:
+        """Bind RTP's caches; ``kv_cache`` None (RTP's warm-up) leaves the model on private scratch caches."""
+        kv = getattr(init_resource, "kv_cache", None)
+        if kv is None:
+            self.caches, self.layout = None, None
+        else:
+            self.caches, self.layout = bind_caches(kv, self.signature, self.dtype,
+                                                   self.glm5_config.max_position_embeddings)
+        return True
+
+    def prepare_fmha_impl(self, inputs, is_cuda_graph: bool = False) -> StepMetadata:
+        attn = inputs.attention_inputs
+        if is_cuda_graph:
+            if bool(attn.is_prefill):
+                raise InputError("attention_inputs: RTP captures CUDA graphs for decode only, got a prefill batch")
+            return StepMetadata(attn, self.layout, self.device, static=True)
+        return StepMetadata(attn, self.layout, self.device, scratch=lambda a: scratch_step(
+            a, self.signature, self.kv_cache_kind, self.dtype, self.device, self.glm5_config.max_position_embeddings))
+
+    def forward(self, inputs, fmha_impl: StepMetadata | None = None):
+        impl = fmha_impl if fmha_impl is not None else self.prepare_fmha_impl(inputs)
+        ids = inputs.input_ids
+        if ids.dim() != 1 or ids.shape[0] != impl.positions.shape[0]:
+            raise InputError(f"input_ids: expected {impl.positions.shape[0]} tokens, got {tuple(ids.shape)}")
+        if not impl.static:  # a CUDA-graph step's ids come from RTP's sampler; checking them would sync
+            check_input_ids(ids[None], self.glm5_config.vocab_size)
+        caches = impl.caches if impl.caches is not None else self.caches
+        with torch.no_grad(), validation(False):
+            hidden = self.graph(ids.long()[None], impl.positions[None], impl.slot_mapping, impl.block_table,
+                                impl.req_idx, impl.logits_indices, *caches)
+        return _rtp_symbol("rtp_llm.ops.compute_ops:PyModelOutputs", "rtp_llm.ops:PyModelOutputs")(hidden[0])
+
+
+class Fxglm5Glm5(BaseModel):
+    """GLM-5 (GlmMoeDsaForCausalLM) through fxglm5: RTP's model factory entry."""
+
+    @classmethod
+    def _create_config(cls, ckpt_path):
+        model_config = _rtp_symbol("rtp_llm.config.model_config:ModelConfig")()
+        return fill_model_config(model_config, Glm5Config.from_json(Path(ckpt_path) / "config.json"), ckpt_path)
+
+    @staticmethod
+    def get_weight_cls():
+        base = _rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelDeployWeightInfo")
+        return type("Fxglm5NoWeightInfo", (base,), {"__doc__": "fxglm5 loads the checkpoint itself (load())."})
+
+    def support_cuda_graph(self) -> bool:
+        return True
+
+    def load(self, skip_python_model: bool = False):
+        from fxglm5.model.checkpoint import load_checkpoint
+
+        model_config = self.model_config
+        par = getattr(self, "parallelism_config", None)
+        for field in ("tp_size", "ep_size", "pp_size", "dp_size"):
+            if int(getattr(par, field, 1) or 1) != 1:
+                raise ConfigError(f"parallelism_config.{field}={getattr(par, field)}: the fxglm5 plugin runs one "
+                                  "rank (no tensor, expert, pipeline or data parallel shards)")
+        dtype = compute_dtype(model_config)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.glm5 = load_checkpoint(model_config.ckpt_path, dtype=dtype, device=device, progress=False)
+        weights = _rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelWeights",
+                              "rtp_llm.utils.model_weight:ModelWeights")(self.glm5.config.num_hidden_layers, device,
+                                                                          dtype)
+        weights.set_global_weight("lm_head", self.glm5.lm_head.weight)
+        weights.set_global_weight("embedding", self.glm5.model.embed_tokens.weight)
+        weights.set_global_weight("final_layernorm.gamma", self.glm5.model.norm.weight)
+        self.weight, self.weight_manager, self.py_eplb = weights, None, None
+        if not skip_python_model:
+            self._create_python_model()
+
+    def _create_python_model(self):
+        self.py_model = Fxglm5PyModel(
+            self.model_config, getattr(self, "parallelism_config", None), self.weight,
+            getattr(self, "max_generate_batch_size", 1), fmha_config=getattr(self, "fmha_config", None),
+            py_hw_kernel_config=getattr(self, "hw_kernel_config", None), model=self.glm5,
+            kv_cache="fp8" if _fp8_kv_cache(self.model_config) else "bf16")
+        return self.py_model
+
+
+def register() -> None:
+    """Take ``glm_5`` (and its HF architecture) over from RTP's DeepSeekV2, and register ``fxglm5_glm5``."""
+    try:  # RTP's own glm_5 is registered on this import; ours must come after it
+        importlib.import_module("rtp_llm.models.deepseek_v2")
+    except ImportError as err:
+        log.warning("fxglm5: rtp_llm.models.deepseek_v2 did not import (%s); registering glm_5 anyway", err)
+    factory = importlib.import_module("rtp_llm.model_factory_register")
+    factory.register_model(ALIAS, Fxglm5Glm5)
+    factory._model_factory[NAME] = Fxglm5Glm5
+    factory._hf_architecture_2_ft[ARCHITECTURE] = NAME

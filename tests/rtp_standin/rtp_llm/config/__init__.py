@@ -1,0 +1,1 @@
+"""Test stand-in of ``rtp_llm.config`` (not RTP-LLM code)."""

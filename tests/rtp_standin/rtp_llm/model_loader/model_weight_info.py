@@ -1,0 +1,28 @@
+"""Test stand-in of RTP-LLM's weight containers (not RTP-LLM code; written from the contract)."""
+
+
+class ModelWeights:
+    """Loaded weights: ``weights[layer][name]`` per layer and ``global_weights[name]``.
+
+    The engine applies the LM head itself from ``global_weights["lm_head"]`` ([vocab, hidden]).
+    """
+
+    def __init__(self, num_layers, device, dtype):
+        self.num_layers = num_layers
+        self.device = device
+        self.dtype = dtype
+        self.weights = [{} for _ in range(num_layers)]
+        self.global_weights = {}
+
+    def set_global_weight(self, name, tensor):
+        self.global_weights[name] = tensor
+
+    def set_layer_weight(self, layer, name, tensor):
+        self.weights[layer][name] = tensor
+
+
+class ModelDeployWeightInfo:
+    """Empty base of a model's weight-info class (``get_weight_cls()``); the stand-in never loads by it."""
+
+    def __init__(self, *args, **kwargs):
+        pass

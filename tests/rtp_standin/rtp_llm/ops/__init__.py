@@ -1,0 +1,1 @@
+"""Test stand-in of ``rtp_llm.ops`` (not RTP-LLM code)."""

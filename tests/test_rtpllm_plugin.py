@@ -1,0 +1,122 @@
+"""The RTP-LLM plugin (``fxglm5.rtpllm.models``) driven by a stand-in of RTP-LLM (tests/rtp_standin, written
+from /work/shared/reference/rtp_llm_contract.md; RTP-LLM itself is not installable here).
+
+What a user of the plugin relies on: importing it without RTP does nothing; with RTP it takes ``glm_5`` over;
+the config sizes RTP's cache; an RTP engine loop (prefill, eager or CUDA-graph decode, prefix reuse, kernel
+blocks smaller than the physical ones, bf16 or FP8 caches) produces the tokens fxglm5's own runtime produces
+on the same checkpoint; bad inputs fail with errors naming the field, before anything is written.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxglm5.errors import ConfigError, InputError
+from fxglm5.model.config import Glm5Config
+from fxglm5.model.tiny import make_tiny_checkpoint
+from fxglm5.runtime.runner import Runner
+
+STANDIN = Path(__file__).parent / "rtp_standin"
+PLUGIN = "fxglm5.rtpllm.models"
+
+
+def _forget_rtp() -> None:
+    for name in list(sys.modules):
+        if name == "rtp_llm" or name.startswith("rtp_llm.") or name in (PLUGIN, "fxglm5.rtpllm.glm5"):
+            del sys.modules[name]
+
+
+@pytest.fixture
+def rtp(monkeypatch):
+    """The stand-in ``rtp_llm`` on the path, fresh registries, the plugin loaded as RTP loads it."""
+    _forget_rtp()
+    monkeypatch.syspath_prepend(str(STANDIN))
+    from rtp_llm import standin_engine
+
+    standin_engine.load_external_packages(["--external_model_packages", PLUGIN], {})
+    yield standin_engine
+    _forget_rtp()
+
+
+# the tiny model at GLM-5's cache widths: RTP allocates the cache from these fields
+RTP_TINY = Glm5Config.preset("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """bf16 weights, so that RTP computes in fp32 (it forces bf16 for block-FP8 weights) and tokens compare exactly."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-bf16"), fp8=False, config=RTP_TINY)
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-fp8"), fp8=True, config=RTP_TINY)
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_importing_the_plugin_without_rtp_llm_registers_nothing():
+    code = (f"import sys, {PLUGIN}; "
+            "assert 'fxglm5.rtpllm.glm5' not in sys.modules and not any(m.startswith('rtp_llm') for m in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+def test_the_plugin_takes_glm_5_over_from_rtp(rtp, ckpt, monkeypatch):
+    from rtp_llm import model_factory_register as reg
+    from rtp_llm.models.deepseek_v2 import DeepSeekV2
+
+    from fxglm5.rtpllm.glm5 import Fxglm5Glm5
+
+    assert reg._model_factory["glm_5"] is Fxglm5Glm5 and reg._model_factory["fxglm5_glm5"] is Fxglm5Glm5
+    assert reg._model_factory["deepseek2"] is DeepSeekV2  # RTP's other models are untouched
+    assert reg._hf_architecture_2_ft["GlmMoeDsaForCausalLM"] == "glm_5"
+    assert rtp.resolve_model_class(ckpt) is Fxglm5Glm5  # MODEL_TYPE unset: from config.json architectures
+    # the older spelling: the package list in RTP_LLM_EXTERNAL_MODEL_PACKAGES, imported once
+    assert rtp.external_packages([], {"RTP_LLM_EXTERNAL_MODEL_PACKAGES": PLUGIN}) == [PLUGIN]
+
+
+def test_the_config_describes_the_mla_and_indexer_caches(rtp, ckpt, tmp_path):
+    from fxglm5.rtpllm.glm5 import Fxglm5Glm5
+
+    cfg = Glm5Config.from_json(ckpt / "config.json")
+    mc = Fxglm5Glm5._create_config(ckpt)
+    a = mc.attn_config
+    assert (mc.num_layers, mc.hidden_size, mc.vocab_size) == (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)
+    assert a.use_mla and a.is_sparse and (a.kv_lora_rank, a.rope_head_dim) == (512, 64)
+    assert (a.head_num, a.indexer_head_dim, a.indexer_head_num, a.indexer_topk) == (
+        cfg.num_attention_heads, cfg.index_head_dim, cfg.index_n_heads, cfg.index_topk)
+    # a model whose rows are not RTP's GLM-5 layouts is refused by name, before RTP allocates anything
+    narrow = Glm5Config.preset("tiny").replace(quantization_config=None)
+    narrow.save(tmp_path)
+    with pytest.raises(ConfigError, match="kv_lora_rank=128"):
+        Fxglm5Glm5._create_config(tmp_path)
+
+
+@pytest.mark.parametrize("fp8_kv,kernel_block,graphs", [
+    (False, 0, False), (True, 0, True), (False, 8, True), (True, 4, False)])
+def test_an_rtp_engine_generates_the_tokens_of_the_fxglm5_runtime(rtp, ckpt, fp8_kv, kernel_block, graphs):
+    """Mixed prompt lengths around index_topk (8), a CUDA-graph bucket larger than the batch (3 in 4)."""
+    batch = _prompts([5, 20, 11])
+    eng = rtp.Engine(ckpt, act_type="FP32", fp8_kv_cache=fp8_kv, seq_size_per_block=16,
+                     kernel_seq_size_per_block=kernel_block, enable_cuda_graph=graphs, decode_capture_batch_sizes=(1, 4),
+                     num_blocks=24)
+    got = eng.generate(batch, 6)
+    runner = Runner(ckpt, kv_cache="fp8" if fp8_kv else "bf16", index_cache="fp8", block_size=16,
+                    kernel_block_size=kernel_block or None, dtype=torch.float32, num_blocks=24, decode_graphs=False)
+    assert got == runner.generate(batch, 6)
+    counts = rtp_counts(eng)
+    assert counts["prefill"] == 1
+    if graphs:
+        assert counts["replays"] == 5 and counts["eager_decode"] == 0
+    else:
+        assert counts["eager_decode"] == 5
+
+
+def rtp_counts(eng) -> dict:
+    return dict(prefill=eng.prefill_steps, eager_decode=eng.eager_decode_steps, replays=eng.graph_replays)
