@@ -120,3 +120,92 @@ def test_an_rtp_engine_generates_the_tokens_of_the_fxglm5_runtime(rtp, ckpt, fp8
 
 def rtp_counts(eng) -> dict:
     return dict(prefill=eng.prefill_steps, eager_decode=eng.eager_decode_steps, replays=eng.graph_replays)
+
+
+def _engine(rtp, ckpt, **kw):
+    return rtp.Engine(ckpt, act_type=kw.pop("act_type", "FP32"), seq_size_per_block=16, num_blocks=24, **kw)
+
+
+def _record(py_model, method: str, what):
+    """Wrap one method of the plugin's model instance, appending ``what(args, result)`` per call."""
+    seen, original = [], getattr(py_model, method)
+
+    def wrapped(*args):
+        result = original(*args)
+        seen.append(what(args, result))
+        return result
+
+    object.__setattr__(py_model, method, wrapped)
+    return seen
+
+
+def test_prefix_reuse_gives_the_tokens_of_a_full_prefill(rtp, ckpt):
+    first = _prompts([40, 23], seed=3)
+    second = [first[0][:35] + [7, 8], first[1][:20] + [9]]
+    eng = _engine(rtp, ckpt)
+    eng.generate(first, 3)
+    prefixes = _record(eng.py_model, "prepare_fmha_impl", lambda args, _: args[0].attention_inputs.prefix_lengths.tolist())
+    reused = eng.generate(second, 4, reuse_prefix=True)
+    assert prefixes[0] == [32, 16]  # whole 16-token blocks of the first batch's requests
+    assert reused == _engine(rtp, ckpt).generate(second, 4)
+
+
+def test_fp8_checkpoint_hidden_states_match_the_eager_model(rtp, fp8_ckpt):
+    """The checkpoint loaded as it is (block-FP8 weights, bf16 compute): the prefill's final-norm hidden states
+    against ``Glm5Model`` without a cache (prompts within index_topk, so the indexer selects every key)."""
+    from fxglm5.model.checkpoint import load_checkpoint
+
+    batch = _prompts([6, 8], seed=4)
+    eng = _engine(rtp, fp8_ckpt, act_type="BF16")
+    hidden = _record(eng.py_model, "forward", lambda args, out: out.hidden_states.float())
+    eng.generate(batch, 1)
+    model = load_checkpoint(fp8_ckpt, dtype=torch.bfloat16, progress=False)
+    with torch.no_grad():
+        ref = torch.cat([model.model(torch.tensor([p]))[0].float() for p in batch])
+    assert hidden[0].shape == ref.shape
+    assert (hidden[0] - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_bad_steps_fail_by_name_and_leave_the_cache_as_it_was(rtp, ckpt):
+    from rtp_llm.ops.compute_ops import KVCache, LayerKVCache, PyModelInitResources
+
+    eng = _engine(rtp, ckpt)
+    eng.generate(_prompts([20]), 2)  # something stored
+    model = eng.py_model
+    before = [t.clone() for t in model.caches]
+    steps = {
+        "block id 99 out of range": eng._decode_inputs([1], [20], [20], [[1, 99]]),
+        "a position needs a block": eng._decode_inputs([1], [20], [40], [[1, 2]]),
+        "token id 100000 is out of range": eng._decode_inputs([100000], [20], [20], [[1, 2]]),
+    }
+    for message, inputs in steps.items():
+        with pytest.raises(InputError, match=message):
+            model.forward(inputs, model.prepare_fmha_impl(inputs, False))
+    narrow = [LayerKVCache(torch.zeros(24, 16, 500), None, 16, i) for i in range(4)]
+    with pytest.raises(InputError, match="kv_cache layer 0 kv_cache_base"):
+        model.initialize(PyModelInitResources(kv_cache=KVCache(narrow, 16, 16)))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.caches))
+
+
+def test_a_sharded_launch_is_refused_at_load(rtp, ckpt):
+    from types import SimpleNamespace
+
+    cls = rtp.resolve_model_class(ckpt)
+    config = cls._create_config(ckpt)
+    model = cls.from_config(model_config=config, parallelism_config=SimpleNamespace(tp_size=2, tp_rank=0, ep_size=1))
+    with pytest.raises(ConfigError, match="tp_size=2"):
+        model.load()
+
+
+def test_warm_up_steps_before_the_cache_write_nothing_to_it(rtp, ckpt):
+    """RTP's first initialize() has no cache (warm-up); steps then run on private scratch blocks."""
+    from rtp_llm.ops.compute_ops import PyModelInitResources
+
+    eng = _engine(rtp, ckpt)
+    model = eng.py_model
+    rtp_cache, before = list(model.caches), [t.clone() for t in model.caches]
+    assert model.initialize(PyModelInitResources(kv_cache=None)) is True
+    inputs = eng._decode_inputs([3, 4], [5, 30], [5, 30], [[1], [2, 3]])
+    hidden = model.forward(inputs, model.prepare_fmha_impl(inputs, False)).hidden_states
+    assert hidden.shape == (2, RTP_TINY.hidden_size) and torch.isfinite(hidden).all()
+    assert all(torch.equal(a, b) for a, b in zip(rtp_cache, before))
