@@ -98,24 +98,30 @@ def test_the_config_describes_the_mla_and_indexer_caches(rtp, ckpt, tmp_path):
         Fxglm5Glm5._create_config(tmp_path)
 
 
-@pytest.mark.parametrize("fp8_kv,kernel_block,graphs", [
-    (False, 0, False), (True, 0, True), (False, 8, True), (True, 4, False)])
-def test_an_rtp_engine_generates_the_tokens_of_the_fxglm5_runtime(rtp, ckpt, fp8_kv, kernel_block, graphs):
-    """Mixed prompt lengths around index_topk (8), a CUDA-graph bucket larger than the batch (3 in 4)."""
+@pytest.mark.parametrize("fp8_kv,kernel_block", [(False, 0), (True, 4), (False, 8)])
+def test_an_rtp_engine_generates_the_tokens_of_the_fxglm5_runtime(rtp, ckpt, fp8_kv, kernel_block):
+    """Mixed prompt lengths around index_topk (8); RTP's prefill and eager decode steps."""
     batch = _prompts([5, 20, 11])
     eng = rtp.Engine(ckpt, act_type="FP32", fp8_kv_cache=fp8_kv, seq_size_per_block=16,
-                     kernel_seq_size_per_block=kernel_block, enable_cuda_graph=graphs, decode_capture_batch_sizes=(1, 4),
-                     num_blocks=24)
+                     kernel_seq_size_per_block=kernel_block, num_blocks=24)
     got = eng.generate(batch, 6)
     runner = Runner(ckpt, kv_cache="fp8" if fp8_kv else "bf16", index_cache="fp8", block_size=16,
                     kernel_block_size=kernel_block or None, dtype=torch.float32, num_blocks=24, decode_graphs=False)
     assert got == runner.generate(batch, 6)
-    counts = rtp_counts(eng)
-    assert counts["prefill"] == 1
-    if graphs:
-        assert counts["replays"] == 5 and counts["eager_decode"] == 0
-    else:
-        assert counts["eager_decode"] == 5
+    assert rtp_counts(eng) == dict(prefill=1, eager_decode=5, replays=0)
+
+
+@pytest.mark.parametrize("fp8_kv,kernel_block", [(True, 0), (False, 8)])
+def test_rtp_decode_graph_steps_give_the_eager_tokens(rtp, fp8_ckpt, fp8_kv, kernel_block):
+    """RTP's CUDA-graph decode protocol (static buffers at the bucket size, zeroed tables, live rows copied in,
+    prepare_cuda_graph, replay; emulated on the CPU by the stand-in) with 3 requests in a bucket of 4."""
+    batch = _prompts([5, 20, 11])
+    kw = dict(act_type="BF16", fp8_kv_cache=fp8_kv, seq_size_per_block=16, kernel_seq_size_per_block=kernel_block,
+              num_blocks=24)
+    graphs = rtp.Engine(fp8_ckpt, enable_cuda_graph=True, decode_capture_batch_sizes=(1, 4), **kw)
+    assert graphs.generate(batch, 6) == rtp.Engine(fp8_ckpt, **kw).generate(batch, 6)
+    assert rtp_counts(graphs) == dict(prefill=1, eager_decode=0, replays=5)
+    assert graphs.init_calls[0] is None  # the warm-up initialize() came first, without a cache
 
 
 def rtp_counts(eng) -> dict:
@@ -185,6 +191,15 @@ def test_bad_steps_fail_by_name_and_leave_the_cache_as_it_was(rtp, ckpt):
     with pytest.raises(InputError, match="kv_cache layer 0 kv_cache_base"):
         model.initialize(PyModelInitResources(kv_cache=KVCache(narrow, 16, 16)))
     assert all(torch.equal(a, b) for a, b in zip(before, model.caches))
+
+
+def test_cuda_graphs_are_offered_for_block_fp8_checkpoints_only(rtp, ckpt, fp8_ckpt):
+    """RTP refuses ENABLE_CUDA_GRAPH=1 for a model that says no: a bf16 checkpoint's MoE syncs with the host."""
+    for path, expected in ((fp8_ckpt, True), (ckpt, False)):
+        cls = rtp.resolve_model_class(path)
+        assert cls.from_config(model_config=cls._create_config(path)).support_cuda_graph() is expected
+    with pytest.raises(RuntimeError, match="support_cuda_graph"):
+        _engine(rtp, ckpt, enable_cuda_graph=True)
 
 
 def test_a_sharded_launch_is_refused_at_load(rtp, ckpt):

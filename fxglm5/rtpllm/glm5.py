@@ -111,7 +111,10 @@ class Fxglm5Glm5(BaseModel):
         return type("Fxglm5NoWeightInfo", (base,), {"__doc__": "fxglm5 loads the checkpoint itself (load())."})
 
     def support_cuda_graph(self) -> bool:
-        return True
+        """Block-FP8 checkpoints (GLM-5-FP8): every op of the compiled decoder has a kernel that never syncs with
+        the host. A bf16 checkpoint's routed experts run the torch reference MoE, which does (it groups tokens
+        by expert on the host), so RTP must not capture it: ENABLE_CUDA_GRAPH=1 is refused at load."""
+        return Glm5Config.from_json(Path(self.model_config.ckpt_path) / "config.json").is_fp8
 
     def load(self, skip_python_model: bool = False):
         from fxglm5.model.checkpoint import load_checkpoint
