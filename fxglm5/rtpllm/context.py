@@ -90,6 +90,12 @@ def _context(attn, rows, layout: CacheLayout, tables=None) -> ForwardContext:
             seq = _host(attn, "sequence_lengths_plus_1_device") - 1
         seq, prefix = seq[rows], empty
     table, kernel = tables or (_host(attn, "kv_cache_block_id")[rows], _host(attn, "kv_cache_kernel_block_id")[rows])
+    # only the blocks the step reaches are read: RTP's static table is ceil(max_seq_len / block) wide (3168
+    # blocks for GLM-5), and validating all of it cost 6-17 ms a step (bench/rtpllm_host_time.py)
+    last = (prefix + lengths - 1) if prefill else seq
+    cols = min(table.shape[1], int(last.max()) // layout.block_size + 1) if last.numel() else table.shape[1]
+    ratio = layout.block_size // layout.kernel_block_size
+    table, kernel = table[:, :cols], kernel[:, :cols * ratio]
     ctx = ForwardContext(prefill, lengths, prefix, seq, table, kernel, layout.block_size, layout.kernel_block_size,
                          layout.num_blocks, layout.max_position_embeddings)
     cu = _host(attn, "cu_seqlens")
