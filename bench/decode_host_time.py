@@ -10,10 +10,8 @@ runner holds a small model whose graph is never called.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -21,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import RESULTS_DIR, device_info  # noqa: E402
+from bench.harness import save_run  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.modeling import Glm5ForCausalLM  # noqa: E402
 from fxglm5.runtime.runner import Runner, Sequence  # noqa: E402
@@ -47,16 +45,8 @@ def main():
         t0 = time.perf_counter()
         runner.decode()
         steps.append((time.perf_counter() - t0) * 1e3)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    res = dict(command="python bench/decode_host_time.py " + " ".join(sys.argv[1:]), device=device_info(),
-               commit=commit, B=B, ctx=ctx, host_ms_per_step_median=round(statistics.median(steps), 3),
-               host_ms_per_step_min=round(min(steps), 3))
-    print(json.dumps(res, indent=1))
-    path = os.path.join(os.environ.get("OUT", RESULTS_DIR), "decode_host_time.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-
+    save_run("decode_host_time.json", "bench/decode_host_time.py", B=B, ctx=ctx,
+             host_ms_per_step_median=round(statistics.median(steps), 3), host_ms_per_step_min=round(min(steps), 3))
 
 if __name__ == "__main__":
     main()

@@ -47,6 +47,23 @@ def device_info() -> dict:
     return info
 
 
+def save_run(filename: str, script: str, **result) -> str:
+    """Print and save one run's JSON (the command, the device, the commit, then ``result``) under $OUT or
+    bench/results; returns the path."""
+    import json
+    import subprocess
+    import sys
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    res = dict(command=f"python {script} " + " ".join(sys.argv[1:]), device=device_info(), commit=commit, **result)
+    print(json.dumps(res, indent=1))
+    path = os.path.join(os.environ.get("OUT", RESULTS_DIR), filename)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    return path
+
+
 def events_us(fn: Callable[[], Any], n_iters: int) -> list[float]:
     times = []
     for _ in range(n_iters):

@@ -11,10 +11,8 @@ a table only as wide as the requests need. CPU only: RTP's bare-named fields are
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -23,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import RESULTS_DIR, device_info  # noqa: E402
+from bench.harness import save_run  # noqa: E402
 from fxglm5.rtpllm.context import CacheLayout, StepMetadata  # noqa: E402
 from fxglm5.runtime.cache import kernel_block_table  # noqa: E402
 
@@ -56,17 +54,9 @@ def time_prepare(B: int, ctx: int, width: int, n: int = 50) -> dict:
 def main():
     args = [int(a) for a in sys.argv[1:3]]
     B, ctx = args if len(args) == 2 else (64, 2048)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     rows = [time_prepare(B, ctx, -(-MAX_POS // BLOCK)), time_prepare(B, ctx, -(-(ctx + 1) // BLOCK))]
-    res = dict(command="python bench/rtpllm_host_time.py " + " ".join(sys.argv[1:]), device=device_info(),
-               commit=commit, B=B, ctx=ctx, torch_threads=torch.get_num_threads(),
-               prepare_cuda_graph=rows)
-    print(json.dumps(res, indent=1))
-    path = os.path.join(os.environ.get("OUT", RESULTS_DIR), "rtpllm_host_time.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-
+    save_run("rtpllm_host_time.json", "bench/rtpllm_host_time.py", B=B, ctx=ctx, torch_threads=torch.get_num_threads(),
+             prepare_cuda_graph=rows)
 
 if __name__ == "__main__":
     main()
