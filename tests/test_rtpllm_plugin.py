@@ -224,3 +224,9 @@ def test_warm_up_steps_before_the_cache_write_nothing_to_it(rtp, ckpt):
     hidden = model.forward(inputs, model.prepare_fmha_impl(inputs, False)).hidden_states
     assert hidden.shape == (2, RTP_TINY.hidden_size) and torch.isfinite(hidden).all()
     assert all(torch.equal(a, b) for a, b in zip(rtp_cache, before))
+    # a step prepared on RTP's cache cannot run once the model holds none
+    model.initialize(PyModelInitResources(kv_cache=eng.kv_cache))
+    prepared = model.prepare_fmha_impl(inputs, False)
+    model.initialize(PyModelInitResources(kv_cache=None))
+    with pytest.raises(InputError, match="initialize"):
+        model.forward(inputs, prepared)

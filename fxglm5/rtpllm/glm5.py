@@ -91,6 +91,8 @@ class Fxglm5PyModel(GptModelBase):
         if not impl.static:  # a CUDA-graph step's ids come from RTP's sampler; checking them would sync
             check_input_ids(ids[None], self.glm5_config.vocab_size)
         caches = impl.caches if impl.caches is not None else self.caches
+        if caches is None:
+            raise InputError("kv_cache: this step was prepared for RTP's cache, but initialize() holds none now")
         with torch.no_grad(), validation(False):
             hidden = self.graph(ids.long()[None], impl.positions[None], impl.slot_mapping, impl.block_table,
                                 impl.req_idx, impl.logits_indices, *caches)
