@@ -75,7 +75,7 @@ def _host(attn, name: str):
     return None if t is None else t.detach().to("cpu")
 
 
-def _context(attn, rows, layout: CacheLayout, tables=None) -> ForwardContext:
+def _context(attn, rows, layout: CacheLayout) -> ForwardContext:
     """The step's :class:`ForwardContext` over ``rows`` of the batch (host tensors, validated)."""
     prefill = bool(attn.is_prefill)
     lengths = _host(attn, "input_lengths")[rows]
@@ -89,17 +89,16 @@ def _context(attn, rows, layout: CacheLayout, tables=None) -> ForwardContext:
         if seq is None or seq.numel() == 0:
             seq = _host(attn, "sequence_lengths_plus_1_device") - 1
         seq, prefix = seq[rows], empty
-    table, kernel = tables or (_host(attn, "kv_cache_block_id")[rows], _host(attn, "kv_cache_kernel_block_id")[rows])
     # only the blocks the step reaches are read: RTP's static table is ceil(max_seq_len / block) wide (3168
-    # blocks for GLM-5), and validating all of it cost 6-17 ms a step (bench/rtpllm_host_time.py)
+    # blocks for GLM-5), and validating all of it cost 5 ms a step at B=64 (bench/rtpllm_host_time.py)
+    table, kernel = _host(attn, "kv_cache_block_id"), _host(attn, "kv_cache_kernel_block_id")
     last = (prefix + lengths - 1) if prefill else seq
     cols = min(table.shape[1], int(last.max()) // layout.block_size + 1) if last.numel() else table.shape[1]
-    ratio = layout.block_size // layout.kernel_block_size
-    table, kernel = table[:, :cols], kernel[:, :cols * ratio]
+    table, kernel = table[:, :cols][rows], kernel[:, :cols * (layout.block_size // layout.kernel_block_size)][rows]
     ctx = ForwardContext(prefill, lengths, prefix, seq, table, kernel, layout.block_size, layout.kernel_block_size,
                          layout.num_blocks, layout.max_position_embeddings)
     cu = _host(attn, "cu_seqlens")
-    if prefill and tables is None and cu is not None and cu.numel() == lengths.shape[0] + 1:
+    if prefill and cu is not None and cu.numel() == lengths.shape[0] + 1:
         ctx.cu_seqlens = cu  # checked against the lengths
     return ctx.validate()
 
