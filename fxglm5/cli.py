@@ -83,7 +83,7 @@ def _quantize(args: argparse.Namespace) -> int:
 
 # ---- generate -----------------------------------------------------------------------------------
 def _generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--model", required=True, help="checkpoint directory, or an artifact file (fxglm5 export)")
     p.add_argument("--prompt-ids", required=True, action="append",
                    help="comma-separated token ids, e.g. 1,2,3; repeat for a batch (one output line per prompt)")
     p.add_argument("--max-new-tokens", type=int, required=True)
@@ -98,21 +98,55 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def _generate_cmd(args: argparse.Namespace) -> int:
     from fxglm5.model.config import Glm5Config
 
-    config = Glm5Config.from_json(Path(args.model) / "config.json")
+    artifact = None
+    if Path(args.model).is_file():  # an exported artifact (fxglm5 export)
+        from fxglm5.artifact import load_artifact
+
+        artifact = load_artifact(args.model)
+        if artifact.head != "logits":
+            raise InputError(f"--model {args.model}: exported with head={artifact.head!r}; generation needs logits")
+        config = artifact.config
+    else:
+        config = Glm5Config.from_json(Path(args.model) / "config.json")
     prompts = [parse_token_ids(text, config.vocab_size) for text in args.prompt_ids]
     if args.max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be a non-negative integer, got {args.max_new_tokens}")
-    if args.backend == "reference" or args.max_new_tokens == 0:
+    if artifact is None and (args.backend == "reference" or args.max_new_tokens == 0):
         outputs = [_generate(args.model, prompt, args.max_new_tokens, args.dtype) for prompt in prompts]
+    elif args.backend == "reference":
+        raise InputError("--backend reference runs the model code on a checkpoint directory, not an artifact")
+    elif args.max_new_tokens == 0:
+        outputs = [[] for _ in prompts]
     else:
         from fxglm5.runtime.runner import Runner
 
         tokens = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
-        runner = Runner(args.model, kv_cache=args.kv_cache, block_size=args.block_size, dtype=args.dtype,
-                        max_cache_tokens=tokens + len(prompts) * args.block_size)
+        options = dict(kv_cache=args.kv_cache, block_size=args.block_size,
+                       max_cache_tokens=tokens + len(prompts) * args.block_size)
+        runner = artifact.runner(**options) if artifact else Runner(args.model, dtype=args.dtype, **options)
         outputs = runner.generate(prompts, args.max_new_tokens)
     for tokens in outputs:
         print(" ".join(map(str, tokens)))
+    return 0
+
+
+# ---- export -------------------------------------------------------------------------------------
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--out", required=True, help="artifact file to write (.pt2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="compute dtype")
+    p.add_argument("--head", choices=["logits", "hidden"], default="logits",
+                   help="logits, or the final-norm hidden states (engines that apply the lm_head themselves)")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from fxglm5.artifact import export_artifact
+    from fxglm5.model.checkpoint import load_checkpoint
+
+    model = load_checkpoint(args.model, dtype=args.dtype, device="cpu", progress=False)
+    path = export_artifact(model, args.out, head=args.head)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): the matched and fused program, {args.dtype}, "
+          f"head={args.head}")
     return 0
 
 
@@ -188,6 +222,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "make-tiny": Subcommand("write a random tiny GLM-5 checkpoint", _make_tiny_args, _make_tiny),
     "quantize": Subcommand("quantize a bf16 checkpoint to GLM-5-FP8 block-FP8", _quantize_args, _quantize),
     "generate": Subcommand("greedy generation from token ids (paged KV cache, or --backend reference)", _generate_args, _generate_cmd),
+    "export": Subcommand("export a checkpoint as one artifact file (torch.export .pt2 of the compiled program)",
+                         _export_args, _export),
     "demo": Subcommand("make the tiny FP8 checkpoint (cached) and generate from it", _demo_args, _demo),
     "inspect": Subcommand("print the pass pipeline: matches and time per pass, op histogram before/after", _inspect_args, _inspect),
 }

@@ -21,8 +21,17 @@ def compile_paged(model, *, max_tokens: int, device="cpu", backend: str | None =
     from fxglm5.passes import PassContext, run_pipeline
 
     graph = capture(model, max_seq=max_tokens, head=head)
-    ctx = PassContext(config=model.config, backend=backend, extras={"device": torch.device(device).type})
-    results = run_pipeline(graph, ctx, stages=("match", "fuse", "cache", "lower"))
+    results = run_pipeline(graph, PassContext(config=model.config), stages=("match", "fuse"))
+    return graph, results + lower_paged(graph, model.config, device=device, backend=backend)
+
+
+def lower_paged(graph: fx.GraphModule, config, *, device="cpu", backend: str | None = None) -> list:
+    """The cache and lower stages on a matched and fused graph (in place): the device-specific half, which is
+    also what an exported artifact (``fxglm5.artifact``) still needs when it is loaded."""
+    from fxglm5.passes import PassContext, run_pipeline
+
+    ctx = PassContext(config=config, backend=backend, extras={"device": torch.device(device).type})
+    results = run_pipeline(graph, ctx, stages=("cache", "lower"))
     if "paged_cache" not in graph.meta:
         raise InputError("model: insert_paged_cache found no attention to put on the paged cache")
-    return graph, results
+    return results

@@ -77,7 +77,8 @@ class Runner:
                  num_blocks: int | None = None, max_cache_tokens: int = 8192, device="cpu", keep_logits=False,
                  graph=None, backend: str | None = None, decode_graphs: bool | None = None,
                  max_decode_batch: int = 64):
-        """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``). ``kv_cache``: "bf16"
+        """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); with ``graph``, anything
+        with the model's ``config`` and compute ``dtype`` (an exported artifact: ``fxglm5.artifact``). ``kv_cache``: "bf16"
         (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
         same kind (see fxglm5.runtime.cache). The cache holds ``num_blocks`` blocks of ``block_size`` tokens
         (default: enough for ``max_cache_tokens``). ``graph``: the compiled graph of another Runner over the
