@@ -48,7 +48,7 @@ class Artifact:
         """A fresh paged graph for ``device``: the canonical program with the cache and lower stages run."""
         from fxglm5.runtime.compile import lower_paged
 
-        graph = self.program.module().to(device)
+        graph = _on_device(self.program.module(), torch.device(device))
         return graph, lower_paged(graph, self.config, device=device, backend=backend)
 
     def runner(self, *, device="cpu", backend: str | None = None, **runner_options):
@@ -59,6 +59,23 @@ class Artifact:
         runner = Runner(self, graph=graph, device=device, backend=backend, dtype=self.dtype, **runner_options)
         runner.pass_results = results
         return runner
+
+
+def _on_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """The program's weights, constants and the device arguments export recorded (``torch.arange(...,
+    device=cpu)`` where it was exported) moved to ``device``."""
+    gm.to(device)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            owner, _, name = node.target.rpartition(".")
+            module = gm.get_submodule(owner) if owner else gm
+            value = getattr(module, name)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.device != device:
+                setattr(module, name, value.to(device))
+        elif isinstance(node.kwargs.get("device"), torch.device):
+            node.update_kwarg("device", device)
+    gm.recompile()
+    return gm
 
 
 def export_artifact(model, path: str | Path, *, head: str = "logits") -> Path:
