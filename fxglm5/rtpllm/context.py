@@ -75,20 +75,25 @@ def _host(attn, name: str):
     return None if t is None else t.detach().to("cpu")
 
 
+def _lengths_and_starts(attn):
+    """(input_lengths, first position of each request's tokens this step): the prefix length in a prefill
+    (empty = no prefix), the cached length in a decode (``sequence_lengths``, else from its device mirror)."""
+    lengths = _host(attn, "input_lengths")
+    if bool(attn.is_prefill):
+        starts = _host(attn, "prefix_lengths")
+        return lengths, torch.zeros_like(lengths) if starts is None or starts.numel() == 0 else starts
+    starts = _host(attn, "sequence_lengths")
+    if starts is None or starts.numel() == 0:
+        starts = _host(attn, "sequence_lengths_plus_1_device") - 1
+    return lengths, starts
+
+
 def _context(attn, rows, layout: CacheLayout) -> ForwardContext:
     """The step's :class:`ForwardContext` over ``rows`` of the batch (host tensors, validated)."""
     prefill = bool(attn.is_prefill)
-    lengths = _host(attn, "input_lengths")[rows]
+    lengths, starts = (t[rows] for t in _lengths_and_starts(attn))
     empty = torch.zeros(0, dtype=torch.int32)
-    if prefill:
-        prefix = _host(attn, "prefix_lengths")
-        prefix = torch.zeros_like(lengths) if prefix is None or prefix.numel() == 0 else prefix[rows]
-        seq = empty
-    else:
-        seq = _host(attn, "sequence_lengths")
-        if seq is None or seq.numel() == 0:
-            seq = _host(attn, "sequence_lengths_plus_1_device") - 1
-        seq, prefix = seq[rows], empty
+    prefix, seq = (starts, empty) if prefill else (empty, starts)
     # only the blocks the step reaches are read: RTP's static table is ceil(max_seq_len / block) wide (3168
     # blocks for GLM-5), and validating all of it cost 5 ms a step at B=64 (bench/rtpllm_host_time.py)
     table, kernel = _host(attn, "kv_cache_block_id"), _host(attn, "kv_cache_kernel_block_id")
@@ -148,25 +153,16 @@ def scratch_step(attn, signature, kv_cache: str, dtype: torch.dtype, device, max
     """A warm-up step before RTP hands over its cache: (context, caches) over private contiguous blocks, so
     that RTP's cache is never written."""
     prefill = bool(attn.is_prefill)
-    lengths = _host(attn, "input_lengths")
-    if prefill:
-        prefix = _host(attn, "prefix_lengths")
-        starts = [0] * lengths.shape[0] if prefix is None or prefix.numel() == 0 else prefix.tolist()
-        ends = [s + n for s, n in zip(starts, lengths.tolist())]
-    else:
-        seq = _host(attn, "sequence_lengths")
-        if seq is None or seq.numel() == 0:
-            seq = _host(attn, "sequence_lengths_plus_1_device") - 1
-        starts = seq.tolist()
-        ends = [s + 1 for s in starts]
+    lengths, starts = (t.tolist() for t in _lengths_and_starts(attn))
+    ends = [s + n for s, n in zip(starts, lengths)] if prefill else [s + 1 for s in starts]
     tables, nxt = [], 1
     for end in ends:
         n = -(-end // block_size)
         tables.append(list(range(nxt, nxt + n)))
         nxt += n
     cache = PagedCache(signature, nxt, block_size, None, kv_cache, "fp8", dtype, device)
-    ctx = ForwardContext.build(prefill, lengths.tolist(), starts, tables, block_size=block_size,
+    ctx = ForwardContext.build(prefill, lengths, starts, tables, block_size=block_size,
                                kernel_block_size=block_size, num_blocks=nxt,
                                max_position_embeddings=max_position_embeddings,
-                               prompt_lengths=lengths.tolist(), device="cpu").validate()
+                               prompt_lengths=lengths, device="cpu").validate()
     return ctx, cache.graph_inputs()
