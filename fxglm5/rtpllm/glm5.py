@@ -11,6 +11,7 @@ One rank only: tensor / expert parallel shards are refused at load with a clear 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from pathlib import Path
@@ -31,8 +32,9 @@ log = logging.getLogger(__name__)
 NAME, ALIAS, ARCHITECTURE = "glm_5", "fxglm5_glm5", "GlmMoeDsaForCausalLM"
 
 
+@functools.lru_cache(maxsize=None)
 def _rtp_symbol(*paths: str):
-    """The first importable ``module:name`` (RTP moved these between versions)."""
+    """The first importable ``module:name`` (RTP moved these between versions), looked up once."""
     for path in paths:
         module, name = path.split(":")
         try:
