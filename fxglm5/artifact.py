@@ -22,15 +22,14 @@ from pathlib import Path
 
 import torch
 from torch import fx
-from torch.export import Dim
 
 import fxglm5
 from fxglm5.errors import CheckpointError
 from fxglm5.model.config import Glm5Config
+from fxglm5.runtime.compile import MAX_STEP_TOKENS, lower_paged
 
 FORMAT = "fxglm5-artifact/1"
 RECORD = "fxglm5.json"
-MAX_TOKENS = 1 << 20  # flat tokens of one step, an upper bound for the dynamic dims
 
 
 @dataclasses.dataclass
@@ -46,7 +45,6 @@ class Artifact:
 
     def paged_graph(self, device="cpu", backend: str | None = None) -> tuple[fx.GraphModule, list]:
         """A fresh paged graph for ``device``: the canonical program with the cache and lower stages run."""
-        from fxglm5.runtime.compile import lower_paged
 
         graph = _on_device(self.program.module(), torch.device(device))
         return graph, lower_paged(graph, self.config, device=device, backend=backend)
@@ -56,7 +54,7 @@ class Artifact:
         from fxglm5.runtime.runner import Runner
 
         graph, results = self.paged_graph(device, backend)
-        runner = Runner(self, graph=graph, device=device, backend=backend, dtype=self.dtype, **runner_options)
+        runner = Runner(self, graph=graph, device=device, backend=backend, **runner_options)
         runner.pass_results = results
         return runner
 
@@ -83,16 +81,15 @@ def export_artifact(model, path: str | Path, *, head: str = "logits") -> Path:
     result to ``path`` (.pt2). ``head``: "logits", or "hidden" (final-norm hidden states, for engines that
     apply the lm_head themselves)."""
     from fxglm5.capture import capture
+    from fxglm5.capture.export import token_inputs
     from fxglm5.passes import PassContext, run_pipeline
     from fxglm5.passes.registry import passes_for
 
-    graph = capture(model, max_seq=MAX_TOKENS, head=head)
+    graph = capture(model, max_seq=MAX_STEP_TOKENS, head=head)
     results = run_pipeline(graph, PassContext(config=model.config, strict=True), stages=("match", "fuse"))
-    device = next(model.parameters()).device
-    example = torch.zeros(2, 3, dtype=torch.long, device=device)
-    dims = {0: Dim("batch", min=1, max=1024), 1: Dim("seq", min=1, max=MAX_TOKENS)}
+    example, dims = token_inputs(next(model.parameters()).device, 1024, MAX_STEP_TOKENS)
     with torch.no_grad():
-        program = torch.export.export(graph, (example, example.clone()), dynamic_shapes=(dims, dims), strict=False)
+        program = torch.export.export(graph, example, dynamic_shapes=(dims, dims), strict=False)
     hashes = {spec.name: spec.source_hash for spec in passes_for(("match", "fuse"))}
     record = dict(format=FORMAT, config=model.config.to_dict(), dtype=str(model.dtype).removeprefix("torch."),
                   head=head, passes={r.name: dict(matches=r.num_matches, source_hash=hashes.get(r.name))

@@ -39,11 +39,15 @@ def capture(model: torch.nn.Module, max_batch: int = 1024, max_seq: int | None =
         raise ValueError(f"head must be one of {HEADS}, got {head!r}")
     cfg = getattr(model, "config", None)
     max_seq = max_seq or (cfg.max_position_embeddings if cfg is not None else 4096)
-    device = next(model.parameters()).device
-    example = torch.zeros(2, 3, dtype=torch.long, device=device)
-    dims = {0: Dim("batch", min=1, max=max_batch), 1: Dim("seq", min=1, max=max_seq)}
+    example, dims = token_inputs(next(model.parameters()).device, max_batch, max_seq)
     module = _DecoderOnly(model) if head == "hidden" else model
-    return export_graph(module, (example, example.clone()), {"input_ids": dims, "position_ids": dims})
+    return export_graph(module, example, {"input_ids": dims, "position_ids": dims})
+
+
+def token_inputs(device, max_batch: int, max_seq: int) -> tuple[tuple, dict]:
+    """Example (input_ids, position_ids) and their dynamic [batch, seq] dims, for every export of the model."""
+    example = torch.zeros(2, 3, dtype=torch.long, device=device)
+    return (example, example.clone()), {0: Dim("batch", min=1, max=max_batch), 1: Dim("seq", min=1, max=max_seq)}
 
 
 def export_graph(module: torch.nn.Module, args: tuple, dynamic_shapes) -> fx.GraphModule:

@@ -11,6 +11,8 @@ from torch import fx
 
 from fxglm5.errors import InputError
 
+MAX_STEP_TOKENS = 1 << 20  # flat tokens of one step when nothing bounds them (RTP's batches, artifacts)
+
 
 def compile_paged(model, *, max_tokens: int, device="cpu", backend: str | None = None,
                   head: str = "logits") -> tuple[fx.GraphModule, list]:
