@@ -22,11 +22,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 L2_BYTES = 60 * 2**20
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMIT_ENV = "FXGLM5_BENCH_COMMIT"
+RESULTS_DIR = os.path.join(REPO, "bench", "results")
+COMMIT_ENV = "FXGLM5_BENCH_COMMIT"  # names the commit where the tree is a copy (see git_commit)
 
 
 def device_info() -> dict:
