@@ -45,7 +45,7 @@ def main():
         t0 = time.perf_counter()
         runner.decode()
         steps.append((time.perf_counter() - t0) * 1e3)
-    save_run("decode_host_time.json", "bench/decode_host_time.py", B=B, ctx=ctx,
+    save_run("decode_host_time.json", B=B, ctx=ctx,
              host_ms_per_step_median=round(statistics.median(steps), 3), host_ms_per_step_min=round(min(steps), 3))
 
 if __name__ == "__main__":

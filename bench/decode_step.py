@@ -15,7 +15,6 @@ decodes eagerly (no CUDA graphs).
 from __future__ import annotations
 
 import collections
-import json
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import RESULTS_DIR, device_info  # noqa: E402
+from bench.harness import save_run  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.modeling import Glm5ForCausalLM  # noqa: E402
 from fxglm5.runtime.runner import Runner  # noqa: E402
@@ -118,17 +117,12 @@ def main():
         runs.append(measure(model, prompts, B, ctx, kv, dev, disabled=without))
     if "--eager" in argv:
         runs.append(measure(model, prompts, B, ctx, kv, dev, decode_graphs=False))
-    res = dict(command="python bench/decode_step.py " + " ".join(argv), device=device_info(), B=B, ctx=ctx,
-               kv_cache=kv, layers="tiny" if tiny else "1 dense + 1 MoE (GLM-5 widths)",
+    res = dict(B=B, ctx=ctx, kv_cache=kv, layers="tiny" if tiny else "1 dense + 1 MoE (GLM-5 widths)",
                no_autotune=os.environ.get("FXGLM5_NO_AUTOTUNE") == "1", runs=runs)
     for run in runs:
         print(f"== passes disabled: {run['disabled_passes']}, decode graphs: {run['decode_graphs']}\n"
               f"{run.pop('host_table')}", flush=True)
-        print(json.dumps(run, indent=1), flush=True)
-    path = os.path.join(os.environ.get("OUT", RESULTS_DIR), f"decode_step_{kv}_B{B}_ctx{ctx}.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print("saved", path)
+    print("saved", save_run(f"decode_step_{kv}_B{B}_ctx{ctx}.json", **res))
 
 
 if __name__ == "__main__":

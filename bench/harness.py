@@ -15,17 +15,22 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 from typing import Any, Callable, Sequence
 
 import torch
 
 L2_BYTES = 60 * 2**20
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(REPO, "bench", "results")
+COMMIT_ENV = "FXGLM5_BENCH_COMMIT"  # names the commit where the tree is a copy (see git_commit)
 
 
 def device_info() -> dict:
-    """Name, memory, SM count and software versions of the current CUDA device (or the host if none)."""
+    """Name, memory, SM count and software versions of the current CUDA device; on a host without one, the
+    CPU's model, its core count and the load average at the time of the call (a shared CPU's figures depend
+    on it)."""
     info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version()}
     try:
         import triton
@@ -43,24 +48,83 @@ def device_info() -> dict:
             cuda=torch.version.cuda,
         )
     else:
-        info["name"] = platform.processor() or "cpu"
+        info.update(name=_cpu_model(), cpus=os.cpu_count(), platform=platform.platform(),
+                    load_avg_1_5_15_min=[round(x, 2) for x in os.getloadavg()])
     return info
 
 
-def save_run(filename: str, script: str, **result) -> str:
-    """Print and save one run's JSON (the command, the device, the commit, then ``result``) under $OUT or
-    bench/results; returns the path."""
-    import json
-    import subprocess
-    import sys
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return "cpu: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu: " + (platform.processor() or platform.machine() or "unknown")
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    res = dict(command=f"python {script} " + " ".join(sys.argv[1:]), device=device_info(), commit=commit, **result)
-    print(json.dumps(res, indent=1))
-    path = os.path.join(os.environ.get("OUT", RESULTS_DIR), filename)
+
+def command_line() -> str:
+    """The command as it was typed, for re-running it: the FXGLM5_* / TRITON_* settings in the environment,
+    ``python``, the script relative to the repository and its arguments."""
+    env = [f"{k}={v}" for k, v in sorted(os.environ.items())
+           if k.startswith(("FXGLM5_", "TRITON_")) and k != COMMIT_ENV]
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if script.startswith(REPO + os.sep):
+        script = os.path.relpath(script, REPO)
+    return " ".join([*env, "python", script or "-c", *sys.argv[1:]])
+
+
+def git_commit() -> str:
+    """The commit the run measured. ``$FXGLM5_BENCH_COMMIT`` wins when set: a copy of the tree on another
+    machine may carry a stale ``.git`` (bench/results/rtpllm_s12/README.md). Otherwise ``git`` HEAD, with
+    ``+uncommitted`` when tracked files differ from it, or ``unrecorded (no git repository)``."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=REPO)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+    except OSError:
+        return "unrecorded (git not found)"
+    if head.returncode:
+        return "unrecorded (no git repository)"
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("+uncommitted" if dirty else "")
+
+
+def provenance() -> dict:
+    """The three fields every result file starts with: command, device, commit."""
+    return {"command": command_line(), "device": device_info(), "commit": git_commit()}
+
+
+def out_dir() -> str:
+    """Where results go: $OUT when set (the device machine sends back only that folder), else bench/results."""
+    return os.environ.get("OUT") or RESULTS_DIR
+
+
+def write_record(path: str, result: dict, echo: bool = True) -> dict:
+    """Write ``result`` as JSON at ``path`` after :func:`provenance`'s fields (a ``result`` key of the same
+    name is refused: the record says how it was made, not what a caller claims); returns the record."""
+    clash = sorted(set(result) & {"command", "device", "commit"})
+    if clash:
+        raise ValueError(f"write_record: {path}: result sets {clash}, which provenance() records")
+    rec = {**provenance(), **result}
+    if echo:
+        print(json.dumps(rec, indent=1), flush=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+        json.dump(rec, f, indent=1)
+    return rec
+
+
+def save_run(filename: str, **result) -> str:
+    """Print and save one run's JSON (command, device, commit, then ``result``) under :func:`out_dir`;
+    returns the path."""
+    path = os.path.join(out_dir(), filename)
+    write_record(path, result)
     return path
 
 
@@ -186,20 +250,17 @@ class Results:
             lines.append("| " + " | ".join(_fmt(r.get(c, "")).replace("|", "\\|") for c in cols) + " |")
         return "\n".join(lines) + "\n"
 
-    def save(self, name: str, directory: str = RESULTS_DIR) -> tuple[str, str]:
-        os.makedirs(directory, exist_ok=True)
-        meta = {
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "device": device_info(),
-            "copy_bandwidth_gbs": self.copy_gbs,
-        }
+    def save(self, name: str, directory: str | None = None) -> tuple[str, str]:
+        """Write ``name``.json (provenance, copy bandwidth, rows) and ``name``.md under ``directory``
+        (default :func:`out_dir`)."""
+        directory = directory or out_dir()
         jpath = os.path.join(directory, f"{name}.json")
         mpath = os.path.join(directory, f"{name}.md")
-        with open(jpath, "w") as f:
-            json.dump({**meta, "rows": self.rows}, f, indent=1)
+        rec = write_record(jpath, {"copy_bandwidth_gbs": self.copy_gbs, "rows": self.rows}, echo=False)
         with open(mpath, "w") as f:
             f.write(f"# {name}\n\n")
-            f.write(f"- command: `{meta['command']}`\n- device: {json.dumps(meta['device'])}\n")
+            f.write(f"- command: `{rec['command']}`\n- device: {json.dumps(rec['device'])}\n"
+                    f"- commit: {rec['commit']}\n")
             if self.copy_gbs is not None:
                 f.write(f"- measured copy bandwidth: {self.copy_gbs:.0f} GB/s (read+write)\n")
             f.write("\n" + self.markdown())

@@ -111,7 +111,7 @@ def main():
     def summary(ms):  # the first step of each path captures / compiles; steady state is the rest
         return dict(median_ms=round(statistics.median(ms[1:] or ms), 3), min_ms=round(min(ms[1:] or ms), 3))
 
-    save_run("rtpllm_decode.json", "bench/rtpllm_decode.py", B=B, ctx=ctx, steps=steps,
+    save_run("rtpllm_decode.json", B=B, ctx=ctx, steps=steps,
              model="tiny" if tiny else "GLM-5 widths, 2 layers, 16 experts, vocab 32768, block-FP8",
              plugin_through_standin_rtp=dict(plugin, **summary(decode_ms)),
              fxglm5_runner=dict(decode_step_ms=[round(x, 2) for x in runner_ms], **summary(runner_ms)),

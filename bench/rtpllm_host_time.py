@@ -55,7 +55,7 @@ def main():
     args = [int(a) for a in sys.argv[1:3]]
     B, ctx = args if len(args) == 2 else (64, 2048)
     rows = [time_prepare(B, ctx, -(-MAX_POS // BLOCK)), time_prepare(B, ctx, -(-(ctx + 1) // BLOCK))]
-    save_run("rtpllm_host_time.json", "bench/rtpllm_host_time.py", B=B, ctx=ctx, torch_threads=torch.get_num_threads(),
+    save_run("rtpllm_host_time.json", B=B, ctx=ctx, torch_threads=torch.get_num_threads(),
              prepare_cuda_graph=rows)
 
 if __name__ == "__main__":
