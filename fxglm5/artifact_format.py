@@ -94,8 +94,8 @@ def read(path: Path) -> tuple[torch.export.ExportedProgram, Glm5Config, torch.dt
 
 
 def _check_members(path: Path, archive: zipfile.ZipFile) -> None:
-    """Refuse, unread, a member the format does not have (a pickle above all: the weights, constants and
-    sample inputs of a torch.export .pt2, fxglm5-artifact/1 included, are pickles or sit beside one)."""
+    """Refuse, before deserializing anything, a member the format does not have (a pickle above all: a
+    torch.export .pt2, fxglm5-artifact/1 included, holds its sample inputs as one)."""
     names = archive.namelist()
     foreign = [name for name in names if name not in MEMBERS]
     if foreign:
@@ -105,7 +105,7 @@ def _check_members(path: Path, archive: zipfile.ZipFile) -> None:
         raise CheckpointError(
             f"{path}: member {name} is {'a pickle' if pickles else 'not part of the format'}"
             + (" (a torch.export .pt2, as fxglm5-artifact/1 was: export it again)" if torch_pt2 else "")
-            + f"; {FORMAT} holds only {', '.join(MEMBERS)} and loading refuses anything else, unread")
+            + f"; {FORMAT} holds only {', '.join(MEMBERS)}, and loading refuses anything else undeserialized")
     for name in MEMBERS:
         if names.count(name) != 1:
             raise CheckpointError(f"{path}: not an fxglm5 artifact ({names.count(name)} members {name}, expected 1)")
