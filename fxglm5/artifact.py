@@ -1,14 +1,13 @@
-"""Front door: GLM-5 as one exported file (``torch.export`` .pt2), loaded and served without the model code's
-checkpoint loading, capture or matching.
+"""Front door: GLM-5 as one exported file, loaded and served without the model code's checkpoint loading,
+capture or matching.
 
 What the file holds is the device-independent half of the compile: the model captured and rewritten by the
 match and fuse stages into fxglm5's canonical ops (``fxglm5::sparse_mla``, ``fp8_linear``, ``moe_fp8`` ...),
-with its weights as they were loaded (block-FP8 stays FP8), re-exported with dynamic [batch, seq], plus a
-``fxglm5.json`` record (format, config, compute dtype, head, the passes run with their match counts and
-source hashes, versions). Loading runs the device-specific half, the cache and lower stages, for the device
-it serves on. The caches are not in the file: the paged graph takes them as inputs (``insert_paged_cache``).
-The cache stage is not exported because its ops write the caches in place, which ``torch.export`` would
-functionalize into a copy of every cache per step.
+with its weights as they were loaded (block-FP8 stays FP8), re-exported with dynamic [batch, seq]; the format,
+and what loading it trusts, are :mod:`fxglm5.artifact_format`'s. Loading runs the device-specific half, the
+cache and lower stages, for the device it serves on. The caches are not in the file: the paged graph takes
+them as inputs (``insert_paged_cache``). The cache stage is not exported because its ops write the caches in
+place, which ``torch.export`` would functionalize into a copy of every cache per step.
 
     fxglm5 export --model CKPT_DIR --out glm5.pt2
     fxglm5 generate --model glm5.pt2 --prompt-ids 1,2,3 --max-new-tokens 16
@@ -17,19 +16,20 @@ functionalize into a copy of every cache per step.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 from torch import fx
 
 import fxglm5
+from fxglm5 import artifact_format
+from fxglm5.artifact_format import CONSTANTS, FORMAT, MEMBERS, PROGRAM, RECORD, WEIGHTS
 from fxglm5.errors import CheckpointError
 from fxglm5.model.config import Glm5Config
 from fxglm5.runtime.compile import MAX_STEP_TOKENS, lower_paged
 
-FORMAT = "fxglm5-artifact/1"
-RECORD = "fxglm5.json"
+__all__ = ["Artifact", "export_artifact", "load_artifact", "check_out_path",
+           "FORMAT", "MEMBERS", "RECORD", "PROGRAM", "WEIGHTS", "CONSTANTS"]
 
 
 @dataclasses.dataclass
@@ -78,13 +78,14 @@ def _on_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
 
 def export_artifact(model, path: str | Path, *, head: str = "logits") -> Path:
     """Capture ``model`` (a Glm5ForCausalLM with its weights), run the match and fuse stages and save the
-    result to ``path`` (.pt2). ``head``: "logits", or "hidden" (final-norm hidden states, for engines that
-    apply the lm_head themselves)."""
+    result to ``path``. ``head``: "logits", or "hidden" (final-norm hidden states, for engines that apply the
+    lm_head themselves). A ``path`` whose directory is missing is refused before any of the work."""
     from fxglm5.capture import capture
     from fxglm5.capture.export import token_inputs
     from fxglm5.passes import PassContext, run_pipeline
     from fxglm5.passes.registry import passes_for
 
+    path = check_out_path(path)
     graph = capture(model, max_seq=MAX_STEP_TOKENS, head=head)
     results = run_pipeline(graph, PassContext(config=model.config, strict=True), stages=("match", "fuse"))
     example, dims = token_inputs(next(model.parameters()).device, 1024, MAX_STEP_TOKENS)
@@ -95,30 +96,25 @@ def export_artifact(model, path: str | Path, *, head: str = "logits") -> Path:
                   head=head, passes={r.name: dict(matches=r.num_matches, source_hash=hashes.get(r.name))
                                      for r in results},
                   versions=dict(fxglm5=fxglm5.__version__, torch=torch.__version__))
+    artifact_format.write(path, program, record)
+    return path
+
+
+def check_out_path(path: str | Path) -> Path:
+    """``path`` as an artifact to write: its directory must exist (checked before an export's minutes)."""
     path = Path(path)
-    torch.export.save(program, path, extra_files={RECORD: json.dumps(record, indent=1)})
+    if not path.parent.is_dir():
+        raise CheckpointError(f"{path}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, not an artifact file to write")
     return path
 
 
 def load_artifact(path: str | Path) -> Artifact:
-    """Read an artifact written by :func:`export_artifact`; CheckpointError naming the file if it is not one."""
+    """Read an artifact written by :func:`export_artifact`, running nothing from the file
+    (:mod:`fxglm5.artifact_format` says what it checks); CheckpointError naming the file (and the member,
+    field or tensor) if it is not one, holds anything beyond the format, or its record contradicts its program."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such artifact file")
-    extra = {RECORD: ""}
-    try:
-        program = torch.export.load(path, extra_files=extra)
-    except Exception as err:  # noqa: BLE001 - any unreadable file is reported as this file's problem
-        raise CheckpointError(f"{path}: not a torch.export archive ({type(err).__name__}: {str(err)[:200]})") from None
-    try:
-        record = json.loads(extra[RECORD] or "null")
-    except json.JSONDecodeError:
-        record = None
-    if not isinstance(record, dict) or record.get("format") != FORMAT:
-        found = record.get("format") if isinstance(record, dict) else None
-        raise CheckpointError(f"{path}: not an fxglm5 artifact ({RECORD}: format {found!r}, expected {FORMAT!r})")
-    config = Glm5Config.from_dict(record["config"], source=f"{path}:{RECORD}")
-    dtype = getattr(torch, str(record.get("dtype")), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"{path}: {RECORD} dtype {record.get('dtype')!r} is not a torch dtype")
-    return Artifact(program, config, dtype, record.get("head", "logits"), record)
+    return Artifact(*artifact_format.read(path))

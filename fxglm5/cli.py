@@ -133,16 +133,17 @@ def _generate_cmd(args: argparse.Namespace) -> int:
 # ---- export -------------------------------------------------------------------------------------
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--out", required=True, help="artifact file to write (.pt2)")
+    p.add_argument("--out", required=True, help="artifact file to write (fxglm5-artifact/2 zip, e.g. glm5.pt2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="compute dtype")
     p.add_argument("--head", choices=["logits", "hidden"], default="logits",
                    help="logits, or the final-norm hidden states (engines that apply the lm_head themselves)")
 
 
 def _export(args: argparse.Namespace) -> int:
-    from fxglm5.artifact import export_artifact
+    from fxglm5.artifact import check_out_path, export_artifact
     from fxglm5.model.checkpoint import load_checkpoint
 
+    check_out_path(args.out)  # before the load and the export, not after
     model = load_checkpoint(args.model, dtype=args.dtype, device="cpu", progress=False)
     path = export_artifact(model, args.out, head=args.head)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): the matched and fused program, {args.dtype}, "
@@ -222,7 +223,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "make-tiny": Subcommand("write a random tiny GLM-5 checkpoint", _make_tiny_args, _make_tiny),
     "quantize": Subcommand("quantize a bf16 checkpoint to GLM-5-FP8 block-FP8", _quantize_args, _quantize),
     "generate": Subcommand("greedy generation from token ids (paged KV cache, or --backend reference)", _generate_args, _generate_cmd),
-    "export": Subcommand("export a checkpoint as one artifact file (torch.export .pt2 of the compiled program)",
+    "export": Subcommand("export a checkpoint as one artifact file (compiled program + safetensors weights)",
                          _export_args, _export),
     "demo": Subcommand("make the tiny FP8 checkpoint (cached) and generate from it", _demo_args, _demo),
     "inspect": Subcommand("print the pass pipeline: matches and time per pass, op histogram before/after", _inspect_args, _inspect),

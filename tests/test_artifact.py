@@ -1,15 +1,19 @@
-"""The exported-artifact front door: a checkpoint exported once (the matched and fused program, torch.export
-.pt2 with its weights) and served from the file alone gives the tokens and hidden states of the model it came
-from; the cache and lower stages run at load with the same matches; a file that is not an artifact is refused
-by name; the CLI exports and generates from it."""
+"""The exported-artifact front door: a checkpoint exported once (the matched and fused program with its
+weights) and served from the file alone gives the tokens and hidden states of the model it came from; the
+cache and lower stages run at load with the same matches; a file that is not an artifact is refused by name;
+the CLI exports and generates from it. Loading runs nothing from the file: a planted payload (a pickle, or
+Python hidden in the program) is refused before it could run, and a record that contradicts its program is
+refused by field."""
 
+import io
 import json
+import logging
 import zipfile
 
 import pytest
 import torch
 
-from fxglm5.artifact import FORMAT, RECORD, export_artifact, load_artifact
+from fxglm5.artifact import CONSTANTS, FORMAT, MEMBERS, PROGRAM, RECORD, WEIGHTS, export_artifact, load_artifact
 from fxglm5.cli import main
 from fxglm5.errors import CheckpointError
 from fxglm5.model.checkpoint import load_checkpoint
@@ -34,7 +38,37 @@ def artifact_path(model, tmp_path_factory):
     return export_artifact(model, tmp_path_factory.mktemp("art") / "tiny.pt2")
 
 
+def rewrite(src, dst, *, record=None, program=None, extra=()):
+    """A copy of the artifact ``src`` with its record and program edited in place (``record(dict)``,
+    ``program(dict)``) and ``extra`` (name, bytes) members added."""
+    with zipfile.ZipFile(src) as old, zipfile.ZipFile(dst, "w") as new:
+        for name in old.namelist():
+            data = old.read(name)
+            edit = {RECORD: record, PROGRAM: program}.get(name)
+            if edit is not None:
+                doc = json.loads(data)
+                edit(doc)
+                data = json.dumps(doc)
+            new.writestr(name, data)
+        for name, data in extra:
+            new.writestr(name, data)
+    return dst
+
+
+class Payload:
+    """Unpickling this creates the file ``marker`` (what a planted payload would do, harmlessly)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
 def test_an_artifact_generates_the_tokens_of_its_checkpoint(model, artifact_path):
+    with zipfile.ZipFile(artifact_path) as archive:  # the format's four members, none of them a pickle
+        assert archive.namelist() == list(MEMBERS)
+        assert all(archive.read(name)[:1] != b"\x80" for name in MEMBERS)
     art = load_artifact(artifact_path)
     assert art.config == model.config and art.dtype == torch.float32 and art.head == "logits"
     assert art.record["passes"]["match_sparse_mla"]["matches"] == 4  # what ran before the export
@@ -70,18 +104,165 @@ def test_files_that_are_not_artifacts_are_refused_by_name(tmp_path, artifact_pat
         load_artifact(tmp_path / "missing.pt2")
     junk = tmp_path / "junk.pt2"
     junk.write_bytes(b"not a zip")
-    with pytest.raises(CheckpointError, match="junk.pt2: not a torch.export archive"):
+    with pytest.raises(CheckpointError, match="junk.pt2: not an fxglm5 artifact .truncated, or not a zip"):
         load_artifact(junk)
-    # a genuine .pt2 whose fxglm5 record says another format
-    other = tmp_path / "other.pt2"
-    with zipfile.ZipFile(artifact_path) as src, zipfile.ZipFile(other, "w") as dst:
-        for item in src.infolist():
-            data = src.read(item.filename)
-            if item.filename.endswith(RECORD):
-                data = json.dumps(dict(json.loads(data), format="something-else/9")).encode()
-            dst.writestr(item, data)
+    # a genuine artifact whose fxglm5 record says another format
+    other = rewrite(artifact_path, tmp_path / "other.pt2", record=lambda r: r.update(format="something-else/9"))
     with pytest.raises(CheckpointError, match=f"other.pt2: not an fxglm5 artifact.*{FORMAT}"):
         load_artifact(other)
+
+
+def test_a_torch_export_pt2_with_a_pickled_payload_is_refused_unread(tmp_path, artifact_path):
+    """fxglm5-artifact/1 was a torch.export .pt2: torch.export.load unpickles its sample inputs (falling back
+    to weights_only=False), so a payload there ran before any check. Refused by name; the payload never runs."""
+    marker = tmp_path / "marker"
+    with zipfile.ZipFile(artifact_path) as archive:
+        record = dict(json.loads(archive.read(RECORD)), format="fxglm5-artifact/1")
+    program = torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))
+    classic = tmp_path / "classic.pt2"
+    torch.export.save(program, classic, extra_files={RECORD: json.dumps(record)})
+    planted = tmp_path / "planted.pt2"
+    with zipfile.ZipFile(classic) as old, zipfile.ZipFile(planted, "w") as new:
+        for name in old.namelist():
+            payload = io.BytesIO()
+            torch.save(Payload(marker), payload)
+            new.writestr(name, payload.getvalue() if "sample_inputs" in name else old.read(name))
+    with pytest.raises(CheckpointError, match=r"planted.pt2: member \S*sample_inputs\S* is a pickle "
+                                              r"\(a torch.export .pt2, as fxglm5-artifact/1 was"):
+        load_artifact(planted)
+    assert not marker.exists()
+
+
+def test_a_pickled_member_beside_the_format_is_refused_unread(tmp_path, artifact_path):
+    import pickle
+
+    marker = tmp_path / "marker"
+    planted = rewrite(artifact_path, tmp_path / "planted.pt2", extra=[("payload.pkl", pickle.dumps(Payload(marker)))])
+    with pytest.raises(CheckpointError, match=f"planted.pt2: member payload.pkl is a pickle; {FORMAT} holds only"):
+        load_artifact(planted)
+    assert not marker.exists()
+
+
+def _first_size_expr(doc):
+    return next(size["as_expr"] for meta in doc["graph_module"]["graph"]["tensor_values"].values()
+                for size in meta["sizes"] if "as_expr" in size)
+
+
+def _first_parameter(doc):
+    return next(s["parameter"] for s in doc["graph_module"]["signature"]["input_specs"] if "parameter" in s)
+
+
+def _code(marker):
+    return f"__import__('pathlib').Path({str(marker)!r}).touch()"
+
+
+# Places in program.json that torch's deserializer or ExportedProgram.module() evaluate as Python. The first
+# ran its payload before this check existed (sympify evals size expressions); each is refused before
+# deserializing.
+PROGRAM_PAYLOADS = {
+    "size expression": (lambda doc, m: _first_size_expr(doc).update(expr_str=_code(m)), "size expression"),
+    "guards code": (lambda doc, m: doc.update(guards_code=[f"L['input_ids'].size()[0] > 0 and {_code(m)}"]),
+                    "holds guards_code"),
+    "op target": (lambda doc, m: doc["graph_module"]["graph"]["nodes"][0].update(target="torch.os.system"),
+                  "calls 'torch.os.system', not a registered aten or fxglm5 op"),
+    "parameter path": (lambda doc, m: _first_parameter(doc).update(parameter_name=f'x"), {_code(m)}, ("'),
+                       "parameter_name .* is not an identifier"),
+}
+
+
+@pytest.mark.parametrize("where", PROGRAM_PAYLOADS)
+def test_python_planted_in_the_program_is_refused_before_deserializing(tmp_path, artifact_path, where):
+    plant, message = PROGRAM_PAYLOADS[where]
+    marker = tmp_path / "marker"
+    planted = rewrite(artifact_path, tmp_path / "planted.pt2", program=lambda doc: plant(doc, marker))
+    with pytest.raises(CheckpointError, match=f"planted.pt2: {PROGRAM} {message}.*loading evaluates no Python"):
+        load_artifact(planted)
+    assert not marker.exists()
+
+
+def _drop_last_layer(config):
+    config.update(num_hidden_layers=3, mlp_layer_types=config["mlp_layer_types"][:3],
+                  indexer_types=config["indexer_types"][:3])
+
+
+CONTRADICTIONS = {  # field: (edit of the record, what the message says)
+    "vocab_size": (lambda r: r["config"].update(vocab_size=1024), "vocab_size 1024; its program has 512"),
+    "num_hidden_layers": (lambda r: _drop_last_layer(r["config"]), "num_hidden_layers 3; its program has 4"),
+    "dtype": (lambda r: r.update(dtype="bfloat16"), "dtype torch.bfloat16; its program has torch.float32"),
+    "index_topk": (lambda r: r["config"].update(index_topk=16), "index_topk 16; its program has 8"),
+    "rms_norm_eps": (lambda r: r["config"].update(rms_norm_eps=1e-6), "rms_norm_eps 1e-06; its program has 1e-05"),
+    "head": (lambda r: r.update(head="hidden"), "head hidden; its program has logits"),
+}
+
+
+@pytest.mark.parametrize("field", CONTRADICTIONS)
+def test_a_record_that_contradicts_its_program_is_refused_by_field(tmp_path, artifact_path, field):
+    edit, message = CONTRADICTIONS[field]
+    with pytest.raises(CheckpointError, match=f"lying.pt2: {RECORD} says {message}"):
+        load_artifact(rewrite(artifact_path, tmp_path / "lying.pt2", record=edit))
+
+
+def test_a_record_without_config_is_refused_by_name(tmp_path, artifact_path):
+    with pytest.raises(CheckpointError, match=f"bare.pt2: {RECORD} has no config"):
+        load_artifact(rewrite(artifact_path, tmp_path / "bare.pt2", record=lambda r: r.pop("config")))
+
+
+def test_a_tensor_that_does_not_fit_its_program_is_refused_by_name(tmp_path, artifact_path):
+    from safetensors.torch import load, save
+
+    with zipfile.ZipFile(artifact_path) as archive:
+        weights = load(archive.read(WEIGHTS))
+    weights["model.norm.weight"] = weights["model.norm.weight"][:-1].clone()
+    bad = tmp_path / "bad.pt2"
+    with zipfile.ZipFile(artifact_path) as old, zipfile.ZipFile(bad, "w") as new:
+        for name in old.namelist():
+            new.writestr(name, save(weights) if name == WEIGHTS else old.read(name))
+    with pytest.raises(CheckpointError, match=r"bad.pt2: tensor model.norm.weight is torch.float32 \(255,\); "
+                                              r"the program takes torch.float32 \(256,\)"):
+        load_artifact(bad)
+
+
+def test_a_truncated_artifact_is_one_error_line_and_no_logged_traceback(tmp_path, artifact_path, capsys, caplog):
+    cut = tmp_path / "cut.pt2"
+    cut.write_bytes(artifact_path.read_bytes()[: artifact_path.stat().st_size // 2])
+    caplog.set_level(logging.DEBUG)
+    assert main(["generate", "--model", str(cut), "--prompt-ids", "1,2", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fxglm5: error: {cut}: not an fxglm5 artifact (truncated") and err.count("\n") == 1
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_export_into_a_missing_directory_fails_before_any_work(ckpt, model, tmp_path, monkeypatch, capsys):
+    import fxglm5.capture
+    import fxglm5.model.checkpoint
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the export started before its output directory was checked")
+
+    monkeypatch.setattr(fxglm5.model.checkpoint, "load_checkpoint", must_not_run)
+    monkeypatch.setattr(fxglm5.capture, "capture", must_not_run)
+    out = tmp_path / "missing" / "x.pt2"
+    assert main(["export", "--model", str(ckpt), "--out", str(out)]) == 2
+    assert f"{out}: directory {out.parent} does not exist" in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="does not exist"):
+        export_artifact(model, out)
+
+
+def test_tensors_are_stored_plain_whatever_their_layout():
+    """safetensors stores no strides and refuses shared storage: views, transposes and aliases are stored
+    as their own contiguous tensors, FP8 as FP8."""
+    from pathlib import Path
+
+    from safetensors.torch import load, save
+
+    from fxglm5.artifact_format import _plain
+
+    base = torch.randn(4, 6)
+    tensors = dict(weight=base, alias=base, transposed=base.t(), row=base[1], fp8=base.to(torch.float8_e4m3fn))
+    stored = load(save(_plain(Path("x"), tensors)))
+    assert all(torch.equal(stored[k].float(), v.float()) and stored[k].dtype == v.dtype for k, v in tensors.items())
+    with pytest.raises(CheckpointError, match="x: blob is object, not a plain tensor"):  # e.g. a ScriptObject
+        _plain(Path("x"), dict(blob=object()))
 
 
 def test_cli_exports_and_generates_from_the_artifact(ckpt, tmp_path, capsys):
