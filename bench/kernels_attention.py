@@ -2,7 +2,8 @@
 
 Every row: kernel, shape, us (CUDA-graph replay, median), TB/s or TFLOPS, % of the copy bandwidth measured in
 this run, and a torch baseline measured in this run (gathered rows + scaled_dot_product_attention for MLA /
-sparse MLA, torch.topk for the top-k, torch gather + einsum for the indexer logits). Decode caches are larger
+sparse MLA, torch.topk for the top-k, torch gather + einsum for the indexer logits); the reference ops' top-k
+(the tie rule's stable sort) has its own row. Decode caches are larger
 than L2 (60 MB): every request owns its own blocks (a random permutation), and small-batch rows rotate over
 many requests inside one graph so each captured call reads different memory.
 
@@ -25,6 +26,7 @@ from bench.harness import (  # noqa: E402
     Results, capture_graph, copy_bandwidth_gbs, events_us, kernel_times, rotating, time_graph_us,
 )
 from fxglm5.lowering.reference import paged as ref  # noqa: E402
+from fxglm5.lowering.reference.attention import topk_lowest_index_ties  # noqa: E402
 
 H, R, DR, D = 64, 512, 64, 576
 BS = 64
@@ -390,6 +392,10 @@ def bench_indexer(results):
             _row(results, "radix_topk", f"B={B} L={L} topk={TOPK}", us_t,
                  torch_us=_time_torch(lambda: torch.topk(logits, TOPK, dim=1)) if method == default else None,
                  note=method + (" (default)" if method == default else ""))
+        ref_us = _time_torch(lambda: topk_lowest_index_ties(logits, TOPK))
+        if ref_us is not None:  # the torch reference's tie rule, beside torch.topk (the radix_topk rows' baseline)
+            _row(results, "reference topk (tie rule)", f"B={B} L={L} topk={TOPK}", ref_us,
+                 note="fxglm5.lowering.reference.attention.topk_lowest_index_ties: a stable descending sort")
         us_a = time_graph_us(run_all, calls_per_graph=ncalls)
         _row(results, "indexer_topk (logits+topk)", shape, us_a, bytes_=kbytes,
              torch_us=_time_torch(lambda: (run_logits(), torch.topk(logits, TOPK, dim=1))),

@@ -16,8 +16,8 @@ from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.tiny import tiny_state
 from fxglm5.runtime.runner import Runner
 
-# 16 indexer heads: with only a few, relu leaves many keys at a score of exactly 0 and top-k's order among
-# those ties is unspecified, so two correct implementations may keep different keys.
+# 16 indexer heads keep most scores distinct; "ties" has 2, so relu leaves many keys at a score of exactly 0
+# and the tie rule (the lower position wins) decides which of them the paged runtime and the model keep.
 _SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=2,
               q_lora_rank=64, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=16,
               max_position_embeddings=256, quantization_config=None, mlp_layer_types=None, indexer_types=None)
@@ -27,6 +27,8 @@ CONFIGS = {
     # FP8 comparison: dense MLPs and a wider top-k, because on random weights a flipped discrete choice
     # (an expert, a boundary key under a diffuse softmax) moves logits far more than trained models do
     "fp8": dict(num_hidden_layers=2, first_k_dense_replace=2, index_topk=24, **_SMALL),
+    # 2 indexer heads: many keys tie at a score of 0.0 (tests/test_dsa_tie_rule.py)
+    "ties": dict(num_hidden_layers=2, first_k_dense_replace=2, index_topk=8, **{**_SMALL, "index_n_heads": 2}),
     # tiny positions limit, for the error tests
     "short": dict(num_hidden_layers=1, first_k_dense_replace=1, index_topk=8, **{**_SMALL, "max_position_embeddings": 24}),
 }

@@ -165,18 +165,19 @@ def test_match_sparse_mla_property(p):
     gm, matches = run_pass("match_sparse_mla", module, args, cfg)
     ops = op_histogram(gm)
     assert matches == 1 + p["shared"] and ops.get("fxglm5.sparse_mla") == matches
-    assert ops.get("fxglm5.indexer_topk") == 1 and "aten.topk" not in ops and "aten.softmax" not in ops
+    assert ops.get("fxglm5.indexer_topk") == 1 and "aten.sort" not in ops and "aten.softmax" not in ops
     # float32: exact selection; bf16: the fused op's fp32 math may break a bf16 near-tie differently.
     if p["dtype"] == torch.float32:
         _check_equal(gm, module, args, 1e-4)
 
 
-class BottomKIndexer(nn.Module):
-    """Near-miss: the DSA selection taken with largest=False (a different top-k)."""
+class OtherSortIndexer(nn.Module):
+    """Near-misses of the DSA selection: the first k of an ascending sort (the bottom k), or of an unstable sort
+    (ties in any order: not the tie rule of ``indexer_topk``)."""
 
-    def __init__(self, indexer):
+    def __init__(self, indexer, descending, stable):
         super().__init__()
-        self.inner = indexer
+        self.inner, self.descending, self.stable = indexer, descending, stable
 
     def forward(self, x, q_latent, cos, sin, causal):
         idx = self.inner
@@ -187,18 +188,18 @@ class BottomKIndexer(nn.Module):
                   * (idx.weights_proj(x.float()) * idx.n_heads**-0.5)[..., None]).sum(dim=2)
         scores = scores.masked_fill(~causal, float("-inf"))
         padded = torch.cat([scores, scores.new_full((bsz, seq, idx.topk), float("-inf"))], dim=-1)
-        chosen = padded.topk(idx.topk, dim=-1, largest=False).indices
+        chosen = padded.sort(dim=-1, descending=self.descending, stable=self.stable).indices[..., :idx.topk]
         return torch.zeros_like(padded, dtype=torch.bool).scatter(-1, chosen, True)[..., :seq]
 
 
-@given(sparse_shapes)
-def test_match_sparse_mla_leaves_other_topk(p):
+@given(sparse_shapes, st.sampled_from([(False, True), (True, False)]))
+def test_match_sparse_mla_leaves_other_topk(p, order):
     cfg = small_cfg(p)
     module = randomize_(AttentionLayer(cfg, torch.float32))
-    module.attn.indexer = BottomKIndexer(module.attn.indexer)
+    module.attn.indexer = OtherSortIndexer(module.attn.indexer, *order)
     args = _layer_inputs({**p, "dtype": torch.float32}, cfg)
     gm, matches = run_pass("match_sparse_mla", module, args, cfg)
-    assert matches == 0 and "aten.topk" in op_histogram(gm)
+    assert matches == 0 and "aten.sort" in op_histogram(gm)
     _check_equal(gm, module, args, 1e-6)
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fxglm5.lowering.reference.attention import topk_lowest_index_ties
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layers import Linear, RMSNorm, apply_rope_interleaved
 
@@ -46,9 +47,10 @@ class Indexer(nn.Module):
         scores = (F.relu(logits) * weights[..., None]).sum(dim=2)
         scores = scores.masked_fill(~causal, float("-inf"))
         # Pad with topk -inf columns so a fixed k works for any length (a shorter causal window selects
-        # all of it); the padded and non-causal picks are removed again by the causal mask.
+        # all of it); the padded and non-causal picks are removed again by the causal mask. Among equal
+        # scores the lower position wins, as on every other path of the indexer.
         padded = torch.cat([scores, scores.new_full((bsz, seq, self.topk), float("-inf"))], dim=-1)
-        chosen = padded.topk(self.topk, dim=-1).indices
+        chosen = topk_lowest_index_ties(padded, self.topk)[1]
         selected = torch.zeros_like(padded, dtype=torch.bool).scatter(-1, chosen, True)
         return selected[..., :seq]
 

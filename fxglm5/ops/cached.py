@@ -14,7 +14,8 @@ Forward-context arguments (shared by every op; see ``fxglm5.runtime.forward_cont
 Signatures (q/k/kv tensors have leading dims [N, S] with N * S = T; the graph uses N = 1):
 - ``rtp_indexer(q [N,S,HI,D], k [N,S,D], weights f32 [N,S,HI], topk, index_cache, slot_mapping,
   block_table, req_idx, positions, max_positions) -> int32 [N,S,topk]``: writes k, then each token's top-k
-  cached positions (0..positions[t]) by score sum_h weights * relu(q . k); -1 pads a shorter window.
+  cached positions (0..positions[t]) by score sum_h weights * relu(q . k), the lower position first among
+  equal scores (as ``fxglm5::indexer_topk``); -1 pads a shorter window.
 - ``rtp_sparse_mla(q_nope [N,S,H,dn], q_pe [N,S,H,dr], kv_c [N,S,R], k_pe [N,S,dr], w_uk [H,dn,R],
   w_uv [H,dv,R], topk_pos int32 [N,S,K], scale, kv_cache, slot_mapping, block_table, req_idx, positions,
   max_positions) -> [N,S,H,dv]``: writes rows ``[kv_c | k_pe]``, then absorbed attention
@@ -54,6 +55,7 @@ from torch import Tensor
 
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged
+from fxglm5.lowering.reference.attention import topk_lowest_index_ties
 
 _state = threading.local()
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -127,7 +129,8 @@ def check_context(cache: Tensor, slot_mapping, block_table, req_idx, positions, 
 # indexer
 # ---------------------------------------------------------------------------------------------------------
 def _compute_index_topk(q, weights, cache, block_table, req_idx, positions, topk):
-    """Exact (unquantized) indexer over a compute-dtype key cache [blocks, bs, 128] -> int32 [T, topk]."""
+    """Exact (unquantized) indexer over a compute-dtype key cache [blocks, bs, 128] -> int32 [T, topk], the
+    lower position first among equal scores (the rule of every indexer path)."""
     T, bs = q.shape[0], cache.shape[1]
     out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
     for t in range(T):
@@ -137,7 +140,7 @@ def _compute_index_topk(q, weights, cache, block_table, req_idx, positions, topk
         keys = cache.view(-1, cache.shape[-1])[slots].float()
         score = (torch.relu(q[t].float() @ keys.t()) * weights[t].float()[:, None]).sum(0)
         k = min(topk, n)
-        out[t, :k] = torch.topk(score, k).indices.to(torch.int32)
+        out[t, :k] = topk_lowest_index_ties(score, k)[1].to(torch.int32)
     return out
 
 

@@ -18,6 +18,10 @@ Signatures (B = batch, S = sequence, H = heads, R = kv_lora_rank, dn/dr/dv = nop
   scale) -> [B,S,H,dv]``: causal multi-head latent attention in the absorbed form (RoPE already applied).
 - ``indexer_topk(q [B,S,HI,D], k [B,S,D], weights f32 [B,S,HI], topk) -> int32 [B,S,topk]``: the DSA
   lightning indexer, score = sum_h weights * relu(q . k) with every scale folded into weights; -1 pads.
+  Tie rule, for every implementation (reference, cached ops, kernels, sharded ranks): among equal scores
+  (``-0.0 == 0.0``) the lower token position wins, so every path selects the same set. The selection is a
+  set (sparse attention does not depend on its order): the reference lists it by descending score, then
+  position; kernels may list it in any order.
 - ``sparse_mla(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_indices int32 [B,S,K], scale) -> [B,S,H,dv]``:
   ``mla`` restricted to the selected keys.
 - ``rms_norm(x [..., D], weight [D], eps) -> [..., D]``: RMSNorm in x's dtype (float32 statistics).

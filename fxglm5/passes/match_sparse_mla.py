@@ -2,8 +2,9 @@
 ``fxglm5::indexer_topk`` + ``fxglm5::sparse_mla``.
 
 The generic model scores keys with the lightning indexer, takes a fixed-k top-k over the causal scores
-(padded with -inf so any length works), scatters it into a boolean selection and masks the attention
-with ``causal & selection``. This pass replaces the indexer math by one ``indexer_topk`` (every scale
+(padded with -inf so any length works; the first k of a stable descending sort, so that the lower position
+wins among equal scores, as ``indexer_topk`` defines), scatters it into a boolean selection and masks the
+attention with ``causal & selection``. This pass replaces the indexer math by one ``indexer_topk`` (every scale
 folded into its per-head weights) and the attention by ``sparse_mla`` over the chosen keys. A "shared"
 layer that reuses an earlier selection reuses that layer's ``indexer_topk`` node.
 """
@@ -38,7 +39,7 @@ def _split_allowed(allowed) -> fx.Node | None:
 
 
 def _match_indexer(selection) -> tuple | None:
-    """(topk node, q, k, weights, index scale, k) for the selection built from a DSA top-k, else None."""
+    """(sort node, q, k, weights, index scale, k) for the selection built from a DSA top-k, else None."""
     if not is_op(selection, aten.slice.Tensor) or selection.args[1] not in (2, -1):
         return None
     if len(selection.args) > 2 and selection.args[2] not in (None, 0):
@@ -48,15 +49,20 @@ def _match_indexer(selection) -> tuple | None:
         return None
     if not is_op(scatter.args[0], aten.zeros_like.default):
         return None
-    topk = getitem_of(scatter.args[2], 1)
-    if not is_op(topk, aten.topk.default):
+    first_k = scatter.args[2]
+    if not is_op(first_k, aten.slice.Tensor) or first_k.args[1] not in (-1, 2) or len(first_k.args) != 4:
         return None
-    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
-    largest = topk.args[3] if len(topk.args) > 3 else topk.kwargs.get("largest", True)
-    k = topk.args[1]
-    if dim not in (-1, 2) or largest is not True or not isinstance(k, int):
+    if first_k.args[2] not in (None, 0) or not isinstance(first_k.args[3], int):
         return None
-    padded = topk.args[0]
+    k = first_k.args[3]
+    ranked = getitem_of(first_k.args[0], 1)  # topk_lowest_index_ties: sort(stable, descending)[1][..., :k]
+    if not is_op(ranked, aten.sort.stable) or len(ranked.args) != 1:
+        return None
+    if ranked.kwargs.get("stable") is not True or ranked.kwargs.get("descending") is not True:
+        return None
+    if ranked.kwargs.get("dim", -1) not in (-1, 2):
+        return None
+    padded = ranked.args[0]
     if scatter.args[0].args[0] is not padded or not is_op(padded, aten.cat.default) or len(padded.args[0]) != 2:
         return None
     scores, pad = padded.args[0]
@@ -86,7 +92,7 @@ def _match_indexer(selection) -> tuple | None:
     q, key = logits.args[1]
     if len(shape_of(q)) != 4 or len(shape_of(key)) != 3:
         return None
-    return topk, through_casts(q), through_casts(key), w_unsq.args[0], scale, k
+    return ranked, through_casts(q), through_casts(key), w_unsq.args[0], scale, k
 
 
 @register_pass("match", expected=expected_sparse_layers)
@@ -105,11 +111,11 @@ def match_sparse_mla(gm: fx.GraphModule, ctx) -> PassOutcome:
             found = _match_indexer(selection)
             if found is None:
                 continue
-            topk, q, key, weights, scale, k = found
-            scaled_w = insert_call(gm, topk, aten.mul.Tensor, (weights, scale))
+            ranked, q, key, weights, scale, k = found
+            scaled_w = insert_call(gm, ranked, aten.mul.Tensor, (weights, scale))
             scaled_w.meta["val"] = fake_call(aten.mul.Tensor, weights, scale)
             args = (q, key, scaled_w, k)
-            indices_for[selection] = insert_call(gm, topk, topk_op, args, fake_call(topk_op, *args))
+            indices_for[selection] = insert_call(gm, ranked, topk_op, args, fake_call(topk_op, *args))
         weights_uk_uv = absorbed_weights(gm, match, match.output)
         if weights_uk_uv is None:
             continue

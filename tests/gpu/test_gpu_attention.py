@@ -398,6 +398,74 @@ def test_topk_exact_indices_at_glm5_shape(method):
         assert (o[t, k:] == -1).all()
 
 
+def _signed_zeros(rows, n):
+    """Zero scores, every other one -0.0 (an equal score)."""
+    z = torch.zeros(rows, n, device="cuda")
+    z[:, 1::2] = -0.0
+    return z
+
+
+@pytest.mark.parametrize("method", ["segments", "multi"])
+def test_topk_tie_rule_at_glm5_shape(method):
+    """The DSA tie rule (the lower position wins among equal scores) at GLM-5's shape, 64 rows x 32768, top-2048:
+    rows of zeros with +0.0 and -0.0 mixed (all tied: positions 0..2047), rows of zeros with a few hundred
+    positive scores (an indexer whose heads rarely fire: the threshold among the zeros), rows of six values with
+    -inf among them. The kernel selects exactly the reference rule's set, and the rule picks the same on the GPU
+    as on the CPU."""
+    from fxglm5.lowering.reference.attention import topk_lowest_index_ties
+    from fxglm5.lowering.triton import indexer
+
+    T, L = 64, 32768
+    g = torch.Generator(device="cuda").manual_seed(7)
+    few = torch.tensor([float("-inf"), -1.0, -0.0, 0.0, 0.5, 2.0], device="cuda")
+    x = few[torch.randint(0, len(few), (T, L), device="cuda", generator=g)]
+    x[:16] = _signed_zeros(16, L)
+    fire = torch.rand(16, L, device="cuda", generator=g) < 0.01
+    x[16:32] = torch.where(fire, torch.rand(16, L, device="cuda", generator=g) + 0.1, _signed_zeros(16, L))
+    pos = torch.randint(0, L, (T,), device="cuda", generator=g, dtype=torch.int32)
+    pos[::2] = L - 1
+    o = indexer.topk_from_logits(x, pos, TOPK, method=method)
+    for t in range(T):
+        n = int(pos[t]) + 1
+        k = min(TOPK, n)
+        want = topk_lowest_index_ties(x[t:t + 1, :n], k)[1][0]
+        assert torch.equal(want.cpu(), topk_lowest_index_ties(x[t:t + 1, :n].cpu(), k)[1][0]), t
+        assert torch.equal(o[t, :k].long().sort().values, want.sort().values), t
+        assert (o[t, k:] == -1).all(), t
+        if t < 16:
+            assert torch.equal(want, torch.arange(k, device="cuda")), t
+
+
+def test_indexer_tie_rule_at_glm5_shape():
+    """The composed FP8 indexer (logits kernel + top-k) at 32 index heads, 32k context, top-2048: with q = 0 every
+    score is 0.0 (or -0.0, by the weights' signs), so the reference and the kernels select positions 0..2047; with
+    two heads firing, both negatively weighted, the keys where neither fires (about a quarter) tie at the top
+    score 0.0, and the kernels select exactly the rule's set over their own logits."""
+    from fxglm5.lowering.reference.attention import topk_lowest_index_ties
+    from fxglm5.lowering.triton import indexer
+
+    lens = [32768, 20000]
+    bt, nb = _mk_table(lens, seed=4)
+    kc = torch.zeros(nb, BS, 132, dtype=torch.uint8, device="cuda")
+    _fill(kc, bt, lens, kind="index", seed=4)
+    req = torch.tensor([0, 1, 0], device="cuda", dtype=torch.int32)
+    pos = torch.tensor([32767, 19999, 12000], device="cuda", dtype=torch.int32)
+    w = torch.randn(3, HI, device="cuda")
+    q = torch.zeros(3, HI, 128, device="cuda", dtype=torch.bfloat16)
+    for name, got in [("reference", ref.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK)),
+                      ("triton", indexer.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK))]:
+        assert torch.equal(got.long().sort(dim=1).values, torch.arange(TOPK, device="cuda").expand(3, -1)), name
+    q[:, :2] = torch.randn(3, 2, 128, device="cuda", dtype=torch.bfloat16)
+    w[:, :2] = -w[:, :2].abs()
+    logits = indexer.indexer_logits_paged(q, w, kc, bt, req, pos)
+    o = indexer.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK)
+    for t in range(3):
+        n = int(pos[t]) + 1
+        assert int((logits[t, :n] == 0).sum()) > TOPK and bool((logits[t, :n] <= 0).all()), t  # ties at the top
+        want = topk_lowest_index_ties(logits[t:t + 1, :n], TOPK)[1][0]
+        assert torch.equal(o[t].long().sort().values, want.sort().values), t
+
+
 def test_decode_kernels_capture_in_cuda_graph():
     from fxglm5.lowering.triton import indexer, mla, sparse_mla
 

@@ -43,6 +43,19 @@ def sparse_mla(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_indices, scale: float)
     return _latent_attention(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, allowed)
 
 
+def topk_lowest_index_ties(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DSA top-k rule: the ``k`` largest ``scores`` along the last dim -> (values, indices), by descending
+    score, and among equal scores (``-0.0 == 0.0``) the lower index first.
+
+    Every path of the indexer (the eager model, the reference ops, the kernels) selects this set: the score is a
+    weighted sum of ReLUs, so many keys tie at exactly 0.0 whenever few indexer heads fire, and torch.topk's choice
+    among ties is unspecified (it changes with the row length and the device). A stable descending sort is the
+    rule itself, deterministic on every device, one captured op (``aten.sort.stable``, which match_sparse_mla
+    recognises); ``k`` must not exceed the last dim."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def indexer_scores(q, k, weights) -> torch.Tensor:
     """score[b, s, t] = sum_h weights[b,s,h] * relu(q[b,s,h] . k[b,t]), -inf outside the causal window."""
     logits = torch.einsum("bshd,btd->bsht", q.float(), k.float())
@@ -53,11 +66,12 @@ def indexer_scores(q, k, weights) -> torch.Tensor:
 def indexer_topk(q, k, weights, topk: int) -> torch.Tensor:
     """DSA top-k: q [B,S,HI,D], k [B,S,D], weights [B,S,HI] (all scales folded in) -> int32 [B,S,topk].
 
-    Each query keeps its ``topk`` best causal keys; a causal window shorter than topk is taken whole and
-    the remaining slots are -1.
+    Each query keeps its ``topk`` best causal keys, the lower position first among equal scores
+    (:func:`topk_lowest_index_ties`), listed by descending score; a causal window shorter than topk is taken
+    whole and the remaining slots are -1.
     """
     scores = indexer_scores(q, k, weights)
     bsz, seq = scores.shape[:2]
     padded = torch.cat([scores, scores.new_full((bsz, seq, topk), float("-inf"))], dim=-1)
-    values, idx = padded.topk(topk, dim=-1)
+    values, idx = topk_lowest_index_ties(padded, topk)
     return torch.where(torch.isfinite(values), idx, -1).to(torch.int32)

@@ -34,6 +34,7 @@ import torch
 
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import norm_rope
+from fxglm5.lowering.reference.attention import topk_lowest_index_ties
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -550,7 +551,9 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
 
 def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk: int, *,
                        validate: bool = True) -> torch.Tensor:
-    """DSA lightning indexer -> int32 [T, topk] positions of the best scores (any order), -1 padded.
+    """DSA lightning indexer -> int32 [T, topk] positions of the best scores, -1 padded. Among equal scores
+    the lower position wins (:func:`~fxglm5.lowering.reference.attention.topk_lowest_index_ties`, which also
+    fixes this reference's order: descending score, then position; kernels may list the set in any order).
 
     q [T, HI, 128] is quantized per (token, head) to e4m3 with a power-of-two scale (the cache rule);
     score[t, s] = sum_h weights[t, h] * relu(q_deq[t, h] . k_deq[s]) for s in 0..positions[t].
@@ -563,7 +566,7 @@ def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, top
         return out
     logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions)
     k = min(topk, logits.shape[1])
-    idx = torch.topk(logits, k, dim=1).indices.to(torch.int32)
+    idx = topk_lowest_index_ties(logits, k)[1].to(torch.int32)
     n_valid = (positions.long() + 1).unsqueeze(1)
     col = torch.arange(k, device=q.device).unsqueeze(0)
     out[:, :k] = torch.where(col < n_valid, idx, torch.full_like(idx, -1))

@@ -1,8 +1,10 @@
 """Triton exact top-k over float32 score rows (the DSA indexer's selection), CUDA-graph safe.
 
-Selection works on the order-preserving uint32 image of the scores; output slots past
-``min(topk, positions[t] + 1)`` are -1; ties at the threshold go to the lowest indices. No host sync, no
-data-dependent shapes: every buffer is sized by the arguments.
+Selection works on the order-preserving uint32 image of the scores (-0.0 and +0.0 share one key); output slots
+past ``min(topk, positions[t] + 1)`` are -1. Tie rule (``fxglm5::indexer_topk``'s, on both paths): among equal
+scores the lower index wins, i.e. the selected set is that of
+:func:`fxglm5.lowering.reference.attention.topk_lowest_index_ties`; the order within it differs (below). No host
+sync, no data-dependent shapes: every buffer is sized by the arguments.
 
 - Rows up to 32768 ("segments"): a tournament. Each round cuts every row's list (the scores row, then the
   candidates the previous round kept, indices and keys side by side) into segments of 16384 entries; one CTA
@@ -43,8 +45,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def _float_key(x):
-    """float32 -> uint32 whose unsigned order is the float order."""
-    b = x.to(tl.int32, bitcast=True)
+    """float32 -> uint32 whose unsigned order is the float order; -0.0 maps to +0.0's key (equal scores tie, and
+    the indexer's sums of relu * weight give both zeros)."""
+    b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     return (b ^ ((b >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
 
 
