@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from fxglm5.cli import main
 from fxglm5.errors import CheckpointError, InputError
 from fxglm5.lowering.reference import fp8 as ref
-from fxglm5.model.checkpoint import CheckpointReader, load_checkpoint
+from fxglm5.model.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.generate import greedy_generate
 from fxglm5.model.st_files import scan_checkpoint
@@ -121,6 +121,22 @@ def test_odd_width_checkpoint_loads_and_matches_its_dequantized_source(odd, tmp_
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids), plain(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_odd_width_save_and_packed_dump_round_trip(odd, tmp_path):
+    """The stacked per-half scales split back into the per-expert tensors on save, and a raw state_dict
+    dump (the packed layout) loads as it was."""
+    model = load_checkpoint(odd[1], dtype=torch.bfloat16, progress=False)
+    save_checkpoint(model, tmp_path / "saved")
+    assert torch.equal(load_file(tmp_path / "saved" / "model.safetensors")["model.layers.2.mlp.experts.7.up_proj.weight_scale_inv"],
+                       _all_tensors(odd[1])["model.layers.2.mlp.experts.7.up_proj.weight_scale_inv"])
+    (tmp_path / "packed").mkdir()
+    model.config.save(tmp_path / "packed")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "packed" / "model.safetensors"))
+    for path in (tmp_path / "saved", tmp_path / "packed"):
+        again = dict(load_checkpoint(path, dtype=torch.bfloat16, progress=False).named_parameters())
+        for name, p in model.named_parameters():
+            assert torch.equal(again[name].view(torch.uint8), p.view(torch.uint8)), (path.name, name)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in matmul:RuntimeWarning")  # MoE padding rows (never stored)
