@@ -74,6 +74,21 @@ def test_fp8_linear_matches_reference(m, nk, act_quant, dtype, bias, seed):
     assert _rel(out, ref.fp8_linear(x, w, s, b, act_quant)) < _tol(dtype, act_quant)
 
 
+PARTIAL = st.integers(1, 400).filter(lambda v: v % 128)  # widths with a short last 128-block
+
+
+@given(m=st.integers(1, 70), n=PARTIAL, k=PARTIAL, act_quant=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       split=st.sampled_from([None, 1, 2, 3]), seed=st.integers(0, 2**16))
+def test_fp8_linear_partial_blocks(m, n, k, act_quant, dtype, split, seed):
+    """N and K tails (weight blocks and the activations' 1x128 groups cut short) in every regime: decode
+    (activations quantized in registers), medium (quantized by their own kernel), split-K."""
+    w, s = _weight(n, k, seed)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    out = fp8_gemm.fp8_linear(x, w, s, None, act_quant, config=None if split is None else dict(SPLIT_K=split))
+    assert out.shape == (m, n)
+    assert _rel(out, ref.fp8_linear(x, w, s, None, act_quant)) < _tol(dtype, act_quant)
+
+
 @pytest.mark.parametrize("fixup", [False, True])
 @pytest.mark.parametrize("split", [1, 2, 3])
 def test_fp8_linear_split_k(split, fixup):
@@ -151,8 +166,11 @@ def test_moe_route_reference_vs_transformers(e, top_k, n_group, topk_group):
 
 # ----------------------------------------------------------------------------------------- MoE
 def _moe_case(t, e, k, inter, h, seed, pad_ids=True):
+    """Routed experts; w13's scales are the gate's ceil(I/128) block rows, then the up half's."""
     g = torch.Generator().manual_seed(seed)
-    w13, s13 = _weight(2 * inter, h, seed, (e,))
+    gate, sg = _weight(inter, h, seed, (e,))
+    up, su = _weight(inter, h, seed + 2, (e,))
+    w13, s13 = torch.cat([gate, up], 1), torch.cat([sg, su], 1)
     w2, s2 = _weight(h, inter, seed + 1, (e,))
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
     if pad_ids:
@@ -172,9 +190,25 @@ def test_moe_fp8_matches_reference(t, e, k, inter, act_quant, dtype, fused_quant
     assert _rel(out, ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant)) < _tol(dtype, act_quant)
 
 
-def test_moe_reference_vs_naive_loop():
-    """Reference moe_fp8 against a plain per-token, per-slot loop over dequantized experts."""
-    t, e, k, inter, h = 6, 5, 3, 128, 256
+@given(t=st.integers(1, 24), e=st.integers(4, 16), k=st.integers(1, 4), inter=PARTIAL, h=PARTIAL,
+       act_quant=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), fused_quant=st.booleans(),
+       split2=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_moe_fp8_partial_blocks(t, e, k, inter, h, act_quant, dtype, fused_quant, split2, seed):
+    """I and H tails: gate and up halves with short blocks of their own, K tails of both GEMMs (the
+    intermediate's last 1x128 group cut short), an N tail of the down projection."""
+    ids, tw, w13, s13, w2, s2 = _moe_case(t, e, k, inter, h, seed)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
+    out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=dict(fused_quant=fused_quant, SPLIT2=split2))
+    assert out.shape == (t, h)
+    assert _rel(out, ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant)) < _tol(dtype, act_quant)
+
+
+@pytest.mark.parametrize("inter,h", [(128, 256), (24, 200), (200, 136)])
+def test_moe_reference_vs_naive_loop(inter, h):
+    """Reference moe_fp8 against a plain per-token, per-slot loop over dequantized experts, the gate and
+    the up half dequantized as the separate weights the checkpoint holds."""
+    t, e, k = 6, 5, 3
+    ib = -(-inter // 128)
     ids, tw, w13, s13, w2, s2 = _moe_case(t, e, k, inter, h, 7)
     x = torch.randn(t, h)
     for act_quant in (False, True):
@@ -185,8 +219,9 @@ def test_moe_reference_vs_naive_loop():
                 ex = int(ids[i, j])
                 if ex < 0:
                     continue
-                gu = xi @ ref.dequantize_block_fp8(w13[ex], s13[ex]).T
-                hm = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+                gate = xi @ ref.dequantize_block_fp8(w13[ex, :inter], s13[ex, :ib]).T
+                up = xi @ ref.dequantize_block_fp8(w13[ex, inter:], s13[ex, ib:]).T
+                hm = torch.nn.functional.silu(gate) * up
                 hm = ref.fake_quant_act_1x128(hm) if act_quant else hm
                 want[i] += tw[i, j] * (hm @ ref.dequantize_block_fp8(w2[ex], s2[ex]).T)[0]
         torch.testing.assert_close(ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant), want, rtol=1e-5, atol=1e-5)

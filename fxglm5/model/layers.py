@@ -33,6 +33,16 @@ def dequantize_weight(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torc
     return (weight.to(torch.float32) * scale).to(dtype)
 
 
+def dequantize_gate_up(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A stacked gate|up weight [.., 2I, K] whose halves are blocked on their own (scales
+    [.., 2 * ceil(I/128), kb], see ``fxglm5.model.layout.scale_shape``): each half dequantized as one
+    weight. When I is not a multiple of 128 a block never spans the gate / up boundary."""
+    *lead, two_i, k = weight.shape
+    halves = dequantize_weight(weight.reshape(*lead, 2, two_i // 2, k),
+                               scale_inv.reshape(*lead, 2, scale_inv.shape[-2] // 2, scale_inv.shape[-1]), dtype)
+    return halves.reshape(weight.shape)
+
+
 class Linear(nn.Module):
     """A bias-free linear layer, FP8 block-quantized (weight + weight_scale_inv) or plain."""
 

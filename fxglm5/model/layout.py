@@ -47,16 +47,25 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """float32 weight_scale_inv shape of an FP8 weight [.., N, K]: one entry per 128x128 block."""
+def scale_shape(shape: tuple[int, ...], halves: bool = False) -> tuple[int, ...]:
+    """float32 weight_scale_inv shape of an FP8 weight [.., N, K]: one entry per 128x128 block, the last
+    block of each dim short when N or K is not a multiple of 128: [.., ceil(N/128), ceil(K/128)].
+
+    ``halves``: a stacked gate|up weight [.., 2I, K] whose two halves are blocked on their own (the
+    per-expert gate_proj / up_proj scales one after the other): [.., 2 * ceil(I/128), ceil(K/128)]. The
+    same as the plain shape when I is a multiple of 128.
+    """
     *lead, n, k = shape
-    return (*lead, _cdiv(n, FP8_BLOCK), _cdiv(k, FP8_BLOCK))
+    rows = 2 * _cdiv(n // 2, FP8_BLOCK) if halves else _cdiv(n, FP8_BLOCK)
+    return (*lead, rows, _cdiv(k, FP8_BLOCK))
 
 
-def _weight(table: dict, name: str, shape: tuple[int, ...], fp8: bool, scale_name: str | None = None) -> None:
+def _weight(table: dict, name: str, shape: tuple[int, ...], fp8: bool, scale_name: str | None = None,
+            halves: bool = False) -> None:
     if fp8:
         table[name] = TensorSpec(shape, frozenset({FP8}), "fp8")
-        table[scale_name or name + SCALE_SUFFIX] = TensorSpec(scale_shape(shape), frozenset({torch.float32}), "scale")
+        spec = TensorSpec(scale_shape(shape, halves), frozenset({torch.float32}), "scale")
+        table[scale_name or name + SCALE_SUFFIX] = spec
     else:
         table[name] = TensorSpec(shape, HIGH_PRECISION, "hp")
 
@@ -95,7 +104,7 @@ def layer_tensors(cfg: Glm5Config, prefix: str, moe: bool, indexer: bool, packed
     _hp(t, m + "gate.weight", (e, h))
     _hp(t, m + "gate.e_score_correction_bias", (e,))
     if packed:
-        _weight(t, m + "experts.gate_up_proj", (e, 2 * i, h), fp8, m + "experts.gate_up_proj" + SCALE_SUFFIX)
+        _weight(t, m + "experts.gate_up_proj", (e, 2 * i, h), fp8, m + "experts.gate_up_proj" + SCALE_SUFFIX, halves=True)
         _weight(t, m + "experts.down_proj", (e, h, i), fp8, m + "experts.down_proj" + SCALE_SUFFIX)
     else:
         for j in range(e):
@@ -153,20 +162,14 @@ def is_packed_expert(name: str) -> bool:
 
 
 def check_fp8_layout(cfg: Glm5Config, source: str) -> None:
-    """Reject FP8 configs the stacked-expert model cannot hold exactly, and non-convertible module lists.
+    """Reject ``modules_to_not_convert`` lists naming a module GLM-5-FP8 stores in FP8.
 
-    Stacking gate|up of one expert into [2I, H] keeps the per-expert 128x128 blocks only when I is a
-    multiple of 128 (as in GLM-5, I = 2048); the same restriction holds in vLLM/SGLang block-FP8 MoE.
-    ``modules_to_not_convert`` may only name modules that are high precision anyway: this model has no
-    per-module switch. The ``...self_attn.indexers_proj`` quirk stands for ``indexer.weights_proj``.
+    They may only name modules that are high precision anyway: this model has no per-module switch. The
+    ``...self_attn.indexers_proj`` quirk stands for ``indexer.weights_proj``. Any width is fine: blocks at
+    an edge are short, and stacked experts keep each gate / up half's own blocks (``scale_shape``).
     """
     if not cfg.is_fp8:
         return
-    if cfg.moe_intermediate_size % FP8_BLOCK:
-        raise ConfigError(
-            f"{source}: config field 'moe_intermediate_size' ({cfg.moe_intermediate_size}) must be a multiple "
-            f"of {FP8_BLOCK} for block-FP8 experts"
-        )
     patterns = cfg.quantization_config.get("modules_to_not_convert") or []
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         raise ConfigError(f"{source}: config field 'quantization_config.modules_to_not_convert' must be a list of names")

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxglm5.model.config import Glm5Config
-from fxglm5.model.layers import BLOCK, FP8_DTYPE, MLP, ceil_div, dequantize_weight
+from fxglm5.model.layers import FP8_DTYPE, MLP, dequantize_gate_up, dequantize_weight
+from fxglm5.model.layout import scale_shape
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, cfg: Glm5Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +35,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor, cfg: Glm5Config) -> tuple[to
 
 
 class StackedExperts(nn.Module):
-    """Routed experts as stacked tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I] (+ block scales)."""
+    """Routed experts as stacked tensors: gate_up_proj [E, 2I, H], down_proj [E, H, I] (+ block scales;
+    gate_up_proj's are the per-expert gate_proj then up_proj scales, each half blocked on its own)."""
 
     def __init__(self, cfg: Glm5Config, dtype: torch.dtype, device=None):
         super().__init__()
@@ -45,18 +47,17 @@ class StackedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=wdtype, device=device), requires_grad=False)
         if self.fp8:
             self.gate_up_proj_scale_inv = nn.Parameter(
-                torch.empty(e, ceil_div(2 * i, BLOCK), ceil_div(h, BLOCK), dtype=torch.float32, device=device),
+                torch.empty(scale_shape((e, 2 * i, h), halves=True), dtype=torch.float32, device=device),
                 requires_grad=False,
             )
             self.down_proj_scale_inv = nn.Parameter(
-                torch.empty(e, ceil_div(h, BLOCK), ceil_div(i, BLOCK), dtype=torch.float32, device=device),
-                requires_grad=False,
+                torch.empty(scale_shape((e, h, i)), dtype=torch.float32, device=device), requires_grad=False
             )
 
     def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fp8:
             return (
-                dequantize_weight(self.gate_up_proj, self.gate_up_proj_scale_inv, dtype),
+                dequantize_gate_up(self.gate_up_proj, self.gate_up_proj_scale_inv, dtype),
                 dequantize_weight(self.down_proj, self.down_proj_scale_inv, dtype),
             )
         return self.gate_up_proj.to(dtype), self.down_proj.to(dtype)

@@ -12,8 +12,9 @@ Signatures (B = batch, S = sequence, H = heads, R = kv_lora_rank, dn/dr/dv = nop
 - ``moe_route(logits f32 [T, E], correction_bias f32 [E], top_k, n_group, topk_group, renormalize,
   scaling) -> (weights f32 [T, top_k], ids int32 [T, top_k])``: GLM-5's noaux_tc sigmoid router.
 - ``moe_fp8(x [T, Hd], ids [T, k], weights f32 [T, k], w13 [E, 2I, Hd], w13_scale?, w2 [E, Hd, I],
-  w2_scale?, act_quant) -> [T, Hd]``: routed SiLU-gated experts; w13/w2 are e4m3 with block scales, or
-  (scales None) plain weights in the compute dtype for bf16 checkpoints.
+  w2_scale?, act_quant) -> [T, Hd]``: routed SiLU-gated experts; w13/w2 are e4m3 with block scales (w13's
+  gate and up halves blocked on their own: [E, 2*ceil(I/128), ceil(Hd/128)]), or (scales None) plain
+  weights in the compute dtype for bf16 checkpoints.
 - ``mla(q_nope [B,S,H,dn], q_pe [B,S,H,dr], kv_c [B,S,R], k_pe [B,S,dr], w_uk [H,dn,R], w_uv [H,dv,R],
   scale) -> [B,S,H,dv]``: causal multi-head latent attention in the absorbed form (RoPE already applied).
 - ``indexer_topk(q [B,S,HI,D], k [B,S,D], weights f32 [B,S,HI], topk) -> int32 [B,S,topk]``: the DSA

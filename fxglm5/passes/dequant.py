@@ -2,13 +2,15 @@
 and match_*_mla, which fold kv_b_proj's dequantized weight into W_UK / W_UV).
 
 A candidate is any weight subgraph built only from casts, multiplies and view ops over exactly two
-constants: an e4m3 weight [.., N, K] and a float32 scale [.., ceil(N/128), ceil(K/128)]. Its meaning is
-then *checked*, not assumed: the subgraph is evaluated on probe values and must equal
-``dequantize_block_fp8`` exactly. A different block size, a transposed or doubled scale is rejected.
+constants: an e4m3 weight [.., N, K] and a float32 scale [.., ceil(N/128), ceil(K/128)] (``halves``: the
+MoE's stacked gate|up weight [.., 2I, K], each half blocked on its own, [.., 2 * ceil(I/128), ceil(K/128)]).
+Its meaning is then *checked*, not assumed: the subgraph is evaluated on probe values and must equal
+``dequantize_block_fp8`` (``dequantize_gate_up``) exactly. A different block size, a transposed or doubled
+scale, halves read as one weight (or the reverse, where I is not a multiple of 128) are rejected.
 Verdicts are cached per subgraph structure, so 78 identical layers cost one probe. Weights too large to
 probe (GLM-5's stacked experts: 6.4 G values) are accepted only if their structure, with sizes left out,
-is one already verified, e.g. that of the model's own ``dequantize_weight`` traced at a small size of
-the same rank and the same 128-divisibility.
+is one already verified, e.g. that of the model's own ``dequantize_weight`` (``dequantize_gate_up``)
+traced at a small size of the same rank and the same 128-divisibility.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import dataclasses
 import torch
 from torch import fx
 
-from fxglm5.lowering.reference.fp8 import dequantize_block_fp8
+from fxglm5.lowering.reference.fp8 import dequantize_block_fp8, dequantize_gate_up
+from fxglm5.model.layout import scale_shape
 from fxglm5.passes.graph_utils import aten, evaluate, leaves
 
 _DEQUANT_OPS = {
@@ -35,11 +38,6 @@ PROBE_LIMIT = 1 << 22  # elements (4 M: probing costs a full-size evaluation); l
 class Dequant:
     weight: fx.Node  # get_attr of the e4m3 weight
     scale: fx.Node  # get_attr of the float32 weight_scale_inv
-
-
-def _block_scale_shape(shape) -> tuple:
-    *lead, n, k = shape
-    return (*lead, -(-n // 128), -(-k // 128))
 
 
 def _structure_key(node: fx.Node, w: fx.Node, s: fx.Node, with_sizes: bool = True) -> tuple:
@@ -63,32 +61,36 @@ def _structure_key(node: fx.Node, w: fx.Node, s: fx.Node, with_sizes: bool = Tru
     return (tuple(order), tuple(w.meta["val"].shape) if with_sizes else len(w.meta["val"].shape))
 
 
-def _analogue_key(shape: tuple, out_dtype: torch.dtype) -> tuple | None:
-    """Size-free structure of the model's own dequantize_weight, traced and probe-verified at a small
-    shape with the same rank and the same divisibility by 128 as ``shape``."""
-    from fxglm5.model.layers import dequantize_weight
+def _analogue_key(shape: tuple, out_dtype: torch.dtype, halves: bool) -> tuple | None:
+    """Size-free structure of the model's own dequantize_weight (dequantize_gate_up), traced and
+    probe-verified at a small shape with the same rank and the same divisibility by 128 as ``shape``
+    (of each half's rows)."""
+    from fxglm5.model.layers import dequantize_gate_up, dequantize_weight
 
     *lead, n, k = shape
-    small = (*[2] * len(lead), 128 if n % 128 == 0 else 100, 256 if k % 128 == 0 else 200)
+    rows = n // 2 if halves else n
+    small_rows = 128 if rows % 128 == 0 else 100
+    small = (*[2] * len(lead), 2 * small_rows if halves else small_rows, 256 if k % 128 == 0 else 200)
+    dequantize = dequantize_gate_up if halves else dequantize_weight
 
     class Analogue(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.w = torch.nn.Parameter(torch.empty(small, dtype=torch.float8_e4m3fn), requires_grad=False)
-            self.s = torch.nn.Parameter(torch.ones(_block_scale_shape(small)), requires_grad=False)
+            self.s = torch.nn.Parameter(torch.ones(scale_shape(small, halves)), requires_grad=False)
 
         def forward(self, x):
-            return dequantize_weight(self.w, self.s, out_dtype) + x
+            return dequantize(self.w, self.s, out_dtype) + x
 
     gm = torch.export.export(Analogue(), (torch.zeros((), dtype=out_dtype),), strict=False).module()
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0].args[0]
     found = leaves(out, _DEQUANT_OPS | {aten._assert_tensor_metadata.default})
     w = next(n for n in found if n.meta["val"].dtype == torch.float8_e4m3fn)
     s = next(n for n in found if n.meta["val"].dtype == torch.float32)
-    return _structure_key(out, w, s, with_sizes=False) if _probe(out, w, s) else None
+    return _structure_key(out, w, s, with_sizes=False) if _probe(out, w, s, halves) else None
 
 
-def _probe(node: fx.Node, w: fx.Node, s: fx.Node) -> bool:
+def _probe(node: fx.Node, w: fx.Node, s: fx.Node, halves: bool) -> bool:
     gen = torch.Generator().manual_seed(0)
     wshape, sshape = tuple(w.meta["val"].shape), tuple(s.meta["val"].shape)
     w_probe = (torch.randn(wshape, generator=gen) * 64).to(torch.float8_e4m3fn)
@@ -97,12 +99,13 @@ def _probe(node: fx.Node, w: fx.Node, s: fx.Node) -> bool:
         got = evaluate(node, {w: w_probe, s: s_probe})
     except Exception:  # noqa: BLE001 - anything that does not evaluate is simply not a dequantization
         return False
-    want = dequantize_block_fp8(w_probe, s_probe).to(node.meta["val"].dtype)
+    want = (dequantize_gate_up if halves else dequantize_block_fp8)(w_probe, s_probe).to(node.meta["val"].dtype)
     return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)
 
 
-def match_dequant(node: fx.Node) -> Dequant | None:
-    """The (weight, scale) constants if ``node`` computes their block dequantization, else None."""
+def match_dequant(node: fx.Node, halves: bool = False) -> Dequant | None:
+    """The (weight, scale) constants if ``node`` computes their block dequantization (``halves``: that of
+    a stacked gate|up weight), else None."""
     if not isinstance(node, fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
         return None
     found = leaves(node, _DEQUANT_OPS)
@@ -110,20 +113,23 @@ def match_dequant(node: fx.Node) -> Dequant | None:
         return None
     by_dtype = {n.meta["val"].dtype: n for n in found if isinstance(n.meta.get("val"), torch.Tensor)}
     w, s = by_dtype.get(torch.float8_e4m3fn), by_dtype.get(torch.float32)
-    if w is None or s is None or tuple(s.meta["val"].shape) != _block_scale_shape(w.meta["val"].shape):
+    if w is None or s is None:
         return None
-    if tuple(node.meta["val"].shape) != tuple(w.meta["val"].shape):
+    wshape = tuple(w.meta["val"].shape)
+    if halves and (len(wshape) < 2 or wshape[-2] % 2):
         return None
-    key = _structure_key(node, w, s)
+    if tuple(s.meta["val"].shape) != scale_shape(wshape, halves) or tuple(node.meta["val"].shape) != wshape:
+        return None
+    key = (halves, _structure_key(node, w, s))
     if key not in _verdicts:
-        free = _structure_key(node, w, s, with_sizes=False)
+        free = (halves, _structure_key(node, w, s, with_sizes=False))
         if w.meta["val"].numel() <= PROBE_LIMIT:
-            _verdicts[key] = _probe(node, w, s)
+            _verdicts[key] = _probe(node, w, s, halves)
         else:
             if free not in _verified_shapes_free:
-                analogue = _analogue_key(tuple(w.meta["val"].shape), node.meta["val"].dtype)
+                analogue = _analogue_key(wshape, node.meta["val"].dtype, halves)
                 if analogue is not None:
-                    _verified_shapes_free.add(analogue)
+                    _verified_shapes_free.add((halves, analogue))
             _verdicts[key] = free in _verified_shapes_free
         if _verdicts[key]:
             _verified_shapes_free.add(free)

@@ -6,7 +6,8 @@ Recognised, from the expert sum outward:
            routing = zeros_like(logits).scatter(1, ids, w)
   experts: gu = einsum('th,eih->tei', x, W13); a = silu(gu[..:I]) * gu[I:]; y = einsum('tei,ehi->teh', a, W2)
            out = sum(y * routing[..., None], 1)
-with W13 / W2 either block-FP8 dequantizations (checked by probe, see dequant.py) or plain weights.
+with W13 / W2 either block-FP8 dequantizations (checked by probe, see dequant.py; W13's halves each blocked
+on their own) or plain weights.
 Group-limited routing (n_group > 1) is not matched: it stays generic (correct, not fused).
 """
 
@@ -62,9 +63,9 @@ def _match_router(routing) -> tuple | None:
     return sigmoid.args[0], bias, topk.args[1], renormalize, scaling
 
 
-def _expert_weight(node) -> tuple | None:
-    """(weight, scale | None) constants behind a stacked expert weight operand."""
-    deq = match_dequant(node)
+def _expert_weight(node, halves: bool) -> tuple | None:
+    """(weight, scale | None) constants behind a stacked expert weight operand (``halves``: gate|up)."""
+    deq = match_dequant(node, halves)
     if deq is not None:
         return deq.weight, deq.scale
     plain = plain_weight(node)
@@ -100,7 +101,7 @@ def _match_experts(total) -> tuple | None:
     if not is_op(gate_up, aten.einsum.default) or gate_up.args[0].replace(" ", "") != "th,eih->tei":
         return None
     x, w13 = gate_up.args[1]
-    w13_consts, w2_consts = _expert_weight(w13), _expert_weight(w2)
+    w13_consts, w2_consts = _expert_weight(w13, halves=True), _expert_weight(w2, halves=False)
     if w13_consts is None or w2_consts is None:
         return None
     return x, unsq.args[0], w13_consts, w2_consts

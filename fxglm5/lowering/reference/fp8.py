@@ -5,7 +5,10 @@ them as the ground truth. Layouts follow the GLM-5-FP8 (DeepSeek-V3) checkpoint:
 ``[N, K]`` (or stacked ``[E, N, K]``) with float32 ``weight_scale_inv`` per 128x128 block
 ``[ceil(N/128), ceil(K/128)]``; activations are quantized dynamically per token in groups of 128
 columns (``scale = amax / 448``). Shapes that are not multiples of 128 (kv_a's N=576) have a short last
-block. Everything accumulates in float32 and is cast back to the activation dtype once at the end.
+block, of weights and of activation groups alike: its scale comes from the elements it holds, which is
+what zero-padding N and K to multiples of 128 gives. The MoE's stacked gate|up weight keeps the
+per-expert blocks of each half (``fxglm5.model.layout.scale_shape``, ``halves``). Everything
+accumulates in float32 and is cast back to the activation dtype once at the end.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Optional
 import torch
 
 from fxglm5.errors import InputError
+from fxglm5.model.layout import scale_shape
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -41,12 +45,12 @@ def _check_tensor(name: str, t, dtypes=None, ndim=None) -> None:
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def check_fp8_weight(name: str, w, scale, lead: tuple = ()) -> None:
-    """Validate an e4m3 weight ``[*lead, N, K]`` and its block scales ``[*lead, ceil(N/128), ceil(K/128)]``."""
+def check_fp8_weight(name: str, w, scale, lead: tuple = (), halves: bool = False) -> None:
+    """Validate an e4m3 weight ``[*lead, N, K]`` and its block scales ``[*lead, ceil(N/128), ceil(K/128)]``
+    (``halves``: a gate|up weight [*lead, 2I, K] with ``[*lead, 2 * ceil(I/128), ceil(K/128)]``)."""
     _check_tensor(name, w, (FP8,), len(lead) + 2)
     _check_tensor(f"{name}_scale", scale, (torch.float32,), len(lead) + 2)
-    n, k = w.shape[-2:]
-    want = (*w.shape[:-2], _cdiv(n, GROUP), _cdiv(k, GROUP))
+    want = scale_shape(tuple(w.shape), halves)
     _check(tuple(scale.shape) == want,
            f"{name}_scale: shape {tuple(scale.shape)} does not fit {name} {tuple(w.shape)}, expected {want}")
     if lead:
@@ -84,6 +88,15 @@ def dequantize_block_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tens
     n, k = w.shape[-2:]
     s = scale_inv.repeat_interleave(GROUP, dim=-2)[..., :n, :].repeat_interleave(GROUP, dim=-1)[..., :k]
     return w.float() * s
+
+
+def dequantize_gate_up(w13: torch.Tensor, s13: torch.Tensor) -> torch.Tensor:
+    """A stacked gate|up weight [.., 2I, K] with each half's own blocks: the two halves dequantized
+    one by one, float32."""
+    check_fp8_weight("w13", w13, s13, tuple(w13.shape[:-2]), halves=True)
+    *lead, two_i, k = w13.shape
+    halves = dequantize_block_fp8(w13.reshape(*lead, 2, two_i // 2, k), s13.reshape(*lead, 2, -1, s13.shape[-1]))
+    return halves.reshape(w13.shape)
 
 
 def fp8_linear(
@@ -172,7 +185,7 @@ def check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale) ->
     _check(two_i % 2 == 0, f"w13: dim 1 ({two_i}) must be 2*I (gate rows then up rows)")
     inter = two_i // 2
     _check(h13 == h, f"w13: hidden dim {h13} does not match x's {h}")
-    check_fp8_weight("w13", w13, w13_scale, (e,))
+    check_fp8_weight("w13", w13, w13_scale, (e,), halves=True)
     check_fp8_weight("w2", w2, w2_scale, (e,))
     _check(tuple(w2.shape[1:]) == (h, inter), f"w2: shape {tuple(w2.shape)}, expected ({e}, {h}, {inter})")
     for name, tt in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
@@ -205,7 +218,7 @@ def moe_fp8(
     ids = topk_ids.long()
     for ex in torch.unique(ids[ids >= 0]).tolist():
         tok, slot = (ids == ex).nonzero(as_tuple=True)
-        w_gu = dequantize_block_fp8(w13[ex], w13_scale[ex])
+        w_gu = dequantize_gate_up(w13[ex], w13_scale[ex])
         gu = xe[tok] @ w_gu.T
         hmid = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
         if act_quant:

@@ -9,13 +9,15 @@ rows, never by the data, so there is no host sync and the whole MoE can be captu
 blocks past the real end return at once. Padding rows carry the sentinel T*k.
 
 Kernels. One grouped GEMM kernel serves both projections: ``GATED`` loads the gate and the up tile of
-the same 128x128 weight blocks side by side and writes ``silu(g) * u`` (fp32, in sorted row order); the
-down projection reads those rows back and writes each entry's expert output to its own (token, slot)
-row, optionally split over K (``SPLIT2``: more CTAs when only a few experts are touched); a combine
-kernel sums the splits and the k slots with the routing weights in a fixed order (deterministic, no
-atomics; ids of -1, expert-parallel padding, are skipped). The A/B scaling scheme is the one of
+the same output columns side by side and writes ``silu(g) * u`` (fp32, in sorted row order; w13's scales
+hold the gate half's ceil(I/128) block rows, then the up half's, so a tile of either half meets one block
+per K step whatever I is); the down projection reads those rows back and writes each entry's expert
+output to its own (token, slot) row, optionally split over K (``SPLIT2``: more CTAs when only a few
+experts are touched); a combine kernel sums the splits and the k slots with the routing weights in a
+fixed order (deterministic, no atomics; ids of -1, expert-parallel padding, are skipped). The A/B scaling scheme is the one of
 :mod:`fxglm5.lowering.triton.fp8_gemm` (BLOCK_K = 128, one scale pair per K step), and so is the choice
-to load padding rows (a real row, never stored) instead of masking them. Decode (few tokens) is bound
+to load padding rows (a real row, never stored) instead of masking them; only a K tail (H or I not a
+multiple of 128) is masked, and only where it exists (``NO_K_MASK``). Decode (few tokens) is bound
 by reading the touched experts' weights: 16-row blocks, activations quantized in registers. Prefill
 quantizes activations once and uses 64-row blocks. Alignment runs in one CTA (Triton sort) up to 4096
 entries and with torch ops (sort, scatter, searchsorted; all capture-safe) above.
@@ -159,7 +161,7 @@ def align_by_expert(topk_ids: torch.Tensor, e: int, block_m: int, use_triton: bo
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, c_ptr,
-    n_entries, N, K, KG, TOP_K,
+    n_entries, N, K, KG, TOP_K, UP_SB,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs,
     GATED: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
     K_PER_SPLIT: tl.constexpr, NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -189,12 +191,9 @@ def _moe_gemm_kernel(
         bs_ptrs = ws_ptr + e * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
     else:
         bs_ptrs = ws_ptr + e * stride_wse + (rows_b // 128) * stride_wsn
-    if GATED:
+    if GATED:  # the up half: rows N.., its own scale blocks from row UP_SB of the scales (see module doc)
         u_ptrs = b_ptrs + N * stride_wn
-        if SCALAR_SB:
-            us_ptrs = ws_ptr + e * stride_wse + ((pid_n * BLOCK_N + N) // 128) * stride_wsn
-        else:
-            us_ptrs = ws_ptr + e * stride_wse + ((rows_b + N) // 128) * stride_wsn
+        us_ptrs = bs_ptrs + UP_SB * stride_wsn
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, K_PER_SPLIT):
@@ -279,11 +278,11 @@ def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k
     grid = (block_expert.numel(), triton.cdiv(n, bn), split)
     _moe_gemm_kernel[grid](
         a, a_s, w, w_s, sorted_ids, block_expert, c,
-        n_entries, n, kdim, kg, top_k,
+        n_entries, n, kdim, kg, top_k, triton.cdiv(n, 128),
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
         c.stride(-2), c.stride(0) if c.dim() == 3 else 0,
         GATED=gated, A_MODE=mode, DOT_F32=dot_f32, INTERPRET=interpreting(), K_PER_SPLIT=k_per_split,
-        NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128 and (n % 128 == 0 or not gated),
+        NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
