@@ -29,6 +29,14 @@ from fxglm5.model.modeling import Glm5ForCausalLM  # noqa: E402
 from fxglm5.runtime.runner import Runner  # noqa: E402
 
 
+def two_layer_config(tiny: bool) -> Glm5Config:
+    """2 layers, 1 dense + 1 MoE (all 256 experts, top-8), at GLM-5's widths, or at the tiny preset's."""
+    if tiny:
+        return Glm5Config.preset("tiny").replace(num_hidden_layers=2, mlp_layer_types=None, indexer_types=None)
+    return Glm5Config.preset("glm5").replace(num_hidden_layers=2, first_k_dense_replace=1, mlp_layer_types=None,
+                                             indexer_types=None, num_nextn_predict_layers=0)
+
+
 def random_model(cfg, dev):
     with torch.device(dev):
         model = Glm5ForCausalLM(cfg, dtype=torch.bfloat16, device=dev)
@@ -105,11 +113,7 @@ def main():
     B, ctx = (int(args[0]), int(args[1])) if len(args) >= 2 else ((2, 24) if tiny else (64, 2048))
     kv = args[2] if len(args) >= 3 else "fp8"
     dev = "cpu" if tiny else "cuda"
-    if tiny:
-        cfg = Glm5Config.preset("tiny").replace(num_hidden_layers=2, mlp_layer_types=None, indexer_types=None)
-    else:
-        cfg = Glm5Config.preset("glm5").replace(num_hidden_layers=2, first_k_dense_replace=1, mlp_layer_types=None,
-                                                indexer_types=None, num_nextn_predict_layers=0)
+    cfg = two_layer_config(tiny)
     model = random_model(cfg, dev)
     prompts = torch.randint(0, cfg.vocab_size, (B, ctx), generator=torch.Generator().manual_seed(1)).tolist()
     runs = [measure(model, prompts, B, ctx, kv, dev)]

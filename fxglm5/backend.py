@@ -1,9 +1,11 @@
-"""The torch.compile front door: ``torch.compile(model, backend="fxglm5")``.
+"""The torch.compile front door: ``torch.compile(model, backend="fxglm5", options={...})``.
 
 Dynamo hands over a torch-level FX graph whose parameters arrive as graph inputs. The backend freezes
 those inputs back into constants (so weights are ``get_attr`` nodes, as the passes expect), exports the
-graph to ATen with torch.export, runs the match + fuse pipeline and returns the rewritten graph.
-Registered through the ``torch_dynamo_backends`` entry point, so ``"fxglm5"`` is listed after install.
+graph to ATen with torch.export (dynamic where Dynamo's graph is: one export serves every size Dynamo's
+guards let through), runs the match, fuse and lower stages for the device of the inputs and returns the
+lowered graph. Registered through the ``torch_dynamo_backends`` entry point, so ``"fxglm5"`` is listed
+after install. Weights and scalar attributes are read once, at compile time.
 """
 
 from __future__ import annotations
@@ -12,11 +14,33 @@ import logging
 
 import torch
 from torch import fx, nn
+from torch.export import Dim
 
 from fxglm5.capture import export_graph
+from fxglm5.errors import ConfigError, InputError
+from fxglm5.lowering.registry import BACKENDS
+from fxglm5.model.config import Glm5Config
 from fxglm5.passes import PassContext, run_pipeline
 
 log = logging.getLogger(__name__)
+OPTIONS = ("config", "act_quant", "strict", "backend", "disabled_passes")
+
+
+def pass_context(options: dict, device: str) -> PassContext:
+    """The pipeline's context from ``torch.compile(..., options=...)``; a key or value it does not know is an error."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"torch.compile(backend='fxglm5'): unknown option {unknown[0]!r}; options are {OPTIONS}")
+    config, backend = options.get("config"), options.get("backend")
+    if config is not None and not isinstance(config, Glm5Config):
+        raise ConfigError(f"torch.compile(backend='fxglm5'): option 'config' must be a Glm5Config, got {type(config).__name__}")
+    if backend is not None and backend not in BACKENDS:
+        raise ConfigError(f"torch.compile(backend='fxglm5'): option 'backend' must be one of {BACKENDS}, got {backend!r}")
+    disabled = options.get("disabled_passes", ())
+    if isinstance(disabled, str) or not all(isinstance(name, str) for name in disabled):
+        raise ConfigError(f"torch.compile(backend='fxglm5'): option 'disabled_passes' must be a list of pass names, got {disabled!r}")
+    return PassContext(config=config, act_quant=bool(options.get("act_quant", False)), strict=bool(options.get("strict", False)),
+                       backend=backend, disabled=tuple(disabled), extras={"device": device})
 
 
 def _is_constant(node: fx.Node, value) -> bool:
@@ -24,43 +48,84 @@ def _is_constant(node: fx.Node, value) -> bool:
     return isinstance(value, nn.Parameter) or "_parameters_" in node.name or "_buffers_" in node.name
 
 
+def _inline_scalar(node: fx.Node, value: torch.Tensor) -> None:
+    """Under ``dynamic=True`` Dynamo passes a module's float attributes (an eps, a softmax scale) as 0-dim tensors
+    read with ``.item()``; put the number back, so the passes see the constant the model has."""
+    for use in list(node.users):
+        if use.op == "call_method" and use.target == "item":
+            use.replace_all_uses_with(value.item())
+            node.graph.erase_node(use)
+
+
 class _Frozen(nn.Module):
-    """Dynamo's graph with its parameter inputs stored as buffers; only real inputs stay arguments."""
+    """Dynamo's graph as a module of its tensor inputs: parameter inputs stored as buffers, symbolic sizes
+    (Dynamo's SymInt inputs) read from the input dimension they are the size of."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs):
         super().__init__()
         self.gm = gm
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.const_slots, self.input_slots = [], []
-        for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
-            if isinstance(value, torch.Tensor) and _is_constant(node, value):
+        pairs = list(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
+        constant = [isinstance(v, torch.Tensor) and (_is_constant(n, v) or getattr(n.meta.get("grapharg"), "pass_arg_as_tensor", False))
+                    for n, v in pairs]
+        self.inputs = [i for i, (_, v) in enumerate(pairs) if isinstance(v, torch.Tensor) and not constant[i]]
+        self.shapes = [pairs[i][0].meta["example_value"].shape for i in self.inputs]
+        dims = {str(s): (j, d) for j in reversed(range(len(self.inputs)))
+                for d, s in enumerate(self.shapes[j]) if isinstance(s, torch.SymInt)}
+        self.slots = []  # per placeholder: ("input", j) | ("const", buffer name) | ("size", (j, dim))
+        for i, (node, value) in enumerate(pairs):
+            if i in self.inputs:
+                self.slots.append(("input", self.inputs.index(i)))
+            elif constant[i]:
+                _inline_scalar(node, value)
                 self.register_buffer(f"c{i}", value.detach(), persistent=False)
-                self.const_slots.append(i)
+                self.slots.append(("const", f"c{i}"))
+            elif str(node.meta.get("example_value")) in dims:
+                self.slots.append(("size", dims[str(node.meta["example_value"])]))
             else:
-                self.input_slots.append(i)
-        self.n_args = len(placeholders)
+                raise InputError(f"torch.compile(backend='fxglm5'): graph input {node.name} ({value!r}) is neither a tensor "
+                                 "nor the size of one; pass it as a tensor, or compile with dynamic=False")
+        gm.recompile()
+
+    def dynamic_shapes(self) -> tuple | None:
+        """For torch.export: every tensor dimension Dynamo made symbolic stays dynamic."""
+        shapes = [{d: Dim.AUTO for d, s in enumerate(shape) if isinstance(s, torch.SymInt)} or None for shape in self.shapes]
+        return (tuple(shapes),) if any(shapes) else None
 
     def forward(self, *inputs):
-        args = [None] * self.n_args
-        for slot in self.const_slots:
-            args[slot] = getattr(self, f"c{slot}")
-        for slot, value in zip(self.input_slots, inputs):
-            args[slot] = value
+        args = []
+        for kind, key in self.slots:
+            if kind == "const":
+                args.append(getattr(self, key))
+            elif kind == "input":
+                args.append(inputs[key])
+            else:
+                args.append(inputs[key[0]].shape[key[1]])
         return self.gm(*args)
 
 
+def _device(tensors) -> str:
+    return next((t.device.type for t in tensors), "cpu")
+
+
 def fxglm5_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
-    """Compile ``gm``: export to ATen, run the fxglm5 passes; ``options`` may carry ``config``
-    (a Glm5Config, for expected scales and strict counts), ``act_quant`` and ``strict``."""
-    options = dict(options or {})
+    """Compile ``gm``: export to ATen, run the fxglm5 match, fuse and lower stages for the inputs' device.
+    ``options``: ``config`` (a Glm5Config: expected scales and strict counts), ``act_quant``, ``strict``,
+    ``backend`` (the kernel backend tried first) and ``disabled_passes`` (pass names to skip).
+
+    The export runs at the first call, outside Dynamo's compilation of the frame: exporting a dynamic graph
+    inside it would add export's shape guards to the frame's own."""
     frozen = _Frozen(gm, example_inputs)
-    user_inputs = tuple(example_inputs[i] for i in frozen.input_slots)
-    graph = export_graph(frozen, user_inputs, None)
-    ctx = PassContext(config=options.get("config"), act_quant=options.get("act_quant", False), strict=options.get("strict", False))
-    for result in run_pipeline(graph, ctx):
-        log.info("fxglm5: %s", result.summary())
+    user_inputs = [example_inputs[i] for i in frozen.inputs]
+    ctx = pass_context(dict(options or {}), _device(user_inputs) if user_inputs else _device(frozen.buffers()))
+    lowered = []
 
     def compiled(*args):
-        return graph(*(args[i] for i in frozen.input_slots))
+        inputs = tuple(args[i] for i in frozen.inputs)
+        if not lowered:
+            graph = export_graph(frozen, inputs, frozen.dynamic_shapes())
+            for result in run_pipeline(graph, ctx, stages=("match", "fuse", "lower")):
+                log.info("fxglm5: %s", result.summary())
+            lowered.append(graph)
+        return lowered[0](*inputs)
 
     return compiled

@@ -1,11 +1,21 @@
-"""torch.compile(model, backend="fxglm5"): listed through the entry point, runs the passes, gives the eager logits."""
+"""torch.compile(model, backend="fxglm5"): listed through the entry point, runs the passes, gives the eager logits;
+symbolic shapes from Dynamo export once; lowered for the inputs' device; options checked by name."""
 
 import logging
 
+import pytest
 import torch
 
+import fxglm5.backend
 from fxglm5.model.config import Glm5Config
 from tests.helpers import random_model, rel_err
+
+TWO_LAYERS = Glm5Config.preset("tiny").replace(num_hidden_layers=2, mlp_layer_types=None, indexer_types=None)  # dense + MoE
+
+
+def _tokens(cfg, batch, seq, seed=0):
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return ids, torch.arange(seq)[None].expand(batch, seq)
 
 
 def test_backend_is_listed():
@@ -17,11 +27,70 @@ def test_compiled_tiny_model_matches_eager(caplog):
     model = random_model(cfg)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fxglm5", dynamic=False)
-    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(13)[None].expand(2, 13)
+    ids, pos = _tokens(cfg, 2, 13)
     with caplog.at_level(logging.INFO, logger="fxglm5.backend"):
         out = compiled(ids, pos)
     assert rel_err(out, model(ids, pos)) < 1e-4
     summaries = [r.getMessage() for r in caplog.records]
     assert any("match_sparse_mla" in s and "matches=4" in s for s in summaries)
     assert any("fuse_fp8_moe" in s and "matches=3" in s for s in summaries)
+
+
+# Dynamo compiles (2, 5) statically, then makes what changed symbolic: under dynamic=None both dims change at the
+# second call, so that graph serves the third; dynamic=True starts symbolic; dynamic=False compiles every shape.
+SHAPES = [(2, 5), (3, 12), (4, 10)]
+
+
+@pytest.mark.parametrize("dynamic, shapes, exports", [(True, SHAPES, 1), (None, SHAPES, 2), (False, SHAPES[:2], 2)])
+def test_new_shapes_match_eager_and_export_once(monkeypatch, dynamic, shapes, exports):
+    model = random_model(TWO_LAYERS)
+    calls = []
+
+    def counting_export(*args):
+        calls.append(args[2])
+        return export_graph(*args)
+
+    export_graph = fxglm5.backend.export_graph
+    monkeypatch.setattr(fxglm5.backend, "export_graph", counting_export)
+    torch._dynamo.reset()
+    # strict: a dynamic graph must give every match the static one does (a pattern that misses raises)
+    compiled = torch.compile(model, backend="fxglm5", dynamic=dynamic, options={"config": TWO_LAYERS, "strict": True})
+    for batch, seq in shapes:
+        ids, pos = _tokens(TWO_LAYERS, batch, seq)
+        with torch.no_grad():
+            assert rel_err(compiled(ids, pos), model(ids, pos)) < 1e-5, (batch, seq)
+    assert len(calls) == exports
+    assert (calls[-1] is None) == (dynamic is False)  # the last export had dynamic dims unless compiled static
+
+
+def test_lowered_for_triton_with_options(monkeypatch, caplog):
+    """On CPU the interpreted Triton kernels run when the backend option asks for them; disabled passes are skipped."""
+    from fxglm5.lowering.triton import fp8_gemm, moe
+
+    ran = []
+    for module, name in [(fp8_gemm, "fp8_linear"), (moe, "moe_fp8")]:
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: ran.append(_n) or _k(*a, **kw))
+    model = random_model(TWO_LAYERS)
+    torch._dynamo.reset()
+    options = {"config": TWO_LAYERS, "backend": "triton", "disabled_passes": ["match_rope"]}
+    compiled = torch.compile(model, backend="fxglm5", dynamic=False, options=options)
+    ids, pos = _tokens(TWO_LAYERS, 1, 12)
+    with caplog.at_level(logging.INFO, logger="fxglm5.backend"), torch.no_grad():
+        assert rel_err(compiled(ids, pos), model(ids, pos)) < 1e-4
+    summaries = [r.getMessage() for r in caplog.records]
+    lowered = next(s for s in summaries if "lower " in s)
+    for op in ("fp8_linear", "moe_route", "moe_fp8", "rms_norm"):
+        assert f"{op}:triton" in lowered
+    assert "sparse_mla:reference" in lowered and "rope_interleaved" not in lowered
+    assert not any("match_rope" in s for s in summaries)
+    assert {"fp8_linear", "moe_fp8"} <= set(ran)
+
+
+@pytest.mark.parametrize("options, named", [({"bogus": 1}, "'bogus'"), ({"backend": "cuda"}, "'backend'"),
+                                            ({"config": {}}, "'config'"), ({"disabled_passes": "lower"}, "'disabled_passes'")])
+def test_bad_options_are_named(options, named):
+    torch._dynamo.reset()
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="fxglm5", options=options)
+    with pytest.raises(Exception, match=f"option {named}"):
+        compiled(torch.ones(2, 4))

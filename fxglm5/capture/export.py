@@ -6,6 +6,8 @@ form the passes rewrite. Works with real weights and on the meta device (the ful
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import fx
 from torch.export import Dim
@@ -55,8 +57,24 @@ def export_graph(module: torch.nn.Module, args: tuple, dynamic_shapes) -> fx.Gra
     with torch.no_grad():
         program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
     gm = program.module()
+    drop_full_slices(gm)
     drop_metadata_asserts(gm)
     return gm
+
+
+def drop_full_slices(gm: fx.GraphModule) -> int:
+    """Remove ``slice(x, dim, 0, INT_MAX)`` views of a whole dimension. Code traced with symbolic sizes (what
+    Dynamo hands ``torch.compile`` backends) keeps them for every ``x[None, :]``; a static trace drops them, and
+    the passes' patterns are written without them. Returns how many were removed (the graph is recompiled by
+    :func:`drop_metadata_asserts`)."""
+    removed = 0
+    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor)):
+        _, _, start, end, step = (*node.args, *(0, None, None, 1)[len(node.args) - 1:])
+        if start in (None, 0) and (end is None or (isinstance(end, int) and end >= sys.maxsize)) and step == 1:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            removed += 1
+    return removed
 
 
 def drop_metadata_asserts(gm: fx.GraphModule) -> int:

@@ -3,7 +3,8 @@
 Each ``torch.ops.fxglm5.*`` call becomes a ``Dispatch`` over the backends in preference order for
 ``ctx.extras['device']`` (default: where the graph's weights live), with ``ctx.backend`` or
 ``FXGLM5_BACKEND`` first. The choice per call is still checked at run time (a shape or dtype a kernel
-does not take falls back, logged once), so a lowered graph is always correct.
+does not take falls back, logged once), so a lowered graph is always correct. The summary names the backend
+each op kind is bound to first (``ops=fp8_linear:triton,...``).
 """
 
 from __future__ import annotations
@@ -37,4 +38,5 @@ def lower(gm: fx.GraphModule, ctx) -> PassOutcome:
             dispatches[name] = Dispatch(name, order)
         node.target = dispatches[name]
         matches += 1
-    return PassOutcome(matches, {"backends": "/".join(order)})
+    bound = ",".join(f"{name}:{dispatch.candidates[0][0]}" for name, dispatch in dispatches.items())
+    return PassOutcome(matches, {"backends": "/".join(order), "ops": bound})
