@@ -92,7 +92,7 @@ def main():
                     speedup_vs_eager=None if eager_ms is None else round(eager_ms / ms, 2), max_rel_diff_vs_eager=err)
             del out
     name = "compile_backend_tiny" if args.tiny else "compile_backend"
-    path = save_run(f"{name}.json", "bench/compile_backend.py", model="tiny preset, 2 layers" if args.tiny else
+    path = save_run(f"{name}.json", model="tiny preset, 2 layers" if args.tiny else
                     "GLM-5 widths, 2 layers: 1 dense + 1 MoE (256 experts, top-8), random block-FP8 weights, bf16",
                     experts=cfg.n_routed_experts, repeats=args.repeats, warmup=args.warmup, rows=res.rows)
     with open(path) as f:
