@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.decode_step import random_model, two_layer_config  # noqa: E402
 from bench.harness import Results, save_run  # noqa: E402
+from fxglm5.backend import fxglm5_backend  # noqa: E402
 
 MODES = ("eager", "inductor", "fxglm5")
 
@@ -37,8 +38,11 @@ MODES = ("eager", "inductor", "fxglm5")
 def build(mode: str, model, cfg):
     if mode == "eager":
         return model
-    options = {"config": cfg} if mode == "fxglm5" else None
-    return torch.compile(model, backend=mode, dynamic=False, options=options)
+    if mode == "inductor":
+        return torch.compile(model, backend="inductor", dynamic=False)
+    # The callable rather than the name: the name is registered by the installed package's entry point, and the
+    # device machine runs a copy of the tree that is not installed.
+    return torch.compile(model, backend=fxglm5_backend, dynamic=False, options={"config": cfg})
 
 
 def measure(fn, ids, pos, sync, warmup: int, repeats: int) -> tuple[float, float, torch.Tensor]:
