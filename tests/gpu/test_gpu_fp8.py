@@ -63,18 +63,23 @@ def test_fp8_linear_glm5_shapes(name, m, gen):
 
 
 @pytest.mark.parametrize("name", ["kv_a", "o_proj", "partial_nk", "partial_small_n"])
-def test_fp8_linear_fp32_exact(name, gen):
-    """fp32 activations: IEEE fp32 dot, only the accumulation order differs (W8A8: and rare fp8 rounding
-    ties, the kernel divides by the scale through a reciprocal + one FMA correction)."""
+def test_fp8_linear_fp32_exact(name):
+    """fp32 activations: IEEE fp32 dot, only the accumulation order differs. W8A8 also has rare fp8 rounding
+    ties (the kernel divides by the scale through a reciprocal + one FMA correction): one activation landing on
+    the other side of a tie moves by one e4m3 step (2**-3 of its value), about 1e-4 of a 16k-wide row's norm
+    each, so that bound is 5e-4 (a wrong block scale or a missed K tail costs 1e-2 and more). Own generator per
+    shape: the data does not depend on which tests ran before (the module's shared one made o_proj's W8A8 check
+    land on 1.3e-4 once the partial shapes were added ahead of it)."""
     from fxglm5.lowering.reference.fp8 import fp8_linear as ref
     from fxglm5.lowering.triton.fp8_gemm import fp8_linear
 
+    gen = torch.Generator(device="cuda").manual_seed(sorted(ALL_SHAPES).index(name))
     n, k = ALL_SHAPES[name]
     w, s = _weight(n, k, gen)
     b = torch.randn(n, device="cuda", generator=gen)
     x = torch.randn(16, k, device="cuda", generator=gen)
     assert _rel(fp8_linear(x, w, s, b, False), ref(x, w, s, b, False)) < 1e-5
-    assert _rel(fp8_linear(x, w, s, b, True), ref(x, w, s, b, True)) < 1e-4
+    assert _rel(fp8_linear(x, w, s, b, True), ref(x, w, s, b, True)) < 5e-4
 
 
 @pytest.mark.parametrize("fixup", [False, True])
