@@ -1,4 +1,7 @@
-"""Test helpers: random weights for small GLM-5 models and modules (no checkpoint needed)."""
+"""Test helpers: random weights for small GLM-5 models and modules (no checkpoint needed), latent rows with
+distinct FP8 group scales, and an independent block-FP8 quantizer."""
+
+import struct
 
 import torch
 
@@ -41,3 +44,75 @@ def copy_to_dtype(model: Glm5ForCausalLM, dtype: torch.dtype) -> Glm5ForCausalLM
         for (name, p), (_, q) in zip(twin.named_parameters(), model.named_parameters()):
             p.copy_(q.to(p.dtype))
     return twin.eval()
+
+
+# Gains of the four 128-wide groups of a 512-wide latent row. Unit-normal values give all four groups the same
+# power-of-two FP8 scale (amax ~3 -> 2^-7), so a 656-byte row with one group's scale swapped, shared or
+# misplaced would dequantize to the same values; with these gains the scales are 2^-7, 2^-6, 2^-8, 2^-9.
+LATENT_GROUP_GAINS = (1.0, 2.0, 0.5, 0.25)
+
+
+def latent_values(n: int, rank: int = 512, generator: torch.Generator | None = None) -> torch.Tensor:
+    """float32 [n, rank] normal latent values, group i (128 wide) scaled by LATENT_GROUP_GAINS[i]."""
+    gains = torch.tensor(LATENT_GROUP_GAINS).repeat_interleave(128)[:rank]
+    return torch.randn(n, rank, generator=generator) * gains
+
+
+def _f32(v: float) -> float:
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def loop_quantize_fp8(x: torch.Tensor, block_rows: int, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-FP8 quantization of a 2-D x written out per block in Python floats, independent of fxglm5's code:
+    blocks of ``block_rows`` x 128 (short edge blocks: their real elements only), scale = max(amax, floor) / 448
+    rounded to float32, each element x / scale rounded to float32, clamped to +-448 and cast to e4m3 by torch.
+    Returns (e4m3 [R, C], float32 scales [ceil(R / block_rows), ceil(C / 128)])."""
+    rows = x.float().tolist()
+    n, k = len(rows), len(rows[0])
+    nb, kb = -(-n // block_rows), -(-k // 128)
+    scales = [[0.0] * kb for _ in range(nb)]
+    values = [[0.0] * k for _ in range(n)]
+    for bi in range(nb):
+        for bj in range(kb):
+            cells = [(i, j) for i in range(bi * block_rows, min(n, (bi + 1) * block_rows))
+                     for j in range(bj * 128, min(k, (bj + 1) * 128))]
+            amax = max(abs(rows[i][j]) for i, j in cells)
+            scale = _f32(max(amax, floor) / 448.0)  # float32 division (one rounding of the exact quotient)
+            scales[bi][bj] = scale
+            for i, j in cells:
+                values[i][j] = min(448.0, max(-448.0, _f32(rows[i][j] / scale)))
+    return torch.tensor(values).to(torch.float8_e4m3fn), torch.tensor(scales)
+
+
+def saturating_values(n: int, k: int, block_rows: int, generator: torch.Generator) -> torch.Tensor:
+    """float32 [n, k] for the FP8 quantizers, each block_rows x 128 block of one kind (cycling): values far above
+    448 (1e4 scale); an amax of exactly 448 (scale 1); multiples of 448; all zeros; unit normal; one -1000 among
+    values ~1e-3 (e4m3 subnormals and underflow after scaling)."""
+    i, j = torch.arange(n)[:, None], torch.arange(k)[None, :]
+    kind = (i // block_rows + j // 128) % 6
+    first = (i % block_rows == 0) & (j % 128 == 0)  # each block's first element
+    x = torch.randn(n, k, generator=generator)
+    multiples = 448.0 * torch.randint(-3, 4, (n, k), generator=generator).float()
+    x = torch.where(kind == 0, x * 1e4, x)
+    x = torch.where(kind == 1, torch.where(first, 448.0, (x * 100).clamp(-447, 447)), x)
+    x = torch.where(kind == 2, multiples, x)
+    x = torch.where(kind == 3, 0.0, x)
+    return torch.where(kind == 5, torch.where(first, -1000.0, x * 1e-3), x)
+
+
+def assert_saturates(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, block_rows: int) -> None:
+    """e4m3 ``q`` of ``x`` (blocks of block_rows x 128, ``scale`` per block): in every non-zero block the largest
+    |x| is 448 * scale (to a float32 rounding) and quantizes to exactly +-448; a block whose amax is 448 has
+    scale 1; nothing is NaN (e4m3fn has no infinity: a value past 448 that escaped the clamp would be NaN)."""
+    assert not q.float().isnan().any()
+    for bi in range(scale.shape[0]):
+        for bj in range(scale.shape[1]):
+            xb = x[bi * block_rows:(bi + 1) * block_rows, bj * 128:(bj + 1) * 128].float()
+            qb = q[bi * block_rows:(bi + 1) * block_rows, bj * 128:(bj + 1) * 128].float()
+            amax, sc = xb.abs().max().item(), scale[bi, bj].item()
+            if amax == 0:
+                continue
+            assert abs(448.0 * sc - amax) <= amax * 2.0**-23, (bi, bj, amax, sc)
+            assert qb.abs().max().item() == 448.0 and qb.flatten()[xb.abs().argmax()].abs().item() == 448.0
+            if amax == 448.0:
+                assert sc == 1.0

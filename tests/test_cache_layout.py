@@ -16,6 +16,7 @@ import fxglm5.ops.cached  # noqa: F401  (registers the ops)
 from fxglm5.passes.insert_paged_cache import PagedSignature
 from fxglm5.runtime.cache import PagedCache, kernel_block_table
 from fxglm5.runtime.forward_context import ForwardContext
+from tests.helpers import latent_values
 
 ops = torch.ops.fxglm5
 SENTINEL_BYTE, SENTINEL = 0xA5, 12345.0
@@ -47,7 +48,7 @@ def physical_slots(ctx, tables, block_size):
 
 def run_attention(ctx, kv_cache, gen, rank=512, rope=64, heads=2):
     T = ctx.positions.shape[0]
-    kv_c = torch.randn(1, T, rank, generator=gen)
+    kv_c = latent_values(T, rank, gen)[None]  # at rank 512, four distinct FP8 group scales
     k_pe = torch.randn(1, T, rope, generator=gen)
     q_nope, q_pe = torch.randn(1, T, heads, 16, generator=gen), torch.randn(1, T, heads, rope, generator=gen)
     w_uk, w_uv = torch.randn(heads, 16, rank, generator=gen), torch.randn(heads, 8, rank, generator=gen)
@@ -167,6 +168,35 @@ def test_runtime_allocation_layouts(kv, index):
     views = cache.graph_inputs()
     assert [tuple(v.shape[:2]) for v in views] == [(20, 2)] * 3
     assert views[0].data_ptr() == cache.tensors["kv_cache_0"].data_ptr()
+
+
+@pytest.mark.parametrize("ratio", [2, 4])
+def test_kernel_sub_blocks_keep_token_order_inside_a_physical_block(ratio):
+    """Kernel block physical * ratio + j holds tokens j * kbs .. (j + 1) * kbs - 1 of that physical block: rows
+    written through the step's slots sit at physical * block_size + pos % block_size, and a read through the
+    step's kernel table finds each token's own row, while the same read through a table whose sub-blocks are
+    swapped inside each physical block finds other rows (the check has power)."""
+    bs, gen = 8, torch.Generator().manual_seed(ratio)
+    ctx, tables = make_context(gen, bs, ratio, [(0, 16), (0, 11)], num_blocks=NB)
+    cache = torch.full((NB, bs, 576), SENTINEL)
+    view = cache.view(NB * ratio, bs // ratio, 576)
+    kv_c, k_pe, out, w_uv = run_attention(ctx, view, gen)
+    assert torch.equal(cache.view(-1, 576)[physical_slots(ctx, tables, bs)], torch.cat([kv_c, k_pe], dim=1))
+
+    def read(kernel_table):  # attention of every token to its own position only, writing nothing
+        T = ctx.positions.shape[0]
+        q_nope, q_pe = torch.randn(1, T, 2, 16, generator=gen), torch.zeros(1, T, 2, 64)
+        own = ctx.positions.view(1, T, 1).to(torch.int32)
+        return ops.rtp_sparse_mla(q_nope, q_pe, torch.zeros(1, T, 512), torch.zeros(1, T, 64),
+                                  torch.randn(2, 16, 512, generator=gen), w_uv, own, 0.1, view,
+                                  torch.full_like(ctx.slot_mapping, -1), kernel_table, ctx.req_idx, ctx.positions,
+                                  4096)[0]
+
+    expected = torch.einsum("tr,hvr->thv", kv_c, w_uv)
+    torch.testing.assert_close(read(ctx.kernel_block_table), expected, rtol=1e-5, atol=1e-4)
+    kt = ctx.kernel_block_table
+    swapped = kt.view(kt.shape[0], -1, ratio).flip(-1).reshape(kt.shape)
+    assert not torch.allclose(read(swapped), expected, rtol=1e-2, atol=1e-2)
 
 
 def test_kernel_block_table():

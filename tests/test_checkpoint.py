@@ -16,6 +16,7 @@ from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.quantize import quantize_checkpoint, quantize_fp8_block
 from fxglm5.model.st_files import INDEX, SINGLE
 from fxglm5.model.tiny import make_tiny_checkpoint
+from tests.helpers import assert_saturates, loop_quantize_fp8, saturating_values
 
 PROMPT = torch.tensor([[1, 17, 42, 7, 99, 3, 250, 11, 300, 5, 64, 128, 77, 411, 2, 9, 260, 33, 480, 12, 6, 150, 91, 200]])
 
@@ -56,6 +57,17 @@ def test_quantize_block_within_e4m3_rounding(shape):
     qmax = torch.nn.functional.pad(q.float().abs(), (0, kb * 128 - shape[-1], 0, nb * 128 - shape[-2]))
     qmax = qmax.view(*shape[:-2], nb, 128, kb, 128).amax(dim=(-3, -1))
     assert torch.equal(qmax[amax > 0], torch.full_like(qmax[amax > 0], 448.0))
+
+
+def test_quantize_block_matches_an_independent_loop():
+    """Bit for bit the per-block Python-float quantizer (tests.helpers.loop_quantize_fp8), on 128x128 blocks far
+    above 448, of amax exactly 448, of multiples of 448, zero, unit and subnormal-producing, with short edge
+    blocks; every non-zero block saturates at exactly +-448."""
+    w = saturating_values(390, 260, 128, torch.Generator().manual_seed(1))
+    q, scale = quantize_fp8_block(w)
+    q_loop, scale_loop = loop_quantize_fp8(w, 128, floor=1e-12)
+    assert torch.equal(scale, scale_loop) and torch.equal(q.view(torch.uint8), q_loop.view(torch.uint8))
+    assert_saturates(q, scale, w, 128)
 
 
 def test_quantized_checkpoint_dequantizes_to_source(tiny):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from fxglm5.errors import InputError  # noqa: E402
 from fxglm5.lowering.reference import paged as ref  # noqa: E402
+from tests.helpers import latent_values  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
@@ -95,7 +96,7 @@ def _filled_latent(s, cdtype):
     for b, n in enumerate(s["lens"]):
         pos = torch.arange(n)
         sl = ref.slots_from_positions(s["bt"], torch.full_like(pos, b), pos, s["bs"])
-        ref.write_latent_cache(cache, torch.randn(n, R) * 2, torch.randn(n, DR), sl)
+        ref.write_latent_cache(cache, latent_values(n), torch.randn(n, DR), sl)  # four distinct group scales
     return cache
 
 
@@ -238,7 +239,7 @@ def test_cache_writes_triton_vs_reference(s, cdtype):
     width = 656 if cdtype == torch.uint8 else 576
     c1 = torch.zeros(s["nb"], s["bs"], width, dtype=cdtype)
     c2 = c1.clone()
-    kv, pe = torch.randn(n, R) * 3, torch.randn(n, DR)
+    kv, pe = latent_values(n), torch.randn(n, DR)
     ref.write_latent_cache(c1, kv, pe, sl)
     tpc.write_latent_cache(c2, kv, pe, sl)
     assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
@@ -317,6 +318,34 @@ def test_sparse_mla_paged(s, H, cdtype, K, data):
     qb = q.bfloat16()
     _close(tsparse.sparse_mla_paged(qb, cache, s["bt"], req, topk, SCALE),
            ref.sparse_mla_paged(qb, cache, s["bt"], req, topk, SCALE), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["mla", "sparse_mla"])
+def test_fp8_rows_dequantize_each_group_with_its_scale(sparse):
+    """656-byte rows whose four 128-wide groups have different scales (tests.helpers.latent_values): every
+    reference and Triton MLA path matches the hand-decoded float64 attention (hypothesis may draw no FP8 case)."""
+    s = dict(B=2, bs=8, lens=[13, 6], bt=torch.tensor([[3, 1], [2, 0]], dtype=torch.int32), nb=4, seed=11)
+    cache = _filled_latent(s, torch.uint8)
+    written = ref.slots_from_positions(s["bt"], torch.tensor([0] * 13 + [1] * 6), torch.cat([torch.arange(13),
+                                                                                          torch.arange(6)]), 8)
+    scales = cache.view(-1, 656)[written, 512:528].clone().view(torch.float32)
+    assert (scales != scales[:, :1]).any(dim=1).all()  # no row with one scale for all four groups
+    req, pos = torch.tensor([0, 0, 0, 1], dtype=torch.int32), torch.tensor([10, 11, 12, 5], dtype=torch.int32)
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(4, 2, D, generator=g)
+    if sparse:
+        topk = torch.stack([torch.randperm(int(p) + 1, generator=g)[:5] for p in pos]).int()
+        naive = _naive_attention(q, cache, s["bt"], req, topk.tolist(), s["bs"], SCALE)
+        paths = [ref.sparse_mla_paged, tsparse.sparse_mla_paged, tsparse.sparse_mla_prefill_paged,
+                 lambda *a: tsparse.sparse_mla_decode_paged(*a, num_splits=2)]
+        args = (q, cache, s["bt"], req, topk, SCALE)
+    else:
+        naive = _naive_attention(q, cache, s["bt"], req, [list(range(int(p) + 1)) for p in pos], s["bs"], SCALE)
+        paths = [ref.mla_paged, tmla.mla_paged, tmla.mla_prefill_paged,
+                 lambda *a: tmla.mla_decode_paged(*a, num_splits=2)]
+        args = (q, cache, s["bt"], req, pos, SCALE)
+    for path in paths:
+        _close(path(*args), naive, atol=1e-4)
 
 
 def test_mla_decode_combines_many_splits():

@@ -14,6 +14,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from fxglm5.errors import InputError  # noqa: E402
 from fxglm5.lowering.reference import fp8 as ref  # noqa: E402
+from tests.helpers import assert_saturates, loop_quantize_fp8, saturating_values  # noqa: E402
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -58,6 +59,19 @@ def test_quantize_act_matches_reference(m, k, dtype, seed):
     assert q.dtype == FP8 and s.shape == (m, -(-k // 128))
     assert torch.equal(s, sr)
     assert (q.float() != qr.float()).float().mean().item() <= 1e-3  # rounding ties only
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_act_matches_an_independent_loop(impl, dtype):
+    """Bit for bit the per-group Python-float quantizer (tests.helpers.loop_quantize_fp8) on 1x128 groups far
+    above 448, of amax exactly 448, of multiples of 448, zero, unit and subnormal-producing, with a short last
+    group; every non-zero group saturates at exactly +-448."""
+    x = saturating_values(13, 260, 1, torch.Generator().manual_seed(2)).to(dtype)
+    q, s = (ref if impl == "reference" else fp8_gemm).quantize_act_1x128(x)
+    q_loop, s_loop = loop_quantize_fp8(x, 1, floor=1e-10)
+    assert torch.equal(s, s_loop) and torch.equal(q.view(torch.uint8), q_loop.view(torch.uint8))
+    assert_saturates(q, s, x, 1)
 
 
 @given(m=st.integers(1, 70), nk=st.sampled_from([(192, 320), (64, 128), (130, 256), (256, 200)]),

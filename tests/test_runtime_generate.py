@@ -7,6 +7,7 @@ Per-step logits are compared teacher-forced: the model runs once on prompt + gen
 generated token equal to that logit row's argmax at every step is exactly greedy full recompute.
 """
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -45,6 +46,32 @@ def test_generate_matches_full_recompute_with_prefix_reuse():
     seqs = r.run(second, NEW_TOKENS)
     check_exact(model, seqs)
     assert [s.prefix_reused for s in seqs] == [16, 8, 0]
+
+
+@pytest.mark.parametrize("kernel_block_size", [4, 2])
+def test_resent_whole_block_prompts_reuse_all_but_their_last_block(kernel_block_size, monkeypatch):
+    """Prompts of exactly 2 and 4 blocks, sent twice: the second time every block but the last comes from the
+    cache (the last token must be computed for its logits, so its block is recomputed), and the tokens are
+    those of a fresh runner and of full recompute."""
+    model, _ = model_and_graph("exact")
+    batch = prompts(torch.Generator().manual_seed(5), [8, 16])
+    r = runner("exact", block_size=4, kernel_block_size=kernel_block_size)
+    tables, allocate = [], r.blocks.allocate
+
+    def record(seq_id, tokens):
+        cached = allocate(seq_id, tokens)
+        tables.append(list(r.blocks.tables[seq_id]))
+        return cached
+
+    monkeypatch.setattr(r.blocks, "allocate", record)
+    first, again = r.run(batch, 8), r.run(batch, 8)
+    assert [s.prefix_reused for s in first] == [0, 0] and [s.prefix_reused for s in again] == [4, 12]
+    for before, after, prompt in zip(tables[:2], tables[2:], batch):
+        kept = len(prompt) // 4 - 1
+        assert after[:kept] == before[:kept] and after[kept] != before[kept]  # the cached last block is not written
+    check_exact(model, again)
+    fresh = runner("exact", block_size=4, kernel_block_size=kernel_block_size).run(batch, 8)
+    assert [s.output for s in again] == [s.output for s in first] == [s.output for s in fresh]
 
 
 def test_kernel_block_size_gives_the_same_tokens():

@@ -16,11 +16,11 @@ from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM  # noqa: E402
 from fxglm5.model.checkpoint import load_checkpoint  # noqa: E402
 
 CONFIGS = [
-    dict(  # every layer indexed, 1 dense + 2 MoE
+    dict(  # every layer indexed, 1 dense + 2 MoE; small embeddings: layer 0's input norm sees mean(x^2) < eps
         hidden_size=64, num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, num_hidden_layers=3,
         first_k_dense_replace=1, index_topk=4, index_n_heads=8, index_head_dim=16, intermediate_size=96,
-        moe_intermediate_size=32, vocab_size=97, batch=2, seq=12,
+        moe_intermediate_size=32, vocab_size=97, batch=2, seq=12, embed_scale=1e-3,
     ),
     dict(  # "shared" indexer layers reuse the previous full layer's top-k
         hidden_size=128, num_attention_heads=4, q_lora_rank=48, kv_lora_rank=64, qk_nope_head_dim=32,
@@ -44,8 +44,12 @@ CONFIGS = [
     ),
 ]
 
+# max |logit error| / max |logit|, measured 5.2e-7..7.5e-7 over these configs (float32 reduction order); an
+# RMSNorm eps 2x or 10x off moves it to >= 6e-6 even at unit-scale embeddings (case 0: by ~50%)
+PARITY_TOL = 2e-6
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+
+def _randomize(model: torch.nn.Module, seed: int, embed_scale: float) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -57,7 +61,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             elif t.dim() == 1:
                 t.copy_(0.1 * noise if name.endswith("bias") else 1.0 + 0.1 * noise)
             elif name == "model.embed_tokens.weight":
-                t.copy_(noise)
+                t.copy_(embed_scale * noise)
             else:
                 t.copy_(noise * t.shape[-1] ** -0.5)
 
@@ -67,13 +71,14 @@ def test_logits_match_transformers(case, tmp_path):
     spec = dict(CONFIGS[case])
     batch, seq = spec.pop("batch"), spec.pop("seq")
     theta = spec.pop("rope_theta", 10000.0)
+    embed_scale = spec.pop("embed_scale", 1.0)
     spec["num_key_value_heads"] = spec["num_attention_heads"]
     assert seq > spec["index_topk"]
     cfg = GlmMoeDsaConfig(**spec, rope_parameters={"rope_type": "default", "rope_theta": theta})
     cfg._attn_implementation = "eager"
     torch.manual_seed(case)
     ref = GlmMoeDsaForCausalLM(cfg).float().eval()
-    _randomize(ref, seed=100 + case)
+    _randomize(ref, seed=100 + case, embed_scale=embed_scale)
     ref.save_pretrained(tmp_path, safe_serialization=True)
 
     ours = load_checkpoint(tmp_path, dtype=torch.float32, progress=False)
@@ -87,4 +92,4 @@ def test_logits_match_transformers(case, tmp_path):
     scale = theirs.abs().max()
     assert scale > 1.0  # non-trivial logits
     err = (got - theirs).abs().max() / scale
-    assert err <= 1e-4, f"max relative logit error {err:.3e}"
+    assert err <= PARITY_TOL, f"max relative logit error {err:.3e}"
