@@ -15,8 +15,9 @@ table gets the live rows only (rows and columns past them keep what an earlier, 
 host ``sequence_lengths`` past the batch are zeroed, host ``input_lengths`` past it stay stale; the device
 lengths get the live entries only; then ``prepare_cuda_graph(static attention inputs)`` and the replay.
 
-A CUDA graph cannot be captured on a CPU: there step 3's capture and every replay run
-``forward(static, impl)`` eagerly on the prepared static buffers, which keeps everything above the replay.
+A CUDA graph cannot be captured on a CPU: there step 3's capture call and every replay run
+``forward(static, impl)`` eagerly on the prepared static buffers, which keeps everything around the replay
+(the Python calls, their order, the buffers and their refresh).
 """
 
 import contextlib
@@ -118,6 +119,8 @@ class CudaGraphRunner:
                 inst.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(inst.graph, pool=pool):
                     inst.hidden.copy_(self._forward(inst))
+            else:  # the capture's forward call, run eagerly
+                inst.hidden.copy_(self._forward(inst))
             self.instances[bs] = inst
             self._replay(inst)  # replayAndSyncCheck
             self.captured_sizes.append(bs)
