@@ -76,10 +76,10 @@ def main():
 
         from rtp_llm import standin_engine
 
-        standin_engine.load_external_packages(["--external_model_packages", "fxglm5.rtpllm.models"], {})
-        eng = standin_engine.Engine(ckpt, act_type="BF16", fp8_kv_cache=True, seq_size_per_block=64,
-                                    enable_cuda_graph=dev == "cuda", decode_capture_batch_sizes=(B,),
-                                    num_blocks=blocks, device=dev)
+        eng = standin_engine.Engine(ckpt, external_model_packages=["fxglm5.rtpllm.models"], act_type="BF16",
+                                    fp8_kv_cache=True, seq_size_per_block=64, enable_cuda_graph=dev == "cuda",
+                                    decode_capture_batch_sizes=(B,), num_blocks=blocks,
+                                    max_seq_len=64 * -(-(ctx + steps + 2) // 64), device=dev)
         decode_ms = []
         original = eng._decode
 
@@ -92,8 +92,8 @@ def main():
 
         eng._decode = timed_decode
         prepare_ms = []
-        for _, impl, _, _ in eng.graphs.values():  # the plugin's own host work before each replay
-            impl.prepare_cuda_graph = _timed(impl.prepare_cuda_graph, prepare_ms)
+        for inst in (eng.graph_runner.instances.values() if eng.graph_runner else ()):  # the plugin's host work
+            inst.impl.prepare_cuda_graph = _timed(inst.impl.prepare_cuda_graph, prepare_ms)  # before each replay
         rtp_tokens = eng.generate(prompts, steps + 1)
         plugin = dict(decode_step_ms=[round(x, 2) for x in decode_ms], replays=eng.graph_replays,
                       prepare_cuda_graph_median_ms=round(statistics.median(prepare_ms), 3) if prepare_ms else None)

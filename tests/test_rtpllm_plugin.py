@@ -1,15 +1,17 @@
-"""The RTP-LLM plugin (``fxglm5.rtpllm.models``) driven by a stand-in of RTP-LLM (tests/rtp_standin, written
-from /work/shared/reference/rtp_llm_contract.md; RTP-LLM itself is not installable here).
+"""The RTP-LLM plugin (``fxglm5.rtpllm.models``) driven by a stand-in of RTP-LLM (tests/rtp_standin, rebuilt from
+RTP-LLM's source: /work/shared/reference/rtp_llm_audit.md; what still differs is in tests/rtp_standin/README.md).
 
-What a user of the plugin relies on: importing it without RTP does nothing; with RTP it takes ``glm_5`` over;
-the config sizes RTP's cache; an RTP engine loop (prefill, eager or CUDA-graph decode, prefix reuse, kernel
-blocks smaller than the physical ones, bf16 or FP8 caches) produces the tokens fxglm5's own runtime produces
-on the same checkpoint; bad inputs fail with errors naming the field, before anything is written.
+What a user of the plugin relies on: RTP loads it from ``--external_model_packages`` (PR #1266), in the
+launcher and every rank; the config is RTP's GLM-5's and sizes RTP's cache; RTP's lifecycle (``from_config``
+-> ``load``, the warm-ups, ``initialize`` per executor, graph capture over max-batch slices, replays with stale
+host rows) around the plugin produces the tokens fxglm5's own runtime produces on the same checkpoint and
+leaves other requests' cache rows alone; bad inputs fail with errors naming the field, before anything is written.
 """
 
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,8 +21,11 @@ from fxglm5.model.config import Glm5Config
 from fxglm5.model.tiny import make_tiny_checkpoint
 from fxglm5.runtime.runner import Runner
 
+ROOT = Path(__file__).parent.parent
 STANDIN = Path(__file__).parent / "rtp_standin"
 PLUGIN = "fxglm5.rtpllm.models"
+# the tiny model at GLM-5's cache widths: RTP allocates the cache from these fields
+RTP_TINY = Glm5Config.preset("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
 
 
 def _forget_rtp() -> None:
@@ -29,20 +34,39 @@ def _forget_rtp() -> None:
             del sys.modules[name]
 
 
-@pytest.fixture
-def rtp(monkeypatch):
-    """The stand-in ``rtp_llm`` on the path, fresh registries, the plugin loaded as RTP loads it."""
+@pytest.fixture(scope="module")
+def rtp():
+    """The stand-in ``rtp_llm`` on the path with fresh registries; removed afterwards (other tests see no RTP)."""
     _forget_rtp()
-    monkeypatch.syspath_prepend(str(STANDIN))
+    sys.path.insert(0, str(STANDIN))
     from rtp_llm import standin_engine
 
-    standin_engine.load_external_packages(["--external_model_packages", PLUGIN], {})
     yield standin_engine
     _forget_rtp()
+    sys.path.remove(str(STANDIN))
 
 
-# the tiny model at GLM-5's cache widths: RTP allocates the cache from these fields
-RTP_TINY = Glm5Config.preset("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
+def engine(rtp, ckpt, **kw):
+    """An RTP engine whose launch names the plugin on the command line, as PR #1266 reads it."""
+    kw = dict(dict(external_model_packages=[PLUGIN], seq_size_per_block=16, num_blocks=40, max_seq_len=64), **kw)
+    return rtp.Engine(ckpt, **kw)
+
+
+def runner(ckpt, kv_cache, kernel_block, dtype, **kw):
+    kw = dict(dict(block_size=16, num_blocks=40, decode_graphs=False), **kw)
+    return Runner(ckpt, kv_cache=kv_cache, index_cache="fp8", kernel_block_size=kernel_block or None, dtype=dtype,
+                  keep_logits=True, **kw)
+
+
+def runtime_tokens(runtime, prompts, n):
+    """fxglm5's own greedy tokens. In bf16 its logits are bf16 where RTP's post-layer keeps them in fp32, so the
+    two choose alike wherever the runtime's top two logits differ (rounding keeps order): checked, every step."""
+    seqs = runtime.run(prompts, n)
+    for i, seq in enumerate(seqs):
+        for step, logits in enumerate(seq.logits):
+            top = logits.topk(2).values
+            assert top[0] > top[1], f"prompt {i} step {step}: the runtime's top logits tie in bf16; pick other prompts"
+    return [seq.output for seq in seqs]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +80,12 @@ def fp8_ckpt(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-fp8"), fp8=True, config=RTP_TINY)
 
 
+@pytest.fixture(scope="module")
+def eager(rtp, ckpt):
+    """RTP's PDFUSION role, eager, fp32 compute (ACT_TYPE=FP32), bf16 cache; its prefill warm-up ran first."""
+    return engine(rtp, ckpt, act_type="FP32")
+
+
 def _prompts(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
@@ -64,72 +94,123 @@ def _prompts(lengths, seed=0):
 def test_importing_the_plugin_without_rtp_llm_registers_nothing():
     code = (f"import sys, {PLUGIN}; "
             "assert 'fxglm5.rtpllm.glm5' not in sys.modules and not any(m.startswith('rtp_llm') for m in sys.modules)")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_the_plugin_takes_glm_5_over_from_rtp(rtp, ckpt, monkeypatch):
-    from rtp_llm import model_factory_register as reg
-    from rtp_llm.models.deepseek_v2 import DeepSeekV2
+def test_rtp_loads_the_plugin_from_the_command_line_flag_in_every_rank(rtp):
+    """PR #1266: the flag only (the env var leaves RTP serving its own DeepSeekV2 as glm_5), identifiers
+    checked, import errors wrapped, the package imported again in each spawned rank process."""
+    from rtp_llm.utils.import_util import load_external_model_packages
 
-    from fxglm5.rtpllm.glm5 import Fxglm5Glm5
+    env_only = {"RTP_LLM_EXTERNAL_MODEL_PACKAGES": PLUGIN, "MODEL_TYPE": "glm_5"}
+    assert rtp.rank_model_classes([], env_only, 1) == ["rtp_llm.models.deepseek_v2.DeepSeekV2"]
+    assert rtp.rank_model_classes(["--external_model_packages", PLUGIN], env_only, 2) == \
+        ["fxglm5.rtpllm.glm5.Fxglm5Glm5"] * 2
+    with pytest.raises(SystemExit):
+        rtp.parse_args(["--external_model_packages", "fxglm5.rtpllm-models"], {})
+    with pytest.raises(RuntimeError, match="Failed to import external model package 'fxglm5.rtpllm.absent'") as err:
+        load_external_model_packages(["fxglm5.rtpllm.absent"])
+    assert isinstance(err.value.__cause__, ModuleNotFoundError)
+    section = (ROOT / "README.md").read_text().split("## RTP-LLM plugin")[1].split("\n## ")[0]
+    assert "--external_model_packages fxglm5.rtpllm.models" in section
+    assert "RTP_LLM_EXTERNAL_MODEL_PACKAGES=" not in section
 
-    assert reg._model_factory["glm_5"] is Fxglm5Glm5 and reg._model_factory["fxglm5_glm5"] is Fxglm5Glm5
-    assert reg._model_factory["deepseek2"] is DeepSeekV2  # RTP's other models are untouched
-    assert reg._hf_architecture_2_ft["GlmMoeDsaForCausalLM"] == "glm_5"
-    assert rtp.resolve_model_class(ckpt) is Fxglm5Glm5  # MODEL_TYPE unset: from config.json architectures
-    # the older spelling: the package list in RTP_LLM_EXTERNAL_MODEL_PACKAGES, imported once
-    assert rtp.external_packages([], {"RTP_LLM_EXTERNAL_MODEL_PACKAGES": PLUGIN}) == [PLUGIN]
 
+def test_the_config_is_rtp_glm5s_and_sizes_its_cache(rtp, ckpt, tmp_path):
+    from rtp_llm.ops import DataType
 
-def test_the_config_describes_the_mla_and_indexer_caches(rtp, ckpt, tmp_path):
+    from fxglm5.rtpllm.config import compute_dtype
     from fxglm5.rtpllm.glm5 import Fxglm5Glm5
 
     cfg = Glm5Config.from_json(ckpt / "config.json")
     mc = Fxglm5Glm5._create_config(ckpt)
-    a = mc.attn_config
+    a, rope = mc.attn_config, mc.attn_config.rope_config
     assert (mc.num_layers, mc.hidden_size, mc.vocab_size) == (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)
     assert a.use_mla and a.is_sparse and (a.kv_lora_rank, a.rope_head_dim) == (512, 64)
     assert (a.head_num, a.indexer_head_dim, a.indexer_head_num, a.indexer_topk) == (
         cfg.num_attention_heads, cfg.index_head_dim, cfg.index_n_heads, cfg.index_topk)
+    # the values RTP's own GLM-5 (DeepSeekV2._from_hf) writes
+    assert a.kv_head_num == cfg.num_key_value_heads and mc.inter_size == cfg.n_shared_experts * cfg.moe_intermediate_size
+    assert (mc.moe_style, mc.moe_layer_index, mc.routed_scaling_factor, mc.scoring_func, mc.has_moe_norm) == (
+        2, [1, 2, 3], 2.5, 1, True)
+    assert (mc.config_dtype, mc.norm_type, mc.has_post_decoder_layernorm) == ("bfloat16", "rmsnorm", True)
+    assert (rope.style, rope.offset, rope.is_neox_style, rope.indexer_is_neox_style) == (0, 64, False, False)
+    # max_seq_len: RTP's 8192 (MAX_SEQ_LEN overrides it), never GLM-5's 202752 positions
+    assert mc.max_seq_len == cfg.max_position_embeddings == 4096
+    Glm5Config.preset("glm5").save(tmp_path / "glm5")
+    assert Fxglm5Glm5._create_config(tmp_path / "glm5").max_seq_len == 8192
+    # data_type is RTP's C++ enum; the compute dtype is compute_dtype
+    mc.data_type = "bf16"
+    assert mc.data_type is DataType.TYPE_BF16 and compute_dtype(mc) is torch.bfloat16
+    assert compute_dtype(SimpleNamespace(data_type=DataType.TYPE_FP32)) is torch.float32
     # a model whose rows are not RTP's GLM-5 layouts is refused by name, before RTP allocates anything
-    narrow = Glm5Config.preset("tiny").replace(quantization_config=None)
-    narrow.save(tmp_path)
+    Glm5Config.preset("tiny").replace(quantization_config=None).save(tmp_path / "narrow")
     with pytest.raises(ConfigError, match="kv_lora_rank=128"):
-        Fxglm5Glm5._create_config(tmp_path)
+        Fxglm5Glm5._create_config(tmp_path / "narrow")
 
 
-@pytest.mark.parametrize("fp8_kv,kernel_block", [(False, 0), (True, 4), (False, 8)])
-def test_an_rtp_engine_generates_the_tokens_of_the_fxglm5_runtime(rtp, ckpt, fp8_kv, kernel_block):
-    """Mixed prompt lengths around index_topk (8); RTP's prefill and eager decode steps."""
+@pytest.mark.parametrize("fp8_kv,kernel_block", [(False, 0), (True, 4)])
+def test_an_rtp_engine_generates_the_tokens_of_the_fxglm5_runtime(rtp, ckpt, eager, fp8_kv, kernel_block):
+    """Mixed prompt lengths around index_topk (8); RTP's prefill and eager decode steps on RTP's cache (tagged
+    cache calls, the float8_e4m3fn ds_mla rows under FP8_KV_CACHE=1), after RTP's no-cache prefill warm-up."""
     batch = _prompts([5, 20, 11])
-    eng = rtp.Engine(ckpt, act_type="FP32", fp8_kv_cache=fp8_kv, seq_size_per_block=16,
-                     kernel_seq_size_per_block=kernel_block, num_blocks=24)
+    eng = eager if (fp8_kv, kernel_block) == (False, 0) else engine(
+        rtp, ckpt, act_type="FP32", fp8_kv_cache=fp8_kv, kernel_seq_size_per_block=kernel_block)
+    if fp8_kv:
+        assert eng.kv_cache.get_layer_cache(0).kv_cache_base.dtype == torch.float8_e4m3fn
+    steps = eng.prefill_steps, eng.eager_decode_steps
     got = eng.generate(batch, 6)
-    runner = Runner(ckpt, kv_cache="fp8" if fp8_kv else "bf16", index_cache="fp8", block_size=16,
-                    kernel_block_size=kernel_block or None, dtype=torch.float32, num_blocks=24, decode_graphs=False)
-    assert got == runner.generate(batch, 6)
-    assert rtp_counts(eng) == dict(prefill=1, eager_decode=5, replays=0)
+    assert got == runtime_tokens(runner(ckpt, "fp8" if fp8_kv else "bf16", kernel_block, torch.float32), batch, 6)
+    assert (eng.prefill_steps - steps[0], eng.eager_decode_steps - steps[1], eng.graph_replays) == (1, 5, 0)
+    assert eng.init_calls[0] is None and eng.init_calls[1:] == [eng.kv_cache]
+    assert eng.model_weights_loader is None  # read as rpc_engine._start reads it
 
 
-@pytest.mark.parametrize("fp8_kv,kernel_block", [(True, 0), (False, 8)])
-def test_rtp_decode_graph_steps_give_the_eager_tokens(rtp, fp8_ckpt, fp8_kv, kernel_block):
-    """RTP's CUDA-graph decode protocol (static buffers at the bucket size, zeroed tables, live rows copied in,
-    prepare_cuda_graph, replay; emulated on the CPU by the stand-in) with 3 requests in a bucket of 4."""
-    batch = _prompts([5, 20, 11])
-    kw = dict(act_type="BF16", fp8_kv_cache=fp8_kv, seq_size_per_block=16, kernel_seq_size_per_block=kernel_block,
-              num_blocks=24)
-    graphs = rtp.Engine(fp8_ckpt, enable_cuda_graph=True, decode_capture_batch_sizes=(1, 4), **kw)
-    assert graphs.generate(batch, 6) == rtp.Engine(fp8_ckpt, **kw).generate(batch, 6)
-    assert rtp_counts(graphs) == dict(prefill=1, eager_decode=0, replays=5)
-    assert graphs.init_calls[0] is None  # the warm-up initialize() came first, without a cache
+@pytest.fixture(scope="module", params=["fp8", "bf16"])
+def graphs(request, rtp, fp8_ckpt):
+    """RTP's decode CUDA graphs (captured on CPU as the stand-in emulates them) at sizes 1 and 4, kernel blocks
+    of 8 in blocks of 16, over the block-FP8 checkpoint (bf16 compute)."""
+    kv = request.param
+    eng = engine(rtp, fp8_ckpt, fp8_kv_cache=kv == "fp8", kernel_seq_size_per_block=8, enable_cuda_graph=True,
+                 decode_capture_batch_sizes=(1, 4))
+    return SimpleNamespace(engine=eng, runner=runner(fp8_ckpt, kv, 8, torch.bfloat16))
 
 
-def rtp_counts(eng) -> dict:
-    return dict(prefill=eng.prefill_steps, eager_decode=eng.eager_decode_steps, replays=eng.graph_replays)
+def test_rtp_decode_graphs_give_the_runtime_tokens_and_leave_other_requests_rows(graphs):
+    """Four requests fill bucket 4; then two new ones replay it with two padding rows whose host block-table rows
+    still name the first batch's blocks (RTP zeroes only the device table and the host sequence_lengths).
+    Both batches give fxglm5's own tokens, and the first batch's cached blocks keep every byte."""
+    eng = graphs.engine
+    g = eng.graph_runner
+    assert g.captured_sizes == [4, 1] and eng.init_calls[0] is None and eng.init_calls[1:] == [eng.kv_cache] * 2
+    first, second = _prompts([20, 33, 17, 40], seed=4), _prompts([7, 18], seed=104)
+    assert eng.generate(first, 4) == runtime_tokens(graphs.runner, first, 4)
+    host = g.instances[4].inputs.attention_inputs.kv_cache_kernel_block_id
+    kept = sorted(eng.block_manager.cached.values())
+    assert len(kept) >= 4 and bool((host[2:4, 0] != 0).all())  # rows 2, 3 will be stale padding
+    before = [pool[:, kept].clone() for pool in eng.kv_pools]
+    assert eng.generate(second, 5) == runtime_tokens(graphs.runner, second, 5)
+    assert all(torch.equal(pool[:, kept].view(torch.uint8), b.view(torch.uint8))
+               for pool, b in zip(eng.kv_pools, before))
+    assert g.replays_by_size == {4: 3 + 4} and eng.eager_decode_steps == 0
 
 
-def _engine(rtp, ckpt, **kw):
-    return rtp.Engine(ckpt, act_type=kw.pop("act_type", "FP32"), seq_size_per_block=16, num_blocks=24, **kw)
+def test_fp8_checkpoint_hidden_states_match_the_eager_model(rtp, graphs):
+    """The checkpoint loaded as it is (block-FP8 weights, bf16 compute): the prefill's final-norm hidden states
+    against ``Glm5Model`` without a cache (prompts within index_topk, so the indexer selects every key)."""
+    from fxglm5.model.checkpoint import load_checkpoint
+
+    eng = graphs.engine
+    if eng.config.attn_config.kv_cache_dtype.name == "FP8":
+        pytest.skip("the FP8 cache quantizes the prefill's keys; compared with the bf16 cache")
+    batch = _prompts([6, 8], seed=4)
+    hidden = _record(eng.py_model, "forward", lambda args, out: out.hidden_states.float())
+    eng.generate(batch, 1)
+    model = load_checkpoint(eng.config.ckpt_path, dtype=torch.bfloat16, progress=False)
+    with torch.no_grad():
+        ref = torch.cat([model.model(torch.tensor([p]))[0].float() for p in batch])
+    assert hidden[0].shape == ref.shape
+    assert (hidden[0] - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
 def _record(py_model, method: str, what):
@@ -145,88 +226,92 @@ def _record(py_model, method: str, what):
     return seen
 
 
-def test_prefix_reuse_gives_the_tokens_of_a_full_prefill(rtp, ckpt):
+def test_prefix_reuse_gives_the_tokens_of_a_full_prefill(eager):
     first = _prompts([40, 23], seed=3)
     second = [first[0][:35] + [7, 8], first[1][:20] + [9]]
-    eng = _engine(rtp, ckpt)
-    eng.generate(first, 3)
-    prefixes = _record(eng.py_model, "prepare_fmha_impl", lambda args, _: args[0].attention_inputs.prefix_lengths.tolist())
-    reused = eng.generate(second, 4, reuse_prefix=True)
+    eager.generate(first, 3)
+    prefixes = _record(eager.py_model, "prepare_fmha_impl",
+                       lambda args, _: args[0].attention_inputs.prefix_lengths.tolist())
+    reused = eager.generate(second, 4, reuse_prefix=True)
+    del eager.py_model.prepare_fmha_impl
     assert prefixes[0] == [32, 16]  # whole 16-token blocks of the first batch's requests
-    assert reused == _engine(rtp, ckpt).generate(second, 4)
+    assert reused == eager.generate(second, 4)
 
 
-def test_fp8_checkpoint_hidden_states_match_the_eager_model(rtp, fp8_ckpt):
-    """The checkpoint loaded as it is (block-FP8 weights, bf16 compute): the prefill's final-norm hidden states
-    against ``Glm5Model`` without a cache (prompts within index_topk, so the indexer selects every key)."""
-    from fxglm5.model.checkpoint import load_checkpoint
+def test_bad_steps_fail_by_name_and_leave_the_cache_as_it_was(rtp, eager):
+    from rtp_llm.ops.compute_ops import KVCache, init_resources
 
-    batch = _prompts([6, 8], seed=4)
-    eng = _engine(rtp, fp8_ckpt, act_type="BF16")
-    hidden = _record(eng.py_model, "forward", lambda args, out: out.hidden_states.float())
-    eng.generate(batch, 1)
-    model = load_checkpoint(fp8_ckpt, dtype=torch.bfloat16, progress=False)
-    with torch.no_grad():
-        ref = torch.cat([model.model(torch.tensor([p]))[0].float() for p in batch])
-    assert hidden[0].shape == ref.shape
-    assert (hidden[0] - ref).abs().max() <= 2e-2 * ref.abs().max()
-
-
-def test_bad_steps_fail_by_name_and_leave_the_cache_as_it_was(rtp, ckpt):
-    from rtp_llm.ops.compute_ops import KVCache, LayerKVCache, PyModelInitResources
-
-    eng = _engine(rtp, ckpt)
+    eng = eager
     eng.generate(_prompts([20]), 2)  # something stored
     model = eng.py_model
-    before = [t.clone() for t in model.caches]
+    before = [t.clone() for t in eng.kv_pools]
+    disagree = eng._decode_inputs([1], [20], [20], [[1, 2]])
+    disagree.attention_inputs.sequence_lengths_plus_1_device = torch.tensor([25], dtype=torch.int32)
     steps = {
         "block id 99 out of range": eng._decode_inputs([1], [20], [20], [[1, 99]]),
         "a position needs a block": eng._decode_inputs([1], [20], [40], [[1, 2]]),
         "token id 100000 is out of range": eng._decode_inputs([100000], [20], [20], [[1, 2]]),
+        r"requests \[0, 1\] write the same cache slot": eng._decode_inputs([1, 2], [20, 20], [20, 20],
+                                                                          [[1, 2], [1, 2]]),
+        r"sequence_lengths_plus_1_device: \[25\] disagrees with sequence_lengths \[20\]": disagree,
     }
     for message, inputs in steps.items():
         with pytest.raises(InputError, match=message):
             model.forward(inputs, model.prepare_fmha_impl(inputs, False))
-    narrow = [LayerKVCache(torch.zeros(24, 16, 500), None, 16, i) for i in range(4)]
+    narrow = [torch.zeros(48, 16, 500)] * 4
     with pytest.raises(InputError, match="kv_cache layer 0 kv_cache_base"):
-        model.initialize(PyModelInitResources(kv_cache=KVCache(narrow, 16, 16)))
-    assert all(torch.equal(a, b) for a, b in zip(before, model.caches))
+        model.initialize(init_resources(KVCache(narrow, [None] * 4, 16, 16)))
+    assert all(torch.equal(a, b) for a, b in zip(before, eng.kv_pools))
+    model.initialize(init_resources(eng.kv_cache))
 
 
-def test_cuda_graphs_are_offered_for_block_fp8_checkpoints_only(rtp, ckpt, fp8_ckpt):
-    """RTP refuses ENABLE_CUDA_GRAPH=1 for a model that says no: a bf16 checkpoint's MoE syncs with the host."""
-    for path, expected in ((fp8_ckpt, True), (ckpt, False)):
-        cls = rtp.resolve_model_class(path)
-        assert cls.from_config(model_config=cls._create_config(path)).support_cuda_graph() is expected
-    with pytest.raises(RuntimeError, match="support_cuda_graph"):
-        _engine(rtp, ckpt, enable_cuda_graph=True)
+def test_warm_ups_write_nothing_to_rtps_cache(rtp, eager):
+    """PDFUSION: ``initialize(None)`` then steps on private scratch blocks. DECODE role: a 5-block cache and
+    rows whose block ids are all 0 (RTP's fakeInitKVBlock), at max_seq_len - 2: run, refused by nothing,
+    written nowhere."""
+    from rtp_llm.ops.compute_ops import init_resources
+    from rtp_llm.standin_cache import allocate_kv_cache
 
-
-def test_a_sharded_launch_is_refused_at_load(rtp, ckpt):
-    from types import SimpleNamespace
-
-    cls = rtp.resolve_model_class(ckpt)
-    config = cls._create_config(ckpt)
-    model = cls.from_config(model_config=config, parallelism_config=SimpleNamespace(tp_size=2, tp_rank=0, ep_size=1))
-    with pytest.raises(ConfigError, match="tp_size=2"):
-        model.load()
-
-
-def test_warm_up_steps_before_the_cache_write_nothing_to_it(rtp, ckpt):
-    """RTP's first initialize() has no cache (warm-up); steps then run on private scratch blocks."""
-    from rtp_llm.ops.compute_ops import PyModelInitResources
-
-    eng = _engine(rtp, ckpt)
-    model = eng.py_model
-    rtp_cache, before = list(model.caches), [t.clone() for t in model.caches]
-    assert model.initialize(PyModelInitResources(kv_cache=None)) is True
-    inputs = eng._decode_inputs([3, 4], [5, 30], [5, 30], [[1], [2, 3]])
+    model = eager.py_model
+    before = [t.clone() for t in eager.kv_pools]
+    assert model.initialize(init_resources(None)) is True
+    inputs = eager._decode_inputs([3, 4], [5, 30], [5, 30], [[1], [2, 3]])
     hidden = model.forward(inputs, model.prepare_fmha_impl(inputs, False)).hidden_states
     assert hidden.shape == (2, RTP_TINY.hidden_size) and torch.isfinite(hidden).all()
-    assert all(torch.equal(a, b) for a, b in zip(rtp_cache, before))
+    five, pools = allocate_kv_cache(eager.config, 5, 16, 0, "cpu")
+    assert model.initialize(init_resources(five, is_decode_role=True)) is True
+    fake = eager._decode_inputs([3] * 4, [63] * 4, [62] * 4, [[0] * 4] * 4)
+    assert torch.isfinite(model.forward(fake, model.prepare_fmha_impl(fake, False)).hidden_states).all()
+    assert all(not p.view(torch.uint8).any() for p in pools)
+    assert all(torch.equal(a, b) for a, b in zip(eager.kv_pools, before))
     # a step prepared on RTP's cache cannot run once the model holds none
-    model.initialize(PyModelInitResources(kv_cache=eng.kv_cache))
+    model.initialize(init_resources(eager.kv_cache))
     prepared = model.prepare_fmha_impl(inputs, False)
-    model.initialize(PyModelInitResources(kv_cache=None))
+    model.initialize(init_resources(None))
     with pytest.raises(InputError, match="initialize"):
         model.forward(inputs, prepared)
+    model.initialize(init_resources(eager.kv_cache))
+
+
+def test_cuda_graphs_are_refused_by_name_for_a_bf16_checkpoint(rtp, ckpt, fp8_ckpt):
+    """RTP checks support_cuda_graph() inside the BaseModel.load the plugin replaces: the plugin checks it."""
+    from fxglm5.rtpllm.glm5 import Fxglm5Glm5
+
+    for path, expected in ((fp8_ckpt, True), (ckpt, False)):
+        model = Fxglm5Glm5.__new__(Fxglm5Glm5)
+        model.model_config = Fxglm5Glm5._create_config(path)
+        assert model.support_cuda_graph() is expected
+    with pytest.raises(ConfigError, match="ENABLE_CUDA_GRAPH=1"):
+        engine(rtp, ckpt, enable_cuda_graph=True, warm_up=False)
+
+
+def test_a_sharded_or_too_long_launch_is_refused_at_load(rtp, ckpt):
+    from fxglm5.rtpllm.glm5 import Fxglm5Glm5
+
+    hw = rtp.HWKernelConfig(False, ())
+    sharded = SimpleNamespace(tp_size=2, tp_rank=0, ep_size=1)
+    with pytest.raises(ConfigError, match="tp_size=2"):
+        Fxglm5Glm5.from_config(Fxglm5Glm5._create_config(ckpt), sharded, hw, None, None, None, None, 1, None, False,
+                               None)
+    with pytest.raises(ConfigError, match="MAX_SEQ_LEN=8192 is past the model's max_position_embeddings"):
+        engine(rtp, ckpt, max_seq_len=8192, warm_up=False)

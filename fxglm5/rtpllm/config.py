@@ -1,7 +1,8 @@
-"""GLM-5's config.json as RTP-LLM's ``ModelConfig``: the fields RTP's C++ side sizes the KV cache from.
+"""GLM-5's config.json as RTP-LLM's ``ModelConfig``: the fields RTP's C++ side sizes the KV cache from, and
+the ones RTP's own GLM-5 (``DeepSeekV2._from_hf``, rtp-llm 4b8d39cd5) fills, with its values.
 
-RTP's field names drifted between versions, so every field is set only where the ``ModelConfig`` (or its
-``attn_config``) has it, as the contract asks (``getattr`` / ``hasattr``, never a hard dependency).
+Every field is set only where the ``ModelConfig`` (or its ``attn_config`` / ``rope_config``) has it: RTP's
+pybind structs reject unknown names, and field sets drift between RTP versions.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from fxglm5.model.config import Glm5Config
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                   "float16": torch.float16, "half": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 
+# RTP's max_seq_len when MAX_SEQ_LEN is unset (its DeepSeekV2 / GLM-5 class sets 8192; build_model_config lets
+# MAX_SEQ_LEN override it). It sizes the CUDA-graph tables and the default warm-up prefill (max_seq_len - 1
+# tokens): GLM-5's max_position_embeddings (202752) there would be a 202751-token warm-up.
+RTP_DEFAULT_MAX_SEQ_LEN = 8192
+
 
 def _set(obj, **fields) -> None:
     for name, value in fields.items():
@@ -27,6 +33,7 @@ def _set(obj, **fields) -> None:
 # widths only: 576-value (or 656-byte ds_mla) latent rows, 132-byte indexer rows. fxglm5's own runtime pads
 # narrower models' rows; RTP's allocator would not.
 RTP_LAYOUT_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128}
+SCORING_FUNCS = {"softmax": 0, "sigmoid": 1}  # RTP's ModelConfig.scoring_func codes
 
 
 def fill_model_config(model_config, cfg: Glm5Config, ckpt_path: str | Path):
@@ -36,34 +43,43 @@ def fill_model_config(model_config, cfg: Glm5Config, ckpt_path: str | Path):
         if getattr(cfg, field) != width:
             raise ConfigError(f"{Path(ckpt_path) / 'config.json'}: {field}={getattr(cfg, field)}; RTP-LLM's MLA / "
                               f"indexer cache layouts need {field}={width} (GLM-5's)")
-    _set(model_config, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-         inter_size=cfg.intermediate_size, max_seq_len=cfg.max_position_embeddings, layernorm_eps=cfg.rms_norm_eps,
+    layers = cfg.num_hidden_layers
+    _set(model_config, num_layers=layers, hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+         inter_size=cfg.n_shared_experts * cfg.moe_intermediate_size,
+         max_seq_len=min(RTP_DEFAULT_MAX_SEQ_LEN, cfg.max_position_embeddings), layernorm_eps=cfg.rms_norm_eps,
          expert_num=cfg.n_routed_experts, moe_k=cfg.num_experts_per_tok, moe_inter_size=cfg.moe_intermediate_size,
-         ckpt_path=str(ckpt_path))
+         moe_style=2, moe_layer_index=[i for i in range(layers) if cfg.is_moe_layer(i)], moe_n_group=cfg.n_group,
+         moe_topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
+         scoring_func=SCORING_FUNCS.get(cfg.scoring_func, 1), has_moe_norm=cfg.norm_topk_prob, norm_type="rmsnorm",
+         has_post_decoder_layernorm=True, activation_type="SiGLU", tie_word_embeddings=cfg.tie_word_embeddings,
+         config_dtype=cfg.torch_dtype, ckpt_path=str(ckpt_path))
     attn = getattr(model_config, "attn_config", None)
     if attn is None:
         raise ConfigError("RTP ModelConfig has no attn_config: cannot describe the MLA cache to RTP")
-    _set(attn, head_num=cfg.num_attention_heads, kv_head_num=1, size_per_head=cfg.qk_head_dim, use_mla=True,
-         q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, nope_head_dim=cfg.qk_nope_head_dim,
+    _set(attn, head_num=cfg.num_attention_heads, kv_head_num=cfg.num_key_value_heads, size_per_head=cfg.qk_head_dim,
+         use_mla=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, nope_head_dim=cfg.qk_nope_head_dim,
          rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, softmax_extra_scale=1.0,
-         is_sparse=any(cfg.has_indexer(i) for i in range(cfg.num_hidden_layers)),
+         is_sparse=any(cfg.has_indexer(i) for i in range(layers)),
          indexer_head_dim=cfg.index_head_dim, indexer_head_num=cfg.index_n_heads, indexer_topk=cfg.index_topk)
     rope = getattr(attn, "rope_config", None)
-    if rope is not None:
-        _set(rope, base=cfg.rope_theta, dim=cfg.qk_rope_head_dim)
+    if rope is not None:  # style 0 for MLA, rope after the nope dims; GLM-5's interleave flags
+        _set(rope, base=cfg.rope_theta, dim=cfg.qk_rope_head_dim, style=0, offset=cfg.qk_nope_head_dim,
+             is_neox_style=not cfg.rope_interleave, indexer_is_neox_style=not cfg.indexer_rope_interleave)
     return model_config
 
 
 def compute_dtype(model_config) -> torch.dtype:
-    """The model's compute dtype from ``data_type`` (a torch dtype or a name such as "BF16"); bf16 if unset
-    (RTP forces ACT_TYPE=BF16 for block-wise FP8 weights)."""
-    value = getattr(model_config, "data_type", None)
-    if value is None:
-        return torch.bfloat16
-    if isinstance(value, torch.dtype):
-        dtype = value
-    else:
-        dtype = COMPUTE_DTYPES.get(str(value).lower().removeprefix("torch."))
+    """The compute dtype: RTP's ``ModelConfig.compute_dtype`` (a torch dtype), else ``data_type`` (RTP's C++
+    enum ``DataType.TYPE_BF16``, or a name such as "bf16"); bf16 if neither is set."""
+    dtype = getattr(model_config, "compute_dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        value = getattr(model_config, "data_type", None)
+        if value is None:
+            return torch.bfloat16
+        name = getattr(value, "name", None) or str(value)
+        dtype = value if isinstance(value, torch.dtype) else COMPUTE_DTYPES.get(
+            str(name).lower().removeprefix("torch.").removeprefix("type_"))
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ConfigError(f"ModelConfig.data_type: {value!r} is not a compute dtype (bf16, fp16, fp32)")
+        raise ConfigError(f"ModelConfig.data_type: {getattr(model_config, 'data_type', None)!r} is not a compute "
+                          "dtype (bf16, fp16, fp32)")
     return dtype

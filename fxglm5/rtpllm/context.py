@@ -1,14 +1,19 @@
 """RTP-LLM's per-step inputs as the compiled graph's inputs.
 
-- :func:`bind_caches`: the per-layer caches RTP allocated (``kv_cache_base``: latent rows;
-  ``kv_scale_base``: the indexer's 132-byte rows), checked against what the graph takes, in its input order.
+- :func:`bind_caches`: the per-layer caches RTP allocated for its one cache group (``kv_cache_base``: latent
+  rows, the compute dtype or RTP's ``float8_e4m3fn`` ds_mla rows; ``kv_scale_base``: the indexer's 132-byte
+  rows), checked against what the graph takes, in its input order.
 - :class:`StepMetadata`: positions, slots, request of every token and the kernel block table of one step,
-  from a ``PyAttentionInputs``. Host fields are read (RTP gives every bare-named field as a host tensor), so
-  an eager step validates with :meth:`ForwardContext.validate` (errors name the field) before any kernel runs.
-  For RTP's decode CUDA graphs the metadata lives in static device buffers, refilled by
-  :meth:`StepMetadata.prepare_cuda_graph` before each replay: RTP zeroes the static block table and copies
-  the live rows into its first rows, so a row whose first block is 0 (never handed out) is padding, and gets
-  position 0 and slot -1 (no cache write) instead of the stale lengths it holds.
+  from a ``PyAttentionInputs`` (tensors RTP leaves unset are None). Host fields are read, so an eager step
+  validates with :meth:`ForwardContext.validate` (errors name the field) before any kernel runs.
+
+A decode row is padding, computed but writing nothing (position 0, slot -1), unless its host
+``sequence_lengths`` entry is positive and its kernel block table row starts with a real block. That is what
+RTP guarantees for padding: before a CUDA-graph replay it zeroes host ``sequence_lengths`` past the batch
+but NOT the host block-table rows, which still hold an earlier, larger batch's blocks (the per-size static
+inputs are slices of one max-batch buffer); its capture inputs and its decode-role warm-up have real lengths
+and all-zero tables (``fakeInitKVBlock``). Static CUDA-graph metadata lives in device buffers refilled by
+:meth:`StepMetadata.prepare_cuda_graph` before each replay.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ class CacheLayout:
     max_position_embeddings: int
 
 
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # RTP's typed view of ds_mla rows; uint8 = the same bytes
+
+
 def _check_cache(name: str, t, kernel_blocks: int, kbs: int, dtypes: tuple, widths: tuple) -> None:
     if not isinstance(t, torch.Tensor) or t.dim() != 3:
         raise InputError(f"{name}: expected a [kernel_blocks, kernel_block_size, row] tensor, got "
@@ -43,22 +51,28 @@ def _check_cache(name: str, t, kernel_blocks: int, kbs: int, dtypes: tuple, widt
 
 
 def bind_caches(kv_cache, signature, dtype: torch.dtype, max_position_embeddings: int):
-    """RTP's ``KVCache`` -> (graph cache inputs in order, :class:`CacheLayout`); InputError naming the layer."""
-    block_size = int(kv_cache.get_seq_size_per_block())
-    kbs = int(kv_cache.get_kernel_seq_size_per_block() or block_size)
+    """RTP's ``KVCache`` -> (graph cache inputs in order, :class:`CacheLayout`); InputError naming the layer.
+    RTP's cache methods take the group's tag; GLM-5's MLA layers are one group."""
+    tags = list(kv_cache.group_tags)
+    if len(tags) != 1:
+        raise InputError(f"kv_cache: cache groups {tags}; GLM-5's MLA layers form one group")
+    tag = tags[0]
+    block_size = int(kv_cache.get_seq_size_per_block(tag))
+    kbs = int(kv_cache.get_kernel_seq_size_per_block(tag) or block_size)
     if kbs < 1 or block_size % kbs:
         raise InputError(f"kv_cache: kernel block size {kbs} does not divide the block size {block_size}")
-    layers = int(getattr(kv_cache, "layer_count", len(signature.layers)))
+    layers = int(kv_cache.layer_count)
     if layers < len(signature.layers):
         raise InputError(f"kv_cache: {layers} layers, the model has {len(signature.layers)} attention layers")
     inputs, kernel_blocks = [], None
+    dtypes = (dtype,) + FP8_CACHE_DTYPES
     for layer, (kv_name, index_name) in enumerate(signature.layers):
-        lc = kv_cache.get_layer_cache(layer)
+        lc = kv_cache.get_layer_cache(layer, tag)
         kv = lc.kv_cache_base
         kernel_blocks = kernel_blocks or (kv.shape[0] if isinstance(kv, torch.Tensor) and kv.dim() == 3 else 0)
-        _check_cache(f"kv_cache layer {layer} kv_cache_base", kv, kernel_blocks, kbs, (dtype, torch.uint8),
-                     (paged.LATENT_DIM, paged.FP8_ROW_BYTES))
-        inputs.append(kv)
+        _check_cache(f"kv_cache layer {layer} kv_cache_base", kv, kernel_blocks, kbs, dtypes,
+                     (paged.LATENT_DIM, paged.FP8_ROW_BYTES, paged.FP8_ROW_BYTES))
+        inputs.append(kv.view(torch.uint8) if kv.dtype == torch.float8_e4m3fn else kv)
         if index_name is not None:
             _check_cache(f"kv_cache layer {layer} kv_scale_base (indexer keys)", lc.kv_scale_base, kernel_blocks, kbs,
                          (torch.uint8,), (paged.INDEX_ROW_BYTES,))
@@ -77,15 +91,45 @@ def _host(attn, name: str):
 
 def _lengths_and_starts(attn):
     """(input_lengths, first position of each request's tokens this step): the prefix length in a prefill
-    (empty = no prefix), the cached length in a decode (``sequence_lengths``, else from its device mirror)."""
+    (unset or empty = no prefix), the cached length in a decode (``sequence_lengths``, else from its device
+    mirror)."""
     lengths = _host(attn, "input_lengths")
+    if lengths is None:
+        raise InputError("input_lengths: unset")
     if bool(attn.is_prefill):
         starts = _host(attn, "prefix_lengths")
         return lengths, torch.zeros_like(lengths) if starts is None or starts.numel() == 0 else starts
     starts = _host(attn, "sequence_lengths")
     if starts is None or starts.numel() == 0:
-        starts = _host(attn, "sequence_lengths_plus_1_device") - 1
+        plus_1 = _host(attn, "sequence_lengths_plus_1_device")
+        if plus_1 is None:
+            raise InputError("sequence_lengths: unset in a decode step (and no sequence_lengths_plus_1_device)")
+        starts = plus_1 - 1
     return lengths, starts
+
+
+def _check_device_lengths(attn, starts) -> None:
+    """An eager decode step's device lengths must say what the host ones say (RTP's own kernels read them)."""
+    dev = _host(attn, "sequence_lengths_plus_1_device")
+    if dev is None or _host(attn, "sequence_lengths") is None:
+        return
+    if dev.shape != starts.shape or not torch.equal(dev.long() - 1, starts.long()):
+        bad = next((i for i in range(min(len(dev), len(starts))) if int(dev[i]) - 1 != int(starts[i])), None)
+        raise InputError(f"sequence_lengths_plus_1_device: {dev.tolist()} disagrees with sequence_lengths "
+                         f"{starts.tolist()} + 1" + ("" if bad is None else f" (request {bad})"))
+
+
+def _tables(attn, layout: CacheLayout):
+    """(physical, kernel) host block tables; the physical one follows from the kernel one where RTP leaves it
+    unset (its CUDA-graph static inputs)."""
+    kernel = _host(attn, "kv_cache_kernel_block_id")
+    if kernel is None:
+        raise InputError("kv_cache_kernel_block_id: unset in a step on RTP's cache")
+    table = _host(attn, "kv_cache_block_id")
+    if table is None:
+        ratio = layout.block_size // layout.kernel_block_size
+        table = kernel[:, ::ratio] // ratio
+    return table, kernel
 
 
 def _context(attn, rows, layout: CacheLayout) -> ForwardContext:
@@ -94,9 +138,10 @@ def _context(attn, rows, layout: CacheLayout) -> ForwardContext:
     lengths, starts = (t[rows] for t in _lengths_and_starts(attn))
     empty = torch.zeros(0, dtype=torch.int32)
     prefix, seq = (starts, empty) if prefill else (empty, starts)
-    # only the blocks the step reaches are read: RTP's static table is ceil(max_seq_len / block) wide (3168
-    # blocks for GLM-5), and validating all of it cost 5 ms a step at B=64 (bench/rtpllm_host_time.py)
-    table, kernel = _host(attn, "kv_cache_block_id"), _host(attn, "kv_cache_kernel_block_id")
+    # only the blocks the step reaches are read: RTP's static table is ceil(max_seq_len / block) wide, and
+    # validating all of it cost 5 ms a step at B=64 (bench/rtpllm_host_time.py); past them a reused CUDA-graph
+    # row also holds what an earlier, longer request left there
+    table, kernel = _tables(attn, layout)
     last = (prefix + lengths - 1) if prefill else seq
     cols = min(table.shape[1], int(last.max()) // layout.block_size + 1) if last.numel() else table.shape[1]
     table, kernel = table[:, :cols][rows], kernel[:, :cols * (layout.block_size // layout.kernel_block_size)][rows]
@@ -106,6 +151,21 @@ def _context(attn, rows, layout: CacheLayout) -> ForwardContext:
     if prefill and cu is not None and cu.numel() == lengths.shape[0] + 1:
         ctx.cu_seqlens = cu  # checked against the lengths
     return ctx.validate()
+
+
+def _decode_rows(attn, layout: CacheLayout):
+    """(positions, slots) [B] of a decode step: the live rows validated, padding rows (see the module
+    docstring) at position 0 writing nothing."""
+    _, starts = _lengths_and_starts(attn)
+    _, kernel = _tables(attn, layout)
+    first = kernel[:, 0] if kernel.shape[1] else torch.zeros_like(starts)
+    live = torch.nonzero((starts > 0) & (first != 0)).flatten()
+    positions = torch.zeros(starts.shape[0], dtype=torch.int64)
+    slots = torch.full((starts.shape[0],), -1, dtype=torch.int64)
+    if live.numel():
+        ctx = _context(attn, live, layout)
+        positions[live], slots[live] = ctx.positions, ctx.slot_mapping
+    return positions, slots
 
 
 class StepMetadata:
@@ -125,25 +185,25 @@ class StepMetadata:
             return
         if layout is None:  # no RTP cache yet: contiguous private blocks, as many as the step needs
             ctx, self.caches = scratch(attn)
-        else:
+            positions, slots, req = ctx.positions, ctx.slot_mapping, ctx.req_idx
+            table = ctx.kernel_block_table
+        elif bool(attn.is_prefill):
             ctx = _context(attn, slice(None), layout)
-        self.positions, self.slot_mapping, self.req_idx = (t.to(device) for t in (ctx.positions, ctx.slot_mapping,
-                                                                                  ctx.req_idx))
+            positions, slots, req, table = ctx.positions, ctx.slot_mapping, ctx.req_idx, ctx.kernel_block_table
+        else:
+            _check_device_lengths(attn, _lengths_and_starts(attn)[1])
+            positions, slots = _decode_rows(attn, layout)
+            req, table = torch.arange(positions.shape[0]), _tables(attn, layout)[1]
+        self.positions, self.slot_mapping, self.req_idx = (t.to(device) for t in (positions, slots, req))
         given = getattr(attn, "kv_cache_kernel_block_id_device", None) if layout is not None else None
-        self.block_table = given if given is not None else ctx.kernel_block_table.to(device)
+        self.block_table = given if given is not None else table.to(device)
         self.logits_indices = torch.arange(self.positions.shape[0], device=device)
 
     def prepare_cuda_graph(self, attn) -> None:
         """Refill the static buffers from RTP's static inputs before a replay (outside the graph)."""
         if self.layout is None:
             raise InputError("CUDA-graph decode before initialize() was given RTP's KV cache")
-        table = _host(attn, "kv_cache_kernel_block_id")
-        live = torch.nonzero(table[:, 0] != 0).flatten()
-        positions = torch.zeros(table.shape[0], dtype=torch.int64)
-        slots = torch.full((table.shape[0],), -1, dtype=torch.int64)
-        if live.numel():
-            ctx = _context(attn, live, self.layout)
-            positions[live], slots[live] = ctx.positions, ctx.slot_mapping
+        positions, slots = _decode_rows(attn, self.layout)
         self.positions.copy_(positions)
         self.slot_mapping.copy_(slots)
 

@@ -118,7 +118,7 @@ class Fxglm5Glm5(BaseModel):
     def support_cuda_graph(self) -> bool:
         """Block-FP8 checkpoints (GLM-5-FP8): every op of the compiled decoder has a kernel that never syncs with
         the host. A bf16 checkpoint's routed experts run the torch reference MoE, which does (it groups tokens
-        by expert on the host), so RTP must not capture it: ENABLE_CUDA_GRAPH=1 is refused at load."""
+        by expert on the host), so it must not be captured: ENABLE_CUDA_GRAPH=1 is refused by :meth:`load`."""
         return Glm5Config.from_json(Path(self.model_config.ckpt_path) / "config.json").is_fp8
 
     def load(self, skip_python_model: bool = False):
@@ -130,6 +130,14 @@ class Fxglm5Glm5(BaseModel):
             if int(getattr(par, field, 1) or 1) != 1:
                 raise ConfigError(f"parallelism_config.{field}={getattr(par, field)}: the fxglm5 plugin runs one "
                                   "rank (no tensor, expert, pipeline or data parallel shards)")
+        # RTP's BaseModel.load makes this check; this load replaces it
+        if getattr(getattr(self, "hw_kernel_config", None), "enable_cuda_graph", False) and not self.support_cuda_graph():
+            raise ConfigError(f"ENABLE_CUDA_GRAPH=1: {model_config.ckpt_path} is not block-FP8; the bf16 checkpoint's "
+                              "MoE syncs with the host, so its decode cannot be captured (ENABLE_CUDA_GRAPH=0)")
+        cfg = Glm5Config.from_json(Path(model_config.ckpt_path) / "config.json")
+        if int(getattr(model_config, "max_seq_len", 0) or 0) > cfg.max_position_embeddings:
+            raise ConfigError(f"MAX_SEQ_LEN={model_config.max_seq_len} is past the model's max_position_embeddings "
+                              f"({cfg.max_position_embeddings})")
         dtype = compute_dtype(model_config)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.glm5 = load_checkpoint(model_config.ckpt_path, dtype=dtype, device=device, progress=False)
@@ -139,7 +147,9 @@ class Fxglm5Glm5(BaseModel):
         weights.set_global_weight("lm_head", self.glm5.lm_head.weight)
         weights.set_global_weight("embedding", self.glm5.model.embed_tokens.weight)
         weights.set_global_weight("final_layernorm.gamma", self.glm5.model.norm.weight)
-        self.weight, self.weight_manager, self.py_eplb = weights, None, None
+        # rpc_engine._start hands model_weights_loader to RTP's HTTP server, which only stores it; RTP's LoRA
+        # manager would need its ModelLoader (fxglm5 loads the checkpoint itself: no LoRA)
+        self.weight, self.weight_manager, self.py_eplb, self.model_weights_loader = weights, None, None, None
         if not skip_python_model:
             self._create_python_model()
 

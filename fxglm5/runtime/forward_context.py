@@ -13,7 +13,7 @@ the same flat slot as at physical granularity).
 
 ``validate()`` is the gate before any kernel runs: malformed fields (wrong rank or length, negative,
 mismatched tables), block ids outside the cache, positions that need a padding block or lie past
-``max_position_embeddings`` raise :class:`fxglm5.errors.InputError` naming the field.
+``max_position_embeddings``, two tokens writing one cache slot raise :class:`fxglm5.errors.InputError` naming the field.
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ class ForwardContext:
             raise InputError("block_table: a position needs a block the table does not give (0 = padding)")
         kbs = self.kernel_block_size
         slots = self.kernel_block_table.long()[req, pos // kbs] * kbs + pos % kbs
+        self._check_distinct_slots(slots, req)
         self._check_given("req_idx", self.req_idx, req)
         self._check_given("positions", self.positions, pos)
         self._check_given("slot_mapping", self.slot_mapping, slots)
@@ -140,6 +141,17 @@ class ForwardContext:
                                                                               expected.long()):
             raise InputError(f"kernel_block_table: does not match block_table at ratio {ratio} "
                              "(kernel id = physical * ratio + j)")
+
+    @staticmethod
+    def _check_distinct_slots(slots: Tensor, req: Tensor) -> None:
+        """Two tokens writing one cache slot (a block in two requests' tables, or twice in one) would leave
+        whichever write lands last: refuse the step."""
+        uniq, counts = torch.unique(slots, return_counts=True)
+        if bool((counts > 1).any()):
+            slot = int(uniq[counts > 1][0])
+            who = sorted(set(req[slots == slot].tolist()))
+            raise InputError(f"slot_mapping: requests {who} write the same cache slot {slot} (a block is in two "
+                             "requests' tables, or twice in one)")
 
     @staticmethod
     def _check_given(name: str, given, expected: Tensor) -> None:

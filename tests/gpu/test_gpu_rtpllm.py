@@ -1,31 +1,47 @@
-"""The RTP-LLM plugin on the GPU: with the block-FP8 checkpoint the stand-in engine really captures RTP's decode
-CUDA graphs around the plugin's forward (padding rows in a larger bucket included) and replays them, giving
-the eager engine's tokens; with a bf16 checkpoint (fp32 compute) CUDA graphs are refused by the plugin and
-the eager tokens are those of fxglm5's own runtime on the Triton kernels."""
+"""The RTP-LLM plugin on the GPU, through the stand-in's RTP lifecycle (tests/rtp_standin): with the block-FP8
+checkpoint the stand-in really captures RTP's decode CUDA graphs around the plugin's forward (RTP's sequence:
+max-batch warm-up forward, then per size slices of the max-batch buffers, two forwards, capture, replay) and
+replays them with RTP's refresh (device table zeroed, host rows stale). Four requests fill bucket 4, then two
+replay it with two stale padding rows: both batches give fxglm5's own tokens on the Triton kernels, and the first
+batch's cached blocks keep every byte. A bf16 checkpoint (fp32 compute) is refused CUDA graphs by name and
+decodes eagerly with the runtime's tokens."""
 
 import pytest
 import torch
 
+from fxglm5.errors import ConfigError
 from fxglm5.model.tiny import make_tiny_checkpoint
-from fxglm5.runtime.runner import Runner
-from tests.test_rtpllm_plugin import RTP_TINY, _prompts, rtp  # noqa: F401  (rtp: the stand-in fixture)
+from tests.test_rtpllm_plugin import RTP_TINY, _prompts, engine, rtp, runner, runtime_tokens  # noqa: F401 (rtp: fixture)
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("act,fp8", [("FP32", False), ("BF16", True)])
-def test_rtp_decode_cuda_graphs_give_the_eager_tokens(rtp, tmp_path, act, fp8):  # noqa: F811
-    ckpt = make_tiny_checkpoint(tmp_path, fp8=fp8, config=RTP_TINY)
+def _runner(ckpt, kv, dtype):
+    return runner(ckpt, kv, 32, dtype, block_size=64, device="cuda", decode_graphs=None)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
+def test_rtp_decode_cuda_graphs_give_the_runtime_tokens(rtp, tmp_path, kv):  # noqa: F811
+    ckpt = make_tiny_checkpoint(tmp_path, fp8=True, config=RTP_TINY)
+    eng = engine(rtp, ckpt, device="cuda", fp8_kv_cache=kv == "fp8", seq_size_per_block=64,
+                 kernel_seq_size_per_block=32, max_seq_len=256, enable_cuda_graph=True,
+                 decode_capture_batch_sizes=(1, 4))
+    g = eng.graph_runner
+    assert g.captured_sizes == [4, 1] and all(inst.graph is not None for inst in g.instances.values())
+    first, second = _prompts([70, 130, 65, 100], seed=1), _prompts([5, 40], seed=2)
+    ref = _runner(ckpt, kv, torch.bfloat16)
+    assert eng.generate(first, 8) == runtime_tokens(ref, first, 8)
+    kept = sorted(eng.block_manager.cached.values())
+    before = [pool[:, kept].clone() for pool in eng.kv_pools]
+    assert eng.generate(second, 8) == runtime_tokens(ref, second, 8)
+    assert all(torch.equal(p[:, kept].view(torch.uint8), b.view(torch.uint8)) for p, b in zip(eng.kv_pools, before))
+    assert g.replays_by_size == {4: 14} and eng.eager_decode_steps == 0
+
+
+def test_a_bf16_checkpoint_is_refused_graphs_and_decodes_eagerly(rtp, tmp_path):  # noqa: F811
+    ckpt = make_tiny_checkpoint(tmp_path, fp8=False, config=RTP_TINY)
+    kw = dict(device="cuda", act_type="FP32", seq_size_per_block=64, kernel_seq_size_per_block=32, max_seq_len=256)
+    with pytest.raises(ConfigError, match="ENABLE_CUDA_GRAPH=1"):
+        engine(rtp, ckpt, enable_cuda_graph=True, **kw)
     batch = _prompts([5, 20, 70])
-    kw = dict(act_type=act, seq_size_per_block=64, num_blocks=16, device="cuda", fp8_kv_cache=fp8)
-    eager = rtp.Engine(ckpt, **kw).generate(batch, 8)
-    if not fp8:  # a bf16 checkpoint's MoE is the host-syncing reference op: the plugin says no CUDA graphs
-        with pytest.raises(RuntimeError, match="support_cuda_graph"):
-            rtp.Engine(ckpt, enable_cuda_graph=True, **kw)
-        runner = Runner(ckpt, kv_cache="bf16", index_cache="fp8", block_size=64, dtype=torch.float32, num_blocks=16,
-                        device="cuda")
-        assert eager == runner.generate(batch, 8)
-        return
-    graphs = rtp.Engine(ckpt, enable_cuda_graph=True, decode_capture_batch_sizes=(1, 4), **kw)
-    assert graphs.generate(batch, 8) == eager
-    assert graphs.graph_replays == 7 and graphs.eager_decode_steps == 0 and graphs.graphs[4][2] is not None
+    assert engine(rtp, ckpt, **kw).generate(batch, 8) == runtime_tokens(_runner(ckpt, "bf16", torch.float32), batch, 8)

@@ -1,1 +1,1 @@
-"""Test stand-in of the RTP-LLM package (not RTP-LLM code), written from the external-model contract."""
+"""Test stand-in of the RTP-LLM package (not RTP-LLM code), rebuilt from RTP-LLM's source: see ../README.md."""

@@ -1,211 +1,157 @@
 """Test stand-in of the RTP-LLM runtime around an external (plugin) model. NOT RTP-LLM code.
 
-Written from /work/shared/reference/rtp_llm_contract.md; it does what RTP's C++/Python runtime does to a
-plugin model, on one device, greedily:
+Written from rtp-llm's source (main 4b8d39cd5 and PR #1266 head 6a6024414; see
+/work/shared/reference/rtp_llm_audit.md and tests/rtp_standin/README.md for what still differs). What RTP
+does to a plugin model, on one device, greedily:
 
-- ``external_packages`` / ``load_external_packages``: ``--external_model_packages`` or the env var
-  ``RTP_LLM_EXTERNAL_MODEL_PACKAGES``, each dotted module imported once;
-- ``resolve_model_class``: MODEL_TYPE, else config.json ``architectures[0]`` through the registry;
-- ``allocate_kv_cache``: the "C++ allocator", sized only from config fields;
-- ``Engine``: config, ``from_config``, ``load``, ``initialize`` (twice with CUDA graphs), a block manager
-  with optional prefix reuse, all-prefill then all-decode steps, the LM head applied by the engine in fp32,
-  decode CUDA graphs. On CPU nothing is captured: a "replay" calls ``forward(static, impl)`` again on the
-  same static inputs, which keeps the call protocol (static buffers, ``prepare_cuda_graph``, ``[:bs]``).
-- ``launch``: an Engine from CLI flags / env settings (the contract's settings table).
+- ``parse_args``: launch settings, flags first then env; ``--external_model_packages`` is a CLI flag only
+  (PR #1266: identifiers checked, duplicates dropped, the last flag wins; no env var is read);
+- ``rank_model_classes``: the per-rank processes (``spawn``), each importing the packages again;
+- ``Engine``: ``ModelFactory.create_model_config`` (packages imported, model type resolved, ``_create_config``,
+  then RTP's own fields: ``data_type``, ``kv_cache_dtype``, ``max_seq_len``), ``from_config`` (which calls
+  ``load()``), the warm-up of the role (PDFUSION: a ``max_seq_len - 1`` token prefill with no cache after
+  ``initialize(None)``; DECODE: a 5-block cache with zero block ids), the cache allocation, ``initialize(kv)``
+  (twice with CUDA graphs) and the graph capture (``standin_graph``), prefill / decode steps with the
+  C++ post-layers (lm_head from ``global_weights`` in fp32) and greedy sampling, then ``model_weights_loader``
+  read as ``rpc_engine._start`` does.
 """
 
-import importlib
+import argparse
 import json
-import math
+import multiprocessing
 import os
-from collections import OrderedDict
 from itertools import accumulate
 
 import torch
 
-from rtp_llm.model_factory_register import _hf_architecture_2_ft, _model_factory
+from rtp_llm.model_factory_register import _hf_architecture_2_ft, ensure_model_registered
 from rtp_llm.models_py.model_desc.module_base import GptModelBase
-from rtp_llm.ops.compute_ops import (
-    KVCache, LayerKVCache, PyAttentionInputs, PyModelInitResources, PyModelInputs,
-)
+from rtp_llm.ops import KvCacheDataType
+from rtp_llm.ops.compute_ops import PyAttentionInputs, PyModelInputs, init_resources
+from rtp_llm.standin_cache import BlockManager, allocate_kv_cache, kernel_block_table
+from rtp_llm.standin_graph import CudaGraphRunner
+from rtp_llm.utils.import_util import load_external_model_packages
 
-_ACT_TYPES = {"BF16": torch.bfloat16, "FP16": torch.float16, "FP32": torch.float32}
-_REQUIRED_GLOBAL_WEIGHTS = ("lm_head", "embedding", "final_layernorm.gamma")
 _I32 = torch.int32
+DEFAULT_MAX_SEQ_LEN = 8192  # build_model_config: 8192 when neither the model nor MAX_SEQ_LEN sets it
+DEFAULT_CAPTURE_SIZES = (1, 8, 16, 24, 32)  # cuda_graph_decode.cc, up to max_generate_batch_size
 
 
-def _cli_value(argv, flag):
-    """The value of ``--flag v`` or ``--flag=v`` in argv (the last one wins), or None."""
-    value, opt = None, "--" + flag
-    for i, arg in enumerate(argv):
-        if arg == opt and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(opt + "="):
-            value = arg[len(opt) + 1:]
-    return value
+def parse_external_model_packages(value):
+    names = []
+    for item in value.split(","):
+        name = item.strip()
+        if not name:
+            continue
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise argparse.ArgumentTypeError(f"invalid external model package path: {name!r}")
+        if name not in names:
+            names.append(name)
+    return names
 
 
-def _setting(argv, env, name):
-    value = _cli_value(argv, name)
-    return env.get(name.upper()) if value is None else value
-
-
-def _truthy(value):
+def _bool(value):
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-def external_packages(argv, env):
-    """Dotted module paths from ``--external_model_packages`` (either spelling), else the env var."""
-    raw = _cli_value(argv, "external_model_packages")
-    if raw is None:
-        raw = env.get("RTP_LLM_EXTERNAL_MODEL_PACKAGES", "")
-    return [p.strip() for p in raw.split(",") if p.strip()]
+_SETTINGS = (  # (flag, env var or None for CLI only, type, default)
+    ("external_model_packages", None, parse_external_model_packages, None),
+    ("checkpoint_path", "CHECKPOINT_PATH", str, None),
+    ("model_type", "MODEL_TYPE", str, None),
+    ("act_type", "ACT_TYPE", str, None),
+    ("fp8_kv_cache", "FP8_KV_CACHE", _bool, False),
+    ("enable_cuda_graph", "ENABLE_CUDA_GRAPH", _bool, False),
+    ("seq_size_per_block", "SEQ_SIZE_PER_BLOCK", int, 64),
+    ("kernel_seq_size_per_block", "KERNEL_SEQ_SIZE_PER_BLOCK", int, 0),
+    ("decode_capture_config", "DECODE_CAPTURE_CONFIG", str, ""),
+    ("max_seq_len", "MAX_SEQ_LEN", int, None),
+    ("warm_up", "WARM_UP", _bool, True),
+    ("role_type", "ROLE_TYPE", str, "PDFUSION"),
+    ("concurrency_limit", "CONCURRENCY_LIMIT", int, 32),
+    ("test_block_num", "TEST_BLOCK_NUM", int, 0),
+)
 
 
-def load_external_packages(argv, env):
-    """Import each external package once (registration is the import's side effect); return the modules."""
-    modules = []
-    for name in dict.fromkeys(external_packages(argv, env)):
-        modules.append(importlib.import_module(name))
-    return modules
+def parse_args(argv, env):
+    """Settings as a dict: a flag wins over its env var; argparse exits (SystemExit 2) on a bad value."""
+    parser = argparse.ArgumentParser(prog="rtp_llm.start_server", allow_abbrev=False)
+    for flag, var, kind, default in _SETTINGS:
+        value = env.get(var) if var else None
+        parser.add_argument("--" + flag, type=kind, default=kind(value) if value is not None else default)
+    return vars(parser.parse_args(list(argv)))
 
 
 def _read_hf_config(ckpt_path):
     path = os.path.join(ckpt_path, "config.json")
     if not os.path.isfile(path):
-        return None
+        return {}
     with open(path) as f:
         return json.load(f)
 
 
 def resolve_model_class(ckpt_path, model_type=None):
-    """The registered class for MODEL_TYPE, or for config.json ``architectures[0]`` when it is unset."""
+    """The class for MODEL_TYPE, or for config.json ``architectures[0]`` when it is unset (KeyError if none)."""
     key = model_type
     if not key:
-        hf = _read_hf_config(ckpt_path)
-        archs = (hf or {}).get("architectures") or []
-        if not archs:
-            raise ValueError(f"MODEL_TYPE unset and no config.json architectures under {ckpt_path!r}")
-        key = _hf_architecture_2_ft.get(archs[0])
+        archs = _read_hf_config(ckpt_path).get("architectures") or []
+        key = _hf_architecture_2_ft.get(archs[0]) if archs else None
         if key is None:
-            raise ValueError(f"architecture {archs[0]!r} is not registered (known: {sorted(_hf_architecture_2_ft)})")
-    if key not in _model_factory:
-        raise ValueError(f"model type {key!r} is not registered (known: {sorted(_model_factory)})")
-    return _model_factory[key]
+            raise KeyError(f"cannot infer the model type of {ckpt_path!r} from architectures {archs}")
+    return ensure_model_registered(key)
 
 
-def _act_type_for(ckpt_path, act_type):
-    """ACT_TYPE, forced to BF16 for block-wise FP8 checkpoints (config.json quantization_config)."""
-    q = ((_read_hf_config(ckpt_path) or {}).get("quantization_config")) or {}
+def _rank_main(packages, model_type, queue):
+    load_external_model_packages(packages)
+    cls = ensure_model_registered(model_type)
+    queue.put(f"{cls.__module__}.{cls.__qualname__}")
+
+
+def rank_model_classes(argv, env, world_size):
+    """What each of ``world_size`` spawned rank processes resolves MODEL_TYPE to, after importing the packages
+    itself (``start_backend_server``: a ``spawn`` context; ``ModelFactory.create_model_config`` per rank)."""
+    args = parse_args(argv, env)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(args["external_model_packages"], args["model_type"], queue))
+             for _ in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"rank processes exited with {[p.exitcode for p in procs]}")
+    return [queue.get(timeout=10) for _ in procs]
+
+
+def _act_type(hf, act_type, config_dtype):
+    """``init_precision_config``: block-FP8 weights force BF16; else ACT_TYPE, else config_dtype, else FP16."""
+    q = hf.get("quantization_config") or {}
     if q.get("quant_method") == "fp8" and q.get("weight_block_size"):
-        return "BF16"
-    return act_type.upper()
-
-
-def allocate_kv_cache(config, num_blocks, seq_size_per_block, kernel_seq_size_per_block, device):
-    """The per-layer MLA cache (+ DSA indexer cache in ``kv_scale_base``), from config fields only.
-
-    ``config.data_type`` and ``config.attn_config.kv_cache_dtype`` must be set. Kernel blocks per layer:
-    ``num_blocks * ratio``. Compute-dtype cache width kv_lora_rank + rope_head_dim; FP8 ("ds_mla") a uint8
-    width kv_lora_rank + 4 * (kv_lora_rank // 128) + 2 * rope_head_dim; indexer uint8 indexer_head_dim + 4.
-    """
-    attn = config.attn_config
-    if not attn.use_mla:
-        raise ValueError("the stand-in allocates MLA caches only (attn_config.use_mla is False)")
-    kbs = kernel_seq_size_per_block or seq_size_per_block
-    if seq_size_per_block % kbs:
-        raise ValueError(f"kernel block size {kbs} does not divide block size {seq_size_per_block}")
-    n = num_blocks * (seq_size_per_block // kbs)
-    if attn.kv_cache_dtype == torch.float8_e4m3fn:
-        shape = (n, kbs, attn.kv_lora_rank + 4 * (attn.kv_lora_rank // 128) + 2 * attn.rope_head_dim)
-        dtype = torch.uint8
-    else:
-        shape, dtype = (n, kbs, attn.kv_lora_rank + attn.rope_head_dim), config.data_type
-    layers = []
-    for i in range(config.num_layers):
-        kv = torch.zeros(shape, dtype=dtype, device=device)
-        scale = None
-        if attn.is_sparse:
-            scale = torch.zeros((n, kbs, attn.indexer_head_dim + 4), dtype=torch.uint8, device=device)
-        layers.append(LayerKVCache(kv, scale, kbs, i))
-    return KVCache(layers, seq_size_per_block, kbs)
-
-
-def kernel_block_table(physical, ratio):
-    """[B, M] physical ids -> [B, M * ratio] kernel ids ``physical * ratio + j``; padding 0 stays 0."""
-    j = torch.arange(ratio, dtype=physical.dtype, device=physical.device)
-    kernel = physical.unsqueeze(-1) * ratio + j
-    kernel = torch.where(physical.unsqueeze(-1) == 0, torch.zeros_like(kernel), kernel)
-    return kernel.reshape(physical.shape[0], -1)
+        return "bf16"
+    name = act_type or config_dtype or "fp16"
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(name).lower(), str(name).lower())
 
 
 class ParallelismConfig:
-    """Single device: tp = ep = 1."""
+    """One rank; the fields and accessors of RTP's struct (``cpp/config/ConfigModules.h``)."""
 
     def __init__(self):
-        self.tp_size, self.tp_rank, self.ep_size, self.ep_rank = 1, 0, 1, 0
-        self.dp_size, self.dp_rank, self.world_size, self.world_rank, self.local_rank = 1, 0, 1, 0, 0
+        self.tp_size, self.tp_rank, self.ep_size, self.ep_rank, self.dp_size, self.dp_rank = 1, 0, 1, 0, 1, 0
+        self.pp_size, self.world_size, self.world_rank, self.local_world_size, self.local_rank = 1, 1, 0, 1, 0
+        self.ffn_tp_size, self.ffn_tp_rank, self.ffn_sp_size, self.enable_sp = 1, 0, 1, False
+
+    def get_attn_tp_size(self):
+        return self.tp_size
+
+    def get_ffn_tp_size(self):
+        return self.ffn_tp_size
 
 
 class HWKernelConfig:
     def __init__(self, enable_cuda_graph, decode_capture_batch_sizes):
         self.enable_cuda_graph = enable_cuda_graph
         self.decode_capture_batch_sizes = list(decode_capture_batch_sizes)
-
-
-class BlockManager:
-    """Physical blocks 1..num_blocks-1 (0 is reserved), refcounted, with a prefix cache of full blocks.
-
-    Cache keys chain (parent key, block tokens). Finished requests' full blocks stay cached until a block
-    is needed and none is free; then the least recently used unreferenced cached block is evicted.
-    """
-
-    def __init__(self, num_blocks, block_size):
-        self.block_size = block_size
-        self.free = list(range(1, num_blocks))
-        self.refs = {}
-        self.cached = OrderedDict()  # key -> block
-        self.key_of = {}  # block -> key
-
-    def alloc(self):
-        if not self.free:
-            idle = next((k for k, b in self.cached.items() if not self.refs.get(b)), None)
-            if idle is not None:
-                block = self.cached.pop(idle)
-                del self.key_of[block]
-                self.free.append(block)
-        if not self.free:
-            raise RuntimeError("KV cache exhausted: no free block (raise num_blocks)")
-        block = self.free.pop(0)
-        self.refs[block] = 1
-        return block
-
-    def match_prefix(self, tokens):
-        """Cached blocks for the leading full blocks of ``tokens``, leaving at least one token to compute."""
-        blocks, key, bs = [], None, self.block_size
-        for i in range((len(tokens) - 1) // bs):
-            key = (key, tuple(tokens[i * bs:(i + 1) * bs]))
-            block = self.cached.get(key)
-            if block is None:
-                break
-            self.cached.move_to_end(key)
-            self.refs[block] = self.refs.get(block, 0) + 1
-            blocks.append(block)
-        return blocks
-
-    def release(self, blocks, cached_tokens):
-        """Cache the full blocks holding ``cached_tokens``, then drop the request's references."""
-        key, bs = None, self.block_size
-        for i in range(len(cached_tokens) // bs):
-            key = (key, tuple(cached_tokens[i * bs:(i + 1) * bs]))
-            if key not in self.cached and blocks[i] not in self.key_of:
-                self.cached[key] = blocks[i]
-                self.key_of[blocks[i]] = key
-        for block in blocks:
-            self.refs[block] -= 1
-            if self.refs[block] == 0 and block not in self.key_of:
-                del self.refs[block]
-                self.free.append(block)
+        self.enable_layer_micro_batch = 0
 
 
 class _Request:
@@ -217,191 +163,162 @@ class _Request:
 
 
 class Engine:
-    """RTP's runtime around one registered model class. Counters for tests:
-    ``prefill_steps``, ``eager_decode_steps``, ``graph_replays`` (total), ``replays_by_size`` {S: n},
-    ``captured_sizes`` (capture order, largest first), ``init_calls`` (kv_cache passed each time).
-    """
+    """RTP's runtime around one registered model class. Counters for tests: ``prefill_steps``,
+    ``eager_decode_steps``, ``graph_replays``, ``init_calls`` (the kv_cache of each ``initialize``),
+    ``graph_runner`` (captured sizes, replays per size); ``kv_pools``: the cache allocations."""
 
-    def __init__(self, ckpt_path, *, model_type=None, act_type="BF16", fp8_kv_cache=False,
-                 seq_size_per_block=64, kernel_seq_size_per_block=0, enable_cuda_graph=False,
-                 decode_capture_batch_sizes=(1, 2, 4, 8), num_blocks=64, max_seq_len=None, device="cpu"):
+    def __init__(self, ckpt_path, *, external_model_packages=None, model_type=None, act_type=None,
+                 fp8_kv_cache=False, seq_size_per_block=64, kernel_seq_size_per_block=0, enable_cuda_graph=False,
+                 decode_capture_batch_sizes=None, max_generate_batch_size=None, num_blocks=64, max_seq_len=None,
+                 warm_up=True, role_type="PDFUSION", device="cpu"):
         self.device = torch.device(device)
+        sizes = tuple(decode_capture_batch_sizes or ())
+        self.max_generate_batch_size = max_generate_batch_size or (max(sizes) if sizes else 32)
+        sizes = sizes or tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= self.max_generate_batch_size)
+        # ModelFactory.create_model_config
+        load_external_model_packages(external_model_packages)
         self.model_cls = resolve_model_class(ckpt_path, model_type)
-        self.act_type = _act_type_for(ckpt_path, act_type)
-        if self.act_type not in _ACT_TYPES:
-            raise ValueError(f"ACT_TYPE {act_type!r} not one of {sorted(_ACT_TYPES)}")
-        self.dtype = _ACT_TYPES[self.act_type]
         self.config = config = self.model_cls._create_config(ckpt_path)
-        config.data_type = self.dtype
-        config.attn_config.kv_cache_dtype = torch.float8_e4m3fn if fp8_kv_cache else self.dtype
         config.ckpt_path = ckpt_path
-        self.enable_cuda_graph = enable_cuda_graph
-        self.capture_sizes = sorted(set(decode_capture_batch_sizes), reverse=True)
+        config.data_type = _act_type(_read_hf_config(ckpt_path), act_type, config.config_dtype)
+        config.attn_config.kv_cache_dtype = KvCacheDataType.FP8 if fp8_kv_cache else KvCacheDataType.BASE
+        config.attn_config.tokens_per_block = seq_size_per_block
+        if max_seq_len:
+            config.max_seq_len = max_seq_len
+        if not config.max_seq_len:
+            config.max_seq_len = DEFAULT_MAX_SEQ_LEN
+        self.dtype, self.max_seq_len = config.compute_dtype, config.max_seq_len
         self.parallelism_config = ParallelismConfig()
-        self.hw_kernel_config = HWKernelConfig(enable_cuda_graph, decode_capture_batch_sizes)
+        self.hw_kernel_config = HWKernelConfig(enable_cuda_graph, sizes)
         self.model = self.model_cls.from_config(
-            model_config=config, parallelism_config=self.parallelism_config,
-            hw_kernel_config=self.hw_kernel_config, kv_cache_config=None, fmha_config=None,
-            moe_config=None, load_method=None, max_generate_batch_size=max(decode_capture_batch_sizes),
-            some_future_kwarg=1)
-        if enable_cuda_graph and not self.model.support_cuda_graph():
-            raise RuntimeError(f"ENABLE_CUDA_GRAPH=1 but {self.model_cls.__name__}.support_cuda_graph() is False")
-        self.model.load()
+            config, self.parallelism_config, self.hw_kernel_config, None, None, None, None,
+            self.max_generate_batch_size, None, False, None)
         self.py_model = self.model.py_model
         if not isinstance(self.py_model, GptModelBase):
             raise TypeError(f"model.py_model must be a GptModelBase, got {type(self.py_model).__name__}")
-        gw = getattr(self.model.weight, "global_weights", None) or {}
-        missing = [k for k in _REQUIRED_GLOBAL_WEIGHTS if k not in gw]
-        if missing:
-            raise KeyError(f"model.weight.global_weights lacks {missing}")
-        self.lm_head = gw["lm_head"]
+        self.lm_head = self.model.weight.global_weights["lm_head"]  # WeightsConverter: W::lm_head
 
-        self.block_size = seq_size_per_block
-        self.kv_cache = allocate_kv_cache(config, num_blocks, seq_size_per_block, kernel_seq_size_per_block,
-                                          self.device)
-        self.kernel_block_size = self.kv_cache.get_kernel_seq_size_per_block()
+        self.block_size, self.init_calls = seq_size_per_block, []
+        self.prefill_steps = self.eager_decode_steps = self.graph_replays = 0
+        if warm_up:
+            self._warm_up(role_type, kernel_seq_size_per_block)
+        self.kv_cache, self.kv_pools = allocate_kv_cache(config, num_blocks, seq_size_per_block,
+                                                         kernel_seq_size_per_block, self.device)
+        self.kernel_block_size = self.kv_cache.get_kernel_seq_size_per_block(self.kv_cache.group_tags[0])
         self.ratio = seq_size_per_block // self.kernel_block_size
         self.block_manager = BlockManager(num_blocks, seq_size_per_block)
-        self.max_seq_len = max_seq_len or config.max_seq_len
-        if not self.max_seq_len:
-            raise ValueError("max_seq_len: neither given nor set by _create_config")
-
-        self.prefill_steps = self.eager_decode_steps = self.graph_replays = 0
-        self.replays_by_size, self.captured_sizes, self.init_calls = {}, [], []
-        self.graphs = {}  # S -> (static PyModelInputs, impl, CUDAGraph or None, static PyModelOutputs)
-        for cache in ([None] if enable_cuda_graph else []) + [self.kv_cache]:
-            self.init_calls.append(cache)
-            if self.py_model.initialize(PyModelInitResources(kv_cache=cache)) is not True:
-                raise RuntimeError("py_model.initialize() did not return True")
+        self.graph_runner = None
+        self._initialize(self.kv_cache)
         if enable_cuda_graph:
-            self._capture_all()
+            self._initialize(self.kv_cache)
+            self.graph_runner = CudaGraphRunner(
+                self.py_model, max_bs=self.max_generate_batch_size, capture_sizes=sizes, max_seq_len=self.max_seq_len,
+                block_size=seq_size_per_block, kernel_block_size=self.kernel_block_size,
+                hidden_size=config.hidden_size, dtype=self.dtype, device=self.device)
+            self.graph_runner.capture()
+        self.model_weights_loader = self.model.model_weights_loader  # rpc_engine._start
 
-    # --- tensors -------------------------------------------------------------------------------------
-    @staticmethod
-    def _pin(t):
+    # --- lifecycle -----------------------------------------------------------------------------------
+    def _initialize(self, kv_cache, **fields):
+        self.init_calls.append(kv_cache)
+        if self.py_model.initialize(init_resources(kv_cache, **fields)) is not True:
+            raise RuntimeError("py_model.initialize() did not return True")
+
+    def _warm_up(self, role_type, kernel_seq_size_per_block):
+        n = self.max_seq_len - 1
+        ids = torch.randint(0, self.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+        if role_type == "DECODE":  # decodeWarmUp: a 5-block cache, fakeInitKVBlock (zero block ids)
+            kv, _ = allocate_kv_cache(self.config, 5, self.block_size, kernel_seq_size_per_block, self.device)
+            self.ratio = self.block_size // kv.get_kernel_seq_size_per_block(kv.group_tags[0])
+            self._initialize(kv, is_decode_role=True)
+            rows = self.max_generate_batch_size
+            blocks = [[0] * -(-n // self.block_size)] * rows
+            self._post_layers(self._eager(self._decode_inputs(ids[:rows], [n] * rows, [n - 1] * rows, blocks)))
+        else:  # prefillWarmUp: an executor without a cache layout
+            self._initialize(None)
+            self._post_layers(self._eager(self._prefill_inputs([ids], [0], None)))
+
+    # --- inputs, as NormalModelInputGatherer + PyWrappedModel::buildPyAttentionInputs --------------------------
+    def _host(self, values):
+        t = torch.tensor(values, dtype=_I32)
         return t.pin_memory() if torch.cuda.is_available() else t
 
-    def _host(self, values):
-        return self._pin(torch.tensor(values, dtype=_I32))
+    def _set_tables(self, a, block_lists):
+        if block_lists is None:  # no cache: the tables stay undefined
+            return
+        width = max(1, max(len(b) for b in block_lists))
+        phys = self._host([b + [0] * (width - len(b)) for b in block_lists])
+        kern = kernel_block_table(phys, self.ratio)
+        a.kv_cache_block_id, a.kv_cache_block_id_device = phys, phys.to(self.device)
+        a.kv_cache_kernel_block_id, a.kv_cache_kernel_block_id_device = kern, kern.to(self.device)
 
-    def _dev(self, t):
-        return t.to(self.device)
+    def _prefill_inputs(self, token_lists, prefix, block_lists):
+        a, dev = PyAttentionInputs(), self.device
+        lens = [len(t) for t in token_lists]
+        a.is_prefill, a.dtype = True, self.dtype
+        a.input_lengths, a.prefix_lengths, a.sequence_lengths = self._host(lens), self._host(prefix), self._host([])
+        a.input_lengths_device, a.prefix_lengths_device = a.input_lengths.to(dev), a.prefix_lengths.to(dev)
+        a.cu_seqlens = self._host(list(accumulate(lens, initial=0)))
+        a.cu_seqlens_device = a.cu_seqlens.to(dev)
+        a.cu_kv_seqlens_device = self._host(list(accumulate((n + p for n, p in zip(lens, prefix)), initial=0))).to(dev)
+        a.sequence_lengths_plus_1_device = (a.sequence_lengths + 1).to(dev)
+        a.total_tokens, a.context_total_kv_length = sum(lens), sum(lens) + sum(prefix)
+        self._set_tables(a, block_lists)
+        ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=_I32, device=dev)
+        return PyModelInputs(input_ids=ids, attention_inputs=a)
 
-    def _tables(self, block_lists, width=None):
-        width = width or max(1, max(len(b) for b in block_lists))
-        phys = torch.zeros((len(block_lists), width), dtype=_I32)
-        for i, b in enumerate(block_lists):
-            phys[i, :len(b)] = torch.tensor(b, dtype=_I32)
-        phys, kern = self._pin(phys), self._pin(kernel_block_table(phys, self.ratio))
-        return dict(kv_cache_block_id=phys, kv_cache_block_id_device=self._dev(phys),
-                    kv_cache_kernel_block_id=kern, kv_cache_kernel_block_id_device=self._dev(kern))
+    def _decode_inputs(self, ids, input_lengths, seq_lens, block_lists):
+        a, dev, b = PyAttentionInputs(), self.device, len(ids)
+        a.is_prefill, a.dtype = False, self.dtype
+        a.input_lengths, a.prefix_lengths, a.sequence_lengths = (self._host(input_lengths), self._host([]),
+                                                                 self._host(seq_lens))
+        a.input_lengths_device, a.prefix_lengths_device = a.input_lengths.to(dev), a.prefix_lengths.to(dev)
+        a.cu_seqlens = self._host([0] * (b + 1))
+        a.cu_seqlens_device, a.cu_kv_seqlens_device = a.cu_seqlens.to(dev), a.cu_seqlens.to(dev)
+        a.decode_cu_seqlens = self._host(list(range(b + 1)))
+        a.decode_cu_seqlens_device = a.decode_cu_seqlens.to(dev)
+        a.sequence_lengths_plus_1_device = (a.sequence_lengths + 1).to(dev)
+        self._set_tables(a, block_lists)
+        return PyModelInputs(input_ids=torch.tensor(ids, dtype=_I32, device=dev), attention_inputs=a)
 
-    def _decode_inputs(self, ids, input_lengths, seq_lens, block_lists, width=None, is_cuda_graph=False):
-        b = len(ids)
-        seq = self._host(seq_lens)
-        zeros = self._host([0] * (b + 1))
-        attn = PyAttentionInputs(
-            is_prefill=False, is_cuda_graph=is_cuda_graph, dtype=self.dtype,
-            input_lengths=self._host(input_lengths), prefix_lengths=self._host([]), sequence_lengths=seq,
-            sequence_lengths_plus_1_device=self._dev(seq + 1), cu_seqlens=zeros,
-            cu_seqlens_device=self._dev(zeros), cu_kv_seqlens_device=self._dev(zeros),
-            decode_cu_seqlens_device=self._dev(torch.arange(b + 1, dtype=_I32)),
-            **self._tables(block_lists, width))
-        return PyModelInputs(input_ids=self._dev(torch.tensor(ids, dtype=_I32)), attention_inputs=attn)
-
+    # --- steps -----------------------------------------------------------------------------------------
     def _check_hidden(self, hidden, rows):
         want = (rows, self.config.hidden_size)
         if not torch.is_tensor(hidden) or tuple(hidden.shape) != want or hidden.dtype != self.dtype:
             got = (tuple(hidden.shape), hidden.dtype) if torch.is_tensor(hidden) else type(hidden)
             raise RuntimeError(f"forward hidden_states: expected {want} {self.dtype}, got {got}")
+        return hidden
 
-    def _next_tokens(self, rows):
-        logits = rows.float() @ self.lm_head.float().t()
-        return logits.argmax(dim=-1).tolist()
+    def _eager(self, inputs):
+        impl = self.py_model.prepare_fmha_impl(inputs, False)
+        return self._check_hidden(self.py_model.forward(inputs, impl).hidden_states, inputs.input_ids.shape[0])
 
-    # --- CUDA graphs ---------------------------------------------------------------------------------
-    def _capture_all(self):
-        cuda = self.device.type == "cuda"
-        pool = torch.cuda.graph_pool_handle() if cuda else None
-        width = math.ceil(self.max_seq_len / self.block_size)
-        for s in self.capture_sizes:
-            static = self._decode_inputs([0] * s, [1] * s, [self.max_seq_len - 2] * s, [[]] * s,
-                                         width=width, is_cuda_graph=True)
-            impl = self.py_model.prepare_fmha_impl(static, True)
-            out = self.py_model.forward(static, impl)  # eager warm-up
-            graph = None
-            if cuda:
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.py_model.forward(static, impl)
-            self.graphs[s] = (static, impl, graph, out)
-            self.captured_sizes.append(s)
+    def _post_layers(self, rows):
+        """callForwardPostLayers with skip_final_layernorm: fp32 logits from global_weights' lm_head, argmax."""
+        return (rows.float() @ self.lm_head.float().t()).argmax(dim=-1).tolist()
 
-    def _replay(self, s, live, bs):
-        static, impl, graph, out = self.graphs[s]
-        sa, la = static.attention_inputs, live.attention_inputs
-        for name in ("kv_cache_block_id", "kv_cache_block_id_device",
-                     "kv_cache_kernel_block_id", "kv_cache_kernel_block_id_device"):
-            dst, src = getattr(sa, name), getattr(la, name)
-            dst.zero_()
-            dst[:bs, :src.shape[1]].copy_(src)
-        static.input_ids[:bs].copy_(live.input_ids)
-        for name in ("input_lengths", "sequence_lengths", "sequence_lengths_plus_1_device", "prefix_lengths",
-                     "cu_seqlens", "cu_seqlens_device", "decode_cu_seqlens_device"):
-            src = getattr(la, name)
-            if src.numel():
-                getattr(sa, name)[:src.numel()].copy_(src)
-        impl.prepare_cuda_graph(sa)
-        if graph is not None:
-            graph.replay()
-        else:  # CPU emulation of a replay: the same forward on the same static inputs
-            out = self.py_model.forward(static, impl)
-        self.graph_replays += 1
-        self.replays_by_size[s] = self.replays_by_size.get(s, 0) + 1
-        self._check_hidden(out.hidden_states, s)
-        return out.hidden_states[:bs]
+    def _prefill(self, reqs):
+        inputs = self._prefill_inputs([r.prompt[r.prefix_len:] for r in reqs], [r.prefix_len for r in reqs],
+                                      [r.blocks for r in reqs])
+        hidden = self._eager(inputs)
+        self.prefill_steps += 1
+        last = (inputs.attention_inputs.cu_seqlens[1:] - 1).long().to(hidden.device)
+        return self._post_layers(hidden[last])
 
-    # --- generation ----------------------------------------------------------------------------------
+    def _decode(self, reqs):
+        live = self._decode_inputs([r.tokens[-1] for r in reqs], [len(r.prompt) for r in reqs],
+                                   [len(r.tokens) - 1 for r in reqs], [r.blocks for r in reqs])
+        if self.graph_runner is not None and self.graph_runner.can_run(len(reqs)):
+            hidden = self._check_hidden(self.graph_runner.forward(live), len(reqs))
+            self.graph_replays += 1
+        else:
+            hidden = self._eager(live)
+            self.eager_decode_steps += 1
+        return self._post_layers(hidden)
+
     def _grow(self, req, n_tokens):
         while len(req.blocks) * self.block_size < n_tokens:
             req.blocks.append(self.block_manager.alloc())
-
-    def _prefill(self, reqs):
-        lens, prefix, ids = [], [], []
-        for r in reqs:
-            lens.append(len(r.prompt) - r.prefix_len)
-            prefix.append(r.prefix_len)
-            ids.extend(r.prompt[r.prefix_len:])
-        cu = self._host(list(accumulate(lens, initial=0)))
-        cu_kv = self._host(list(accumulate((a + b for a, b in zip(lens, prefix)), initial=0)))
-        attn = PyAttentionInputs(
-            is_prefill=True, is_cuda_graph=False, dtype=self.dtype, input_lengths=self._host(lens),
-            prefix_lengths=self._host(prefix), sequence_lengths=self._host([]),
-            sequence_lengths_plus_1_device=self._dev(self._host([])), cu_seqlens=cu,
-            cu_seqlens_device=self._dev(cu), cu_kv_seqlens_device=self._dev(cu_kv),
-            decode_cu_seqlens_device=self._dev(self._host([])),
-            **self._tables([r.blocks for r in reqs]))
-        inputs = PyModelInputs(input_ids=self._dev(torch.tensor(ids, dtype=_I32)), attention_inputs=attn)
-        impl = self.py_model.prepare_fmha_impl(inputs, False)
-        hidden = self.py_model.forward(inputs, impl).hidden_states
-        self._check_hidden(hidden, len(ids))
-        self.prefill_steps += 1
-        return self._next_tokens(hidden[(cu[1:] - 1).long().to(hidden.device)])
-
-    def _decode(self, reqs):
-        bs = len(reqs)
-        live = self._decode_inputs([r.tokens[-1] for r in reqs], [len(r.prompt) for r in reqs],
-                                   [len(r.tokens) - 1 for r in reqs], [r.blocks for r in reqs])
-        sizes = [s for s in self.capture_sizes if s >= bs] if self.enable_cuda_graph else []
-        if sizes:
-            hidden = self._replay(min(sizes), live, bs)
-        else:
-            impl = self.py_model.prepare_fmha_impl(live, False)
-            hidden = self.py_model.forward(live, impl).hidden_states
-            self._check_hidden(hidden, bs)
-            self.eager_decode_steps += 1
-        return self._next_tokens(hidden)
 
     def generate(self, prompts, max_new_tokens, *, reuse_prefix=False):
         """Greedy: one all-prefill batch of every prompt, then all-decode steps; returns the new tokens."""
@@ -433,26 +350,20 @@ class Engine:
 
 
 def launch(argv=(), env=None, **overrides):
-    """An Engine from launch settings: flags ``--name v`` first, then env ``NAME`` (contract's table).
-
-    Imports the external packages first, then resolves MODEL_TYPE / config.json. LOAD_PYTHON_MODEL is
-    accepted and ignored. ``overrides`` are Engine keyword arguments (e.g. num_blocks, device).
-    """
-    env = dict(os.environ if env is None else env)
-    argv = list(argv)
-    load_external_packages(argv, env)
-    ckpt = overrides.pop("ckpt_path", None) or _setting(argv, env, "checkpoint_path")
+    """An Engine from launch settings (``parse_args``); ``overrides`` are Engine keyword arguments."""
+    args = parse_args(argv, dict(os.environ if env is None else env))
+    load_external_model_packages(args["external_model_packages"])  # setup_default_args, before type inference
+    ckpt = overrides.pop("ckpt_path", None) or args["checkpoint_path"]
     if not ckpt:
         raise ValueError("CHECKPOINT_PATH is not set")
-    kwargs = dict(
-        model_type=_setting(argv, env, "model_type") or None,
-        act_type=_setting(argv, env, "act_type") or "BF16",
-        fp8_kv_cache=_truthy(_setting(argv, env, "fp8_kv_cache") or "0"),
-        enable_cuda_graph=_truthy(_setting(argv, env, "enable_cuda_graph") or "0"),
-        seq_size_per_block=int(_setting(argv, env, "seq_size_per_block") or 64),
-        kernel_seq_size_per_block=int(_setting(argv, env, "kernel_seq_size_per_block") or 0),
-        decode_capture_batch_sizes=tuple(
-            int(x) for x in (_setting(argv, env, "decode_capture_config") or "1,2,4,8").split(",") if x.strip()),
-    )
+    sizes = tuple(int(x) for x in args["decode_capture_config"].split(",") if x.strip())
+    kwargs = dict(external_model_packages=args["external_model_packages"], model_type=args["model_type"],
+                  act_type=args["act_type"], fp8_kv_cache=args["fp8_kv_cache"],
+                  enable_cuda_graph=args["enable_cuda_graph"], seq_size_per_block=args["seq_size_per_block"],
+                  kernel_seq_size_per_block=args["kernel_seq_size_per_block"], decode_capture_batch_sizes=sizes,
+                  max_generate_batch_size=args["concurrency_limit"] if not sizes else None,
+                  max_seq_len=args["max_seq_len"], warm_up=args["warm_up"], role_type=args["role_type"])
+    if args["test_block_num"]:
+        kwargs["num_blocks"] = args["test_block_num"]
     kwargs.update(overrides)
     return Engine(ckpt, **kwargs)

@@ -1,4 +1,5 @@
-"""Test stand-in of RTP-LLM's weight containers (not RTP-LLM code; written from the contract)."""
+"""Test stand-in of RTP-LLM's weight containers (not RTP-LLM code). The C++ post-layers read only
+``global_weights["lm_head"]`` on the Python-model path (``WeightsConverter::createGptWeights``)."""
 
 
 class ModelWeights:

@@ -1,30 +1,39 @@
-"""Test stand-in of RTP-LLM's outer model base class (not RTP-LLM code; written from the contract).
+"""Test stand-in of RTP-LLM's outer model base class (``rtp_llm/models/base_model.py`` at 4b8d39cd5; not
+RTP-LLM code).
 
-A plugin subclasses ``BaseModel`` and overrides ``_create_config``, ``get_weight_cls``,
-``support_cuda_graph``, ``load`` and ``_create_python_model``; the engine builds it with ``from_config``.
+- ``__init__`` takes RTP's required keyword arguments (no catch-all);
+- ``from_config`` constructs the model AND calls ``load(skip_python_model=...)``;
+- ``load`` is where RTP refuses ``ENABLE_CUDA_GRAPH=1`` for a model whose ``support_cuda_graph()`` is False,
+  then builds its weight loader (``model_weights_loader``, read later by ``rpc_engine._start``): a plugin that
+  overrides ``load`` skips both, as with real RTP.
 """
 
 
 class BaseModel:
-    def __init__(self, model_config, parallelism_config=None, hw_kernel_config=None, kv_cache_config=None,
-                 fmha_config=None, moe_config=None, load_method=None, max_generate_batch_size=1, **kwargs):
-        # Extra keyword arguments (fields added upstream later) are accepted and ignored.
-        self.model_config = model_config
-        self.parallelism_config = parallelism_config
-        self.hw_kernel_config = hw_kernel_config
-        self.kv_cache_config = kv_cache_config
-        self.fmha_config = fmha_config
-        self.moe_config = moe_config
-        self.load_method = load_method
-        self.max_generate_batch_size = max_generate_batch_size
-        self.weight = None
-        self.py_model = None
-        self.weight_manager = None
-        self.py_eplb = None
+    def __init__(self, *, model_config, parallelism_config, hw_kernel_config, kv_cache_config, fmha_config,
+                 moe_config, max_generate_batch_size, load_method, vit_config, merge_lora, device_resource_config,
+                 force_cpu_load_weights=False, loader_recycle_handles=False, moe_pure_tp_preshard=False):
+        self.model_config, self.parallelism_config, self.hw_kernel_config = model_config, parallelism_config, \
+            hw_kernel_config
+        self.kv_cache_config, self.fmha_config, self.moe_config = kv_cache_config, fmha_config, moe_config
+        self.max_generate_batch_size, self.load_method, self.vit_config = max_generate_batch_size, load_method, \
+            vit_config
+        self.merge_lora, self.device_resource_config = merge_lora, device_resource_config
+        self.weight = self.weight_manager = self.py_eplb = self.py_model = None
 
     @classmethod
-    def from_config(cls, **kwargs):
-        return cls(**kwargs)
+    def from_config(cls, model_config, parallelism_config, hw_kernel_config, kv_cache_config, fmha_config,
+                    moe_config, load_method, max_generate_batch_size, vit_config, merge_lora, device_resource_config,
+                    force_cpu_load_weights=False, skip_python_model=False, loader_recycle_handles=False,
+                    moe_pure_tp_preshard=False):
+        model = cls(model_config=model_config, parallelism_config=parallelism_config,
+                    hw_kernel_config=hw_kernel_config, kv_cache_config=kv_cache_config, fmha_config=fmha_config,
+                    moe_config=moe_config, load_method=load_method, max_generate_batch_size=max_generate_batch_size,
+                    vit_config=vit_config, merge_lora=merge_lora, device_resource_config=device_resource_config,
+                    force_cpu_load_weights=force_cpu_load_weights, loader_recycle_handles=loader_recycle_handles,
+                    moe_pure_tp_preshard=moe_pure_tp_preshard)
+        model.load(skip_python_model=skip_python_model)
+        return model
 
     @classmethod
     def _create_config(cls, ckpt_path):
@@ -38,7 +47,9 @@ class BaseModel:
         return False
 
     def load(self, skip_python_model=False):
-        raise NotImplementedError(f"{type(self).__name__}.load")
+        if self.hw_kernel_config.enable_cuda_graph and self.support_cuda_graph() is False:
+            raise Exception("current model can't support cuda graph in py model mode")
+        raise NotImplementedError(f"{type(self).__name__}: the stand-in has no RTP weight loader; override load()")
 
     def _create_python_model(self):
         raise NotImplementedError(f"{type(self).__name__}._create_python_model")

@@ -1,0 +1,162 @@
+"""Test stand-in of RTP-LLM's decode CUDA-graph runner (``cpp/cuda_graph/cuda_graph_runner.cc`` and
+``cuda_graph_decode.cc`` at 4b8d39cd5; not RTP-LLM code).
+
+Capture (``initCapture`` / ``captureDecode``):
+1. static inputs once at ``max_bs`` (``initCaptureAttentionInputs``): ``input_lengths`` 1, ``sequence_lengths``
+   ``max_seq_len - 2`` (``_plus_1_device`` one more), an empty ``prefix_lengths``, zero kernel block tables
+   (host and device) ``ceil(max_seq_len / block) * ratio`` wide, ``cu_seqlens`` over the lengths, ``decode_cu_seqlens``
+   ``0..max_bs``; ``kv_cache_block_id`` / ``_device`` are never created (None);
+2. ``prepare_fmha_impl(static, True)`` and one eager forward under ``RTP_LLM_CUDA_GRAPH_WARMUP_FORWARD=1``;
+3. per capture size, largest first: the static inputs are SLICES of the max_bs buffers (shared storage),
+   ``prepare_fmha_impl(slice, True)``, two eager forwards, capture, one replay.
+Replay (``prepareInputData`` / ``prepareAttentionInputs``), into the smallest captured size >= the batch:
+the live ``input_ids`` copied in; the DEVICE kernel table zeroed, then the live rows copied; the HOST kernel
+table gets the live rows only (rows and columns past them keep what an earlier, larger step left there);
+host ``sequence_lengths`` past the batch are zeroed, host ``input_lengths`` past it stay stale; the device
+lengths get the live entries only; then ``prepare_cuda_graph(static attention inputs)`` and the replay.
+
+A CUDA graph cannot be captured on a CPU: there step 3's capture call and every replay run
+``forward(static, impl)`` eagerly on the prepared static buffers, which keeps everything around the replay
+(the Python calls, their order, the buffers and their refresh).
+"""
+
+import contextlib
+import os
+
+import torch
+
+from rtp_llm.ops.compute_ops import PyAttentionInputs, PyModelInputs
+
+_I32 = torch.int32
+
+
+@contextlib.contextmanager
+def _env_flag(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = old
+
+
+class _Instance:
+    def __init__(self, inputs, impl, hidden):
+        self.inputs, self.impl, self.hidden, self.graph = inputs, impl, hidden, None
+
+
+class CudaGraphRunner:
+    """Counters for tests: ``captured_sizes`` (capture order), ``replays_by_size``, ``warmup_forward_env``
+    (the flag's value seen by each forward during capture)."""
+
+    def __init__(self, py_model, *, max_bs, capture_sizes, max_seq_len, block_size, kernel_block_size, hidden_size,
+                 dtype, device):
+        self.py_model, self.max_bs, self.device, self.dtype = py_model, max_bs, torch.device(device), dtype
+        self.sizes = sorted(set(capture_sizes))
+        if not self.sizes or self.sizes[-1] > max_bs:
+            raise ValueError(f"capture sizes {self.sizes} must be within max_bs {max_bs}")
+        self.max_seq_len, self.hidden_size = max_seq_len, hidden_size
+        self.max_blocks = -(-max_seq_len // block_size) * (block_size // kernel_block_size)
+        self.instances, self.captured_sizes, self.replays_by_size = {}, [], {}
+        self.cuda = self.device.type == "cuda"
+
+    def _host(self, t):
+        return t.pin_memory() if self.cuda else t
+
+    def _static_inputs(self):
+        n, dev = self.max_bs, self.device
+        a = PyAttentionInputs()
+        a.is_prefill, a.is_cuda_graph, a.is_s_padded, a.dtype = False, True, True, self.dtype
+        a.input_lengths = self._host(torch.ones(n, dtype=_I32))
+        a.input_lengths_device = a.input_lengths.to(dev)
+        a.sequence_lengths = self._host(torch.full((n,), self.max_seq_len - 2, dtype=_I32))
+        a.sequence_lengths_plus_1_device = (a.sequence_lengths + 1).to(dev)
+        a.prefix_lengths = self._host(torch.zeros(0, dtype=_I32))
+        a.kv_cache_kernel_block_id_device = torch.zeros((n, self.max_blocks), dtype=_I32, device=dev)
+        a.kv_cache_kernel_block_id = self._host(torch.zeros((n, self.max_blocks), dtype=_I32))
+        a.padding_offset = self._host(torch.zeros(self.max_seq_len * n, dtype=_I32))
+        a.decode_cu_seqlens = self._host(torch.arange(n + 1, dtype=_I32))
+        a.decode_cu_seqlens_device = a.decode_cu_seqlens.to(dev)
+        cu = torch.zeros(n + 1, dtype=_I32)
+        cu[1:] = torch.cumsum(a.input_lengths, 0)
+        a.cu_seqlens, a.cu_seqlens_device = self._host(cu), cu.to(dev)
+        a.cu_kv_seqlens_device = torch.zeros(n + 1, dtype=_I32, device=dev)
+        return PyModelInputs(input_ids=torch.zeros(n, dtype=_I32, device=dev), attention_inputs=a)
+
+    @staticmethod
+    def _slice(full, bs):
+        f, a = full.attention_inputs, PyAttentionInputs()
+        a.is_prefill, a.is_cuda_graph, a.is_s_padded, a.dtype = False, True, True, f.dtype
+        for name in ("input_lengths", "input_lengths_device", "sequence_lengths", "sequence_lengths_plus_1_device",
+                     "kv_cache_kernel_block_id", "kv_cache_kernel_block_id_device", "padding_offset"):
+            setattr(a, name, getattr(f, name)[:bs])
+        for name in ("cu_seqlens", "cu_seqlens_device", "cu_kv_seqlens_device", "decode_cu_seqlens",
+                     "decode_cu_seqlens_device"):
+            setattr(a, name, getattr(f, name)[:bs + 1])
+        a.prefix_lengths = f.prefix_lengths
+        return PyModelInputs(input_ids=full.input_ids[:bs], attention_inputs=a)
+
+    def _forward(self, inst):
+        return self.py_model.forward(inst.inputs, inst.impl).hidden_states
+
+    def capture(self):
+        full = self._static_inputs()
+        impl = self.py_model.prepare_fmha_impl(full, True)
+        with _env_flag("RTP_LLM_CUDA_GRAPH_WARMUP_FORWARD", "1"):
+            self.py_model.forward(full, impl)
+        hidden = torch.zeros((self.max_bs, self.hidden_size), dtype=self.dtype, device=self.device)
+        pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        for bs in reversed(self.sizes):
+            inputs = self._slice(full, bs)
+            inst = _Instance(inputs, self.py_model.prepare_fmha_impl(inputs, True), hidden[:bs])
+            self._forward(inst)
+            self._forward(inst)
+            if self.cuda:
+                torch.cuda.synchronize()
+                inst.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(inst.graph, pool=pool):
+                    inst.hidden.copy_(self._forward(inst))
+            else:  # the capture's forward call, run eagerly
+                inst.hidden.copy_(self._forward(inst))
+            self.instances[bs] = inst
+            self._replay(inst)  # replayAndSyncCheck
+            self.captured_sizes.append(bs)
+
+    def _replay(self, inst):
+        if inst.graph is not None:
+            inst.graph.replay()
+            torch.cuda.synchronize()
+        else:
+            inst.hidden.copy_(self._forward(inst))
+
+    def can_run(self, bs):
+        return bs <= self.sizes[-1]
+
+    def forward(self, live):
+        """Replay for a live decode batch; returns ``hidden[:bs]`` (a copy, as PyWrappedModel clones it)."""
+        la = live.attention_inputs
+        bs = la.sequence_lengths.shape[0]
+        key = next(s for s in self.sizes if s >= bs)
+        inst = self.instances[key]
+        s = inst.inputs.attention_inputs
+        inst.inputs.input_ids[:live.input_ids.shape[0]].copy_(live.input_ids)
+        s.kv_cache_kernel_block_id_device.zero_()
+        src = la.kv_cache_kernel_block_id_device
+        s.kv_cache_kernel_block_id_device[:src.shape[0], :src.shape[1]].copy_(src)
+        for name, n in (("cu_seqlens_device", bs + 1), ("cu_kv_seqlens_device", bs + 1),
+                        ("input_lengths_device", bs), ("sequence_lengths_plus_1_device", bs),
+                        ("decode_cu_seqlens_device", bs + 1), ("cu_seqlens", bs + 1), ("input_lengths", bs),
+                        ("sequence_lengths", bs)):
+            getattr(s, name)[:n].copy_(getattr(la, name)[:n])
+        src = la.kv_cache_kernel_block_id
+        s.kv_cache_kernel_block_id[:src.shape[0], :src.shape[1]].copy_(src)  # host mirror: not zeroed
+        s.sequence_lengths[bs:].zero_()
+        prepare = getattr(inst.impl, "prepare_cuda_graph", None)  # called only where the impl has it
+        if prepare is not None:
+            prepare(s)
+        self._replay(inst)
+        self.replays_by_size[key] = self.replays_by_size.get(key, 0) + 1
+        return inst.hidden[:bs].clone()

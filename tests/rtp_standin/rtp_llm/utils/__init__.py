@@ -1,0 +1,1 @@
+"""Test stand-in of ``rtp_llm.utils`` (not RTP-LLM code)."""
