@@ -53,11 +53,13 @@ def check_options(block_size, kernel_block_size, kv_cache, index_cache) -> tuple
 
 
 def available_memory(device) -> int | None:
-    """Bytes a new allocation can take on ``device``: the GPU's free memory, the host's MemAvailable (or its free
-    pages where /proc/meminfo is missing); None where unknown (the meta device)."""
+    """Bytes a new allocation can take on ``device``: the GPU's free memory plus what torch's caching allocator
+    holds unused, the host's MemAvailable (or its free pages where /proc/meminfo is missing); None where unknown
+    (the meta device)."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + held
     if device.type != "cpu":
         return None
     try:
