@@ -111,6 +111,9 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     prompts = [parse_token_ids(text, config.vocab_size) for text in args.prompt_ids]
     if args.max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be a non-negative integer, got {args.max_new_tokens}")
+    from fxglm5.runtime.runner import Runner, check_lengths
+
+    check_lengths(prompts, args.max_new_tokens, config.max_position_embeddings)  # before a cache is sized from them
     if artifact is None and (args.backend == "reference" or args.max_new_tokens == 0):
         outputs = [_generate(args.model, prompt, args.max_new_tokens, args.dtype) for prompt in prompts]
     elif args.backend == "reference":
@@ -118,8 +121,6 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     elif args.max_new_tokens == 0:
         outputs = [[] for _ in prompts]
     else:
-        from fxglm5.runtime.runner import Runner
-
         tokens = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
         options = dict(kv_cache=args.kv_cache, block_size=args.block_size,
                        max_cache_tokens=tokens + len(prompts) * args.block_size)

@@ -1,17 +1,22 @@
 """Every bad input gets a typed error whose message names the file and the tensor or field at fault."""
 
 import json
+import re
 import shutil
+import struct
 import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from fxglm5.cli import main
 from fxglm5.errors import CheckpointError, ConfigError, InputError
 from fxglm5.model.checkpoint import load_checkpoint
+from fxglm5.model.config import Glm5Config
+from fxglm5.model.quantize import quantize_checkpoint
 from fxglm5.model.st_files import INDEX
 from fxglm5.model.tiny import make_tiny_checkpoint
 
@@ -19,6 +24,11 @@ from fxglm5.model.tiny import make_tiny_checkpoint
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("src") / "tiny", fp8=True)
+
+
+@pytest.fixture(scope="module")
+def bf16_source(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("src") / "bf16", fp8=False)
 
 
 @pytest.fixture
@@ -203,3 +213,247 @@ def test_cli_error_is_one_line_exit_2_without_traceback(ckpt):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fxglm5: error: ")
     assert "config.json" in lines[0] and "'hidden_size'" in lines[0]
+
+
+# ---- safetensors headers whose data_offsets do not tile the data ------------------------------------
+def rewrite_header(path, edit, insert=b""):
+    """Rewrite the JSON header of safetensors file ``path`` after ``edit(header)``; ``insert`` (bytes) goes
+    between the first tensor's data and the rest."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header, body = json.loads(data[8:8 + n]), data[8 + n:]
+    first = min((v["data_offsets"][1], k) for k, v in header.items() if k != "__metadata__")[0]
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body[:first] + insert + body[first:])
+
+
+def spans(header):
+    return sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")
+
+
+def overlap(header):  # the second tensor starts inside the first
+    (a, _), (b, name) = spans(header)[:2]
+    header[name]["data_offsets"] = [a[0] + 4, a[0] + 4 + b[1] - b[0]]
+
+
+def negative(header):
+    _, name = spans(header)[0]
+    size = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+    header[name]["data_offsets"] = [-size, 0]
+
+
+def hole(header):  # 16 bytes inserted after the first tensor and every later offset moved past them
+    for offsets, name in spans(header)[1:]:
+        header[name]["data_offsets"] = [offsets[0] + 16, offsets[1] + 16]
+
+
+@pytest.mark.parametrize("edit, insert, expected", [
+    (overlap, b"", "overlap tensor"),
+    (negative, b"", "negative offsets"),
+    (hole, bytes(16), "leaving a hole of 16 bytes after tensor"),
+    (lambda header: None, bytes(8), "the file holds"),  # trailing bytes no tensor covers
+])
+def test_data_offsets_that_do_not_tile_the_data(ckpt, capsys, edit, insert, expected):
+    path = shard_of(ckpt, "model.layers.1.self_attn.kv_b_proj.weight")
+    rewrite_header(path, edit, insert)
+    with pytest.raises(SafetensorError):  # the format's own reader refuses the file too, naming no tensor
+        safe_open(str(path), framework="pt")
+    assert main(["generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fxglm5: error: {path}: ") and expected in err and err.count("\n") == 1
+    assert "data_offsets" in err
+
+
+# ---- shards outside the checkpoint directory -----------------------------------------------------
+def point_entry(ckpt, name, shard):
+    index = json.loads((ckpt / INDEX).read_text())
+    index["weight_map"][name] = shard
+    (ckpt / INDEX).write_text(json.dumps(index))
+
+
+def test_weight_map_entries_that_leave_the_directory(ckpt, tmp_path):
+    name = "model.layers.0.mlp.gate_proj.weight"
+    original = shard_of(ckpt, name)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(original, outside / original.name)  # a valid shard, but not this checkpoint's
+    for shard in [f"../outside/{original.name}", str(outside / original.name)]:
+        point_entry(ckpt, name, shard)
+        with pytest.raises(CheckpointError, match="leaves the checkpoint directory") as err:
+            load(ckpt)
+        assert str(ckpt / INDEX) in str(err.value) and name in str(err.value) and shard in str(err.value)
+    point_entry(ckpt, name, original.name)
+    original.unlink()
+    original.symlink_to(outside / original.name)
+    with pytest.raises(CheckpointError, match="a symlink to .*outside the checkpoint directory") as err:
+        load(ckpt)  # named by the first entry listing that shard
+    assert str(err.value).startswith(f"{ckpt / INDEX}: weight_map entry 'model.") and repr(original.name) in str(err.value)
+
+
+def test_hub_cache_snapshot_symlinks_into_its_blobs_load(source, tmp_path):
+    """The Hugging Face cache keeps snapshots/<rev>/<file> as symlinks to ../../blobs/<sha>: that is inside."""
+    repo = tmp_path / "models--zai-org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(source.iterdir())):
+        shutil.copy(f, blobs / f"blob{i}")
+        (snapshot / f.name).symlink_to(f"../../blobs/blob{i}")
+    expected = load(source).state_dict()
+    for key, value in load(snapshot).state_dict().items():
+        assert torch.equal(value.view(torch.uint8), expected[key].view(torch.uint8)), key
+
+
+# ---- values: NaN, Inf, absurd magnitudes, non-positive block scales --------------------------------
+def set_first(name, value):
+    def edit(tensors):
+        t = tensors[name]
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).view(-1)[0] = value
+        else:
+            t.view(-1)[0] = value
+    return edit
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("model.layers.0.self_attn.q_a_proj.weight", 0x7F, "holds NaN"),  # an e4m3 NaN code
+    ("model.layers.2.mlp.experts.5.up_proj.weight", 0xFF, "holds NaN"),  # stacked into the experts' tensor
+    ("model.embed_tokens.weight", float("inf"), "holds Inf"),
+    ("model.embed_tokens.weight", 1e30, "holds 1e+30, beyond float16's largest value 65504"),
+    ("model.layers.1.input_layernorm.weight", -1e30, "holds -1e+30"),
+    ("model.layers.3.mlp.gate.weight", float("nan"), "holds NaN"),
+    ("model.layers.0.self_attn.o_proj.weight_scale_inv", float("nan"), "holds NaN"),
+    ("model.layers.0.self_attn.o_proj.weight_scale_inv", 1e30, "holds 1e+30; block scales must lie in (0, 146.2]"),
+    ("model.layers.1.mlp.experts.0.down_proj.weight_scale_inv", 0.0, "holds 0; block scales must lie in"),
+    ("model.layers.1.mlp.shared_experts.gate_proj.weight_scale_inv", -0.01, "holds -0.01; block scales"),
+])
+def test_non_finite_or_absurd_values_are_refused_at_load(ckpt, name, value, expected):
+    path = edit_shard(ckpt, name, set_first(name, value))
+    with pytest.raises(CheckpointError, match=re.escape(expected)) as err:
+        load(ckpt)
+    assert str(err.value).startswith(f"{path}: ") and repr(name) in str(err.value)
+
+
+def test_absurd_weight_in_cli_is_one_line_not_zeros(ckpt, capsys):
+    name = "lm_head.weight"
+    path = edit_shard(ckpt, name, set_first(name, 1e30))
+    assert main(["generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--max-new-tokens", "4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"fxglm5: error: {path}: tensor {name!r} holds 1e+30")
+
+
+def test_bf16_source_with_nan_is_refused_by_quantize(bf16_source, tmp_path):
+    src = shutil.copytree(bf16_source, tmp_path / "bf16")
+    name = "model.layers.2.mlp.experts.1.gate_proj.weight"
+    path = edit_shard(src, name, set_first(name, float("nan")))
+    with pytest.raises(CheckpointError, match="holds NaN") as err:
+        quantize_checkpoint(src, tmp_path / "fp8")
+    assert str(err.value).startswith(f"{path}: ") and repr(name) in str(err.value)
+
+
+# ---- config fields the model does not implement, or values out of range ----------------------------
+@pytest.mark.parametrize("changes, field", [
+    ({"rope_interleave": False}, "rope_interleave"),
+    ({"indexer_rope_interleave": False}, "indexer_rope_interleave"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"q_lora_rank": None}, "q_lora_rank"),
+    ({"topk_method": "greedy"}, "topk_method"),
+    ({"scoring_func": "softmax"}, "scoring_func"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_parameters.rope_type"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads"),
+    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}},
+     "quantization_config.activation_scheme"),
+])
+def test_legal_but_unsupported_config_values(ckpt, changes, field):
+    path = edit_config(ckpt, **changes)
+    with pytest.raises(ConfigError, match=f"config field '{re.escape(field)}' = .* is not supported by fxglm5") as err:
+        load(ckpt)
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("changes, field, expected", [
+    ({"rms_norm_eps": 1e30}, "rms_norm_eps", "must be below 1"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps", "must be a positive number"),
+    ({"first_k_dense_replace": 5}, "first_k_dense_replace", "exceeds 'num_hidden_layers' (4)"),
+    ({"rope_interleave": "yes"}, "rope_interleave", "must be true or false"),
+    ({"norm_topk_prob": 1}, "norm_topk_prob", "must be true or false"),
+    ({"rope_parameters": "default"}, "rope_parameters", "must be an object"),
+])
+def test_invalid_config_values_are_not_called_unsupported(ckpt, changes, field, expected):
+    path = edit_config(ckpt, **changes)
+    with pytest.raises(ConfigError) as err:
+        load(ckpt)
+    message = str(err.value)
+    assert str(path) in message and f"'{field}'" in message and expected in message
+    assert "not supported" not in message
+
+
+@pytest.mark.parametrize("raw", [
+    {"num_hidden_layers": 7, "index_topk_freq": 2},
+    {"num_hidden_layers": 9, "index_topk_freq": 3, "index_skip_topk_offset": 4},
+    {"num_hidden_layers": 5, "index_topk_pattern": "FSFSS"},
+    {"num_hidden_layers": 4},
+])
+def test_indexer_types_derived_as_transformers_derives_them(raw):
+    hf = pytest.importorskip("transformers.models.glm_moe_dsa.configuration_glm_moe_dsa")
+    raw = {**raw, "first_k_dense_replace": 1}
+    assert Glm5Config.from_dict(raw).indexer_types == hf.GlmMoeDsaConfig(**raw).indexer_types
+
+
+# ---- make-tiny / quantize --out: never into a file or over what is stored -------------------------
+def test_make_tiny_out_an_existing_file_or_non_empty_directory(tmp_path, capsys):
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    stored = tmp_path / "stored"
+    stored.mkdir()
+    (stored / "weights.bin").write_bytes(b"keep me too")
+    for out, expected in [(existing, "exists and is not a directory"), (stored, "exists and is not empty")]:
+        assert main(["make-tiny", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"fxglm5: error: {out}: {expected}") and err.count("\n") == 1
+    assert existing.read_text() == "keep me" and [p.name for p in stored.iterdir()] == ["weights.bin"]
+
+
+def test_quantize_out_a_non_empty_directory(bf16_source, source, capsys):
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in source.iterdir())
+    assert main(["quantize", "--in", str(bf16_source), "--out", str(source)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fxglm5: error: {source}: exists and is not empty") and err.count("\n") == 1
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in source.iterdir()) == before
+
+
+# ---- generate: sizes checked before anything is allocated ----------------------------------------
+def test_huge_block_size_is_refused_up_front(source, capsys):
+    code = main(["generate", "--model", str(source), "--prompt-ids", "1,2", "--max-new-tokens", "4",
+                 "--block-size", "1000000"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == ("fxglm5: error: block_size: 1000000 exceeds max_position_embeddings (4096): a block longer than "
+                   "the longest sequence is never filled\n")
+
+
+def test_too_many_new_tokens_are_refused_before_the_cache_is_sized(source, capsys, monkeypatch):
+    import fxglm5.runtime.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "Runner", None)  # sizing a Runner's cache would fail
+    code = main(["generate", "--model", str(source), "--prompt-ids", "1,2", "--prompt-ids", "3",
+                 "--max-new-tokens", "100000"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == ("fxglm5: error: prompt 0: 2 tokens + max_new_tokens 100000 exceed max_position_embeddings "
+                   "(4096)\n")
+
+
+def test_unknown_kernel_backend_variable_in_cli(source, capsys, monkeypatch):
+    monkeypatch.setenv("FXGLM5_BACKEND", "nonsense")
+    assert main(["generate", "--model", str(source), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("fxglm5: error: environment variable FXGLM5_BACKEND must be one of 'aiter', 'triton', 'reference' "
+                   "(or unset: the best for the device), got 'nonsense'\n")

@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 from fxglm5.errors import CacheFullError, InputError
 from fxglm5.ops.cached import validation, validation_enabled
 from fxglm5.runtime.forward_context import ForwardContext
-from fxglm5.runtime.runner import Tokens
+from fxglm5.runtime import cache
+from fxglm5.runtime import runner as runner_module
+from fxglm5.runtime.cache import PagedCache
+from fxglm5.runtime.runner import Runner, Tokens
 from tests.paged_helpers import model_and_graph, prompts, runner
 
 
@@ -63,6 +66,45 @@ def test_prompt_past_max_position_embeddings_is_rejected_up_front():
         r.run([[1] * 20], 8)  # 28 > 24 positions
     with pytest.raises(InputError, match="out of range"):
         r.run([[1, 2, 999]], 2)
+
+
+def _no_compile(*args, **kwargs):
+    raise AssertionError("compiled: the bad option was not refused before capture")
+
+
+def test_cache_larger_than_the_available_memory_is_refused_before_compiling(monkeypatch):
+    model, graph = model_and_graph("exact")
+    small = Runner(model, graph=graph, block_size=4, num_blocks=5)
+    allocated = sum(t.numel() * t.element_size() for t in small.cache.tensors.values())
+    assert cache.check_cache_size(5, 4, [True, False, True], "bf16", "bf16", torch.float32, "cpu") == allocated
+    monkeypatch.setattr(cache, "available_memory", lambda device: allocated - 1)
+    monkeypatch.setattr(runner_module, "compile_paged", _no_compile)
+    with pytest.raises(InputError, match=r"paged cache: 5 blocks of block_size 4 tokens for 3 layers need .* GiB, "
+                                         r"more than .* available on cpu"):
+        Runner(model, block_size=4, num_blocks=5)
+    with pytest.raises(InputError, match="paged cache"):  # the caches' own check (RTP's scratch steps use it)
+        PagedCache(graph.meta["paged_cache"], 5, 4, dtype=torch.float32)
+    Runner(model, graph=graph, block_size=4, num_blocks=4)  # one block fewer fits
+
+
+def test_block_longer_than_any_sequence_is_refused_before_compiling(monkeypatch):
+    model, _ = model_and_graph("short")  # max_position_embeddings 24
+    monkeypatch.setattr(runner_module, "compile_paged", _no_compile)
+    with pytest.raises(InputError, match=r"block_size: 1000000 exceeds max_position_embeddings \(24\)"):
+        Runner(model, block_size=1000000)
+
+
+@pytest.mark.parametrize("env, option, shown", [("nonsense", None, "environment variable FXGLM5_BACKEND"),
+                                                (None, "cutlass", "backend")])
+def test_unknown_kernel_backend_is_refused_before_compiling(monkeypatch, env, option, shown):
+    model, _ = model_and_graph("short")
+    if env:
+        monkeypatch.setenv("FXGLM5_BACKEND", env)
+    monkeypatch.setattr(runner_module, "compile_paged", _no_compile)
+    with pytest.raises(InputError) as err:
+        Runner(model, block_size=4, backend=option)
+    assert str(err.value) == (f"{shown} must be one of 'aiter', 'triton', 'reference' (or unset: the best for the "
+                              f"device), got {env or option!r}")
 
 
 def base_context(r, prefill=True):

@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 import torch
 
+from fxglm5.errors import InputError
+
 log = logging.getLogger(__name__)
 BACKENDS = ("aiter", "triton", "reference")
 
@@ -63,11 +65,20 @@ def aiter_available() -> bool:
         return False
 
 
+def preferred_backend(override: Optional[str] = None) -> Optional[str]:
+    """The backend to put first: ``override`` (the ``backend`` option), else the FXGLM5_BACKEND variable, else
+    None; InputError naming the option or the variable and the allowed values for anything else."""
+    name, value = ("backend", override) if override else ("environment variable FXGLM5_BACKEND",
+                                                         os.environ.get("FXGLM5_BACKEND") or None)
+    if value is not None and value not in BACKENDS:
+        allowed = ", ".join(map(repr, BACKENDS))
+        raise InputError(f"{name} must be one of {allowed} (or unset: the best for the device), got {value!r}")
+    return value
+
+
 def backend_order(device_type: str, override: Optional[str] = None) -> list[str]:
     """Backends to try, in order, for tensors on ``device_type``."""
-    override = override or os.environ.get("FXGLM5_BACKEND") or None
-    if override is not None and override not in BACKENDS:
-        raise ValueError(f"FXGLM5_BACKEND must be one of {BACKENDS}, got {override!r}")
+    override = preferred_backend(override)
     if device_type == "cuda":
         order = (["aiter"] if aiter_available() else []) + ["triton", "reference"]
     else:

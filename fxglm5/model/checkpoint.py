@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any, Mapping
@@ -42,6 +43,43 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if dtype not in table:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of {sorted(table)}")
     return table[dtype]
+
+
+# Bounds on the values a checkpoint may hold, checked as each tensor is read. Trained weights are O(1) (norm
+# gains, embeddings and projections alike); a weight beyond float16's largest finite value cannot be held by a
+# float16 engine and, squared in the next RMSNorm, quickly overflows float32 and bf16 too: a 1e30 weight makes the
+# logits NaN, and their argmax silently generates token 0 every step. FP8 block scales obey the same bound once
+# applied to e4m3's largest value (448), and must be positive (a scale of 0 or below is no quantization).
+MAX_WEIGHT = torch.finfo(torch.float16).max  # 65504
+MAX_SCALE_INV = MAX_WEIGHT / 448.0  # about 146.2
+_CHECK_CHUNK = 1 << 24  # elements per reduction: bounds the temporaries of a check on a large stacked tensor
+
+
+def check_values(t: torch.Tensor, name: str, file: Path) -> torch.Tensor:
+    """Return ``t`` after checking its values on its own device (one min/max pass, one host sync): no NaN or
+    Inf, magnitudes within MAX_WEIGHT, FP8 block scales (``*_scale_inv``) in (0, MAX_SCALE_INV]; else
+    CheckpointError naming ``file`` and the tensor."""
+    if not t.numel():
+        return t
+    chunks = t.reshape(-1).split(_CHECK_CHUNK)
+    if t.dtype == torch.float8_e4m3fn:  # e4m3fn has no Inf; its NaNs are the codes S.1111.111
+        if torch.stack([((c.view(torch.uint8) & 0x7F) == 0x7F).any() for c in chunks]).any():
+            raise CheckpointError(f"{file}: tensor {name!r} holds NaN (an e4m3 NaN code)")
+        return t
+    lows, highs = zip(*(torch.aminmax(c) for c in chunks))
+    lo, hi = torch.stack(lows).min().item(), torch.stack(highs).max().item()
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise CheckpointError(f"{file}: tensor {name!r} holds {'NaN' if math.isnan(lo) else 'Inf'} values")
+    if name.endswith(SCALE_SUFFIX) and not 0 < lo <= hi <= MAX_SCALE_INV:
+        value = lo if lo <= 0 else hi
+        raise CheckpointError(
+            f"{file}: scale tensor {name!r} holds {value:.3g}; block scales must lie in (0, {MAX_SCALE_INV:.4g}] "
+            f"(448, e4m3's largest value, times the scale must stay within float16's {MAX_WEIGHT:g})")
+    if max(-lo, hi) > MAX_WEIGHT:
+        raise CheckpointError(
+            f"{file}: tensor {name!r} holds {lo if -lo > hi else hi:.3g}, beyond float16's largest value {MAX_WEIGHT:g}: "
+            "no trained weight is that large, and the model's activations would overflow to NaN")
+    return t
 
 
 def check_tensors(tensors: Mapping[str, TensorInfo], expected: Mapping[str, TensorSpec], cfg: Glm5Config, where: Path) -> list[str]:
@@ -118,8 +156,10 @@ class CheckpointReader:
             self._files[info.file] = self._stack.enter_context(safe_open(str(info.file), framework="pt", device="cpu"))
         return self._files[info.file]
 
-    def get(self, name: str) -> torch.Tensor:
-        return self._file(name).get_tensor(name)
+    def get(self, name: str, device: torch.device | None = None) -> torch.Tensor:
+        """The tensor ``name`` as stored, on ``device`` (default: the CPU), its values checked there."""
+        t = self._file(name).get_tensor(name)
+        return check_values(t if device is None else t.to(device), name, self.tensors[name].file)
 
     def get_expert(self, name: str) -> torch.Tensor:
         """A per-expert (GLM-5-FP8) tensor by name, sliced out of the packed tensor if the file is packed."""
@@ -130,7 +170,7 @@ class CheckpointReader:
             return self.get(name)
         prefix, e, proj, scale = m.groups()
         packed = prefix + ("down_proj" if proj == "down" else "gate_up_proj") + (scale or "")
-        full = self._file(packed).get_slice(packed)[int(e)]
+        full = check_values(self._file(packed).get_slice(packed)[int(e)], f"{packed}[{e}]", self.tensors[packed].file)
         if proj == "down":
             return full
         half = full.shape[0] // 2
@@ -140,15 +180,15 @@ class CheckpointReader:
         """The model parameter ``name`` (shape/dtype of ``like``) built on ``device`` from the files."""
         m = _STACKED_RE.match(name)
         if m is None or self.packed:
-            return self.get(name).to(device=device, dtype=like.dtype)
+            return self.get(name, device).to(dtype=like.dtype)
         prefix, kind, scale = m.groups()
         suffix = ".weight" + (scale or "")
         out = torch.empty(like.shape, dtype=like.dtype, device=device)
         for e in range(like.shape[0]):
             if kind == "down_proj":
-                out[e].copy_(self.get(f"{prefix}{e}.down_proj{suffix}"))
+                out[e].copy_(self.get(f"{prefix}{e}.down_proj{suffix}", device))
                 continue
-            gate, up = self.get(f"{prefix}{e}.gate_proj{suffix}"), self.get(f"{prefix}{e}.up_proj{suffix}")
+            gate, up = self.get(f"{prefix}{e}.gate_proj{suffix}", device), self.get(f"{prefix}{e}.up_proj{suffix}", device)
             out[e, : gate.shape[0]].copy_(gate)
             out[e, gate.shape[0]:].copy_(up)
         return out

@@ -29,6 +29,46 @@ _DEFAULT_FP8_QUANT = {
 }
 
 
+# Fields whose other values are legal in HF configs of this family but not implemented by the model:
+# (field, the name config.json gives it, the one value fxglm5 implements, what that value means).
+_IMPLEMENTED_ONLY = (
+    ("hidden_act", "hidden_act", "silu", "SiLU-gated MLPs"),
+    ("scoring_func", "scoring_func", "sigmoid", "sigmoid router scores"),
+    ("topk_method", "topk_method", "noaux_tc", "top-k by score + e_score_correction_bias"),
+    ("rope_type", "rope_parameters.rope_type", "default", "RoPE without scaling, as GLM-5"),
+    ("rope_interleave", "rope_interleave", True, "RoPE on interleaved pairs (2i, 2i+1), as GLM-5"),
+    ("indexer_rope_interleave", "indexer_rope_interleave", True, "the indexer's RoPE on interleaved pairs, as GLM-5"),
+    ("attention_bias", "attention_bias", False, "attention projections without bias"),
+    ("mlp_bias", "mlp_bias", False, "MLP projections without bias"),
+    ("tie_word_embeddings", "tie_word_embeddings", False, "an lm_head of its own, as GLM-5"),
+)
+_BOOLS = ("norm_topk_prob", "rope_interleave", "indexer_rope_interleave", "attention_bias", "mlp_bias",
+          "tie_word_embeddings")
+MAX_NORM_EPS = 1.0  # an epsilon this large is no guard against division by zero but a rescaling of the norm
+
+
+def unsupported(field: str, value: Any, implemented: str) -> ConfigError:
+    """The error for a legal value the model does not implement (as opposed to an invalid one)."""
+    return ConfigError(f"config field {field!r} = {value!r} is not supported by fxglm5: it implements {implemented}")
+
+
+def _indexer_types(raw: dict[str, Any]) -> list[str] | None:
+    """``indexer_types`` from the keys transformers' GlmMoeDsaConfig derives it from when it is absent: a pattern
+    (``index_topk_pattern``, "FSS..."), else ``index_topk_freq`` with ``index_skip_topk_offset`` (layer i is
+    "full" when max(i - offset + 1, 0) % freq == 0); None (every layer "full") when neither is given."""
+    pattern = raw.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+    if raw.get("index_topk_freq") is None:
+        return None
+    freq, offset = raw["index_topk_freq"], raw.get("index_skip_topk_offset", 2)
+    layers = raw.get("num_hidden_layers", Glm5Config.num_hidden_layers)
+    for name, value in (("index_topk_freq", freq), ("index_skip_topk_offset", offset), ("num_hidden_layers", layers)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"config field {name!r} must be an integer, got {value!r}")
+    return ["full" if max(i - offset + 1, 0) % max(freq, 1) == 0 else "shared" for i in range(layers)]
+
+
 @dataclasses.dataclass
 class Glm5Config:
     """Every field of GLM-5's config.json that changes the model's math or its tensor shapes."""
@@ -68,6 +108,7 @@ class Glm5Config:
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"
     attention_bias: bool = False
+    mlp_bias: bool = False
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 1
     torch_dtype: str = "bfloat16"
@@ -111,7 +152,10 @@ class Glm5Config:
 
     # ---- validation ---------------------------------------------------------------------------
     def validate(self) -> None:
-        """Raise ConfigError naming the first field that is out of range or inconsistent."""
+        """Raise ConfigError naming the first field that is out of range or inconsistent ("must ..."), or that
+        holds a legal value the model does not implement ("not supported by fxglm5")."""
+        if self.q_lora_rank is None:
+            raise unsupported("q_lora_rank", None, "a low-rank query (q_a_proj, q_b_proj), as GLM-5")
         positive = [
             "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
@@ -124,19 +168,30 @@ class Glm5Config:
                 raise ConfigError(f"config field {name!r} must be a positive integer, got {value!r}")
         for name in ["n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"]:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"config field {name!r} must be a non-negative integer, got {value!r}")
         for name in ["rms_norm_eps", "rope_theta", "routed_scaling_factor"]:
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"config field {name!r} must be a positive number, got {value!r}")
+        if self.rms_norm_eps >= MAX_NORM_EPS:
+            raise ConfigError(f"config field 'rms_norm_eps' must be below {MAX_NORM_EPS:g} (it guards the division by "
+                              f"the root mean square; GLM-5's is 1e-05), got {self.rms_norm_eps!r}")
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config field {name!r} must be true or false, got {getattr(self, name)!r}")
+        for name, shown, value, meaning in _IMPLEMENTED_ONLY:
+            if getattr(self, name) != value:
+                raise unsupported(shown, getattr(self, name), f"only {value!r} ({meaning})")
+        if self.first_k_dense_replace > self.num_hidden_layers:
+            raise ConfigError(f"config field 'first_k_dense_replace' ({self.first_k_dense_replace}) exceeds "
+                              f"'num_hidden_layers' ({self.num_hidden_layers})")
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"config field 'qk_rope_head_dim' must be even for RoPE, got {self.qk_rope_head_dim}")
         if self.num_key_value_heads != self.num_attention_heads:
-            raise ConfigError(
-                "config field 'num_key_value_heads' must equal 'num_attention_heads' for MLA "
-                f"({self.num_key_value_heads} != {self.num_attention_heads})"
-            )
+            raise unsupported("num_key_value_heads", self.num_key_value_heads,
+                              f"MLA, whose latent serves every head: num_key_value_heads = num_attention_heads "
+                              f"({self.num_attention_heads})")
         if self.index_head_dim < self.qk_rope_head_dim:
             raise ConfigError(
                 f"config field 'index_head_dim' ({self.index_head_dim}) must be >= 'qk_rope_head_dim' "
@@ -152,14 +207,6 @@ class Glm5Config:
                 f"config fields 'n_group' ({self.n_group}) / 'topk_group' ({self.topk_group}) do not divide "
                 f"'n_routed_experts' ({self.n_routed_experts})"
             )
-        if self.hidden_act != "silu":
-            raise ConfigError(f"config field 'hidden_act' must be 'silu', got {self.hidden_act!r}")
-        if self.scoring_func != "sigmoid":
-            raise ConfigError(f"config field 'scoring_func' must be 'sigmoid', got {self.scoring_func!r}")
-        if self.rope_type != "default":
-            raise ConfigError(f"config field 'rope_parameters.rope_type' must be 'default' for GLM-5, got {self.rope_type!r}")
-        if self.tie_word_embeddings:
-            raise ConfigError("config field 'tie_word_embeddings' must be false: GLM-5 has an untied lm_head")
         if len(self.mlp_layer_types) != self.num_hidden_layers or set(self.mlp_layer_types) - {"dense", "sparse"}:
             raise ConfigError(
                 f"config field 'mlp_layer_types' must list 'dense'/'sparse' for each of the "
@@ -181,16 +228,14 @@ class Glm5Config:
         if not isinstance(q, dict):
             raise ConfigError(f"config field 'quantization_config' must be an object, got {type(q).__name__}")
         if q.get("quant_method") != "fp8":
-            raise ConfigError(f"config field 'quantization_config.quant_method' must be 'fp8', got {q.get('quant_method')!r}")
-        if q.get("fmt", "e4m3") != "e4m3":
-            raise ConfigError(f"config field 'quantization_config.fmt' must be 'e4m3', got {q.get('fmt')!r}")
-        if q.get("activation_scheme", "dynamic") != "dynamic":
-            raise ConfigError(
-                f"config field 'quantization_config.activation_scheme' must be 'dynamic', got {q.get('activation_scheme')!r}"
-            )
+            raise unsupported("quantization_config.quant_method", q.get("quant_method"), "only 'fp8' (block-FP8 weights)")
+        implemented = (("fmt", "e4m3", "e4m3 weights"), ("activation_scheme", "dynamic", "activations quantized per call"))
+        for key, value, meaning in implemented:
+            if q.get(key, value) != value:
+                raise unsupported(f"quantization_config.{key}", q.get(key), f"only {value!r} ({meaning})")
         block = q.get("weight_block_size")
         if block != [FP8_BLOCK, FP8_BLOCK]:
-            raise ConfigError(f"config field 'quantization_config.weight_block_size' must be [128, 128], got {block!r}")
+            raise unsupported("quantization_config.weight_block_size", block, "only [128, 128] blocks, as GLM-5-FP8")
 
     # ---- (de)serialisation -----------------------------------------------------------------------
     @classmethod
@@ -200,18 +245,23 @@ class Glm5Config:
             raise ConfigError(f"{source}: field 'model_type' must be {MODEL_TYPE!r}, got {raw.get('model_type')!r}")
         fields = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in fields}
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if isinstance(rope, dict):
+        for key in ("rope_scaling", "rope_parameters"):  # the legacy name first: rope_parameters wins
+            rope = raw.get(key)
+            if rope is None:
+                continue
+            if not isinstance(rope, dict):
+                raise ConfigError(f"{source}: field {key!r} must be an object, got {rope!r}")
+            field = "rope_type" if "rope_type" in rope else "type"  # "type": transformers' older name
+            kind = rope.get(field, "default")
+            if kind != "default":
+                raise ConfigError(f"{source}: {unsupported(f'{key}.{field}', kind, 'only default RoPE, as GLM-5')}")
             if "rope_theta" in rope:
                 kwargs["rope_theta"] = rope["rope_theta"]
-            if rope.get("rope_type", rope.get("type")):
-                kwargs["rope_type"] = rope.get("rope_type", rope.get("type"))
-        if "indexer_types" not in raw and "index_topk_pattern" in raw:
-            pattern = raw["index_topk_pattern"]
-            kwargs["indexer_types"] = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
         if raw.get("torch_dtype") is None and raw.get("dtype") is not None:
             kwargs["torch_dtype"] = raw["dtype"]
         try:
+            if "indexer_types" not in raw:
+                kwargs["indexer_types"] = _indexer_types(raw)
             return cls(**kwargs)
         except ConfigError as err:
             raise ConfigError(f"{source}: {err}") from None

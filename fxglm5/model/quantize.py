@@ -20,7 +20,7 @@ from fxglm5.errors import CheckpointError
 from fxglm5.model.checkpoint import CheckpointReader
 from fxglm5.model.config import FP8_BLOCK
 from fxglm5.model.layout import FP8, SCALE_SUFFIX, check_fp8_layout, expected_tensors
-from fxglm5.model.st_files import INDEX, PlannedTensor, write_shards
+from fxglm5.model.st_files import INDEX, PlannedTensor, check_output_dir, write_shards
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-12
@@ -43,7 +43,8 @@ def quantize_fp8_block(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def quantize_checkpoint(in_dir: str | Path, out_dir: str | Path, max_shard_bytes: int | None = DEFAULT_SHARD_BYTES) -> list[str]:
-    """Quantize the bf16 checkpoint ``in_dir`` (any supported layout) into GLM-5-FP8 format in ``out_dir``.
+    """Quantize the bf16 checkpoint ``in_dir`` (any supported layout) into GLM-5-FP8 format in ``out_dir`` (a new
+    or empty directory).
 
     Output: per-expert tensor names, FP8 weights + ``weight_scale_inv``, high-precision tensors copied in
     their stored dtype, config.json with GLM-5-FP8's quantization_config, other small files (tokenizer,
@@ -56,6 +57,7 @@ def quantize_checkpoint(in_dir: str | Path, out_dir: str | Path, max_shard_bytes
         raise CheckpointError(f"{in_dir / 'config.json'}: already an FP8 checkpoint (it has a quantization_config)")
     if in_dir.resolve() == out_dir.resolve():
         raise CheckpointError(f"{out_dir}: quantize needs an output directory different from its input")
+    check_output_dir(out_dir, empty=True)
     cfg = reader.config.with_fp8()
     check_fp8_layout(cfg, str(in_dir / "config.json"))
 

@@ -55,7 +55,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{path}: not a safetensors file (bad JSON header: {err})") from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: not a safetensors file (header is not an object)")
-    out = {}
+    out, spans = {}, []
     for name, meta in raw.items():
         if name == "__metadata__":
             continue
@@ -64,6 +64,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             begin, end = (int(v) for v in meta["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {meta!r}") from None
+        if begin < 0 or end < begin or min(shape, default=0) < 0:
+            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry {meta!r} (negative offsets or "
+                                  "sizes, or an end before its begin)")
         item = ST_DTYPES[dtype_name].itemsize if dtype_name in ST_DTYPES else None
         if item is not None and end - begin != math.prod(shape) * item:
             raise CheckpointError(
@@ -74,7 +77,28 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 f"{path}: truncated shard: tensor {name!r} ends at byte {8 + n + end} but the file has {size} bytes"
             )
         out[name] = TensorInfo(path, dtype_name, shape)
+        spans.append((begin, end, name))
+    _check_tiling(path, sorted(spans), size - 8 - n)
     return out
+
+
+def _check_tiling(path: Path, spans: list[tuple[int, int, str]], data_bytes: int) -> None:
+    """The sorted ``(begin, end, name)`` data spans must cover the data area exactly once, in order (the
+    safetensors format: no overlap, no hole, no trailing bytes): two tensors sharing bytes would alias each
+    other, and ``safe_open`` refuses such files anyway, with a message that names no tensor."""
+    at, previous = 0, None
+    for begin, end, name in spans:
+        if begin < at:
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets [{begin}, {end}] overlap tensor "
+                                  f"{previous!r}, which ends at {at}")
+        if begin > at:
+            after = f"after tensor {previous!r}" if previous else "at the start of the data"
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets begin at {begin}, leaving a hole of "
+                                  f"{begin - at} bytes {after}")
+        at, previous = end, name
+    if at != data_bytes:
+        raise CheckpointError(f"{path}: the tensors' data_offsets end at {at} but the file holds {data_bytes} data "
+                              "bytes after its header")
 
 
 def scan_checkpoint(directory: Path) -> tuple[dict[str, TensorInfo], Path]:
@@ -88,10 +112,26 @@ def scan_checkpoint(directory: Path) -> tuple[dict[str, TensorInfo], Path]:
     if index_path.is_file():
         return _scan_sharded(index_path), index_path
     if single.is_file():
-        return read_header(single), single
+        return read_header(_inside(directory, SINGLE, str(single))), single
     found = sorted(p.name for p in directory.glob("*.safetensors"))
     hint = f" (found {found} but no {INDEX})" if found else ""
     raise CheckpointError(f"{directory}: no {SINGLE} or {INDEX}{hint}")
+
+
+def _inside(directory: Path, name: str, what: str) -> Path:
+    """``directory / name``, refused (naming ``what``) where it leaves the checkpoint directory: an absolute
+    path, a ``..`` component, or a symlink whose target lies elsewhere. The one exception is the Hugging Face
+    hub cache, whose ``snapshots/<revision>/`` files are symlinks into the repository's ``blobs/`` directory."""
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise CheckpointError(f"{what}: the path leaves the checkpoint directory {directory}; shards must lie inside it")
+    path, root = directory / rel, directory.resolve()
+    roots = [root, root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [root]
+    target = path.resolve()
+    if not any(target.is_relative_to(r) for r in roots):
+        raise CheckpointError(f"{what}: a symlink to {target}, outside the checkpoint directory {directory}; "
+                              "shards must lie inside it")
+    return path
 
 
 def _scan_sharded(index_path: Path) -> dict[str, TensorInfo]:
@@ -105,7 +145,7 @@ def _scan_sharded(index_path: Path) -> dict[str, TensorInfo]:
     headers: dict[str, dict[str, TensorInfo]] = {}
     for name, shard in weight_map.items():
         if shard not in headers:
-            shard_path = index_path.parent / shard
+            shard_path = _inside(index_path.parent, shard, f"{index_path}: weight_map entry {name!r} -> {shard!r}")
             if not shard_path.is_file():
                 raise CheckpointError(f"{index_path}: shard {shard!r} (holding tensor {name!r}) is missing on disk")
             headers[shard] = read_header(shard_path)
@@ -118,6 +158,16 @@ def _scan_sharded(index_path: Path) -> dict[str, TensorInfo]:
                 raise CheckpointError(f"{info.file}: tensor {name!r} is in this shard but the index does not list it here")
             tensors[name] = info
     return tensors
+
+
+def check_output_dir(directory: Path, empty: bool = False) -> None:
+    """Refuse (CheckpointError) an output directory that exists as a file or, with ``empty``, holds anything:
+    a newly made checkpoint written there would overwrite or mix with what is stored."""
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"{directory}: exists and is not a directory; the output must be a directory")
+    if empty and directory.is_dir() and any(directory.iterdir()):
+        raise CheckpointError(f"{directory}: exists and is not empty; a new checkpoint is written only into a new "
+                              "or empty directory, so that nothing stored there is overwritten")
 
 
 @dataclasses.dataclass
@@ -135,6 +185,7 @@ def write_shards(directory: Path, tensors: Iterable[PlannedTensor], max_shard_by
     Shards are filled greedily in order and each is materialised only while it is written, so writing a
     checkpoint never needs more memory than one shard. Returns the file names written.
     """
+    check_output_dir(directory)
     directory.mkdir(parents=True, exist_ok=True)
     groups: list[list[PlannedTensor]] = [[]]
     size = 0

@@ -20,6 +20,8 @@ number at both granularities) and block tables are given at kernel granularity,
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fxglm5.errors import InputError
@@ -50,6 +52,40 @@ def check_options(block_size, kernel_block_size, kv_cache, index_cache) -> tuple
     return index_cache, kernel_block_size
 
 
+def available_memory(device) -> int | None:
+    """Bytes a new allocation can take on ``device``: the GPU's free memory plus what torch's caching allocator
+    holds unused, the host's MemAvailable (or its free pages where /proc/meminfo is missing); None where unknown
+    (the meta device)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + held
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_cache_size(num_blocks: int, block_size: int, indexed: list[bool], kv_cache: str, index_cache: str,
+                     dtype: torch.dtype, device) -> int:
+    """The bytes of the caches of ``len(indexed)`` attention layers (``indexed[i]``: layer i has an indexer cache);
+    InputError, before anything is allocated, when they exceed the memory available on ``device``."""
+    item = torch.empty((), dtype=dtype).element_size()
+    kv_row = paged.FP8_ROW_BYTES if kv_cache == "fp8" else paged.LATENT_DIM * item
+    index_row = paged.INDEX_ROW_BYTES if index_cache == "fp8" else paged.INDEX_DIM * item
+    need = num_blocks * block_size * (len(indexed) * kv_row + sum(indexed) * index_row)
+    free = available_memory(device)
+    if free is not None and need > free:
+        raise InputError(
+            f"paged cache: {num_blocks} blocks of block_size {block_size} tokens for {len(indexed)} layers need "
+            f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB available on {torch.device(device)}; "
+            "lower block_size, num_blocks or max_cache_tokens (fewer prompts or new tokens)")
+    return need
+
+
 class PagedCache:
     """The caches of every attention layer; ``graph_inputs()`` lists them in the graph's input order."""
 
@@ -61,6 +97,8 @@ class PagedCache:
             raise InputError(f"num_blocks: need at least 2 (block 0 is reserved), got {num_blocks}")
         if dtype not in paged.COMPUTE_DTYPES:
             raise InputError(f"dtype: {dtype} is not a compute dtype {paged.COMPUTE_DTYPES}")
+        check_cache_size(num_blocks, block_size, [index is not None for _, index in signature.layers], kv_cache,
+                         index_cache, dtype, device)
         self.signature, self.num_blocks, self.block_size = signature, num_blocks, block_size
         self.kernel_block_size, self.ratio = kernel_block_size, block_size // kernel_block_size
         self.kv_cache, self.index_cache, self.dtype = kv_cache, index_cache, dtype

@@ -22,12 +22,33 @@ from pathlib import Path
 import torch
 
 from fxglm5.errors import CacheFullError, InputError
+from fxglm5.lowering.registry import preferred_backend
 from fxglm5.ops.cached import validation
 from fxglm5.runtime.block_manager import BlockManager
-from fxglm5.runtime.cache import PagedCache, check_options
+from fxglm5.runtime.cache import PagedCache, check_cache_size, check_options
 from fxglm5.runtime.compile import compile_paged
 from fxglm5.runtime.decode_graphs import DecodeGraphs
 from fxglm5.runtime.forward_context import ForwardContext
+
+
+def check_lengths(prompts: list[list[int]], max_new_tokens: int, limit: int) -> None:
+    """Every prompt plus ``max_new_tokens`` must fit ``limit`` (max_position_embeddings): checked before a cache
+    is sized from them, so that the cache for a batch is bounded by batch x limit tokens."""
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > limit:
+            raise InputError(f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceed "
+                             f"max_position_embeddings ({limit})")
+
+
+def check_sizes(config, num_blocks: int, block_size: int, kv_cache: str, index_cache: str, dtype: torch.dtype,
+                device) -> None:
+    """Refuse (InputError) a cache of blocks longer than any sequence, or larger than the memory available on
+    ``device`` (fxglm5.runtime.cache.check_cache_size), before the slow capture and before any allocation."""
+    if block_size > config.max_position_embeddings:
+        raise InputError(f"block_size: {block_size} exceeds max_position_embeddings ({config.max_position_embeddings}): "
+                         "a block longer than the longest sequence is never filled")
+    indexed = [config.has_indexer(i) for i in range(config.num_hidden_layers)]
+    check_cache_size(num_blocks, block_size, indexed, kv_cache, index_cache, dtype, device)
 
 
 class Tokens(collections.abc.Sequence):
@@ -87,13 +108,17 @@ class Runner:
         ``decode_graphs``: replay decode steps of up to ``max_decode_batch`` requests from CUDA graphs (default:
         on a CUDA device unless ``backend`` is "reference", whose ops sync with the host; on a CPU, True runs the
         same padded static-buffer steps without capture)."""
-        check_options(block_size, kernel_block_size, kv_cache, index_cache)  # before the slow part
+        index_kind, _ = check_options(block_size, kernel_block_size, kv_cache, index_cache)  # before the slow part
+        preferred_backend(backend)
+        if not isinstance(max_cache_tokens, int) or max_cache_tokens < 1:
+            raise InputError(f"max_cache_tokens: must be a positive integer, got {max_cache_tokens!r}")
         if isinstance(model, (str, Path)):
             from fxglm5.model.checkpoint import load_checkpoint
 
             model = load_checkpoint(model, dtype=dtype, device=device, progress=False)
         self.config, self.device, self.keep_logits = model.config, device, keep_logits
         num_blocks = num_blocks or -(-max_cache_tokens // block_size) + 1
+        check_sizes(self.config, num_blocks, block_size, kv_cache, index_kind, model.dtype, device)  # before compiling
         self.graph, self.pass_results = graph, []
         if graph is None:  # a step's flat token count is bounded by the cache, not by one sequence's length
             self.graph, self.pass_results = compile_paged(
@@ -196,11 +221,7 @@ class Runner:
         """Greedy generation for a batch; rejected requests carry ``error`` and the rest are unaffected."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
-        limit = self.config.max_position_embeddings
-        for i, p in enumerate(prompts):
-            if len(p) + max_new_tokens > limit:
-                raise InputError(f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceed "
-                                 f"max_position_embeddings ({limit})")
+        check_lengths(prompts, max_new_tokens, self.config.max_position_embeddings)
         seqs = self.prefill(prompts)
         for _ in range(max_new_tokens - 1):
             if not self.decode():
