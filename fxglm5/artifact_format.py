@@ -17,6 +17,7 @@ the program takes.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import operator
@@ -37,9 +38,17 @@ RECORD, PROGRAM, WEIGHTS, CONSTANTS = "fxglm5.json", "program.json", "weights.sa
 MEMBERS = (RECORD, PROGRAM, WEIGHTS, CONSTANTS)
 
 
+def _serialize_program(program: torch.export.ExportedProgram) -> bytes:
+    """The program as torch's JSON serde writes it. torch 2.13 can skip pickling the weights it is not asked to
+    keep; torch 2.11 has no such switch (its ``serialize`` pickles them into bytes that are dropped here)."""
+    if "serialize_state_dict" in inspect.signature(serde.serialize).parameters:
+        return serde.serialize(program, serialize_state_dict=False, serialize_constants=False).exported_program
+    return serde.serialize(program).exported_program
+
+
 def write(path: Path, program: torch.export.ExportedProgram, record: dict) -> None:
     """Save ``program`` and its ``record`` as an artifact at ``path``."""
-    doc = json.loads(serde.serialize(program, serialize_state_dict=False, serialize_constants=False).exported_program)
+    doc = json.loads(_serialize_program(program))
     doc.pop("guards_code", None)  # Python source; without sample inputs torch makes no guards from it anyway
     members = {RECORD: json.dumps(record, indent=1), PROGRAM: json.dumps(doc),
                WEIGHTS: safetensors.torch.save(_plain(path, program.state_dict)),

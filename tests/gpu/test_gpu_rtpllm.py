@@ -11,7 +11,7 @@ import torch
 
 from fxglm5.errors import ConfigError
 from fxglm5.model.tiny import make_tiny_checkpoint
-from tests.test_rtpllm_plugin import RTP_TINY, _prompts, engine, rtp, runner, runtime_tokens  # noqa: F401 (rtp: fixture)
+from tests.test_rtpllm_plugin import RTP_TINY, _prompts, assert_runtime_tokens, engine, rtp, runner  # noqa: F401 (rtp: fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -30,10 +30,10 @@ def test_rtp_decode_cuda_graphs_give_the_runtime_tokens(rtp, tmp_path, kv):  # n
     assert g.captured_sizes == [4, 1] and all(inst.graph is not None for inst in g.instances.values())
     first, second = _prompts([70, 130, 65, 100], seed=1), _prompts([5, 40], seed=2)
     ref = _runner(ckpt, kv, torch.bfloat16)
-    assert eng.generate(first, 8) == runtime_tokens(ref, first, 8)
+    assert_runtime_tokens(eng.generate(first, 8), ref, first, 8)
     kept = sorted(eng.block_manager.cached.values())
     before = [pool[:, kept].clone() for pool in eng.kv_pools]
-    assert eng.generate(second, 8) == runtime_tokens(ref, second, 8)
+    assert_runtime_tokens(eng.generate(second, 8), ref, second, 8)
     assert all(torch.equal(p[:, kept].view(torch.uint8), b.view(torch.uint8)) for p, b in zip(eng.kv_pools, before))
     assert g.replays_by_size == {4: 14} and eng.eager_decode_steps == 0
 
@@ -44,4 +44,4 @@ def test_a_bf16_checkpoint_is_refused_graphs_and_decodes_eagerly(rtp, tmp_path):
     with pytest.raises(ConfigError, match="ENABLE_CUDA_GRAPH=1"):
         engine(rtp, ckpt, enable_cuda_graph=True, **kw)
     batch = _prompts([5, 20, 70])
-    assert engine(rtp, ckpt, **kw).generate(batch, 8) == runtime_tokens(_runner(ckpt, "bf16", torch.float32), batch, 8)
+    assert_runtime_tokens(engine(rtp, ckpt, **kw).generate(batch, 8), _runner(ckpt, "bf16", torch.float32), batch, 8)
