@@ -28,7 +28,7 @@ CONFIGS = {
     # (an expert, a boundary key under a diffuse softmax) moves logits far more than trained models do;
     # GLM-5's latent rank 512, so all four 128-wide groups of a 656-byte FP8 row hold data
     "fp8": dict(num_hidden_layers=2, first_k_dense_replace=2, index_topk=24, **{**_SMALL, "kv_lora_rank": 512}),
-    # 2 indexer heads: many keys tie at a score of 0.0 (tests/test_dsa_tie_rule.py)
+    # 2 indexer heads: many keys tie at a score of 0.0 (tests/ops/test_dsa_tie_rule.py)
     "ties": dict(num_hidden_layers=2, first_k_dense_replace=2, index_topk=8, **{**_SMALL, "index_n_heads": 2}),
     # tiny positions limit, for the error tests
     "short": dict(num_hidden_layers=1, first_k_dense_replace=1, index_topk=8, **{**_SMALL, "max_position_embeddings": 24}),

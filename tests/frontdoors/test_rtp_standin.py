@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rtp_standin")
+STANDIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rtp_standin")
 V, H = 48, 16
 
 

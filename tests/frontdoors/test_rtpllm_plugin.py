@@ -21,8 +21,8 @@ from fxglm5.model.config import Glm5Config
 from fxglm5.model.tiny import make_tiny_checkpoint
 from fxglm5.runtime.runner import Runner
 
-ROOT = Path(__file__).parent.parent
-STANDIN = Path(__file__).parent / "rtp_standin"
+ROOT = Path(__file__).parents[2]
+STANDIN = Path(__file__).parents[1] / "rtp_standin"
 PLUGIN = "fxglm5.rtpllm.models"
 # the tiny model at GLM-5's cache widths: RTP allocates the cache from these fields
 RTP_TINY = Glm5Config.preset("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)

@@ -11,7 +11,7 @@ import torch
 
 from fxglm5.errors import ConfigError
 from fxglm5.model.tiny import make_tiny_checkpoint
-from tests.test_rtpllm_plugin import RTP_TINY, _prompts, assert_runtime_tokens, engine, rtp, runner  # noqa: F401 (rtp: fixture)
+from tests.frontdoors.test_rtpllm_plugin import RTP_TINY, _prompts, assert_runtime_tokens, engine, rtp, runner  # noqa: F401 (rtp: fixture)
 
 pytestmark = pytest.mark.gpu
 

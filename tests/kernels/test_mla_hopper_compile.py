@@ -60,10 +60,10 @@ def _report(sparse: bool, fp8: bool, direct: bool) -> dict:
 @pytest.mark.parametrize("sparse,fp8,direct", [(False, False, False), (True, False, False), (False, True, False),
                                                (True, True, False), (True, True, True)])
 def test_hopper_kernel_compiles_without_spills_or_serialized_mmas(sparse, fp8, direct):
-    code = ("import json, sys; from tests.test_mla_hopper_compile import _report; "
+    code = ("import json, sys; from tests.kernels.test_mla_hopper_compile import _report; "
             f"json.dump(_report({sparse}, {fp8}, {direct}), sys.stdout)")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                   env=env, cwd=root).stdout)
     assert r["shared"] <= SMEM_LIMIT, r["shared"]

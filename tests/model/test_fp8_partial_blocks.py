@@ -5,7 +5,7 @@ block along N, K or both) is quantized by ``fxglm5 quantize``, loaded and served
 computed independently here: each weight's block scales [ceil(N/128), ceil(K/128)] expanded over its
 blocks (a per-block loop), and the source model run with those dequantized weights in plain float32.
 Also: malformed scale shapes are refused by name. (The Triton kernels at odd shapes, op by op:
-tests/test_kernels_fp8.py.)
+tests/kernels/test_kernels_fp8.py.)
 """
 
 import math

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from fxglm5.runtime.decode_graphs import pow2_buckets
 from tests.paged_helpers import model_and_graph, prompts, runner
-from tests.test_runtime_generate import check_exact
+from tests.runtime.test_runtime_generate import check_exact
 
 
 def test_buckets():
