@@ -1,4 +1,7 @@
-"""Shared test set-up: hypothesis profiles and the GPU marker.
+"""Shared test set-up: hypothesis profiles, the GPU marker and the run-wide export cache.
+
+The export cache (tests/export_cache.py) makes each distinct tiny model's torch.export run once per test run;
+``FXGLM5_TEST_EXPORT_CACHE=0`` turns it off (every export traced, as before it existed).
 
 Profiles: ``ci`` (derandomized, few examples: the default, what .ci/run uses) and ``local`` (random,
 many examples). Pick one with ``HYPOTHESIS_PROFILE=local pytest``.
@@ -14,6 +17,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import HealthCheck, settings
+
+from tests import export_cache
+
+if os.environ.get("FXGLM5_TEST_EXPORT_CACHE", "1") != "0":
+    export_cache.install()
 
 settings.register_profile(
     "ci",
