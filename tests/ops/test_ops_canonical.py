@@ -78,7 +78,19 @@ def test_moe_fp8_plain_and_quantized_agree():
     torch.testing.assert_close(fp8, plain, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["fp8_linear", "moe_route", "moe_fp8", "mla", "indexer_topk", "sparse_mla"])
+OPCHECKED = ["fp8_linear", "moe_route", "moe_fp8", "mla", "indexer_topk", "sparse_mla", "rms_norm", "rope_interleaved"]
+OPCHECKED_CACHED = ["rtp_indexer", "rtp_sparse_mla", "rtp_mla"]  # tests/ops/test_cache_layout.py::test_opcheck_cached_ops
+
+
+def test_every_fxglm5_op_is_opchecked():
+    """A new fxglm5:: op needs an opcheck case (here or beside the cached ops) before this passes."""
+    import fxglm5.ops.cached  # noqa: F401  (registers the cached ops)
+
+    registered = {n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("fxglm5::")}
+    assert registered == set(OPCHECKED) | set(OPCHECKED_CACHED)
+
+
+@pytest.mark.parametrize("name", OPCHECKED)
 def test_opcheck(name):
     q, k, w = torch.randn(B, S, 4, 16), torch.randn(B, S, 16), torch.rand(B, S, 4)
     mla_args = _mla_inputs()
@@ -94,6 +106,8 @@ def test_opcheck(name):
         "mla": (*mla_args, 0.125),
         "indexer_topk": (q, k, w, 3),
         "sparse_mla": (*mla_args, torch.ops.fxglm5.indexer_topk(q, k, w, 3), 0.125),
+        "rms_norm": (torch.randn(B, S, 24), torch.rand(24) + 0.5, 1e-6),
+        "rope_interleaved": (torch.randn(B, S, H, DR + 4), torch.randn(B, S, DR // 2), torch.randn(B, S, DR // 2)),
     }
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     if name in ("fp8_linear", "moe_fp8"):
