@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.export import Dim
@@ -26,6 +26,8 @@ from fxglm5.passes import REGISTRY, PassContext, PassManager, op_histogram
 from tests.helpers import randomize_, rel_err
 
 DIMS = {0: Dim("batch", min=1, max=16), 1: Dim("seq", min=1, max=512)}
+# every example exports its module: half the profile's examples (4 in CI, 50 with HYPOTHESIS_PROFILE=local)
+exporting = settings(max_examples=max(3, settings.default.max_examples // 2))
 
 
 def run_pass(name, module, args, cfg=None):
@@ -96,6 +98,7 @@ def _tol(dtype):
     return 1e-4 if dtype == torch.float32 else 3e-2
 
 
+@exporting
 @given(mla_shapes)
 def test_match_mla_property(p):
     module = randomize_(DenseMLA(p["heads"], p["rank"], p["nope"], p["rope"], p["v_dim"], p["fp8"], p["dtype"]))
@@ -107,6 +110,7 @@ def test_match_mla_property(p):
     _check_equal(gm, module, args, _tol(p["dtype"]))
 
 
+@exporting
 @given(mla_shapes, st.sampled_from(["scale", "bias", "nomask"]))
 def test_match_mla_leaves_near_misses(p, variant):
     module = randomize_(DenseMLA(p["heads"], p["rank"], p["nope"], p["rope"], p["v_dim"], p["fp8"], p["dtype"], variant))
@@ -159,6 +163,7 @@ def _layer_inputs(p, cfg):
     return x, torch.arange(p["seq"])[None].expand(p["batch"], -1) + 3
 
 
+@exporting
 @given(sparse_shapes)
 def test_match_sparse_mla_property(p):
     cfg = small_cfg(p)
@@ -194,6 +199,7 @@ class OtherSortIndexer(nn.Module):
         return torch.zeros_like(padded, dtype=torch.bool).scatter(-1, chosen, True)[..., :seq]
 
 
+@exporting
 @given(sparse_shapes, st.sampled_from([(False, True), (True, False)]))
 def test_match_sparse_mla_leaves_other_topk(p, order):
     cfg = small_cfg(p)
@@ -231,6 +237,7 @@ linear_shapes = st.fixed_dictionaries({
 })
 
 
+@exporting
 @given(linear_shapes)
 def test_fuse_fp8_linear_property(p):
     module = randomize_(Fp8Linears(p["sizes"], p["dtype"]))
@@ -241,6 +248,7 @@ def test_fuse_fp8_linear_property(p):
     _check_equal(gm, module, args, _tol(p["dtype"]))
 
 
+@exporting
 @given(linear_shapes, st.sampled_from(["doubled", "transposed"]))
 def test_fuse_fp8_linear_leaves_wrong_scales(p, variant):
     # A transposed scale is only wrong when the weight has several blocks each way: square 256 / 320.
@@ -281,6 +289,7 @@ class SoftmaxRouterMoE(MoE):
         return self.experts(flat, torch.zeros_like(logits).scatter(1, ids, weights)).view(x.shape)
 
 
+@exporting
 @given(moe_shapes)
 def test_fuse_fp8_moe_property(p):
     cfg = moe_cfg(p)
@@ -333,6 +342,7 @@ def test_fuse_fp8_moe_glm5_size_experts(inter, hidden, experts):
         assert tuple(fused.args[4].meta["val"].shape) == (256, 2 * -(-inter // 128), -(-hidden // 128))
 
 
+@exporting
 @given(moe_shapes)
 def test_fuse_fp8_moe_leaves_softmax_router(p):
     cfg = moe_cfg({**p, "dtype": torch.float32})
