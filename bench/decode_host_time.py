@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import harness  # noqa: E402
 from bench.harness import save_run  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.modeling import Glm5ForCausalLM  # noqa: E402
@@ -26,6 +27,7 @@ from fxglm5.runtime.runner import Runner, Sequence  # noqa: E402
 
 
 def main():
+    harness.answer_help(__doc__)
     args = [int(a) for a in sys.argv[1:3]]
     B, ctx = args if len(args) == 2 else (64, 2048)
     cfg = Glm5Config.preset("tiny").replace(num_hidden_layers=1, mlp_layer_types=None, indexer_types=None,

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import harness  # noqa: E402
 from bench.harness import save_run  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.modeling import Glm5ForCausalLM  # noqa: E402
@@ -106,6 +107,7 @@ def measure(model, prompts, B, ctx, kv, dev, disabled: str = "", decode_graphs: 
 
 
 def main():
+    harness.answer_help(__doc__)
     argv = sys.argv[1:]
     tiny = "--tiny" in argv
     without = argv[argv.index("--without") + 1] if "--without" in argv else None

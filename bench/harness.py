@@ -27,6 +27,14 @@ RESULTS_DIR = os.path.join(REPO, "bench", "results")
 COMMIT_ENV = "FXGLM5_BENCH_COMMIT"  # names the commit where the tree is a copy (see git_commit)
 
 
+def answer_help(doc: str) -> None:
+    """``-h`` / ``--help``: print the script's docstring (its usage) and exit, before any device work. For the
+    scripts that read ``sys.argv`` themselves; argparse scripts answer ``--help`` on their own."""
+    if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
+        print(doc.strip())
+        raise SystemExit(0)
+
+
 def device_info() -> dict:
     """Name, memory, SM count and software versions of the current CUDA device; on a host without one, the
     CPU's model, its core count and the load average at the time of the call (a shared CPU's figures depend

@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import harness  # noqa: E402
 from bench.harness import Results, time_graph_us  # noqa: E402
 from fxglm5.lowering.reference import paged as ref  # noqa: E402
 from fxglm5.lowering.triton import indexer  # noqa: E402
@@ -26,6 +27,7 @@ B, CTX, HI, BS, TOPK = 8, 8192, 32, 64, 2048
 
 
 def main():
+    harness.answer_help(__doc__)
     torch.manual_seed(0)
     nblk = CTX // BS
     kc = torch.zeros(B * nblk + 1, BS, 132, dtype=torch.uint8, device="cuda")

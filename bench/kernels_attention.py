@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import harness  # noqa: E402
 from bench.harness import (  # noqa: E402
     Results, capture_graph, copy_bandwidth_gbs, events_us, kernel_times, rotating, time_graph_us,
 )
@@ -493,6 +494,7 @@ except Exception:  # noqa: BLE001 - an older harness without SECTIONS
 
 
 def main(argv=None):
+    harness.answer_help(__doc__)
     import time
 
     argv = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--")]

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "rtp_standin"))
 
+from bench import harness  # noqa: E402
 from bench.harness import save_run  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.tiny import make_tiny_checkpoint  # noqa: E402
@@ -54,6 +55,7 @@ def _timed(fn, into: list):
 
 
 def main():
+    harness.answer_help(__doc__)
     argv = sys.argv[1:]
     tiny = "--tiny" in argv
     args = [int(a) for a in argv if not a.startswith("--")]

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import harness  # noqa: E402
 from bench.harness import save_run  # noqa: E402
 from fxglm5.rtpllm.context import CacheLayout, StepMetadata  # noqa: E402
 from fxglm5.runtime.cache import kernel_block_table  # noqa: E402
@@ -52,6 +53,7 @@ def time_prepare(B: int, ctx: int, width: int, n: int = 50) -> dict:
 
 
 def main():
+    harness.answer_help(__doc__)
     args = [int(a) for a in sys.argv[1:3]]
     B, ctx = args if len(args) == 2 else (64, 2048)
     rows = [time_prepare(B, ctx, -(-MAX_POS // BLOCK)), time_prepare(B, ctx, -(-(ctx + 1) // BLOCK))]

@@ -128,3 +128,38 @@ def test_a_result_cannot_claim_its_own_provenance(clean_env):
     with pytest.raises(ValueError, match="commit"):
         harness.save_run("bad.json", commit="deadbee")
     assert not (clean_env / "bad.json").exists()
+
+
+BENCH_SCRIPTS = sorted(p for p in glob.glob(os.path.join(REPO, "bench", "*.py"))
+                       if '__name__ == "__main__"' in open(p).read())
+_HELP_ALL = """
+import contextlib, io, json, runpy, sys
+report = {}
+for path in sys.argv[1:]:
+    sys.argv, out = [path, "--help"], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+        code = "returned without exiting"
+    except SystemExit as e:
+        code = e.code or 0
+    except Exception as e:
+        code = f"{type(e).__name__}: {e}"
+    report[path] = [code, out.getvalue()]
+print(json.dumps(report))
+"""
+
+
+def test_every_bench_script_answers_help_without_a_gpu():
+    """``python bench/X.py --help`` prints the usage and exits 0 on a machine without CUDA, before any work:
+    each script's imports must not need a GPU. One process runs them all (the imports are the slow part)."""
+    assert len(BENCH_SCRIPTS) >= 9
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([sys.executable, "-c", _HELP_ALL, *BENCH_SCRIPTS], capture_output=True, text=True,
+                         cwd=REPO, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    for path, (code, out) in report.items():
+        name = os.path.basename(path)
+        assert code == 0, f"{name} --help: {code}"
+        assert len(out.strip()) > 40 and (name in out or "python bench/" in out or "usage:" in out), (name, out)
