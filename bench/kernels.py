@@ -228,7 +228,7 @@ def bench_sweep(res: Results, args):
     from fxglm5.lowering.triton.fp8_gemm import fp8_linear
 
     shapes = [("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144), ("dense down", 6144, 12288)]
-    regimes = {  # v2 sweep (bench/results/kernels_gemm_moe_v2.*) chose the rest; this one adds the fixup
+    regimes = {  # v2 sweep (docs/perf/fp8_gemm_moe.md) chose the rest; this one adds the fixup
         16: [dict(BLOCK_N=bn, CTAS_PER_SM=c, num_stages=st, FIXUP=fx) for bn, c, st, fx in (
             (128, 4, 3, False), (128, 4, 3, True), (128, 8, 3, True), (128, 2, 3, True), (256, 2, 3, True))],
     }

@@ -327,7 +327,7 @@ def bench_indexer(results):
         logits = torch.empty(B, L, device="cuda")
         top = torch.empty(B, TOPK, device="cuda", dtype=torch.int32)
         # a call over more than 3x L2 reads DRAM again when repeated; four calls per graph amortize the graph's
-        # launch (10-15 us per replay: bench/results/indexer_composed_profile.md), as inside a model's graph
+        # launch (10-15 us per replay: docs/perf/indexer_topk.md), as inside a model's graph
         ncalls = 4 if B * ctx * 132 > 3 * 60 * 2**20 else nreq // B
         reqs, nxt = _request_batches(B, nreq, ncalls)
 

@@ -73,7 +73,7 @@ def _indexer_logits_kernel(
     o_row = o_ptr + t64 * stride_ot
     # cache hints: the logits (a few MB) are re-read by the top-k right after, the streamed keys (hundreds of MB)
     # never; the attention table was measured with them (their effect on the top-k was within noise:
-    # bench/results/kernels_attention_NOTES.md)
+    # docs/perf/attention_notes.md)
     if n_first < n_valid:
         hs = tl.arange(0, BLOCK_HI)
         hmask = hs < HI
@@ -136,7 +136,7 @@ _LOGITS_CONFIGS = [
     triton.Config({"BLOCK_N": 64, "TILES": 4, "USE_TMA": True}, num_warps=4, num_stages=3),
     triton.Config({"BLOCK_N": 64, "TILES": 8, "USE_TMA": True}, num_warps=4, num_stages=3),
     _TMA_DEFAULT,
-    # 2048 keys a program: 75.0 us against 77.4 at 64 x 32k (bench/results/kernels_attention_sweep_indexer_s6.md);
+    # 2048 keys a program: 75.0 us against 77.4 at 64 x 32k (docs/perf/indexer_topk.md);
     # too few programs for short or few rows, so not the untuned default
     triton.Config({"BLOCK_N": 64, "TILES": 32, "USE_TMA": True}, num_warps=4, num_stages=4),
 ]
@@ -207,7 +207,7 @@ def _launch_config(block_size: int, cfg: dict | None, interp: bool) -> dict:
     """The logits launch when not autotuning. An explicit ``cfg`` names every option it wants over the gather
     defaults (TMA only when it asks for it). Without one: small tiles under the interpreter; on the GPU
     (FXGLM5_NO_AUTOTUNE=1) TMA boxes where the blocks allow them (the fastest measured at 64 x 32k:
-    bench/results/kernels_attention_sweep_indexer_s4.md), else 16-byte gathers."""
+    docs/perf/indexer_topk.md), else 16-byte gathers."""
     if interp:
         base = dict(BLOCK_N=16, TILES=2, num_warps=4, num_stages=1)
     elif cfg or not tma_tiles_fit(block_size, _TMA_DEFAULT.kwargs["BLOCK_N"]):

@@ -4,7 +4,7 @@ Same semantics as :mod:`fxglm5.lowering.triton.mla` (the reference is
 :func:`fxglm5.lowering.reference.paged.mla_paged` / ``sparse_mla_paged``) for up to 64 heads (GLM-5's 64, or a
 tensor-parallel shard of them, padded to 64 MMA rows); :func:`supported` says
 when it applies and ``launch_mla`` picks it then. It exists because of one layout decision Triton 3.6 makes for
-the generic kernel (bench/results/kernels_attention_NOTES.md, "Duplicated QK^T"): a QK^T whose result feeds
+the generic kernel (docs/perf/attention_notes.md, "Duplicated QK^T"): a QK^T whose result feeds
 P @ V in the same loop gets all 8 warps along its 64 rows, so both warpgroups issue the same QK^T MMAs. Gluon
 states the layouts:
 

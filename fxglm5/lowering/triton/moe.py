@@ -254,7 +254,7 @@ def _combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, TOP_K: tl.cons
     tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Regime defaults (decode: H200 sweep in bench/results/kernels_gemm_moe_v2.json; prefill untuned);
+# Regime defaults (decode: H200 sweep in docs/perf/fp8_gemm_moe.md, kernels_gemm_moe_v2; prefill untuned);
 # moe_fp8(config=...) overrides keys.
 MOE_DECODE = dict(BLOCK_M=16, BLOCK_N1=128, BLOCK_N2=128, SPLIT2=2, num_warps=4, num_stages=3, fused_quant=True)
 MOE_PREFILL = dict(BLOCK_M=64, BLOCK_N1=64, BLOCK_N2=128, SPLIT2=1, num_warps=4, num_stages=3, fused_quant=False)

@@ -118,7 +118,7 @@ def _narrow(k0, k1, k2, k3, k_eff, thr, n_lo, n_hi, step, cap):
     ``n_hi < k_eff <= n_lo`` for k_eff > 0).
     A step is one CTA-wide reduction of three counts (no histograms, no atomics); a runtime loop, not unrolled:
     the unrolled search was ~14k instructions of straight-line code, fetched again by every CTA, which ran
-    40-70 % slower whenever that code had left L2 (bench/results/indexer_composed_profile.md).
+    40-70 % slower whenever that code had left L2 (docs/perf/indexer_topk.md).
     Returns ``(thr, n_lo, n_hi, step)``."""
     while (step < 16) & (n_lo - n_hi > cap) & (n_lo != k_eff):
         bit = tl.full([], 1, tl.uint32) << (30 - 2 * step).to(tl.uint32)
@@ -212,7 +212,7 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
       of its top-k of fewer than ``topk + 4*BIN_C`` keys, in list order: indices to ``o[row, segment * width ...]``
       and keys to ``ko`` at the same places, -1 / key 0 padded to ``width = topk + 4*BIN_C``. The next round
       selects among them, so this round needs neither the remaining bits nor the bin scratch (they took a third of
-      round 1: bench/results/topk_round_phases.md). A bin of one key value (all bits fixed: massive ties) keeps
+      round 1: docs/perf/indexer_topk.md). A bin of one key value (all bits fixed: massive ties) keeps
       only the first ``topk - above`` of its ties. With ``BIN_C`` = 0 the search runs until exactly the segment's
       top-k remain (for lists that supersets would not shorten).
     - the last round: the exact top-``topk`` row indices (ties first in list order), -1 padded, to
@@ -355,7 +355,7 @@ def _segment_len(entries: int) -> int:
 
 
 def _segment_length(topk: int, chunk: int | None, interp: bool) -> int:
-    """The tournament's segment length: ``chunk`` (16384 on the GPU: bench/results/topk_row_phases.md), at least
+    """The tournament's segment length: ``chunk`` (16384 on the GPU: docs/perf/indexer_topk.md), at least
     twice ``topk`` so that every round at least halves the list."""
     seg = _segment_len(max(chunk or (64 if interp else 16384), 2 * topk))
     if seg > SEGMENT_MAX:
@@ -401,7 +401,7 @@ def _round_shape(seg, num_warps, interp):
     2048 of round 1's 16384 entries, 1024 of the last round's 8192.
     16 warps for 16384-entry segments, 8 for the 8192 candidates of the last round. Alone, 8 warps ran round 1 2 us
     faster; after other traffic (the logits kernel, in a model) they ran it 12 us slower and 16 warps 2 us: the
-    narrower launch's binary holds more unrolled per-thread code (bench/results/topk_round_phases.md)."""
+    narrower launch's binary holds more unrolled per-thread code (docs/perf/indexer_topk.md)."""
     C = seg // 4
     nw = num_warps or (4 if interp else max(4, min(16, C // 256)))
     return C, nw, min(32 * nw, C // 4)
@@ -426,7 +426,7 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
 
     ``method="segments"`` (the default for rows up to ``SEGMENT_MAX``): a tournament of exact selections. Each
     round cuts every row's list (first the logits row, then the candidates the previous round kept) into
-    segments of ``chunk`` entries (a power of two; 16384 on the GPU: bench/results/topk_row_phases.md). One CTA
+    segments of ``chunk`` entries (a power of two; 16384 on the GPU: docs/perf/indexer_topk.md). One CTA
     per segment keeps it in registers and narrows the bin holding its ``topk``-th largest key two bits at a time
     until the bin is small. A round that is not the last keeps the keys at or above the bin (a superset of the
     segment's top ``topk``, with their keys); the last round resolves the rest over the bin's few keys and writes
