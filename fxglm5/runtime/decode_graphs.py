@@ -1,15 +1,15 @@
 """Decode steps replayed from CUDA graphs, one per (batch, block-table width) bucket.
 
 Why: the runner calls the lowered FX graph eagerly, and a decode step is then host-bound: on two GLM-5-width
-layers at batch 64 it spends 15-20 ms in Python (the graph's interpreter, the ops' dispatch, a few hundred
-launches) for about 3 ms of device work (``bench/results/norm_rope_s11/``), and the gap grows with every layer.
+layers at batch 64 it spends several times its device work in Python (the graph's interpreter, the ops'
+dispatch, a few hundred launches; figures: docs/perf/runtime_decode.md), and the gap grows with every layer.
 A replayed graph costs one launch.
 
 How: the graph's inputs live in static device buffers sized for the largest batch bucket (token ids,
 positions, slot mapping, request index) and a block table per width bucket (powers of two of kernel blocks, up
 to the longest sequence the cache can hold). The width is bucketed too because kernels size their work by it:
 the indexer's logits rows are as wide as the table, and past a few thousand keys the top-k switches to its
-long-row method (one table as wide as the cache made a 2-layer step at 2k tokens 120 us slower than eager).
+long-row method (one table as wide as the cache made a 2-layer step at 2k tokens slower than eager).
 A step copies its validated context into the buffers, padded to its (batch, width) bucket -- a padding token
 has slot -1 (its cache write is skipped), position 0 and an all-zero block-table row (block 0 is reserved), so
 it reads only block 0 and writes nothing -- replays that bucket's graph and returns the live rows' logits.

@@ -26,8 +26,7 @@ The number of splits is a function of the shapes only (``T``, ``H``, the block-t
 so the launch is CUDA-graph safe (no host sync); buffers are sized by the arguments.
 On Hopper, ``launch_mla`` runs :mod:`fxglm5.lowering.triton.mla_hopper` instead (a Gluon kernel with the same
 semantics, for up to 64 heads and bf16 queries); this kernel is the CPU-tested path and the fallback everywhere else.
-Measured on an H200 (bench/results/kernels_attention.md): bf16 decode at 54 % of the copy bandwidth, FP8 at
-21 % (the Hopper kernel: 82 % / 27 %). Two limits of Triton 3.6 on this shape (docs/perf/attention_notes.md): a QK^T that feeds
+Measured on an H200, this kernel and the Hopper one side by side: docs/perf/attention.md. Two limits of Triton 3.6 on this shape (docs/perf/attention_notes.md): a QK^T that feeds
 P @ V in the same iteration gets all 8 warps along its 64 rows, so both warpgroups issue the same QK^T MMAs
 (N=32 instructions that re-read the 64 x 576 queries from shared memory); and no warp specialization, so
 loads, softmax and MMAs of one tile do not overlap another's. Moving P @ V one iteration later removes the
@@ -333,8 +332,8 @@ def pick_num_splits(units: int, max_len: int, sms: int, max_splits: int = 256) -
     """Split count from shapes only: minimize waves x (64-row tiles per split + a per-split overhead of 2).
 
     ``max_splits`` is 256, not 64, so that one long row fills the GPU: at batch 1 / 32k the 64-split cap left
-    68 of 132 SMs idle, and 128 splits measured 34.6 us instead of 45.9 (bf16) and 48.7 instead of 61.6 (FP8); at
-    131k, 82 instead of 138 (bf16) and 148 instead of 206 (FP8) (docs/perf/attention.md, mla_decode_splits)."""
+    68 of 132 SMs idle, and 128 splits measured faster at 32k and 131k, bf16 and FP8 (docs/perf/attention.md,
+    mla_decode_splits)."""
     best, best_cost = 1, None
     for s in range(1, max(1, min(max_splits, triton.cdiv(max(max_len, 1), 64))) + 1):
         cost = triton.cdiv(units * s, sms) * (triton.cdiv(max(max_len, 1), s * 64) + 2)

@@ -399,8 +399,8 @@ def _candidates(cand, dummy):
 def _round_shape(seg, num_warps, interp):
     """(chunk length, warps, bin chunk) of a round over ``seg``-entry segments. The bin holds four keys per thread:
     2048 of round 1's 16384 entries, 1024 of the last round's 8192.
-    16 warps for 16384-entry segments, 8 for the 8192 candidates of the last round. Alone, 8 warps ran round 1 2 us
-    faster; after other traffic (the logits kernel, in a model) they ran it 12 us slower and 16 warps 2 us: the
+    16 warps for 16384-entry segments, 8 for the 8192 candidates of the last round. Alone, 8 warps ran round 1
+    faster; after other traffic (the logits kernel, in a model) they ran it much slower than 16 warps: the
     narrower launch's binary holds more unrolled per-thread code (docs/perf/indexer_topk.md)."""
     C = seg // 4
     nw = num_warps or (4 if interp else max(4, min(16, C // 256)))
