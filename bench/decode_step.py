@@ -6,7 +6,7 @@ requests is recorded too (the first chunk includes compilation and autotuning).
 The model is bf16 with GLM-5's widths and 2 layers (1 dense, 1 MoE: 256 experts, top-8; random FP8 block-scaled
 weights), 64 requests of 2048 prompt tokens by default, FP8 indexer cache; decode steps replay CUDA graphs
 (the runner's default on a GPU). Baselines over the same weights and prompts, measured in the same run:
-``--without p1,p2`` builds a runner with those passes disabled (FXGLM5_DISABLE_PASSES), ``--eager`` one that
+``--without p1,p2`` builds a runner with those passes disabled (the Runner's disabled_passes), ``--eager`` one that
 decodes eagerly (no CUDA graphs).
 
     python bench/decode_step.py [--tiny] [B] [ctx] [kv_cache] [--without pass,pass] [--eager]
@@ -57,11 +57,10 @@ def random_model(cfg, dev):
 
 def measure(model, prompts, B, ctx, kv, dev, disabled: str = "", decode_graphs: bool | None = None) -> dict:
     """Prefill the prompts, then time decode steps and profile three of them, with ``disabled`` passes off."""
-    os.environ["FXGLM5_DISABLE_PASSES"] = disabled
     t0 = time.time()
     runner = Runner(model, kv_cache=kv, index_cache="fp8", block_size=64, dtype=torch.bfloat16,
-                    max_cache_tokens=B * (ctx + 64), device=dev, backend="triton", decode_graphs=decode_graphs)
-    os.environ.pop("FXGLM5_DISABLE_PASSES")
+                    max_cache_tokens=B * (ctx + 64), device=dev, backend="triton", decode_graphs=decode_graphs,
+                    disabled_passes=tuple(filter(None, disabled.split(","))))
     print(f"runner (capture + passes, disabled: {disabled or 'none'}, decode graphs: "
           f"{runner.decode_graphs is not None}): {time.time() - t0:.1f} s", flush=True)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)

@@ -24,9 +24,10 @@ from torch import fx
 import fxglm5
 from fxglm5 import artifact_format
 from fxglm5.artifact_format import CONSTANTS, FORMAT, MEMBERS, PROGRAM, RECORD, WEIGHTS
+from fxglm5.compiler import MAX_STEP_TOKENS, compile_model, lower_for_device
 from fxglm5.errors import CheckpointError
 from fxglm5.model.config import Glm5Config
-from fxglm5.runtime.compile import MAX_STEP_TOKENS, lower_paged
+from fxglm5.passes.pipeline import Stage
 
 __all__ = ["Artifact", "export_artifact", "load_artifact", "check_out_path",
            "FORMAT", "MEMBERS", "RECORD", "PROGRAM", "WEIGHTS", "CONSTANTS"]
@@ -43,17 +44,18 @@ class Artifact:
     head: str
     record: dict
 
-    def paged_graph(self, device="cpu", backend: str | None = None) -> tuple[fx.GraphModule, list]:
-        """A fresh paged graph for ``device``: the canonical program with the cache and lower stages run."""
+    def paged_graph(self, device="cpu", backend: str | None = None, disabled_passes=()) -> tuple[fx.GraphModule, list]:
+        """A fresh paged graph for ``device``: the canonical program with the cache and lower stages run
+        (without ``disabled_passes``)."""
 
         graph = _on_device(self.program.module(), torch.device(device))
-        return graph, lower_paged(graph, self.config, device=device, backend=backend)
+        return graph, lower_for_device(graph, self.config, device=device, backend=backend, disabled_passes=disabled_passes)
 
-    def runner(self, *, device="cpu", backend: str | None = None, **runner_options):
+    def runner(self, *, device="cpu", backend: str | None = None, disabled_passes=(), **runner_options):
         """A :class:`~fxglm5.runtime.runner.Runner` serving this artifact (options as the Runner's)."""
         from fxglm5.runtime.runner import Runner
 
-        graph, results = self.paged_graph(device, backend)
+        graph, results = self.paged_graph(device, backend, disabled_passes)
         runner = Runner(self, graph=graph, device=device, backend=backend, **runner_options)
         runner.pass_results = results
         return runner
@@ -76,22 +78,22 @@ def _on_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
     return gm
 
 
-def export_artifact(model, path: str | Path, *, head: str = "logits") -> Path:
-    """Capture ``model`` (a Glm5ForCausalLM with its weights), run the match and fuse stages and save the
-    result to ``path``. ``head``: "logits", or "hidden" (final-norm hidden states, for engines that apply the
-    lm_head themselves). A ``path`` whose directory is missing is refused before any of the work."""
-    from fxglm5.capture import capture
+def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_passes=(),
+                    dump_dir: str | Path | None = None) -> Path:
+    """Capture ``model`` (a Glm5ForCausalLM with its weights), run the match and fuse stages (strict, without
+    ``disabled_passes``; ``dump_dir`` as :func:`fxglm5.compiler.compile_graph`'s) and save the result to
+    ``path``. ``head``: "logits", or "hidden" (final-norm hidden states, for engines that apply the lm_head
+    themselves). A ``path`` whose directory is missing is refused before any of the work."""
     from fxglm5.capture.export import token_inputs
-    from fxglm5.passes import PassContext, run_pipeline
     from fxglm5.passes.registry import passes_for
 
     path = check_out_path(path)
-    graph = capture(model, max_seq=MAX_STEP_TOKENS, head=head)
-    results = run_pipeline(graph, PassContext(config=model.config, strict=True), stages=("match", "fuse"))
+    graph, results, _ = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), head=head, max_tokens=MAX_STEP_TOKENS,
+                                      strict=True, disabled_passes=disabled_passes, dump_dir=dump_dir)
     example, dims = token_inputs(next(model.parameters()).device, 1024, MAX_STEP_TOKENS)
     with torch.no_grad():
         program = torch.export.export(graph, example, dynamic_shapes=(dims, dims), strict=False)
-    hashes = {spec.name: spec.source_hash for spec in passes_for(("match", "fuse"))}
+    hashes = {spec.name: spec.source_hash for spec in passes_for((Stage.MATCH, Stage.FUSE))}
     record = dict(format=FORMAT, config=model.config.to_dict(), dtype=str(model.dtype).removeprefix("torch."),
                   head=head, passes={r.name: dict(matches=r.num_matches, source_hash=hashes.get(r.name))
                                      for r in results},

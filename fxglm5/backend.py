@@ -17,17 +17,20 @@ from torch import fx, nn
 from torch.export import Dim
 
 from fxglm5.capture import export_graph
+from fxglm5.compiler import compile_graph
 from fxglm5.errors import ConfigError, InputError
 from fxglm5.lowering.registry import BACKENDS
 from fxglm5.model.config import Glm5Config
-from fxglm5.passes import PassContext, run_pipeline
+from fxglm5.passes.pipeline import Stage
 
 log = logging.getLogger(__name__)
-OPTIONS = ("config", "act_quant", "strict", "backend", "disabled_passes")
+OPTIONS = ("config", "act_quant", "strict", "backend", "disabled_passes", "dump_dir")
+STAGES = (Stage.MATCH, Stage.FUSE, Stage.LOWER)  # no cache stage: Dynamo's graph has no paged caches to run on
 
 
-def pass_context(options: dict, device: str) -> PassContext:
-    """The pipeline's context from ``torch.compile(..., options=...)``; a key or value it does not know is an error."""
+def compile_options(options: dict, device: str) -> dict:
+    """:func:`fxglm5.compiler.compile_graph`'s keywords from ``torch.compile(..., options=...)``; a key or value it
+    does not know is an error."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ConfigError(f"torch.compile(backend='fxglm5'): unknown option {unknown[0]!r}; options are {OPTIONS}")
@@ -39,8 +42,8 @@ def pass_context(options: dict, device: str) -> PassContext:
     disabled = options.get("disabled_passes", ())
     if isinstance(disabled, str) or not all(isinstance(name, str) for name in disabled):
         raise ConfigError(f"torch.compile(backend='fxglm5'): option 'disabled_passes' must be a list of pass names, got {disabled!r}")
-    return PassContext(config=config, act_quant=bool(options.get("act_quant", False)), strict=bool(options.get("strict", False)),
-                       backend=backend, disabled=tuple(disabled), extras={"device": device})
+    return dict(config=config, act_quant=bool(options.get("act_quant", False)), strict=bool(options.get("strict", False)),
+                backend=backend, disabled_passes=tuple(disabled), dump_dir=options.get("dump_dir"), device=device)
 
 
 def _is_constant(node: fx.Node, value) -> bool:
@@ -110,20 +113,21 @@ def _device(tensors) -> str:
 def fxglm5_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
     """Compile ``gm``: export to ATen, run the fxglm5 match, fuse and lower stages for the inputs' device.
     ``options``: ``config`` (a Glm5Config: expected scales and strict counts), ``act_quant``, ``strict``,
-    ``backend`` (the kernel backend tried first) and ``disabled_passes`` (pass names to skip).
+    ``backend`` (the kernel backend tried first), ``disabled_passes`` (pass names to skip) and ``dump_dir``
+    (each pass's graph before and after, written there).
 
     The export runs at the first call, outside Dynamo's compilation of the frame: exporting a dynamic graph
     inside it would add export's shape guards to the frame's own."""
     frozen = _Frozen(gm, example_inputs)
     user_inputs = [example_inputs[i] for i in frozen.inputs]
-    ctx = pass_context(dict(options or {}), _device(user_inputs) if user_inputs else _device(frozen.buffers()))
+    settings = compile_options(dict(options or {}), _device(user_inputs) if user_inputs else _device(frozen.buffers()))
     lowered = []
 
     def compiled(*args):
         inputs = tuple(args[i] for i in frozen.inputs)
         if not lowered:
             graph = export_graph(frozen, inputs, frozen.dynamic_shapes())
-            for result in run_pipeline(graph, ctx, stages=("match", "fuse", "lower")):
+            for result in compile_graph(graph, stages=STAGES, **settings):
                 log.info("fxglm5: %s", result.summary())
             lowered.append(graph)
         return lowered[0](*inputs)

@@ -44,6 +44,25 @@ def parse_token_ids(text: str, vocab_size: int) -> list[int]:
     return ids
 
 
+def _pass_options(p: argparse.ArgumentParser, dump: bool = True) -> None:
+    """The compile's options, for the subcommands that compile."""
+    p.add_argument("--disable-passes", default="", metavar="NAME,NAME",
+                   help="comma-separated passes to skip (names as fxglm5 inspect prints them)")
+    if dump:
+        p.add_argument("--dump-dir", help="write each pass's graph before and after (Python) and a summary.txt here")
+
+
+def disabled_passes(text: str) -> tuple[str, ...]:
+    """'a,b' -> ('a', 'b'), each a declared pass (checked before a checkpoint is loaded)."""
+    from fxglm5.passes.pipeline import DECLARED
+
+    names = tuple(name for name in text.replace(" ", "").split(",") if name)
+    unknown = [name for name in names if name not in DECLARED]
+    if unknown:
+        raise InputError(f"--disable-passes: no pass named {unknown[0]!r}; passes are {', '.join(DECLARED)}")
+    return names
+
+
 def _generate(model_dir: str, prompt: list[int], max_new_tokens: int, dtype: str) -> list[int]:
     from fxglm5.model.checkpoint import load_checkpoint
     from fxglm5.model.generate import greedy_generate
@@ -93,6 +112,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache", choices=["bf16", "fp8"], default="bf16",
                    help="paged latent cache: the compute dtype (bf16) or FP8 ds_mla rows (fp8)")
     p.add_argument("--block-size", type=int, default=64, help="paged cache block size (tokens)")
+    _pass_options(p, dump=False)
 
 
 def _generate_cmd(args: argparse.Namespace) -> int:
@@ -109,6 +129,7 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     else:
         config = Glm5Config.from_json(Path(args.model) / "config.json")
     prompts = [parse_token_ids(text, config.vocab_size) for text in args.prompt_ids]
+    disabled = disabled_passes(args.disable_passes)
     if args.max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be a non-negative integer, got {args.max_new_tokens}")
     from fxglm5.runtime.runner import Runner, check_lengths
@@ -123,7 +144,7 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     else:
         tokens = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
         options = dict(kv_cache=args.kv_cache, block_size=args.block_size,
-                       max_cache_tokens=tokens + len(prompts) * args.block_size)
+                       max_cache_tokens=tokens + len(prompts) * args.block_size, disabled_passes=disabled)
         runner = artifact.runner(**options) if artifact else Runner(args.model, dtype=args.dtype, **options)
         outputs = runner.generate(prompts, args.max_new_tokens)
     for tokens in outputs:
@@ -138,6 +159,7 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="compute dtype")
     p.add_argument("--head", choices=["logits", "hidden"], default="logits",
                    help="logits, or the final-norm hidden states (engines that apply the lm_head themselves)")
+    _pass_options(p)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -145,8 +167,9 @@ def _export(args: argparse.Namespace) -> int:
     from fxglm5.model.checkpoint import load_checkpoint
 
     check_out_path(args.out)  # before the load and the export, not after
+    disabled = disabled_passes(args.disable_passes)
     model = load_checkpoint(args.model, dtype=args.dtype, device="cpu", progress=False)
-    path = export_artifact(model, args.out, head=args.head)
+    path = export_artifact(model, args.out, head=args.head, disabled_passes=disabled, dump_dir=args.dump_dir)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): the matched and fused program, {args.dtype}, "
           f"head={args.head}")
     return 0
@@ -201,22 +224,28 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="checkpoint directory (weights are loaded)")
     src.add_argument("--preset", choices=["tiny", "glm5"], help="a built-in config on the meta device (no weights)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="compute dtype")
+    _pass_options(p)
 
 
 def _inspect(args: argparse.Namespace) -> int:
     import torch
 
+    from fxglm5.compiler import compile_model
     from fxglm5.model.config import Glm5Config
     from fxglm5.model.modeling import Glm5ForCausalLM
+    from fxglm5.passes.pipeline import Stage
     from fxglm5.passes.report import pipeline_report
 
+    disabled = disabled_passes(args.disable_passes)
     if args.model:
         from fxglm5.model.checkpoint import load_checkpoint
 
         model = load_checkpoint(args.model, dtype=args.dtype, device="cpu", progress=False)
     else:
         model = Glm5ForCausalLM(Glm5Config.preset(args.preset), dtype=getattr(torch, args.dtype), device="meta")
-    print(pipeline_report(model))
+    compiled = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), strict=True, disabled_passes=disabled,
+                             dump_dir=args.dump_dir)
+    print(pipeline_report(*compiled))
     return 0
 
 

@@ -22,7 +22,7 @@ from torch import fx
 
 from fxglm5.lowering.reference.fp8 import dequantize_block_fp8, dequantize_gate_up
 from fxglm5.model.layout import scale_shape
-from fxglm5.passes.graph_utils import aten, evaluate, leaves
+from fxglm5.passes.graph_utils import aten, evaluate, leaves, op_args
 
 _DEQUANT_OPS = {
     aten.to.dtype, aten._to_copy.default, aten.mul.Tensor, aten.unsqueeze.default, aten.expand.default,
@@ -83,7 +83,8 @@ def _analogue_key(shape: tuple, out_dtype: torch.dtype, halves: bool) -> tuple |
             return dequantize(self.w, self.s, out_dtype) + x
 
     gm = torch.export.export(Analogue(), (torch.zeros((), dtype=out_dtype),), strict=False).module()
-    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0].args[0]
+    (total,) = next(n for n in gm.graph.nodes if n.op == "output").args[0]  # dequantize(w, s) + x
+    out = op_args(total)["self"]
     found = leaves(out, _DEQUANT_OPS | {aten._assert_tensor_metadata.default})
     w = next(n for n in found if n.meta["val"].dtype == torch.float8_e4m3fn)
     s = next(n for n in found if n.meta["val"].dtype == torch.float32)
@@ -139,5 +140,5 @@ def match_dequant(node: fx.Node, halves: bool = False) -> Dequant | None:
 def plain_weight(node: fx.Node) -> fx.Node | None:
     """An unquantized weight: a get_attr, possibly cast to the compute dtype."""
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in (aten.to.dtype, aten._to_copy.default, aten.alias.default):
-        node = node.args[0]
+        node = op_args(node)["self"]
     return node if isinstance(node, fx.Node) and node.op == "get_attr" else None

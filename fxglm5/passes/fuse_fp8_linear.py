@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from fxglm5.passes.dequant import match_dequant
-from fxglm5.passes.graph_utils import aten, is_op, replace_with_call
+from fxglm5.passes.graph_utils import aten, is_op, op_args, replace_with_call
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -36,9 +36,9 @@ def fuse_fp8_linear(gm: fx.GraphModule, ctx) -> PassOutcome:
     for node in list(gm.graph.nodes):
         if not is_op(node, aten.linear.default):
             continue
-        x, weight = node.args[0], node.args[1]
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        deq = match_dequant(weight)
+        linear = op_args(node)
+        x, bias = linear["input"], linear["bias"]
+        deq = match_dequant(linear["weight"])
         if deq is None:
             continue
         args = (x, deq.weight, deq.scale, bias, bool(ctx.act_quant))

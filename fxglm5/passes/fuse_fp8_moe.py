@@ -20,7 +20,7 @@ from torch import fx
 
 from fxglm5.passes.dequant import match_dequant, plain_weight
 from fxglm5.passes.graph_utils import (
-    aten, const_float, fake_call, getitem_of, insert_call, is_op, through, through_casts,
+    aten, const_float, fake_call, getitem_of, insert_call, is_op, op_args, through, through_casts,
 )
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
@@ -33,34 +33,41 @@ def expected_moe_layers(ctx) -> int:
 
 def _match_router(routing) -> tuple | None:
     """(logits, bias, top_k, renormalize, scaling) for the dense routing matrix, else None."""
-    if not is_op(routing, aten.scatter.src) or routing.args[1] not in (1, -1):
+    if not is_op(routing, aten.scatter.src) or op_args(routing)["dim"] not in (1, -1):
         return None
-    base, ids_node, weights = routing.args[0], routing.args[2], routing.args[3]
+    scatter = op_args(routing)
+    base, ids_node, weights = scatter["self"], scatter["index"], scatter["src"]
     topk = getitem_of(ids_node, 1)
     if not is_op(base, aten.zeros_like.default) or not is_op(topk, aten.topk.default):
         return None
-    if len(topk.args) > 2 and topk.args[2] not in (-1, 1) or len(topk.args) > 3 and topk.args[3] is not True:
+    ranked = op_args(topk)
+    if ranked["dim"] not in (-1, 1) or ranked["largest"] is not True or not is_op(ranked["self"], aten.add.Tensor):
         return None
-    biased = topk.args[0]
-    if not is_op(biased, aten.add.Tensor):
+    biased = op_args(ranked["self"])
+    sigmoid, bias = biased["self"], biased["other"]
+    if not is_op(sigmoid, aten.sigmoid.default) or not isinstance(bias, fx.Node) or biased["alpha"] != 1:
         return None
-    sigmoid, bias = biased.args
-    if not is_op(sigmoid, aten.sigmoid.default) or not isinstance(bias, fx.Node) or base.args[0] is not sigmoid.args[0]:
+    logits = op_args(sigmoid)["self"]
+    if op_args(base)["self"] is not logits:
         return None
     scaling = 1.0
-    if is_op(weights, aten.mul.Tensor) and const_float(weights.args[1]) is not None:
-        weights, scaling = weights.args[0], const_float(weights.args[1])
+    if is_op(weights, aten.mul.Tensor) and const_float(op_args(weights)["other"]) is not None:
+        weights, scaling = op_args(weights)["self"], const_float(op_args(weights)["other"])
     renormalize = False
     if is_op(weights, aten.div.Tensor):
-        gathered, denom = weights.args
-        if not (is_op(denom, aten.add.Tensor) and is_op(denom.args[0], aten.sum.dim_IntList) and denom.args[0].args[0] is gathered):
+        gathered, denom = op_args(weights)["self"], op_args(weights)["other"]
+        if not is_op(denom, aten.add.Tensor):
             return None
-        if const_float(denom.args[1]) != 1e-20:
+        total, eps = op_args(denom)["self"], op_args(denom)["other"]
+        if not is_op(total, aten.sum.dim_IntList) or op_args(total)["self"] is not gathered or const_float(eps) != 1e-20:
             return None
         weights, renormalize = gathered, True
-    if not (is_op(weights, aten.gather.default) and weights.args[0] is sigmoid and weights.args[2] is ids_node):
+    if not is_op(weights, aten.gather.default):
         return None
-    return sigmoid.args[0], bias, topk.args[1], renormalize, scaling
+    gather = op_args(weights)
+    if gather["self"] is not sigmoid or gather["index"] is not ids_node:
+        return None
+    return logits, bias, ranked["k"], renormalize, scaling
 
 
 def _expert_weight(node, halves: bool) -> tuple | None:
@@ -74,37 +81,37 @@ def _expert_weight(node, halves: bool) -> tuple | None:
 
 def _match_experts(total) -> tuple | None:
     """(x, routing, (w13, s13), (w2, s2)) for ``sum(einsum_down * routing[..., None], 1)``, else None."""
-    if not is_op(total, aten.sum.dim_IntList) or list(total.args[1]) != [1]:
+    if not is_op(total, aten.sum.dim_IntList) or list(op_args(total)["dim"] or ()) != [1]:
         return None
-    weighted = total.args[0]
+    weighted = op_args(total)["self"]
     if not is_op(weighted, aten.mul.Tensor):
         return None
-    down, unsq = weighted.args
+    down, unsq = op_args(weighted)["self"], op_args(weighted)["other"]
     down = through_casts(down)
-    if not is_op(unsq, aten.unsqueeze.default) or unsq.args[1] not in (2, -1):
+    if not is_op(unsq, aten.unsqueeze.default) or op_args(unsq)["dim"] not in (2, -1):
         return None
-    if not is_op(down, aten.einsum.default) or down.args[0].replace(" ", "") != "tei,ehi->teh":
+    if not is_op(down, aten.einsum.default) or op_args(down)["equation"].replace(" ", "") != "tei,ehi->teh":
         return None
-    act, w2 = down.args[1]
+    act, w2 = op_args(down)["tensors"]
     if not is_op(act, aten.mul.Tensor):
         return None
-    silu, up = act.args
+    silu, up = op_args(act)["self"], op_args(act)["other"]
     if not is_op(silu, aten.silu.default):
         return None
-    split = getitem_of(silu.args[0], 0)
+    split = getitem_of(op_args(silu)["self"], 0)
     if split is None or getitem_of(up, 1) is not split or not is_op(split, aten.split_with_sizes.default):
         return None
-    sizes = list(split.args[1])
-    if len(sizes) != 2 or sizes[0] != sizes[1] or split.args[2] not in (-1, 2):
+    sizes = list(op_args(split)["split_sizes"])
+    if len(sizes) != 2 or sizes[0] != sizes[1] or op_args(split)["dim"] not in (-1, 2):
         return None
-    gate_up = split.args[0]
-    if not is_op(gate_up, aten.einsum.default) or gate_up.args[0].replace(" ", "") != "th,eih->tei":
+    gate_up = op_args(split)["self"]
+    if not is_op(gate_up, aten.einsum.default) or op_args(gate_up)["equation"].replace(" ", "") != "th,eih->tei":
         return None
-    x, w13 = gate_up.args[1]
+    x, w13 = op_args(gate_up)["tensors"]
     w13_consts, w2_consts = _expert_weight(w13, halves=True), _expert_weight(w2, halves=False)
     if w13_consts is None or w2_consts is None:
         return None
-    return x, unsq.args[0], w13_consts, w2_consts
+    return x, op_args(unsq)["self"], w13_consts, w2_consts
 
 
 @register_pass("fuse", expected=expected_moe_layers)

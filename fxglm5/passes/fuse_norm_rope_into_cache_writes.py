@@ -15,13 +15,11 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, fake_call, insert_call, is_op, shape_of
+from fxglm5.passes.graph_utils import aten, fake_call, insert_call, is_op, op_args, set_op_args, shape_of
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-_MLA_ARGS = {"rtp_sparse_mla": 14, "rtp_mla": 13}
-_INDEXER_ARGS = 10
 
 
 def expected_folds(ctx) -> int:
@@ -38,69 +36,77 @@ def _full_rope(node):
     rope = torch.ops.fxglm5.rope_interleaved.default
     if not is_op(node, rope) or not _sole_use(node):
         return None
-    x, cos, sin = node.args
+    x, cos, sin = (op_args(node)[name] for name in ("x", "cos", "sin"))
     return (x, cos, sin) if shape_of(x)[-1] == 2 * shape_of(cos)[-1] else None
+
+
+def _squeezed_rope(k_pe):
+    """``_full_rope`` of the x that ``k_pe = x.squeeze(2)`` squeezes, if nothing else reads k_pe."""
+    if not is_op(k_pe, aten.squeeze.dim) or op_args(k_pe)["dim"] != 2 or not _sole_use(k_pe):
+        return None
+    return _full_rope(op_args(k_pe)["self"])
 
 
 def _fold_mla(gm: fx.GraphModule, node: fx.Node) -> tuple[int, int]:
     """Fold the key/query RoPE and the latent RMSNorm into one rtp_*mla node; returns (norms, ropes) folded."""
-    args = list(node.args)
-    q_pe, kv_c, k_pe = args[1], args[2], args[3]
-    q_rope = _full_rope(q_pe)
-    k_rope = _full_rope(k_pe.args[0]) if is_op(k_pe, aten.squeeze.dim) and k_pe.args[1] == 2 and _sole_use(k_pe) else None
-    cos_sin, ropes = (None, None), 0
+    args = op_args(node)
+    q_rope, k_rope, kv_c = _full_rope(args["q_pe"]), _squeezed_rope(args["k_pe"]), args["kv_c"]
+    changes = {}
     if q_rope and k_rope and q_rope[1:] == k_rope[1:] and shape_of(k_rope[0])[2] == 1:
         squeeze = insert_call(gm, node, aten.squeeze.dim, (k_rope[0], 2), fake_call(aten.squeeze.dim, k_rope[0], 2))
-        args[1], args[3], cos_sin, ropes = q_rope[0], squeeze, q_rope[1:], 2
-    norm, norms = (None, 0.0), 0
+        changes.update(q_pe=q_rope[0], k_pe=squeeze, rope_cos=q_rope[1], rope_sin=q_rope[2])
     if is_op(kv_c, torch.ops.fxglm5.rms_norm.default) and _sole_use(kv_c):
-        args[2], norm, norms = kv_c.args[0], kv_c.args[1:], 1
-    if norms or ropes:
-        node.args = (*args, *cos_sin, *norm)
-    return norms, ropes
+        norm = op_args(kv_c)
+        changes.update(kv_c=norm["x"], kv_norm_weight=norm["weight"], kv_norm_eps=norm["eps"])
+    if changes:
+        set_op_args(node, **changes)
+    return int("kv_c" in changes), 2 * ("rope_cos" in changes)
 
 
 def _layer_norm(node):
     """(x, weight, bias, eps) for a last-dim LayerNorm with weight and bias that nothing else reads."""
     if not is_op(node, aten.layer_norm.default) or not _sole_use(node):
         return None
-    x, shape, weight, bias = node.args[:4]
-    eps = node.args[4] if len(node.args) > 4 else 1e-5
-    if list(shape) != [shape_of(x)[-1]] or weight is None or bias is None:
+    norm = op_args(node)
+    x, weight, bias = norm["input"], norm["weight"], norm["bias"]
+    if list(norm["normalized_shape"]) != [shape_of(x)[-1]] or weight is None or bias is None:
         return None
-    return x, weight, bias, eps
+    return x, weight, bias, norm["eps"]
 
 
 def _fold_indexer(node: fx.Node) -> tuple[int, int]:
     """Fold the key's LayerNorm + RoPE (``view(rope(view(layer_norm(k))))``) into an rtp_indexer node."""
-    k = node.args[1]
+    k = op_args(node)["k"]
     if not is_op(k, *_VIEWS) or not _sole_use(k):
         return 0, 0
-    rope = k.args[0]
+    rope = op_args(k)["self"]
     if not is_op(rope, torch.ops.fxglm5.rope_interleaved.default) or not _sole_use(rope):
         return 0, 0
-    x4, cos, sin = rope.args
+    x4, cos, sin = (op_args(rope)[name] for name in ("x", "cos", "sin"))
     if not is_op(x4, *_VIEWS) or not _sole_use(x4):
         return 0, 0
-    norm = _layer_norm(x4.args[0])
+    norm = _layer_norm(op_args(x4)["self"])
     if norm is None or shape_of(norm[0]) != shape_of(k):
         return 0, 0
-    args = list(node.args)
-    args[1] = norm[0]
-    node.args = (*args, cos, sin, *norm[1:])
+    x, weight, bias, eps = norm
+    set_op_args(node, k=x, rope_cos=cos, rope_sin=sin, k_norm_weight=weight, k_norm_bias=bias, k_norm_eps=eps)
     return 1, 1
+
+
+def _unfolded(node: fx.Node, *optional: str) -> bool:
+    """No fold has set these optional arguments of ``node`` yet."""
+    args = op_args(node)
+    return all(args[name] is None for name in optional)
 
 
 @register_pass("cache", expected=expected_folds)
 def fuse_norm_rope_into_cache_writes(gm: fx.GraphModule, ctx) -> PassOutcome:
+    ops = torch.ops.fxglm5
     norms = ropes = matches = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        name = node.target._opname if node.target.namespace == "fxglm5" else None
-        if name in _MLA_ARGS and len(node.args) == _MLA_ARGS[name]:
+        if is_op(node, ops.rtp_sparse_mla.default, ops.rtp_mla.default) and _unfolded(node, "rope_cos", "kv_norm_weight"):
             n, r = _fold_mla(gm, node)
-        elif name == "rtp_indexer" and len(node.args) == _INDEXER_ARGS:
+        elif is_op(node, ops.rtp_indexer.default) and _unfolded(node, "rope_cos", "k_norm_weight"):
             n, r = _fold_indexer(node)
         else:
             continue

@@ -8,6 +8,7 @@ subgraph untouched. That keeps near-misses (another scale, an extra bias, a diff
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Any, Callable
@@ -24,6 +25,42 @@ _CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout}
 
 def is_op(node: Any, *targets) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def op_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments of an op node (an ATen or fxglm5 OpOverload) by their schema names, whether the graph passes
+    them by position or by keyword, with the schema's defaults for those it leaves out. Matchers read arguments
+    by name, so an argument that export passes differently, or one a new op version adds, does not shift them."""
+    args = {}
+    for index, (name, kwarg_only, has_default, default) in enumerate(_signature(node.target)):
+        if index < len(node.args) and not kwarg_only:
+            args[name] = node.args[index]
+        elif name in node.kwargs:
+            args[name] = node.kwargs[name]
+        elif has_default:
+            args[name] = default
+    return args
+
+
+def set_op_args(node: fx.Node, **changes: Any) -> None:
+    """Set arguments of an op node by their schema names (the write side of :func:`op_args`); the node then
+    passes every positional argument of its schema by position, the keyword-only ones it sets by keyword."""
+    signature = _signature(node.target)
+    unknown = set(changes) - {name for name, *_ in signature}
+    if unknown:
+        raise TypeError(f"set_op_args: {node.target} has no argument {sorted(unknown)}")
+    values = {**op_args(node), **changes}
+    node.args = tuple(values[name] for name, kwarg_only, *_ in signature if not kwarg_only)
+    node.kwargs = {name: values[name] for name, kwarg_only, *_ in signature
+                   if kwarg_only and (name in node.kwargs or name in changes)}
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(target) -> tuple:
+    if not isinstance(target, torch._ops.OpOverload):
+        raise TypeError(f"op_args: {target} is not an op with a schema")
+    return tuple((a.name, a.kwarg_only, a.has_default_value(), a.default_value if a.has_default_value() else None)
+                 for a in target._schema.arguments)
 
 
 def val(node: fx.Node):
@@ -46,20 +83,20 @@ def is_cast(node: Any) -> bool:
 
 
 def is_noop_cast(node: fx.Node) -> bool:
-    return is_op(node, *_CASTS) and dtype_of(node) is not None and dtype_of(node) == dtype_of(node.args[0])
+    return is_op(node, *_CASTS) and dtype_of(node) is not None and dtype_of(node) == dtype_of(op_args(node)["self"])
 
 
 def through(node: Any) -> Any:
     """Follow aliases, clones and casts to the same dtype back to the node that made the value."""
     while isinstance(node, fx.Node) and (is_op(node, *_TRANSPARENT) or is_noop_cast(node)):
-        node = node.args[0]
+        node = op_args(node)["self"]
     return node
 
 
 def through_casts(node: Any) -> Any:
     """Like ``through`` but also steps over real dtype casts (for inputs the fused op upcasts itself)."""
     while isinstance(node, fx.Node) and (is_op(node, *_TRANSPARENT) or is_op(node, *_CASTS)):
-        node = node.args[0]
+        node = op_args(node)["self"]
     return node
 
 
@@ -67,7 +104,7 @@ def float32_source(node: Any) -> fx.Node | None:
     """x for ``x.float()`` (or x itself when it is already float32): the input of a float32 computation."""
     node = through(node)
     if is_cast(node) and dtype_of(node) == torch.float32:
-        return through(node.args[0])
+        return through(op_args(node)["self"])
     return node if dtype_of(node) == torch.float32 else None
 
 

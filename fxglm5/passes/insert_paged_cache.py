@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 import fxglm5.ops.cached  # noqa: F401  (registers the cached ops)
-from fxglm5.passes.graph_utils import aten, is_op
+from fxglm5.passes.graph_utils import aten, is_op, op_args
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -80,8 +80,8 @@ def insert_paged_cache(gm: fx.GraphModule, ctx) -> PassOutcome:
     # the indexer a layer owns: the first attention op that reads its top-k
     owner = {}
     for layer, node in enumerate(attention):
-        if is_op(node, ops.sparse_mla.default) and node.args[6] in indexers:
-            owner.setdefault(node.args[6], layer)
+        if is_op(node, ops.sparse_mla.default) and op_args(node)["topk_indices"] in indexers:
+            owner.setdefault(op_args(node)["topk_indices"], layer)
     if len(owner) != len(indexers):
         return PassOutcome(0, {"skipped": "an indexer_topk feeds no attention op"})
 
@@ -98,17 +98,17 @@ def insert_paged_cache(gm: fx.GraphModule, ctx) -> PassOutcome:
     context = (inputs["slot_mapping"], inputs["block_table"], inputs["req_idx"], positions)
 
     for node, layer in owner.items():  # the attention ops' top-k argument now reads the new node
-        q, k, weights, topk = node.args
+        q, k, weights, topk = (op_args(node)[name] for name in ("q", "k", "weights", "topk"))
         _replace(gm, node, ops.rtp_indexer.default, (q, k, weights, topk, inputs[names[layer][1]], *context, max_pos))
     for layer, node in enumerate(attention):
-        q_nope, q_pe, kv_c, k_pe, w_uk, w_uv = node.args[:6]
+        attn = op_args(node)
+        latent = tuple(attn[name] for name in ("q_nope", "q_pe", "kv_c", "k_pe", "w_uk", "w_uv"))
         cache = inputs[names[layer][0]]
         if is_op(node, ops.sparse_mla.default):
-            topk, scale = node.args[6], node.args[7]
-            args = (q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk, scale, cache, *context, max_pos)
+            args = (*latent, attn["topk_indices"], attn["scale"], cache, *context, max_pos)
             _replace(gm, node, ops.rtp_sparse_mla.default, args)
         else:
-            args = (q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, node.args[6], cache, *context, max_pos)
+            args = (*latent, attn["scale"], cache, *context, max_pos)
             _replace(gm, node, ops.rtp_mla.default, args)
 
     output = next(n for n in gm.graph.nodes if n.op == "output")

@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from fxglm5.passes.graph_utils import (
-    aten, const_float, dtype_of, float32_source, is_cast, is_op, replace_with_call, shape_of, through,
+    aten, const_float, dtype_of, float32_source, is_cast, is_op, op_args, replace_with_call, shape_of, through,
 )
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
@@ -23,27 +23,35 @@ def expected_norms(ctx) -> int:
     return 4 * ctx.config.num_hidden_layers + 1
 
 
+def _operands(node: fx.Node) -> tuple:
+    args = op_args(node)
+    return args["self"], args["other"]
+
+
 def _match(anchor: fx.Node) -> tuple | None:
     """(x, weight, eps) when ``anchor`` is the RMSNorm's final ``weight * normed``."""
-    if not is_op(anchor, aten.mul.Tensor) or len(anchor.args) != 2:
+    if not is_op(anchor, aten.mul.Tensor):
         return None
-    for weight, normed in (anchor.args, anchor.args[::-1]):
+    for weight, normed in (_operands(anchor), _operands(anchor)[::-1]):
         if not isinstance(weight, fx.Node) or weight.op != "get_attr" or len(shape_of(weight) or ()) != 1:
             continue
         scaled = through(normed)
         if is_cast(scaled):
-            scaled = through(scaled.args[0])
+            scaled = through(op_args(scaled)["self"])
         if not is_op(scaled, aten.mul.Tensor):
             continue
-        for xf, rsqrt in (scaled.args, scaled.args[::-1]):
-            if not is_op(rsqrt, aten.rsqrt.default) or not is_op(rsqrt.args[0], aten.add.Tensor):
+        for xf, rsqrt in (_operands(scaled), _operands(scaled)[::-1]):
+            if not is_op(rsqrt, aten.rsqrt.default) or not is_op(op_args(rsqrt)["self"], aten.add.Tensor):
                 continue
-            mean, eps = rsqrt.args[0].args
-            if const_float(eps) is None or not is_op(mean, aten.mean.dim) or list(mean.args[1]) not in ([-1],):
+            shifted = op_args(op_args(rsqrt)["self"])
+            mean, eps = shifted["self"], shifted["other"]
+            if const_float(eps) is None or shifted["alpha"] != 1 or not is_op(mean, aten.mean.dim):
                 continue
-            keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-            square = mean.args[0]
-            if not keepdim or not is_op(square, aten.pow.Tensor_Scalar) or square.args[1] != 2 or square.args[0] is not xf:
+            average = op_args(mean)
+            if list(average["dim"] or ()) != [-1] or not average["keepdim"] or average["dtype"] is not None:
+                continue
+            square = average["self"]
+            if not is_op(square, aten.pow.Tensor_Scalar) or op_args(square)["exponent"] != 2 or op_args(square)["self"] is not xf:
                 continue
             x = float32_source(xf)
             if x is None or dtype_of(x) != dtype_of(anchor) or dtype_of(weight) != dtype_of(anchor):

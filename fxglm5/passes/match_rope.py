@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, dtype_of, float32_source, is_cast, getitem_of, is_op, replace_with_call, shape_of
+from fxglm5.passes.graph_utils import (
+    aten, dtype_of, float32_source, getitem_of, is_cast, is_op, op_args, replace_with_call, shape_of,
+)
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -24,45 +26,52 @@ def expected_ropes(ctx) -> int:
     return 2 * cfg.num_hidden_layers + 2 * sum(cfg.has_indexer(i) for i in range(cfg.num_hidden_layers))
 
 
+def _operands(node: fx.Node) -> tuple:
+    args = op_args(node)
+    return args["self"], args["other"]
+
+
 def _strided_half(node, start: int):
     """xf for ``xf[..., start::2]`` over the last of 4 dims."""
-    if not is_op(node, aten.slice.Tensor) or len(node.args) != 5:
+    if not is_op(node, aten.slice.Tensor):
         return None
-    src, dim, begin, end, step = node.args
-    if dim not in (3, -1) or begin != start or end not in (_END, None) or step != 2:
+    sliced = op_args(node)
+    if sliced["dim"] not in (3, -1) or sliced["start"] != start or sliced["end"] not in (_END, None) or sliced["step"] != 2:
         return None
-    return src
+    return sliced["self"]
 
 
 def _unsqueezed(node):
-    if is_op(node, aten.unsqueeze.default) and node.args[1] == 2 and len(shape_of(node.args[0]) or ()) == 3:
-        return node.args[0]
-    return None
+    if not is_op(node, aten.unsqueeze.default):
+        return None
+    unsq = op_args(node)
+    return unsq["self"] if unsq["dim"] == 2 and len(shape_of(unsq["self"]) or ()) == 3 else None
 
 
 def _match(flat: fx.Node) -> tuple | None:
     """(result node, x, cos, sin) when ``flat`` is the flatten of the rotated pairs."""
-    if not is_op(flat, aten.flatten.using_ints) or flat.args[1] != -2 or len(flat.args) > 2:
+    if not is_op(flat, aten.flatten.using_ints) or (op_args(flat)["start_dim"], op_args(flat)["end_dim"]) != (-2, -1):
         return None
-    stack = flat.args[0]
-    if not is_op(stack, aten.stack.default) or stack.args[1] != -1 or len(stack.args[0]) != 2:
+    stack = op_args(flat)["self"]
+    if not is_op(stack, aten.stack.default) or op_args(stack)["dim"] != -1 or len(op_args(stack)["tensors"]) != 2:
         return None
-    sub, add = stack.args[0]
-    if not is_op(sub, aten.sub.Tensor) or not is_op(add, aten.add.Tensor) or len(sub.args) != 2 or len(add.args) != 2:
+    sub, add = op_args(stack)["tensors"]
+    if not is_op(sub, aten.sub.Tensor) or not is_op(add, aten.add.Tensor) or op_args(sub)["alpha"] != 1 or op_args(add)["alpha"] != 1:
         return None
-    if not all(is_op(m, aten.mul.Tensor) for m in (*sub.args, *add.args)):
+    if not all(is_op(m, aten.mul.Tensor) for m in (*_operands(sub), *_operands(add))):
         return None
-    x_cos, x_sin = sub.args  # even*cos - odd*sin
-    for even, c in (x_cos.args, x_cos.args[::-1]):
+    x_cos, x_sin = _operands(sub)  # even*cos - odd*sin
+    for even, c in (_operands(x_cos), _operands(x_cos)[::-1]):
         xf = _strided_half(even, 0)
         cos = _unsqueezed(c)
         if xf is None or cos is None:
             continue
-        for odd, s in (x_sin.args, x_sin.args[::-1]):
+        for odd, s in (_operands(x_sin), _operands(x_sin)[::-1]):
             sin = _unsqueezed(s)
             if _strided_half(odd, 1) is not xf or sin is None:
                 continue
-            if set(add.args[0].args) != {odd, c} or set(add.args[1].args) != {even, s}:
+            odd_cos, even_sin = _operands(add)
+            if set(_operands(odd_cos)) != {odd, c} or set(_operands(even_sin)) != {even, s}:
                 continue
             x = float32_source(xf)
             if x is None or shape_of(x)[-1] != 2 * shape_of(cos)[-1] or dtype_of(cos) != torch.float32:
@@ -79,19 +88,20 @@ def _match(flat: fx.Node) -> tuple | None:
 
 def _partial(cat: fx.Node, op) -> tuple | None:
     """(x, cos, sin) for ``cat([rope(x[..., :r]), x[..., r:]], -1)`` (the indexer's split-rotate-concat)."""
-    if not is_op(cat, aten.cat.default) or len(cat.args[0]) != 2 or (len(cat.args) > 1 and cat.args[1] not in (-1, 3)):
+    if not is_op(cat, aten.cat.default) or len(op_args(cat)["tensors"]) != 2 or op_args(cat)["dim"] not in (-1, 3):
         return None
-    rotated, rest = cat.args[0]
+    rotated, rest = op_args(cat)["tensors"]
     if not is_op(rotated, op):
         return None
-    split = getitem_of(rotated.args[0], 0)
+    rope = op_args(rotated)
+    split = getitem_of(rope["x"], 0)
     if split is None or getitem_of(rest, 1) is not split or not is_op(split, aten.split_with_sizes.default):
         return None
-    if len(split.args[1]) != 2 or (len(split.args) > 2 and split.args[2] not in (-1, 3)):
+    if len(op_args(split)["split_sizes"]) != 2 or op_args(split)["dim"] not in (-1, 3):
         return None
-    if len(rotated.users) != 1 or dtype_of(cat) != dtype_of(split.args[0]):
+    if len(rotated.users) != 1 or dtype_of(cat) != dtype_of(op_args(split)["self"]):
         return None
-    return split.args[0], rotated.args[1], rotated.args[2]
+    return op_args(split)["self"], rope["cos"], rope["sin"]
 
 
 @register_pass("match", expected=expected_ropes)

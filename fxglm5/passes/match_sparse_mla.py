@@ -15,7 +15,7 @@ import torch
 from torch import fx
 
 from fxglm5.passes.graph_utils import (
-    aten, const_float, fake_call, getitem_of, insert_call, is_neg_inf, is_op, shape_of, through, through_casts,
+    aten, const_float, fake_call, getitem_of, insert_call, is_neg_inf, is_op, op_args, shape_of, through, through_casts,
 )
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.mla_pattern import absorbed_weights, is_causal_mask, match_mla_attention, replace_attention
@@ -30,7 +30,7 @@ def _split_allowed(allowed) -> fx.Node | None:
     """The selection node of ``causal & selection`` (either operand order)."""
     if not is_op(allowed, aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default):
         return None
-    a, b = allowed.args
+    a, b = op_args(allowed)["self"], op_args(allowed)["other"]
     if is_causal_mask(a):
         return b
     if is_causal_mask(b):
@@ -40,59 +40,62 @@ def _split_allowed(allowed) -> fx.Node | None:
 
 def _match_indexer(selection) -> tuple | None:
     """(sort node, q, k, weights, index scale, k) for the selection built from a DSA top-k, else None."""
-    if not is_op(selection, aten.slice.Tensor) or selection.args[1] not in (2, -1):
+    if not is_op(selection, aten.slice.Tensor) or op_args(selection)["dim"] not in (2, -1):
         return None
-    if len(selection.args) > 2 and selection.args[2] not in (None, 0):
+    if op_args(selection)["start"] not in (None, 0):
         return None
-    scatter = selection.args[0]
-    if not is_op(scatter, aten.scatter.value) or scatter.args[1] not in (-1, 2) or scatter.args[3] is not True:
+    scatter = op_args(selection)["self"]
+    if not is_op(scatter, aten.scatter.value):
         return None
-    if not is_op(scatter.args[0], aten.zeros_like.default):
+    scattered = op_args(scatter)
+    if scattered["dim"] not in (-1, 2) or scattered["value"] is not True or not is_op(scattered["self"], aten.zeros_like.default):
         return None
-    first_k = scatter.args[2]
-    if not is_op(first_k, aten.slice.Tensor) or first_k.args[1] not in (-1, 2) or len(first_k.args) != 4:
+    first_k = scattered["index"]
+    if not is_op(first_k, aten.slice.Tensor):
         return None
-    if first_k.args[2] not in (None, 0) or not isinstance(first_k.args[3], int):
+    head = op_args(first_k)
+    if head["dim"] not in (-1, 2) or head["start"] not in (None, 0) or not isinstance(head["end"], int) or head["step"] != 1:
         return None
-    k = first_k.args[3]
-    ranked = getitem_of(first_k.args[0], 1)  # topk_lowest_index_ties: sort(stable, descending)[1][..., :k]
-    if not is_op(ranked, aten.sort.stable) or len(ranked.args) != 1:
+    k = head["end"]
+    ranked = getitem_of(head["self"], 1)  # topk_lowest_index_ties: sort(stable, descending)[1][..., :k]
+    if not is_op(ranked, aten.sort.stable):
         return None
-    if ranked.kwargs.get("stable") is not True or ranked.kwargs.get("descending") is not True:
+    order = op_args(ranked)
+    if order["stable"] is not True or order["descending"] is not True or order["dim"] not in (-1, 2):
         return None
-    if ranked.kwargs.get("dim", -1) not in (-1, 2):
+    padded = order["self"]
+    if op_args(scattered["self"])["self"] is not padded or not is_op(padded, aten.cat.default):
         return None
-    padded = ranked.args[0]
-    if scatter.args[0].args[0] is not padded or not is_op(padded, aten.cat.default) or len(padded.args[0]) != 2:
+    if len(op_args(padded)["tensors"]) != 2:
         return None
-    scores, pad = padded.args[0]
-    if not is_op(pad, aten.new_full.default) or not is_neg_inf(pad.args[2]) or pad.args[1][-1] != k:
+    scores, pad = op_args(padded)["tensors"]
+    if not is_op(pad, aten.new_full.default) or not is_neg_inf(op_args(pad)["fill_value"]) or op_args(pad)["size"][-1] != k:
         return None
-    if not is_op(scores, aten.masked_fill.Scalar) or not is_neg_inf(scores.args[2]):
+    if not is_op(scores, aten.masked_fill.Scalar) or not is_neg_inf(op_args(scores)["value"]):
         return None
-    inverted = scores.args[1]
-    if not is_op(inverted, aten.bitwise_not.default, aten.logical_not.default) or not is_causal_mask(inverted.args[0]):
+    inverted = op_args(scores)["mask"]
+    if not is_op(inverted, aten.bitwise_not.default, aten.logical_not.default) or not is_causal_mask(op_args(inverted)["self"]):
         return None
-    summed = scores.args[0]
-    if not is_op(summed, aten.sum.dim_IntList) or list(summed.args[1]) not in ([2], [-2]):
+    summed = op_args(scores)["self"]
+    if not is_op(summed, aten.sum.dim_IntList) or list(op_args(summed)["dim"] or ()) not in ([2], [-2]):
         return None
-    weighted = summed.args[0]
+    weighted = op_args(summed)["self"]
     if not is_op(weighted, aten.mul.Tensor):
         return None
-    relu, w_unsq = weighted.args
-    if not is_op(relu, aten.relu.default) or not is_op(w_unsq, aten.unsqueeze.default) or w_unsq.args[1] not in (3, -1):
+    relu, w_unsq = op_args(weighted)["self"], op_args(weighted)["other"]
+    if not is_op(relu, aten.relu.default) or not is_op(w_unsq, aten.unsqueeze.default) or op_args(w_unsq)["dim"] not in (3, -1):
         return None
-    scaled = relu.args[0]
-    scale = const_float(scaled.args[1]) if is_op(scaled, aten.mul.Tensor) else None
+    scaled = op_args(relu)["self"]
+    scale = const_float(op_args(scaled)["other"]) if is_op(scaled, aten.mul.Tensor) else None
     if scale is None or scale <= 0:  # relu(c x) = c relu(x) only for c > 0
         return None
-    logits = through(scaled.args[0])
-    if not is_op(logits, aten.einsum.default) or logits.args[0].replace(" ", "") != "bshd,btd->bsht":
+    logits = through(op_args(scaled)["self"])
+    if not is_op(logits, aten.einsum.default) or op_args(logits)["equation"].replace(" ", "") != "bshd,btd->bsht":
         return None
-    q, key = logits.args[1]
+    q, key = op_args(logits)["tensors"]
     if len(shape_of(q)) != 4 or len(shape_of(key)) != 3:
         return None
-    return ranked, through_casts(q), through_casts(key), w_unsq.args[0], scale, k
+    return ranked, through_casts(q), through_casts(key), op_args(w_unsq)["self"], scale, k
 
 
 @register_pass("match", expected=expected_sparse_layers)

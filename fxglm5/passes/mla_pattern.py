@@ -20,7 +20,7 @@ from torch import fx
 from fxglm5.passes.dequant import match_dequant, plain_weight
 from fxglm5.passes.graph_utils import (
     add_constant, aten, const_float, evaluate, fake_call, get_attr_tensor, getitem_of, insert_call, is_neg_inf, is_op,
-    shape_of, through,
+    op_args, shape_of, through,
 )
 
 
@@ -43,29 +43,29 @@ def _is_transpose(node, d0, d1) -> bool:
     if not is_op(node, aten.transpose.int):
         return False
     ndim = len(shape_of(node) or ())
-    dims = sorted(d % ndim for d in node.args[1:3]) if ndim else []
+    dims = sorted(op_args(node)[d] % ndim for d in ("dim0", "dim1")) if ndim else []
     return dims == sorted((d0, d1))
 
 
 def _cat_last(node) -> list | None:
-    if not is_op(node, aten.cat.default) or len(node.args[0]) != 2:
+    if not is_op(node, aten.cat.default) or len(op_args(node)["tensors"]) != 2:
         return None
-    dim = node.args[1] if len(node.args) > 1 else 0
-    return list(node.args[0]) if dim in (-1, len(shape_of(node)) - 1) else None
+    cat = op_args(node)
+    return list(cat["tensors"]) if cat["dim"] in (-1, len(shape_of(node)) - 1) else None
 
 
 def _split_parts(node) -> tuple[fx.Node, fx.Node, list] | None:
     """(linear, view, sizes) for ``split_with_sizes(view(linear(...)), sizes, -1)``."""
     if not is_op(node, aten.split_with_sizes.default):
         return None
-    dim = node.args[2] if len(node.args) > 2 else 0
-    view = node.args[0]
-    if dim not in (-1, 3) or not is_op(view, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+    split = op_args(node)
+    view = split["self"]
+    if split["dim"] not in (-1, 3) or not is_op(view, aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         return None
-    linear = through(view.args[0])
-    if not is_op(linear, aten.linear.default) or (len(linear.args) > 2 and linear.args[2] is not None):
+    linear = through(op_args(view)["self"])
+    if not is_op(linear, aten.linear.default) or op_args(linear)["bias"] is not None:
         return None
-    return linear, view, list(node.args[1])
+    return linear, view, list(split["split_sizes"])
 
 
 def expected_scale(ctx, head_dim: int) -> float:
@@ -74,39 +74,42 @@ def expected_scale(ctx, head_dim: int) -> float:
 
 
 def match_mla_attention(softmax: fx.Node, ctx) -> MLAMatch | None:
-    if not is_op(softmax, aten.softmax.int, aten._softmax.default) or softmax.args[1] not in (-1, 3):
+    if not is_op(softmax, aten.softmax.int, aten._softmax.default) or op_args(softmax)["dim"] not in (-1, 3):
         return None
-    masked = through(softmax.args[0])
+    masked = through(op_args(softmax)["self"])
     if is_op(masked, aten.to.dtype, aten._to_copy.default):  # softmax computed in float32
-        masked = through(masked.args[0])
-    if not is_op(masked, aten.masked_fill.Scalar) or not is_neg_inf(masked.args[2]):
+        masked = through(op_args(masked)["self"])
+    if not is_op(masked, aten.masked_fill.Scalar) or not is_neg_inf(op_args(masked)["value"]):
         return None
-    inverted = masked.args[1]
+    inverted = op_args(masked)["mask"]
     if not is_op(inverted, aten.bitwise_not.default, aten.logical_not.default):
         return None
-    unsq = inverted.args[0]
-    if not is_op(unsq, aten.unsqueeze.default) or unsq.args[1] != 1:
+    unsq = op_args(inverted)["self"]
+    if not is_op(unsq, aten.unsqueeze.default) or op_args(unsq)["dim"] != 1:
         return None
-    allowed = unsq.args[0]
+    allowed = op_args(unsq)["self"]
 
-    scaled = through(masked.args[0])
-    if not is_op(scaled, aten.mul.Tensor) or const_float(scaled.args[1]) is None:
+    scaled = through(op_args(masked)["self"])
+    if not is_op(scaled, aten.mul.Tensor) or const_float(op_args(scaled)["other"]) is None:
         return None
-    scale = const_float(scaled.args[1])
-    qk = through(scaled.args[0])
+    scale = const_float(op_args(scaled)["other"])
+    qk = through(op_args(scaled)["self"])
     if not is_op(qk, aten.matmul.default):
         return None
-    query, key_t = qk.args
-    if not _is_transpose(query, 1, 2) or not _is_transpose(key_t, 2, 3) or not _is_transpose(key_t.args[0], 1, 2):
+    query, key_t = op_args(qk)["self"], op_args(qk)["other"]
+    if not _is_transpose(query, 1, 2) or not _is_transpose(key_t, 2, 3):
         return None
-    q_parts, k_parts = _cat_last(query.args[0]), _cat_last(key_t.args[0].args[0])
+    key = op_args(key_t)["self"]
+    if not _is_transpose(key, 1, 2):
+        return None
+    q_parts, k_parts = _cat_last(op_args(query)["self"]), _cat_last(op_args(key)["self"])
     if q_parts is None or k_parts is None:
         return None
     q_nope, q_pe = q_parts
     k_nope, k_pe_expanded = k_parts
     if not is_op(k_pe_expanded, aten.expand.default):
         return None
-    k_pe = k_pe_expanded.args[0]
+    k_pe = op_args(k_pe_expanded)["self"]
 
     split = getitem_of(k_nope, 0)
     parts = _split_parts(split) if split is not None else None
@@ -124,18 +127,18 @@ def match_mla_attention(softmax: fx.Node, ctx) -> MLAMatch | None:
     # Output side: probs (maybe cast back) @ v.T12, then .T12 -> [B, S, H, dv].
     users = list(softmax.users)
     probs = users[0] if len(users) == 1 and is_op(users[0], aten.to.dtype, aten._to_copy.default) else softmax
-    pv_users = [u for u in probs.users if is_op(u, aten.matmul.default) and u.args[0] is probs]
+    pv_users = [u for u in probs.users if is_op(u, aten.matmul.default) and op_args(u)["self"] is probs]
     if len(pv_users) != 1 or len(probs.users) != 1:
         return None
     pv = pv_users[0]
-    v_t = pv.args[1]
-    if not _is_transpose(v_t, 1, 2) or getitem_of(v_t.args[0], 1) is not split:
+    v_t = op_args(pv)["other"]
+    if not _is_transpose(v_t, 1, 2) or getitem_of(op_args(v_t)["self"], 1) is not split:
         return None
     out_users = list(pv.users)
     if len(out_users) != 1 or not _is_transpose(out_users[0], 1, 2):
         return None
-    kv_c = linear.args[0]
-    return MLAMatch(q_nope, q_pe, kv_c, k_pe, linear.args[1], allowed, out_users[0], scale, heads, dn, dv)
+    projection = op_args(linear)
+    return MLAMatch(q_nope, q_pe, projection["input"], k_pe, projection["weight"], allowed, out_users[0], scale, heads, dn, dv)
 
 
 def absorbed_weights(gm: fx.GraphModule, match: MLAMatch, before: fx.Node) -> tuple[fx.Node, fx.Node] | None:
@@ -165,16 +168,22 @@ def absorbed_weights(gm: fx.GraphModule, match: MLAMatch, before: fx.Node) -> tu
 
 def is_causal_mask(node) -> bool:
     """``unsqueeze(le(arange(S)[None, :], arange(S)[:, None]), 0)``: True where key <= query."""
-    if is_op(node, aten.unsqueeze.default) and node.args[1] == 0:
-        node = node.args[0]
+    if is_op(node, aten.unsqueeze.default) and op_args(node)["dim"] == 0:
+        node = op_args(node)["self"]
     if not is_op(node, aten.le.Tensor, aten.ge.Tensor):
         return False
-    lhs, rhs = node.args
+    lhs, rhs = op_args(node)["self"], op_args(node)["other"]
     if node.target is aten.ge.Tensor:
         lhs, rhs = rhs, lhs
-    ok_l = is_op(lhs, aten.unsqueeze.default) and lhs.args[1] == 0 and is_op(lhs.args[0], aten.arange.default, aten.arange.start)
-    ok_r = is_op(rhs, aten.unsqueeze.default) and rhs.args[1] == 1 and is_op(rhs.args[0], aten.arange.default, aten.arange.start)
-    return bool(ok_l and ok_r and lhs.args[0] is rhs.args[0])
+    return _unsqueezed_arange(lhs, 0) is not None and _unsqueezed_arange(lhs, 0) is _unsqueezed_arange(rhs, 1)
+
+
+def _unsqueezed_arange(node, dim: int) -> fx.Node | None:
+    """The ``arange`` node of ``arange(...).unsqueeze(dim)``, else None."""
+    if not is_op(node, aten.unsqueeze.default) or op_args(node)["dim"] != dim:
+        return None
+    source = op_args(node)["self"]
+    return source if is_op(source, aten.arange.default, aten.arange.start) else None
 
 
 def replace_attention(gm: fx.GraphModule, match: MLAMatch, op, extra_args: tuple, weights) -> fx.Node:

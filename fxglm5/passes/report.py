@@ -1,25 +1,18 @@
-"""A readable report of the pass pipeline on a model: per pass the matches, the expected count and the
-time, then the op histogram before and after (what ``fxglm5 inspect`` prints)."""
+"""A readable report of a compile: per pass the matches, the expected count and the time, then the op histogram
+before and after (what ``fxglm5 inspect`` prints of :func:`fxglm5.compiler.compile_model`'s result)."""
 
 from __future__ import annotations
 
-import time
+from torch import fx
 
-import torch
-
-from fxglm5.capture import capture
-from fxglm5.passes import PassContext, op_histogram, run_pipeline
+from fxglm5.passes.manager import PassResult, op_histogram
 
 
-def pipeline_report(model: torch.nn.Module) -> str:
-    """Capture ``model``, run match + fuse in strict mode, and describe what happened."""
-    start = time.perf_counter()
-    gm = capture(model)
-    captured = time.perf_counter() - start
-    before = op_histogram(gm)
-    results = run_pipeline(gm, PassContext(config=model.config, strict=True))
-    after = op_histogram(gm)
-    lines = [f"capture: {captured:.1f}s, {sum(before.values())} ops"]
+def pipeline_report(graph: fx.GraphModule, results: list[PassResult], capture_seconds: float) -> str:
+    """Describe what ``results`` did to ``graph`` (as it is after them), captured in ``capture_seconds``."""
+    after = op_histogram(graph)
+    before = results[0].ops_before if results else after
+    lines = [f"capture: {capture_seconds:.1f}s, {sum(before.values())} ops"]
     lines += [r.summary() for r in results]
     names = sorted(set(before) | set(after), key=lambda k: -max(before.get(k, 0), after.get(k, 0)))
     changed = [k for k in names if before.get(k, 0) != after.get(k, 0)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, is_cast, is_op
+from fxglm5.passes.graph_utils import aten, is_cast, is_op, op_args
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -21,24 +21,28 @@ def expected_selections(ctx) -> int:
     return 1
 
 
-def _row_wise(node) -> bool:
-    """Output row r depends only on row r of ``node.args[0]`` (tokens on dim 1)."""
+def _rows_input(node) -> fx.Node | None:
+    """The input whose row r alone makes row r of ``node`` (tokens on dim 1), if ``node`` is such a row-wise op."""
+    if is_cast(node):
+        return op_args(node)["self"]
     ops = torch.ops.fxglm5
-    return is_cast(node) or is_op(node, aten.linear.default, ops.fp8_linear.default, ops.rms_norm.default)
+    rows = {aten.linear.default: "input", ops.fp8_linear.default: "x", ops.rms_norm.default: "x"}
+    return op_args(node)[rows[node.target]] if is_op(node, *rows) else None
 
 
 @register_pass("cache", expected=expected_selections)
 def select_sampled_rows(gm: fx.GraphModule, ctx) -> PassOutcome:
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    select = output.args[0]
-    if not is_op(select, aten.index_select.default) or select.args[1] != 1:
+    (select,) = output.args
+    if not is_op(select, aten.index_select.default) or op_args(select)["dim"] != 1:
         return PassOutcome(0)
     moved = 0
-    while _row_wise(select.args[0]) and len(select.args[0].users) == 1:
-        producer = select.args[0]
+    while _rows_input(op_args(select)["self"]) is not None and len(op_args(select)["self"].users) == 1:
+        producer = op_args(select)["self"]
+        rows = _rows_input(producer)
         with gm.graph.inserting_before(producer):
-            earlier = gm.graph.call_function(aten.index_select.default, (producer.args[0], 1, select.args[2]))
-        producer.args = (earlier, *producer.args[1:])
+            earlier = gm.graph.call_function(aten.index_select.default, (rows, 1, op_args(select)["index"]))
+        producer.replace_input_with(rows, earlier)
         select.replace_all_uses_with(producer)
         gm.graph.erase_node(select)
         select, moved = earlier, moved + 1

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
+from fxglm5.compiler import MAX_STEP_TOKENS, compile_model
 from fxglm5.errors import ConfigError, InputError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.modeling import check_input_ids
 from fxglm5.ops.cached import validation
 from fxglm5.rtpllm.config import compute_dtype, fill_model_config
 from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step
-from fxglm5.runtime.compile import MAX_STEP_TOKENS, compile_paged
 from rtp_llm.models.base_model import BaseModel
 from rtp_llm.models_py.model_desc.module_base import GptModelBase
 
@@ -61,7 +61,7 @@ class Fxglm5PyModel(GptModelBase):
         self.glm5_config: Glm5Config = model.config
         self.dtype, self.kv_cache_kind = model.dtype, kv_cache
         self.device = next(model.parameters()).device
-        self.graph, self.pass_results = compile_paged(
+        self.graph, self.pass_results, _ = compile_model(
             model, max_tokens=max(model.config.max_position_embeddings, MAX_STEP_TOKENS), device=self.device,
             head="hidden")
         self.signature = self.graph.meta["paged_cache"]

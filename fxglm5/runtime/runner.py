@@ -26,7 +26,7 @@ from fxglm5.lowering.registry import preferred_backend
 from fxglm5.ops.cached import validation
 from fxglm5.runtime.block_manager import BlockManager
 from fxglm5.runtime.cache import PagedCache, check_cache_size, check_options
-from fxglm5.runtime.compile import compile_paged
+from fxglm5.compiler import compile_model
 from fxglm5.runtime.decode_graphs import DecodeGraphs
 from fxglm5.runtime.forward_context import ForwardContext
 
@@ -97,7 +97,7 @@ class Runner:
                  kernel_block_size: int | None = None, dtype: torch.dtype = torch.float32,
                  num_blocks: int | None = None, max_cache_tokens: int = 8192, device="cpu", keep_logits=False,
                  graph=None, backend: str | None = None, decode_graphs: bool | None = None,
-                 max_decode_batch: int = 64):
+                 max_decode_batch: int = 64, disabled_passes=()):
         """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); with ``graph``, anything
         with the model's ``config`` and compute ``dtype`` (an exported artifact: ``fxglm5.artifact``). ``kv_cache``: "bf16"
         (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
@@ -107,7 +107,7 @@ class Runner:
         prefers ("triton", "aiter", "reference"; default: the best for ``device``, FXGLM5_BACKEND overrides).
         ``decode_graphs``: replay decode steps of up to ``max_decode_batch`` requests from CUDA graphs (default:
         on a CUDA device unless ``backend`` is "reference", whose ops sync with the host; on a CPU, True runs the
-        same padded static-buffer steps without capture)."""
+        same padded static-buffer steps without capture). ``disabled_passes``: pass names the compile skips."""
         index_kind, _ = check_options(block_size, kernel_block_size, kv_cache, index_cache)  # before the slow part
         preferred_backend(backend)
         if not isinstance(max_cache_tokens, int) or max_cache_tokens < 1:
@@ -121,9 +121,9 @@ class Runner:
         check_sizes(self.config, num_blocks, block_size, kv_cache, index_kind, model.dtype, device)  # before compiling
         self.graph, self.pass_results = graph, []
         if graph is None:  # a step's flat token count is bounded by the cache, not by one sequence's length
-            self.graph, self.pass_results = compile_paged(
+            self.graph, self.pass_results, _ = compile_model(
                 model, max_tokens=max(self.config.max_position_embeddings, num_blocks * block_size), device=device,
-                backend=backend)
+                backend=backend, disabled_passes=disabled_passes)
         if "paged_cache" not in self.graph.meta:
             raise InputError("graph: not a paged graph (insert_paged_cache did not run on it)")
         self.cache = PagedCache(self.graph.meta["paged_cache"], num_blocks, block_size, kernel_block_size, kv_cache,

@@ -78,7 +78,7 @@ def test_cache_larger_than_the_available_memory_is_refused_before_compiling(monk
     allocated = sum(t.numel() * t.element_size() for t in small.cache.tensors.values())
     assert cache.check_cache_size(5, 4, [True, False, True], "bf16", "bf16", torch.float32, "cpu") == allocated
     monkeypatch.setattr(cache, "available_memory", lambda device: allocated - 1)
-    monkeypatch.setattr(runner_module, "compile_paged", _no_compile)
+    monkeypatch.setattr(runner_module, "compile_model", _no_compile)
     with pytest.raises(InputError, match=r"paged cache: 5 blocks of block_size 4 tokens for 3 layers need .* GiB, "
                                          r"more than .* available on cpu"):
         Runner(model, block_size=4, num_blocks=5)
@@ -89,7 +89,7 @@ def test_cache_larger_than_the_available_memory_is_refused_before_compiling(monk
 
 def test_block_longer_than_any_sequence_is_refused_before_compiling(monkeypatch):
     model, _ = model_and_graph("short")  # max_position_embeddings 24
-    monkeypatch.setattr(runner_module, "compile_paged", _no_compile)
+    monkeypatch.setattr(runner_module, "compile_model", _no_compile)
     with pytest.raises(InputError, match=r"block_size: 1000000 exceeds max_position_embeddings \(24\)"):
         Runner(model, block_size=1000000)
 
@@ -100,7 +100,7 @@ def test_unknown_kernel_backend_is_refused_before_compiling(monkeypatch, env, op
     model, _ = model_and_graph("short")
     if env:
         monkeypatch.setenv("FXGLM5_BACKEND", env)
-    monkeypatch.setattr(runner_module, "compile_paged", _no_compile)
+    monkeypatch.setattr(runner_module, "compile_model", _no_compile)
     with pytest.raises(InputError) as err:
         Runner(model, block_size=4, backend=option)
     assert str(err.value) == (f"{shown} must be one of 'aiter', 'triton', 'reference' (or unset: the best for the "

@@ -1,0 +1,50 @@
+"""The declared pass pipeline: the stages in the order they run and, per stage, its passes in order.
+
+This declaration, not the order in which ``fxglm5.passes`` imports the pass modules, decides what runs when:
+a pass depends on what earlier ones left in the graph (``fuse_norm_rope_into_cache_writes`` folds the
+``rms_norm`` / ``rope`` nodes the match stage made, next to the cache writes ``insert_paged_cache`` made),
+so an order that followed the imports would change whenever someone sorted them. Every pass module still
+registers its function (``registry.register_pass``); registering a pass this file does not declare, or under
+another stage, is an error, and so is running a stage whose declared pass is not registered.
+
+A stage's name is its string value, so ``"match"`` and ``Stage.MATCH`` are the same key. The sharding stage
+(tensor-parallel splits of the fused graph) goes between ``FUSE`` and ``CACHE``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Stage(str, enum.Enum):
+    MATCH = "match"  # generic math -> canonical ops (sparse_mla, rms_norm, rope ...)
+    FUSE = "fuse"  # FP8 dequantization folded into the GEMMs and the MoE
+    CACHE = "cache"  # canonical attention -> paged RTP ops over the caches
+    LOWER = "lower"  # fxglm5 ops -> the backend kernels of the device
+
+    def __str__(self) -> str:
+        return self.value
+
+
+STAGES: tuple[Stage, ...] = tuple(Stage)
+
+PIPELINE: dict[Stage, tuple[str, ...]] = {
+    Stage.MATCH: ("match_sparse_mla", "match_mla", "match_rms_norm", "match_rope"),
+    Stage.FUSE: ("fuse_fp8_linear", "fuse_fp8_moe"),
+    # both rewrite what insert_paged_cache made: the row selection at the output, the cached ops' inputs
+    Stage.CACHE: ("insert_paged_cache", "select_sampled_rows", "fuse_norm_rope_into_cache_writes"),
+    Stage.LOWER: ("lower",),
+}
+
+DECLARED: dict[str, Stage] = {name: stage for stage, names in PIPELINE.items() for name in names}
+
+
+def stages_of(stages) -> tuple[Stage, ...]:
+    """``stages`` (Stage members or their names, any order) as Stage members in pipeline order."""
+    wanted = set()
+    for stage in stages:
+        try:
+            wanted.add(Stage(stage))
+        except ValueError:
+            raise ValueError(f"unknown stage {stage!r}; stages are {[s.value for s in STAGES]}") from None
+    return tuple(stage for stage in STAGES if stage in wanted)
