@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from fxglm5.contracts import FP8_MAX
 from fxglm5.errors import CheckpointError, ConfigError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layout import (
@@ -51,7 +52,7 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 # logits NaN, and their argmax silently generates token 0 every step. FP8 block scales obey the same bound once
 # applied to e4m3's largest value (448), and must be positive (a scale of 0 or below is no quantization).
 MAX_WEIGHT = torch.finfo(torch.float16).max  # 65504
-MAX_SCALE_INV = MAX_WEIGHT / 448.0  # about 146.2
+MAX_SCALE_INV = MAX_WEIGHT / FP8_MAX  # about 146.2
 _CHECK_CHUNK = 1 << 24  # elements per reduction: bounds the temporaries of a check on a large stacked tensor
 
 

@@ -17,12 +17,11 @@ from typing import Optional
 
 import torch
 
+from fxglm5.contracts import FP8_BLOCK as GROUP
+from fxglm5.contracts import FP8_MAX, scale_shape
 from fxglm5.errors import InputError
-from fxglm5.model.layout import scale_shape
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-GROUP = 128
 
 
 def _cdiv(a: int, b: int) -> int:

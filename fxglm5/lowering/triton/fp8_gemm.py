@@ -33,10 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
+from fxglm5.contracts import FP8_BLOCK
 from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.triton.device import num_sms
 
-BLOCK_K = 128
+BLOCK_K = FP8_BLOCK  # one weight-scale column and one activation-scale group per K step
 
 
 def interpreting() -> bool:
