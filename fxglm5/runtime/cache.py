@@ -121,6 +121,3 @@ class PagedCache:
     def graph_inputs(self) -> list[torch.Tensor]:
         """Kernel-granularity views, in the order the rewritten graph takes them."""
         return [self.kernel_view(name) for name in self.signature.cache_names]
-
-    def bytes_per_token(self) -> int:
-        return sum(t.shape[-1] * t.element_size() for t in self.tensors.values())
