@@ -101,7 +101,7 @@ def _rope_supported(x, cos, sin):
 @register("rope_interleaved", "triton", _rope_supported)
 def _rope_triton(x, cos, sin):
     from fxglm5.lowering.triton.norm_rope import rope_interleaved
-    from fxglm5.ops.canonical import flat_rope_args
+    from fxglm5.lowering.reference.norm_rope import flat_rope_args
 
     return rope_interleaved(*flat_rope_args(x, cos, sin), validate=False).view(x.shape)
 
@@ -124,7 +124,7 @@ def _indexer_supported(q, k, weights, topk, index_cache, *rest):
 @register("rtp_indexer", "triton", _indexer_supported)
 def _rtp_indexer_triton(*args):
     from fxglm5.lowering.triton import paged_ops
-    from fxglm5.ops.cached import indexer_step
+    from fxglm5.lowering.reference.paged_steps import indexer_step
 
     return indexer_step(paged_ops, *args)
 
@@ -132,7 +132,7 @@ def _rtp_indexer_triton(*args):
 @register("rtp_sparse_mla", "triton", _paged_supported(8))
 def _rtp_sparse_mla_triton(*args):
     from fxglm5.lowering.triton import paged_ops
-    from fxglm5.ops.cached import sparse_mla_step
+    from fxglm5.lowering.reference.paged_steps import sparse_mla_step
 
     return sparse_mla_step(paged_ops, *args)
 
@@ -140,6 +140,6 @@ def _rtp_sparse_mla_triton(*args):
 @register("rtp_mla", "triton", _paged_supported(7))
 def _rtp_mla_triton(*args):
     from fxglm5.lowering.triton import paged_ops
-    from fxglm5.ops.cached import mla_step
+    from fxglm5.lowering.reference.paged_steps import mla_step
 
     return mla_step(paged_ops, *args)

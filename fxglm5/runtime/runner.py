@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from fxglm5.errors import CacheFullError, InputError
+from fxglm5.lowering.reference.paged_steps import validation
 from fxglm5.lowering.registry import preferred_backend
-from fxglm5.ops.cached import validation
 from fxglm5.runtime.block_manager import BlockManager
 from fxglm5.runtime.cache import PagedCache, check_cache_size, check_options
 from fxglm5.runtime.compile import compile_paged

@@ -225,3 +225,16 @@ def moe_fp8(
         y = hmid @ dequantize_block_fp8(w2[ex], w2_scale[ex]).T
         out.index_add_(0, tok, y * topk_weights[tok, slot, None])
     return out.to(x.dtype)
+
+
+def moe_plain(x, ids, weights, w13, w2):
+    """Routed experts with unquantized stacked weights (bf16 checkpoints), fp32 math."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    ids = ids.long()
+    for ex in torch.unique(ids[ids >= 0]).tolist():
+        tok, slot = (ids == ex).nonzero(as_tuple=True)
+        gu = x[tok].float() @ w13[ex].float().T
+        y = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ w2[ex].float().T
+        out.index_add_(0, tok, y * weights[tok, slot, None])
+    return out.to(x.dtype)
