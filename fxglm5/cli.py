@@ -45,10 +45,10 @@ def parse_token_ids(text: str, vocab_size: int) -> list[int]:
 
 
 def _generate(model_dir: str, prompt: list[int], max_new_tokens: int, dtype: str) -> list[int]:
-    from fxglm5.model.checkpoint import load_checkpoint
     from fxglm5.model.generate import greedy_generate
+    from fxglm5.model.modeling import Glm5ForCausalLM
 
-    model = load_checkpoint(model_dir, dtype=dtype, device="cpu", progress=False)
+    model = Glm5ForCausalLM.from_pretrained(model_dir, dtype=dtype, device="cpu", progress=False)
     return greedy_generate(model, prompt, max_new_tokens)
 
 
@@ -142,10 +142,10 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     from fxglm5.artifact import check_out_path, export_artifact
-    from fxglm5.model.checkpoint import load_checkpoint
+    from fxglm5.model.modeling import Glm5ForCausalLM
 
     check_out_path(args.out)  # before the load and the export, not after
-    model = load_checkpoint(args.model, dtype=args.dtype, device="cpu", progress=False)
+    model = Glm5ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device="cpu", progress=False)
     path = export_artifact(model, args.out, head=args.head)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): the matched and fused program, {args.dtype}, "
           f"head={args.head}")
@@ -178,11 +178,11 @@ def _demo(args: argparse.Namespace) -> int:
             tmp.rename(target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    from fxglm5.model.checkpoint import load_checkpoint
     from fxglm5.model.generate import greedy_generate
+    from fxglm5.model.modeling import Glm5ForCausalLM
     from fxglm5.runtime.runner import Runner
 
-    model = load_checkpoint(target, dtype=args.dtype, device="cpu", progress=False)
+    model = Glm5ForCausalLM.from_pretrained(target, dtype=args.dtype, device="cpu", progress=False)
     runner = Runner(model, kv_cache="bf16", block_size=16, dtype=model.dtype, max_cache_tokens=256)
     tokens = runner.generate([DEMO_PROMPT], DEMO_TOKENS)[0]
     reference = greedy_generate(model, DEMO_PROMPT, DEMO_TOKENS)
@@ -211,9 +211,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from fxglm5.passes.report import pipeline_report
 
     if args.model:
-        from fxglm5.model.checkpoint import load_checkpoint
-
-        model = load_checkpoint(args.model, dtype=args.dtype, device="cpu", progress=False)
+        model = Glm5ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device="cpu", progress=False)
     else:
         model = Glm5ForCausalLM(Glm5Config.preset(args.preset), dtype=getattr(torch, args.dtype), device="meta")
     print(pipeline_report(model))
