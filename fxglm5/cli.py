@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shutil
 import sys
 import tempfile
@@ -154,8 +153,9 @@ def _export(args: argparse.Namespace) -> int:
 
 # ---- demo ---------------------------------------------------------------------------------------
 def demo_dir() -> Path:
-    root = os.environ.get("FXGLM5_CACHE") or Path.home() / ".cache" / "fxglm5"
-    return Path(root) / "tiny-fp8"
+    from fxglm5 import settings
+
+    return settings.cache_dir() / "tiny-fp8"
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
@@ -201,6 +201,8 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="checkpoint directory (weights are loaded)")
     src.add_argument("--preset", choices=["tiny", "glm5"], help="a built-in config on the meta device (no weights)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="compute dtype")
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   help="also lower the graph for this device (without running it) and print what runs where")
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -214,7 +216,7 @@ def _inspect(args: argparse.Namespace) -> int:
         model = Glm5ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device="cpu", progress=False)
     else:
         model = Glm5ForCausalLM(Glm5Config.preset(args.preset), dtype=getattr(torch, args.dtype), device="meta")
-    print(pipeline_report(model))
+    print(pipeline_report(model, device=args.device))
     return 0
 
 
