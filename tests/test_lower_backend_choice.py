@@ -71,3 +71,20 @@ def test_inspect_prints_what_runs_where(capsys):
     assert "lowered for cuda (backends tried in order triton/reference):" in out
     assert "  fp8_linear: triton x36\n" in out and "  sparse_mla: reference x4\n" in out
     assert "  moe_fp8: triton x3\n" in out
+
+
+def test_a_choice_reading_a_run_time_input_is_left_to_each_call(monkeypatch):
+    """The paged index cache is a graph input without metadata (one graph serves FP8 and exact caches): the
+    Triton indexer's check reads its dtype, so that node gets the per-call Dispatch; given the cache's
+    metadata, the same node is bound at lower time."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    graph = torch.fx.Graph()
+    q, k, w, cache, slots, table, req, pos = (graph.placeholder(n) for n in
+                                              ("q", "k", "w", "cache", "slots", "table", "req", "pos"))
+    call = graph.call_function(torch.ops.fxglm5.rtp_indexer.default, (q, k, w, 8, cache, slots, table, req, pos, 64))
+    order = registry.backend_order("cpu", "triton")
+    assert isinstance(registry.bind(call, "rtp_indexer", order, "cpu"), registry.Dispatch)
+    for dtype, backend in ((torch.uint8, "triton"), (torch.float32, "reference")):
+        cache.meta["val"] = torch.empty(4, 16, 132 if dtype == torch.uint8 else 128, dtype=dtype, device="meta")
+        bound = registry.bind(call, "rtp_indexer", order, "cpu")
+        assert isinstance(bound, registry.Bound) and bound.backend == backend

@@ -5,8 +5,10 @@ Backends, in order of preference on each device kind: ``aiter`` (ROCm, where ``i
 ``backend`` option) puts one backend first. The choice is made once per node, at lower time, from the node's
 metadata (``node.meta['val']`` of its arguments: dtypes, shapes, which optional arguments are given), the
 target device and what is importable (:func:`choose`); each implementation's ``supports`` check names why it
-refuses (e.g. unquantized MoE weights). Only a node whose arguments carry no metadata is left to choose per
-call at run time (:class:`Dispatch`), with each fallback logged once per (op, backend, reason).
+refuses (e.g. unquantized MoE weights). Only a node whose choice reads an argument without metadata is left to
+choose per call at run time (:class:`Dispatch`, each fallback logged once per (op, backend, reason)): the paged
+caches are run-time inputs (one graph serves FP8 and exact index caches), so the Triton indexer's check on the
+index cache's dtype is made per call.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ class Bound:
 
 
 class Dispatch:
-    """The run-time fallback for a node without metadata: each call takes the first supporting backend."""
+    """The run-time choice for a node whose choice reads a run-time input: each call takes the first supporting
+    backend."""
 
     def __init__(self, op: str, order: list[str], device_type: str):
         self.op, self.order, self.device_type = op, order, device_type
@@ -105,26 +108,32 @@ class Dispatch:
         return choice.impl.fn(*args)
 
 
-def _meta_args(node: torch.fx.Node) -> Optional[tuple]:
-    """The node's arguments with every input node replaced by its ``meta['val']``; None if one has none."""
-    missing = []
+class Undecided(Exception):
+    """A ``supports`` check read an argument whose value is known only at run time."""
 
-    def val(arg):
-        if not isinstance(arg, torch.fx.Node):
-            return arg
-        if "val" not in arg.meta:
-            missing.append(arg)
-        return arg.meta.get("val")
 
-    args = torch.fx.node.map_aggregate(node.args, val)
-    return None if missing else tuple(args)
+class _RunTimeValue:
+    """Stands for a node argument without ``meta['val']`` (a run-time input such as a paged cache): reading any
+    attribute of it raises :class:`Undecided`. (``is None`` checks see correctly that a node is given.)"""
+
+    def __init__(self, node: torch.fx.Node):
+        self._node = node
+
+    def __getattr__(self, name):
+        raise Undecided(f"{self._node.name}.{name}")
+
+
+def _meta_args(node: torch.fx.Node) -> tuple:
+    """The node's arguments with every input node replaced by its ``meta['val']`` (or a :class:`_RunTimeValue`)."""
+    return tuple(torch.fx.node.map_aggregate(
+        node.args, lambda a: (a.meta["val"] if "val" in a.meta else _RunTimeValue(a)) if isinstance(a, torch.fx.Node) else a))
 
 
 def bind(node: torch.fx.Node, op: str, order: list[str], device_type: str):
     """The graph target for ``node`` (an fxglm5 op call): a :class:`Bound` chosen from its metadata now, or a
-    :class:`Dispatch` when its arguments carry none."""
-    args = _meta_args(node)
-    if args is None:
+    :class:`Dispatch` when the choice reads an argument known only at run time."""
+    try:
+        choice = choose(op, order, device_type, _meta_args(node))
+    except Undecided:
         return Dispatch(op, order, device_type)
-    choice = choose(op, order, device_type, args)
     return Bound(op, choice.backend, choice.impl.fn)

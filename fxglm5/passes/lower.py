@@ -4,7 +4,8 @@ For each ``torch.ops.fxglm5.*`` call the backend is chosen once, from the node's
 of its arguments: dtypes, shapes, optional arguments given or not), the target device
 (``ctx.extras['device']``, default: where the graph's weights live) and what is importable, in the preference
 order with ``ctx.backend`` or ``FXGLM5_BACKEND`` first (``fxglm5.lowering.registry``). The node's target
-becomes that implementation and ``node.meta['fxglm5_backend']`` records the choice; no check runs per call.
+becomes that implementation and ``node.meta['fxglm5_backend']`` records the choice (``runtime`` where it
+reads an argument known only at run time, such as the paged index cache's dtype: that node checks per call).
 Lowering only rewrites targets, so a meta-device graph lowers too (``fxglm5 inspect --device``). The summary
 gives the order tried and what runs where (``ops=fp8_linear:triton x36,moe_fp8:triton x3,...``).
 """
