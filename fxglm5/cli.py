@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import shutil
 import sys
 import tempfile
@@ -64,10 +63,10 @@ def disabled_passes(text: str) -> tuple[str, ...]:
 
 
 def _generate(model_dir: str, prompt: list[int], max_new_tokens: int, dtype: str) -> list[int]:
-    from fxglm5.model.checkpoint import load_checkpoint
     from fxglm5.model.generate import greedy_generate
+    from fxglm5.model.modeling import Glm5ForCausalLM
 
-    model = load_checkpoint(model_dir, dtype=dtype, device="cpu", progress=False)
+    model = Glm5ForCausalLM.from_pretrained(model_dir, dtype=dtype, device="cpu", progress=False)
     return greedy_generate(model, prompt, max_new_tokens)
 
 
@@ -164,11 +163,11 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     from fxglm5.artifact import check_out_path, export_artifact
-    from fxglm5.model.checkpoint import load_checkpoint
+    from fxglm5.model.modeling import Glm5ForCausalLM
 
     check_out_path(args.out)  # before the load and the export, not after
     disabled = disabled_passes(args.disable_passes)
-    model = load_checkpoint(args.model, dtype=args.dtype, device="cpu", progress=False)
+    model = Glm5ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device="cpu", progress=False)
     path = export_artifact(model, args.out, head=args.head, disabled_passes=disabled, dump_dir=args.dump_dir)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): the matched and fused program, {args.dtype}, "
           f"head={args.head}")
@@ -177,8 +176,9 @@ def _export(args: argparse.Namespace) -> int:
 
 # ---- demo ---------------------------------------------------------------------------------------
 def demo_dir() -> Path:
-    root = os.environ.get("FXGLM5_CACHE") or Path.home() / ".cache" / "fxglm5"
-    return Path(root) / "tiny-fp8"
+    from fxglm5 import settings
+
+    return settings.cache_dir() / "tiny-fp8"
 
 
 def _demo_args(p: argparse.ArgumentParser) -> None:
@@ -201,11 +201,11 @@ def _demo(args: argparse.Namespace) -> int:
             tmp.rename(target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    from fxglm5.model.checkpoint import load_checkpoint
     from fxglm5.model.generate import greedy_generate
+    from fxglm5.model.modeling import Glm5ForCausalLM
     from fxglm5.runtime.runner import Runner
 
-    model = load_checkpoint(target, dtype=args.dtype, device="cpu", progress=False)
+    model = Glm5ForCausalLM.from_pretrained(target, dtype=args.dtype, device="cpu", progress=False)
     runner = Runner(model, kv_cache="bf16", block_size=16, dtype=model.dtype, max_cache_tokens=256)
     tokens = runner.generate([DEMO_PROMPT], DEMO_TOKENS)[0]
     reference = greedy_generate(model, DEMO_PROMPT, DEMO_TOKENS)
@@ -225,12 +225,14 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", choices=["tiny", "glm5"], help="a built-in config on the meta device (no weights)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="compute dtype")
     _pass_options(p)
+    p.add_argument("--device", choices=["cpu", "cuda"],
+                   help="also lower the graph for this device (without running it) and print what runs where")
 
 
 def _inspect(args: argparse.Namespace) -> int:
     import torch
 
-    from fxglm5.compiler import compile_model
+    from fxglm5.compiler import compile_graph, compile_model
     from fxglm5.model.config import Glm5Config
     from fxglm5.model.modeling import Glm5ForCausalLM
     from fxglm5.passes.pipeline import Stage
@@ -238,14 +240,15 @@ def _inspect(args: argparse.Namespace) -> int:
 
     disabled = disabled_passes(args.disable_passes)
     if args.model:
-        from fxglm5.model.checkpoint import load_checkpoint
-
-        model = load_checkpoint(args.model, dtype=args.dtype, device="cpu", progress=False)
+        model = Glm5ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device="cpu", progress=False)
     else:
         model = Glm5ForCausalLM(Glm5Config.preset(args.preset), dtype=getattr(torch, args.dtype), device="meta")
     compiled = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), strict=True, disabled_passes=disabled,
                              dump_dir=args.dump_dir)
-    print(pipeline_report(*compiled))
+    lowered = None
+    if args.device:  # lowered for the device without running it: what would run where
+        lowered = compile_graph(compiled.graph, model.config, stages=(Stage.LOWER,), device=args.device)[-1]
+    print(pipeline_report(*compiled, lowered=lowered))
     return 0
 
 

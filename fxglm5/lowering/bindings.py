@@ -1,30 +1,79 @@
-"""Which implementation runs each fxglm5 op on each backend (imported once by the registry).
+"""Which implementation runs each fxglm5 op on each backend: the table the registry chooses from.
 
-``reference`` is always the op's own torch implementation (the custom op's default kernel), so every
-op has one. Triton and aiter entries carry a ``supports`` check that names why a call is refused.
+``reference`` is always the op's own torch implementation (the custom op's default kernel), so every op has
+one. A Triton or aiter entry may carry a ``supports`` check that names why it refuses a call. The checks read
+only what the graph's metadata holds (dtypes, shapes, which optional arguments are given), so the ``lower``
+pass runs them once per node on ``node.meta['val']`` at lower time; whether a device can run a backend at all
+(Triton needs CUDA or the interpreter, aiter a ROCm build with aiter) is :func:`device_supports`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib.util
+from typing import Callable, Optional
+
 import torch
 
-from fxglm5.lowering import registry
-from fxglm5.lowering.registry import register
+from fxglm5 import settings
+
+BACKENDS = ("aiter", "triton", "reference")
 
 
-def _cuda_or_interpreted(*tensors) -> str | None:
-    import os
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    fn: Callable
+    supports: Optional[Callable[..., Optional[str]]] = None  # returns None if supported, else a reason
 
-    if all(t.is_cuda for t in tensors if isinstance(t, torch.Tensor)) or os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    return "tensors are not on a CUDA device"
+
+_IMPLS: dict[str, dict[str, Impl]] = {}
+
+
+def register(op: str, backend: str, supports: Optional[Callable[..., Optional[str]]] = None):
+    """Decorator: ``fn`` implements fxglm5 op ``op`` on ``backend``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; backends are {BACKENDS}")
+
+    def wrap(fn):
+        _IMPLS.setdefault(op, {})[backend] = Impl(fn, supports)
+        return fn
+
+    return wrap
+
+
+def implementations(op: str) -> dict[str, Impl]:
+    """Every backend's implementation of ``op``; ``reference`` is the custom op's own torch kernel."""
+    impls = dict(_IMPLS.get(op, {}))
+    if "reference" not in impls and hasattr(torch.ops.fxglm5, op):
+        impls["reference"] = Impl(getattr(torch.ops.fxglm5, op).default)
+    return impls
+
+
+@functools.lru_cache(maxsize=None)
+def aiter_available() -> bool:
+    if not getattr(torch.version, "hip", None):
+        return False
+    try:
+        return importlib.util.find_spec("aiter") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def device_supports(backend: str, device_type: str) -> Optional[str]:
+    """None if ``backend`` can run on ``device_type`` at all, else the reason it cannot."""
+    if backend == "aiter" and not aiter_available():
+        return "aiter is not importable"
+    if backend in ("aiter", "triton") and device_type != "cuda" and not settings.triton_interpret():
+        return f"a {device_type} device without TRITON_INTERPRET=1"
+    return None
 
 
 # ---- Triton: block-FP8 GEMM and fused MoE -------------------------------------------------------------
 def _fp8_linear_supported(x, weight, scale, bias, act_quant):
     if weight.dtype != torch.float8_e4m3fn:
         return "weight is not e4m3"
-    return _cuda_or_interpreted(x, weight)
+    return None
 
 
 @register("fp8_linear", "triton", _fp8_linear_supported)
@@ -34,7 +83,7 @@ def _fp8_linear_triton(x, weight, scale, bias, act_quant):
     return fp8_linear(x, weight, scale, bias, act_quant)
 
 
-@register("moe_route", "triton", lambda logits, *rest: _cuda_or_interpreted(logits))
+@register("moe_route", "triton")
 def _moe_route_triton(logits, bias, top_k, n_group, topk_group, renormalize, scaling):
     from fxglm5.lowering.triton.moe import moe_route
 
@@ -44,7 +93,7 @@ def _moe_route_triton(logits, bias, top_k, n_group, topk_group, renormalize, sca
 def _moe_supported(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant):
     if w13_scale is None or w2_scale is None:
         return "unquantized expert weights (bf16 checkpoint)"
-    return _cuda_or_interpreted(x, w13)
+    return None
 
 
 @register("moe_fp8", "triton", _moe_supported)
@@ -56,8 +105,6 @@ def _moe_fp8_triton(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant):
 
 # ---- aiter (ROCm): only where it is importable ------------------------------------------------------
 def _aiter_fp8_linear_supported(x, weight, scale, bias, act_quant):
-    if not registry.aiter_available():
-        return "aiter is not importable"
     if bias is not None or not act_quant:
         return "aiter's block-scale GEMM is W8A8 without bias"
     return None
@@ -80,7 +127,7 @@ def _fp8_linear_aiter(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 def _norm_supported(x, weight, eps):
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"x is {x.dtype}"
-    return _cuda_or_interpreted(x, weight)
+    return None
 
 
 @register("rms_norm", "triton", _norm_supported)
@@ -95,51 +142,43 @@ def _rope_supported(x, cos, sin):
         return f"an odd feature count ({x.shape[-1]})"
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"x is {x.dtype}"
-    return _cuda_or_interpreted(x, cos, sin)
+    return None
 
 
 @register("rope_interleaved", "triton", _rope_supported)
 def _rope_triton(x, cos, sin):
+    from fxglm5.lowering.reference.norm_rope import flat_rope_args
     from fxglm5.lowering.triton.norm_rope import rope_interleaved
-    from fxglm5.ops.canonical import flat_rope_args
 
     return rope_interleaved(*flat_rope_args(x, cos, sin), validate=False).view(x.shape)
 
 
 # ---- Triton: the cached RTP attention ops (paged caches) -------------------------------------------
-def _paged_supported(cache_arg: int):
-    def check(*args):
-        cache = args[cache_arg]
-        return _cuda_or_interpreted(cache)
-
-    return check
-
-
 def _indexer_supported(q, k, weights, topk, index_cache, *rest):
     if index_cache.dtype != torch.uint8:
         return "the indexer cache holds compute-dtype keys (exact mode); the Triton indexer reads FP8 rows"
-    return _cuda_or_interpreted(index_cache)
+    return None
 
 
 @register("rtp_indexer", "triton", _indexer_supported)
 def _rtp_indexer_triton(*args):
+    from fxglm5.lowering.reference.paged_steps import indexer_step
     from fxglm5.lowering.triton import paged_ops
-    from fxglm5.ops.cached import indexer_step
 
     return indexer_step(paged_ops, *args)
 
 
-@register("rtp_sparse_mla", "triton", _paged_supported(8))
+@register("rtp_sparse_mla", "triton")
 def _rtp_sparse_mla_triton(*args):
+    from fxglm5.lowering.reference.paged_steps import sparse_mla_step
     from fxglm5.lowering.triton import paged_ops
-    from fxglm5.ops.cached import sparse_mla_step
 
     return sparse_mla_step(paged_ops, *args)
 
 
-@register("rtp_mla", "triton", _paged_supported(7))
+@register("rtp_mla", "triton")
 def _rtp_mla_triton(*args):
+    from fxglm5.lowering.reference.paged_steps import mla_step
     from fxglm5.lowering.triton import paged_ops
-    from fxglm5.ops.cached import mla_step
 
     return mla_step(paged_ops, *args)

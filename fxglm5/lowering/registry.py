@@ -1,75 +1,37 @@
-"""The kernel registry: op -> implementation per backend, chosen per call by a capability check.
+"""The backend choice: for each fxglm5 op node, the first backend in preference order that takes it.
 
 Backends, in order of preference on each device kind: ``aiter`` (ROCm, where ``import aiter`` works),
 ``triton`` (CUDA/ROCm), ``reference`` (torch, any device). ``FXGLM5_BACKEND`` (or the ``lower`` pass's
-``backend`` option) puts one backend first. An implementation may refuse a call (its ``supports`` check
-says no: e.g. unquantized MoE weights, a shape it has no kernel for); the call then falls to the next
-backend and the fallback is logged once per (op, backend, reason).
+``backend`` option) puts one backend first. The choice is made once per node, at lower time, from the node's
+metadata (``node.meta['val']`` of its arguments: dtypes, shapes, which optional arguments are given), the
+target device and what is importable (:func:`choose`); each implementation's ``supports`` check names why it
+refuses (e.g. unquantized MoE weights). Only a node whose choice reads an argument without metadata is left to
+choose per call at run time (:class:`Dispatch`, each fallback logged once per (op, backend, reason)): the paged
+caches are run-time inputs (one graph serves FP8 and exact index caches), so the Triton indexer's check on the
+index cache's dtype is made per call.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 import logging
-import os
-from typing import Callable, Optional
+from typing import Optional, Sequence
 
 import torch
 
+from fxglm5 import settings
 from fxglm5.errors import InputError
+from fxglm5.lowering import bindings
+from fxglm5.lowering.bindings import BACKENDS, Impl, implementations
 
 log = logging.getLogger(__name__)
-BACKENDS = ("aiter", "triton", "reference")
-
-
-@dataclasses.dataclass(frozen=True)
-class Impl:
-    fn: Callable
-    supports: Optional[Callable[..., Optional[str]]] = None  # returns None if supported, else a reason
-
-
-_IMPLS: dict[str, dict[str, Impl]] = {}
 _warned: set = set()
-
-
-def register(op: str, backend: str, supports: Optional[Callable[..., Optional[str]]] = None):
-    """Decorator: ``fn`` implements fxglm5 op ``op`` on ``backend``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; backends are {BACKENDS}")
-
-    def wrap(fn):
-        _IMPLS.setdefault(op, {})[backend] = Impl(fn, supports)
-        return fn
-
-    return wrap
-
-
-def implementations(op: str) -> dict[str, Impl]:
-    """Every backend's implementation of ``op``; ``reference`` is the custom op's own torch kernel."""
-    _load_bindings()
-    impls = dict(_IMPLS.get(op, {}))
-    if "reference" not in impls and hasattr(torch.ops.fxglm5, op):
-        impls["reference"] = Impl(getattr(torch.ops.fxglm5, op).default)
-    return impls
-
-
-@functools.lru_cache(maxsize=None)
-def aiter_available() -> bool:
-    if not getattr(torch.version, "hip", None):
-        return False
-    try:
-        return importlib.util.find_spec("aiter") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def preferred_backend(override: Optional[str] = None) -> Optional[str]:
     """The backend to put first: ``override`` (the ``backend`` option), else the FXGLM5_BACKEND variable, else
     None; InputError naming the option or the variable and the allowed values for anything else."""
-    name, value = ("backend", override) if override else ("environment variable FXGLM5_BACKEND",
-                                                         os.environ.get("FXGLM5_BACKEND") or None)
+    name, value = ("backend", override) if override else ("environment variable FXGLM5_BACKEND", settings.backend())
     if value is not None and value not in BACKENDS:
         allowed = ", ".join(map(repr, BACKENDS))
         raise InputError(f"{name} must be one of {allowed} (or unset: the best for the device), got {value!r}")
@@ -80,7 +42,7 @@ def backend_order(device_type: str, override: Optional[str] = None) -> list[str]
     """Backends to try, in order, for tensors on ``device_type``."""
     override = preferred_backend(override)
     if device_type == "cuda":
-        order = (["aiter"] if aiter_available() else []) + ["triton", "reference"]
+        order = (["aiter"] if bindings.aiter_available() else []) + ["triton", "reference"]
     else:
         order = ["reference"]  # Triton on CPU tensors only runs interpreted: opt in with FXGLM5_BACKEND=triton
     if override:
@@ -88,36 +50,90 @@ def backend_order(device_type: str, override: Optional[str] = None) -> list[str]
     return order
 
 
-class Dispatch:
-    """The callable the ``lower`` pass puts in the graph for one op: the first supporting backend wins."""
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The backend chosen for one call (or node) and why each one before it was passed over."""
 
-    def __init__(self, op: str, order: list[str]):
-        self.op, self.order = op, order
-        impls = implementations(op)
-        self.candidates = [(name, impls[name]) for name in order if name in impls]
-        if not self.candidates:
-            raise ValueError(f"no implementation of fxglm5::{op} for backends {order}")
-        self.__name__ = f"fxglm5_{op}_{'_'.join(name for name, _ in self.candidates)}"
+    backend: str
+    impl: Impl
+    refused: tuple[tuple[str, str], ...] = ()  # (backend, reason)
+
+
+def choose(op: str, order: Sequence[str], device_type: str, args: Sequence) -> Choice:
+    """The first backend of ``order`` that implements ``op``, runs on ``device_type`` and supports ``args``
+    (real tensors, or the fake / meta tensors of a node's metadata: the checks read dtypes and shapes only)."""
+    impls, refused = implementations(op), []
+    for name in order:
+        if name not in impls:
+            continue
+        impl = impls[name]
+        reason = bindings.device_supports(name, device_type)
+        if reason is None and impl.supports is not None:
+            reason = impl.supports(*args)
+        if reason is None:
+            return Choice(name, impl, tuple(refused))
+        refused.append((name, reason))
+    raise ValueError(f"no backend of {list(order)} supports this fxglm5::{op} call on {device_type}: {refused}")
+
+
+class Bound:
+    """What the ``lower`` pass puts in the graph for a node whose backend it chose: that implementation."""
+
+    def __init__(self, op: str, backend: str, fn):
+        self.op, self.backend, self.fn = op, backend, fn
+        self.__name__ = f"fxglm5_{op}_{backend}"
 
     def __call__(self, *args):
-        for name, impl in self.candidates:
-            reason = impl.supports(*args) if impl.supports is not None else None
-            if reason is None:
-                return impl.fn(*args)
+        return self.fn(*args)
+
+
+class Dispatch:
+    """The run-time choice for a node whose choice reads a run-time input: each call takes the first supporting
+    backend."""
+
+    def __init__(self, op: str, order: list[str], device_type: str):
+        self.op, self.order, self.device_type = op, order, device_type
+        if not any(name in implementations(op) for name in order):
+            raise ValueError(f"no implementation of fxglm5::{op} for backends {order}")
+        self.backend = "runtime"
+        self.__name__ = f"fxglm5_{op}_runtime"
+
+    def __call__(self, *args):
+        choice = choose(self.op, self.order, self.device_type, args)
+        for name, reason in choice.refused:
             key = (self.op, name, reason)
             if key not in _warned:
                 _warned.add(key)
                 log.warning("fxglm5: %s on %s falls back (%s)", self.op, name, reason)
-        raise RuntimeError(f"no backend of {[n for n, _ in self.candidates]} supports this fxglm5::{self.op} call")
-
-    def chosen(self, *args) -> str:
-        """The backend a call with ``args`` would run on (for tests and reports)."""
-        for name, impl in self.candidates:
-            if impl.supports is None or impl.supports(*args) is None:
-                return name
-        return "none"
+        return choice.impl.fn(*args)
 
 
-@functools.lru_cache(maxsize=None)
-def _load_bindings() -> None:
-    from fxglm5.lowering import bindings  # noqa: F401  (registers reference, triton and aiter impls)
+class Undecided(Exception):
+    """A ``supports`` check read an argument whose value is known only at run time."""
+
+
+class _RunTimeValue:
+    """Stands for a node argument without ``meta['val']`` (a run-time input such as a paged cache): reading any
+    attribute of it raises :class:`Undecided`. (``is None`` checks see correctly that a node is given.)"""
+
+    def __init__(self, node: torch.fx.Node):
+        self._node = node
+
+    def __getattr__(self, name):
+        raise Undecided(f"{self._node.name}.{name}")
+
+
+def _meta_args(node: torch.fx.Node) -> tuple:
+    """The node's arguments with every input node replaced by its ``meta['val']`` (or a :class:`_RunTimeValue`)."""
+    return tuple(torch.fx.node.map_aggregate(
+        node.args, lambda a: (a.meta["val"] if "val" in a.meta else _RunTimeValue(a)) if isinstance(a, torch.fx.Node) else a))
+
+
+def bind(node: torch.fx.Node, op: str, order: list[str], device_type: str):
+    """The graph target for ``node`` (an fxglm5 op call): a :class:`Bound` chosen from its metadata now, or a
+    :class:`Dispatch` when the choice reads an argument known only at run time."""
+    try:
+        choice = choose(op, order, device_type, _meta_args(node))
+    except Undecided:
+        return Dispatch(op, order, device_type)
+    return Bound(op, choice.backend, choice.impl.fn)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxglm5.lowering.reference.attention import topk_lowest_index_ties
+from fxglm5.contracts import topk_lowest_index_ties
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layers import Linear, RMSNorm, apply_rope_interleaved
 

@@ -2,8 +2,9 @@
 
 Loading is two-phase so that a bad checkpoint fails fast and without touching memory: first every
 header is read and every tensor's name, shape and dtype is checked against the table derived from
-config.json (``fxglm5.model.layout``); only then is the model built on the meta device and each
-parameter materialised once, directly on ``device``, from memory-mapped files (``safe_open``).
+config.json (``fxglm5.model.layout``); only then does ``Glm5ForCausalLM.from_pretrained`` build the model
+on the meta device, and :meth:`CheckpointReader.load_into` materialises each parameter once, directly on
+``device``, from memory-mapped files (``safe_open``). This module is pure I/O: it never imports the model.
 Routed experts are stored per expert in files and stacked per layer in the model.
 """
 
@@ -20,12 +21,12 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from fxglm5.contracts import FP8_MAX
 from fxglm5.errors import CheckpointError, ConfigError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layout import (
     SCALE_SUFFIX, TensorSpec, check_fp8_layout, expected_tensors, is_mtp_tensor, is_packed_expert,
 )
-from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.st_files import PlannedTensor, TensorInfo, scan_checkpoint, write_shards
 
 log = logging.getLogger("fxglm5.checkpoint")
@@ -51,7 +52,7 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 # logits NaN, and their argmax silently generates token 0 every step. FP8 block scales obey the same bound once
 # applied to e4m3's largest value (448), and must be positive (a scale of 0 or below is no quantization).
 MAX_WEIGHT = torch.finfo(torch.float16).max  # 65504
-MAX_SCALE_INV = MAX_WEIGHT / 448.0  # about 146.2
+MAX_SCALE_INV = MAX_WEIGHT / FP8_MAX  # about 146.2
 _CHECK_CHUNK = 1 << 24  # elements per reduction: bounds the temporaries of a check on a large stacked tensor
 
 
@@ -193,27 +194,21 @@ class CheckpointReader:
             out[e, gate.shape[0]:].copy_(up)
         return out
 
-
-def load_checkpoint(path: str | Path, dtype: torch.dtype | str = torch.bfloat16, device: str | torch.device = "cpu",
-                    progress: bool = True) -> Glm5ForCausalLM:
-    """Check the checkpoint at ``path`` from its headers, then build Glm5ForCausalLM with its weights.
-
-    High-precision tensors are converted to ``dtype`` (the router and indexer.weights_proj stay float32);
-    FP8 weights and their float32 scales are kept as stored.
-    """
-    dtype, device = resolve_dtype(dtype), torch.device(device)
-    reader = CheckpointReader(path)
-    model = Glm5ForCausalLM(reader.config, dtype=dtype, device="meta")
-    params = list(model.named_parameters())
-    with reader, tqdm(total=len(params), desc=f"loading {reader.dir.name}", unit="tensor", disable=not progress, leave=False) as bar:
-        for name, meta in params:
-            owner, leaf = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-            owner._parameters[leaf] = torch.nn.Parameter(reader.param(name, meta, device), requires_grad=False)
-            bar.update()
-    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if leftover:
-        raise CheckpointError(f"{reader.where}: no data for {leftover[0]!r}")
-    return model.eval()
+    def load_into(self, model: torch.nn.Module, device: torch.device, progress: bool = True) -> torch.nn.Module:
+        """Fill every parameter of ``model`` (built on the meta device for this config, in the model's naming)
+        from the files, on ``device``; CheckpointError naming the first parameter the files do not give. Pure
+        I/O: the caller (``Glm5ForCausalLM.from_pretrained``) builds the model, this module never imports it."""
+        params = list(model.named_parameters())
+        with self, tqdm(total=len(params), desc=f"loading {self.dir.name}", unit="tensor", disable=not progress,
+                        leave=False) as bar:
+            for name, meta in params:
+                owner, leaf = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+                owner._parameters[leaf] = torch.nn.Parameter(self.param(name, meta, device), requires_grad=False)
+                bar.update()
+        leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if leftover:
+            raise CheckpointError(f"{self.where}: no data for {leftover[0]!r}")
+        return model.eval()
 
 
 def _state_tensor(state: Mapping[str, torch.Tensor], name: str) -> tuple[torch.Tensor, str]:
@@ -234,7 +229,7 @@ def _state_tensor(state: Mapping[str, torch.Tensor], name: str) -> tuple[torch.T
     return (full[:half] if proj == "gate" else full[half:]), key
 
 
-def save_checkpoint(model_or_state: Glm5ForCausalLM | Mapping[str, torch.Tensor], path: str | Path,
+def save_checkpoint(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor], path: str | Path,
                     max_shard_bytes: int | None = None, config: Glm5Config | None = None) -> list[str]:
     """Write config.json and the weights in the GLM-5-FP8 layout (per-expert tensors, ``weight_scale_inv``).
 
@@ -242,7 +237,7 @@ def save_checkpoint(model_or_state: Glm5ForCausalLM | Mapping[str, torch.Tensor]
     naming, with ``config``. One model.safetensors unless ``max_shard_bytes`` asks for shards + index.
     Returns the safetensors file names written.
     """
-    if isinstance(model_or_state, Glm5ForCausalLM):
+    if isinstance(model_or_state, torch.nn.Module):
         cfg, state = model_or_state.config, model_or_state.state_dict()
     else:
         if config is None:

@@ -13,11 +13,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fxglm5.contracts import FP8_BLOCK
 from fxglm5.errors import ConfigError
 
 MODEL_TYPE = "glm_moe_dsa"
 ARCHITECTURE = "GlmMoeDsaForCausalLM"
-FP8_BLOCK = 128
 
 # Names of the quantization_config that the GLM-5-FP8 checkpoint carries.
 _DEFAULT_FP8_QUANT = {

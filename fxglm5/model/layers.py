@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fxglm5.contracts import FP8_BLOCK
+
 FP8_DTYPE = torch.float8_e4m3fn
-BLOCK = 128
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -28,8 +29,8 @@ def dequantize_weight(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torc
     """
     *lead, n, k = weight.shape
     nb, kb = scale_inv.shape[-2], scale_inv.shape[-1]
-    scale = scale_inv[..., :, None, :, None].expand(*lead, nb, BLOCK, kb, BLOCK)
-    scale = scale.reshape(*lead, nb * BLOCK, kb * BLOCK)[..., :n, :k]
+    scale = scale_inv[..., :, None, :, None].expand(*lead, nb, FP8_BLOCK, kb, FP8_BLOCK)
+    scale = scale.reshape(*lead, nb * FP8_BLOCK, kb * FP8_BLOCK)[..., :n, :k]
     return (weight.to(torch.float32) * scale).to(dtype)
 
 
@@ -54,7 +55,7 @@ class Linear(nn.Module):
                 torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device), requires_grad=False
             )
             self.weight_scale_inv = nn.Parameter(
-                torch.empty(ceil_div(out_features, BLOCK), ceil_div(in_features, BLOCK), dtype=torch.float32, device=device),
+                torch.empty(ceil_div(out_features, FP8_BLOCK), ceil_div(in_features, FP8_BLOCK), dtype=torch.float32, device=device),
                 requires_grad=False,
             )
         else:

@@ -15,8 +15,9 @@ import re
 
 import torch
 
+from fxglm5.contracts import scale_shape
 from fxglm5.errors import ConfigError
-from fxglm5.model.config import FP8_BLOCK, Glm5Config
+from fxglm5.model.config import Glm5Config
 
 FP8 = torch.float8_e4m3fn
 HIGH_PRECISION = frozenset({torch.bfloat16, torch.float16, torch.float32})
@@ -41,23 +42,6 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtypes: frozenset
     kind: str
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def scale_shape(shape: tuple[int, ...], halves: bool = False) -> tuple[int, ...]:
-    """float32 weight_scale_inv shape of an FP8 weight [.., N, K]: one entry per 128x128 block, the last
-    block of each dim short when N or K is not a multiple of 128: [.., ceil(N/128), ceil(K/128)].
-
-    ``halves``: a stacked gate|up weight [.., 2I, K] whose two halves are blocked on their own (the
-    per-expert gate_proj / up_proj scales one after the other): [.., 2 * ceil(I/128), ceil(K/128)]. The
-    same as the plain shape when I is a multiple of 128.
-    """
-    *lead, n, k = shape
-    rows = 2 * _cdiv(n // 2, FP8_BLOCK) if halves else _cdiv(n, FP8_BLOCK)
-    return (*lead, rows, _cdiv(k, FP8_BLOCK))
 
 
 def _weight(table: dict, name: str, shape: tuple[int, ...], fp8: bool, scale_name: str | None = None,

@@ -13,6 +13,7 @@ from torch import nn
 
 from fxglm5.errors import InputError
 from fxglm5.model.attention import MLAAttention
+from fxglm5.model.checkpoint import CheckpointReader, resolve_dtype
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layers import MLP, RMSNorm, rope_cos_sin
 from fxglm5.model.moe import MoE
@@ -79,11 +80,15 @@ class Glm5ForCausalLM(nn.Module):
         return self.lm_head(self.model(input_ids, position_ids))
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype = torch.bfloat16, device="cpu", progress: bool = True):
-        """Build the model for ``path``'s config.json and load its safetensors (FP8 or bf16) into it."""
-        from fxglm5.model.checkpoint import load_checkpoint
+    def from_pretrained(cls, path, dtype: torch.dtype | str = torch.bfloat16, device="cpu", progress: bool = True):
+        """Build the model for ``path``'s config.json and load its safetensors (FP8 or bf16) into it.
 
-        return load_checkpoint(path, dtype=dtype, device=device, progress=progress)
+        The checkpoint is checked from its headers first (names, shapes, dtypes, scale shapes), then each tensor's
+        values as it is read. High-precision tensors are converted to ``dtype`` (the router and
+        indexer.weights_proj stay float32); FP8 weights and their float32 scales are kept as stored."""
+        dtype, device = resolve_dtype(dtype), torch.device(device)
+        reader = CheckpointReader(path)
+        return reader.load_into(cls(reader.config, dtype=dtype, device="meta"), device, progress)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -14,7 +14,7 @@ from torch import nn
 
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layers import FP8_DTYPE, MLP, dequantize_gate_up, dequantize_weight
-from fxglm5.model.layout import scale_shape
+from fxglm5.contracts import scale_shape
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, cfg: Glm5Config) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,13 +16,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from fxglm5.contracts import FP8_BLOCK, FP8_MAX
 from fxglm5.errors import CheckpointError
 from fxglm5.model.checkpoint import CheckpointReader
-from fxglm5.model.config import FP8_BLOCK
 from fxglm5.model.layout import FP8, SCALE_SUFFIX, check_fp8_layout, expected_tensors
 from fxglm5.model.st_files import INDEX, PlannedTensor, check_output_dir, write_shards
 
-FP8_MAX = 448.0
 AMAX_FLOOR = 1e-12
 DEFAULT_SHARD_BYTES = 5 * 2**30
 

@@ -1,5 +1,3 @@
 """fxglm5's op vocabularies; importing this package registers them with torch.library."""
 
-from fxglm5.ops.canonical import CANONICAL_OPS
-
-__all__ = ["CANONICAL_OPS"]
+from fxglm5.ops import cached, canonical  # noqa: F401  (registration)

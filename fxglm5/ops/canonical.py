@@ -37,7 +37,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fxglm5.errors import InputError
 from fxglm5.lowering.reference import attention as ref_attn
 from fxglm5.lowering.reference import fp8 as ref_fp8
 from fxglm5.lowering.reference import norm_rope as ref_norm_rope
@@ -66,26 +65,13 @@ def _(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling)
     return logits.new_empty(t, top_k, dtype=torch.float32), logits.new_empty(t, top_k, dtype=torch.int32)
 
 
-def _moe_plain(x, ids, weights, w13, w2):
-    """Routed experts with unquantized stacked weights (bf16 checkpoints), fp32 math."""
-    inter = w13.shape[1] // 2
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    ids = ids.long()
-    for ex in torch.unique(ids[ids >= 0]).tolist():
-        tok, slot = (ids == ex).nonzero(as_tuple=True)
-        gu = x[tok].float() @ w13[ex].float().T
-        y = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ w2[ex].float().T
-        out.index_add_(0, tok, y * weights[tok, slot, None])
-    return out.to(x.dtype)
-
-
 @torch.library.custom_op("fxglm5::moe_fp8", mutates_args=())
 def moe_fp8(
     x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Optional[Tensor], w2: Tensor,
     w2_scale: Optional[Tensor], act_quant: bool,
 ) -> Tensor:
     if w13_scale is None or w2_scale is None:
-        return _moe_plain(x, ids, weights, w13, w2)
+        return ref_fp8.moe_plain(x, ids, weights, w13, w2)
     return ref_fp8.moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant)
 
 
@@ -137,34 +123,12 @@ def _(x, weight, eps):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def flat_rope_args(x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The canonical [B, S, H, D] / [B, S, R/2] rope arguments as [T, H, D] / [T, R/2] (validated)."""
-    if x.dim() != 4 or cos.dim() != 3 or tuple(cos.shape[:2]) != tuple(x.shape[:2]):
-        raise InputError(f"rope_interleaved: expected x [B, S, H, D] and cos [B, S, R/2], got "
-                         f"{tuple(x.shape)} / {tuple(cos.shape)}")
-    x, cos, sin = x.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1)
-    ref_norm_rope.validate_rope(x, cos, sin)
-    return x, cos, sin
-
-
 @torch.library.custom_op("fxglm5::rope_interleaved", mutates_args=())
 def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    flat = flat_rope_args(x, cos, sin)
+    flat = ref_norm_rope.flat_rope_args(x, cos, sin)
     return ref_norm_rope.rope_interleaved(*flat).view(x.shape)
 
 
 @rope_interleaved.register_fake
 def _(x, cos, sin):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-CANONICAL_OPS = {
-    "fp8_linear": torch.ops.fxglm5.fp8_linear.default,
-    "moe_route": torch.ops.fxglm5.moe_route.default,
-    "moe_fp8": torch.ops.fxglm5.moe_fp8.default,
-    "mla": torch.ops.fxglm5.mla.default,
-    "indexer_topk": torch.ops.fxglm5.indexer_topk.default,
-    "sparse_mla": torch.ops.fxglm5.sparse_mla.default,
-    "rms_norm": torch.ops.fxglm5.rms_norm.default,
-    "rope_interleaved": torch.ops.fxglm5.rope_interleaved.default,
-}

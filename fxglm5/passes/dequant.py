@@ -21,7 +21,7 @@ import torch
 from torch import fx
 
 from fxglm5.lowering.reference.fp8 import dequantize_block_fp8, dequantize_gate_up
-from fxglm5.model.layout import scale_shape
+from fxglm5.contracts import scale_shape
 from fxglm5.passes.graph_utils import aten, evaluate, leaves, op_args
 
 _DEQUANT_OPS = {

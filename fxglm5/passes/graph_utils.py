@@ -124,10 +124,6 @@ def is_neg_inf(value: Any) -> bool:
     return isinstance(value, float) and math.isinf(value) and value < 0
 
 
-def normalize_dim(dim: int, ndim: int) -> int:
-    return dim + ndim if dim < 0 else dim
-
-
 def get_attr_tensor(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
     obj: Any = gm
     for part in node.target.split("."):
@@ -212,20 +208,3 @@ def fake_call(target: Callable, *args) -> Any:
 
     with mode:
         return target(*torch.utils._pytree.tree_map(fake, vals))
-
-
-def drop_unused_params(gm: fx.GraphModule) -> int:
-    """Delete parameters/buffers no get_attr reads any more (e.g. weights folded into new constants)."""
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    removed = 0
-    for name, _ in list(gm.named_parameters()) + list(gm.named_buffers()):
-        if name in used:
-            continue
-        owner_path, _, attr = name.rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
-        if attr in owner._parameters:
-            del owner._parameters[attr]
-        elif attr in owner._buffers:
-            del owner._buffers[attr]
-        removed += 1
-    return removed

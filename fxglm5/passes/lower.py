@@ -1,18 +1,23 @@
-"""lower: bind every fxglm5 op node to a backend implementation for the target device.
+"""lower: bind every fxglm5 op node to the backend implementation chosen for it, at lower time.
 
-Each ``torch.ops.fxglm5.*`` call becomes a ``Dispatch`` over the backends in preference order for
-``ctx.extras['device']`` (default: where the graph's weights live), with ``ctx.backend`` or
-``FXGLM5_BACKEND`` first. The choice per call is still checked at run time (a shape or dtype a kernel
-does not take falls back, logged once), so a lowered graph is always correct. The summary names the backend
-each op kind is bound to first (``ops=fp8_linear:triton,...``).
+For each ``torch.ops.fxglm5.*`` call the backend is chosen once, from the node's metadata (the fake tensors
+of its arguments: dtypes, shapes, optional arguments given or not), the target device
+(``ctx.extras['device']``, default: where the graph's weights live) and what is importable, in the preference
+order with ``ctx.backend`` or ``FXGLM5_BACKEND`` first (``fxglm5.lowering.registry``). The node's target
+becomes that implementation and ``node.meta['fxglm5_backend']`` records the choice (``runtime`` where it
+reads an argument known only at run time, such as the paged index cache's dtype: that node checks per call).
+Lowering only rewrites targets, so a meta-device graph lowers too (``fxglm5 inspect --device``). The summary
+gives the order tried and what runs where (``ops=fp8_linear:triton x36,moe_fp8:triton x3,...``).
 """
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from torch import fx
 
-from fxglm5.lowering.registry import Dispatch, backend_order
+from fxglm5.lowering.registry import backend_order, bind
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -23,20 +28,26 @@ def _graph_device(gm: fx.GraphModule) -> str:
     return "cpu"
 
 
+def placement(gm: fx.GraphModule) -> dict[tuple[str, str], int]:
+    """(op, backend) -> node count of a lowered graph, in graph order: what runs where."""
+    counts: collections.Counter = collections.Counter()
+    for node in gm.graph.nodes:
+        if "fxglm5_backend" in node.meta:
+            counts[(node.target.op, node.meta["fxglm5_backend"])] += 1
+    return dict(counts)
+
+
 @register_pass("lower")
 def lower(gm: fx.GraphModule, ctx) -> PassOutcome:
     device = ctx.extras.get("device") or _graph_device(gm)
     order = backend_order(device, ctx.backend)
-    dispatches: dict[str, Dispatch] = {}
     matches = 0
     for node in gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != "fxglm5":
             continue
-        name = target._opname
-        if name not in dispatches:
-            dispatches[name] = Dispatch(name, order)
-        node.target = dispatches[name]
+        node.target = bind(node, target._opname, order, device)
+        node.meta["fxglm5_backend"] = node.target.backend
         matches += 1
-    bound = ",".join(f"{name}:{dispatch.candidates[0][0]}" for name, dispatch in dispatches.items())
-    return PassOutcome(matches, {"backends": "/".join(order), "ops": bound})
+    where = ",".join(f"{op}:{backend} x{n}" for (op, backend), n in placement(gm).items())
+    return PassOutcome(matches, {"device": device, "backends": "/".join(order), "ops": where})

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from fxglm5.contracts import INDEX_DIM, KV_LORA_RANK, ROPE_DIM
 from fxglm5.errors import ConfigError
 from fxglm5.model.config import Glm5Config
 
@@ -32,7 +33,7 @@ def _set(obj, **fields) -> None:
 # RTP sizes its caches from the config and the plugin's kernels read RTP's layouts, which exist for GLM-5's
 # widths only: 576-value (or 656-byte ds_mla) latent rows, 132-byte indexer rows. fxglm5's own runtime pads
 # narrower models' rows; RTP's allocator would not.
-RTP_LAYOUT_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128}
+RTP_LAYOUT_DIMS = {"kv_lora_rank": KV_LORA_RANK, "qk_rope_head_dim": ROPE_DIM, "index_head_dim": INDEX_DIM}
 SCORING_FUNCS = {"softmax": 0, "sigmoid": 1}  # RTP's ModelConfig.scoring_func codes
 
 

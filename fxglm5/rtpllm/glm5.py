@@ -22,7 +22,7 @@ from fxglm5.compiler import MAX_STEP_TOKENS, compile_model
 from fxglm5.errors import ConfigError, InputError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.modeling import check_input_ids
-from fxglm5.ops.cached import validation
+from fxglm5.lowering.reference.paged_steps import validation
 from fxglm5.rtpllm.config import compute_dtype, fill_model_config
 from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step
 from rtp_llm.models.base_model import BaseModel
@@ -122,7 +122,7 @@ class Fxglm5Glm5(BaseModel):
         return Glm5Config.from_json(Path(self.model_config.ckpt_path) / "config.json").is_fp8
 
     def load(self, skip_python_model: bool = False):
-        from fxglm5.model.checkpoint import load_checkpoint
+        from fxglm5.model.modeling import Glm5ForCausalLM
 
         model_config = self.model_config
         par = getattr(self, "parallelism_config", None)
@@ -140,7 +140,7 @@ class Fxglm5Glm5(BaseModel):
                               f"({cfg.max_position_embeddings})")
         dtype = compute_dtype(model_config)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.glm5 = load_checkpoint(model_config.ckpt_path, dtype=dtype, device=device, progress=False)
+        self.glm5 = Glm5ForCausalLM.from_pretrained(model_config.ckpt_path, dtype=dtype, device=device, progress=False)
         weights = _rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelWeights",
                               "rtp_llm.utils.model_weight:ModelWeights")(self.glm5.config.num_hidden_layers, device,
                                                                           dtype)

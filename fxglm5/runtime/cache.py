@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from fxglm5 import contracts
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged
 
@@ -74,8 +75,8 @@ def check_cache_size(num_blocks: int, block_size: int, indexed: list[bool], kv_c
     """The bytes of the caches of ``len(indexed)`` attention layers (``indexed[i]``: layer i has an indexer cache);
     InputError, before anything is allocated, when they exceed the memory available on ``device``."""
     item = torch.empty((), dtype=dtype).element_size()
-    kv_row = paged.FP8_ROW_BYTES if kv_cache == "fp8" else paged.LATENT_DIM * item
-    index_row = paged.INDEX_ROW_BYTES if index_cache == "fp8" else paged.INDEX_DIM * item
+    kv_row = contracts.FP8_ROW_BYTES if kv_cache == "fp8" else contracts.LATENT_DIM * item
+    index_row = contracts.INDEX_ROW_BYTES if index_cache == "fp8" else contracts.INDEX_DIM * item
     need = num_blocks * block_size * (len(indexed) * kv_row + sum(indexed) * index_row)
     free = available_memory(device)
     if free is not None and need > free:
@@ -104,9 +105,9 @@ class PagedCache:
         self.kv_cache, self.index_cache, self.dtype = kv_cache, index_cache, dtype
         self.tensors: dict[str, torch.Tensor] = {}
         for kv_name, index_name in signature.layers:
-            self.tensors[kv_name] = self._alloc(kv_cache, paged.FP8_ROW_BYTES, paged.LATENT_DIM, device)
+            self.tensors[kv_name] = self._alloc(kv_cache, contracts.FP8_ROW_BYTES, contracts.LATENT_DIM, device)
             if index_name is not None:
-                self.tensors[index_name] = self._alloc(index_cache, paged.INDEX_ROW_BYTES, paged.INDEX_DIM, device)
+                self.tensors[index_name] = self._alloc(index_cache, contracts.INDEX_ROW_BYTES, contracts.INDEX_DIM, device)
 
     def _alloc(self, kind: str, fp8_bytes: int, width: int, device) -> torch.Tensor:
         if kind == "fp8":
@@ -120,6 +121,3 @@ class PagedCache:
     def graph_inputs(self) -> list[torch.Tensor]:
         """Kernel-granularity views, in the order the rewritten graph takes them."""
         return [self.kernel_view(name) for name in self.signature.cache_names]
-
-    def bytes_per_token(self) -> int:
-        return sum(t.shape[-1] * t.element_size() for t in self.tensors.values())

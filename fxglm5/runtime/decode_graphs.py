@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fxglm5.ops.cached import validation
+from fxglm5.lowering.reference.paged_steps import validation
 from fxglm5.runtime.forward_context import ForwardContext
 
 log = logging.getLogger(__name__)

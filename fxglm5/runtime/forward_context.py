@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fxglm5 import contracts
 from fxglm5.errors import InputError
 from fxglm5.runtime.cache import kernel_block_table
 
@@ -104,7 +105,7 @@ class ForwardContext:
                 bool(((self.block_table.long()[req] == 0) & need).any()):
             raise InputError("block_table: a position needs a block the table does not give (0 = padding)")
         kbs = self.kernel_block_size
-        slots = self.kernel_block_table.long()[req, pos // kbs] * kbs + pos % kbs
+        slots = contracts.slots(self.kernel_block_table, req, pos, kbs)
         self._check_distinct_slots(slots, req)
         self._check_given("req_idx", self.req_idx, req)
         self._check_given("positions", self.positions, pos)

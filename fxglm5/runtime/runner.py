@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from fxglm5.errors import CacheFullError, InputError
+from fxglm5.lowering.reference.paged_steps import validation
 from fxglm5.lowering.registry import preferred_backend
-from fxglm5.ops.cached import validation
 from fxglm5.runtime.block_manager import BlockManager
 from fxglm5.runtime.cache import PagedCache, check_cache_size, check_options
 from fxglm5.compiler import compile_model
@@ -113,9 +113,9 @@ class Runner:
         if not isinstance(max_cache_tokens, int) or max_cache_tokens < 1:
             raise InputError(f"max_cache_tokens: must be a positive integer, got {max_cache_tokens!r}")
         if isinstance(model, (str, Path)):
-            from fxglm5.model.checkpoint import load_checkpoint
+            from fxglm5.model.modeling import Glm5ForCausalLM
 
-            model = load_checkpoint(model, dtype=dtype, device=device, progress=False)
+            model = Glm5ForCausalLM.from_pretrained(model, dtype=dtype, device=device, progress=False)
         self.config, self.device, self.keep_logits = model.config, device, keep_logits
         num_blocks = num_blocks or -(-max_cache_tokens // block_size) + 1
         check_sizes(self.config, num_blocks, block_size, kv_cache, index_kind, model.dtype, device)  # before compiling

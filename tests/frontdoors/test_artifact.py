@@ -16,7 +16,7 @@ import torch
 from fxglm5.artifact import CONSTANTS, FORMAT, MEMBERS, PROGRAM, RECORD, WEIGHTS, export_artifact, load_artifact
 from fxglm5.cli import main
 from fxglm5.errors import CheckpointError
-from fxglm5.model.checkpoint import load_checkpoint
+from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.tiny import make_tiny_checkpoint
 from fxglm5.runtime.runner import Runner
 
@@ -30,7 +30,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(ckpt):
-    return load_checkpoint(ckpt, dtype=torch.float32, progress=False)
+    return Glm5ForCausalLM.from_pretrained(ckpt, dtype=torch.float32, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -234,12 +234,11 @@ def test_a_truncated_artifact_is_one_error_line_and_no_logged_traceback(tmp_path
 
 def test_export_into_a_missing_directory_fails_before_any_work(ckpt, model, tmp_path, monkeypatch, capsys):
     import fxglm5.capture
-    import fxglm5.model.checkpoint
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("the export started before its output directory was checked")
 
-    monkeypatch.setattr(fxglm5.model.checkpoint, "load_checkpoint", must_not_run)
+    monkeypatch.setattr(Glm5ForCausalLM, "from_pretrained", must_not_run)
     monkeypatch.setattr(fxglm5.capture, "capture", must_not_run)
     out = tmp_path / "missing" / "x.pt2"
     assert main(["export", "--model", str(ckpt), "--out", str(out)]) == 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fxglm5.cli import DEMO_PROMPT, main
-from fxglm5.model.checkpoint import load_checkpoint
+from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.generate import greedy_generate
 
 
@@ -32,7 +32,7 @@ def test_make_tiny_then_generate(tmp_path, capsys, bf16):
     lines = run(capsys, "generate", "--model", str(out), "--prompt-ids", "1,2,3", "--max-new-tokens", "4")
     ids = ids_line(lines[-1], 4)
     # the printed ids are the library's greedy continuation of the same prompt
-    model = load_checkpoint(out, dtype=torch.float32, progress=False)
+    model = Glm5ForCausalLM.from_pretrained(out, dtype=torch.float32, progress=False)
     assert ids[:2] == greedy_generate(model, [1, 2, 3], 2)
     lines = run(capsys, "generate", "--model", str(out), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--dtype", "bfloat16")
     ids_line(lines[-1], 2)
@@ -43,8 +43,8 @@ def test_quantize_round_trip(tmp_path, capsys):
     run(capsys, "make-tiny", "--out", str(tmp_path / "bf16"), "--bf16")
     run(capsys, "quantize", "--in", str(tmp_path / "bf16"), "--out", str(tmp_path / "fp8"))
     run(capsys, "make-tiny", "--out", str(tmp_path / "ref"))
-    ours = load_checkpoint(tmp_path / "fp8", dtype=torch.bfloat16, progress=False)
-    ref = dict(load_checkpoint(tmp_path / "ref", dtype=torch.bfloat16, progress=False).named_parameters())
+    ours = Glm5ForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16, progress=False)
+    ref = dict(Glm5ForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.bfloat16, progress=False).named_parameters())
     assert ours.config.is_fp8
     for name, p in ours.named_parameters():
         assert ref[name].dtype == p.dtype and torch.equal(ref[name].view(torch.uint8), p.view(torch.uint8)), name
@@ -64,7 +64,7 @@ def test_demo_uses_and_reuses_its_cache(tmp_path, capsys, monkeypatch):
     second = run(capsys, "demo")
     assert second[0].startswith("fxglm5 demo: cached") and second[1] == first[1]
     assert (target / "config.json").stat().st_mtime_ns == stamp
-    model = load_checkpoint(target, dtype=torch.float32, progress=False)
+    model = Glm5ForCausalLM.from_pretrained(target, dtype=torch.float32, progress=False)
     with torch.no_grad():  # the first generated token is the model's argmax after the prompt
         assert ids[0] == int(model(torch.tensor([DEMO_PROMPT]))[0, -1].argmax())
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-fp8"]  # no temporary folder left behind

@@ -207,7 +207,7 @@ def test_rtp_decode_graphs_give_the_runtime_tokens_and_leave_other_requests_rows
 def test_fp8_checkpoint_hidden_states_match_the_eager_model(rtp, graphs):
     """The checkpoint loaded as it is (block-FP8 weights, bf16 compute): the prefill's final-norm hidden states
     against ``Glm5Model`` without a cache (prompts within index_topk, so the indexer selects every key)."""
-    from fxglm5.model.checkpoint import load_checkpoint
+    from fxglm5.model.modeling import Glm5ForCausalLM
 
     eng = graphs.engine
     if eng.config.attn_config.kv_cache_dtype.name == "FP8":
@@ -215,7 +215,7 @@ def test_fp8_checkpoint_hidden_states_match_the_eager_model(rtp, graphs):
     batch = _prompts([6, 8], seed=4)
     hidden = _record(eng.py_model, "forward", lambda args, out: out.hidden_states.float())
     eng.generate(batch, 1)
-    model = load_checkpoint(eng.config.ckpt_path, dtype=torch.bfloat16, progress=False)
+    model = Glm5ForCausalLM.from_pretrained(eng.config.ckpt_path, dtype=torch.bfloat16, progress=False)
     with torch.no_grad():
         ref = torch.cat([model.model(torch.tensor([p]))[0].float() for p in batch])
     assert hidden[0].shape == ref.shape

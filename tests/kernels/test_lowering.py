@@ -1,4 +1,4 @@
-"""The lower stage: backend order per device, FXGLM5_BACKEND override, per-call capability fallback
+"""The lower stage: backend order per device, FXGLM5_BACKEND override, the run-time capability fallback
 (logged once), aiter picked where importable, and lowered tiny graphs agreeing with the eager model."""
 
 import logging
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fxglm5.capture import capture
-from fxglm5.lowering import registry
+from fxglm5.lowering import bindings, registry
 from fxglm5.model.config import Glm5Config
 from fxglm5.passes import PassContext, run_pipeline
 from tests.helpers import random_model, rel_err
@@ -37,7 +37,7 @@ def test_lowered_tiny_matches_eager(backend):
 
 def test_backend_order_and_override(monkeypatch):
     monkeypatch.delenv("FXGLM5_BACKEND", raising=False)
-    monkeypatch.setattr(registry, "aiter_available", lambda: False)
+    monkeypatch.setattr(bindings, "aiter_available", lambda: False)
     assert registry.backend_order("cuda") == ["triton", "reference"]
     assert registry.backend_order("cpu") == ["reference"]
     monkeypatch.setenv("FXGLM5_BACKEND", "triton")
@@ -48,12 +48,13 @@ def test_backend_order_and_override(monkeypatch):
 
 
 def test_unsupported_call_falls_back_and_logs_once(caplog, monkeypatch):
+    """The run-time Dispatch (left only for nodes without metadata) takes the same choice per call."""
     monkeypatch.setattr(registry, "_warned", set())
-    dispatch = registry.Dispatch("moe_fp8", ["triton", "reference"])
+    dispatch = registry.Dispatch("moe_fp8", ["triton", "reference"], "cpu")
     x, ids, w = torch.randn(3, 128), torch.zeros(3, 2, dtype=torch.int32), torch.rand(3, 2)
     w13, w2 = torch.randn(2, 256, 128) * 0.05, torch.randn(2, 128, 128) * 0.05
     args = (x, ids, w, w13, None, w2, None, False)
-    assert dispatch.chosen(*args) == "reference"
+    assert registry.choose("moe_fp8", ["triton", "reference"], "cpu", args).backend == "reference"
     with caplog.at_level(logging.WARNING, logger="fxglm5.lowering.registry"):
         first = dispatch(*args)
         second = dispatch(*args)
@@ -74,17 +75,18 @@ def test_aiter_is_selected_where_importable(monkeypatch):
     for name in ("aiter", "aiter.ops", "aiter.ops.triton"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "aiter.ops.triton.gemm_a8w8_blockscale", fake)
-    monkeypatch.setattr(registry, "aiter_available", lambda: True)
+    monkeypatch.setattr(bindings, "aiter_available", lambda: True)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU hosts run the Triton quantizer interpreted
     order = registry.backend_order("cuda")
     assert order[0] == "aiter"
-    dispatch = registry.Dispatch("fp8_linear", order)
     x = torch.randn(2, 5, 256, device=device)
     w, s = (torch.randn(128, 256, device=device) * 0.1).to(torch.float8_e4m3fn), torch.ones(1, 2, device=device)
-    assert dispatch.chosen(x, w, s, None, True) == "aiter"
-    assert dispatch(x, w, s, None, True).shape == (2, 5, 128)
+    choice = registry.choose("fp8_linear", order, "cuda", (x, w, s, None, True))
+    assert choice.backend == "aiter"
+    assert choice.impl.fn(x, w, s, None, True).shape == (2, 5, 128)
     assert calls == [(torch.float8_e4m3fn, torch.float8_e4m3fn, (10, 2), (1, 2))]
-    assert dispatch.chosen(x, w, s, torch.zeros(128, device=device), True) == "triton"  # aiter refuses a bias
+    bias = torch.zeros(128, device=device)
+    assert registry.choose("fp8_linear", order, "cuda", (x, w, s, bias, True)).backend == "triton"  # aiter refuses a bias
 
 
 def test_rocm_gpus_get_no_nvidia_capability(monkeypatch):

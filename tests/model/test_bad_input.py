@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from fxglm5.cli import main
 from fxglm5.errors import CheckpointError, ConfigError, InputError
-from fxglm5.model.checkpoint import load_checkpoint
+from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.quantize import quantize_checkpoint
 from fxglm5.model.st_files import INDEX
@@ -58,7 +58,7 @@ def edit_config(ckpt, **changes):
 
 
 def load(ckpt):
-    return load_checkpoint(ckpt, dtype=torch.float32, progress=False)
+    return Glm5ForCausalLM.from_pretrained(ckpt, dtype=torch.float32, progress=False)
 
 
 def test_missing_tensor(ckpt):

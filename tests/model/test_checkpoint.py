@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fxglm5.model.checkpoint import load_checkpoint, save_checkpoint
+from fxglm5.model.checkpoint import save_checkpoint
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layers import Linear, dequantize_weight
 from fxglm5.model.layout import expected_tensors, mtp_tensors
@@ -72,8 +72,8 @@ def test_quantize_block_matches_an_independent_loop():
 
 def test_quantized_checkpoint_dequantizes_to_source(tiny):
     bf16_dir, fp8_dir = tiny
-    src = load_checkpoint(bf16_dir, dtype=torch.float32, progress=False)
-    fp8 = load_checkpoint(fp8_dir, dtype=torch.float32, progress=False)
+    src = Glm5ForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32, progress=False)
+    fp8 = Glm5ForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32, progress=False)
     src_params = dict(src.named_parameters())
     checked = 0
     for name, module in fp8.named_modules():
@@ -98,8 +98,8 @@ def test_quantized_checkpoint_dequantizes_to_source(tiny):
 def test_fp8_tiny_tracks_its_bf16_source(tiny):
     bf16_dir, fp8_dir = tiny
     with torch.no_grad():
-        ref = load_checkpoint(bf16_dir, dtype=torch.float32, progress=False)(PROMPT)[0]
-        got = load_checkpoint(fp8_dir, dtype=torch.float32, progress=False)(PROMPT)[0]
+        ref = Glm5ForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32, progress=False)(PROMPT)[0]
+        got = Glm5ForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32, progress=False)(PROMPT)[0]
     assert torch.nn.functional.cosine_similarity(ref.flatten(), got.flatten(), dim=0) >= 0.99
     # the tiny model is not degenerate: spread-out logits, a top token that changes along the prompt
     assert ref.std() > 0.5 and (ref.amax(-1) - ref.amin(-1)).min() > 3.0
@@ -125,10 +125,10 @@ def test_tiny_checkpoint_is_sharded_and_fp8(tiny):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("sharded", [False, True])
 def test_save_load_round_trip(tiny, tmp_path, fp8, sharded):
-    model = load_checkpoint(tiny[fp8], dtype=torch.bfloat16, progress=False)
+    model = Glm5ForCausalLM.from_pretrained(tiny[fp8], dtype=torch.bfloat16, progress=False)
     files = save_checkpoint(model, tmp_path, max_shard_bytes=2**20 if sharded else None)
     assert (len(files) >= 2) == sharded and (tmp_path / INDEX).exists() == sharded
-    again = load_checkpoint(tmp_path, dtype=torch.bfloat16, progress=False)
+    again = Glm5ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, progress=False)
     assert again.config == model.config
     theirs = dict(again.named_parameters())
     for name, p in model.named_parameters():
@@ -136,7 +136,7 @@ def test_save_load_round_trip(tiny, tmp_path, fp8, sharded):
 
 
 def test_loaded_dtypes(tiny):
-    model = load_checkpoint(tiny[1], dtype=torch.bfloat16, progress=False)
+    model = Glm5ForCausalLM.from_pretrained(tiny[1], dtype=torch.bfloat16, progress=False)
     params = dict(model.named_parameters())
     assert params["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert params["model.layers.1.mlp.gate.weight"].dtype == torch.float32
@@ -149,17 +149,17 @@ def test_loaded_dtypes(tiny):
 
 def test_packed_layout_loads_and_quantizes_like_per_expert(tiny, tmp_path):
     """A raw state_dict dump (stacked experts, as transformers holds them in memory) is accepted too."""
-    model = load_checkpoint(tiny[0], dtype=torch.bfloat16, progress=False)
+    model = Glm5ForCausalLM.from_pretrained(tiny[0], dtype=torch.bfloat16, progress=False)
     packed = tmp_path / "packed"
     packed.mkdir()
     model.config.save(packed)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(packed / SINGLE))
-    again = load_checkpoint(packed, dtype=torch.bfloat16, progress=False)
+    again = Glm5ForCausalLM.from_pretrained(packed, dtype=torch.bfloat16, progress=False)
     for name, p in model.named_parameters():
         assert torch.equal(dict(again.named_parameters())[name], p), name
     quantize_checkpoint(packed, tmp_path / "q", max_shard_bytes=None)
     ours = load_file(tmp_path / "q" / SINGLE)
-    ref = load_checkpoint(tiny[1], dtype=torch.bfloat16, progress=False)
+    ref = Glm5ForCausalLM.from_pretrained(tiny[1], dtype=torch.bfloat16, progress=False)
     for name, p in ref.named_parameters():
         if p.dtype == torch.float8_e4m3fn and "experts" not in name:
             assert torch.equal(ours[name].view(torch.uint8), p.view(torch.uint8)), name
@@ -169,7 +169,7 @@ def test_packed_layout_loads_and_quantizes_like_per_expert(tiny, tmp_path):
 
 def test_mtp_tensors_are_skipped_with_one_notice(tiny, tmp_path, caplog):
     config = Glm5Config.from_json(tiny[0] / "config.json").replace(num_nextn_predict_layers=1)
-    model = load_checkpoint(tiny[0], dtype=torch.bfloat16, progress=False)
+    model = Glm5ForCausalLM.from_pretrained(tiny[0], dtype=torch.bfloat16, progress=False)
     save_checkpoint(model, tmp_path, config=None)
     config.save(tmp_path)
     tensors = load_file(tmp_path / SINGLE)
@@ -179,7 +179,7 @@ def test_mtp_tensors_are_skipped_with_one_notice(tiny, tmp_path, caplog):
     tensors.update({name: torch.zeros(spec.shape, dtype=torch.bfloat16) for name, spec in mtp.items()})
     save_file(tensors, str(tmp_path / SINGLE))
     with caplog.at_level(logging.WARNING, logger="fxglm5.checkpoint"):
-        again = load_checkpoint(tmp_path, dtype=torch.bfloat16, progress=False)
+        again = Glm5ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, progress=False)
     notices = [r for r in caplog.records if "MTP" in r.getMessage()]
     assert len(notices) == 1 and f"{len(mtp)} tensors" in notices[0].getMessage()
     assert len(again.model.layers) == 4
@@ -215,9 +215,9 @@ def test_glm5_parameter_count():
 
 
 def test_packed_fp8_dump_loads(tiny, tmp_path):
-    model = load_checkpoint(tiny[1], dtype=torch.bfloat16, progress=False)
+    model = Glm5ForCausalLM.from_pretrained(tiny[1], dtype=torch.bfloat16, progress=False)
     model.config.save(tmp_path)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / SINGLE))
-    again = dict(load_checkpoint(tmp_path, dtype=torch.bfloat16, progress=False).named_parameters())
+    again = dict(Glm5ForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, progress=False).named_parameters())
     for name, p in model.named_parameters():
         assert torch.equal(again[name].view(torch.uint8), p.view(torch.uint8)), name

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from fxglm5.cli import main
 from fxglm5.errors import CheckpointError, InputError
 from fxglm5.lowering.reference import fp8 as ref
-from fxglm5.model.checkpoint import CheckpointReader, load_checkpoint, save_checkpoint
+from fxglm5.model.checkpoint import CheckpointReader, save_checkpoint
+from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.generate import greedy_generate
 from fxglm5.model.st_files import scan_checkpoint
@@ -112,12 +113,12 @@ def _dequantized_source(fp8_dir) -> dict[str, torch.Tensor]:
 def test_odd_width_checkpoint_loads_and_matches_its_dequantized_source(odd, tmp_path):
     """The loader stacks the per-expert blocks exactly: logits of the FP8 model = the dequantized source's."""
     cfg = Glm5Config.from_json(odd[1] / "config.json")
-    model = load_checkpoint(odd[1], dtype=torch.float32, progress=False)
+    model = Glm5ForCausalLM.from_pretrained(odd[1], dtype=torch.float32, progress=False)
     experts = model.model.layers[1].mlp.experts
     assert experts.gate_up_proj.shape == (16, 48, 200) and experts.gate_up_proj_scale_inv.shape == (16, 2, 2)
     save_file(_dequantized_source(odd[1]), str(tmp_path / "model.safetensors"))
     cfg.replace(quantization_config=None).save(tmp_path)
-    plain = load_checkpoint(tmp_path, dtype=torch.float32, progress=False)
+    plain = Glm5ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, progress=False)
     ids = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids), plain(ids), rtol=1e-5, atol=1e-5)
@@ -126,7 +127,7 @@ def test_odd_width_checkpoint_loads_and_matches_its_dequantized_source(odd, tmp_
 def test_odd_width_save_and_packed_dump_round_trip(odd, tmp_path):
     """The stacked per-half scales split back into the per-expert tensors on save, and a raw state_dict
     dump (the packed layout) loads as it was."""
-    model = load_checkpoint(odd[1], dtype=torch.bfloat16, progress=False)
+    model = Glm5ForCausalLM.from_pretrained(odd[1], dtype=torch.bfloat16, progress=False)
     save_checkpoint(model, tmp_path / "saved")
     assert torch.equal(load_file(tmp_path / "saved" / "model.safetensors")["model.layers.2.mlp.experts.7.up_proj.weight_scale_inv"],
                        _all_tensors(odd[1])["model.layers.2.mlp.experts.7.up_proj.weight_scale_inv"])
@@ -134,7 +135,7 @@ def test_odd_width_save_and_packed_dump_round_trip(odd, tmp_path):
     model.config.save(tmp_path / "packed")
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "packed" / "model.safetensors"))
     for path in (tmp_path / "saved", tmp_path / "packed"):
-        again = dict(load_checkpoint(path, dtype=torch.bfloat16, progress=False).named_parameters())
+        again = dict(Glm5ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, progress=False).named_parameters())
         for name, p in model.named_parameters():
             assert torch.equal(again[name].view(torch.uint8), p.view(torch.uint8)), (path.name, name)
 
@@ -148,7 +149,7 @@ def test_quantize_load_generate_gives_the_dequantized_source_tokens(odd, tmp_pat
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     save_file(_dequantized_source(odd[1]), str(tmp_path / "model.safetensors"))
     Glm5Config.from_json(odd[1] / "config.json").replace(quantization_config=None).save(tmp_path)
-    plain = load_checkpoint(tmp_path, dtype=torch.float32, progress=False)
+    plain = Glm5ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, progress=False)
     runner = Runner(odd[1], kv_cache="bf16", block_size=16, dtype=torch.float32, max_cache_tokens=64, backend=backend)
     fused = {r.name: (r.num_matches, r.expected) for r in runner.pass_results if r.stage == "fuse"}
     assert fused["fuse_fp8_moe"] == (3, 3) and fused["fuse_fp8_linear"][0] == fused["fuse_fp8_linear"][1] > 0

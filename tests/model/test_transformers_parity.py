@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM  # noqa: E402
 
-from fxglm5.model.checkpoint import load_checkpoint  # noqa: E402
+from fxglm5.model.modeling import Glm5ForCausalLM  # noqa: E402
 
 CONFIGS = [
     dict(  # every layer indexed, 1 dense + 2 MoE; small embeddings: layer 0's input norm sees mean(x^2) < eps
@@ -81,7 +81,7 @@ def test_logits_match_transformers(case, tmp_path):
     _randomize(ref, seed=100 + case, embed_scale=embed_scale)
     ref.save_pretrained(tmp_path, safe_serialization=True)
 
-    ours = load_checkpoint(tmp_path, dtype=torch.float32, progress=False)
+    ours = Glm5ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, progress=False)
     assert ours.config.indexer_types == cfg.indexer_types
 
     ids = torch.randint(0, spec["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(case))

@@ -25,7 +25,7 @@ from fxglm5.model.attention import Indexer
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.generate import greedy_generate
 from fxglm5.model.layers import rope_cos_sin
-from fxglm5.ops.cached import indexer_step
+from fxglm5.lowering.reference.paged_steps import indexer_step
 from fxglm5.runtime.forward_context import ForwardContext
 from tests.helpers import randomize_
 from tests.paged_helpers import make_config, model_and_graph, prompts, runner

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fxglm5.errors import CacheFullError, InputError
-from fxglm5.ops.cached import validation, validation_enabled
+from fxglm5.lowering.reference.paged_steps import validation, validation_enabled
 from fxglm5.runtime.forward_context import ForwardContext
 from fxglm5.runtime import cache
 from fxglm5.runtime import runner as runner_module

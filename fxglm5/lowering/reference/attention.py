@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from fxglm5.contracts import topk_lowest_index_ties
+
 
 def _causal(seq: int, device) -> torch.Tensor:
     idx = torch.arange(seq, device=device)
@@ -41,19 +43,6 @@ def sparse_mla(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_indices, scale: float)
     chosen.scatter_(-1, torch.where(valid, topk_indices.long(), seq), True)
     allowed = chosen[..., :seq] & _causal(seq, q_nope.device)
     return _latent_attention(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, allowed)
-
-
-def topk_lowest_index_ties(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The DSA top-k rule: the ``k`` largest ``scores`` along the last dim -> (values, indices), by descending
-    score, and among equal scores (``-0.0 == 0.0``) the lower index first.
-
-    Every path of the indexer (the eager model, the reference ops, the kernels) selects this set: the score is a
-    weighted sum of ReLUs, so many keys tie at exactly 0.0 whenever few indexer heads fire, and torch.topk's choice
-    among ties is unspecified (it changes with the row length and the device). A stable descending sort is the
-    rule itself, deterministic on every device, one captured op (``aten.sort.stable``, which match_sparse_mla
-    recognises); ``k`` must not exceed the last dim."""
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
 
 
 def indexer_scores(q, k, weights) -> torch.Tensor:

@@ -17,12 +17,11 @@ from typing import Optional
 
 import torch
 
+from fxglm5.contracts import FP8_BLOCK as GROUP
+from fxglm5.contracts import FP8_MAX, scale_shape
 from fxglm5.errors import InputError
-from fxglm5.model.layout import scale_shape
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-GROUP = 128
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -225,4 +224,17 @@ def moe_fp8(
             hmid = fake_quant_act_1x128(hmid)
         y = hmid @ dequantize_block_fp8(w2[ex], w2_scale[ex]).T
         out.index_add_(0, tok, y * topk_weights[tok, slot, None])
+    return out.to(x.dtype)
+
+
+def moe_plain(x, ids, weights, w13, w2):
+    """Routed experts with unquantized stacked weights (bf16 checkpoints), fp32 math."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    ids = ids.long()
+    for ex in torch.unique(ids[ids >= 0]).tolist():
+        tok, slot = (ids == ex).nonzero(as_tuple=True)
+        gu = x[tok].float() @ w13[ex].float().T
+        y = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ w2[ex].float().T
+        out.index_add_(0, tok, y * weights[tok, slot, None])
     return out.to(x.dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from fxglm5.errors import InputError
 
@@ -63,3 +64,13 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     even, odd = xf[..., 0::2], xf[..., 1::2]
     rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2).to(x.dtype)
     return torch.cat([rotated, x[..., rot:]], dim=-1) if rot < x.shape[-1] else rotated
+
+
+def flat_rope_args(x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The canonical [B, S, H, D] / [B, S, R/2] rope arguments as [T, H, D] / [T, R/2] (validated)."""
+    if x.dim() != 4 or cos.dim() != 3 or tuple(cos.shape[:2]) != tuple(x.shape[:2]):
+        raise InputError(f"rope_interleaved: expected x [B, S, H, D] and cos [B, S, R/2], got "
+                         f"{tuple(x.shape)} / {tuple(cos.shape)}")
+    x, cos, sin = x.flatten(0, 1), cos.flatten(0, 1), sin.flatten(0, 1)
+    validate_rope(x, cos, sin)
+    return x, cos, sin

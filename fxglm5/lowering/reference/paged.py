@@ -32,20 +32,13 @@ from __future__ import annotations
 
 import torch
 
+from fxglm5 import contracts
+from fxglm5.contracts import (FP8_BLOCK, FP8_MAX, FP8_ROPE_OFFSET, FP8_ROW_BYTES, FP8_SCALE_OFFSET, INDEX_DIM,
+                              INDEX_ROW_BYTES, KV_LORA_RANK, LATENT_DIM, ROPE_DIM, topk_lowest_index_ties)
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import norm_rope
-from fxglm5.lowering.reference.attention import topk_lowest_index_ties
 
-KV_LORA_RANK = 512
-ROPE_DIM = 64
-LATENT_DIM = KV_LORA_RANK + ROPE_DIM  # 576
-FP8_ROW_BYTES = 656  # 512 e4m3 + 4 fp32 scales + 64 bf16
-FP8_SCALE_OFFSET = 512
-FP8_ROPE_OFFSET = 528
-FP8_GROUP = 128
-INDEX_DIM = 128
-INDEX_ROW_BYTES = 132
-FP8_MAX = 448.0
+FP8_GROUP = FP8_BLOCK
 AMAX_FLOOR = 1e-10
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
@@ -224,9 +217,7 @@ def slots_from_positions(block_table, req_idx, positions, block_size: int = 64, 
     """int64 [T] physical slots: ``block_table[req, p // bs] * bs + p % bs``."""
     if validate:
         validate_slots_from_positions(block_table, req_idx, positions, block_size)
-    p = positions.long()
-    blk = block_table.long()[req_idx.long(), p // block_size]
-    return blk * block_size + p % block_size
+    return contracts.slots(block_table, req_idx, positions, block_size)
 
 
 def _slots_2d(block_table, req_idx, pos2d, block_size):

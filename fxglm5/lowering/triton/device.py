@@ -4,10 +4,11 @@ scratch allocator TMA descriptors need, and the interpreter (CPU) quirks to work
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
+
+from fxglm5 import settings
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +49,7 @@ def interpreter_compat() -> None:
     ``int(array)``, which numpy 2.3+ refuses for 1-d arrays: any ``range()`` with a runtime bound fails. We
     wrap its tensor patcher so that ``__index__`` uses ``.item()``.
     """
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not settings.triton_interpret():
         return
     try:
         import triton.runtime.interpreter as interp

@@ -26,21 +26,18 @@ loops with runtime bounds, and CI runs these kernels interpreted.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from fxglm5 import settings
+from fxglm5.contracts import FP8_BLOCK
 from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.triton.device import num_sms
 
-BLOCK_K = 128
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+BLOCK_K = FP8_BLOCK  # one weight-scale column and one activation-scale group per K step
 
 
 @triton.jit
@@ -128,7 +125,7 @@ def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         rows = 16
         _quant_kernel[(triton.cdiv(m, rows), kg)](x, q, s, m, k, kg, x.stride(0), q.stride(0), ROWS=rows,
-                                                  INTERPRET=interpreting())
+                                                  INTERPRET=settings.triton_interpret())
     return q, s
 
 
@@ -308,7 +305,7 @@ def fp8_linear(
         a, a_s, weight, weight_scale_inv, bias if bias is not None else out, c, out, cnt,
         m, n, k, kg, kg_per_split,
         a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), n, m * n,
-        A_MODE=mode, DOT_F32=x.dtype == torch.float32 or interpreting(), INTERPRET=interpreting(),
+        A_MODE=mode, DOT_F32=x.dtype == torch.float32 or settings.triton_interpret(), INTERPRET=settings.triton_interpret(),
         HAS_BIAS=bias is not None, SPLIT_K=split, FIXUP=fixup, NO_K_MASK=k % 128 == 0 and split * kg_per_split == kg,
         SCALAR_SB=bn <= 128, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

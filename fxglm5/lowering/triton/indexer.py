@@ -18,12 +18,12 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from fxglm5 import settings
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat
@@ -34,8 +34,6 @@ interpreter_compat()
 
 __all__ = ["indexer_logits_paged", "topk_from_logits", "indexer_topk_paged", "SEGMENT_MAX"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_NO_TUNE = os.environ.get("FXGLM5_NO_AUTOTUNE", "0") == "1"
 
 
 @triton.jit
@@ -175,12 +173,12 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    interp = _INTERPRET or q.device.type != "cuda"
+    interp = settings.triton_interpret() or q.device.type != "cuda"
     BLOCK_HI = max(16, triton.next_power_of_2(HI))
     args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache, k_cache.view(torch.float32),
             k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, out, out.stride(0), HI,
             max_len, triton.next_power_of_2(T))
-    if not interp and not cfg and not _NO_TUNE:
+    if not interp and not cfg and not settings.no_autotune():
         grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
         ensure_tma_allocator()
         _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=False)

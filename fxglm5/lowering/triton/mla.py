@@ -36,12 +36,12 @@ measured slower (docs/perf/attention.md, mla_loop_variants).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from fxglm5 import settings
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton import mla_hopper
 from fxglm5.lowering.triton.device import num_sms
@@ -51,8 +51,6 @@ interpreter_compat()
 
 __all__ = ["mla_paged", "mla_decode_paged", "mla_prefill_paged", "launch_mla", "dispatch_num_splits"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_NO_TUNE = os.environ.get("FXGLM5_NO_AUTOTUNE", "0") == "1"  # fixed default configs (no tuning compiles)
 LOG2E = 1.4426950408889634
 
 
@@ -343,7 +341,7 @@ def pick_num_splits(units: int, max_len: int, sms: int, max_splits: int = 256) -
 
 
 def _default_cfg(q, sparse):
-    if _INTERPRET or q.device.type != "cuda":
+    if settings.triton_interpret() or q.device.type != "cuda":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
     if sparse or q.dtype == torch.float32:
         return dict(BLOCK_N=32, num_warps=8, num_stages=3)
@@ -380,7 +378,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     else:
         po = torch.empty(T, num_splits, H, R, dtype=torch.float32, device=q.device)
         plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
-    if cfg is None and not _INTERPRET and mla_hopper.supported(q, cache, sparse=sparse):
+    if cfg is None and not settings.triton_interpret() and mla_hopper.supported(q, cache, sparse=sparse):
         _LAST["impl"] = "hopper"
         ensure_tma_allocator()
         mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len, num_splits,
@@ -411,8 +409,8 @@ def _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, 
             pos_or_topk, stride_pt, K, out, out.stride(0), out.stride(1), po, plse,
             H, float(scale) * LOG2E, split_len, num_splits, cache.shape[0] * bs)
     const = dict(BS=bs, BLOCK_H=BLOCK_H, N_HB=n_hb, FP8=fp8, SPARSE=sparse, DIRECT=direct,
-                 IEEE=(q.dtype == torch.float32) or _INTERPRET)
-    use_tuner = not (_INTERPRET or q.device.type != "cuda" or _NO_TUNE) and not cfg
+                 IEEE=(q.dtype == torch.float32) or settings.triton_interpret())
+    use_tuner = not (settings.triton_interpret() or q.device.type != "cuda" or settings.no_autotune()) and not cfg
     if use_tuner and not sparse and cache.data_ptr() % 16 != 0:  # TMA needs a 16-byte aligned base
         use_tuner = False
     if use_tuner:

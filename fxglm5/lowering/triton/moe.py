@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fxglm5 import settings
 from fxglm5.lowering.reference import fp8 as ref
-from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, _dot, _quant_rows, interpreting, quantize_act_1x128
+from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, _dot, _quant_rows, quantize_act_1x128
 
 
 # ----------------------------------------------------------------------------------------- routing
@@ -281,7 +282,7 @@ def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k
         n_entries, n, kdim, kg, top_k, triton.cdiv(n, 128),
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
         c.stride(-2), c.stride(0) if c.dim() == 3 else 0,
-        GATED=gated, A_MODE=mode, DOT_F32=dot_f32, INTERPRET=interpreting(), K_PER_SPLIT=k_per_split,
+        GATED=gated, A_MODE=mode, DOT_F32=dot_f32, INTERPRET=settings.triton_interpret(), K_PER_SPLIT=k_per_split,
         NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -302,7 +303,7 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     w13, w13_scale, w2, w2_scale = (z.contiguous() for z in (w13, w13_scale, w2, w2_scale))
     sorted_ids, block_expert = align_by_expert(ids, e, cfg["BLOCK_M"], cfg.get("triton_align"))
     rows = sorted_ids.numel()
-    dot_f32 = x.dtype == torch.float32 or interpreting()
+    dot_f32 = x.dtype == torch.float32 or settings.triton_interpret()
     h_dtype = torch.float32 if (act_quant or x.dtype == torch.float32) else x.dtype
     hmid = torch.empty(rows, inter, dtype=h_dtype, device=x.device)
     kg2 = triton.cdiv(inter, 128)

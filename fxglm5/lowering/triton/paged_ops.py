@@ -1,5 +1,5 @@
 """The Triton twins of ``fxglm5.lowering.reference.paged``, under the same names, so the cached RTP ops'
-bodies (``fxglm5.ops.cached.*_step``) run unchanged over either kernel set."""
+bodies (``fxglm5.lowering.reference.paged_steps.*_step``) run unchanged over either kernel set."""
 
 from fxglm5.lowering.triton.indexer import indexer_topk_paged
 from fxglm5.lowering.triton.mla import mla_paged

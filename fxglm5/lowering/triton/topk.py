@@ -25,12 +25,11 @@ sync, no data-dependent shapes: every buffer is sized by the arguments.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from fxglm5 import settings
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton.device import num_sms
@@ -40,7 +39,6 @@ interpreter_compat()
 
 __all__ = ["topk_from_logits", "multi_segment_length", "SEGMENT_MAX"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -452,7 +450,7 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     method = method or ("segments" if L <= SEGMENT_MAX else "multi")
     if method not in ("segments", "multi"):
         raise InputError(f"topk_from_logits: method {method!r} (expected 'segments' or 'multi')")
-    interp = _INTERPRET or logits.device.type != "cuda"
+    interp = settings.triton_interpret() or logits.device.type != "cuda"
     if method == "segments":
         return _tournament(logits, positions, topk, out, _segment_length(topk, chunk, interp), num_warps, interp)
     seg = chunk or (64 if interp else multi_segment_length(T, L, num_sms(logits.device)))

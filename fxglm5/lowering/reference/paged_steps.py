@@ -1,0 +1,243 @@
+"""The bodies of the cached RTP attention ops (``fxglm5.ops.cached`` declares their schemas), over a kernel set.
+
+Each ``*_step`` takes ``kern``: :mod:`fxglm5.lowering.reference.paged` (the torch reference, what the custom
+ops run by default) or :mod:`fxglm5.lowering.triton.paged_ops` (the Triton twins, bound by the ``lower``
+pass), so both backends share one validation and one argument handling.
+
+Validation (shapes, dtypes, block ids, slots, positions < max_positions, causal top-k) runs before any
+cache write and raises :class:`fxglm5.errors.InputError` naming the field, so a bad step loses nothing
+stored. It syncs with the host; the runtime turns it off with ``validation(False)`` (a per-thread setting
+owned by this module, the layer that validates) where that is not allowed: inside CUDA-graph capture, and
+after it validated the forward context once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch import Tensor
+
+from fxglm5.contracts import topk_lowest_index_ties
+from fxglm5.errors import InputError
+from fxglm5.lowering.reference import paged
+
+_state = threading.local()
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def validation_enabled() -> bool:
+    return getattr(_state, "validate", True)
+
+
+@contextlib.contextmanager
+def validation(enabled: bool):
+    """Turn the ops' input validation on or off within the block (per thread)."""
+    previous = validation_enabled()
+    _state.validate = bool(enabled)
+    try:
+        yield
+    finally:
+        _state.validate = previous
+
+
+def _pad(x: Tensor, width: int, name: str) -> Tensor:
+    """Zero-pad the last dim to ``width`` (the RTP row width); wider inputs do not fit the layout."""
+    if x.shape[-1] > width:
+        raise InputError(f"{name}: last dim {x.shape[-1]} exceeds the cache layout's {width}")
+    if x.shape[-1] == width:
+        return x
+    return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def _flat(x: Tensor, name: str, ndim: int) -> Tensor:
+    """[N, S, ...] -> [N*S, ...]."""
+    if not isinstance(x, Tensor) or x.dim() != ndim:
+        raise InputError(f"{name}: expected {ndim} dims [N, S, ...], got {tuple(getattr(x, 'shape', ()))}")
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def check_context(cache: Tensor, slot_mapping, block_table, req_idx, positions, max_positions: int) -> None:
+    """The forward-context checks every op shares (cache = the op's paged cache, kernel granularity)."""
+    if not isinstance(cache, Tensor) or cache.dim() != 3:
+        raise InputError(f"cache: expected a 3-D paged cache [blocks, bs, row], got {tuple(getattr(cache, 'shape', ()))}")
+    for name, t, nd in (("slot_mapping", slot_mapping, 1), ("block_table", block_table, 2),
+                        ("req_idx", req_idx, 1), ("positions", positions, 1)):
+        if not isinstance(t, Tensor) or t.dim() != nd or t.dtype not in _INT_DTYPES:
+            raise InputError(f"{name}: expected a {nd}-D int32/int64 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if t.device != cache.device:
+            raise InputError(f"{name}: on {t.device}, but the cache is on {cache.device}")
+    T = positions.shape[0]
+    if slot_mapping.shape[0] != T or req_idx.shape[0] != T:
+        raise InputError(f"slot_mapping/req_idx: expected {T} entries (one per token), got "
+                         f"{slot_mapping.shape[0]} / {req_idx.shape[0]}")
+    nb, bs = cache.shape[0], cache.shape[1]
+    if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= nb):
+        bad = int(block_table.min()) if int(block_table.min()) < 0 else int(block_table.max())
+        raise InputError(f"block_table: block id {bad} out of range [0, {nb})")
+    if T == 0:
+        return
+    if int(positions.min()) < 0 or int(positions.max()) >= max_positions:
+        bad = int(positions.min()) if int(positions.min()) < 0 else int(positions.max())
+        raise InputError(f"positions: position {bad} out of range [0, {max_positions}) (max_position_embeddings)")
+    paged.validate_slots_from_positions(block_table, req_idx, positions, bs)
+    need = torch.arange(block_table.shape[1], device=cache.device)[None] <= (positions.long() // bs)[:, None]
+    if bool(((block_table.long()[req_idx.long()] == 0) & need).any()):
+        raise InputError("block_table: a token's position maps to block 0 (reserved / padding)")
+    expected = paged.slots_from_positions(block_table, req_idx, positions, bs, validate=False)
+    if bool(((slot_mapping.long() != expected) & (slot_mapping >= 0)).any()):
+        raise InputError("slot_mapping: a slot disagrees with block_table / positions")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# indexer
+# ---------------------------------------------------------------------------------------------------------
+def _compute_index_topk(q, weights, cache, block_table, req_idx, positions, topk):
+    """Exact (unquantized) indexer over a compute-dtype key cache [blocks, bs, 128] -> int32 [T, topk], the
+    lower position first among equal scores (the rule of every indexer path)."""
+    T, bs = q.shape[0], cache.shape[1]
+    out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
+    for t in range(T):
+        n = int(positions[t]) + 1
+        slots = paged.slots_from_positions(block_table, req_idx[t].expand(n), torch.arange(n, device=q.device),
+                                           bs, validate=False)
+        keys = cache.view(-1, cache.shape[-1])[slots].float()
+        score = (torch.relu(q[t].float() @ keys.t()) * weights[t].float()[:, None]).sum(0)
+        k = min(topk, n)
+        out[t, :k] = topk_lowest_index_ties(score, k)[1].to(torch.int32)
+    return out
+
+
+def _check_index_cache(cache: Tensor) -> None:
+    if cache.dtype == torch.uint8:
+        return  # paged.validate_write_indexer_cache checks the FP8 layout's shape
+    if cache.dim() != 3 or cache.dtype not in paged.COMPUTE_DTYPES or cache.shape[2] != paged.INDEX_DIM:
+        raise InputError(f"index_cache: expected uint8 [blocks, bs, {paged.INDEX_ROW_BYTES}] or a compute-dtype "
+                         f"[blocks, bs, {paged.INDEX_DIM}] tensor, got {cache.dtype} {tuple(cache.shape)}")
+    if not cache.is_contiguous():
+        raise InputError("index_cache: must be contiguous")
+
+
+def _rope(cos, sin) -> tuple[Tensor, Tensor] | None:
+    if cos is None and sin is None:
+        return None
+    if cos is None or sin is None:
+        raise InputError("rope_cos / rope_sin: give both or neither")
+    return _flat(cos, "rope_cos", 3), _flat(sin, "rope_sin", 3)
+
+
+def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions, max_positions,
+                 rope_cos=None, rope_sin=None, k_norm_weight=None, k_norm_bias=None, k_norm_eps=0.0):
+    """rtp_indexer's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
+    qf = _pad(_flat(q, "q", 4), paged.INDEX_DIM, "q")
+    kf = _flat(k, "k", 3)
+    wf = _flat(weights, "weights", 3)
+    rope = _rope(rope_cos, rope_sin)
+    norm = None if k_norm_weight is None else (k_norm_weight, k_norm_bias, k_norm_eps)
+    fp8 = index_cache.dtype == torch.uint8
+    if validation_enabled():
+        _check_index_cache(index_cache)
+        check_context(index_cache, slot_mapping, block_table, req_idx, positions, max_positions)
+        if fp8:
+            paged.validate_write_indexer_cache(index_cache, kf, slot_mapping, norm, rope)
+            paged.validate_indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk)
+        else:
+            paged.validate_index_keys(kf, norm, rope)
+        if kf.shape[0] != slot_mapping.shape[0] or tuple(wf.shape) != tuple(qf.shape[:2]):
+            raise InputError(f"k/weights: shapes {tuple(k.shape)} / {tuple(weights.shape)} do not fit q {tuple(q.shape)}")
+    if fp8:
+        kern.write_indexer_cache(index_cache, kf, slot_mapping, validate=False, norm=norm, rope=rope)
+        out = kern.indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk, validate=False)
+    else:
+        kf = paged.prepare_index_keys(kf, norm, rope)
+        keep = slot_mapping >= 0
+        index_cache.view(-1, paged.INDEX_DIM)[slot_mapping[keep].long()] = kf[keep].to(index_cache.dtype)
+        out = _compute_index_topk(qf, wf, index_cache, block_table, req_idx, positions, topk)
+    return out.view(*q.shape[:2], topk)
+
+
+
+# ---------------------------------------------------------------------------------------------------------
+# latent attention
+# ---------------------------------------------------------------------------------------------------------
+def _absorbed_query(q_nope, w_uk) -> Tensor:
+    """[T, H, R] ``q_nope . W_UK`` in the model's dtype.
+
+    The model's dtype, not float32: a bf16 model's MLA kernels take bf16 queries (the Hopper kernel only those),
+    as every MLA serving kernel does. The product runs in that dtype too (float32 accumulation, one rounding;
+    a batched GEMM on tensor cores, the constant W_UK never converted per call); float32 models stay exact."""
+    return torch.einsum("thd,hdr->thr", _flat(q_nope, "q_nope", 4), w_uk.to(q_nope.dtype))
+
+
+def _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table, req_idx,
+                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps):
+    """Validate everything, then return the [T, H, 576] queries and ``write()``, which stores this step's rows.
+
+    The write is deferred so that the caller validates its attention arguments (which need the queries)
+    before anything already cached is touched."""
+    rope = _rope(rope_cos, rope_sin)
+    norm = None if kv_norm_weight is None else (kv_norm_weight, kv_norm_eps)
+    kv, pe = _flat(kv_c, "kv_c", 3), _flat(k_pe, "k_pe", 3)
+    if validation_enabled():
+        for name, t, nd in (("q_nope", q_nope, 4), ("q_pe", q_pe, 4), ("w_uk", w_uk, 3), ("w_uv", w_uv, 3)):
+            if not isinstance(t, Tensor) or t.dim() != nd:
+                raise InputError(f"{name}: expected {nd} dims, got {tuple(getattr(t, 'shape', ()))}")
+        if w_uk.shape[0] != q_nope.shape[2] or w_uk.shape[1] != q_nope.shape[3] or w_uk.shape[2] != kv_c.shape[2]:
+            raise InputError(f"w_uk: shape {tuple(w_uk.shape)} does not fit q_nope {tuple(q_nope.shape)} / "
+                             f"kv_c {tuple(kv_c.shape)}")
+        if w_uv.shape[0] != w_uk.shape[0] or w_uv.shape[2] != w_uk.shape[2]:
+            raise InputError(f"w_uv: shape {tuple(w_uv.shape)} does not fit w_uk {tuple(w_uk.shape)}")
+        if q_pe.shape[-1] != k_pe.shape[-1]:
+            raise InputError(f"k_pe: rope dim {k_pe.shape[-1]} != q_pe's {q_pe.shape[-1]}")
+        if q_pe.shape[-1] > paged.ROPE_DIM or w_uk.shape[2] > paged.KV_LORA_RANK:
+            raise InputError(f"q_pe / w_uk: widths {q_pe.shape[-1]} / {w_uk.shape[2]} exceed the cache layout's "
+                             f"{paged.ROPE_DIM} / {paged.KV_LORA_RANK}")
+        if rope is not None and 2 * rope[0].shape[-1] != q_pe.shape[-1]:
+            raise InputError(f"rope_cos: rotates {2 * rope[0].shape[-1]} features, q_pe / k_pe have {q_pe.shape[-1]}")
+        paged._validate_latent_cache(kv_cache, "kv_cache")
+        check_context(kv_cache, slot_mapping, block_table, req_idx, positions, max_positions)
+        paged.validate_write_latent_cache(kv_cache, kv, pe, slot_mapping, norm, rope)
+    q = kern.latent_query(_absorbed_query(q_nope, w_uk), _flat(q_pe, "q_pe", 4), rope)
+
+    def write():
+        kern.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False, norm=norm, rope=rope)
+
+    return q, write
+
+
+def _project_out(o_lat: Tensor, w_uv: Tensor, like: Tensor) -> Tensor:
+    """[T, H, 512] latent outputs x W_UV -> the value heads, in the model's dtype (as _absorbed_query)."""
+    o = torch.einsum("thr,hvr->thv", o_lat[..., : w_uv.shape[2]].to(like.dtype), w_uv.to(like.dtype))
+    return o.reshape(*like.shape[:3], w_uv.shape[1]).contiguous()
+
+
+def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping, block_table,
+                    req_idx, positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None,
+                    kv_norm_eps=0.0):
+    """rtp_sparse_mla's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
+    q, write = _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
+                               req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps)
+    top = _flat(topk_pos, "topk_pos", 3)
+    if validation_enabled():
+        paged.validate_sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale)
+        if top.numel() and bool((top.long() > positions.long()[:, None]).any()):
+            raise InputError("topk_pos: a selected position lies after its query's position (not causal)")
+    write()
+    o_lat = kern.sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale, validate=False)
+    return _project_out(o_lat, w_uv, q_nope)
+
+
+def mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table, req_idx,
+             positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None, kv_norm_eps=0.0):
+    """rtp_mla's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
+    q, write = _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
+                               req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps)
+    if validation_enabled():
+        paged.validate_mla_paged(q, kv_cache, block_table, req_idx, positions, scale)
+    write()
+    o_lat = kern.mla_paged(q, kv_cache, block_table, req_idx, positions, scale, validate=False)
+    return _project_out(o_lat, w_uv, q_nope)
+
+

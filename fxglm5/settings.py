@@ -1,0 +1,38 @@
+"""Every environment variable fxglm5 reads, in one place (a leaf module: it imports nothing of fxglm5).
+
+Each is read when its setting is used, never at import, so a process (or a test) that sets one before the
+call is obeyed and importing a kernel module has no hidden dependence on the environment of that moment.
+
+- ``TRITON_INTERPRET=1``: run the Triton kernels in Triton's interpreter (CPU tensors; slow, exact). Triton
+  itself reads it too; fxglm5 uses it to allow its Triton backend on CPU and to pick interpreter-safe code.
+- ``FXGLM5_NO_AUTOTUNE=1``: the Triton kernels use their fixed default configs (no tuning compiles).
+- ``FXGLM5_BACKEND=aiter|triton|reference``: the backend the ``lower`` pass puts first (checked by
+  ``fxglm5.lowering.registry.preferred_backend``); the ``backend`` option of each front door wins over it.
+- ``FXGLM5_CACHE``: where ``fxglm5 demo`` keeps its tiny checkpoint (default ``~/.cache/fxglm5``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") == "1"
+
+
+def triton_interpret() -> bool:
+    return _flag("TRITON_INTERPRET")
+
+
+def no_autotune() -> bool:
+    return _flag("FXGLM5_NO_AUTOTUNE")
+
+
+def backend() -> Optional[str]:
+    return os.environ.get("FXGLM5_BACKEND") or None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FXGLM5_CACHE") or Path.home() / ".cache" / "fxglm5")
