@@ -217,14 +217,15 @@ def scratch_step(attn, signature, kv_cache: str, dtype: torch.dtype, device, max
     cache of :data:`SCRATCH_BLOCKS` blocks whatever the step's length, so that RTP's cache is never written.
 
     RTP reserves the warm-up's peak device memory as runtime memory before it sizes the KV cache
-    (``MemoryEvaluationHelper.cc:110``), and uses nothing else of it: ``NormalEngine::prefillWarmUp``
-    (``NormalEngine.cc:332-351``, rtp-llm 4b8d39cd5) drops the stream ``preRun`` returns (line 342) and keeps only
-    ``max_consumed_bytes`` and the free memory (lines 343-349). A cache for every warm-up token would be counted
-    in that peak (about 0.8 GB at GLM-5's 78 layers and 8191 tokens) and taken from the KV budget, while a real
-    prefill writes into RTP's own cache. So every token's slot is -1 (the ops write nothing) and every table
-    entry it reaches names block 1 (the ops' reads stay inside the two blocks and see zeros: finite outputs);
-    the activations, which are the peak RTP means to measure, are those of a real prefill of that length. The
-    lengths are validated as a real step's, against contiguous tables of the blocks such a step would need."""
+    (``MemoryEvaluationHelper.cc:110``) and uses nothing else of it: ``NormalEngine::prefillWarmUp``
+    (``NormalEngine.cc:332-351``, rtp-llm 4b8d39cd5) drops the stream ``preRun`` returns (line 342) and keeps
+    only ``max_consumed_bytes`` and the free memory (lines 343-349). A cache for every warm-up token would be
+    counted in that peak and so taken from the KV budget (computed for GLM-5's 78 layers at 8191 tokens: 0.51 GB
+    with FP8 rows, 0.83 GB with bf16 ones; now 7.5 / 12.2 MiB), while a real prefill writes into RTP's cache.
+    So every token's slot is -1 (the ops write nothing) and every table entry it reaches names block 1 (the
+    ops' reads stay inside the two blocks and see zeros: finite outputs); the activations, the peak RTP means
+    to measure, are those of a real prefill of that length. The lengths are validated as a real step's,
+    against contiguous tables of the blocks such a step would need."""
     prefill = bool(attn.is_prefill)
     lengths, starts = (t.tolist() for t in _lengths_and_starts(attn))
     ends = [s + n for s, n in zip(starts, lengths)] if prefill else [s + 1 for s in starts]

@@ -165,8 +165,7 @@ class _Request:
 class Engine:
     """RTP's runtime around one registered model class. Counters for tests: ``prefill_steps``,
     ``eager_decode_steps``, ``graph_replays``, ``init_calls`` (the kv_cache of each ``initialize``),
-    ``graph_runner`` (captured sizes, replays per size), ``warm_up_peak_bytes``; ``kv_pools``: the cache
-    allocations."""
+    ``graph_runner`` (captured sizes, replays per size); ``kv_pools``: the cache allocations."""
 
     def __init__(self, ckpt_path, *, external_model_packages=None, model_type=None, act_type=None,
                  fp8_kv_cache=False, seq_size_per_block=64, kernel_seq_size_per_block=0, enable_cuda_graph=False,
@@ -201,7 +200,6 @@ class Engine:
 
         self.block_size, self.init_calls = seq_size_per_block, []
         self.prefill_steps = self.eager_decode_steps = self.graph_replays = 0
-        self.warm_up_peak_bytes = None  # CUDA only
         if warm_up:
             self._warm_up(role_type, kernel_seq_size_per_block)
         self.kv_cache, self.kv_pools = allocate_kv_cache(config, num_blocks, seq_size_per_block,
@@ -227,16 +225,11 @@ class Engine:
             raise RuntimeError("py_model.initialize() did not return True")
 
     def _warm_up(self, role_type, kernel_seq_size_per_block):
-        """The role's warm-up; returns its hidden rows. RTP samples them and drops the result: it keeps only
-        the peak device memory the step took (``NormalEngine.cc:332-397``), recorded here on CUDA as
-        ``warm_up_peak_bytes`` (allocated bytes above those held before the step)."""
+        """The role's warm-up; returns its hidden rows. RTP samples the step and drops the result: it keeps
+        only the peak device memory the step took (``NormalEngine.cc:332-397``). Without
+        ``warm_up_with_loss`` (false by default) the prefill's post-layers take its last token, as any prefill's."""
         n = self.max_seq_len - 1
         ids = torch.randint(0, self.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            held = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
         if role_type == "DECODE":  # decodeWarmUp: a 5-block cache, fakeInitKVBlock (zero block ids)
             kv, _ = allocate_kv_cache(self.config, 5, self.block_size, kernel_seq_size_per_block, self.device)
             self.ratio = self.block_size // kv.get_kernel_seq_size_per_block(kv.group_tags[0])
@@ -244,13 +237,11 @@ class Engine:
             rows = self.max_generate_batch_size
             blocks = [[0] * -(-n // self.block_size)] * rows
             hidden = self._eager(self._decode_inputs(ids[:rows], [n] * rows, [n - 1] * rows, blocks))
+            self._post_layers(hidden)
         else:  # prefillWarmUp: an executor without a cache layout
             self._initialize(None)
             hidden = self._eager(self._prefill_inputs([ids], [0], None))
-        self._post_layers(hidden)
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            self.warm_up_peak_bytes = torch.cuda.max_memory_allocated(self.device) - held
+            self._post_layers(hidden[-1:])
         return hidden
 
     # --- inputs, as NormalModelInputGatherer + PyWrappedModel::buildPyAttentionInputs --------------------------
