@@ -11,6 +11,7 @@ a table only as wide as the requests need. CPU only: RTP's bare-named fields are
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -21,7 +22,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import harness  # noqa: E402
 from bench.harness import save_run  # noqa: E402
 from fxglm5.rtpllm.context import CacheLayout, StepMetadata  # noqa: E402
 from fxglm5.runtime.cache import kernel_block_table  # noqa: E402
@@ -53,9 +53,11 @@ def time_prepare(B: int, ctx: int, width: int, n: int = 50) -> dict:
 
 
 def main():
-    harness.answer_help(__doc__)
-    args = [int(a) for a in sys.argv[1:3]]
-    B, ctx = args if len(args) == 2 else (64, 2048)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("B", type=int, nargs="?", default=64, help="live requests in a bucket of B (default 64)")
+    ap.add_argument("ctx", type=int, nargs="?", default=2048, help="cached tokens per request (default 2048)")
+    args = ap.parse_args()
+    B, ctx = args.B, args.ctx
     rows = [time_prepare(B, ctx, -(-MAX_POS // BLOCK)), time_prepare(B, ctx, -(-(ctx + 1) // BLOCK))]
     save_run("rtpllm_host_time.json", B=B, ctx=ctx, torch_threads=torch.get_num_threads(),
              prepare_cuda_graph=rows)

@@ -183,7 +183,7 @@ class StepMetadata:
             self.block_table = attn.kv_cache_kernel_block_id_device  # RTP's static buffer: its address is fixed
             self.prepare_cuda_graph(attn)
             return
-        if layout is None:  # no RTP cache yet: contiguous private blocks, as many as the step needs
+        if layout is None:  # no RTP cache yet (the warm-up): a private scratch cache, written nowhere
             ctx, self.caches = scratch(attn)
             positions, slots, req = ctx.positions, ctx.slot_mapping, ctx.req_idx
             table = ctx.kernel_block_table
@@ -208,10 +208,24 @@ class StepMetadata:
         self.slot_mapping.copy_(slots)
 
 
+SCRATCH_BLOCKS = 2  # the warm-up's private cache: block 0 (reserved) and block 1, which every table entry names
+
+
 def scratch_step(attn, signature, kv_cache: str, dtype: torch.dtype, device, max_position_embeddings: int,
                  block_size: int = 64):
-    """A warm-up step before RTP hands over its cache: (context, caches) over private contiguous blocks, so
-    that RTP's cache is never written."""
+    """A step before RTP hands over its cache (its no-cache prefill warm-up): (context, caches) on a private
+    cache of :data:`SCRATCH_BLOCKS` blocks whatever the step's length, so that RTP's cache is never written.
+
+    RTP reserves the warm-up's peak device memory as runtime memory before it sizes the KV cache
+    (``MemoryEvaluationHelper.cc:110``) and uses nothing else of it: ``NormalEngine::prefillWarmUp``
+    (``NormalEngine.cc:332-351``, rtp-llm 4b8d39cd5) drops the stream ``preRun`` returns (line 342) and keeps
+    only ``max_consumed_bytes`` and the free memory (lines 343-349). A cache for every warm-up token would be
+    counted in that peak and so taken from the KV budget (computed for GLM-5's 78 layers at 8191 tokens: 0.51 GB
+    with FP8 rows, 0.83 GB with bf16 ones; now 7.5 / 12.2 MiB), while a real prefill writes into RTP's cache.
+    So every token's slot is -1 (the ops write nothing) and every table entry it reaches names block 1 (the
+    ops' reads stay inside the two blocks and see zeros: finite outputs); the activations, the peak RTP means
+    to measure, are those of a real prefill of that length. The lengths are validated as a real step's,
+    against contiguous tables of the blocks such a step would need."""
     prefill = bool(attn.is_prefill)
     lengths, starts = (t.tolist() for t in _lengths_and_starts(attn))
     ends = [s + n for s, n in zip(starts, lengths)] if prefill else [s + 1 for s in starts]
@@ -220,9 +234,12 @@ def scratch_step(attn, signature, kv_cache: str, dtype: torch.dtype, device, max
         n = -(-end // block_size)
         tables.append(list(range(nxt, nxt + n)))
         nxt += n
-    cache = PagedCache(signature, nxt, block_size, None, kv_cache, "fp8", dtype, device)
     ctx = ForwardContext.build(prefill, lengths, starts, tables, block_size=block_size,
                                kernel_block_size=block_size, num_blocks=nxt,
                                max_position_embeddings=max_position_embeddings,
                                prompt_lengths=lengths, device="cpu").validate()
+    table = (ctx.block_table != 0).to(ctx.block_table.dtype)
+    ctx = dataclasses.replace(ctx, block_table=table, kernel_block_table=table, num_blocks=SCRATCH_BLOCKS,
+                              slot_mapping=torch.full_like(ctx.slot_mapping, -1))
+    cache = PagedCache(signature, SCRATCH_BLOCKS, block_size, None, kv_cache, "fp8", dtype, device)
     return ctx, cache.graph_inputs()

@@ -302,6 +302,34 @@ def test_warm_ups_write_nothing_to_rtps_cache(rtp, eager):
     model.initialize(init_resources(eager.kv_cache))
 
 
+def test_the_prefill_warm_up_takes_a_cache_of_one_size_and_writes_nothing(rtp, ckpt, eager):
+    """RTP reserves its no-cache prefill warm-up's peak memory before sizing the KV cache: the plugin's scratch
+    cache does not grow with the warm-up's length and stays unwritten; the stand-in's warm-ups (prefill and
+    DECODE role) give finite rows, leave RTP's cache alone, and the steps after them give the runtime's tokens."""
+    from fxglm5.rtpllm.context import scratch_step
+
+    model, calls = eager.py_model, list(eager.init_calls)
+    before = [t.clone() for t in eager.kv_pools]
+
+    def scratch_bytes(n):
+        attn = eager._prefill_inputs([[1] * n], [0], None).attention_inputs
+        return sum(c.nbytes for c in scratch_step(attn, model.signature, "bf16", torch.float32, "cpu", 1 << 20)[1])
+
+    assert scratch_bytes(4096) == scratch_bytes(64)
+    hidden = eager._warm_up("PDFUSION", 0)  # initialize(None), then max_seq_len - 1 tokens, no block tables
+    assert hidden.shape == (eager.max_seq_len - 1, RTP_TINY.hidden_size) and torch.isfinite(hidden).all()
+    inputs = eager._prefill_inputs([[3] * 40, [4] * 23], [0, 0], None)
+    impl = model.prepare_fmha_impl(inputs, False)
+    assert torch.isfinite(model.forward(inputs, impl).hidden_states).all()
+    assert not any(c.view(torch.uint8).any() for c in impl.caches)
+    assert torch.isfinite(eager._warm_up("DECODE", 0)).all()  # 5 blocks, zero block ids (fakeInitKVBlock)
+    eager._initialize(eager.kv_cache)
+    eager.init_calls[:] = calls
+    assert all(torch.equal(a, b) for a, b in zip(eager.kv_pools, before))
+    batch = _prompts([9, 17], seed=3)
+    assert_runtime_tokens(eager.generate(batch, 4), runner(ckpt, "bf16", 0, torch.float32), batch, 4)
+
+
 def test_cuda_graphs_are_refused_by_name_for_a_bf16_checkpoint(rtp, ckpt, fp8_ckpt):
     """RTP checks support_cuda_graph() inside the BaseModel.load the plugin replaces: the plugin checks it."""
     from fxglm5.rtpllm.glm5 import Fxglm5Glm5

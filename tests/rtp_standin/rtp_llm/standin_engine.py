@@ -225,6 +225,9 @@ class Engine:
             raise RuntimeError("py_model.initialize() did not return True")
 
     def _warm_up(self, role_type, kernel_seq_size_per_block):
+        """The role's warm-up; returns its hidden rows. RTP samples the step and drops the result: it keeps
+        only the peak device memory the step took (``NormalEngine.cc:332-397``). Without
+        ``warm_up_with_loss`` (false by default) the prefill's post-layers take its last token, as any prefill's."""
         n = self.max_seq_len - 1
         ids = torch.randint(0, self.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
         if role_type == "DECODE":  # decodeWarmUp: a 5-block cache, fakeInitKVBlock (zero block ids)
@@ -233,10 +236,13 @@ class Engine:
             self._initialize(kv, is_decode_role=True)
             rows = self.max_generate_batch_size
             blocks = [[0] * -(-n // self.block_size)] * rows
-            self._post_layers(self._eager(self._decode_inputs(ids[:rows], [n] * rows, [n - 1] * rows, blocks)))
+            hidden = self._eager(self._decode_inputs(ids[:rows], [n] * rows, [n - 1] * rows, blocks))
+            self._post_layers(hidden)
         else:  # prefillWarmUp: an executor without a cache layout
             self._initialize(None)
-            self._post_layers(self._eager(self._prefill_inputs([ids], [0], None)))
+            hidden = self._eager(self._prefill_inputs([ids], [0], None))
+            self._post_layers(hidden[-1:])
+        return hidden
 
     # --- inputs, as NormalModelInputGatherer + PyWrappedModel::buildPyAttentionInputs --------------------------
     def _host(self, values):
