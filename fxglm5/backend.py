@@ -5,7 +5,15 @@ those inputs back into constants (so weights are ``get_attr`` nodes, as the pass
 graph to ATen with torch.export (dynamic where Dynamo's graph is: one export serves every size Dynamo's
 guards let through), runs the match, fuse and lower stages for the device of the inputs and returns the
 lowered graph. Registered through the ``torch_dynamo_backends`` entry point, so ``"fxglm5"`` is listed
-after install. Weights and scalar attributes are read once, at compile time.
+after install.
+
+Regional compilation (``for layer in model.model.layers: layer.compile(backend="fxglm5")``, PyTorch's recipe
+for repeated blocks) compiles each decoder-layer kind once: Dynamo reuses one compiled graph for every layer of
+a kind and passes that layer's own parameters as the graph's inputs. The lowered graph is therefore bound to
+the weights it is called with: the first set is the one it was compiled for; another set (another layer of the
+kind) gets the same lowered graph over its own tensors, with the constants the passes derived from weights
+(the absorbed MLA projections) derived again from that layer's (``graph.meta["derived_constants"]``). Scalar
+attributes the passes fold in (an eps, a softmax scale) must be the same across the layers of a kind.
 """
 
 from __future__ import annotations
@@ -121,15 +129,59 @@ def fxglm5_backend(gm: fx.GraphModule, example_inputs, options: dict | None = No
     frozen = _Frozen(gm, example_inputs)
     user_inputs = [example_inputs[i] for i in frozen.inputs]
     settings = compile_options(dict(options or {}), _device(user_inputs) if user_inputs else _device(frozen.buffers()))
-    lowered = []
+    weights = [(i, key) for i, (kind, key) in enumerate(frozen.slots) if kind == "const"]
+    compiled_for = tuple(example_inputs[i] for i, _ in weights)
+    bound: dict[tuple, tuple] = {}  # id of each weight -> (the weights, kept alive so ids stay theirs; graph)
 
     def compiled(*args):
         inputs = tuple(args[i] for i in frozen.inputs)
-        if not lowered:
+        if not bound:
             graph = export_graph(frozen, inputs, frozen.dynamic_shapes())
             for result in compile_graph(graph, stages=STAGES, **settings):
                 log.info("fxglm5: %s", result.summary())
-            lowered.append(graph)
-        return lowered[0](*inputs)
+            bound[tuple(map(id, compiled_for))] = (compiled_for, graph)
+        given = tuple(args[i] for i, _ in weights)
+        key = tuple(map(id, given))
+        if key not in bound:
+            graph = next(iter(bound.values()))[1]
+            bound[key] = (given, rebind(graph, {name: _scalar_checked(name, value, frozen)
+                                                for (_, name), value in zip(weights, given)}))
+        return bound[key][1](*inputs)
 
     return compiled
+
+
+def _scalar_checked(name: str, value: torch.Tensor, frozen: _Frozen) -> torch.Tensor:
+    """A weight for :func:`rebind`; a 0-dim attribute the passes may have folded in must equal the compiled one."""
+    if value.dim() == 0 and not torch.equal(value.detach().cpu(), getattr(frozen, name).detach().cpu()):
+        raise InputError(f"torch.compile(backend='fxglm5'): scalar attribute {name} is {value.item()} here and "
+                         f"{getattr(frozen, name).item()} in the module this graph was compiled for; compile these "
+                         "modules separately (they are not one kind)")
+    return value.detach()
+
+
+def rebind(graph: fx.GraphModule, weights: dict[str, torch.Tensor]) -> fx.GraphModule:
+    """The lowered ``graph`` (a copy of its nodes) over other ``weights`` (attribute name -> tensor); the constants
+    the passes derived from weights are derived again from these. Everything else is shared with ``graph``."""
+    derived = graph.meta.get("derived_constants", {})
+    nodes = fx.Graph()
+    nodes.output(nodes.graph_copy(graph.graph, {}))
+    new = fx.GraphModule(graph, nodes)
+    values = {}
+    for node in graph.graph.find_nodes(op="get_attr"):
+        if node.target in weights:
+            values[node.target] = weights[node.target]
+    for target, (sources, derive) in derived.items():
+        with torch.no_grad():
+            values[target] = derive(*(weights.get(s, _attr(graph, s)) for s in sources))
+    for target, value in values.items():
+        owner, _, name = target.rpartition(".")
+        (new.get_submodule(owner) if owner else new).register_buffer(name, value, persistent=False)
+    new.meta.update(graph.meta)
+    return new
+
+
+def _attr(module: nn.Module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
