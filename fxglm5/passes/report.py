@@ -7,19 +7,18 @@ import time
 
 import torch
 
-from fxglm5.capture import capture
-from fxglm5.passes import PassContext, op_histogram, run_pipeline
+from fxglm5.passes import op_histogram
+from fxglm5.passes.by_kind import captured_histogram, match_and_fuse
 
 
 def pipeline_report(model: torch.nn.Module) -> str:
-    """Capture ``model``, run match + fuse in strict mode, and describe what happened."""
+    """Capture ``model`` (once per layer kind), run match + fuse in strict mode, and describe what happened."""
     start = time.perf_counter()
-    gm = capture(model)
-    captured = time.perf_counter() - start
-    before = op_histogram(gm)
-    results = run_pipeline(gm, PassContext(config=model.config, strict=True))
-    after = op_histogram(gm)
-    lines = [f"capture: {captured:.1f}s, {sum(before.values())} ops"]
+    gm, results = match_and_fuse(model, strict=True)
+    elapsed = time.perf_counter() - start
+    before, after = captured_histogram(gm), op_histogram(gm)
+    passes = sum(r.seconds for r in results)
+    lines = [f"capture: {elapsed - passes:.1f}s, {sum(before.values())} ops"]
     lines += [r.summary() for r in results]
     names = sorted(set(before) | set(after), key=lambda k: -max(before.get(k, 0), after.get(k, 0)))
     changed = [k for k in names if before.get(k, 0) != after.get(k, 0)]

@@ -19,11 +19,9 @@ def compile_paged(model, *, max_tokens: int, device="cpu", backend: str | None =
     """Capture ``model`` (steps of up to ``max_tokens`` flat tokens; ``head``: "logits", or "hidden" for the
     hidden states after the final norm) and run the match, fuse, cache and lower stages for ``device``
     (``backend`` puts one kernel backend first). Returns the graph and the pass results."""
-    from fxglm5.capture import capture
-    from fxglm5.passes import PassContext, run_pipeline
+    from fxglm5.passes.by_kind import match_and_fuse
 
-    graph = capture(model, max_seq=max_tokens, head=head)
-    results = run_pipeline(graph, PassContext(config=model.config), stages=("match", "fuse"))
+    graph, results = match_and_fuse(model, max_seq=max_tokens, head=head)
     return graph, results + lower_paged(graph, model.config, device=device, backend=backend)
 
 
