@@ -1,10 +1,13 @@
-"""Compile time of the full GLM-5 (78 layers) on the meta device: torch.export + every match/fuse pass.
+"""Compile time of GLM-5 on the meta device: torch.export + every match/fuse pass, captured once per layer kind
+(``fxglm5.passes.by_kind.match_and_fuse``) against the whole-model capture, at 4 layers and at the full 78 layers
+of GLM-5's widths, in the same run.
 
-Prints and saves bench/results/compile_time.json (through bench/harness.save_run: command, device, commit):
-wall seconds for build / capture / each pass, the process's CPU seconds (less sensitive than wall time to
-other work on a shared CPU; the load average at start and end is recorded for the same reason), peak resident
-memory, graph size before and after. Target: < 120 s on a 2-core CPU machine.
-Run: ``python bench/compile_time.py [--preset glm5] [--tag NAME] [--note TEXT]``.
+Prints and saves bench/results/compile_time.json (through bench/harness.save_run: command, device, commit): per
+case and path, wall and process-CPU seconds of capture + passes (CPU seconds are less sensitive than wall time
+to other work on a shared CPU; the load average at start and end is recorded for the same reason), the passes'
+own seconds, the match counts, and the graph size. Targets (issue 22): by kind, 78 layers <= 10 s (<= 30 s at
+least) and <= 2x the cost of 4 layers. ``--skip-whole`` leaves out the whole-model capture (minutes at 78 layers).
+Run: ``python bench/compile_time.py [--layers 4 78] [--skip-whole] [--tag NAME] [--note TEXT]``.
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import save_run  # noqa: E402
 from fxglm5.capture import capture  # noqa: E402
+from fxglm5.capture.by_kind import truncated_config  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.modeling import Glm5ForCausalLM  # noqa: E402
 from fxglm5.passes import PassContext, run_pipeline  # noqa: E402
+from fxglm5.passes.by_kind import match_and_fuse  # noqa: E402
 
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+TARGET_SECONDS, MINIMUM_SECONDS, DEPTH_RATIO = 10, 30, 2
 
 
 def cpu_seconds() -> float:
@@ -35,41 +38,53 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def whole_model(model):
+    gm = capture(model)
+    return gm, run_pipeline(gm, PassContext(config=model.config, strict=True))
+
+
+def by_kind(model):
+    return match_and_fuse(model, strict=True)
+
+
+def measure(path, model) -> dict:
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    gm, results = path(model)
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    passes = sum(r.seconds for r in results)
+    return {"seconds": round(wall, 2), "cpu_seconds": round(cpu, 2), "passes_seconds": round(passes, 2),
+            "matches": {r.name: r.num_matches for r in results}, "graph_nodes": len(gm.graph.nodes)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="glm5", choices=["glm5", "tiny"])
+    ap.add_argument("--layers", type=int, nargs="+", default=[4, 78], help="depths of GLM-5 widths to compile")
+    ap.add_argument("--skip-whole", action="store_true", help="leave out the whole-model capture")
     ap.add_argument("--tag", default="compile_time")
     ap.add_argument("--note", default=None, help="conditions of the run worth keeping with it (e.g. other load)")
     args = ap.parse_args()
-    cfg = Glm5Config.preset(args.preset)
+    full = Glm5Config.preset("glm5")
     load_at_start = [round(x, 2) for x in os.getloadavg()]
-    t0 = time.perf_counter()
-    model = Glm5ForCausalLM(cfg, dtype=torch.bfloat16, device="meta")
-    t_build = time.perf_counter() - t0
-    t0, c0 = time.perf_counter(), cpu_seconds()
-    gm = capture(model)
-    t_capture, c_capture = time.perf_counter() - t0, cpu_seconds() - c0
-    nodes_before = len(gm.graph.nodes)
-    t0, c0 = time.perf_counter(), cpu_seconds()
-    results = run_pipeline(gm, PassContext(config=cfg, strict=True))
-    t_passes, c_passes = time.perf_counter() - t0, cpu_seconds() - c0
-    record = {
-        "note": args.note,
-        "load_avg_1_5_15_min_at_start": load_at_start,
-        "preset": args.preset,
-        "layers": cfg.num_hidden_layers,
-        "parameters_b": round(model.num_parameters() / 1e9, 2),
-        "seconds": {"build_meta_model": round(t_build, 2), "capture_export": round(t_capture, 2),
-                    "passes": round(t_passes, 2), "total_export_plus_passes": round(t_capture + t_passes, 2)},
-        "cpu_seconds": {"capture_export": round(c_capture, 2), "passes": round(c_passes, 2),
-                        "total_export_plus_passes": round(c_capture + c_passes, 2)},
-        "passes": [{"name": r.name, "num_matches": r.num_matches, "expected": r.expected, "seconds": round(r.seconds, 3)}
-                   for r in results],
-        "graph_nodes": {"captured": nodes_before, "after_passes": len(gm.graph.nodes)},
-        "peak_rss_mib": round(peak_rss_mib(), 1),
-        "target_seconds": 120,
-    }
-    record["meets_target"] = record["seconds"]["total_export_plus_passes"] < 120
+    cases = {}
+    for layers in args.layers:
+        model = Glm5ForCausalLM(truncated_config(full, layers), dtype=torch.bfloat16, device="meta")
+        case = {"by_kind": measure(by_kind, model)}
+        if not args.skip_whole:
+            case["whole_model"] = measure(whole_model, model)
+            assert case["whole_model"]["matches"] == case["by_kind"]["matches"], case
+            assert case["whole_model"]["graph_nodes"] == case["by_kind"]["graph_nodes"], case
+        print(layers, "layers:", case, flush=True)
+        cases[str(layers)] = case
+    record = {"note": args.note, "load_avg_1_5_15_min_at_start": load_at_start,
+              "load_avg_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()],
+              "cases": cases, "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+              "targets": {"by_kind_full_seconds": TARGET_SECONDS, "minimum_seconds": MINIMUM_SECONDS,
+                          "depth_ratio": DEPTH_RATIO}}
+    deepest, shallowest = str(max(args.layers)), str(min(args.layers))
+    seconds = cases[deepest]["by_kind"]["seconds"]
+    record["by_kind_full_seconds"] = seconds
+    record["depth_ratio_cpu"] = round(cases[deepest]["by_kind"]["cpu_seconds"] / cases[shallowest]["by_kind"]["cpu_seconds"], 2)
+    record["meets_target"] = seconds <= TARGET_SECONDS and record["depth_ratio_cpu"] <= DEPTH_RATIO
     print("saved", save_run(f"{args.tag}.json", **record))
 
 

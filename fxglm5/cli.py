@@ -223,17 +223,24 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory (weights are loaded)")
     src.add_argument("--preset", choices=["tiny", "glm5"], help="a built-in config on the meta device (no weights)")
+    src.add_argument("--config", help="a GLM-5 config.json, compiled on the meta device (no weights)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="compute dtype")
     _pass_options(p)
     p.add_argument("--device", choices=["cpu", "cuda"],
                    help="also lower the graph for this device (without running it) and print what runs where")
 
 
+def _inspect_config(args: argparse.Namespace):
+    """The config ``inspect`` compiles without weights: ``--config FILE`` or ``--preset NAME``."""
+    from fxglm5.model.config import Glm5Config
+
+    return Glm5Config.from_json(args.config) if args.config else Glm5Config.preset(args.preset)
+
+
 def _inspect(args: argparse.Namespace) -> int:
     import torch
 
     from fxglm5.compiler import compile_graph, compile_model
-    from fxglm5.model.config import Glm5Config
     from fxglm5.model.modeling import Glm5ForCausalLM
     from fxglm5.passes.pipeline import Stage
     from fxglm5.passes.report import pipeline_report
@@ -242,7 +249,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.model:
         model = Glm5ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device="cpu", progress=False)
     else:
-        model = Glm5ForCausalLM(Glm5Config.preset(args.preset), dtype=getattr(torch, args.dtype), device="meta")
+        model = Glm5ForCausalLM(_inspect_config(args), dtype=getattr(torch, args.dtype), device="meta")
     compiled = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), strict=True, disabled_passes=disabled,
                              dump_dir=args.dump_dir)
     lowered = None

@@ -22,6 +22,7 @@ from fxglm5.passes.pipeline import STAGES, Stage, stages_of
 
 MAX_STEP_TOKENS = 1 << 20  # flat tokens of one step when nothing bounds them (RTP's batches, artifacts)
 DEVICE_STAGES = (Stage.CACHE, Stage.LOWER)  # what a graph still needs for the device it serves on
+KIND_STAGES = (Stage.MATCH, Stage.FUSE)  # what runs once per decoder-layer kind (on the captured prefix)
 
 
 class Compiled(NamedTuple):
@@ -35,20 +36,31 @@ def compile_model(model, *, stages=STAGES, head: str = "logits", max_tokens: int
                   disabled_passes=(), dump_dir: str | Path | None = None) -> Compiled:
     """Capture ``model`` (a Glm5ForCausalLM; steps of up to ``max_tokens`` flat tokens, default its
     max_position_embeddings; ``head``: "logits", or "hidden" for the hidden states after the final norm) and run
-    ``stages`` on it. The other options are :func:`compile_graph`'s."""
+    ``stages`` on it. The match and fuse stages run once per decoder-layer kind (``fxglm5.capture.by_kind``); the
+    stages after them run on the whole stitched graph. The other options are :func:`compile_graph`'s."""
+    stages = stages_of(stages)
+    per_kind = stages[:len(KIND_STAGES)] == KIND_STAGES
     start = time.perf_counter()
-    graph = _capture(model, max_tokens=max_tokens, head=head)
-    seconds = time.perf_counter() - start
-    results = compile_graph(graph, model.config, stages=stages, device=device, backend=backend, strict=strict,
-                            act_quant=act_quant, disabled_passes=disabled_passes, dump_dir=dump_dir)
+    graph, results = _capture(model, max_tokens=max_tokens, head=head, rewrite=dict(
+        strict=strict, act_quant=act_quant, disabled=tuple(disabled_passes), dump_dir=dump_dir) if per_kind else None)
+    seconds = time.perf_counter() - start - sum(r.seconds for r in results)
+    results += compile_graph(graph, model.config, stages=stages[len(KIND_STAGES):] if per_kind else stages,
+                             device=device, backend=backend, strict=strict, act_quant=act_quant,
+                             disabled_passes=disabled_passes, dump_dir=dump_dir)
     return Compiled(graph, results, seconds)
 
 
-def _capture(model, *, max_tokens: int | None, head: str) -> fx.GraphModule:
-    """The model as the graph the passes rewrite (the one capture of every compile)."""
-    from fxglm5.capture import capture
+def _capture(model, *, max_tokens: int | None, head: str, rewrite: dict | None) -> tuple[fx.GraphModule, list]:
+    """The model as the graph the passes rewrite (the one capture of every compile): with ``rewrite`` (the
+    match / fuse options), captured once per layer kind and returned rewritten by those stages, with results
+    counting the whole model; without, captured whole and not yet rewritten."""
+    if rewrite is None:
+        from fxglm5.capture import capture
 
-    return capture(model, max_seq=max_tokens, head=head)
+        return capture(model, max_seq=max_tokens, head=head), []
+    from fxglm5.passes.by_kind import match_and_fuse
+
+    return match_and_fuse(model, max_seq=max_tokens, head=head, **rewrite)
 
 
 def compile_graph(graph: fx.GraphModule, config, *, stages=STAGES, device=None, backend: str | None = None,

@@ -160,8 +160,13 @@ def evaluate(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     return env[node]
 
 
-def add_constant(gm: fx.GraphModule, owner_path: str, name: str, tensor: torch.Tensor, before: fx.Node) -> fx.Node:
-    """Register ``tensor`` as buffer ``owner_path.name`` (made unique) and return a get_attr node for it."""
+def add_constant(gm: fx.GraphModule, owner_path: str, name: str, tensor: torch.Tensor, before: fx.Node,
+                 derived: tuple[tuple[str, ...], Callable]) -> fx.Node:
+    """Register ``tensor`` as buffer ``owner_path.name`` (made unique) and return a get_attr node for it.
+
+    ``derived = (sources, fn)``: how the constant is made from the graph's attributes, ``tensor ==
+    fn(*(attribute named s for s in sources))``; recorded in ``gm.meta["derived_constants"]`` so that capture by
+    layer kind can derive the same constant for every other layer of the kind from that layer's own weights."""
     owner = gm.get_submodule(owner_path) if owner_path else gm
     base, index = name, 0
     while hasattr(owner, name):
@@ -171,13 +176,34 @@ def add_constant(gm: fx.GraphModule, owner_path: str, name: str, tensor: torch.T
     with gm.graph.inserting_before(before):
         node = gm.graph.get_attr(f"{owner_path}.{name}" if owner_path else name)
     node.meta["val"] = tensor
+    gm.meta.setdefault("derived_constants", {})[node.target] = derived
     return node
 
 
+def replayable(node: fx.Node, leaves: list[fx.Node]) -> fx.GraphModule:
+    """The subgraph producing ``node`` from ``leaves`` as a module of its own, ``f(*leaf values)``: the same
+    computation, runnable again on other inputs after the graph's own nodes are rewritten or erased."""
+    graph = fx.Graph()
+    env = {leaf: graph.placeholder(f"leaf_{i}") for i, leaf in enumerate(leaves)}
+
+    def copy(n: fx.Node) -> fx.Node:
+        if n not in env:
+            for arg in n.all_input_nodes:
+                copy(arg)
+            env[n] = graph.node_copy(n, env.__getitem__)
+        return env[n]
+
+    graph.output(copy(node))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
 def insert_call(gm: fx.GraphModule, before: fx.Node, target: Callable, args: tuple, example: Any = None) -> fx.Node:
-    """Insert ``target(*args)`` before ``before``; ``example`` is recorded as its meta value."""
+    """Insert ``target(*args)`` before ``before``; ``example`` is recorded as its meta value. The node takes
+    ``before``'s module stack (the module whose computation it stands for; capture by layer kind reads it)."""
     with gm.graph.inserting_before(before):
         node = gm.graph.call_function(target, args)
+    if "nn_module_stack" in before.meta:
+        node.meta["nn_module_stack"] = before.meta["nn_module_stack"]
     if example is not None:
         node.meta["val"] = example
     return node

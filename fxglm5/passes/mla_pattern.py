@@ -12,6 +12,7 @@ Anything else (an added bias, another scale, a mask applied differently) is not 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -19,8 +20,8 @@ from torch import fx
 
 from fxglm5.passes.dequant import match_dequant, plain_weight
 from fxglm5.passes.graph_utils import (
-    add_constant, aten, const_float, evaluate, fake_call, get_attr_tensor, getitem_of, insert_call, is_neg_inf, is_op,
-    op_args, shape_of, through,
+    add_constant, aten, const_float, fake_call, get_attr_tensor, getitem_of, insert_call, is_neg_inf, is_op,
+    op_args, replayable, shape_of, through,
 )
 
 
@@ -145,25 +146,34 @@ def absorbed_weights(gm: fx.GraphModule, match: MLAMatch, before: fx.Node) -> tu
     """W_UK [H, dn, R] and W_UV [H, dv, R] split from kv_b_proj's weight, registered as constants.
 
     The weight is dequantized once, here, to the compute dtype (as serving engines do at load time);
-    on the meta device this stays a meta tensor. Returns None if the weight is not a constant.
+    on the meta device this stays a meta tensor. Returns None if the weight is not a constant. Each constant
+    records how it is derived from the weight (and scale) attributes, for capture by layer kind.
     """
     deq = match_dequant(match.kv_b_weight)
     if deq is not None:
-        env = {deq.weight: get_attr_tensor(gm, deq.weight), deq.scale: get_attr_tensor(gm, deq.scale)}
-        source = deq.weight
+        leaves = [deq.weight, deq.scale]
     else:
         source = plain_weight(match.kv_b_weight)
         if source is None:
             return None
-        env = {source: get_attr_tensor(gm, source)}
-    with torch.no_grad():
-        weight = evaluate(match.kv_b_weight, env)
-    rank = weight.shape[-1]
-    per_head = weight.reshape(match.heads, match.dn + match.dv, rank)
-    owner = source.target.rpartition(".")[0]
-    w_uk = add_constant(gm, owner, "w_uk", per_head[:, : match.dn].contiguous(), before)
-    w_uv = add_constant(gm, owner, "w_uv", per_head[:, match.dn :].contiguous(), before)
-    return w_uk, w_uv
+        leaves = [source]
+    sources = tuple(leaf.target for leaf in leaves)
+    weight_fn = replayable(match.kv_b_weight, leaves)
+    owner = leaves[0].target.rpartition(".")[0]
+    parts = {}
+    for index, name in enumerate(("w_uk", "w_uv")):
+        derive = functools.partial(_absorbed_part, weight_fn, match.heads, match.dn, index)
+        with torch.no_grad():
+            tensor = derive(*(get_attr_tensor(gm, leaf) for leaf in leaves))
+        parts[name] = add_constant(gm, owner, name, tensor, before, (sources, derive))
+    return parts["w_uk"], parts["w_uv"]
+
+
+def _absorbed_part(weight_fn, heads: int, dn: int, index: int, *sources) -> torch.Tensor:
+    """W_UK (index 0) or W_UV (index 1) [H, d, R] of the kv_b_proj weight ``weight_fn(*sources)`` [H*(dn+dv), R]."""
+    weight = weight_fn(*sources)
+    per_head = weight.reshape(heads, -1, weight.shape[-1])
+    return (per_head[:, :dn] if index == 0 else per_head[:, dn:]).contiguous()
 
 
 def is_causal_mask(node) -> bool:

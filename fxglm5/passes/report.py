@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import fx
 
+from fxglm5.passes.by_kind import captured_histogram
 from fxglm5.passes.lower import placement
 from fxglm5.passes.manager import PassResult, op_histogram
 
@@ -15,7 +16,7 @@ def pipeline_report(graph: fx.GraphModule, results: list[PassResult], capture_se
     """Describe what ``results`` did to ``graph`` (as it is after them), captured in ``capture_seconds``;
     ``lowered``: the result of the lower stage run on ``graph`` afterwards (the backends it chose per op)."""
     after = op_histogram(graph)
-    before = results[0].ops_before if results else after
+    before = captured_histogram(graph)
     lines = [f"capture: {capture_seconds:.1f}s, {sum(before.values())} ops"]
     lines += [r.summary() for r in results]
     names = sorted(set(before) | set(after), key=lambda k: -max(before.get(k, 0), after.get(k, 0)))
