@@ -35,6 +35,7 @@ def test_front_doors_capture_through_the_compiler(tmp_path, capture_calls):
         export_artifact(model, tmp_path / "tiny.pt2", head="hidden")
     with pytest.raises(Captured):
         main(["inspect", "--preset", "tiny"])
-    assert capture_calls == [dict(max_tokens=model.config.max_position_embeddings, head="logits"),
-                             dict(max_tokens=compiler.MAX_STEP_TOKENS, head="hidden"),
-                             dict(max_tokens=None, head="logits")]
+    match_fuse = dict(strict=False, act_quant=False, disabled=(), dump_dir=None)
+    assert capture_calls == [dict(max_tokens=model.config.max_position_embeddings, head="logits", rewrite=match_fuse),
+                             dict(max_tokens=compiler.MAX_STEP_TOKENS, head="hidden", rewrite={**match_fuse, "strict": True}),
+                             dict(max_tokens=None, head="logits", rewrite={**match_fuse, "strict": True})]
