@@ -255,7 +255,7 @@ def _inspect(args: argparse.Namespace) -> int:
     lowered = None
     if args.device:  # lowered for the device without running it: what would run where
         lowered = compile_graph(compiled.graph, model.config, stages=(Stage.LOWER,), device=args.device)[-1]
-    print(pipeline_report(*compiled, lowered=lowered))
+    print(pipeline_report(*compiled, lowered=lowered, device=args.device))
     return 0
 
 

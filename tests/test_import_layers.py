@@ -6,7 +6,9 @@ dependency order of the compiler's data flow (model -> capture -> passes -> lowe
 doors) with what each step needs placed under it: the passes emit the ops and the ``lower`` pass asks the
 lowering registry, so ``kernels`` (the torch references and Triton kernels, plain functions), ``ops`` (the
 op schemas, whose default implementations are those references) and ``lowering`` (the backend table and
-choice) sit below ``passes``. ``base`` holds the shared contracts, settings and error types.
+choice) sit below ``passes``. ``compiler`` (capture + the declared stages, the one compile of every caller) sits
+between the passes and the runtime that runs its graph. ``base`` holds the shared contracts, settings and error
+types.
 """
 
 import ast
@@ -24,9 +26,10 @@ LAYERS = [
     ("ops", ["fxglm5.ops"]),
     ("lowering", ["fxglm5.lowering"]),
     ("passes", ["fxglm5.passes"]),
+    ("compiler", ["fxglm5.compiler"]),
     ("runtime", ["fxglm5.runtime"]),
     ("front doors", ["fxglm5", "fxglm5.cli", "fxglm5.backend", "fxglm5.artifact", "fxglm5.artifact_format",
-                     "fxglm5.compiler", "fxglm5.rtpllm"]),
+                     "fxglm5.rtpllm"]),
 ]
 
 

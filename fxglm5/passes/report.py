@@ -12,9 +12,9 @@ from fxglm5.passes.manager import PassResult, op_histogram
 
 
 def pipeline_report(graph: fx.GraphModule, results: list[PassResult], capture_seconds: float,
-                    lowered: PassResult | None = None) -> str:
+                    lowered: PassResult | None = None, device: str | None = None) -> str:
     """Describe what ``results`` did to ``graph`` (as it is after them), captured in ``capture_seconds``;
-    ``lowered``: the result of the lower stage run on ``graph`` afterwards (the backends it chose per op)."""
+    ``lowered``: the result of the lower stage run on ``graph`` afterwards for ``device`` (the backends it chose)."""
     after = op_histogram(graph)
     before = captured_histogram(graph)
     lines = [f"capture: {capture_seconds:.1f}s, {sum(before.values())} ops"]
@@ -26,6 +26,6 @@ def pipeline_report(graph: fx.GraphModule, results: list[PassResult], capture_se
         lines.append(f"{name:28s} {before.get(name, 0):7d} {after.get(name, 0):7d}")
     lines.append(f"{'total':28s} {sum(before.values()):7d} {sum(after.values()):7d}")
     if lowered is not None:
-        lines.append(f"lowered (backends tried in order {lowered.details['backends']}):")
+        lines.append(f"lowered for {device} (backends tried in order {lowered.details['backends']}):")
         lines += [f"  {op}: {backend} x{n}" for (op, backend), n in placement(graph).items()]
     return "\n".join(lines)
