@@ -19,6 +19,7 @@ attributes the passes fold in (an eps, a softmax scale) must be the same across 
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 from torch import fx, nn
@@ -173,15 +174,10 @@ def rebind(graph: fx.GraphModule, weights: dict[str, torch.Tensor]) -> fx.GraphM
             values[node.target] = weights[node.target]
     for target, (sources, derive) in derived.items():
         with torch.no_grad():
-            values[target] = derive(*(weights.get(s, _attr(graph, s)) for s in sources))
+            values[target] = derive(*(weights.get(s, operator.attrgetter(s)(graph)) for s in sources))
     for target, value in values.items():
         owner, _, name = target.rpartition(".")
         (new.get_submodule(owner) if owner else new).register_buffer(name, value, persistent=False)
     new.meta.update(graph.meta)
     return new
 
-
-def _attr(module: nn.Module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module

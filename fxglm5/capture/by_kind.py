@@ -17,6 +17,7 @@ import collections
 import copy
 import dataclasses
 import logging
+import operator
 import re
 from typing import Callable
 
@@ -183,13 +184,6 @@ def _rename(target: str, src: int, dst: int) -> str:
     return f"{LAYERS}.{dst}{target[len(f'{LAYERS}.{src}'):]}" if src != dst else target
 
 
-def _attr(root, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _signature(nodes: list[fx.Node], owner: dict, layer: int) -> list:
     """A layer's rewritten graph with targets relative to the layer and reads from outside it blanked."""
     index = {n: i for i, n in enumerate(nodes)}
@@ -252,14 +246,14 @@ class _Stitcher:
 
     def _tensor(self, prefix_target: str, target: str, own: bool):
         if own or _layer_of_target(prefix_target) is None:
-            return _attr(self.gm, prefix_target)
+            return operator.attrgetter(prefix_target)(self.gm)
         if prefix_target in self.derived:
             sources, derive = self.derived[prefix_target]
             src, dst = _layer_of_target(prefix_target), _layer_of_target(target)
             with torch.no_grad():
-                return derive(*(_attr(self.model, _rename(s, src, dst)) for s in sources))
+                return derive(*(operator.attrgetter(_rename(s, src, dst))(self.model) for s in sources))
         try:
-            return _attr(self.model, target)
+            return operator.attrgetter(target)(self.model)
         except AttributeError:
             raise Unprovable(f"{prefix_target}: not a model attribute, and no pass recorded how it was derived") from None
 

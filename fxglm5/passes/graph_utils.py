@@ -125,10 +125,7 @@ def is_neg_inf(value: Any) -> bool:
 
 
 def get_attr_tensor(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
-    obj: Any = gm
-    for part in node.target.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return operator.attrgetter(node.target)(gm)
 
 
 def leaves(node: fx.Node, allowed: set) -> list[fx.Node] | None:
