@@ -74,9 +74,13 @@ class MLAAttention(nn.Module):
         self.o_proj = Linear(self.n_heads * self.v_dim, cfg.hidden_size, fp8, dtype, device)
         self.indexer = Indexer(cfg, dtype, device) if cfg.has_indexer(layer) else None
 
-    def forward(self, x, cos, sin, causal, prev_selection):
-        """x [B, S, hidden] -> ([B, S, hidden], selection mask used, for a following 'shared' layer)."""
+    def forward(self, x, cos, sin, prev_selection):
+        """x [B, S, hidden] -> ([B, S, hidden], selection mask used, for a following 'shared' layer).
+        ``prev_selection``: the selection of the layer before (a 'shared' layer without an indexer reuses it;
+        None before the first layer). The causal mask is built here, inside the layer, so that a layer compiled
+        on its own (torch.compile's regional recipe) still shows the passes the whole pattern."""
         bsz, seq, _ = x.shape
+        causal = causal_mask(seq, x.device)
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(bsz, seq, self.n_heads, self.nope + self.rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
@@ -87,8 +91,15 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope_interleaved(k_pe.view(bsz, seq, 1, self.rope), cos, sin)
 
         selection = self.indexer(x, q_latent, cos, sin, causal) if self.indexer is not None else prev_selection
-        out = naive_mla(q_nope, q_pe, c_kv, k_pe, self.kv_b_proj, causal & selection, self.v_dim, self.scale)
+        allowed = causal if selection is None else causal & selection
+        out = naive_mla(q_nope, q_pe, c_kv, k_pe, self.kv_b_proj, allowed, self.v_dim, self.scale)
         return self.o_proj(out), selection
+
+
+def causal_mask(seq: int, device) -> torch.Tensor:
+    """[1, S, S] boolean, True where key <= query."""
+    idx = torch.arange(seq, device=device)
+    return (idx[None, :] <= idx[:, None])[None]
 
 
 def naive_mla(q_nope, q_pe, c_kv, k_pe, kv_b_proj, allowed, v_dim: int, scale: float) -> torch.Tensor:

@@ -31,8 +31,8 @@ class DecoderLayer(nn.Module):
             else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.is_fp8, dtype, device)
         )
 
-    def forward(self, x, cos, sin, causal, prev_selection):
-        attn, selection = self.self_attn(self.input_layernorm(x), cos, sin, causal, prev_selection)
+    def forward(self, x, cos, sin, prev_selection):
+        attn, selection = self.self_attn(self.input_layernorm(x), cos, sin, prev_selection)
         h = x + attn
         return h + self.mlp(self.post_attention_layernorm(h)), selection
 
@@ -56,12 +56,10 @@ class Glm5Model(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(seq, device=input_ids.device)[None].expand(bsz, seq)
         cos, sin = rope_cos_sin(position_ids, self.config.qk_rope_head_dim, self.config.rope_theta)
-        idx = torch.arange(seq, device=input_ids.device)
-        causal = (idx[None, :] <= idx[:, None])[None]
         x = self.embed_tokens(input_ids)
-        selection = causal
+        selection = None
         for layer in self.layers:
-            x, selection = layer(x, cos, sin, causal, selection)
+            x, selection = layer(x, cos, sin, selection)
         return self.norm(x)
 
 

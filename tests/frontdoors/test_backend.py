@@ -99,18 +99,27 @@ def test_bad_options_are_named(options, named):
 def test_regional_compilation_compiles_each_layer_kind_once_over_each_layers_weights(monkeypatch):
     """PyTorch's regional recipe: each decoder layer compiled on its own. Dynamo reuses one graph per layer kind
     (tiny: one dense layer, three MoE layers -> two compiles) and passes each layer's parameters as inputs; every
-    layer must run on its own weights (a graph frozen to the first layer's weights gave logits off by 4.1)."""
+    layer must run on its own weights (a graph frozen to the first layer's weights gave logits off by 4.1), and
+    its attention must become sparse_mla (with the causal mask an input of the layer it stayed generic)."""
     cfg = Glm5Config.preset("tiny")
     model = random_model(cfg)
     ids, pos = _tokens(cfg, 1, 12)
     expected = model(ids, pos)
     compiles = []
-    real = fxglm5.backend.export_graph
-    monkeypatch.setattr(fxglm5.backend, "export_graph", lambda *a, **k: compiles.append(1) or real(*a, **k))
+    real = fxglm5.backend.compile_graph
+
+    def counted(*args, **kwargs):
+        results = real(*args, **kwargs)
+        compiles.append({r.name: r.num_matches for r in results})
+        return results
+
+    monkeypatch.setattr(fxglm5.backend, "compile_graph", counted)
     torch._dynamo.reset()
     for layer in model.model.layers:
         layer.compile(backend="fxglm5", dynamic=False)
     assert rel_err(model(ids, pos), expected) < 1e-4
     assert len(compiles) == 2
+    # each layer compiled alone still shows the passes its whole attention (the layer builds its causal mask)
+    assert [(c["match_sparse_mla"], c["fuse_fp8_moe"]) for c in compiles] == [(1, 0), (1, 1)]
     assert rel_err(model(ids, pos), expected) < 1e-4  # the bound graphs are reused, not rebuilt
     assert len(compiles) == 2

@@ -123,7 +123,7 @@ def test_match_mla_leaves_near_misses(p, variant):
 
 # ---------------------------------------------------------------- sparse MLA + indexer -------------
 class AttentionLayer(nn.Module):
-    """One GLM-5 attention layer (MLA + DSA indexer) from a config, with its causal mask and RoPE."""
+    """One GLM-5 attention layer (MLA + DSA indexer, which builds its causal mask) from a config, with RoPE."""
 
     def __init__(self, cfg, dtype, shared=False):
         super().__init__()
@@ -132,13 +132,10 @@ class AttentionLayer(nn.Module):
         self.attn2 = MLAAttention(cfg.replace(indexer_types=["full", "shared"], num_hidden_layers=2, mlp_layer_types=None), 1, dtype) if shared else None
 
     def forward(self, x, positions):
-        seq = x.shape[1]
-        idx = torch.arange(seq, device=x.device)
-        causal = (idx[None, :] <= idx[:, None])[None]
         cos, sin = rope_cos_sin(positions, self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
-        out, selection = self.attn(x, cos, sin, causal, causal)
+        out, selection = self.attn(x, cos, sin, None)
         if self.attn2 is not None:
-            out2, _ = self.attn2(out, cos, sin, causal, selection)
+            out2, _ = self.attn2(out, cos, sin, selection)
             out = out + out2
         return out
 
