@@ -88,3 +88,17 @@ def test_a_choice_reading_a_run_time_input_is_left_to_each_call(monkeypatch):
         cache.meta["val"] = torch.empty(4, 16, 132 if dtype == torch.uint8 else 128, dtype=dtype, device="meta")
         bound = registry.bind(call, "rtp_indexer", order, "cpu")
         assert isinstance(bound, registry.Bound) and bound.backend == backend
+
+
+def test_in_the_paged_graph_only_the_cache_reading_indexer_is_left_to_each_call():
+    """Through every stage (cache included) on the meta device for CUDA: every node but rtp_indexer (whose
+    Triton check reads the index cache's dtype, a run-time input) is bound at lower time. The final rms_norm
+    reads the rows select_sampled_rows keeps, whose count only the step knows: it was a per-call Dispatch
+    while those rows had no metadata."""
+    from fxglm5.compiler import compile_model
+    from fxglm5.passes.lower import placement
+
+    graph = compile_model(Glm5ForCausalLM(CFG, dtype=torch.bfloat16, device="meta"), device="cuda", max_tokens=4096).graph
+    per_call = {op for (op, backend) in placement(graph) if backend == "runtime"}
+    assert per_call == {"rtp_indexer"}
+    assert placement(graph)[("rms_norm", "triton")] == 13  # 17 matched, 4 folded into the cache writes

@@ -177,6 +177,18 @@ def add_constant(gm: fx.GraphModule, owner_path: str, name: str, tensor: torch.T
     return node
 
 
+def fake_index(like: fx.Node, dtype: torch.dtype = torch.int64):
+    """A fake 1-D ``dtype`` tensor of a length known only at run time (an unbacked size), in the fake mode of
+    ``like``'s value: the value of an index input a pass adds (the rows a step keeps), so that the nodes reading
+    it get shapes and dtypes for the lower stage. None when ``like`` has no fake value."""
+    example = val(like)
+    mode = getattr(example, "fake_mode", None)
+    if mode is None or mode.shape_env is None:
+        return None
+    with mode:
+        return torch.empty(mode.shape_env.create_unbacked_symint(), dtype=dtype, device=example.device)
+
+
 def replayable(node: fx.Node, leaves: list[fx.Node]) -> fx.GraphModule:
     """The subgraph producing ``node`` from ``leaves`` as a module of its own, ``f(*leaf values)``: the same
     computation, runnable again on other inputs after the graph's own nodes are rewritten or erased."""

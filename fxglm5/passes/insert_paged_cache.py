@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 import fxglm5.ops.cached  # noqa: F401  (registers the cached ops)
-from fxglm5.passes.graph_utils import aten, is_op, op_args
+from fxglm5.passes.graph_utils import aten, fake_call, fake_index, is_op, op_args
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -115,6 +115,10 @@ def insert_paged_cache(gm: fx.GraphModule, ctx) -> PassOutcome:
     _drop_pytree_signature(gm, output)
     with gm.graph.inserting_before(output):
         rows = gm.graph.call_function(aten.index_select.default, (output.args[0], 1, inputs["logits_indices"]))
+    index = fake_index(output.args[0])
+    if index is not None:  # the rows kept are known at run time only; their dtype and width are known now
+        inputs["logits_indices"].meta["val"] = index
+        rows.meta["val"] = fake_call(aten.index_select.default, output.args[0], 1, inputs["logits_indices"])
     output.args = (rows,)
     gm.meta["paged_cache"] = PagedSignature(tuple(names))
     return PassOutcome(len(attention), {"indexers": len(indexers)})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, is_cast, is_op, op_args
+from fxglm5.passes.graph_utils import aten, fake_call, is_cast, is_op, op_args
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -43,6 +43,9 @@ def select_sampled_rows(gm: fx.GraphModule, ctx) -> PassOutcome:
         with gm.graph.inserting_before(producer):
             earlier = gm.graph.call_function(aten.index_select.default, (rows, 1, op_args(select)["index"]))
         producer.replace_input_with(rows, earlier)
+        if "val" in op_args(select)["index"].meta and "val" in rows.meta:  # the shapes the lower stage reads
+            earlier.meta["val"] = fake_call(aten.index_select.default, rows, 1, op_args(select)["index"])
+            producer.meta["val"] = fake_call(lambda *args: producer.target(*args, **producer.kwargs), *producer.args)
         select.replace_all_uses_with(producer)
         gm.graph.erase_node(select)
         select, moved = earlier, moved + 1
