@@ -1,0 +1,191 @@
+"""Serving figures for the tensor / expert-parallel run (issue 26 executes it on eight H200s; it runs on one GPU at
+world size 1 today): TTFT and TPOT at batch 1, 8 and 64 for 2k and 32k contexts, through fxglm5's Runner and,
+at world size 1, through the RTP-LLM plugin (the stand-in engine of tests/rtp_standin), with beside them, from
+the same run: the per-layer time (TPOT / layers) and the step's roofline, the bytes a decode step must read on
+a rank (its weights, the experts its batch routes to, the cache rows the sparse attention and the indexer read)
+over the copy bandwidth measured on that device.
+
+The model has GLM-5's widths (FP8 block-scaled random weights, bf16 compute, FP8 latent and index caches,
+64-token blocks) and ``--layers`` layers (the first dense, the rest MoE with all 256 experts). Each rank builds
+it from the same seed: ranks > 1 (``--tp``) read their slices of a checkpoint directory (``--checkpoint``, which
+``--write-checkpoint`` makes first), as ``fxglm5 generate --tp`` does.
+
+    python bench/scale_out.py [--layers 2] [--batches 1,8,64] [--contexts 2048,32768] [--tp 1] [--ep N|1]
+                              [--checkpoint DIR [--write-checkpoint]] [--plugin] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "rtp_standin"))
+
+from bench import harness  # noqa: E402
+from bench.decode_step import random_model  # noqa: E402
+from bench.harness import save_run  # noqa: E402
+from fxglm5.contracts import FP8_ROW_BYTES, INDEX_ROW_BYTES  # noqa: E402
+from fxglm5.model.config import Glm5Config  # noqa: E402
+from fxglm5.runtime.runner import Runner  # noqa: E402
+
+STEPS = 6  # timed decode steps per point (after 2 warm-up steps that capture / autotune)
+
+
+def bench_config(layers: int, tiny: bool) -> Glm5Config:
+    if tiny:
+        return Glm5Config.preset("tiny-tp").replace(num_hidden_layers=layers, first_k_dense_replace=1,
+                                                    mlp_layer_types=None, indexer_types=None)
+    return Glm5Config.preset("glm5").replace(num_hidden_layers=layers, first_k_dense_replace=1, mlp_layer_types=None,
+                                             indexer_types=None, num_nextn_predict_layers=0)
+
+
+def step_bytes(cfg: Glm5Config, batch: int, ctx: int, tp: int, ep: int) -> int:
+    """Bytes one decode step must read on a rank: its share of the weights (the routed experts only as many as
+    ``batch`` tokens choose: expected distinct experts under uniform routing), the latent rows sparse attention
+    gathers (top-k per token) and the index rows the indexer scores (the whole context), per layer."""
+    from fxglm5.model.modeling import Glm5ForCausalLM
+
+    meta = Glm5ForCausalLM(cfg, dtype=torch.bfloat16, device="meta")
+    experts = cfg.n_routed_experts
+    touched = experts * (1 - (1 - 1 / experts) ** (batch * cfg.num_experts_per_tok))
+    total = 0.0
+    for name, p in meta.named_parameters():
+        size = p.numel() * p.element_size()
+        if ".mlp.experts." in name:
+            total += size * touched / experts / (ep if ep > 1 else tp)
+        elif any(s in name for s in ("q_b_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                                     "shared_experts", "lm_head", "kv_b_proj")):
+            total += size / tp
+        else:
+            total += size
+    rows = cfg.num_hidden_layers * batch * (min(ctx, cfg.index_topk) * FP8_ROW_BYTES + ctx * INDEX_ROW_BYTES)
+    return int(total + rows)
+
+
+def runner_points(rank, model_or_dir, cfg, batches, contexts, tp, ep, device):
+    """TTFT (prefill of one chunk of requests) and TPOT (median decode step) at every (batch, context)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    points = []
+    for ctx in contexts:
+        for batch in batches:
+            prompts = torch.randint(0, cfg.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(1)).tolist()
+            t0 = time.perf_counter()
+            runner = Runner(model_or_dir, kv_cache="fp8", index_cache="fp8", block_size=64, dtype=torch.bfloat16,
+                            max_cache_tokens=batch * (ctx + 64 + STEPS), device=device, tp=tp, ep=ep)
+            build_s = time.perf_counter() - t0
+            ttft = []
+            for prompt in prompts[:min(batch, 4)]:  # one request's prefill, alone in the step (TTFT), a few times
+                sync()
+                t0 = time.perf_counter()
+                runner.prefill([prompt])
+                sync()
+                ttft.append((time.perf_counter() - t0) * 1e3)
+            chunk = max(1, 16384 // ctx)
+            for i in range(min(batch, 4), batch, chunk):
+                runner.prefill(prompts[i:i + chunk])
+            for _ in range(2):
+                runner.decode()
+            steps = []
+            for _ in range(STEPS):
+                sync()
+                t0 = time.perf_counter()
+                runner.decode()
+                sync()
+                steps.append((time.perf_counter() - t0) * 1e3)
+            del runner
+            points.append(dict(batch=batch, ctx=ctx, build_s=round(build_s, 1),
+                               ttft_ms=round(statistics.median(ttft[1:] or ttft), 2),
+                               tpot_ms=round(statistics.median(steps), 3), steps_ms=[round(s, 3) for s in steps]))
+            print(points[-1], flush=True)
+    return points
+
+
+def _rank_run(rank, checkpoint, cfg, batches, contexts, ep):
+    return runner_points(rank, checkpoint, cfg, batches, contexts, rank.world, ep, rank.device)
+
+
+def plugin_points(checkpoint, cfg, batches, contexts, device):
+    """TPOT through the RTP-LLM plugin driven by the stand-in engine (its decode CUDA graphs), world size 1."""
+    from rtp_llm import standin_engine
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    points = []
+    for ctx in contexts:
+        for batch in batches:
+            prompts = torch.randint(0, cfg.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(1)).tolist()
+            blocks = batch * -(-(ctx + STEPS + 4) // 64) + 8
+            engine = standin_engine.Engine(checkpoint, external_model_packages=["fxglm5.rtpllm.models"], act_type="BF16",
+                                           fp8_kv_cache=True, seq_size_per_block=64, enable_cuda_graph=device == "cuda",
+                                           decode_capture_batch_sizes=(batch,), num_blocks=blocks,
+                                           max_seq_len=64 * -(-(ctx + STEPS + 4) // 64), device=device)
+            steps, decode = [], engine._decode
+
+            def timed(requests):
+                sync()
+                t0 = time.perf_counter()
+                out = decode(requests)
+                sync()
+                steps.append((time.perf_counter() - t0) * 1e3)
+                return out
+
+            engine._decode = timed
+            engine.generate(prompts, STEPS + 3)
+            points.append(dict(batch=batch, ctx=ctx, tpot_ms=round(statistics.median(steps[2:] or steps), 3)))
+            print("plugin", points[-1], flush=True)
+            del engine
+    return points
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--contexts", default="2048,32768")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=None, help="N (default: --tp) or 1")
+    parser.add_argument("--checkpoint", help="checkpoint directory (needed for --tp > 1 and --plugin)")
+    parser.add_argument("--write-checkpoint", action="store_true", help="write the random checkpoint there first")
+    parser.add_argument("--plugin", action="store_true", help="also through the RTP-LLM plugin (world size 1)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny-tp widths on the CPU (a smoke run)")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    ep = args.ep if args.ep is not None else args.tp
+    device = "cpu" if args.tiny else "cuda"
+    cfg = bench_config(args.layers, args.tiny)
+    if (args.tp > 1 or args.plugin) and not args.checkpoint:
+        parser.error("--tp > 1 and --plugin read a checkpoint directory: give --checkpoint DIR (--write-checkpoint)")
+    if args.write_checkpoint:
+        from fxglm5.model.tiny import make_tiny_checkpoint
+
+        t0 = time.time()
+        make_tiny_checkpoint(args.checkpoint, fp8=True, config=cfg)
+        print(f"checkpoint written in {time.time() - t0:.0f} s", flush=True)
+    copy_gbs = harness.copy_bandwidth_gbs() if device == "cuda" else None
+    if args.tp == 1:
+        source = args.checkpoint or random_model(cfg, device)
+        points = runner_points(None, source, cfg, batches, contexts, 1, 1, torch.device(device))
+    else:
+        from fxglm5.runtime.distributed import launch
+
+        _, points = launch(_rank_run, args.tp, args.checkpoint, cfg, batches, contexts, ep, device=device)
+    for point in points:
+        need = step_bytes(cfg, point["batch"], point["ctx"], args.tp, ep)
+        point.update(per_layer_ms=round(point["tpot_ms"] / cfg.num_hidden_layers, 3), step_bytes_per_rank=need,
+                     roofline_ms=round(need / (copy_gbs * 1e9) * 1e3, 3) if copy_gbs else None,
+                     tokens_per_s_per_gpu=round(point["batch"] / point["tpot_ms"] * 1e3 / args.tp, 1))
+    plugin = plugin_points(args.checkpoint, cfg, batches, contexts, device) if args.plugin else None
+    save_run(f"scale_out_tp{args.tp}_ep{ep}.json", layers=args.layers, tp=args.tp, ep=ep, copy_gbs=copy_gbs,
+             model="tiny-tp widths (CPU)" if args.tiny else
+             f"GLM-5 widths, {args.layers} layers (1 dense), 256 experts, block-FP8 random weights, FP8 caches",
+             runner=points, plugin=plugin)
+
+
+if __name__ == "__main__":
+    main()
