@@ -12,7 +12,7 @@ from fxglm5.model.attention import naive_mla
 from fxglm5.model.layers import Linear
 from fxglm5.passes.registry import passes_for
 from tests.helpers import randomize_
-from tests.passes.template import run_one
+from tests.passes.template import assert_untouched, export_small, paged_args, paged_dims, run_one
 
 # every example exports its module: half the profile's examples (4 in CI, 50 with HYPOTHESIS_PROFILE=local)
 exporting = settings(max_examples=max(3, settings.default.max_examples // 2))
@@ -66,6 +66,15 @@ MLA_EXAMPLE = dict(heads=2, rank=64, nope=8, rope=4, v_dim=8, batch=2, seq=7, fp
 
 def dense_mla(p, variant=None) -> DenseMLA:
     return randomize_(DenseMLA(p["heads"], p["rank"], p["nope"], p["rope"], p["v_dim"], p["fp8"], p["dtype"], variant))
+
+
+def assert_leaves_dense_mla(name: str, p, variant: str) -> None:
+    """Pass ``name`` leaves a near-miss DenseMLA (``variant``) of shapes ``p`` untouched, its softmax included."""
+    module = dense_mla(p, variant)
+    args = mla_inputs(p)
+    gm = export_small(module, args)
+    assert_untouched(name, gm, module, args)
+    assert "aten.softmax" in gm.code
 
 
 def mla_inputs(p, seed=0):
@@ -125,3 +134,18 @@ def canonical_graph(upto: str, module: CanonicalMLA | None = None) -> "torch.fx.
             return gm
         run_one(gm, spec.name)
     raise ValueError(f"{upto!r} is no pass of the cache or lower stage")
+
+
+def seqs(lengths, seed=0) -> list[torch.Tensor]:
+    """Requests of ``lengths`` tokens from CanonicalMLA's 50-token vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50, (n,), generator=gen) for n in lengths]
+
+
+def paged_reexport(name: str, module: CanonicalMLA | None = None) -> tuple:
+    """The template's ``reexport()`` for a pass over a paged graph: ``module``'s (a CanonicalMLA) graph as pass
+    ``name`` gets it, a two-request example, its dynamic shapes and a three-request step keeping 3 rows."""
+    gm = canonical_graph(name, module)
+    example = paged_args(gm, seqs([6, 3]), torch.float32)
+    other = paged_args(gm, seqs([5, 4, 2], 1), torch.float32, rows=torch.tensor([4, 8, 10]))
+    return gm, example, paged_dims(gm), other, None

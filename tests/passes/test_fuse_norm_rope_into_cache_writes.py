@@ -5,9 +5,8 @@ import copy
 
 import torch
 
-from tests.passes.modules import canonical_graph, canonical_mla
-from tests.passes.template import PassTemplate, paged_args, paged_dims, pipeline
-from tests.passes.test_insert_paged_cache import _seqs
+from tests.passes.modules import canonical_graph, canonical_mla, paged_reexport, seqs
+from tests.passes.template import PassTemplate, paged_args, pipeline
 
 
 def _folded_ops(layers: int, indexers: int) -> dict[str, int]:
@@ -25,13 +24,10 @@ class TestFuseNormRopeIntoCacheWrites(PassTemplate):
 
     def near_miss(self, case):
         gm = canonical_graph(self.name, canonical_mla(variant=case))
-        return gm, copy.deepcopy(gm), paged_args(gm, _seqs([6, 3]), torch.float32), None
+        return gm, copy.deepcopy(gm), paged_args(gm, seqs([6, 3]), torch.float32), None
 
     def reexport(self):
-        gm = canonical_graph(self.name)
-        example = paged_args(gm, _seqs([6, 3]), torch.float32)
-        other = paged_args(gm, _seqs([5, 4, 2], 1), torch.float32, rows=torch.tensor([4, 8, 10]))
-        return gm, example, paged_dims(gm), other, None
+        return paged_reexport(self.name)
 
 
 def test_what_is_folded():

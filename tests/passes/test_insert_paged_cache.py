@@ -9,7 +9,7 @@ import torch
 
 from fxglm5.passes import PassContext, op_histogram, run_pipeline
 from fxglm5.passes.insert_paged_cache import PagedSignature
-from tests.passes.modules import CanonicalMLA, canonical_graph, canonical_mla
+from tests.passes.modules import CanonicalMLA, canonical_graph, canonical_mla, seqs
 from tests.passes.template import (
     PassTemplate, assert_same_output, export_small, paged_args, paged_dims, pipeline, run_one,
 )
@@ -36,11 +36,6 @@ class ExtraInput(CanonicalMLA):
         return super().forward(input_ids, position_ids) * gain
 
 
-def _seqs(lengths, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 50, (n,), generator=gen) for n in lengths]
-
-
 class TestInsertPagedCache(PassTemplate):
     name = "insert_paged_cache"
     matches = {"fp8": 4, "shared": 4, "bf16": 4}
@@ -57,8 +52,8 @@ class TestInsertPagedCache(PassTemplate):
         gm = canonical_graph("insert_paged_cache")
         graph_after = copy.deepcopy(gm)
         run_one(graph_after, self.name)
-        example, other = paged_args(graph_after, _seqs([6, 3]), torch.float32), \
-            paged_args(graph_after, _seqs([5, 4, 2], 1), torch.float32, rows=torch.tensor([4, 8, 10]))
+        example, other = paged_args(graph_after, seqs([6, 3]), torch.float32), \
+            paged_args(graph_after, seqs([5, 4, 2], 1), torch.float32, rows=torch.tensor([4, 8, 10]))
         return gm, example, paged_dims(graph_after), other, None
 
 
@@ -99,7 +94,7 @@ def test_dense_mla_becomes_rtp_mla():
     assert ops.get("fxglm5.rtp_mla") == 1 and "fxglm5.mla" not in ops
     assert "fxglm5.rms_norm" not in ops and "fxglm5.rope_interleaved" not in ops
     assert placeholders(gm)[-1] == "kv_cache_0"
-    seqs = _seqs([6, 3], 1)
+    seqs = seqs([6, 3], 1)
     out = gm(*paged_args(gm, seqs, torch.float32))[0]
     ref = torch.cat([model(seq[None], torch.arange(len(seq))[None])[0] for seq in seqs])
     assert_same_output(out, ref, 1e-5)

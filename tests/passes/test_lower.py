@@ -13,9 +13,8 @@ from fxglm5.lowering import registry
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.passes import PassContext, run_pipeline
-from tests.passes.modules import canonical_graph
-from tests.passes.template import PassTemplate, paged_args, paged_dims, pipeline
-from tests.passes.test_insert_paged_cache import _seqs
+from tests.passes.modules import paged_reexport
+from tests.passes.template import PassTemplate, pipeline
 
 CFG = Glm5Config.preset("tiny")
 # what the tiny FP8 model holds after match + fuse: op -> node count
@@ -42,10 +41,7 @@ class TestLower(PassTemplate):
         return gm, lambda x, w: torch.nn.functional.rms_norm(x, [8], w, 1e-6), args, None
 
     def reexport(self):
-        gm = canonical_graph(self.name)
-        example = paged_args(gm, _seqs([6, 3]), torch.float32)
-        other = paged_args(gm, _seqs([5, 4, 2], 1), torch.float32, rows=torch.tensor([4, 8, 10]))
-        return gm, example, paged_dims(gm), other, None
+        return paged_reexport(self.name)
 
 
 def test_every_fxglm5_node_is_bound_and_recorded():

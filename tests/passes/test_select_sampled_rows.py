@@ -6,9 +6,8 @@ import copy
 import torch
 
 from fxglm5.passes.graph_utils import aten, op_args
-from tests.passes.modules import CanonicalMLA, canonical_graph, canonical_mla
-from tests.passes.template import PassTemplate, paged_args, paged_dims, pipeline, requests
-from tests.passes.test_insert_paged_cache import _seqs
+from tests.passes.modules import CanonicalMLA, canonical_graph, canonical_mla, paged_reexport, seqs
+from tests.passes.template import PassTemplate, paged_args, pipeline, requests
 
 
 class TokenMixingHead(CanonicalMLA):
@@ -28,13 +27,10 @@ class TestSelectSampledRows(PassTemplate):
     def near_miss(self, case):
         gm = canonical_graph(self.name, canonical_mla(TokenMixingHead, head=True))
         reference = copy.deepcopy(gm)
-        return gm, reference, paged_args(gm, _seqs([6, 3]), torch.float32, rows=torch.tensor([5, 8])), None
+        return gm, reference, paged_args(gm, seqs([6, 3]), torch.float32, rows=torch.tensor([5, 8])), None
 
     def reexport(self):
-        gm = canonical_graph(self.name, canonical_mla(head=True))
-        example = paged_args(gm, _seqs([6, 3]), torch.float32)
-        other = paged_args(gm, _seqs([5, 4, 2], 1), torch.float32, rows=torch.tensor([4, 8, 10]))
-        return gm, example, paged_dims(gm), other, None
+        return paged_reexport(self.name, canonical_mla(head=True))
 
 
 def test_selection_moves_above_the_final_norm_and_the_lm_head():
