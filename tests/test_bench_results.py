@@ -3,6 +3,8 @@
 A figure that cannot be traced to the run that produced it drifts unnoticed (issue 20, item 8: 9 of 48 result
 files recorded all three). These tests hold the files under bench/results/ to it and check that bench/harness's
 save path, which every bench script writes through, records the three fields itself.
+
+At the root of tests/: it checks bench/ (its results and harness), which no folder of fxglm5 mirrors.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 A hit must be a program over the calling module's own tensors, equal to a real export's, and a copy (a test that
 rewrites its graph does not rewrite the next test's); anything that could change the trace (weights, attributes,
 inputs, dynamic shapes, the FXGLM5_* environment, hooks, classes made inside a function) must miss or refuse.
+
+At the root of tests/: it checks the test machinery itself (tests/export_cache.py).
 """
 
 import pytest

@@ -9,6 +9,8 @@ op schemas, whose default implementations are those references) and ``lowering``
 choice) sit below ``passes``. ``compiler`` (capture + the declared stages, the one compile of every caller) sits
 between the passes and the runtime that runs its graph. ``base`` holds the shared contracts, settings and error
 types.
+
+At the root of tests/: it checks the whole fxglm5 package, no one folder of it.
 """
 
 import ast

@@ -1,5 +1,6 @@
-"""The lower pass chooses each node's backend at lower time, from the node's metadata, and records it: on the
-node (``meta['fxglm5_backend']``), in the pass's details, and in ``fxglm5 inspect --device``."""
+"""lower: every fxglm5 op bound to the backend chosen for it at lower time, from the node's metadata, and the choice
+recorded: on the node (``meta['fxglm5_backend']``), in the pass's details, and in ``fxglm5 inspect --device``
+(tests/passes/template.py's checks, then the choice per device and backend)."""
 
 import copy
 
@@ -12,12 +13,43 @@ from fxglm5.lowering import registry
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.passes import PassContext, run_pipeline
+from tests.passes.modules import paged_reexport
+from tests.passes.template import PassTemplate, pipeline
 
 CFG = Glm5Config.preset("tiny")
 # what the tiny FP8 model holds after match + fuse: op -> node count
 COUNTS = {"rms_norm": 17, "fp8_linear": 36, "rope_interleaved": 16, "indexer_topk": 4, "sparse_mla": 4,
           "moe_route": 3, "moe_fp8": 3}
 TRITON = {"rms_norm", "fp8_linear", "rope_interleaved", "moe_route", "moe_fp8"}  # the ops with a Triton kernel
+
+
+class TestLower(PassTemplate):
+    name = "lower"
+    # every fxglm5 node left by the cache stage: 13 norms, the FP8 linears, the 4 indexer query RoPEs (of the
+    # layers with an indexer), the 4 attention ops, the indexers, 3 routers and 3 MoE
+    matches = {"fp8": 13 + 36 + 4 + 4 + 4 + 3 + 3, "shared": 13 + 32 + 2 + 2 + 4 + 3 + 3, "bf16": 67}
+    ops = {"fp8": {}, "shared": {}}  # the nodes keep their ops (a bound op counts as the op it implements)
+    near_misses = ("aten_rms_norm",)
+
+    def near_miss(self, case):
+        """torch's own aten.rms_norm, the name of an fxglm5 op in another namespace: not lowered."""
+        graph = torch.fx.Graph()
+        x, w = graph.placeholder("x"), graph.placeholder("w")
+        graph.output(graph.call_function(torch.ops.aten.rms_norm.default, (x, [8], w, 1e-6)))
+        gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+        args = (torch.randn(2, 3, 8), torch.rand(8))
+        return gm, lambda x, w: torch.nn.functional.rms_norm(x, [8], w, 1e-6), args, None
+
+    def reexport(self):
+        return paged_reexport(self.name)
+
+
+def test_every_fxglm5_node_is_bound_and_recorded():
+    gm = pipeline("fp8").after["lower"]
+    lowered = [n for n in gm.graph.nodes if n.op == "call_function" and "fxglm5_backend" in n.meta]
+    assert len(lowered) == TestLower.matches["fp8"]
+    assert all(isinstance(n.target, registry.Bound) and n.target.backend == "reference" for n in lowered)
+    assert not any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "fxglm5" for n in gm.graph.nodes)
 
 
 @pytest.fixture(scope="module")
