@@ -26,7 +26,7 @@ if os.environ.get("FXGLM5_TEST_EXPORT_CACHE", "1") != "0":
 settings.register_profile(
     "ci",
     derandomize=True,
-    max_examples=8,
+    max_examples=4,
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
