@@ -110,7 +110,7 @@ def read(path: Path) -> tuple[torch.export.ExportedProgram, Glm5Config, torch.dt
         raise CheckpointError(f"{path}: not an fxglm5 artifact (truncated, or not a zip archive: {err})") from None
     try:
         params = _check_record(path, doc, weights, config, dtype, head)
-        plan = _read_plan(path, record, config)
+        plan = _read_plan(path, record, config)  # after the record's own fields: a map can only be as long as they say
         copies = _check_stored(path, doc, plan, {WEIGHTS: weights, CONSTANTS: constants})
     except (KeyError, TypeError, AttributeError, StopIteration) as err:
         raise CheckpointError(f"{path}: {PROGRAM} is not an exported program ({type(err).__name__}: {err})") from None
