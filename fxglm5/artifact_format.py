@@ -292,8 +292,9 @@ def _read_plan(path: Path, record: dict, config: Glm5Config) -> KindPlan:
         value = layers.get(field)
         if not all(type(v) is int and v >= 0 for v in (value if field in _LAYER_FIELDS and isinstance(value, list)
                                                          else [value])):
-            raise CheckpointError(f"{path}: {RECORD} layers.{field} {str(value)[:80]} is not "
-                                  + ("a list of " if field in _LAYER_FIELDS else "a ") + "non-negative integer")
+            raise CheckpointError(f"{path}: {RECORD} layers.{field} {repr(value)[:80]} is not "
+                                  + ("a list of non-negative integers" if field in _LAYER_FIELDS
+                                     else "a non-negative integer"))
     total = config.num_hidden_layers
     for field in _LAYER_FIELDS:
         if len(layers[field]) != total:

@@ -377,7 +377,7 @@ MALFORMED_MAPS = {  # case: (edits of the file, what the message says)
                                    f"{RECORD} layers.source has 3 entries; num_hidden_layers is 4"),
     "kinds shorter than the model": (dict(record=_layers(kinds=[0, 1, 1])),
                                      f"{RECORD} layers.kinds has 3 entries; num_hidden_layers is 4"),
-    "not a list of integers": (dict(record=_layers(source="0,1,2,2")), f"{RECORD} layers.source '0,1,2,2' is not a"),
+    "not a list of integers": (dict(record=_layers(source="0,1,2,2")), f"{RECORD} layers.source '0,1,2,2' is not a list of non-negative integers"),
     "not the plan of its kinds": (dict(record=_source(lambda s: [0, 1, 1, 2])),
                                   f"{RECORD} layers map is not the plan of its own kinds at depth 1"),
     "prefix longer than the program": (dict(record=_layers(kinds=[0, 1, 2, 3], prefix=4, source=[0, 1, 2, 3])),
@@ -393,8 +393,8 @@ MALFORMED_MAPS = {  # case: (edits of the file, what the message says)
         f"{CONSTANTS} has no model.layers.3.self_attn.kv_b_proj.w_uk .layer 3 copies the program's layer 2"),
     "a program layer's weight missing": (dict(weights=_drop("model.layers.1.input_layernorm.weight")),
                                          f"{WEIGHTS} has no model.layers.1.input_layernorm.weight .the program takes"),
-    "a tensor no layer reads": (dict(weights=lambda t: t.update({"model.layers.4.extra": torch.zeros(1)})),
-                                f"{WEIGHTS} holds model.layers.4.extra, which neither the program nor a layer"),
+    "a tensor no layer reads": (dict(weights=lambda t: t.update({"model.layers.3.extra": torch.zeros(1)})),
+                                f"{WEIGHTS} holds model.layers.3.extra, which neither the program nor a layer"),
     "a copied layer's weight of another shape": (
         dict(weights=lambda t: t.update({"model.layers.3.input_layernorm.weight": torch.ones(255)})),
         r"tensor model.layers.3.input_layernorm.weight is torch.float32 \(255,\); the program takes torch.float32 "
