@@ -6,11 +6,13 @@ and the match / fuse passes run over 5 layers instead of 78; the stitched graph 
 whole-model capture and passes give (``tests/test_capture_by_kind.py``). A copy of layer p at position j reads
 layer j's own parameters; constants a pass derived from layer p's weights (the absorbed MLA W_UK / W_UV) are
 derived again from layer j's, through the recipe the pass recorded in ``graph.meta[DERIVED]``
-(``passes.graph_utils.add_constant``). The stitcher reads the other layers' tensors from a mapping of names to
-tensors: the model's (:func:`module_tensors`) when compiling, an exported artifact's file when it is loaded (a
-graph deserialized from the file has no recipes: its stored constants are read by name like any weight). Whenever that cannot be proven (a hook, layers of one kind whose rewritten
+(``passes.graph_utils.add_constant``). Whenever that cannot be proven (a hook, layers of one kind whose rewritten
 graphs differ, a constant without a recipe, a node that does not belong to one layer), the whole model is
 captured instead and the reason logged.
+
+The stitcher reads the other layers' tensors from a mapping of names to tensors: the model's
+(:func:`module_tensors`) when compiling, an exported artifact's (``fxglm5.artifact``) when one is loaded; a
+graph deserialized from the file has no recipes, and its stored constants are read by name like any weight.
 """
 
 from __future__ import annotations
