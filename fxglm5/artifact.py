@@ -1,11 +1,14 @@
 """Front door: GLM-5 as one exported file, loaded and served without the model code's checkpoint loading,
 capture or matching.
 
-What the file holds is the device-independent half of the compile: the model captured and rewritten by the
-match and fuse stages into fxglm5's canonical ops (``fxglm5::sparse_mla``, ``fp8_linear``, ``moe_fp8`` ...),
-with its weights as they were loaded (block-FP8 stays FP8), re-exported with dynamic [batch, seq]; the format,
-and what loading it trusts, are :mod:`fxglm5.artifact_format`'s. Loading runs the device-specific half, the
-cache and lower stages, for the device it serves on. The caches are not in the file: the paged graph takes
+What the file holds is the device-independent half of the compile, once per decoder-layer kind: the leading
+layers that show every kind (``fxglm5.capture.by_kind``), captured and rewritten by the match and fuse stages
+into fxglm5's canonical ops (``fxglm5::sparse_mla``, ``fp8_linear``, ``moe_fp8`` ...) and re-exported with
+dynamic [batch, seq], the map of which of those layers each of the model's layers copies, and every layer's
+weights as they were loaded (block-FP8 stays FP8) with the constants the passes derived from them; the format,
+and what loading it trusts, are :mod:`fxglm5.artifact_format`'s. Loading stitches the program to the whole
+model from the file's tensors (the stitcher of the compile) and runs the device-specific half, the cache and
+lower stages, for the device it serves on. The caches are not in the file: the paged graph takes
 them as inputs (``insert_paged_cache``). The cache stage is not exported because its ops write the caches in
 place, which ``torch.export`` would functionalize into a copy of every cache per step.
 
@@ -16,6 +19,7 @@ place, which ``torch.export`` would functionalize into a copy of every cache per
 from __future__ import annotations
 
 import dataclasses
+import operator
 from pathlib import Path
 
 import torch
@@ -24,6 +28,8 @@ from torch import fx
 import fxglm5
 from fxglm5 import artifact_format
 from fxglm5.artifact_format import CONSTANTS, FORMAT, MEMBERS, PROGRAM, RECORD, WEIGHTS
+from fxglm5.capture.by_kind import PREFIX, context_depth, layer_copies, stitch
+from fxglm5.capture.layer_kinds import KindPlan, Unprovable, plan_kinds
 from fxglm5.compiler import MAX_STEP_TOKENS, compile_model, lower_for_device
 from fxglm5.errors import CheckpointError
 from fxglm5.model.config import Glm5Config
@@ -35,20 +41,38 @@ __all__ = ["Artifact", "export_artifact", "load_artifact", "check_out_path",
 
 @dataclasses.dataclass
 class Artifact:
-    """A loaded artifact: the canonical program and what the runtime needs beside it (``config``, ``dtype``:
-    a :class:`~fxglm5.runtime.runner.Runner` takes an Artifact where it takes a model)."""
+    """A loaded artifact: the canonical program of the layer-kind prefix, the ``plan`` that stitches it to the
+    whole model from ``tensors`` (every stored tensor by name), and what the runtime needs beside it
+    (``config``, ``dtype``: a :class:`~fxglm5.runtime.runner.Runner` takes an Artifact where it takes a model)."""
 
     program: torch.export.ExportedProgram
     config: Glm5Config
     dtype: torch.dtype
     head: str
     record: dict
+    plan: KindPlan
+    tensors: dict
+
+    def graph(self, path: str | Path = "artifact") -> fx.GraphModule:
+        """A fresh canonical graph of the whole model: the program stitched to every layer (the program itself
+        when it holds them all). CheckpointError naming ``path`` where the program cannot be stitched as the
+        map says."""
+        prefix = self.program.module()
+        if self.plan.prefix == len(self.plan.source):
+            return prefix
+        try:
+            depth = context_depth(prefix, self.plan)
+            if depth > self.plan.depth:
+                raise Unprovable(f"its layers read {depth} layers back, its map's contexts are {self.plan.depth} deep")
+            return stitch(prefix, self.tensors, self.plan)
+        except Unprovable as why:
+            raise CheckpointError(f"{path}: {PROGRAM} cannot be stitched as {RECORD} layers says ({why})") from None
 
     def paged_graph(self, device="cpu", backend: str | None = None, disabled_passes=()) -> tuple[fx.GraphModule, list]:
-        """A fresh paged graph for ``device``: the canonical program with the cache and lower stages run
-        (without ``disabled_passes``)."""
+        """A fresh paged graph for ``device``: the canonical whole-model graph with the cache and lower stages
+        run (without ``disabled_passes``)."""
 
-        graph = _on_device(self.program.module(), torch.device(device))
+        graph = _on_device(self.graph(), torch.device(device))
         return graph, lower_for_device(graph, self.config, device=device, backend=backend, disabled_passes=disabled_passes)
 
     def runner(self, *, device="cpu", backend: str | None = None, disabled_passes=(), **runner_options):
@@ -90,16 +114,36 @@ def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_p
     path = check_out_path(path)
     graph, results, _ = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), head=head, max_tokens=MAX_STEP_TOKENS,
                                       strict=True, disabled_passes=disabled_passes, dump_dir=dump_dir)
+    layers = model.config.num_hidden_layers
+    prefix, plan = graph.meta.get(PREFIX) or (graph, plan_kinds(list(range(layers)), 0))  # whole: identity map
+    _drop_unread(prefix)
     example, dims = token_inputs(next(model.parameters()).device, 1024, MAX_STEP_TOKENS)
     with torch.no_grad():
-        program = torch.export.export(graph, example, dynamic_shapes=(dims, dims), strict=False)
+        program = torch.export.export(prefix, example, dynamic_shapes=(dims, dims), strict=False)
     hashes = {spec.name: spec.source_hash for spec in passes_for((Stage.MATCH, Stage.FUSE))}
     record = dict(format=FORMAT, config=model.config.to_dict(), dtype=str(model.dtype).removeprefix("torch."),
-                  head=head, passes={r.name: dict(matches=r.num_matches, source_hash=hashes.get(r.name))
-                                     for r in results},
+                  head=head, layers=artifact_format.plan_record(plan),
+                  passes={r.name: dict(matches=r.num_matches, source_hash=hashes.get(r.name)) for r in results},
                   versions=dict(fxglm5=fxglm5.__version__, torch=torch.__version__))
-    artifact_format.write(path, program, record)
+    weights, constants = (_every_layer(stored, graph, plan) for stored in (program.state_dict, program.constants))
+    artifact_format.write(path, program, record, weights, constants)
     return path
+
+
+def _drop_unread(gm: fx.GraphModule) -> None:
+    """Delete the parameters and buffers no node of ``gm`` reads (kv_b_proj's weight once a pass absorbed it into
+    W_UK / W_UV), which export would otherwise take as inputs and the file store for every layer."""
+    read = {node.target for node in gm.graph.find_nodes(op="get_attr")}
+    for name in [name for name, _ in (*gm.named_parameters(), *gm.named_buffers()) if name not in read]:
+        owner, _, leaf = name.rpartition(".")
+        delattr(gm.get_submodule(owner), leaf)
+
+
+def _every_layer(stored: dict, whole: fx.GraphModule, plan: KindPlan) -> dict:
+    """The program's tensors ``stored`` and, for each, every copied layer's counterpart, read from the stitched
+    ``whole`` graph (its own weights and derived constants)."""
+    return {**stored, **{copy: operator.attrgetter(copy)(whole) for name in stored
+                         for _, copy in layer_copies(name, plan)}}
 
 
 def check_out_path(path: str | Path) -> Path:
@@ -119,4 +163,6 @@ def load_artifact(path: str | Path) -> Artifact:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such artifact file")
-    return Artifact(*artifact_format.read(path))
+    artifact = Artifact(*artifact_format.read(path))
+    artifact.graph(path)  # the map's stitching checked now, not when serving starts
+    return artifact

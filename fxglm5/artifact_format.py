@@ -1,9 +1,17 @@
-"""The artifact file format (fxglm5-artifact/2), and what loading one trusts.
+"""The artifact file format (fxglm5-artifact/3), and what loading one trusts.
 
 A zip of four members and nothing else: ``fxglm5.json`` (the record: format, config, compute dtype, head, the
-passes run with their match counts and source hashes, versions), ``program.json`` (the exported program in
-torch's JSON schema, ``torch._export.serde``, without its guards code), ``weights.safetensors`` and
+layer map, the passes run with their match counts and source hashes, versions), ``program.json`` (the exported
+program in torch's JSON schema, ``torch._export.serde``, without its guards code), ``weights.safetensors`` and
 ``constants.safetensors``. No pickle, no sample inputs, no Python source.
+
+The program holds the rewritten layer-kind prefix only (``fxglm5.capture.by_kind``: 5 of GLM-5's 78 layers);
+the record's ``layers`` map (the KindPlan: ``kinds``, ``prefix``, ``source``, ``depth``) says which program
+layer each of the model's layers copies. The tensors are every layer's, once, in the model's naming: the
+weights (parameters) in ``weights.safetensors``, the constants the passes derived (the absorbed MLA W_UK / W_UV
+of every layer, stored as tensors: their recipes are Python and stay out of the file) in
+``constants.safetensors``. A model that could not be captured per kind is stored whole with the identity map.
+fxglm5-artifact/2 (the whole stitched model re-exported) is refused by name: re-export it.
 
 Reading runs nothing from the file. Before anything is deserialized it refuses any other member (a torch.export
 .pt2, fxglm5-artifact/1 included, holds pickles), and any part of the program that torch's deserializer or
@@ -11,8 +19,10 @@ Reading runs nothing from the file. Before anything is deserialized it refuses a
 sympy (``sympify`` evals it), a node name or parameter path that is not an identifier (FX generates code
 from them), an op that is not a registered, non-mutating aten or fxglm5 op (called when the graph runs),
 subgraphs and script objects. Tensors are read only through safetensors. Then the record is checked against
-the program (vocab, width, layers, dtype, index_topk, eps, head) and each tensor against the shape and dtype
-the program takes.
+the program (vocab, width, layers, dtype, index_topk, eps, head), the layer map against the model (one entry
+per layer, positions inside the program's layers, the plan of its own kinds), and the tensors against both: the
+program's and each copied layer's counterpart of them present in their member, with the shape and dtype the
+program takes, and nothing else stored.
 """
 
 from __future__ import annotations
@@ -30,10 +40,13 @@ import torch
 from torch._export.serde import serialize as serde
 
 import fxglm5.ops  # noqa: F401 - registers the fxglm5 ops a program names
+from fxglm5.capture.by_kind import layer_copies
+from fxglm5.capture.layer_kinds import KindPlan, plan_kinds
 from fxglm5.errors import CheckpointError
 from fxglm5.model.config import Glm5Config
 
-FORMAT = "fxglm5-artifact/2"
+FORMAT = "fxglm5-artifact/3"
+OLD_FORMATS = ("fxglm5-artifact/1", "fxglm5-artifact/2")
 RECORD, PROGRAM, WEIGHTS, CONSTANTS = "fxglm5.json", "program.json", "weights.safetensors", "constants.safetensors"
 MEMBERS = (RECORD, PROGRAM, WEIGHTS, CONSTANTS)
 
@@ -46,13 +59,19 @@ def _serialize_program(program: torch.export.ExportedProgram) -> bytes:
     return serde.serialize(program).exported_program
 
 
-def write(path: Path, program: torch.export.ExportedProgram, record: dict) -> None:
-    """Save ``program`` and its ``record`` as an artifact at ``path``."""
+def plan_record(plan: KindPlan) -> dict:
+    """The record's ``layers`` field for ``plan``."""
+    return dict(kinds=list(plan.kinds), prefix=plan.prefix, source=list(plan.source), depth=plan.depth)
+
+
+def write(path: Path, program: torch.export.ExportedProgram, record: dict, weights: dict, constants: dict) -> None:
+    """Save ``program`` (the rewritten prefix), its ``record`` (with the ``layers`` map) and every layer's
+    ``weights`` and ``constants`` as an artifact at ``path``."""
     doc = json.loads(_serialize_program(program))
     doc.pop("guards_code", None)  # Python source; without sample inputs torch makes no guards from it anyway
     members = {RECORD: json.dumps(record, indent=1), PROGRAM: json.dumps(doc),
-               WEIGHTS: safetensors.torch.save(_plain(path, program.state_dict)),
-               CONSTANTS: safetensors.torch.save(_plain(path, program.constants))}
+               WEIGHTS: safetensors.torch.save(_plain(path, weights)),
+               CONSTANTS: safetensors.torch.save(_plain(path, constants))}
     with zipfile.ZipFile(path, "w") as archive:
         for name, data in members.items():
             archive.writestr(name, data)
@@ -75,9 +94,10 @@ def _plain(path: Path, tensors: dict) -> dict[str, torch.Tensor]:
     return plain
 
 
-def read(path: Path) -> tuple[torch.export.ExportedProgram, Glm5Config, torch.dtype, str, dict]:
-    """The program, config, dtype, head and record of the artifact at ``path``, checked as the module says;
-    CheckpointError naming the file (and the member, field or tensor) otherwise."""
+def read(path: Path) -> tuple[torch.export.ExportedProgram, Glm5Config, torch.dtype, str, dict, KindPlan, dict]:
+    """The program, config, dtype, head, record, layer plan and every stored tensor by name (the program's
+    among them) of the artifact at ``path``, checked as the module says; CheckpointError naming the file (and
+    the member, field or tensor) otherwise."""
     try:
         with zipfile.ZipFile(path) as archive:
             _check_members(path, archive)
@@ -90,16 +110,21 @@ def read(path: Path) -> tuple[torch.export.ExportedProgram, Glm5Config, torch.dt
         raise CheckpointError(f"{path}: not an fxglm5 artifact (truncated, or not a zip archive: {err})") from None
     try:
         params = _check_record(path, doc, weights, config, dtype, head)
+        plan = _read_plan(path, record, config)  # after the record's own fields: a map can only be as long as they say
+        copies = _check_stored(path, doc, plan, {WEIGHTS: weights, CONSTANTS: constants})
     except (KeyError, TypeError, AttributeError, StopIteration) as err:
         raise CheckpointError(f"{path}: {PROGRAM} is not an exported program ({type(err).__name__}: {err})") from None
+    params |= {name for param in params for name in copies.get(param, ())}
     weights = {k: torch.nn.Parameter(v, requires_grad=False) if k in params else v for k, v in weights.items()}
+    tensors = {**weights, **constants}
     try:
-        program = serde.deserialize(serde.SerializedArtifact(raw, weights, constants, b""))
+        program = serde.deserialize(serde.SerializedArtifact(raw, *(
+            {k: v for k, v in member.items() if k in copies} for member in (weights, constants)), b""))
     except Exception as err:  # noqa: BLE001 - a program torch cannot rebuild is this file's problem
         raise CheckpointError(f"{path}: {PROGRAM} does not deserialize "
                               f"({type(err).__name__}: {str(err)[:300]})") from None
-    _check_tensors(path, program)
-    return program, config, dtype, head, record
+    _check_tensors(path, program, tensors, copies)
+    return program, config, dtype, head, record, plan, tensors
 
 
 def _check_members(path: Path, archive: zipfile.ZipFile) -> None:
@@ -135,6 +160,9 @@ def _json(path: Path, member: str, raw: bytes):
 def _read_record(path: Path, raw: bytes) -> tuple[Glm5Config, torch.dtype, str, dict]:
     record = _json(path, RECORD, raw)
     found = record.get("format") if isinstance(record, dict) else None
+    if found in OLD_FORMATS:
+        raise CheckpointError(f"{path}: an {found} artifact; this fxglm5 reads {FORMAT} only (it stores each layer "
+                              "kind's program once): export it again from its checkpoint (fxglm5 export)")
     if found != FORMAT:
         raise CheckpointError(f"{path}: not an fxglm5 artifact ({RECORD}: format {found!r}, expected {FORMAT!r})")
     if not isinstance(record.get("config"), dict):
@@ -250,15 +278,86 @@ def _check_record(path: Path, doc: dict, weights: dict, config: Glm5Config, dtyp
     return set(params.values())
 
 
-def _check_tensors(path: Path, program) -> None:
-    """Each stored tensor has the shape and dtype the program was exported with."""
+_LAYER_FIELDS = ("kinds", "source")
+
+
+def _read_plan(path: Path, record: dict, config: Glm5Config) -> KindPlan:
+    """The record's ``layers`` map: one kind and one program position per layer of the model, positions inside
+    the program's ``prefix`` layers, and the very plan ``plan_kinds`` makes of those kinds at that depth (what
+    the stitcher's wiring relies on)."""
+    layers = record.get("layers")
+    if not isinstance(layers, dict):
+        raise CheckpointError(f"{path}: {RECORD} has no layers map (which program layer each model layer copies)")
+    for field in ("prefix", "depth", *_LAYER_FIELDS):
+        value = layers.get(field)
+        if not all(type(v) is int and v >= 0 for v in (value if field in _LAYER_FIELDS and isinstance(value, list)
+                                                         else [value])):
+            raise CheckpointError(f"{path}: {RECORD} layers.{field} {repr(value)[:80]} is not "
+                                  + ("a list of non-negative integers" if field in _LAYER_FIELDS
+                                     else "a non-negative integer"))
+    total = config.num_hidden_layers
+    for field in _LAYER_FIELDS:
+        if len(layers[field]) != total:
+            raise CheckpointError(f"{path}: {RECORD} layers.{field} has {len(layers[field])} entries; "
+                                  f"num_hidden_layers is {total}")
+    prefix = layers["prefix"]
+    for j, p in enumerate(layers["source"]):
+        if p >= prefix:
+            raise CheckpointError(f"{path}: {RECORD} layers.source[{j}] is {p}, outside the program's {prefix} layers "
+                                  "(layers.prefix)")
+    plan = KindPlan(tuple(layers["kinds"]), prefix, tuple(layers["source"]), layers["depth"])
+    if plan_kinds(list(plan.kinds), plan.depth) != plan:
+        raise CheckpointError(f"{path}: {RECORD} layers map is not the plan of its own kinds at depth {plan.depth} "
+                              f"(expected {plan_record(plan_kinds(list(plan.kinds), plan.depth))})")
+    return plan
+
+
+def _check_stored(path: Path, doc: dict, plan: KindPlan, members: dict[str, dict]) -> dict[str, list[str]]:
+    """Every tensor the program takes, and each copied layer's counterpart of it, stored in the member the
+    program's own is in; nothing else stored. Returns each program tensor's copies' names."""
+    kinds = dict(parameter=WEIGHTS, buffer=WEIGHTS, tensor_constant=CONSTANTS)
+    copies: dict[str, list[str]] = {}
+    layers = set()
+    for spec in doc["graph_module"]["signature"]["input_specs"]:
+        kind, arg = next(iter(spec.items()))
+        if kind not in kinds:
+            continue
+        name = arg[f"{kind}_name"]
+        member = CONSTANTS if kind == "buffer" and not arg.get("persistent", True) else kinds[kind]
+        if name not in members[member]:
+            raise CheckpointError(f"{path}: {member} has no {name} (the program takes it)")
+        copies[name] = []
+        if name.startswith("model.layers."):
+            layers.add(name.split(".")[2])
+        for j, copy in layer_copies(name, plan):
+            if copy not in members[member]:
+                raise CheckpointError(f"{path}: {member} has no {copy} (layer {j} copies the program's layer "
+                                      f"{plan.source[j]}, which takes {name})")
+            copies[name].append(copy)
+    if layers != {str(p) for p in range(plan.prefix)}:
+        raise CheckpointError(f"{path}: {RECORD} layers.prefix is {plan.prefix}; its program holds "
+                              f"{len(layers)} layers ({', '.join(sorted(layers, key=int))})")
+    read = set(copies) | {name for names in copies.values() for name in names}
+    for member, tensors in members.items():
+        extra = sorted(set(tensors) - read)
+        if extra:
+            raise CheckpointError(f"{path}: {member} holds {extra[0]}, which neither the program nor a layer the "
+                                  "map copies reads")
+    return copies
+
+
+def _check_tensors(path: Path, program, tensors: dict, copies: dict[str, list[str]]) -> None:
+    """Each stored tensor (a program tensor and its copies in other layers) has the shape and dtype the program
+    was exported with."""
     signature = program.graph_signature
     names = {**signature.inputs_to_parameters, **signature.inputs_to_buffers,
              **signature.inputs_to_lifted_tensor_constants}
     for node in program.graph.find_nodes(op="placeholder"):
         if node.name in names:
             name, meta = names[node.name], node.meta["val"]
-            tensor = program.state_dict.get(name, program.constants.get(name))
-            if tensor.shape != meta.shape or tensor.dtype != meta.dtype:
-                raise CheckpointError(f"{path}: tensor {name} is {tensor.dtype} {tuple(tensor.shape)}; the program "
-                                      f"takes {meta.dtype} {tuple(meta.shape)}")
+            for stored in (name, *copies[name]):
+                tensor = tensors[stored]
+                if tensor.shape != meta.shape or tensor.dtype != meta.dtype:
+                    raise CheckpointError(f"{path}: tensor {stored} is {tensor.dtype} {tuple(tensor.shape)}; the "
+                                          f"program takes {meta.dtype} {tuple(meta.shape)}"
+                                          + (f" (for {name})" if stored != name else ""))

@@ -154,7 +154,7 @@ def _generate_cmd(args: argparse.Namespace) -> int:
 # ---- export -------------------------------------------------------------------------------------
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--out", required=True, help="artifact file to write (fxglm5-artifact/2 zip, e.g. glm5.pt2)")
+    p.add_argument("--out", required=True, help="artifact file to write (fxglm5-artifact/3 zip, e.g. glm5.pt2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="compute dtype")
     p.add_argument("--head", choices=["logits", "hidden"], default="logits",
                    help="logits, or the final-norm hidden states (engines that apply the lm_head themselves)")

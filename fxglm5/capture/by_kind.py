@@ -9,6 +9,10 @@ derived again from layer j's, through the recipe the pass recorded in ``graph.me
 (``passes.graph_utils.add_constant``). Whenever that cannot be proven (a hook, layers of one kind whose rewritten
 graphs differ, a constant without a recipe, a node that does not belong to one layer), the whole model is
 captured instead and the reason logged.
+
+The stitcher reads the other layers' tensors from a mapping of names to tensors: the model's
+(:func:`module_tensors`) when compiling, an exported artifact's (``fxglm5.artifact``) when one is loaded; a
+graph deserialized from the file has no recipes, and its stored constants are read by name like any weight.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import dataclasses
 import logging
 import operator
 import re
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import fx
@@ -32,6 +36,7 @@ log = logging.getLogger(__name__)
 LAYERS = "model.layers"
 DERIVED = "derived_constants"  # graph.meta key: target -> (source targets, fn(*source tensors) -> tensor)
 CAPTURED_OPS = "captured_op_counts"  # graph.meta key: call_function target -> count in the captured whole model
+PREFIX = "kind_prefix"  # graph.meta key: (rewritten prefix graph, KindPlan), what an exported artifact stores
 PRE, POST = "pre", "post"
 
 
@@ -40,7 +45,8 @@ def capture_rewritten(model: torch.nn.Module, rewrite: Callable, *, max_batch: i
     """``capture(model)`` followed by ``rewrite(graph, config) -> list[PassResult]`` (the match / fuse passes),
     run on the layer-kind prefix and stitched to the whole model (else on the whole model). Returns the whole
     model's rewritten graph and the results, whose ``num_matches`` count the whole model's matches;
-    ``graph.meta[CAPTURED_OPS]`` holds the op counts of the captured (not yet rewritten) whole model."""
+    ``graph.meta[CAPTURED_OPS]`` holds the op counts of the captured (not yet rewritten) whole model, and, when
+    it was captured per kind, ``graph.meta[PREFIX]`` the rewritten prefix graph and its plan."""
     options = dict(max_batch=max_batch, max_seq=max_seq, head=head)
     try:
         keys = [layer_key(layer, f"{LAYERS}.{i}") for i, layer in enumerate(decoder_layers(model, LAYERS))]
@@ -52,8 +58,9 @@ def capture_rewritten(model: torch.nn.Module, rewrite: Callable, *, max_batch: i
             results = rewrite(gm, prefix_model.config)
             needed = context_depth(gm, plan)
             if needed <= plan.depth:
-                whole = stitch(gm, model, plan)
+                whole = stitch(gm, module_tensors(model), plan)
                 whole.meta[CAPTURED_OPS] = counts
+                whole.meta[PREFIX] = (gm, plan)
                 log.info("captured %d of %d layers (%d kinds, context depth %d)", plan.prefix, len(keys),
                          len(set(plan.kinds)), plan.depth)
                 return whole, [scale_result(r, gm, whole) for r in results]
@@ -201,8 +208,8 @@ def _signature(nodes: list[fx.Node], owner: dict, layer: int) -> list:
 class _Stitcher:
     """Builds the whole model's graph from the rewritten prefix graph ``gm`` (see the module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, model: torch.nn.Module, plan: KindPlan):
-        self.gm, self.model, self.plan = gm, model, plan
+    def __init__(self, gm: fx.GraphModule, tensors: Mapping[str, torch.Tensor], plan: KindPlan):
+        self.gm, self.tensors, self.plan = gm, tensors, plan
         self.owner = segments(gm, plan.prefix)
         self.layer_nodes = [_members(gm, self.owner, p) for p in range(plan.prefix)]
         self.index = {n: i for nodes in self.layer_nodes for i, n in enumerate(nodes)}
@@ -247,15 +254,16 @@ class _Stitcher:
     def _tensor(self, prefix_target: str, target: str, own: bool):
         if own or _layer_of_target(prefix_target) is None:
             return operator.attrgetter(prefix_target)(self.gm)
-        if prefix_target in self.derived:
-            sources, derive = self.derived[prefix_target]
-            src, dst = _layer_of_target(prefix_target), _layer_of_target(target)
-            with torch.no_grad():
-                return derive(*(operator.attrgetter(_rename(s, src, dst))(self.model) for s in sources))
         try:
-            return operator.attrgetter(target)(self.model)
-        except AttributeError:
-            raise Unprovable(f"{prefix_target}: not a model attribute, and no pass recorded how it was derived") from None
+            if prefix_target in self.derived:
+                sources, derive = self.derived[prefix_target]
+                src, dst = _layer_of_target(prefix_target), _layer_of_target(target)
+                with torch.no_grad():
+                    return derive(*(self.tensors[_rename(s, src, dst)] for s in sources))
+            return self.tensors[target]
+        except KeyError as missing:
+            raise Unprovable(f"{prefix_target}: no tensor {missing} for layer {_layer_of_target(target)}'s copy, "
+                             "and no pass recorded how it was derived") from None
 
     def _copy(self, node: fx.Node, read: Callable, src, dst) -> fx.Node:
         if node.op == "get_attr":
@@ -296,9 +304,24 @@ class _Stitcher:
         return whole
 
 
-def stitch(gm: fx.GraphModule, model: torch.nn.Module, plan: KindPlan) -> fx.GraphModule:
-    """The whole model's rewritten graph from the rewritten prefix ``gm`` (raises Unprovable where it cannot)."""
-    return _Stitcher(gm, model, plan).build()
+def stitch(gm: fx.GraphModule, tensors: Mapping[str, torch.Tensor], plan: KindPlan) -> fx.GraphModule:
+    """The whole model's rewritten graph from the rewritten prefix ``gm``, each copied layer reading its own
+    tensors from ``tensors`` (by name; raises Unprovable where it cannot)."""
+    return _Stitcher(gm, tensors, plan).build()
+
+
+def module_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` by its name (tied ones under each of their names)."""
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def layer_copies(target: str, plan: KindPlan) -> list[tuple[int, str]]:
+    """``(j, name)`` for each other layer j whose stitched graph reads its own counterpart ``name`` of the
+    prefix tensor ``target`` (none for a tensor outside the layers)."""
+    src = _layer_of_target(target)
+    if src is None:
+        return []
+    return [(j, _rename(target, src, j)) for j, p in enumerate(plan.source) if p == src and j != src]
 
 
 def scale_result(result, gm: fx.GraphModule, whole: fx.GraphModule):

@@ -48,6 +48,15 @@ def tiny_state(config: Glm5Config, seed: int = 0) -> dict[str, torch.Tensor]:
     return {name: _init(name, p.shape, gen).to(p.dtype) for name, p in model.named_parameters()}
 
 
+def deep_tiny_config(layers: int) -> Glm5Config:
+    """The tiny widths with the layer kinds of GLM-5's first ``layers`` layers (3 dense, then MoE): a deep model
+    that is cheap to build with weights (an artifact of it stores GLM-5's 5-layer kind prefix)."""
+    glm5 = Glm5Config.preset("glm5")
+    return Glm5Config.preset("tiny").replace(num_hidden_layers=layers, first_k_dense_replace=glm5.first_k_dense_replace,
+                                             mlp_layer_types=glm5.mlp_layer_types[:layers],
+                                             indexer_types=glm5.indexer_types[:layers])
+
+
 def make_tiny_checkpoint(out_dir: str | Path, fp8: bool = True, seed: int = 0, config: Glm5Config | None = None) -> Path:
     """Write a random tiny GLM-5 checkpoint (default ``Glm5Config.preset('tiny')``) to ``out_dir``, a new or
     empty directory."""

@@ -8,6 +8,7 @@ refused by field."""
 import io
 import json
 import logging
+import operator
 import zipfile
 
 import pytest
@@ -17,7 +18,7 @@ from fxglm5.artifact import CONSTANTS, FORMAT, MEMBERS, PROGRAM, RECORD, WEIGHTS
 from fxglm5.cli import main
 from fxglm5.errors import CheckpointError
 from fxglm5.model.modeling import Glm5ForCausalLM
-from fxglm5.model.tiny import make_tiny_checkpoint
+from fxglm5.model.tiny import deep_tiny_config, make_tiny_checkpoint
 from fxglm5.runtime.runner import Runner
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [7, 1, 8]]  # around index_topk (8)
@@ -38,9 +39,12 @@ def artifact_path(model, tmp_path_factory):
     return export_artifact(model, tmp_path_factory.mktemp("art") / "tiny.pt2")
 
 
-def rewrite(src, dst, *, record=None, program=None, extra=()):
+def rewrite(src, dst, *, record=None, program=None, weights=None, constants=None, extra=()):
     """A copy of the artifact ``src`` with its record and program edited in place (``record(dict)``,
-    ``program(dict)``) and ``extra`` (name, bytes) members added."""
+    ``program(dict)``), its tensors too (``weights(dict)``, ``constants(dict)``: name -> tensor) and ``extra``
+    (name, bytes) members added."""
+    from safetensors.torch import load, save
+
     with zipfile.ZipFile(src) as old, zipfile.ZipFile(dst, "w") as new:
         for name in old.namelist():
             data = old.read(name)
@@ -49,6 +53,11 @@ def rewrite(src, dst, *, record=None, program=None, extra=()):
                 doc = json.loads(data)
                 edit(doc)
                 data = json.dumps(doc)
+            edit = {WEIGHTS: weights, CONSTANTS: constants}.get(name)
+            if edit is not None:
+                tensors = load(data)
+                edit(tensors)
+                data = save(tensors)
             new.writestr(name, data)
         for name, data in extra:
             new.writestr(name, data)
@@ -294,3 +303,109 @@ def test_loading_for_another_device_moves_every_tensor_and_device_argument(artif
             for part in node.target.split("."):
                 value = getattr(value, part)
             assert not isinstance(value, torch.Tensor) or value.device.type == "meta", node.target
+
+
+# ---- fxglm5-artifact/3: each layer kind's program once, the layer map, every layer's tensors once ----------
+def _program_layers(program) -> set[int]:
+    return {int(name.split(".")[2]) for name in (*program.state_dict, *program.constants)
+            if name.startswith("model.layers.")}
+
+
+def test_a_deep_model_stores_its_prefix_once_and_generates_the_runners_tokens(tmp_path):
+    """16 layers of GLM-5's kinds: the file's program holds the 5-layer prefix, the record says which of them each
+    layer copies, the file holds each layer's tensors once (about one copy of what the model serves with), and
+    the stitched artifact generates the in-memory Runner's tokens."""
+    from fxglm5.capture.layer_kinds import model_plan
+    from fxglm5.compiler import compile_model
+    from fxglm5.passes.pipeline import Stage
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", fp8=True, config=deep_tiny_config(16))
+    model = Glm5ForCausalLM.from_pretrained(ckpt, dtype=torch.float32, progress=False)
+    plan = model_plan(model)
+    assert plan.prefix == 5 and plan.source[5:] == (4,) * 11
+    path = export_artifact(model, tmp_path / "deep.pt2")
+    art = load_artifact(path)
+    assert _program_layers(art.program) == set(range(plan.prefix))
+    assert art.record["layers"] == dict(kinds=list(plan.kinds), prefix=5, source=list(plan.source), depth=1)
+    served = compile_model(model, stages=(Stage.MATCH, Stage.FUSE)).graph
+    read = {n.target: operator.attrgetter(n.target)(served) for n in served.graph.find_nodes(op="get_attr")}
+    layer_tensors = {name: t for name, t in read.items() if name.startswith("model.layers.")}
+    assert {name for name in art.tensors if name.startswith("model.layers.")} == set(layer_tensors)
+    assert all(torch.equal(art.tensors[name].float(), t.float()) for name, t in layer_tensors.items())
+    one_copy = sum(t.numel() * t.element_size() for t in read.values())
+    with zipfile.ZipFile(path) as archive:
+        stored = sum(archive.getinfo(name).file_size for name in (WEIGHTS, CONSTANTS))
+        program_bytes = archive.getinfo(PROGRAM).file_size
+    assert one_copy <= stored <= 1.01 * one_copy and program_bytes < stored
+    options = dict(kv_cache="fp8", block_size=16, max_cache_tokens=512)
+    direct = Runner(model, **options)
+    assert art.runner(**options).generate(PROMPTS, 6) == direct.generate(PROMPTS, 6)
+
+
+def test_a_model_captured_whole_is_stored_whole_with_the_identity_map(ckpt, tmp_path):
+    """A layer with a hook cannot be proven its kind's: the model is captured whole, and the file holds the whole
+    program with each layer copying itself; it loads and generates the in-memory Runner's tokens."""
+    model = Glm5ForCausalLM.from_pretrained(ckpt, dtype=torch.float32, progress=False)
+    model.model.layers[2].mlp.register_forward_hook(lambda *args: None)
+    art = load_artifact(export_artifact(model, tmp_path / "whole.pt2"))
+    assert art.record["layers"] == dict(kinds=[0, 1, 2, 3], prefix=4, source=[0, 1, 2, 3], depth=0)
+    assert _program_layers(art.program) == {0, 1, 2, 3}
+    options = dict(kv_cache="fp8", block_size=16, max_cache_tokens=512)
+    assert art.runner(**options).generate(PROMPTS, 6) == Runner(model, **options).generate(PROMPTS, 6)
+
+
+def _layers(**changes):
+    return lambda record: record["layers"].update(changes)
+
+
+def _source(edit):
+    return lambda record: record["layers"].update(source=edit(record["layers"]["source"]))
+
+
+def _drop(name):
+    return lambda tensors: tensors.pop(name)
+
+
+# The tiny artifact's map: kinds (0, 1, 1, 1), prefix 3, source (0, 1, 2, 2) (layer 3 copies layer 2), depth 1.
+MALFORMED_MAPS = {  # case: (edits of the file, what the message says)
+    "no map": (dict(record=lambda r: r.pop("layers")), f"{RECORD} has no layers map"),
+    "position outside the prefix": (dict(record=_source(lambda s: s[:3] + [3])),
+                                    rf"{RECORD} layers.source\[3\] is 3, outside the program's 3 layers"),
+    "map longer than the model": (dict(record=_source(lambda s: s + [2])),
+                                  f"{RECORD} layers.source has 5 entries; num_hidden_layers is 4"),
+    "map shorter than the model": (dict(record=_source(lambda s: s[:3])),
+                                   f"{RECORD} layers.source has 3 entries; num_hidden_layers is 4"),
+    "kinds shorter than the model": (dict(record=_layers(kinds=[0, 1, 1])),
+                                     f"{RECORD} layers.kinds has 3 entries; num_hidden_layers is 4"),
+    "not a list of integers": (dict(record=_layers(source="0,1,2,2")), f"{RECORD} layers.source '0,1,2,2' is not a list of non-negative integers"),
+    "not the plan of its kinds": (dict(record=_source(lambda s: [0, 1, 1, 2])),
+                                  f"{RECORD} layers map is not the plan of its own kinds at depth 1"),
+    "prefix longer than the program": (dict(record=_layers(kinds=[0, 1, 2, 3], prefix=4, source=[0, 1, 2, 3])),
+                                       f"{RECORD} layers.prefix is 4; its program holds 3 layers"),
+    "one kind, different graphs": (dict(record=_layers(kinds=[0, 0, 0, 0], depth=2)),
+                                   f"{PROGRAM} cannot be stitched as {RECORD} layers says .layers 0 and 1 are one "
+                                   "kind but their rewritten graphs differ"),
+    "a copied layer's weight missing": (dict(weights=_drop("model.layers.3.mlp.gate.weight")),
+                                        f"{WEIGHTS} has no model.layers.3.mlp.gate.weight .layer 3 copies the "
+                                        "program's layer 2"),
+    "a copied layer's derived constant missing": (
+        dict(constants=_drop("model.layers.3.self_attn.kv_b_proj.w_uk")),
+        f"{CONSTANTS} has no model.layers.3.self_attn.kv_b_proj.w_uk .layer 3 copies the program's layer 2"),
+    "a program layer's weight missing": (dict(weights=_drop("model.layers.1.input_layernorm.weight")),
+                                         f"{WEIGHTS} has no model.layers.1.input_layernorm.weight .the program takes"),
+    "a tensor no layer reads": (dict(weights=lambda t: t.update({"model.layers.3.extra": torch.zeros(1)})),
+                                f"{WEIGHTS} holds model.layers.3.extra, which neither the program nor a layer"),
+    "a copied layer's weight of another shape": (
+        dict(weights=lambda t: t.update({"model.layers.3.input_layernorm.weight": torch.ones(255)})),
+        r"tensor model.layers.3.input_layernorm.weight is torch.float32 \(255,\); the program takes torch.float32 "
+        r"\(256,\) \(for model.layers.2.input_layernorm.weight\)"),
+    "fxglm5-artifact/2": (dict(record=lambda r: r.update(format="fxglm5-artifact/2")),
+                          "an fxglm5-artifact/2 artifact; this fxglm5 reads fxglm5-artifact/3 only .* export it again"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_MAPS)
+def test_a_malformed_layer_map_is_refused_by_name(tmp_path, artifact_path, case):
+    edits, message = MALFORMED_MAPS[case]
+    with pytest.raises(CheckpointError, match=f"bad.pt2: {message}"):
+        load_artifact(rewrite(artifact_path, tmp_path / "bad.pt2", **edits))
