@@ -201,21 +201,33 @@ class CheckpointReader:
         suffix = ".weight" + (scale or "")
         return [f"{prefix}{e}.{p}{suffix}" for p in (("down_proj",) if kind == "down_proj" else ("gate_proj", "up_proj"))]
 
+    def _part_shape(self, name: str, full: tuple[int, ...], part) -> list[int]:
+        """The shape of ``part`` of the parameter ``name`` of shape ``full``; CheckpointError if it has no such part."""
+        if 0 <= part.dim < len(full):
+            size = full[part.dim] // 2 if part.halves else full[part.dim]
+            if 0 <= part.start < part.stop <= size and not (part.halves and full[part.dim] % 2):
+                return [*full[:part.dim], (part.stop - part.start) * (2 if part.halves else 1), *full[part.dim + 1:]]
+        raise CheckpointError(f"{self.where}: tensor {name!r} of shape {list(full)} has no part {part}")
+
     def param(self, name: str, like: torch.Tensor, device: torch.device, part=None) -> torch.Tensor:
         """The model parameter ``name`` (shape/dtype of ``like``) built on ``device`` from the files. ``part`` (a
-        ``fxglm5.parallel.Slice``: dim, start, stop): only ``parameter.narrow(dim, start, stop - start)`` is read;
+        ``fxglm5.parallel.Slice``): only the part ``part.apply(parameter)`` is read (narrowed along ``dim``, or each
+        half of ``dim`` narrowed alike when ``halves``: the stacked gate | up weight);
         of stacked experts only the experts in the part are opened (the others' tensors are never read)."""
         full = self.full_shape(name)
-        if part is not None and not (0 <= part.dim < len(full) and 0 <= part.start < part.stop <= full[part.dim]):
-            raise CheckpointError(f"{self.where}: tensor {name!r} of shape {list(full)} has no part {part}")
-        shape = list(full) if part is None else [*full[:part.dim], part.stop - part.start, *full[part.dim + 1:]]
+        halves = part is not None and part.halves
+        shape = list(full) if part is None else self._part_shape(name, full, part)
         if tuple(shape) != tuple(like.shape):
             raise CheckpointError(f"{self.where}: tensor {name!r}{'' if part is None else f' part {part}'} has shape "
                                   f"{shape}, the model expects {list(like.shape)}")
         m = _STACKED_RE.match(name)
         if m is None or self.packed:
-            index = None if part is None else (*(slice(None),) * part.dim, slice(part.start, part.stop))
-            return self.get(name, device, index).to(dtype=like.dtype)
+            if part is None:
+                return self.get(name, device).to(dtype=like.dtype)
+            offsets = (0, full[part.dim] // 2) if halves else (0,)
+            lead = (slice(None),) * part.dim
+            pieces = [self.get(name, device, (*lead, slice(o + part.start, o + part.stop))) for o in offsets]
+            return torch.cat(pieces, part.dim).to(dtype=like.dtype)
         experts = range(full[0]) if part is None or part.dim != 0 else range(part.start, part.stop)
         out = torch.empty(like.shape, dtype=like.dtype, device=device)
         for i, e in enumerate(experts):
@@ -249,11 +261,13 @@ class CheckpointReader:
 
 def _piece_index(part, row: int, rows: int) -> tuple[slice, ...] | None:
     """What of an expert's piece (rows [row, row + rows) of the stacked parameter's dim 1) ``part`` reads: () the
-    whole piece, None none of it, else the slices."""
+    whole piece, None none of it, else the slices. A ``halves`` part narrows each of the two pieces (gate, up)."""
     if part is None or part.dim == 0:
         return ()
     if part.dim == 2:
         return (slice(None), slice(part.start, part.stop))
+    if part.halves:  # gate | up: each piece is one half, narrowed alike
+        return (slice(part.start, part.stop),)
     lo, hi = max(part.start - row, 0), min(part.stop - row, rows)
     return (slice(lo, hi),) if lo < hi else None
 

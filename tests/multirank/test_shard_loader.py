@@ -21,7 +21,7 @@ from fxglm5.model.tiny import make_tiny_checkpoint
 from fxglm5.parallel import Slice
 from fxglm5.runtime.shard_loader import load_sharded
 
-A0, E1, E2 = "model.layers.0.self_attn.", "model.layers.1.mlp.experts.", "model.layers.2.mlp.experts."
+A0, E1, E2, E3 = "model.layers.0.self_attn.", *(f"model.layers.{i}.mlp.experts." for i in (1, 2, 3))
 KV_B = A0 + "kv_b_proj.weight"
 PLAN = {
     A0 + "q_b_proj.weight": Slice(0, 128, 256), A0 + "q_b_proj.weight_scale_inv": Slice(0, 1, 2),
@@ -30,6 +30,8 @@ PLAN = {
     E1 + "down_proj": Slice(0, 4, 8), E1 + "down_proj_scale_inv": Slice(0, 4, 8),
     E2 + "gate_up_proj": Slice(1, 64, 192),  # rows 64..191 of [gate; up]: gate's second half, up's first
     E2 + "down_proj": Slice(2, 64, 128),
+    E3 + "gate_up_proj": Slice(1, 64, 128, halves=True),  # ep=1, rank 1 of 2: rows 64..127 of gate and of up
+    E3 + "gate_up_proj_scale_inv": Slice(1, 0, 1, halves=True),
     KV_B: Slice(0, 128, 256), KV_B + "_scale_inv": Slice(0, 1, 2),  # the derivation's source, not a graph attribute
 }
 REPLICATED = ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
@@ -55,7 +57,7 @@ def full(ckpt):
 def sharded_graph(meta_model) -> fx.GraphModule:
     """A graph reading the planned and replicated attributes (and W_UK) as rank-local meta tensors."""
     params = dict(meta_model.named_parameters())
-    local = {t: params[t].narrow(s.dim, s.start, s.stop - s.start) for t, s in PLAN.items() if t in params}
+    local = {t: s.apply(params[t]) for t, s in PLAN.items() if t in params}
     local.update({t: params[t] for t in REPLICATED})
     del local[KV_B], local[KV_B + "_scale_inv"]
     local[W_UK] = torch.empty(2, 64, 128, dtype=torch.bfloat16, device="meta")
@@ -114,7 +116,7 @@ def test_each_attribute_is_the_rank_slice_and_only_its_bytes_are_read(ckpt, full
     for target, part in PLAN.items():
         if target in (KV_B, KV_B + "_scale_inv"):
             continue
-        want = params[target].narrow(part.dim, part.start, part.stop - part.start)
+        want = part.apply(params[target])
         got = operator.attrgetter(target)(gm)
         assert got.dtype == want.dtype and torch.equal(got.float(), want.float()), target
     for target in REPLICATED:
@@ -132,7 +134,10 @@ def test_each_attribute_is_the_rank_slice_and_only_its_bytes_are_read(ckpt, full
     assert {int(n.split(".")[5]) for n in recorder.reads if n.startswith(E2)} == set(range(16))
     assert recorder.reads[E1 + "5.gate_proj.weight"] == 128 * 256  # whole per-expert tensors, FP8
     assert recorder.reads[E2 + "5.gate_proj.weight"] == 64 * 256  # its second half only
-    assert not any(n.startswith("model.layers.3.") for n in recorder.reads)
+    assert recorder.reads[E3 + "5.up_proj.weight"] == 64 * 256  # halves: 64 rows of gate and of up
+    halves = operator.attrgetter(E3 + "gate_up_proj")(gm).float()
+    assert torch.equal(halves, torch.cat([params[E3 + "gate_up_proj"][:, 64:128], params[E3 + "gate_up_proj"][:, 192:]], 1).float())
+    assert not any(n.startswith("model.layers.3.self_attn") for n in recorder.reads)
 
 
 def test_bad_value_in_the_slice_is_refused_and_outside_it_never_read(ckpt, tmp_path):
