@@ -7,7 +7,8 @@ entry: replicated) with :meth:`CheckpointReader.param`, so a rank reads only its
 expert it does not own (experts are per-expert tensors in the checkpoint); values are checked as the whole-model
 loader checks them (NaN / Inf / bounds, naming the file and tensor). Then every constant a pass derived from
 weights (``graph.meta["derived_constants"]``: target -> (sources, fn), the absorbed MLA W_UK / W_UV) is derived
-again from the rank's slices of its sources, which the graph itself does not read.
+again from the rank's slices of its sources, which the graph itself does not read. Last, the device arguments the
+meta capture recorded are set to the rank's device.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import fx
 
 from fxglm5.errors import CheckpointError
 from fxglm5.model.checkpoint import CheckpointReader
+from fxglm5.passes.graph_utils import on_device
 
 PLAN, DERIVED = "shard_plan", "derived_constants"
 
@@ -70,6 +72,13 @@ def load_sharded(graph: fx.GraphModule, reader: CheckpointReader, model: torch.n
     left = [t for t in targets if operator.attrgetter(t)(graph).is_meta]
     if left:
         raise CheckpointError(f"graph attribute {left[0]!r}: no data for it after loading")
+    read = set(targets)
+    for name, t in [*graph.named_parameters(), *graph.named_buffers()]:
+        if t.is_meta and name not in read:  # no node reads it (the absorbed kv_b_proj's sources): nothing to load
+            path, _, leaf = name.rpartition(".")
+            owner = graph.get_submodule(path) if path else graph
+            (owner._parameters if leaf in owner._parameters else owner._buffers).pop(leaf)
+    on_device(graph, device)  # the device arguments the meta capture recorded (torch.arange(..., device=meta))
     tensors = {k: v - start.get(k, 0) for k, v in reader.bytes_read.items() if v != start.get(k, 0)}
     return LoadReport(sum(tensors.values()), tensors)
 
