@@ -20,6 +20,7 @@ import datetime
 import hashlib
 import math
 import os
+import pickle
 import queue as queue_module
 import socket
 import time
@@ -151,7 +152,7 @@ def _next(results, procs, reported):
     """The next rank's report ``(rank, ok, value)`` within half a second, else None; a rank that died without
     reporting is reported as a failure."""
     try:
-        return results.get(timeout=0.5)
+        return pickle.loads(results.get(timeout=0.5))
     except queue_module.Empty:
         pass
     for rank, p in enumerate(procs):
@@ -165,11 +166,13 @@ def _rank_main(rank: int, world: int, device: str, init_method: str, fn: Callabl
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share this host's cores
     try:
         info = init(rank, world, rank, device, init_method)
-        results.put((rank, True, fn(info, *args)))
+        report = (rank, True, fn(info, *args))
     except Fxglm5Error as err:
-        results.put((rank, False, err))
+        report = (rank, False, err)
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback, never swallowed
-        results.put((rank, False, RuntimeError(f"rank {rank} failed:\n{traceback.format_exc()}")))
+        report = (rank, False, RuntimeError(f"rank {rank} failed:\n{traceback.format_exc()}"))
+    try:  # by value (plain pickle): torch's queue pickler would share tensors through this exiting process
+        results.put(pickle.dumps(report))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
