@@ -309,10 +309,11 @@ class _Stitcher:
             owner_path, _, name = target.rpartition(".")
             whole.get_submodule(owner_path)._non_persistent_buffers_set.add(name)
         whole.meta.update({k: v for k, v in self.gm.meta.items() if k not in (DERIVED, PLAN)})
-        if self.shard_plan:  # the rank's slices and the recipes of its derived constants, for a loader of every layer
+        # every layer's recipes (as a whole-model capture's graph has them) and the rank's slices, under its own names
+        whole.meta[DERIVED] = self._per_layer(self.derived, lambda recipe, src, dst: (
+            tuple(s if dst is None else _rename(s, src, dst) for s in recipe[0]), recipe[1]))
+        if self.shard_plan:
             whole.meta[PLAN] = self._per_layer(self.shard_plan, lambda part, src, dst: part)
-            whole.meta[DERIVED] = self._per_layer(self.derived, lambda recipe, src, dst: (
-                tuple(s if dst is None else _rename(s, src, dst) for s in recipe[0]), recipe[1]))
         for key, value in vars(self.gm).items():  # export's shape_env, range_constraints, ...
             if not key.startswith("_") and key not in vars(whole) and not callable(value):
                 setattr(whole, key, value)

@@ -28,7 +28,7 @@ from fxglm5.passes.graph_utils import get_attr_tensor, getitem_of, is_op, op_arg
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.mla_pattern import _absorbed_part
 from fxglm5.passes.registry import register_pass
-from fxglm5.passes.sharding import block_part, linear, propagate, record, reduce_after, shard_attr, shard_linear
+from fxglm5.passes.sharding import block_part, linear, mark, record, reduce_after, refresh, shard_attr, shard_linear
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -49,6 +49,7 @@ def _resize(node: fx.Node, dim: int, size: int) -> None:
     sizes = _sizes(node)
     sizes[dim] = size
     set_op_args(node, **{"size" if "size" in op_args(node) else "shape": sizes})
+    mark(node)
 
 
 def _query(q_nope: fx.Node, q_pe: fx.Node, heads: int):
@@ -83,6 +84,23 @@ def _dequantized(dtype: torch.dtype, weight: torch.Tensor, scale: torch.Tensor |
     return (weight if scale is None else dequantize_block_fp8(weight, scale)).to(dtype)
 
 
+def _split_absorbed(gm: fx.GraphModule, consts: tuple, sources, heads: int, dn: int, dv: int, part) -> None:
+    """W_UK / W_UV by head. Derived from kv_b_proj (``sources``): the plan gets kv_b_proj's rows of the heads and the
+    recipe becomes one over those rows; constants of their own (an artifact's): the plan lists them."""
+    h0, h1 = part
+    dtype = get_attr_tensor(gm, consts[0]).dtype
+    for index, const in enumerate(consts):
+        shard_attr(gm, const, Slice(0, h0, h1), planned=not sources)
+        if sources:
+            gm.meta[DERIVED][const.target] = (sources, functools.partial(
+                _absorbed_part, functools.partial(_dequantized, dtype), h1 - h0, dn, index))
+    if sources:
+        rows = Slice(0, h0 * (dn + dv), h1 * (dn + dv))
+        record(gm, sources[0], rows)
+        if len(sources) == 2:
+            record(gm, sources[1], block_part(rows, heads * (dn + dv), sources[0]))
+
+
 @register_pass("shard", expected=expected_attention)
 def shard_attention(gm: fx.GraphModule, ctx) -> PassOutcome:
     mapping = ctx.mapping
@@ -96,33 +114,25 @@ def shard_attention(gm: fx.GraphModule, ctx) -> PassOutcome:
             continue
         args = op_args(node)
         w_uk, w_uv = args["w_uk"], args["w_uv"]
-        if w_uk.op != "get_attr" or w_uv.op != "get_attr" or {w_uk.target, w_uv.target} - set(derived):
+        if w_uk.op != "get_attr" or w_uv.op != "get_attr":
             continue
         heads, dn, _ = get_attr_tensor(gm, w_uk).shape
         dv = get_attr_tensor(gm, w_uv).shape[1]
         query, output = _query(args["q_nope"], args["q_pe"], heads), _output(node, heads * dv)
-        sources = derived[w_uk.target][0]
-        if query is None or output is None or derived[w_uv.target][0] != sources:
+        sources = {derived[w.target][0] if w.target in derived else None for w in (w_uk, w_uv)}
+        if query is None or output is None or len(sources) != 1:  # both derived from one kv_b_proj, or neither
             continue
         (q_b, view), (reshape, o_proj) = query, output
         h0, h1 = mapping.part(heads)
         local = h1 - h0
-        qk = view.meta["val"].shape[3]
+        qk = _sizes(view)[3]
         shard_linear(gm, q_b, 0, h0 * qk, h1 * qk)
         _resize(view, 2, local)
-        dtype = get_attr_tensor(gm, w_uk).dtype
-        for index, const in enumerate((w_uk, w_uv)):
-            shard_attr(gm, const, Slice(0, h0, h1), planned=False)
-            derived[const.target] = (sources, functools.partial(_absorbed_part, functools.partial(_dequantized, dtype),
-                                                                local, dn, index))
-        rows = Slice(0, h0 * (dn + dv), h1 * (dn + dv))
-        record(gm, sources[0], rows)
-        if len(sources) == 2:
-            record(gm, sources[1], block_part(rows, heads * (dn + dv), sources[0]))
+        _split_absorbed(gm, (w_uk, w_uv), sources.pop(), heads, dn, dv, (h0, h1))
         _resize(reshape, -1, local * dv)
         shard_linear(gm, o_proj, 1, h0 * dv, h1 * dv)
         reduce_after(gm, o_proj.node, mapping, "shard_attention")
         matches += 1
     if matches:
-        propagate(gm)
+        refresh(gm)
     return PassOutcome(matches)

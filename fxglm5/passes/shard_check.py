@@ -23,7 +23,7 @@ from torch import fx
 from fxglm5.errors import PassError
 from fxglm5.parallel import PLAN, Mapping
 from fxglm5.passes.graph_utils import op_args
-from fxglm5.passes.sharding import propagate
+from fxglm5.passes.sharding import check_shapes
 
 log = logging.getLogger(__name__)
 
@@ -63,4 +63,4 @@ def check_sharded(gm: fx.GraphModule, config, mapping: Mapping, head: str | None
     for problem in problems:
         log.warning("fxglm5 shard stage (tp=%d, ep=%d): %s", mapping.tp, mapping.ep, problem)
     if strict:
-        propagate(gm)
+        check_shapes(gm)

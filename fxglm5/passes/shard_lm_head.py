@@ -13,7 +13,7 @@ from torch import fx
 from fxglm5.passes.graph_utils import get_attr_tensor
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
-from fxglm5.passes.sharding import gather_after, linear, propagate, shard_linear
+from fxglm5.passes.sharding import gather_after, linear, refresh, shard_linear
 
 
 def expected_lm_head(ctx):
@@ -35,5 +35,5 @@ def shard_lm_head(gm: fx.GraphModule, ctx) -> PassOutcome:
     start, stop = ctx.mapping.part(get_attr_tensor(gm, lin.weight).shape[0])
     shard_linear(gm, lin, 0, start, stop)
     gather_after(gm, lin.node, -1, ctx.mapping, "shard_lm_head")
-    propagate(gm)
+    refresh(gm)
     return PassOutcome(1)

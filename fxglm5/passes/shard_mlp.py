@@ -15,7 +15,7 @@ from torch import fx
 from fxglm5.passes.graph_utils import is_op, op_args, through_casts
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
-from fxglm5.passes.sharding import gated_mlp, propagate, reduce_after, split_mlp
+from fxglm5.passes.sharding import gated_mlp, refresh, reduce_after, split_mlp
 
 aten = torch.ops.aten
 
@@ -48,5 +48,5 @@ def shard_mlp(gm: fx.GraphModule, ctx) -> PassOutcome:
         reduce_after(gm, node, ctx.mapping, "shard_mlp")
         matches += 1
     if matches:
-        propagate(gm)
+        refresh(gm)
     return PassOutcome(matches)

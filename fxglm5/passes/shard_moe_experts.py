@@ -24,7 +24,7 @@ from fxglm5.passes.graph_utils import add_constant, get_attr_tensor, is_cast, is
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 from fxglm5.passes.sharding import (
-    block_part, gated_mlp, insert_after, propagate, reduce_after, shard_attr, split_mlp,
+    block_part, gated_mlp, mark, reduce_after, refresh, shard_attr, split_mlp,
 )
 from fxglm5.parallel import Slice
 
@@ -68,9 +68,10 @@ def _local_ids(gm: fx.GraphModule, moe: fx.Node, start: int, count: int) -> None
         keep = gm.graph.call_function(aten.bitwise_and.Tensor, (gm.graph.call_function(aten.ge.Scalar, (local, 0)),
                                                                  gm.graph.call_function(aten.lt.Scalar, (local, count))))
         routed = gm.graph.call_function(aten.where.ScalarOther, (keep, local, -1))
-    for node in (local, keep, routed, *keep.args):
-        if "nn_module_stack" in moe.meta:
+    for node in (offset, local, keep, routed, *keep.args, moe):
+        if "nn_module_stack" in moe.meta and node.op == "call_function":
             node.meta["nn_module_stack"] = moe.meta["nn_module_stack"]
+        mark(node)
     set_op_args(moe, ids=routed)
 
 
@@ -109,5 +110,5 @@ def shard_moe_experts(gm: fx.GraphModule, ctx) -> PassOutcome:
         reduce_after(gm, merged, ctx.mapping, "shard_moe_experts")
         matches += 1
     if matches:
-        propagate(gm)
+        refresh(gm)
     return PassOutcome(matches)

@@ -19,6 +19,8 @@ from fxglm5.parallel import BLOCK, PLAN, Mapping, Slice
 from fxglm5.passes.dequant import plain_weight
 from fxglm5.passes.graph_utils import aten, get_attr_tensor, is_op, op_args
 
+_DIRTY = "fxglm5_shard_dirty"  # node.meta key of the nodes a shard pass changed (see refresh)
+
 
 @dataclasses.dataclass(frozen=True)
 class Linear:
@@ -58,9 +60,12 @@ def shard_attr(gm: fx.GraphModule, node: fx.Node, part: Slice, planned: bool = T
     local = part.apply(full)
     if name in owner._parameters:
         owner.register_parameter(name, torch.nn.Parameter(local, requires_grad=False))
-    else:
+    elif name in owner._buffers:
         owner.register_buffer(name, local, persistent=name not in owner._non_persistent_buffers_set)
+    else:  # a plain tensor attribute (a GraphModule built over another's attributes)
+        setattr(owner, name, local)
     node.meta["val"] = local
+    mark(node)
     if planned:
         plan(gm)[node.target] = part
 
@@ -100,7 +105,7 @@ def insert_after(gm: fx.GraphModule, node: fx.Node, target, args: tuple) -> fx.N
         new = gm.graph.call_function(target, args)
     if "nn_module_stack" in node.meta:
         new.meta["nn_module_stack"] = node.meta["nn_module_stack"]
-    return new
+    return mark(new)
 
 
 def reduce_after(gm: fx.GraphModule, node: fx.Node, mapping: Mapping, pass_name: str) -> fx.Node:
@@ -117,24 +122,56 @@ def gather_after(gm: fx.GraphModule, node: fx.Node, dim: int, mapping: Mapping, 
     return anchor(whole, pass_name)
 
 
-def propagate(gm: fx.GraphModule) -> None:
-    """Run every node again on fake tensors of the graph's (now rank-local) attributes and record the results as
-    the nodes' example values. A size the shard passes left at its unsharded value (a literal head count in a
-    view) fails here, naming the node."""
+def mark(node: fx.Node) -> fx.Node:
+    """Note that a shard pass changed or inserted ``node`` (its example value is recomputed by :func:`refresh`)."""
+    node.meta[_DIRTY] = True
+    return node
+
+
+def refresh(gm: fx.GraphModule) -> None:
+    """Recompute the example value (``meta["val"]``, export's symbolic shapes) of the nodes a shard pass marked and
+    of every node downstream whose value they change (the chain from a split weight to the collective that makes
+    the value whole again)."""
     mode = _fake_mode(gm)
-    env: dict[fx.Node, object] = {}
+    dirty = {n for n in gm.graph.nodes if n.meta.pop(_DIRTY, False)}
+    changed = set()
 
     def fake(value):
         if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
             return mode.from_tensor(value, static_shapes=True)
         return value
 
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node in dirty:
+            changed.add(node)
+        if node.op != "call_function" or not (node in dirty or any(a in changed for a in node.all_input_nodes)):
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: fake(a.meta.get("val")))
+        old = node.meta.get("val")
+        with mode:
+            node.meta["val"] = node.target(*args, **kwargs)
+        if node in dirty or _signature(old) != _signature(node.meta["val"]):
+            changed.add(node)
+
+
+def _signature(value) -> str:
+    return repr(torch.utils._pytree.tree_map(
+        lambda v: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v, value))
+
+
+def check_shapes(gm: fx.GraphModule) -> None:
+    """Run every node on fake tensors of the graph's (rank-local) attributes, with the example sizes of the inputs:
+    a size the shard passes left at its unsharded value (a literal head count in a view) fails, naming the node."""
+    mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+    env: dict[fx.Node, object] = {}
     with mode:
         for node in gm.graph.nodes:
             if node.op == "placeholder":
-                env[node] = node.meta.get("val")
+                value = node.meta["val"]
+                sizes = [d if isinstance(d, int) else (d.node.hint or 2) for d in value.shape]
+                env[node] = torch.empty(sizes, dtype=value.dtype, device=value.device)
             elif node.op == "get_attr":
-                env[node] = fake(get_attr_tensor(gm, node))
+                env[node] = mode.from_tensor(get_attr_tensor(gm, node), static_shapes=True)
             elif node.op == "call_function":
                 args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
                 try:
@@ -142,7 +179,6 @@ def propagate(gm: fx.GraphModule) -> None:
                 except Exception as err:  # noqa: BLE001 - any failure is a shape the sharding broke
                     raise PassError(f"shard stage: node {node.name} ({node.format_node()}) fails on the rank-local "
                                     f"shapes: {type(err).__name__}: {err}") from None
-                node.meta["val"] = env[node]
             else:  # call_module (export's guard function) and the output
                 env[node] = None
 
@@ -153,7 +189,6 @@ def _fake_mode(gm: fx.GraphModule):
         if isinstance(value, torch._subclasses.FakeTensor):
             return value.fake_mode
     return torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
-
 
 
 @dataclasses.dataclass(frozen=True)
