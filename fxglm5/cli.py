@@ -142,8 +142,10 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     from fxglm5.runtime.runner import Runner, check_lengths
 
     check_lengths(prompts, args.max_new_tokens, config.max_position_embeddings)  # before a cache is sized from them
-    if args.tp != 1 or args.ep is not None:
+    if args.tp != 1:
         return _generate_sharded(args, artifact, prompts, disabled)
+    if args.ep not in (None, 1):
+        raise InputError(f"--ep {args.ep}: experts are split over the --tp ranks; give --tp {args.ep} too")
     if artifact is None and (args.backend == "reference" or args.max_new_tokens == 0):
         outputs = [_generate(args.model, prompt, args.max_new_tokens, args.dtype) for prompt in prompts]
     elif args.backend == "reference":

@@ -120,6 +120,8 @@ class Runner:
         self.mapping, self.load_report, reader = None, None, None
         if tp != 1:
             model, reader, self.mapping = sharded_model(model, tp, ep, dtype)
+        elif ep not in (None, 1):
+            raise InputError(f"ep={ep}: experts are split over the tp ranks; give tp={ep} too")
         elif isinstance(model, (str, Path)):
             from fxglm5.model.modeling import Glm5ForCausalLM
 

@@ -9,10 +9,13 @@ dense and one MoE layer, widths in whole 128-blocks over 2 and 4 ranks), through
   altered on one rank only, the plan-hash agreement refuses on every rank before anything runs.
 - TP2 in bfloat16: the prefill logits as close to the float32 ones as the single-rank bf16 run's (within 1.5x of
   its relative RMS error; the reductions run in another order), and the same first tokens.
-- ``fxglm5 generate --tp 2 --ep 1`` (every expert split along its intermediate dim) prints the single-rank tokens.
+- ``fxglm5 generate --tp 2 --ep 1`` (every expert split along its intermediate dim) prints the single-rank tokens,
+  and so does ``torchrun --nproc-per-node 2 -m fxglm5 generate --tp 2`` (the ranks join), once.
 """
 
-import operator
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ from fxglm5.errors import InputError
 from fxglm5.model.checkpoint import CheckpointReader
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.tiny import make_tiny_checkpoint
-from fxglm5.runtime.distributed import RankMismatchError, spawn
+from fxglm5.runtime.distributed import RankMismatchError, free_port, spawn
 from fxglm5.runtime.runner import Runner
 
 BLOCK = 16
@@ -160,3 +163,15 @@ def test_cli_generate_tp2_ep1_prints_the_single_rank_tokens(ckpt, capsys):
     single_out = capsys.readouterr().out
     assert main(argv + ["--tp", "2", "--ep", "1"]) == 0
     assert capsys.readouterr().out == single_out and len(single_out.splitlines()) == 2
+
+
+def test_cli_generate_joins_under_torchrun(ckpt, single):
+    """``torchrun -m fxglm5 generate --tp 2``: each process joins as one rank (nothing spawned); one copy printed."""
+    prompts = [",".join(map(str, REQUESTS[1][0])), "5,6,7"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), "-m", "fxglm5", "generate", "--model", ckpt,
+           "--prompt-ids", prompts[0], "--prompt-ids", prompts[1], "--max-new-tokens", str(NEW),
+           "--block-size", str(BLOCK), "--tp", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [" ".join(map(str, t)) for t in single[0][1:]]
