@@ -33,6 +33,7 @@ from fxglm5.capture.layer_kinds import KindPlan, Unprovable, plan_kinds
 from fxglm5.compiler import MAX_STEP_TOKENS, compile_model, lower_for_device
 from fxglm5.errors import CheckpointError
 from fxglm5.model.config import Glm5Config
+from fxglm5.passes.graph_utils import on_device
 from fxglm5.passes.pipeline import Stage
 
 __all__ = ["Artifact", "export_artifact", "load_artifact", "check_out_path",
@@ -72,7 +73,7 @@ class Artifact:
         """A fresh paged graph for ``device``: the canonical whole-model graph with the cache and lower stages
         run (without ``disabled_passes``)."""
 
-        graph = _on_device(self.graph(), torch.device(device))
+        graph = on_device(self.graph(), torch.device(device))
         return graph, lower_for_device(graph, self.config, device=device, backend=backend, disabled_passes=disabled_passes)
 
     def runner(self, *, device="cpu", backend: str | None = None, disabled_passes=(), **runner_options):
@@ -83,23 +84,6 @@ class Artifact:
         runner = Runner(self, graph=graph, device=device, backend=backend, **runner_options)
         runner.pass_results = results
         return runner
-
-
-def _on_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
-    """The program's weights, constants and the device arguments export recorded (``torch.arange(...,
-    device=cpu)`` where it was exported) moved to ``device``."""
-    gm.to(device)
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            owner, _, name = node.target.rpartition(".")
-            module = gm.get_submodule(owner) if owner else gm
-            value = getattr(module, name)
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.device != device:
-                setattr(module, name, value.to(device))
-        elif isinstance(node.kwargs.get("device"), torch.device):
-            node.update_kwarg("device", device)
-    gm.recompile()
-    return gm
 
 
 def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_passes=(),

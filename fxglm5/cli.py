@@ -111,6 +111,14 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache", choices=["bf16", "fp8"], default="bf16",
                    help="paged latent cache: the compute dtype (bf16) or FP8 ds_mla rows (fp8)")
     p.add_argument("--block-size", type=int, default=64, help="paged cache block size (tokens)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks: N local ranks are started (gloo on cpu, NCCL on cuda), or, under "
+                        "torchrun, this process is one of them; each reads only its slices of the checkpoint")
+    p.add_argument("--ep", type=int, metavar="N",
+                   help="expert-parallel ranks with --tp: N (default; each rank holds 1/N of the experts) or 1 "
+                        "(every expert split along its intermediate dim)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the paged graph runs (with --tp on cuda: rank r on cuda:r)")
     _pass_options(p, dump=False)
 
 
@@ -134,6 +142,10 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     from fxglm5.runtime.runner import Runner, check_lengths
 
     check_lengths(prompts, args.max_new_tokens, config.max_position_embeddings)  # before a cache is sized from them
+    if args.tp != 1:
+        return _generate_sharded(args, artifact, prompts, disabled)
+    if args.ep not in (None, 1):
+        raise InputError(f"--ep {args.ep}: experts are split over the --tp ranks; give --tp {args.ep} too")
     if artifact is None and (args.backend == "reference" or args.max_new_tokens == 0):
         outputs = [_generate(args.model, prompt, args.max_new_tokens, args.dtype) for prompt in prompts]
     elif args.backend == "reference":
@@ -141,14 +153,52 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     elif args.max_new_tokens == 0:
         outputs = [[] for _ in prompts]
     else:
-        tokens = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
-        options = dict(kv_cache=args.kv_cache, block_size=args.block_size,
-                       max_cache_tokens=tokens + len(prompts) * args.block_size, disabled_passes=disabled)
-        runner = artifact.runner(**options) if artifact else Runner(args.model, dtype=args.dtype, **options)
+        options = _paged_options(args, prompts, disabled)
+        runner = artifact.runner(device=args.device, **options) if artifact else Runner(
+            args.model, dtype=args.dtype, device=args.device, **options)
         outputs = runner.generate(prompts, args.max_new_tokens)
+    _print_outputs(outputs)
+    return 0
+
+
+def _print_outputs(outputs: list[list[int]]) -> None:
     for tokens in outputs:
         print(" ".join(map(str, tokens)))
+
+
+def _paged_options(args: argparse.Namespace, prompts: list[list[int]], disabled: tuple[str, ...]) -> dict:
+    """The Runner's options for ``generate``: a cache sized for the batch's prompts and new tokens."""
+    tokens = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
+    return dict(kv_cache=args.kv_cache, block_size=args.block_size, max_cache_tokens=tokens + len(prompts) * args.block_size,
+                disabled_passes=disabled)
+
+
+def _generate_sharded(args: argparse.Namespace, artifact, prompts: list[list[int]], disabled: tuple[str, ...]) -> int:
+    """``generate --tp N``: N ranks (started here, or joined under torchrun) each run the sharded Runner on the
+    same request; rank 0 prints the tokens, which every rank computed alike."""
+    from fxglm5.runtime.distributed import launch
+
+    if artifact is not None:
+        raise InputError(f"--tp {args.tp}: each rank reads its slices of a checkpoint directory; {args.model} is an "
+                         "exported artifact")
+    if args.backend != "paged":
+        raise InputError(f"--tp {args.tp}: only the paged backend runs sharded (--backend {args.backend})")
+    if args.max_new_tokens == 0:
+        _print_outputs([[] for _ in prompts])
+        return 0
+    options = dict(_paged_options(args, prompts, disabled), dtype=args.dtype, ep=args.ep)
+    rank, outputs = launch(generate_on_rank, args.tp, args.model, prompts, args.max_new_tokens, options,
+                           device=args.device)
+    if rank == 0:
+        _print_outputs(outputs)
     return 0
+
+
+def generate_on_rank(rank, model: str, prompts: list[list[int]], max_new_tokens: int, options: dict) -> list[list[int]]:
+    """One rank of ``generate --tp``: its sharded Runner's greedy tokens."""
+    from fxglm5.runtime.runner import Runner
+
+    return Runner(model, tp=rank.world, device=rank.device, **options).generate(prompts, max_new_tokens)
 
 
 # ---- export -------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "fxglm5"
 
 LAYERS = [
-    ("base", ["fxglm5.errors", "fxglm5.contracts", "fxglm5.settings"]),
+    ("base", ["fxglm5.errors", "fxglm5.contracts", "fxglm5.settings", "fxglm5.parallel"]),
     ("model", ["fxglm5.model"]),
     ("capture", ["fxglm5.capture"]),
     ("kernels", ["fxglm5.lowering.reference", "fxglm5.lowering.triton"]),

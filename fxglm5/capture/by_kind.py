@@ -6,8 +6,10 @@ and the match / fuse passes run over 5 layers instead of 78; the stitched graph 
 whole-model capture and passes give (``tests/test_capture_by_kind.py``). A copy of layer p at position j reads
 layer j's own parameters; constants a pass derived from layer p's weights (the absorbed MLA W_UK / W_UV) are
 derived again from layer j's, through the recipe the pass recorded in ``graph.meta[DERIVED]``
-(``passes.graph_utils.add_constant``). Whenever that cannot be proven (a hook, layers of one kind whose rewritten
-graphs differ, a constant without a recipe, a node that does not belong to one layer), the whole model is
+(``passes.graph_utils.add_constant``). A shard plan (``graph.meta[PLAN]``, the shard stage's rank-local slices) is
+applied the same way: layer j's tensors (and the sources of its derived constants) are narrowed as layer p's were,
+and the whole graph's plan and recipes name every layer's own attributes. Whenever that cannot be proven (a hook,
+layers of one kind whose rewritten graphs differ, a constant without a recipe, a node that does not belong to one layer), the whole model is
 captured instead and the reason logged.
 
 The stitcher reads the other layers' tensors from a mapping of names to tensors: the model's
@@ -30,6 +32,7 @@ from torch import fx
 
 from fxglm5.capture.export import capture
 from fxglm5.capture.layer_kinds import KindPlan, Unprovable, decoder_layers, layer_key, plan_kinds
+from fxglm5.parallel import PLAN
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,7 @@ LAYERS = "model.layers"
 DERIVED = "derived_constants"  # graph.meta key: target -> (source targets, fn(*source tensors) -> tensor)
 CAPTURED_OPS = "captured_op_counts"  # graph.meta key: call_function target -> count in the captured whole model
 PREFIX = "kind_prefix"  # graph.meta key: (rewritten prefix graph, KindPlan), what an exported artifact stores
+MATCH_ANCHOR = "fxglm5_match_of"  # node.meta key: the pass that added this node once per match (see scale_result)
 PRE, POST = "pre", "post"
 
 
@@ -214,6 +218,7 @@ class _Stitcher:
         self.layer_nodes = [_members(gm, self.owner, p) for p in range(plan.prefix)]
         self.index = {n: i for nodes in self.layer_nodes for i, n in enumerate(nodes)}
         self.derived = gm.meta.get(DERIVED, {})
+        self.shard_plan = gm.meta.get(PLAN, {})
         self.graph = fx.Graph()
         self.graph._codegen = copy.deepcopy(gm.graph._codegen)
         self.attrs: dict[str, object] = {}
@@ -254,16 +259,30 @@ class _Stitcher:
     def _tensor(self, prefix_target: str, target: str, own: bool):
         if own or _layer_of_target(prefix_target) is None:
             return operator.attrgetter(prefix_target)(self.gm)
+        src, dst = _layer_of_target(prefix_target), _layer_of_target(target)
         try:
             if prefix_target in self.derived:
                 sources, derive = self.derived[prefix_target]
-                src, dst = _layer_of_target(prefix_target), _layer_of_target(target)
                 with torch.no_grad():
-                    return derive(*(self.tensors[_rename(s, src, dst)] for s in sources))
-            return self.tensors[target]
+                    return derive(*(self._local(s, self.tensors[_rename(s, src, dst)]) for s in sources))
+            return self._local(prefix_target, self.tensors[target])
         except KeyError as missing:
-            raise Unprovable(f"{prefix_target}: no tensor {missing} for layer {_layer_of_target(target)}'s copy, "
+            raise Unprovable(f"{prefix_target}: no tensor {missing} for layer {dst}'s copy, "
                              "and no pass recorded how it was derived") from None
+
+    def _local(self, prefix_target: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (another layer's copy of ``prefix_target``) narrowed as the shard plan narrowed the prefix's."""
+        part = self.shard_plan.get(prefix_target)
+        return tensor if part is None else part.apply(tensor)
+
+    def _per_layer(self, table: dict, entry: Callable) -> dict:
+        """``table`` (keyed by prefix targets) for the whole model: each layer's entries under its own names."""
+        out = {}
+        for target, value in table.items():
+            src = _layer_of_target(target)
+            for dst in ([None] if src is None else [j for j, p in enumerate(self.plan.source) if p == src]):
+                out[target if dst is None else _rename(target, src, dst)] = entry(value, src, dst)
+        return out
 
     def _copy(self, node: fx.Node, read: Callable, src, dst) -> fx.Node:
         if node.op == "get_attr":
@@ -297,7 +316,12 @@ class _Stitcher:
         for target in self.derived_targets:  # non-persistent, as add_constant registers them
             owner_path, _, name = target.rpartition(".")
             whole.get_submodule(owner_path)._non_persistent_buffers_set.add(name)
-        whole.meta.update({k: v for k, v in self.gm.meta.items() if k != DERIVED})
+        whole.meta.update({k: v for k, v in self.gm.meta.items() if k not in (DERIVED, PLAN)})
+        # every layer's recipes (as a whole-model capture's graph has them) and the rank's slices, under its own names
+        whole.meta[DERIVED] = self._per_layer(self.derived, lambda recipe, src, dst: (
+            tuple(s if dst is None else _rename(s, src, dst) for s in recipe[0]), recipe[1]))
+        if self.shard_plan:
+            whole.meta[PLAN] = self._per_layer(self.shard_plan, lambda part, src, dst: part)
         for key, value in vars(self.gm).items():  # export's shape_env, range_constraints, ...
             if not key.startswith("_") and key not in vars(whole) and not callable(value):
                 setattr(whole, key, value)
@@ -330,6 +354,11 @@ def scale_result(result, gm: fx.GraphModule, whole: fx.GraphModule):
     the pass's matches: sparse_mla for match_sparse_mla, whose indexer_topk only full-indexer layers have)."""
     if not result.num_matches:
         return result
+    anchors = [n for n in _calls(gm) if n.meta.get(MATCH_ANCHOR) == result.name]
+    if anchors:  # the pass marked one node per match (the shard passes: one collective each)
+        if len(anchors) != result.num_matches:
+            raise Unprovable(f"pass {result.name}: {len(anchors)} marked nodes for {result.num_matches} matches")
+        return dataclasses.replace(result, num_matches=sum(n.meta.get(MATCH_ANCHOR) == result.name for n in _calls(whole)))
     added = [name for name, count in result.ops_after.items() if count > result.ops_before.get(name, 0)
              and name.startswith("fxglm5.")]
     totals = {_count(whole, name) for name in added if _count(gm, name) == result.num_matches}

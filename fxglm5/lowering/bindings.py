@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from fxglm5 import settings
+from fxglm5.ops.collectives import all_gather_c10d, all_reduce_c10d
 
 BACKENDS = ("aiter", "triton", "reference")
 
@@ -101,6 +102,11 @@ def _moe_fp8_triton(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant):
     from fxglm5.lowering.triton.moe import moe_fp8
 
     return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant)
+
+
+# ---- collectives: torch's functional collectives (gloo / NCCL) on the group the op names, on every device --------
+register("all_reduce", "reference")(all_reduce_c10d)
+register("all_gather", "reference")(all_gather_c10d)
 
 
 # ---- aiter (ROCm): only where it is importable ------------------------------------------------------

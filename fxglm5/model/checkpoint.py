@@ -136,6 +136,7 @@ class CheckpointReader:
             )
         self._stack: contextlib.ExitStack | None = None
         self._files: dict[Path, Any] = {}
+        self.bytes_read: dict[str, int] = {}
 
     def __enter__(self) -> "CheckpointReader":
         self._stack = contextlib.ExitStack()
@@ -148,19 +149,22 @@ class CheckpointReader:
         self._stack = None
 
     def _file(self, name: str):
-        info = self.tensors.get(name)
-        if info is None:
-            raise CheckpointError(f"{self.where}: missing tensor {name!r}")
+        info = self._info(name)
         if info.file not in self._files:
             if self._stack is None:
                 raise RuntimeError("CheckpointReader data access outside its 'with' block")
             self._files[info.file] = self._stack.enter_context(safe_open(str(info.file), framework="pt", device="cpu"))
         return self._files[info.file]
 
-    def get(self, name: str, device: torch.device | None = None) -> torch.Tensor:
-        """The tensor ``name`` as stored, on ``device`` (default: the CPU), its values checked there."""
-        t = self._file(name).get_tensor(name)
-        return check_values(t if device is None else t.to(device), name, self.tensors[name].file)
+    def get(self, name: str, device: torch.device | None = None, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor ``name`` as stored (or only its part ``index``, one slice per leading dim, read through
+        ``get_slice``), on ``device`` (default: the CPU), its values checked there. ``bytes_read`` counts the bytes
+        read per tensor name."""
+        file = self._file(name)
+        t = file.get_tensor(name) if index is None else file.get_slice(name)[index]
+        self.bytes_read[name] = self.bytes_read.get(name, 0) + t.numel() * t.element_size()
+        where = name if index is None else name + "[" + ", ".join(f"{s.start or ''}:{s.stop or ''}" for s in index) + "]"
+        return check_values(t if device is None else t.to(device), where, self.tensors[name].file)
 
     def get_expert(self, name: str) -> torch.Tensor:
         """A per-expert (GLM-5-FP8) tensor by name, sliced out of the packed tensor if the file is packed."""
@@ -177,21 +181,65 @@ class CheckpointReader:
         half = full.shape[0] // 2
         return full[:half] if proj == "gate" else full[half:]
 
-    def param(self, name: str, like: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """The model parameter ``name`` (shape/dtype of ``like``) built on ``device`` from the files."""
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of the model parameter ``name`` (stacked experts: [E, rows of the pieces, columns])."""
         m = _STACKED_RE.match(name)
         if m is None or self.packed:
-            return self.get(name, device).to(dtype=like.dtype)
+            return self._info(name).shape
+        pieces = [self._info(n).shape for n in self._expert_pieces(m, 0)]
+        return (self.config.n_routed_experts, sum(p[0] for p in pieces), *pieces[0][1:])
+
+    def _info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.where}: missing tensor {name!r}")
+        return self.tensors[name]
+
+    @staticmethod
+    def _expert_pieces(m: re.Match, e: int) -> list[str]:
+        """Expert ``e``'s checkpoint tensors that the stacked parameter ``m`` concatenates along its rows."""
         prefix, kind, scale = m.groups()
         suffix = ".weight" + (scale or "")
+        return [f"{prefix}{e}.{p}{suffix}" for p in (("down_proj",) if kind == "down_proj" else ("gate_proj", "up_proj"))]
+
+    def _part_shape(self, name: str, full: tuple[int, ...], part) -> list[int]:
+        """The shape of ``part`` of the parameter ``name`` of shape ``full``; CheckpointError if it has no such part."""
+        if 0 <= part.dim < len(full):
+            size = full[part.dim] // 2 if part.halves else full[part.dim]
+            if 0 <= part.start < part.stop <= size and not (part.halves and full[part.dim] % 2):
+                return [*full[:part.dim], (part.stop - part.start) * (2 if part.halves else 1), *full[part.dim + 1:]]
+        raise CheckpointError(f"{self.where}: tensor {name!r} of shape {list(full)} has no part {part}")
+
+    def param(self, name: str, like: torch.Tensor, device: torch.device, part=None) -> torch.Tensor:
+        """The model parameter ``name`` (shape/dtype of ``like``) built on ``device`` from the files. ``part`` (a
+        ``fxglm5.parallel.Slice``): only the part ``part.apply(parameter)`` is read (narrowed along ``dim``, or each
+        half of ``dim`` narrowed alike when ``halves``: the stacked gate | up weight);
+        of stacked experts only the experts in the part are opened (the others' tensors are never read)."""
+        full = self.full_shape(name)
+        halves = part is not None and part.halves
+        shape = list(full) if part is None else self._part_shape(name, full, part)
+        if tuple(shape) != tuple(like.shape):
+            raise CheckpointError(f"{self.where}: tensor {name!r}{'' if part is None else f' part {part}'} has shape "
+                                  f"{shape}, the model expects {list(like.shape)}")
+        m = _STACKED_RE.match(name)
+        if m is None or self.packed:
+            if part is None:
+                return self.get(name, device).to(dtype=like.dtype)
+            offsets = (0, full[part.dim] // 2) if halves else (0,)
+            lead = (slice(None),) * part.dim
+            pieces = [self.get(name, device, (*lead, slice(o + part.start, o + part.stop))) for o in offsets]
+            return torch.cat(pieces, part.dim).to(dtype=like.dtype)
+        experts = range(full[0]) if part is None or part.dim != 0 else range(part.start, part.stop)
         out = torch.empty(like.shape, dtype=like.dtype, device=device)
-        for e in range(like.shape[0]):
-            if kind == "down_proj":
-                out[e].copy_(self.get(f"{prefix}{e}.down_proj{suffix}", device))
-                continue
-            gate, up = self.get(f"{prefix}{e}.gate_proj{suffix}", device), self.get(f"{prefix}{e}.up_proj{suffix}", device)
-            out[e, : gate.shape[0]].copy_(gate)
-            out[e, gate.shape[0]:].copy_(up)
+        for i, e in enumerate(experts):
+            at = row = 0
+            for piece in self._expert_pieces(m, e):
+                rows = self._info(piece).shape[0]
+                index = _piece_index(part, row, rows)
+                row += rows
+                if index is not None:
+                    t = self.get(piece, device, index or None)
+                    out[i, at:at + t.shape[0]].copy_(t)
+                    at += t.shape[0]
         return out
 
     def load_into(self, model: torch.nn.Module, device: torch.device, progress: bool = True) -> torch.nn.Module:
@@ -209,6 +257,19 @@ class CheckpointReader:
         if leftover:
             raise CheckpointError(f"{self.where}: no data for {leftover[0]!r}")
         return model.eval()
+
+
+def _piece_index(part, row: int, rows: int) -> tuple[slice, ...] | None:
+    """What of an expert's piece (rows [row, row + rows) of the stacked parameter's dim 1) ``part`` reads: () the
+    whole piece, None none of it, else the slices. A ``halves`` part narrows each of the two pieces (gate, up)."""
+    if part is None or part.dim == 0:
+        return ()
+    if part.dim == 2:
+        return (slice(None), slice(part.start, part.stop))
+    if part.halves:  # gate | up: each piece is one half, narrowed alike
+        return (slice(part.start, part.stop),)
+    lo, hi = max(part.start - row, 0), min(part.stop - row, rows)
+    return (slice(lo, hi),) if lo < hi else None
 
 
 def _state_tensor(state: Mapping[str, torch.Tensor], name: str) -> tuple[torch.Tensor, str]:

@@ -307,9 +307,16 @@ class Glm5Config:
     # ---- presets ------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> "Glm5Config":
-        """'glm5': the full 78-layer GLM-5-FP8; 'tiny': 4 layers (1 dense, 3 MoE), small widths, index_topk 8."""
+        """'glm5': the full 78-layer GLM-5-FP8; 'tiny': 4 layers (1 dense, 3 MoE), small widths, index_topk 8;
+        'tiny-tp': 'tiny' with widths that split over 2 and 4 ranks into whole 128-blocks (8 heads of qk 64 + 64 and
+        v 128: per rank at TP4 q_b 256 rows, kv_b 384 rows, o_proj 256 columns; MLP / expert widths 512)."""
         if name == "glm5":
             return cls().with_fp8()
+        if name == "tiny-tp":
+            return cls.preset("tiny").replace(
+                num_attention_heads=8, num_key_value_heads=8, qk_nope_head_dim=64, qk_rope_head_dim=64,
+                v_head_dim=128, intermediate_size=512, moe_intermediate_size=512, n_routed_experts=8,
+                index_head_dim=128, index_n_heads=4)
         if name == "tiny":
             return cls(
                 vocab_size=512, hidden_size=256, intermediate_size=384, moe_intermediate_size=128,
@@ -319,4 +326,4 @@ class Glm5Config:
                 index_topk=8, index_head_dim=64, index_n_heads=16, max_position_embeddings=4096,
                 num_nextn_predict_layers=0,
             ).with_fp8()
-        raise ConfigError(f"unknown preset {name!r}; choose 'glm5' or 'tiny'")
+        raise ConfigError(f"unknown preset {name!r}; choose 'glm5', 'tiny' or 'tiny-tp'")

@@ -1,6 +1,6 @@
-"""The match and fuse stages on a model captured once per layer kind (``fxglm5.capture.by_kind``): the passes run
-on the exported prefix (strict mode checks the prefix's expected counts there, per kind), and the results are
-reported for the whole model, with the whole model's expected counts."""
+"""The match and fuse stages (and the shard stage) on a model captured once per layer kind
+(``fxglm5.capture.by_kind``): the passes run on the exported prefix (strict mode checks the prefix's expected counts
+there, per kind), and the results are reported for the whole model, with the whole model's expected counts."""
 
 from __future__ import annotations
 
@@ -11,22 +11,26 @@ from torch import fx
 
 from fxglm5.capture.by_kind import CAPTURED_OPS, capture_rewritten
 from fxglm5.errors import PassError
+from fxglm5.parallel import Mapping
 from fxglm5.passes.manager import PassContext, _op_name, run_pipeline
 from fxglm5.passes.registry import REGISTRY
 
 
 def match_and_fuse(model, *, strict: bool = False, act_quant: bool = False, disabled: tuple[str, ...] = (),
                    max_batch: int = 1024, max_seq: int | None = None, head: str = "logits",
-                   dump_dir=None) -> tuple[fx.GraphModule, list]:
-    """Capture ``model`` (see ``fxglm5.capture.capture`` for ``max_batch`` / ``max_seq`` / ``head``) and run the
-    match and fuse stages; returns the whole model's graph and results counting the whole model."""
+                   dump_dir=None, stages=("match", "fuse"), mapping: Mapping = Mapping()) -> tuple[fx.GraphModule, list]:
+    """Capture ``model`` (see ``fxglm5.capture.capture`` for ``max_batch`` / ``max_seq`` / ``head``) and run
+    ``stages`` (match, fuse and optionally shard for ``mapping``); returns the whole model's graph and results
+    counting the whole model."""
+    extras = {"head": head}
 
     def rewrite(graph: fx.GraphModule, config) -> list:
-        ctx = PassContext(config=config, strict=strict, act_quant=act_quant, disabled=disabled)
-        return run_pipeline(graph, ctx, ("match", "fuse"), dump_dir)
+        ctx = PassContext(config=config, strict=strict, act_quant=act_quant, disabled=disabled, mapping=mapping,
+                          extras=dict(extras))
+        return run_pipeline(graph, ctx, stages, dump_dir)
 
     graph, results = capture_rewritten(model, rewrite, max_batch=max_batch, max_seq=max_seq, head=head)
-    whole = PassContext(config=model.config)
+    whole = PassContext(config=model.config, mapping=mapping, extras=dict(extras))
     results = [dataclasses.replace(r, expected=REGISTRY[r.name].expected(whole)) if REGISTRY[r.name].expected
                else r for r in results]
     for r in results:

@@ -243,3 +243,21 @@ def fake_call(target: Callable, *args) -> Any:
 
     with mode:
         return target(*torch.utils._pytree.tree_map(fake, vals))
+
+
+def on_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """The graph's weights, constants and the device arguments export recorded (``torch.arange(...,
+    device=cpu)`` where it was exported, ``device=meta`` for a graph captured on the meta device) moved to
+    ``device``."""
+    gm.to(device)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            owner, _, name = node.target.rpartition(".")
+            module = gm.get_submodule(owner) if owner else gm
+            value = getattr(module, name)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.device != device:
+                setattr(module, name, value.to(device))
+        elif isinstance(node.kwargs.get("device"), torch.device):
+            node.update_kwarg("device", device)
+    gm.recompile()
+    return gm

@@ -21,6 +21,7 @@ import torch
 from torch import fx
 
 from fxglm5.errors import PassError
+from fxglm5.parallel import Mapping
 from fxglm5.passes.pipeline import STAGES
 from fxglm5.passes.registry import PassSpec, passes_for
 
@@ -36,6 +37,7 @@ class PassContext:
     strict: bool = False
     backend: Optional[str] = None  # lower stage: "triton" | "aiter" | "reference" | None (auto)
     disabled: tuple[str, ...] = ()  # pass names to skip
+    mapping: Mapping = Mapping()  # shard stage: this rank's tensor / expert-parallel place (world 1: no-op)
     extras: dict = dataclasses.field(default_factory=dict)
 
 

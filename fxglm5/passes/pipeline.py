@@ -7,8 +7,9 @@ so an order that followed the imports would change whenever someone sorted them.
 registers its function (``registry.register_pass``); registering a pass this file does not declare, or under
 another stage, is an error, and so is running a stage whose declared pass is not registered.
 
-A stage's name is its string value, so ``"match"`` and ``Stage.MATCH`` are the same key. The sharding stage
-(tensor-parallel splits of the fused graph) goes between ``FUSE`` and ``CACHE``.
+A stage's name is its string value, so ``"match"`` and ``Stage.MATCH`` are the same key. The shard stage (the
+rank's tensor / expert-parallel part of the fused graph, ``PassContext.mapping``; a no-op at world size 1) is the
+first load-time stage: an exported artifact stores match + fuse only, so it stays rank-agnostic.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import enum
 class Stage(str, enum.Enum):
     MATCH = "match"  # generic math -> canonical ops (sparse_mla, rms_norm, rope ...)
     FUSE = "fuse"  # FP8 dequantization folded into the GEMMs and the MoE
+    SHARD = "shard"  # the rank's slices of heads / experts / vocabulary + the collectives (fxglm5.parallel)
     CACHE = "cache"  # canonical attention -> paged RTP ops over the caches
     LOWER = "lower"  # fxglm5 ops -> the backend kernels of the device
 
@@ -31,6 +33,8 @@ STAGES: tuple[Stage, ...] = tuple(Stage)
 PIPELINE: dict[Stage, tuple[str, ...]] = {
     Stage.MATCH: ("match_sparse_mla", "match_mla", "match_rms_norm", "match_rope"),
     Stage.FUSE: ("fuse_fp8_linear", "fuse_fp8_moe"),
+    # each pass shards one block and adds its own collective, so any subset leaves a correct program
+    Stage.SHARD: ("shard_attention", "shard_mlp", "shard_moe_experts", "shard_lm_head"),
     # both rewrite what insert_paged_cache made: the row selection at the output, the cached ops' inputs
     Stage.CACHE: ("insert_paged_cache", "select_sampled_rows", "fuse_norm_rope_into_cache_writes"),
     Stage.LOWER: ("lower",),

@@ -4,7 +4,8 @@
 lm_head (6144 x 154880 for GLM-5) and the final norm still ran for every prompt token: an 8k-token prefill made
 8192 x 154880 logits (2.5 GB in bf16, about 15.6 TFLOP) to keep one row per request. This pass moves the row
 selection up through the row-wise ops that end the graph (casts, linear / fp8_linear, rms_norm), so that they
-run on the kept rows only; the values of the kept rows do not change.
+run on the kept rows only; the values of the kept rows do not change. On a sharded graph the logits are gathered
+over the ranks along the vocabulary: that gather is row-wise too, and the selection moves above it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def _rows_input(node) -> fx.Node | None:
     if is_cast(node):
         return op_args(node)["self"]
     ops = torch.ops.fxglm5
+    if is_op(node, ops.all_gather.default) and op_args(node)["dim"] not in (0, 1):  # a sharded lm_head's logits
+        return op_args(node)["x"]
     rows = {aten.linear.default: "input", ops.fp8_linear.default: "x", ops.rms_norm.default: "x"}
     return op_args(node)[rows[node.target]] if is_op(node, *rows) else None
 

@@ -28,6 +28,7 @@ from fxglm5.runtime.block_manager import BlockManager
 from fxglm5.runtime.cache import PagedCache, check_cache_size, check_options
 from fxglm5.compiler import compile_model
 from fxglm5.runtime.decode_graphs import DecodeGraphs
+from fxglm5.runtime.distributed import agree, digest
 from fxglm5.runtime.forward_context import ForwardContext
 
 
@@ -97,7 +98,7 @@ class Runner:
                  kernel_block_size: int | None = None, dtype: torch.dtype = torch.float32,
                  num_blocks: int | None = None, max_cache_tokens: int = 8192, device="cpu", keep_logits=False,
                  graph=None, backend: str | None = None, decode_graphs: bool | None = None,
-                 max_decode_batch: int = 64, disabled_passes=()):
+                 max_decode_batch: int = 64, disabled_passes=(), tp: int = 1, ep: int | None = None):
         """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); with ``graph``, anything
         with the model's ``config`` and compute ``dtype`` (an exported artifact: ``fxglm5.artifact``). ``kv_cache``: "bf16"
         (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
@@ -107,12 +108,21 @@ class Runner:
         prefers ("triton", "aiter", "reference"; default: the best for ``device``, FXGLM5_BACKEND overrides).
         ``decode_graphs``: replay decode steps of up to ``max_decode_batch`` requests from CUDA graphs (default:
         on a CUDA device unless ``backend`` is "reference", whose ops sync with the host; on a CPU, True runs the
-        same padded static-buffer steps without capture). ``disabled_passes``: pass names the compile skips."""
+        same padded static-buffer steps without capture). ``disabled_passes``: pass names the compile skips.
+        ``tp`` > 1: this process is one of ``tp`` ranks of the process group registered as "tp"
+        (``fxglm5.runtime.distributed``); ``model`` must then be a checkpoint directory, of which this rank reads
+        only its slices (``load_report``), with its experts split over ``ep`` ranks (default ``tp``; 1: every
+        expert split along its intermediate dim). Every rank gets the same logits and so the same tokens."""
         index_kind, _ = check_options(block_size, kernel_block_size, kv_cache, index_cache)  # before the slow part
         preferred_backend(backend)
         if not isinstance(max_cache_tokens, int) or max_cache_tokens < 1:
             raise InputError(f"max_cache_tokens: must be a positive integer, got {max_cache_tokens!r}")
-        if isinstance(model, (str, Path)):
+        self.mapping, self.load_report, reader = None, None, None
+        if tp != 1:
+            model, reader, self.mapping = sharded_model(model, tp, ep, dtype)
+        elif ep not in (None, 1):
+            raise InputError(f"ep={ep}: experts are split over the tp ranks; give tp={ep} too")
+        elif isinstance(model, (str, Path)):
             from fxglm5.model.modeling import Glm5ForCausalLM
 
             model = Glm5ForCausalLM.from_pretrained(model, dtype=dtype, device=device, progress=False)
@@ -123,7 +133,10 @@ class Runner:
         if graph is None:  # a step's flat token count is bounded by the cache, not by one sequence's length
             self.graph, self.pass_results, _ = compile_model(
                 model, max_tokens=max(self.config.max_position_embeddings, num_blocks * block_size), device=device,
-                backend=backend, disabled_passes=disabled_passes)
+                backend=backend, disabled_passes=disabled_passes, **({} if self.mapping is None else
+                                                                    {"mapping": self.mapping}))
+        if self.mapping is not None:
+            self.load_report = load_rank(self.graph, self.mapping, reader, model, device)
         if "paged_cache" not in self.graph.meta:
             raise InputError("graph: not a paged graph (insert_paged_cache did not run on it)")
         self.cache = PagedCache(self.graph.meta["paged_cache"], num_blocks, block_size, kernel_block_size, kv_cache,
@@ -139,6 +152,11 @@ class Runner:
                                               table_width=longest * self.cache.ratio, device=device, capture=on_cuda)
         self.active: list[Sequence] = []
         self._ids = itertools.count()
+
+    def _agree(self, *request) -> None:
+        """Ranks: the same request on every rank, checked before anything that can raise on one rank only."""
+        if self.mapping is not None:
+            agree(digest(*request), "the request", self.mapping.group)
 
     # ---- one step -----------------------------------------------------------------------------------
     def context(self, seqs: list[Sequence], prefill: bool, device=None) -> ForwardContext:
@@ -173,6 +191,10 @@ class Runner:
     # ---- requests -----------------------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]]) -> list[Sequence]:
         """Admit and prefill a batch of prompts (each gets its first new token); returns one Sequence per prompt."""
+        self._agree("prefill", prompts)
+        return self._prefill(prompts)
+
+    def _prefill(self, prompts: list[list[int]]) -> list[Sequence]:
         seqs = [Sequence(next(self._ids), self._check_prompt(p)) for p in prompts]
         admitted = []
         for seq in seqs:
@@ -219,10 +241,11 @@ class Runner:
 
     def run(self, prompts: list[list[int]], max_new_tokens: int) -> list[Sequence]:
         """Greedy generation for a batch; rejected requests carry ``error`` and the rest are unaffected."""
+        self._agree("run", prompts, max_new_tokens)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
         check_lengths(prompts, max_new_tokens, self.config.max_position_embeddings)
-        seqs = self.prefill(prompts)
+        seqs = self._prefill(prompts)
         for _ in range(max_new_tokens - 1):
             if not self.decode():
                 break
@@ -247,3 +270,42 @@ class Runner:
         if bad:
             raise InputError(f"prompt: token id {bad[0]} is out of range [0, {vocab}) (vocab_size)")
         return prompt
+
+
+def sharded_model(model, tp: int, ep: int | None, dtype):
+    """This rank's meta model, the checked checkpoint it reads its slices from, and its Mapping (rank from the
+    "tp" process group). Every layout rule is checked (Mapping.check) before any weight is read."""
+    import torch.distributed as dist
+
+    from fxglm5.model.checkpoint import CheckpointReader, resolve_dtype
+    from fxglm5.model.modeling import Glm5ForCausalLM
+    from fxglm5.parallel import Mapping, resolve_group
+
+    if not isinstance(tp, int) or tp < 1:
+        raise InputError(f"tp: must be a positive integer, got {tp!r}")
+    if not isinstance(model, (str, Path)):
+        raise InputError(f"tp={tp}: a rank reads its own slices of a checkpoint directory; give its path, not a "
+                         f"loaded {type(model).__name__}")
+    if not dist.is_initialized():
+        raise InputError(f"tp={tp}: no process group; start the ranks with fxglm5.runtime.distributed.launch "
+                         "(fxglm5 generate --tp) or torchrun")
+    group = resolve_group("tp")
+    if dist.get_world_size(group) != tp:
+        raise InputError(f"tp={tp}: the process group 'tp' has {dist.get_world_size(group)} ranks")
+    reader = CheckpointReader(model)
+    mapping = Mapping(tp=tp, rank=dist.get_rank(group), ep=tp if ep is None else ep)
+    mapping.check(reader.config)
+    return Glm5ForCausalLM(reader.config, dtype=resolve_dtype(dtype), device="meta"), reader, mapping
+
+
+def load_rank(graph, mapping, reader, model, device):
+    """Refuse to run unless every rank compiled the same program and plan (one all-gather of plan_hash), then
+    fill this rank's graph from the checkpoint (``shard_loader``); returns what it read. A graph given already
+    filled (another Runner's) is not read again."""
+    from fxglm5.parallel import plan_hash
+    from fxglm5.runtime.shard_loader import load_sharded
+
+    agree(plan_hash(graph, mapping), "the sharded graph and its plan (fxglm5.parallel.plan_hash)", mapping.group)
+    if not any(t.is_meta for t in itertools.chain(graph.parameters(), graph.buffers())):
+        return None
+    return load_sharded(graph, reader, model, device)

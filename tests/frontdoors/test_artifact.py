@@ -290,11 +290,11 @@ def test_cli_exports_and_generates_from_the_artifact(ckpt, tmp_path, capsys):
 def test_loading_for_another_device_moves_every_tensor_and_device_argument(artifact_path):
     """Export records the device it ran on (``torch.arange(..., device=cpu)``); serving elsewhere must not
     keep it (the GPU run of an unmoved program failed with a device mismatch). Checked with the meta device."""
-    from fxglm5.artifact import _on_device
+    from fxglm5.passes.graph_utils import on_device
 
     gm = load_artifact(artifact_path).program.module()
     assert any(n.kwargs.get("device") == torch.device("cpu") for n in gm.graph.nodes)  # what export recorded
-    gm = _on_device(gm, torch.device("meta"))
+    gm = on_device(gm, torch.device("meta"))
     assert not any(isinstance(n.kwargs.get("device"), torch.device) and n.kwargs["device"].type != "meta"
                    for n in gm.graph.nodes)
     for node in gm.graph.nodes:

@@ -78,7 +78,8 @@ def test_moe_fp8_plain_and_quantized_agree():
     torch.testing.assert_close(fp8, plain, rtol=1e-5, atol=1e-5)
 
 
-OPCHECKED = ["fp8_linear", "moe_route", "moe_fp8", "mla", "indexer_topk", "sparse_mla", "rms_norm", "rope_interleaved"]
+OPCHECKED = ["fp8_linear", "moe_route", "moe_fp8", "mla", "indexer_topk", "sparse_mla", "rms_norm", "rope_interleaved",
+             "all_reduce", "all_gather"]  # the collectives at world 1 here; over gloo ranks in tests/parallel
 OPCHECKED_CACHED = ["rtp_indexer", "rtp_sparse_mla", "rtp_mla"]  # tests/ops/test_cache_layout.py::test_opcheck_cached_ops
 
 
@@ -108,6 +109,8 @@ def test_opcheck(name):
         "sparse_mla": (*mla_args, torch.ops.fxglm5.indexer_topk(q, k, w, 3), 0.125),
         "rms_norm": (torch.randn(B, S, 24), torch.rand(24) + 0.5, 1e-6),
         "rope_interleaved": (torch.randn(B, S, H, DR + 4), torch.randn(B, S, DR // 2), torch.randn(B, S, DR // 2)),
+        "all_reduce": (torch.randn(B, S, 24), "tp", 1),
+        "all_gather": (torch.randn(B, S, 24), -1, "tp", 1),
     }
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     if name in ("fp8_linear", "moe_fp8"):

@@ -1,0 +1,103 @@
+"""Fill one rank's sharded graph, captured on the meta device, from the unchanged HF checkpoint directory.
+
+The shard stage leaves ``graph.meta["shard_plan"]`` (attribute target -> ``Slice(dim, start, stop)``: the rank's
+attribute is the full parameter narrowed so) and rank-local meta tensors. For every attribute the graph reads,
+:func:`load_sharded` reads its slice through safetensors ``get_slice`` (or the whole tensor where the plan has no
+entry: replicated) with :meth:`CheckpointReader.param`, so a rank reads only its own bytes and never opens an
+expert it does not own (experts are per-expert tensors in the checkpoint); values are checked as the whole-model
+loader checks them (NaN / Inf / bounds, naming the file and tensor). Then every constant a pass derived from
+weights (``graph.meta["derived_constants"]``: target -> (sources, fn), the absorbed MLA W_UK / W_UV) is derived
+again from the rank's slices of its sources, which the graph itself does not read. Last, the device arguments the
+meta capture recorded are set to the rank's device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+from torch import fx
+
+from fxglm5.errors import CheckpointError
+from fxglm5.model.checkpoint import CheckpointReader
+from fxglm5.passes.graph_utils import on_device
+
+PLAN, DERIVED = "shard_plan", "derived_constants"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    bytes_read: int
+    tensors: dict[str, int]  # checkpoint tensor name -> bytes read from it
+
+    def describe(self) -> str:
+        return f"read {self.bytes_read / 2**20:.2f} MiB from {len(self.tensors)} checkpoint tensors"
+
+
+def load_sharded(graph: fx.GraphModule, reader: CheckpointReader, model: torch.nn.Module, device) -> LoadReport:
+    """Fill ``graph``'s attributes on ``device`` from ``reader``'s checkpoint (``model``: the meta model the graph was
+    captured from, giving the shape and dtype of the derivations' sources the graph does not hold); returns what
+    was read. CheckpointError names a tensor the plan or the files cannot give."""
+    plan, derived = graph.meta.get(PLAN, {}), graph.meta.get(DERIVED, {})
+    targets = list(dict.fromkeys(n.target for n in graph.graph.find_nodes(op="get_attr")))
+    held = {t: operator.attrgetter(t)(graph) for t in targets}
+    params = dict(model.named_parameters())
+    device = torch.device(device)
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load(target: str, like: torch.Tensor) -> torch.Tensor:
+        if target not in loaded:
+            loaded[target] = reader.param(target, like, device, plan.get(target))
+        return loaded[target]
+
+    start = dict(reader.bytes_read)
+    with reader:
+        for target in targets:
+            if target in derived:
+                continue
+            if target not in params:
+                raise CheckpointError(f"graph attribute {target!r}: not a model parameter, and no pass recorded how "
+                                      "it is derived")
+            _assign(graph, target, load(target, held[target]))
+        for target, (sources, derive) in derived.items():
+            if target not in held:
+                continue
+            with torch.no_grad():
+                value = derive(*(load(s, _local_like(params, s, plan.get(s))) for s in sources))
+            if tuple(value.shape) != tuple(held[target].shape):
+                raise CheckpointError(f"derived constant {target!r}: derived from the rank's {list(sources)} it has "
+                                      f"shape {list(value.shape)}, the sharded graph expects {list(held[target].shape)}")
+            _assign(graph, target, value.to(held[target].dtype))
+    left = [t for t in targets if operator.attrgetter(t)(graph).is_meta]
+    if left:
+        raise CheckpointError(f"graph attribute {left[0]!r}: no data for it after loading")
+    read = set(targets)
+    for name, t in [*graph.named_parameters(), *graph.named_buffers()]:
+        if t.is_meta and name not in read:  # no node reads it (the absorbed kv_b_proj's sources): nothing to load
+            path, _, leaf = name.rpartition(".")
+            owner = graph.get_submodule(path) if path else graph
+            (owner._parameters if leaf in owner._parameters else owner._buffers).pop(leaf)
+    on_device(graph, device)  # the device arguments the meta capture recorded (torch.arange(..., device=meta))
+    tensors = {k: v - start.get(k, 0) for k, v in reader.bytes_read.items() if v != start.get(k, 0)}
+    return LoadReport(sum(tensors.values()), tensors)
+
+
+def _local_like(params: dict, name: str, part) -> torch.Tensor:
+    """A meta tensor of the rank's part of model parameter ``name`` (a derivation's source)."""
+    if name not in params:
+        raise CheckpointError(f"derivation source {name!r}: not a model parameter")
+    full = params[name]
+    return full if part is None else full.narrow(part.dim, part.start, part.stop - part.start)
+
+
+def _assign(graph: fx.GraphModule, target: str, value: torch.Tensor) -> None:
+    """Replace the attribute ``target`` of ``graph`` (a parameter or buffer of a submodule) by ``value``."""
+    path, _, name = target.rpartition(".")
+    owner = graph.get_submodule(path) if path else graph
+    if name in owner._parameters:
+        owner._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
+    elif name in owner._buffers:
+        owner._buffers[name] = value
+    else:
+        setattr(owner, name, value)

@@ -1,0 +1,90 @@
+"""Mapping.check refuses, by config field, every layout that does not give each rank whole heads / experts /
+vocabulary rows and whole 128-blocks of every FP8 weight it splits, before anything is captured or read; Slice and
+the group registry."""
+
+import pytest
+import torch
+
+import fxglm5.compiler
+from fxglm5.capture.by_kind import truncated_config
+from fxglm5.compiler import compile_model
+from fxglm5.errors import InputError
+from fxglm5.model.config import Glm5Config
+from fxglm5.model.modeling import Glm5ForCausalLM
+from fxglm5.parallel import Mapping, Slice, register_group, resolve_group
+
+GLM5 = Glm5Config.preset("glm5")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
+def test_glm5_splits_over_one_host_and_two(tp):
+    """TP16 also aligns: 4 heads per rank give kv_b_proj 4 x 448 = 1792 rows = 14 blocks (a head's 448 rows are
+    3.5 blocks, so only a single head per rank, TP64, misaligns)."""
+    for rank in {0, tp - 1}:
+        Mapping(tp=tp, rank=rank, ep=tp).check(GLM5)
+        Mapping(tp=tp, rank=rank, ep=1).check(GLM5)
+
+
+@pytest.mark.parametrize("mapping, config, named", [
+    (Mapping(tp=3), GLM5, ["num_attention_heads = 64 is not divisible by tp=3", "vocab_size = 154880",
+                           "moe_intermediate_size x n_shared_experts"]),
+    (Mapping(tp=3, ep=3), GLM5, ["n_routed_experts = 256 is not divisible by ep=3"]),
+    (Mapping(tp=64, ep=64), GLM5, ["kv_b_proj rows: x qk_nope_head_dim + v_head_dim) = 64 gives each rank 448",
+                                   "intermediate_size = 12288 gives each rank 192",
+                                   "(the shared expert) = 2048 gives each rank 32"]),
+    (Mapping(tp=32, ep=1), GLM5, ["(every expert split along it, ep=1) = 2048 gives each rank 64"]),
+    (Mapping(tp=2), Glm5Config.preset("tiny"), ["q_b_proj rows: x qk_nope_head_dim + qk_rope_head_dim) = 4 gives "
+                                                "each rank 192"]),
+    (Mapping(tp=8, ep=8), Glm5Config.preset("tiny-tp"), ["kv_b_proj rows", "each rank 192"]),
+    (Mapping(tp=2), GLM5.replace(n_group=8, topk_group=4), ["n_group = 8: group-limited routing"]),
+])
+def test_misfits_are_refused_by_field(mapping, config, named):
+    with pytest.raises(InputError, match="does not split over") as err:
+        mapping.check(config)
+    for text in named:
+        assert text in str(err.value)
+
+
+@pytest.mark.parametrize("mapping, named", [
+    (Mapping(tp=4, ep=2), "ep must be 1 .* or tp=4 .*, got ep=2"),
+    (Mapping(tp=8, rank=8, ep=8), r"rank must be in \[0, tp=8\), got 8"),
+    (Mapping(tp=0), "tp must be >= 1"),
+    (Mapping(tp=2, group=""), "group must be a process group's name"),
+])
+def test_bad_mappings_are_refused(mapping, named):
+    with pytest.raises(InputError, match=named):
+        mapping.check(GLM5)
+
+
+def test_tiny_tp_preset_splits_over_two_and_four():
+    for tp in (2, 4):
+        for ep in (1, tp):
+            Mapping(tp=tp, rank=tp - 1, ep=ep).check(Glm5Config.preset("tiny-tp"))
+
+
+def test_compile_refuses_before_capturing(monkeypatch):
+    def capture(*args, **kwargs):
+        raise AssertionError("captured")
+
+    monkeypatch.setattr(fxglm5.compiler, "_capture", capture)
+    with pytest.raises(InputError, match="num_attention_heads = 64 is not divisible by tp=3"):
+        compile_model(Glm5ForCausalLM(truncated_config(GLM5, 4), device="meta"), mapping=Mapping(tp=3))
+
+
+def test_slice_narrows_and_halves_narrow_each_half():
+    full = torch.arange(2 * 8 * 3).reshape(2, 8, 3)
+    assert torch.equal(Slice(1, 2, 4).apply(full), full[:, 2:4])
+    gate, up = full[:, :4], full[:, 4:]
+    assert torch.equal(Slice(1, 1, 3, halves=True).apply(full), torch.cat([gate[:, 1:3], up[:, 1:3]], 1))
+    assert Slice(0, 0, 1).apply(torch.empty(4, 2, device="meta")).shape == (1, 2)
+
+
+def test_groups_resolve_by_name():
+    assert resolve_group("tp") is None  # no torch.distributed in this process: a single rank
+    marker = object()
+    register_group("rtp_tp", marker)
+    try:
+        assert resolve_group("rtp_tp") is marker
+    finally:
+        register_group("rtp_tp", None)
+    assert resolve_group("rtp_tp") is None

@@ -1,0 +1,71 @@
+"""The sharded tiny-TP model over real collectives: 2 and 4 gloo ranks (forked, 127.0.0.1) run the match + fuse +
+shard (+ lower) graph and every rank's logits equal the single-rank graph's; a control without the all-reduces
+does not.
+
+Measured (fp32, logits up to 4.6): max |sharded - single| 6.3e-6 at TP2 / EP2, 5.9e-6 at TP2 / EP1, 5.1e-6 at
+TP4 / EP4; the bound is 1e-5 with the same argmax everywhere. Without the all-reduces: 5.8. bf16 (the partial sums
+rounded to bf16 before the all-reduce, summed in another order): relative RMSE 0.13 against the single-rank bf16
+graph, while bf16 itself moves the single-rank logits 0.18 from fp32 (the random tiny model's expert and top-k
+choices flip under any rounding change); the bound is that sharding moves bf16 logits no more than bf16 does."""
+
+import pytest
+import torch
+from tests.helpers import copy_to_dtype
+from tests.parallel.ranks import graph_copy, run_ranks, sharded
+
+from fxglm5.compiler import compile_model
+from fxglm5.ops.collectives import all_reduce_c10d
+from fxglm5.parallel import Mapping
+from fxglm5.passes.pipeline import Stage
+
+FP32_ATOL = 1e-5
+
+
+def _rel_rmse(out, ref) -> float:
+    return ((out.float() - ref.float()).pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt()).item()
+
+
+def _without_all_reduce(graph):
+    """The sabotage control: the same sharded graph with every all-reduce replaced by its own input."""
+    copy = graph_copy(graph)
+    for node in [n for n in copy.graph.nodes if getattr(n.target, "fn", None) is all_reduce_c10d]:
+        node.replace_all_uses_with(node.args[0])
+        copy.graph.erase_node(node)
+    copy.recompile()
+    return copy
+
+
+def test_two_and_four_gloo_ranks_give_the_single_rank_logits(tiny_tp, tmp_path):
+    model, graph, inputs = tiny_tp
+    cfg = model.config
+    with torch.no_grad():
+        single = graph(*inputs)
+        half = compile_model(copy_to_dtype(model, torch.bfloat16), stages=(Stage.MATCH, Stage.FUSE), strict=True).graph
+        single_bf16 = half(*inputs)
+    two = []
+    for rank in range(2):
+        ep2, results = sharded(graph, cfg, Mapping(tp=2, rank=rank, ep=2))
+        assert [r.num_matches for r in results[:4]] == [r.expected for r in results[:4]] == [4, 1, 3, 1]
+        lowered = [n.target for n in ep2.graph.nodes if getattr(n.target, "op", None) == "all_reduce"]
+        assert len(lowered) == 8 and all(t.fn is all_reduce_c10d for t in lowered)  # lower binds _c10d_functional
+        two.append({"ep2": ep2, "ep1": sharded(graph, cfg, Mapping(tp=2, rank=rank, ep=1))[0],
+                    "sabotage": _without_all_reduce(ep2), "bf16": sharded(half, cfg, Mapping(tp=2, rank=rank, ep=2))[0]})
+    four = [{"ep4": sharded(graph, cfg, Mapping(tp=4, rank=rank, ep=4))[0]} for rank in range(4)]
+    outs = run_ranks(two, inputs, tmp_path, deadline_s=120) + run_ranks(four, inputs, tmp_path, deadline_s=120)
+    errors = {}
+    for rank, out in enumerate(outs):
+        for name in ("ep2", "ep1", "ep4"):
+            if name in out:
+                errors[(rank, name)] = (out[name] - single).abs().max().item()
+                assert torch.equal(out[name].argmax(-1), single.argmax(-1)), (rank, name)
+        if "bf16" in out:
+            errors[(rank, "bf16 rel-rmse")] = _rel_rmse(out["bf16"], single_bf16)
+            errors[(rank, "sabotage")] = (out["sabotage"] - single).abs().max().item()
+    errors["bf16 vs fp32 rel-rmse, single rank"] = _rel_rmse(single_bf16, single)
+    print("max |sharded - single|:", errors)
+    named = {key[1]: e for key, e in errors.items() if isinstance(key, tuple)}
+    assert all(e <= FP32_ATOL for name, e in named.items() if name.startswith("ep")), errors
+    bf16_noise = errors["bf16 vs fp32 rel-rmse, single rank"]
+    assert all(e <= bf16_noise for name, e in named.items() if name == "bf16 rel-rmse"), errors
+    assert all(e > 100 * FP32_ATOL for name, e in named.items() if name == "sabotage"), errors
+    assert torch.equal(outs[0]["ep2"], outs[1]["ep2"])  # every rank returns the same gathered logits
