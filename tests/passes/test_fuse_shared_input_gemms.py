@@ -7,11 +7,13 @@ another layer's stacked weights from, and the near-misses left alone (another in
 """
 
 import copy
+import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 from torch.export import Dim
 
 from fxglm5.backend import rebind
@@ -40,14 +42,12 @@ def _step_inputs(cfg, lengths=(11, 4, 7), block=4):
     """Flat prefill tokens of three requests over a paged cache, and fresh zero caches for the tiny model."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (sum(lengths),), generator=gen)
-    req = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    req = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.cat([torch.arange(n) for n in lengths])
-    per_req = [-(-n // block) for n in lengths]
-    table = torch.zeros(len(lengths), max(per_req), dtype=torch.long)
-    start = 1
-    for i, n in enumerate(per_req):
-        table[i, :n] = torch.arange(start, start + n)
-        start += n
+    blocks = [-(-n // block) for n in lengths]  # request i's blocks follow request i-1's, from block 1
+    firsts = list(itertools.accumulate(blocks, initial=1))
+    table = pad_sequence([torch.arange(f, f + n) for f, n in zip(firsts, blocks)], batch_first=True)
+    start = firsts[-1]
     args = (ids[None], pos[None], slots_from_positions(table, req, pos, block), table, req, torch.arange(len(req)))
     return args, lambda: [torch.zeros(start, block, 576 if i % 2 == 0 else 128) for i in range(8)]
 
