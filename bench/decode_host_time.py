@@ -1,11 +1,18 @@
-"""Host time of one decode step outside the model: what a replayed CUDA graph leaves on the critical path.
+"""Host time of one decode step, and the step's wall time against its device time with CUDA graphs.
 
-The runner's work around the forward (the block manager, building and validating the forward context, loading
-the static buffers, reading the next tokens back) is timed with the decode graphs' forward replaced by a stub
-that returns zero logits, for B requests of ``ctx`` cached tokens. No GPU and no model weights are needed: the
-runner holds a small model whose graph is never called.
+CPU (default): the runner's work around the forward (the block manager, building and validating the forward
+context, loading the static buffers through the host staging buffers, reading the next tokens back) is timed with
+the decode graphs' forward replaced by a stub that returns zero logits, for B requests of ``ctx`` cached tokens.
+No GPU and no model weights are needed: the runner holds a small model whose graph is never called.
 
-    python bench/decode_host_time.py [B] [ctx]     # saves bench/results/decode_host_time.json (or $OUT)
+``--cuda``: the 2-layer GLM-5-width FP8 model of bench/decode_step.py (bf16, 1 dense + 1 MoE layer, random
+weights, FP8 caches) prefilled with B prompts of ``ctx`` tokens, then decode steps replayed from CUDA graphs. Per
+step: the wall time of ``Runner.decode()`` (perf_counter; it ends with the read of the next tokens, the step's
+one wait on the device) and the device time of the step (CUDA events recorded on the stream around the decode
+graphs' run: the input copies, the replay and the logits' copy). The goal: wall <= 1.05 x device.
+
+    python bench/decode_host_time.py [B] [ctx]           # CPU; saves bench/results/decode_host_time.json (or $OUT)
+    python bench/decode_host_time.py --cuda [B] [ctx]    # GPU; saves decode_host_time_cuda.json
 """
 
 from __future__ import annotations
@@ -26,15 +33,13 @@ from fxglm5.model.modeling import Glm5ForCausalLM  # noqa: E402
 from fxglm5.runtime.runner import Runner, Sequence  # noqa: E402
 
 
-def main():
-    harness.answer_help(__doc__)
-    args = [int(a) for a in sys.argv[1:3]]
-    B, ctx = args if len(args) == 2 else (64, 2048)
+def host_only(B: int, ctx: int) -> None:
     cfg = Glm5Config.preset("tiny").replace(num_hidden_layers=1, mlp_layer_types=None, indexer_types=None,
                                             first_k_dense_replace=1, max_position_embeddings=202752)
     runner = Runner(Glm5ForCausalLM(cfg).eval(), block_size=64, max_cache_tokens=B * (ctx + 128),
                     decode_graphs=True, max_decode_batch=max(64, B))
-    runner.decode_graphs._forward = lambda bucket, width: torch.zeros(1, bucket, 8)  # the replay, stubbed
+    logits = torch.zeros(1, max(64, B), 8)
+    runner.decode_graphs._forward = lambda bucket, width: logits[:, :bucket]  # the replay, stubbed
     for i in range(B):
         seq = Sequence(i, list(range(i, i + ctx)))
         runner.blocks.allocate(seq.id, seq.prompt)
@@ -47,8 +52,57 @@ def main():
         t0 = time.perf_counter()
         runner.decode()
         steps.append((time.perf_counter() - t0) * 1e3)
-    save_run("decode_host_time.json", B=B, ctx=ctx,
+    save_run("decode_host_time.json", B=B, ctx=ctx, load_average=os.getloadavg()[0],
              host_ms_per_step_median=round(statistics.median(steps), 3), host_ms_per_step_min=round(min(steps), 3))
+
+
+def with_graphs(B: int, ctx: int, steps: int = 20) -> None:
+    from bench.decode_step import random_model, two_layer_config
+
+    model = random_model(two_layer_config(False), "cuda")
+    runner = Runner(model, kv_cache="fp8", index_cache="fp8", block_size=64, dtype=torch.bfloat16,
+                    max_cache_tokens=B * (ctx + 64 + steps), device="cuda", backend="triton")
+    prompts = torch.randint(0, model.config.vocab_size, (B, ctx), generator=torch.Generator().manual_seed(1)).tolist()
+    chunk = max(1, 16384 // ctx)
+    for i in range(0, B, chunk):
+        runner.prefill(prompts[i:i + chunk])
+    graphs = runner.decode_graphs
+    events, run = [], graphs.run
+
+    def timed_run(input_ids, fctx):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = run(input_ids, fctx)
+        end.record()
+        events.append((start, end))
+        return out
+
+    graphs.run = timed_run
+    for _ in range(3):  # captures the bucket, compiles and autotunes
+        runner.decode()
+    torch.cuda.synchronize()
+    events.clear()
+    wall = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        runner.decode()
+        wall.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    device = [start.elapsed_time(end) for start, end in events]
+    ratio = [w / d for w, d in zip(wall, device)]
+    save_run("decode_host_time_cuda.json", B=B, ctx=ctx, replayed=graphs.disabled is None and bool(graphs.graphs),
+             layers="1 dense + 1 MoE (GLM-5 widths)", kv_cache="fp8",
+             wall_ms_median=round(statistics.median(wall), 3), device_ms_median=round(statistics.median(device), 3),
+             wall_over_device_median=round(statistics.median(ratio), 3), wall_ms=[round(w, 3) for w in wall],
+             device_ms=[round(d, 3) for d in device])
+
+
+def main():
+    harness.answer_help(__doc__)
+    args = [int(a) for a in sys.argv[1:] if not a.startswith("--")]
+    B, ctx = args[:2] if len(args) >= 2 else (64, 2048)
+    (with_graphs if "--cuda" in sys.argv else host_only)(B, ctx)
+
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """Kernel benchmarks at GLM-5 shapes: block-FP8 GEMM and fused FP8 MoE (more sections register themselves).
 
     python bench/kernels.py --only gemm,moe      # writes bench/results/kernels_gemm_moe.{json,md}
+    python bench/kernels.py --only fused         # the shared-input GEMMs stacked into one (qkv_a, ...) vs apart
 
 Decode rows (M <= 16, MoE batch 1/64) are timed as CUDA-graph replays where every captured call reads a
 different weight copy (or routes to different experts), so weights come from HBM, not L2; bandwidth is
@@ -101,6 +102,50 @@ def bench_gemm(res: Results, args):
                        x_vs_bf16=(us_bf16 / us) if us_bf16 else None, x_vs_fp8tw=(us_fp8 / us) if us_fp8 else None,
                        cfg=_cfg_str(pick_config(m, n, k, True, torch.cuda.get_device_properties(0).multi_processor_count)))
             res.add(**row)
+            del x
+        torch.cuda.empty_cache()
+
+
+FUSED_GROUPS = [  # (name, the members' N, K): what fuse_shared_input_gemms makes one GEMM of, per GLM-5 layer
+    ("qkv_a: q_a | kv_a | idx wk", (2048, 576, 128), 6144),
+    ("q_b | idx wq_b", (16384, 4096), 2048),
+    ("shared expert gate | up", (2048, 2048), 6144),
+    ("dense gate | up", (12288, 12288), 6144),
+]
+
+
+@section("fused")
+def bench_fused(res: Results, args):
+    """One GEMM over the stacked weights (as fuse_shared_input_gemms lays them out) against its members' GEMMs run
+    one after the other, same activation, same cold-weight rotation, both CUDA-graph replays."""
+    from fxglm5.lowering.triton.fp8_gemm import fp8_linear
+    from fxglm5.passes.fuse_shared_input_gemms import stack, stacked_layout
+
+    for name, sizes, k in FUSED_GROUPS:
+        order, rows = stacked_layout(list(sizes))
+        members = [sizes[i] for i in order]
+        scale_rows = tuple(-(-r // 128) for r in rows)
+        wbytes = sum(n * k + 4 * (-(-n // 128)) * (-(-k // 128)) for n in members)
+
+        def make(i):
+            weights = [_weights(n, k) for n in members]
+            return (*weights, (stack(rows, *(w for w, _ in weights)), stack(scale_rows, *(s for _, s in weights))))
+
+        for m in [int(v) for v in args.fused_m.split(",")]:
+            cold = m <= 64
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            copies, nxt = rotating(make, None if cold else 1, bytes_per_copy=wbytes)  # each replay reads one half
+            calls = len(copies)
+            separate = time_graph_us(lambda: [fp8_linear(x, w, s, None, True) for w, s in nxt()[:-1]],
+                                     calls_per_graph=calls)
+            fused = time_graph_us(lambda: fp8_linear(x, *nxt()[-1], None, True), calls_per_graph=calls)
+            del copies
+            nbytes = wbytes + m * k * 2 + m * sum(members) * 2
+            res.add(section="fused", shape=f"{name} {'+'.join(map(str, members))}x{k}", M=m, fused_us=fused,
+                    separate_us=separate, x_fused_vs_separate=separate / fused,
+                    fused_pct_copy=100 * nbytes / fused / 1e3 / res.copy_gbs,
+                    separate_pct_copy=100 * (nbytes + (len(members) - 1) * m * k * 2) / separate / 1e3 / res.copy_gbs,
+                    TFLOPS=2 * m * sum(members) * k / fused / 1e6)
             del x
         torch.cuda.empty_cache()
 
@@ -256,6 +301,7 @@ def main():
     p.add_argument("--only", default="gemm,moe", help="comma-separated sections: " + ",".join(harness.SECTIONS))
     p.add_argument("--gemm-m", default="1,4,16,4096")
     p.add_argument("--moe-t", default="1,64,2048")
+    p.add_argument("--fused-m", default="1,16,64,4096", help="token counts of the fused-GEMM section")
     p.add_argument("--name", default=None, help="results name (default kernels_<sections>)")
     args = p.parse_args()
     only = [s for s in args.only.split(",") if s]

@@ -37,7 +37,8 @@ PIPELINE: dict[Stage, tuple[str, ...]] = {
     Stage.SHARD: ("shard_attention", "shard_mlp", "shard_moe_experts", "shard_lm_head"),
     # both rewrite what insert_paged_cache made: the row selection at the output, the cached ops' inputs
     Stage.CACHE: ("insert_paged_cache", "select_sampled_rows", "fuse_norm_rope_into_cache_writes"),
-    Stage.LOWER: ("lower",),
+    # horizontal fusion after the shard and cache stages, which still need each projection's own GEMM
+    Stage.LOWER: ("fuse_shared_input_gemms", "lower"),
 }
 
 DECLARED: dict[str, Stage] = {name: stage for stage, names in PIPELINE.items() for name in names}

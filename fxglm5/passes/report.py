@@ -1,6 +1,6 @@
 """A readable report of a compile: per pass the matches, the expected count and the time, then the op histogram
 before and after (what ``fxglm5 inspect`` prints of :func:`fxglm5.compiler.compile_model`'s result) and, when the
-graph was also lowered for a device, what runs where (``fp8_linear: triton x702``)."""
+graph was also lowered for a device, what runs where (``fp8_linear: triton x390``)."""
 
 from __future__ import annotations
 

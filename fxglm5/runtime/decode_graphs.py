@@ -10,7 +10,8 @@ positions, slot mapping, request index) and a block table per width bucket (powe
 to the longest sequence the cache can hold). The width is bucketed too because kernels size their work by it:
 the indexer's logits rows are as wide as the table, and past a few thousand keys the top-k switches to its
 long-row method (one table as wide as the cache made a 2-layer step at 2k tokens slower than eager).
-A step copies its validated context into the buffers, padded to its (batch, width) bucket -- a padding token
+A step copies its validated context into the buffers, padded to its (batch, width) bucket, through pinned host
+staging buffers written in place (one asynchronous copy per device buffer, no tensors made per step) -- a padding token
 has slot -1 (its cache write is skipped), position 0 and an all-zero block-table row (block 0 is reserved), so
 it reads only block 0 and writes nothing -- replays that bucket's graph and returns the live rows' logits.
 A bucket is captured at its first use: the step first runs eagerly on the same buffers (kernel compilation
@@ -49,11 +50,18 @@ class DecodeGraphs:
         self.buckets, self.widths = pow2_buckets(max_batch), pow2_buckets(table_width)
         self.device = device
         i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(1, max_batch, **i64)
-        self.positions = torch.zeros(1, max_batch, **i64)
-        self.slot_mapping = torch.full((max_batch,), -1, **i64)
+        # token ids, positions and slot mapping in one buffer (one host -> device copy a step); the graph reads views
+        self.inputs = torch.zeros(3, max_batch, **i64)
+        self.input_ids, self.positions, self.slot_mapping = self.inputs[0:1], self.inputs[1:2], self.inputs[2]
+        self.slot_mapping.fill_(-1)
         self.req_idx = torch.arange(max_batch, **i64)  # decode: token b is request b; padding reads row b
         self.tables: dict[int, torch.Tensor] = {}  # width bucket -> int32 [max_batch, width]
+        # host staging of each device buffer, pinned on a GPU so that its copy is asynchronous (a copy from
+        # pageable memory waits for the device: the copy queued behind the previous replay held the host)
+        self._pin = torch.device(device).type == "cuda" and torch.cuda.is_available()
+        self._staged_inputs = torch.zeros(3, max_batch, dtype=torch.int64, pin_memory=self._pin)
+        self._staged_tables: dict[int, torch.Tensor] = {}
+        self._copied = None  # CUDA event after the last step's copies: its staging may be rewritten once it is done
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, width) bucket
         self.steps = 0  # decode steps run from the static buffers (replayed, or uncaptured on a CPU)
         self.disabled: Optional[str] = None
@@ -80,17 +88,27 @@ class DecodeGraphs:
         return self._warm_up_and_capture(key)[0, :B].float()
 
     def _load(self, input_ids: torch.Tensor, ctx: ForwardContext, bucket: int, width: int) -> None:
-        """Copy the step into the static buffers; rows B..bucket-1 become padding tokens."""
+        """Copy the step into the static buffers; rows B..bucket-1 become padding tokens. The step is written into
+        the host staging buffers in place and each goes to the device in one non-blocking copy."""
         B, used = ctx.batch_size, ctx.kernel_block_table.shape[1]
-        pad = bucket - B
-        self.input_ids[0, :bucket].copy_(torch.cat([input_ids.cpu(), torch.zeros(pad, dtype=torch.int64)]))
-        self.positions[0, :bucket].copy_(torch.cat([ctx.positions.cpu(), torch.zeros(pad, dtype=torch.int64)]))
-        self.slot_mapping[:bucket].copy_(torch.cat([ctx.slot_mapping.cpu(), torch.full((pad,), -1)]))
-        table = torch.zeros(bucket, width, dtype=torch.int32)
-        table[:B, :used] = ctx.kernel_block_table.cpu()
         if width not in self.tables:
-            self.tables[width] = torch.zeros(self.input_ids.shape[1], width, dtype=torch.int32, device=self.device)
-        self.tables[width][:bucket].copy_(table)
+            rows = self.inputs.shape[1]
+            self.tables[width] = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
+            self._staged_tables[width] = torch.zeros(rows, width, dtype=torch.int32, pin_memory=self._pin)
+        if self._copied is not None and not self._copied.query():  # done by now: the runner read the last tokens
+            self._copied.synchronize()  # the previous step's copies must have read the staging buffers
+        staged, table = self._staged_inputs, self._staged_tables[width]
+        for row, values, pad in ((0, input_ids, 0), (1, ctx.positions, 0), (2, ctx.slot_mapping, -1)):
+            staged[row, :B] = values
+            staged[row, B:bucket] = pad
+        table[:B, :used] = ctx.kernel_block_table
+        table[:B, used:] = 0
+        table[B:bucket] = 0
+        self.inputs.copy_(staged, non_blocking=True)
+        self.tables[width][:bucket].copy_(table[:bucket], non_blocking=True)
+        if self._pin:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def _forward(self, bucket: int, width: int) -> torch.Tensor:
         tokens = self.req_idx[:bucket]  # one token per request: token b is request b's and its logits' row

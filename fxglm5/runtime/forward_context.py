@@ -18,7 +18,9 @@ mismatched tables), block ids outside the cache, positions that need a padding b
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 from typing import Optional
 
 import torch
@@ -77,35 +79,46 @@ class ForwardContext:
         return self.slot_mapping, self.kernel_block_table, self.req_idx
 
     def validate(self) -> "ForwardContext":
-        B = self._check_vector("input_lengths", self.input_lengths, None)
+        # The checks run on Python lists of the per-request fields and of the block table (B and B x width
+        # ints), the per-token tensors are made with a few torch ops: on host tensors the ~70 torch calls of a
+        # tensor-at-a-time check cost 1.1 ms a decode step at B=64 (bench/rtpllm_host_time.py), each of them
+        # dispatch overhead on a tiny tensor.
+        lengths = self._check_vector("input_lengths", self.input_lengths, None)
+        B = len(lengths)
         if B == 0:
             raise InputError("input_lengths: empty batch")
         if self.is_prefill:
-            self._check_vector("prefix_lengths", self.prefix_lengths, B)
+            starts = self._check_vector("prefix_lengths", self.prefix_lengths, B)
             self._check_vector("sequence_lengths", self.sequence_lengths, 0)
-            if int(self.input_lengths.min()) < 1:
+            if min(lengths) < 1:
                 raise InputError("input_lengths: a prefill request has no new tokens")
+            n = lengths
         else:
-            self._check_vector("sequence_lengths", self.sequence_lengths, B)
+            starts = self._check_vector("sequence_lengths", self.sequence_lengths, B)
             self._check_vector("prefix_lengths", self.prefix_lengths, 0)
-        self._check_tables(B)
-        start = self.prefix_lengths if self.is_prefill else self.sequence_lengths
-        n = self.new_tokens().long()
-        cu = torch.zeros(B + 1, dtype=torch.int32, device=n.device)
-        cu[1:] = torch.cumsum(n, 0)
+            n = [1] * B
+        rows = self._check_tables(B)
+        device = self.input_lengths.device
+        cu_list = list(itertools.accumulate(n, initial=0))
+        cu = torch.tensor(cu_list, dtype=torch.int32, device=device)
         self._check_given("cu_seqlens", self.cu_seqlens, cu)
-        # the request of every token (searchsorted: repeat_interleave took 0.14 ms a call on the GPU host, ms under load)
-        req = torch.searchsorted(cu[1:].long(), torch.arange(int(cu[-1]), device=n.device), right=True)
-        pos = start.long()[req] + torch.arange(int(cu[-1]), device=n.device) - cu.long()[:-1][req]
-        if int(pos.max()) >= self.max_position_embeddings:
-            raise InputError(f"positions: position {int(pos.max())} is past max_position_embeddings "
+        last = [s + k - 1 for s, k in zip(starts, n)]  # each request's last position (its positions are a run)
+        if max(last) >= self.max_position_embeddings:
+            raise InputError(f"positions: position {max(last)} is past max_position_embeddings "
                              f"({self.max_position_embeddings})")
-        need = torch.arange(self.block_table.shape[1], device=n.device)[None] <= (pos // self.block_size)[:, None]
-        if int(pos.max()) >= self.block_table.shape[1] * self.block_size or \
-                bool(((self.block_table.long()[req] == 0) & need).any()):
-            raise InputError("block_table: a position needs a block the table does not give (0 = padding)")
-        kbs = self.kernel_block_size
-        slots = contracts.slots(self.kernel_block_table, req, pos, kbs)
+        for row, p in zip(rows, last):  # every block up to the last position's must be a real one
+            need = p // self.block_size
+            if need >= len(row) or 0 in row[:need + 1]:
+                raise InputError("block_table: a position needs a block the table does not give (0 = padding)")
+        T = cu_list[-1]
+        if self.is_prefill:
+            # the request of every token (searchsorted: repeat_interleave took 0.14 ms a call on the GPU host)
+            tokens = torch.arange(T, device=device)
+            req = torch.searchsorted(cu[1:].long(), tokens, right=True)
+            pos = torch.tensor(starts, device=device)[req] + tokens - cu.long()[:-1][req]
+        else:
+            req, pos = torch.arange(B, device=device), torch.tensor(starts, device=device)
+        slots = contracts.slots(self.kernel_block_table, req, pos, self.kernel_block_size)
         self._check_distinct_slots(slots, req)
         self._check_given("req_idx", self.req_idx, req)
         self._check_given("positions", self.positions, pos)
@@ -115,17 +128,20 @@ class ForwardContext:
 
     # ---- helpers ------------------------------------------------------------------------------------
     @staticmethod
-    def _check_vector(name: str, t, length: int | None) -> int:
+    def _check_vector(name: str, t, length: int | None) -> list[int]:
+        """The entries of a 1-D int tensor field as a list, checked: ``length`` entries (None: any), none negative."""
         if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype not in _INT:
             raise InputError(f"{name}: expected a 1-D int32 tensor, got {getattr(t, 'dtype', type(t).__name__)} "
                              f"{tuple(getattr(t, 'shape', ()))}")
         if length is not None and t.shape[0] != length:
             raise InputError(f"{name}: expected {length} entries, got {t.shape[0]}")
-        if t.numel() and int(t.min()) < 0:
-            raise InputError(f"{name}: negative entry {int(t.min())}")
-        return t.shape[0]
+        values = t.tolist()
+        if values and min(values) < 0:
+            raise InputError(f"{name}: negative entry {min(values)}")
+        return values
 
-    def _check_tables(self, B: int) -> None:
+    def _check_tables(self, B: int) -> list[list[int]]:
+        """Check both block tables; returns the physical one's rows as lists."""
         if self.kernel_block_size < 1 or self.block_size % self.kernel_block_size:
             raise InputError(f"kernel_block_size: {self.kernel_block_size} must divide block_size {self.block_size}")
         ratio = self.block_size // self.kernel_block_size
@@ -134,25 +150,29 @@ class ForwardContext:
             if not isinstance(t, Tensor) or t.dim() != 2 or t.dtype not in _INT or t.shape[0] != B:
                 raise InputError(f"{name}: expected an int32 [{B}, max_blocks] tensor, got "
                                  f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= hi):
-                bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
-                raise InputError(f"{name}: block id {bad} out of range [0, {hi})")
-        expected = kernel_block_table(self.block_table, ratio)
+            if t.numel():
+                lo, top = (int(v) for v in torch.aminmax(t))
+                if lo < 0 or top >= hi:
+                    raise InputError(f"{name}: block id {lo if lo < 0 else top} out of range [0, {hi})")
+        # at ratio 1 the kernel table is the physical one (kernel id = physical * 1 + 0)
+        expected = self.block_table if ratio == 1 else kernel_block_table(self.block_table, ratio)
         if self.kernel_block_table.shape != expected.shape or not torch.equal(self.kernel_block_table.long(),
                                                                               expected.long()):
             raise InputError(f"kernel_block_table: does not match block_table at ratio {ratio} "
                              "(kernel id = physical * ratio + j)")
+        return self.block_table.tolist()
 
     @staticmethod
     def _check_distinct_slots(slots: Tensor, req: Tensor) -> None:
         """Two tokens writing one cache slot (a block in two requests' tables, or twice in one) would leave
         whichever write lands last: refuse the step."""
-        uniq, counts = torch.unique(slots, return_counts=True)
-        if bool((counts > 1).any()):
-            slot = int(uniq[counts > 1][0])
-            who = sorted(set(req[slots == slot].tolist()))
-            raise InputError(f"slot_mapping: requests {who} write the same cache slot {slot} (a block is in two "
-                             "requests' tables, or twice in one)")
+        values = slots.tolist()
+        if len(set(values)) == len(values):
+            return
+        slot = min(v for v, count in collections.Counter(values).items() if count > 1)
+        who = sorted({r for r, v in zip(req.tolist(), values) if v == slot})
+        raise InputError(f"slot_mapping: requests {who} write the same cache slot {slot} (a block is in two "
+                         "requests' tables, or twice in one)")
 
     @staticmethod
     def _check_given(name: str, given, expected: Tensor) -> None:

@@ -180,10 +180,11 @@ class Runner:
         return logits[0].float()
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        next_tokens = logits.argmax(-1).tolist()  # one reduction and one device -> host copy for the batch
-        for i, (seq, token) in enumerate(zip(seqs, next_tokens)):
+        next_tokens = logits.argmax(-1)  # one reduction for the batch, queued behind the step
+        for seq in seqs:  # the bookkeeping that needs no new token runs while the device computes the step
             seq.cached = len(seq.tokens)
             self.blocks.commit(seq.id, seq.tokens)
+        for i, (seq, token) in enumerate(zip(seqs, next_tokens.tolist())):  # the step's one device -> host read
             seq.output.append(token)
             if self.keep_logits:
                 seq.logits.append(logits[i])
