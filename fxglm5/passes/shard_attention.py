@@ -28,7 +28,9 @@ from fxglm5.passes.graph_utils import get_attr_tensor, getitem_of, is_op, op_arg
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.mla_pattern import _absorbed_part
 from fxglm5.passes.registry import register_pass
-from fxglm5.passes.sharding import block_part, linear, mark, record, reduce_after, refresh, shard_attr, shard_linear
+from fxglm5.passes.sharding import (
+    block_part, linear, mark, record, reduce_after, shard_attr, shard_each, shard_linear,
+)
 
 aten = torch.ops.aten
 _RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
@@ -101,38 +103,32 @@ def _split_absorbed(gm: fx.GraphModule, consts: tuple, sources, heads: int, dn: 
             record(gm, sources[1], block_part(rows, heads * (dn + dv), sources[0]))
 
 
+def _shard_one(gm: fx.GraphModule, node: fx.Node, mapping) -> bool:
+    ops = torch.ops.fxglm5
+    if not is_op(node, ops.sparse_mla.default, ops.mla.default):
+        return False
+    args, derived = op_args(node), gm.meta.get(DERIVED, {})
+    w_uk, w_uv = args["w_uk"], args["w_uv"]
+    if w_uk.op != "get_attr" or w_uv.op != "get_attr":
+        return False
+    heads, dn, _ = get_attr_tensor(gm, w_uk).shape
+    dv = get_attr_tensor(gm, w_uv).shape[1]
+    query, output = _query(args["q_nope"], args["q_pe"], heads), _output(node, heads * dv)
+    sources = {derived[w.target][0] if w.target in derived else None for w in (w_uk, w_uv)}
+    if query is None or output is None or len(sources) != 1:  # both derived from one kv_b_proj, or neither
+        return False
+    (q_b, view), (reshape, o_proj) = query, output
+    h0, h1 = mapping.part(heads)
+    qk = _sizes(view)[3]
+    shard_linear(gm, q_b, 0, h0 * qk, h1 * qk)
+    _resize(view, 2, h1 - h0)
+    _split_absorbed(gm, (w_uk, w_uv), sources.pop(), heads, dn, dv, (h0, h1))
+    _resize(reshape, -1, (h1 - h0) * dv)
+    shard_linear(gm, o_proj, 1, h0 * dv, h1 * dv)
+    reduce_after(gm, o_proj.node, mapping, "shard_attention")
+    return True
+
+
 @register_pass("shard", expected=expected_attention)
 def shard_attention(gm: fx.GraphModule, ctx) -> PassOutcome:
-    mapping = ctx.mapping
-    if mapping.world == 1:
-        return PassOutcome(0)
-    derived = gm.meta.get(DERIVED, {})
-    ops = torch.ops.fxglm5
-    matches = 0
-    for node in list(gm.graph.nodes):
-        if not is_op(node, ops.sparse_mla.default, ops.mla.default):
-            continue
-        args = op_args(node)
-        w_uk, w_uv = args["w_uk"], args["w_uv"]
-        if w_uk.op != "get_attr" or w_uv.op != "get_attr":
-            continue
-        heads, dn, _ = get_attr_tensor(gm, w_uk).shape
-        dv = get_attr_tensor(gm, w_uv).shape[1]
-        query, output = _query(args["q_nope"], args["q_pe"], heads), _output(node, heads * dv)
-        sources = {derived[w.target][0] if w.target in derived else None for w in (w_uk, w_uv)}
-        if query is None or output is None or len(sources) != 1:  # both derived from one kv_b_proj, or neither
-            continue
-        (q_b, view), (reshape, o_proj) = query, output
-        h0, h1 = mapping.part(heads)
-        local = h1 - h0
-        qk = _sizes(view)[3]
-        shard_linear(gm, q_b, 0, h0 * qk, h1 * qk)
-        _resize(view, 2, local)
-        _split_absorbed(gm, (w_uk, w_uv), sources.pop(), heads, dn, dv, (h0, h1))
-        _resize(reshape, -1, local * dv)
-        shard_linear(gm, o_proj, 1, h0 * dv, h1 * dv)
-        reduce_after(gm, o_proj.node, mapping, "shard_attention")
-        matches += 1
-    if matches:
-        refresh(gm)
-    return PassOutcome(matches)
+    return PassOutcome(shard_each(gm, ctx, _shard_one))

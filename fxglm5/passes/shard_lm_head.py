@@ -13,7 +13,7 @@ from torch import fx
 from fxglm5.passes.graph_utils import get_attr_tensor
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
-from fxglm5.passes.sharding import gather_after, linear, refresh, shard_linear
+from fxglm5.passes.sharding import gather_after, linear, shard_each, shard_linear
 
 
 def expected_lm_head(ctx):
@@ -23,17 +23,19 @@ def expected_lm_head(ctx):
     return None if head is None else int(head == "logits")
 
 
+def _shard_one(gm: fx.GraphModule, node: fx.Node, mapping) -> bool:
+    """The graph's one output, when it is a linear (the lm_head)."""
+    if node.op != "output" or len(node.all_input_nodes) != 1:
+        return False
+    lin = linear(node.all_input_nodes[0])
+    if lin is None or len(lin.node.users) != 1:
+        return False
+    start, stop = mapping.part(get_attr_tensor(gm, lin.weight).shape[0])
+    shard_linear(gm, lin, 0, start, stop)
+    gather_after(gm, lin.node, -1, mapping, "shard_lm_head")
+    return True
+
+
 @register_pass("shard", expected=expected_lm_head)
 def shard_lm_head(gm: fx.GraphModule, ctx) -> PassOutcome:
-    if ctx.mapping.world == 1:
-        return PassOutcome(0)
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    outputs = [n for n in output.all_input_nodes]
-    lin = linear(outputs[0]) if len(outputs) == 1 else None
-    if lin is None or len(lin.node.users) != 1:
-        return PassOutcome(0)
-    start, stop = ctx.mapping.part(get_attr_tensor(gm, lin.weight).shape[0])
-    shard_linear(gm, lin, 0, start, stop)
-    gather_after(gm, lin.node, -1, ctx.mapping, "shard_lm_head")
-    refresh(gm)
-    return PassOutcome(1)
+    return PassOutcome(shard_each(gm, ctx, _shard_one))

@@ -15,7 +15,7 @@ from torch import fx
 from fxglm5.passes.graph_utils import is_op, op_args, through_casts
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
-from fxglm5.passes.sharding import gated_mlp, refresh, reduce_after, split_mlp
+from fxglm5.passes.sharding import gated_mlp, reduce_after, shard_each, split_mlp
 
 aten = torch.ops.aten
 
@@ -35,18 +35,15 @@ def merged_with_moe(node: fx.Node) -> bool:
     return False
 
 
+def _shard_one(gm: fx.GraphModule, node: fx.Node, mapping) -> bool:
+    mlp = gated_mlp(node)
+    if mlp is None or merged_with_moe(node):
+        return False
+    split_mlp(gm, mlp, mapping)
+    reduce_after(gm, node, mapping, "shard_mlp")
+    return True
+
+
 @register_pass("shard", expected=expected_dense_mlps)
 def shard_mlp(gm: fx.GraphModule, ctx) -> PassOutcome:
-    if ctx.mapping.world == 1:
-        return PassOutcome(0)
-    matches = 0
-    for node in list(gm.graph.nodes):
-        mlp = gated_mlp(node)
-        if mlp is None or merged_with_moe(node):
-            continue
-        split_mlp(gm, mlp, ctx.mapping)
-        reduce_after(gm, node, ctx.mapping, "shard_mlp")
-        matches += 1
-    if matches:
-        refresh(gm)
-    return PassOutcome(matches)
+    return PassOutcome(shard_each(gm, ctx, _shard_one))

@@ -24,7 +24,7 @@ from fxglm5.passes.graph_utils import add_constant, get_attr_tensor, is_cast, is
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 from fxglm5.passes.sharding import (
-    block_part, gated_mlp, mark, reduce_after, refresh, shard_attr, split_mlp,
+    block_part, gated_mlp, mark, reduce_after, shard_attr, shard_each, split_mlp,
 )
 from fxglm5.parallel import Slice
 
@@ -94,21 +94,17 @@ def _split_experts(gm: fx.GraphModule, moe: fx.Node, mapping) -> None:
         shard_attr(gm, args["w2_scale"], block_part(down, two_inter // 2, args["w2"].target))
 
 
+def _shard_one(gm: fx.GraphModule, node: fx.Node, mapping) -> bool:
+    if not is_op(node, torch.ops.fxglm5.moe_fp8.default) or any(op_args(node)[w].op != "get_attr" for w in ("w13", "w2")):
+        return False
+    merged, shared = _merge(node)
+    _split_experts(gm, node, mapping)
+    if shared is not None:
+        split_mlp(gm, shared, mapping)
+    reduce_after(gm, merged, mapping, "shard_moe_experts")
+    return True
+
+
 @register_pass("shard", expected=expected_moe_layers)
 def shard_moe_experts(gm: fx.GraphModule, ctx) -> PassOutcome:
-    if ctx.mapping.world == 1:
-        return PassOutcome(0)
-    matches = 0
-    for node in list(gm.graph.nodes):
-        if not is_op(node, torch.ops.fxglm5.moe_fp8.default) or any(
-                op_args(node)[w].op != "get_attr" for w in ("w13", "w2")):
-            continue
-        merged, shared = _merge(node)
-        _split_experts(gm, node, ctx.mapping)
-        if shared is not None:
-            split_mlp(gm, shared, ctx.mapping)
-        reduce_after(gm, merged, ctx.mapping, "shard_moe_experts")
-        matches += 1
-    if matches:
-        refresh(gm)
-    return PassOutcome(matches)
+    return PassOutcome(shard_each(gm, ctx, _shard_one))

@@ -122,6 +122,17 @@ def gather_after(gm: fx.GraphModule, node: fx.Node, dim: int, mapping: Mapping, 
     return anchor(whole, pass_name)
 
 
+def shard_each(gm: fx.GraphModule, ctx, rewrite) -> int:
+    """Run ``rewrite(gm, node, mapping) -> bool`` (did it shard a block there) on every node as the graph stood,
+    then refresh the example values of what changed; the matches. Nothing to do at world size 1."""
+    if ctx.mapping.world == 1:
+        return 0
+    matches = sum(bool(rewrite(gm, node, ctx.mapping)) for node in list(gm.graph.nodes))
+    if matches:
+        refresh(gm)
+    return matches
+
+
 def mark(node: fx.Node) -> fx.Node:
     """Note that a shard pass changed or inserted ``node`` (its example value is recomputed by :func:`refresh`)."""
     node.meta[_DIRTY] = True

@@ -8,7 +8,8 @@ rounded to bf16 before the all-reduce, summed in another order): relative RMSE 0
 graph, while bf16 itself moves the single-rank logits 0.18 from fp32 (the random tiny model's expert and top-k
 choices flip under any rounding change); the bound is that sharding moves bf16 logits no more than bf16 does."""
 
-import pytest
+import time
+
 import torch
 from tests.helpers import copy_to_dtype
 from tests.parallel.ranks import graph_copy, run_ranks, sharded
@@ -51,7 +52,9 @@ def test_two_and_four_gloo_ranks_give_the_single_rank_logits(tiny_tp, tmp_path):
         two.append({"ep2": ep2, "ep1": sharded(graph, cfg, Mapping(tp=2, rank=rank, ep=1))[0],
                     "sabotage": _without_all_reduce(ep2), "bf16": sharded(half, cfg, Mapping(tp=2, rank=rank, ep=2))[0]})
     four = [{"ep4": sharded(graph, cfg, Mapping(tp=4, rank=rank, ep=4))[0]} for rank in range(4)]
+    start = time.perf_counter()
     outs = run_ranks(two, inputs, tmp_path, deadline_s=120) + run_ranks(four, inputs, tmp_path, deadline_s=120)
+    print(f"2 + 4 gloo ranks: {time.perf_counter() - start:.1f} s")
     errors = {}
     for rank, out in enumerate(outs):
         for name in ("ep2", "ep1", "ep4"):
