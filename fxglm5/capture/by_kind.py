@@ -3,7 +3,7 @@ its every context (``layer_kinds``), rewrite that, and copy each rewritten layer
 
 GLM-5's 78 layers are two kinds (dense, MoE) in four contexts, all present in its first 5 layers, so the export
 and the match / fuse passes run over 5 layers instead of 78; the stitched graph is node for node the one the
-whole-model capture and passes give (``tests/test_capture_by_kind.py``). A copy of layer p at position j reads
+whole-model capture and passes give (``tests/capture/test_by_kind.py``). A copy of layer p at position j reads
 layer j's own parameters; constants a pass derived from layer p's weights (the absorbed MLA W_UK / W_UV) are
 derived again from layer j's, through the recipe the pass recorded in ``graph.meta[DERIVED]``
 (``passes.graph_utils.add_constant``). A shard plan (``graph.meta[PLAN]``, the shard stage's rank-local slices) is
