@@ -33,7 +33,7 @@ from fxglm5.capture.layer_kinds import KindPlan, Unprovable, plan_kinds
 from fxglm5.compiler import MAX_STEP_TOKENS, compile_model, lower_for_device
 from fxglm5.errors import CheckpointError
 from fxglm5.model.config import Glm5Config
-from fxglm5.passes.graph_utils import on_device
+from fxglm5.passes.graph_utils import drop_unread_attributes, on_device
 from fxglm5.passes.pipeline import Stage
 
 __all__ = ["Artifact", "export_artifact", "load_artifact", "check_out_path",
@@ -100,7 +100,7 @@ def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_p
                                       strict=True, disabled_passes=disabled_passes, dump_dir=dump_dir)
     layers = model.config.num_hidden_layers
     prefix, plan = graph.meta.get(PREFIX) or (graph, plan_kinds(list(range(layers)), 0))  # whole: identity map
-    _drop_unread(prefix)
+    drop_unread_attributes(prefix)  # kv_b_proj once absorbed: export would take it, the file store it
     example, dims = token_inputs(next(model.parameters()).device, 1024, MAX_STEP_TOKENS)
     with torch.no_grad():
         program = torch.export.export(prefix, example, dynamic_shapes=(dims, dims), strict=False)
@@ -112,15 +112,6 @@ def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_p
     weights, constants = (_every_layer(stored, graph, plan) for stored in (program.state_dict, program.constants))
     artifact_format.write(path, program, record, weights, constants)
     return path
-
-
-def _drop_unread(gm: fx.GraphModule) -> None:
-    """Delete the parameters and buffers no node of ``gm`` reads (kv_b_proj's weight once a pass absorbed it into
-    W_UK / W_UV), which export would otherwise take as inputs and the file store for every layer."""
-    read = {node.target for node in gm.graph.find_nodes(op="get_attr")}
-    for name in [name for name, _ in (*gm.named_parameters(), *gm.named_buffers()) if name not in read]:
-        owner, _, leaf = name.rpartition(".")
-        delattr(gm.get_submodule(owner), leaf)
 
 
 def _every_layer(stored: dict, whole: fx.GraphModule, plan: KindPlan) -> dict:

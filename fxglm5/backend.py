@@ -174,7 +174,7 @@ def rebind(graph: fx.GraphModule, weights: dict[str, torch.Tensor]) -> fx.GraphM
             values[node.target] = weights[node.target]
     for target, (sources, derive) in derived.items():
         with torch.no_grad():
-            values[target] = derive(*(weights.get(s, operator.attrgetter(s)(graph)) for s in sources))
+            values[target] = derive(*(weights[s] if s in weights else operator.attrgetter(s)(graph) for s in sources))
     for target, value in values.items():
         owner, _, name = target.rpartition(".")
         (new.get_submodule(owner) if owner else new).register_buffer(name, value, persistent=False)

@@ -245,6 +245,31 @@ def fake_call(target: Callable, *args) -> Any:
         return target(*torch.utils._pytree.tree_map(fake, vals))
 
 
+def drop_unread_attributes(gm: fx.GraphModule, names=None) -> list[str]:
+    """Delete the parameters and buffers (of ``names``, default all) that no node of ``gm`` reads any more, after
+    erasing the get_attr nodes of theirs that nothing uses; returns the names dropped. A graph holds its weights
+    alive: one a pass has replaced (kv_b_proj once absorbed into W_UK / W_UV, GEMM weights once stacked) would
+    otherwise stay in memory, be taken as an input by export, and be stored or loaded for every layer."""
+    names = {name for name, _ in (*gm.named_parameters(), *gm.named_buffers())} if names is None else set(names)
+    for node in list(gm.graph.find_nodes(op="get_attr")):
+        if node.target in names and not node.users:
+            gm.graph.erase_node(node)
+    read = {node.target for node in gm.graph.find_nodes(op="get_attr")}
+    dropped = sorted(name for name in names - read if _has_attr(gm, name))
+    for name in dropped:
+        owner, _, leaf = name.rpartition(".")
+        delattr(gm.get_submodule(owner) if owner else gm, leaf)
+    return dropped
+
+
+def _has_attr(gm: fx.GraphModule, name: str) -> bool:
+    try:
+        operator.attrgetter(name)(gm)
+    except AttributeError:
+        return False
+    return True
+
+
 def on_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
     """The graph's weights, constants and the device arguments export recorded (``torch.arange(...,
     device=cpu)`` where it was exported, ``device=meta`` for a graph captured on the meta device) moved to

@@ -21,7 +21,7 @@ from torch import fx
 
 from fxglm5.errors import CheckpointError
 from fxglm5.model.checkpoint import CheckpointReader
-from fxglm5.passes.graph_utils import on_device
+from fxglm5.passes.graph_utils import drop_unread_attributes, on_device
 
 PLAN, DERIVED = "shard_plan", "derived_constants"
 
@@ -72,12 +72,7 @@ def load_sharded(graph: fx.GraphModule, reader: CheckpointReader, model: torch.n
     left = [t for t in targets if operator.attrgetter(t)(graph).is_meta]
     if left:
         raise CheckpointError(f"graph attribute {left[0]!r}: no data for it after loading")
-    read = set(targets)
-    for name, t in [*graph.named_parameters(), *graph.named_buffers()]:
-        if t.is_meta and name not in read:  # no node reads it (the absorbed kv_b_proj's sources): nothing to load
-            path, _, leaf = name.rpartition(".")
-            owner = graph.get_submodule(path) if path else graph
-            (owner._parameters if leaf in owner._parameters else owner._buffers).pop(leaf)
+    drop_unread_attributes(graph)  # no node reads them (the absorbed kv_b_proj's sources): nothing to load
     on_device(graph, device)  # the device arguments the meta capture recorded (torch.arange(..., device=meta))
     tensors = {k: v - start.get(k, 0) for k, v in reader.bytes_read.items() if v != start.get(k, 0)}
     return LoadReport(sum(tensors.values()), tensors)

@@ -62,6 +62,12 @@ def test_tiny_model_counts_and_bitwise_outputs(tiny_cached, act_quant):
     assert (result.name, result.num_matches, result.expected, result.details) == (PASS, 12, 12, {"gemms": 28})
     assert op_histogram(unfused)[FP8_LINEAR] == 36 and op_histogram(fused)[FP8_LINEAR] == 36 - 28 + 12
     assert "fp8_linear:reference x20" in lowered.details["ops"]
+    # the members' weights leave the graph: it holds one copy of the weights, not the stacked and the separate ones
+    def weight_bytes(gm):
+        return sum(t.numel() * t.element_size() for t in (*gm.parameters(), *gm.buffers()))
+    stacked = weight_bytes(fused) - weight_bytes(unfused)
+    assert not any(".q_a_proj." in name or ".gate_proj." in name for name, _ in fused.named_parameters())
+    assert 0 <= stacked < 0.02 * weight_bytes(unfused)  # only the zero rows padding kv_a to whole 128-row blocks
     args, caches = _step_inputs(cfg)
     want_caches, got_caches = caches(), caches()
     want, got = unfused(*args, *want_caches), fused(*args, *got_caches)
