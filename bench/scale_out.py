@@ -79,12 +79,16 @@ def runner_points(rank, model_or_dir, cfg, batches, contexts, tp, ep, device):
             prompts = torch.randint(0, cfg.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(1)).tolist()
             t0 = time.perf_counter()
             runner = Runner(model_or_dir, kv_cache="fp8", index_cache="fp8", block_size=64, dtype=torch.bfloat16,
-                            max_cache_tokens=(batch + 1) * (ctx + 64 + STEPS), device=device, tp=tp, ep=ep, graph=graph)
+                            max_cache_tokens=batch * (ctx + 64 + STEPS), device=device, tp=tp, ep=ep, graph=graph)
             build_s = time.perf_counter() - t0  # the first point's includes capture + passes (+ loading)
             if tp == 1:
                 graph = runner.graph  # holds no cache: the next points reuse it
-            warm = torch.randint(0, cfg.vocab_size, (1, ctx), generator=torch.Generator().manual_seed(2)).tolist()
-            runner.prefill(warm)  # compiles / autotunes the prefill kernels at this length: not part of a TTFT
+            # a throwaway runner over the same graph compiles / autotunes the prefill kernels at this length (not part
+            # of a TTFT), without leaving a request in the measured runner's decode batch
+            warm = Runner(model_or_dir, kv_cache="fp8", index_cache="fp8", block_size=64, dtype=torch.bfloat16,
+                          max_cache_tokens=ctx + 64, device=device, tp=tp, ep=ep, graph=runner.graph)
+            warm.prefill(torch.randint(0, cfg.vocab_size, (1, ctx), generator=torch.Generator().manual_seed(2)).tolist())
+            del warm
             ttft = []
             for prompt in prompts[:min(batch, 4)]:  # one request's prefill, alone in the step (TTFT), a few times
                 sync()
