@@ -94,7 +94,7 @@ def test_dense_mla_becomes_rtp_mla():
     assert ops.get("fxglm5.rtp_mla") == 1 and "fxglm5.mla" not in ops
     assert "fxglm5.rms_norm" not in ops and "fxglm5.rope_interleaved" not in ops
     assert placeholders(gm)[-1] == "kv_cache_0"
-    seqs = seqs([6, 3], 1)
-    out = gm(*paged_args(gm, seqs, torch.float32))[0]
-    ref = torch.cat([model(seq[None], torch.arange(len(seq))[None])[0] for seq in seqs])
+    requests = seqs([6, 3], 1)
+    out = gm(*paged_args(gm, requests, torch.float32))[0]
+    ref = torch.cat([model(seq[None], torch.arange(len(seq))[None])[0] for seq in requests])
     assert_same_output(out, ref, 1e-5)
