@@ -65,6 +65,15 @@ def device_for(device_type: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def leave() -> None:
+    """Destroy this process's group and forget the name it was registered under, so that nothing afterwards in the
+    process (another Runner, a single-rank compile) resolves "tp" to a destroyed group."""
+    from fxglm5.parallel import register_group
+
+    register_group(GROUP, None)
+    dist.destroy_process_group()
+
+
 def init(rank: int, world: int, local_rank: int, device_type: str, init_method: str = "env://") -> RankInfo:
     """Join the process group (gloo on the CPU, NCCL on CUDA) and register it as ``"tp"``."""
     from fxglm5.parallel import register_group
@@ -100,7 +109,7 @@ def launch(fn: Callable, world: int, *args, device: str = "cpu", timeout: float 
         try:
             return info.rank, fn(info, *args)
         finally:
-            dist.destroy_process_group()
+            leave()
     device_for(device, world - 1)  # every local rank needs a device: refused here, before any process starts
     return 0, spawn(fn, world, *args, device=device, timeout=timeout)[0]
 
