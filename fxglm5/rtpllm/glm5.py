@@ -6,7 +6,9 @@
   passes (``head="hidden"``: RTP applies the lm_head itself), run on the caches RTP allocated. ``forward``
   never syncs with the host, so RTP can capture it in its decode CUDA graphs.
 
-One rank only: tensor / expert parallel shards are refused at load with a clear error.
+Tensor / expert parallel (``fxglm5.rtpllm.parallel``): rank and world come from RTP's ``parallelism_config``,
+the collectives run on the TP process group RTP created; each rank compiles its shard, reads only its slices and
+publishes its lm_head vocabulary shard, and returns every token's full hidden state.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fxglm5.model.modeling import check_input_ids
 from fxglm5.lowering.reference.paged_steps import validation
 from fxglm5.rtpllm.config import compute_dtype, fill_model_config
 from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step
+from fxglm5.rtpllm.parallel import join_rtp_tp_group, load_rank, replicated, rtp_mapping
 from rtp_llm.models.base_model import BaseModel
 from rtp_llm.models_py.model_desc.module_base import GptModelBase
 
@@ -55,15 +58,19 @@ class Fxglm5PyModel(GptModelBase):
     """The compiled decoder on RTP's paged caches; ``forward`` returns the final-norm hidden states."""
 
     def __init__(self, config, parallelism_config, weight, max_generate_batch_size, fmha_config=None,
-                 py_hw_kernel_config=None, device_resource_config=None, *, model, kv_cache: str = "bf16"):
+                 py_hw_kernel_config=None, device_resource_config=None, *, model, kv_cache: str = "bf16",
+                 compiled=None):
+        """``model``: the loaded Glm5ForCausalLM, compiled here; or, with ``compiled`` (a rank's sharded
+        ``(graph, pass_results)``, already filled with its slices), the meta model it was compiled from."""
         super().__init__(config, parallelism_config, weight, max_generate_batch_size, fmha_config, py_hw_kernel_config,
                          device_resource_config)
         self.glm5_config: Glm5Config = model.config
         self.dtype, self.kv_cache_kind = model.dtype, kv_cache
-        self.device = next(model.parameters()).device
-        self.graph, self.pass_results, _ = compile_model(
-            model, max_tokens=max(model.config.max_position_embeddings, MAX_STEP_TOKENS), device=self.device,
-            head="hidden")
+        self.device = next((compiled[0] if compiled is not None else model).parameters()).device
+        if compiled is None:
+            compiled = compile_model(model, max_tokens=max(model.config.max_position_embeddings, MAX_STEP_TOKENS),
+                                     device=self.device, head="hidden")[:2]
+        self.graph, self.pass_results = compiled
         self.signature = self.graph.meta["paged_cache"]
         self.caches, self.layout = None, None
 
@@ -125,28 +132,34 @@ class Fxglm5Glm5(BaseModel):
         from fxglm5.model.modeling import Glm5ForCausalLM
 
         model_config = self.model_config
-        par = getattr(self, "parallelism_config", None)
-        for field in ("tp_size", "ep_size", "pp_size", "dp_size"):
-            if int(getattr(par, field, 1) or 1) != 1:
-                raise ConfigError(f"parallelism_config.{field}={getattr(par, field)}: the fxglm5 plugin runs one "
-                                  "rank (no tensor, expert, pipeline or data parallel shards)")
+        cfg = Glm5Config.from_json(Path(model_config.ckpt_path) / "config.json")
+        # every check reads only the config, the same on every rank: all ranks refuse before any collective
+        self.mapping = rtp_mapping(getattr(self, "parallelism_config", None), cfg)
         # RTP's BaseModel.load makes this check; this load replaces it
         if getattr(getattr(self, "hw_kernel_config", None), "enable_cuda_graph", False) and not self.support_cuda_graph():
             raise ConfigError(f"ENABLE_CUDA_GRAPH=1: {model_config.ckpt_path} is not block-FP8; the bf16 checkpoint's "
                               "MoE syncs with the host, so its decode cannot be captured (ENABLE_CUDA_GRAPH=0)")
-        cfg = Glm5Config.from_json(Path(model_config.ckpt_path) / "config.json")
         if int(getattr(model_config, "max_seq_len", 0) or 0) > cfg.max_position_embeddings:
             raise ConfigError(f"MAX_SEQ_LEN={model_config.max_seq_len} is past the model's max_position_embeddings "
                               f"({cfg.max_position_embeddings})")
         dtype = compute_dtype(model_config)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.glm5 = Glm5ForCausalLM.from_pretrained(model_config.ckpt_path, dtype=dtype, device=device, progress=False)
+        self.compiled = None
+        if self.mapping.tp == 1:
+            self.glm5 = Glm5ForCausalLM.from_pretrained(model_config.ckpt_path, dtype=dtype, device=device,
+                                                        progress=False)
+            lm_head, embedding, norm = (self.glm5.lm_head.weight, self.glm5.model.embed_tokens.weight,
+                                        self.glm5.model.norm.weight)
+        else:  # the compile is the load: the rank's graph holds its slices (and the replicated embedding, norm)
+            join_rtp_tp_group(self.mapping)
+            graph, results, self.glm5, lm_head = load_rank(model_config.ckpt_path, self.mapping, dtype, device)
+            self.compiled = (graph, results)
+            embedding, norm = replicated(graph, "model.embed_tokens.weight"), replicated(graph, "model.norm.weight")
         weights = _rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelWeights",
-                              "rtp_llm.utils.model_weight:ModelWeights")(self.glm5.config.num_hidden_layers, device,
-                                                                          dtype)
-        weights.set_global_weight("lm_head", self.glm5.lm_head.weight)
-        weights.set_global_weight("embedding", self.glm5.model.embed_tokens.weight)
-        weights.set_global_weight("final_layernorm.gamma", self.glm5.model.norm.weight)
+                              "rtp_llm.utils.model_weight:ModelWeights")(cfg.num_hidden_layers, device, dtype)
+        weights.set_global_weight("lm_head", lm_head)  # at tp > 1 the rank's vocab rows: RTP gathers the logits
+        weights.set_global_weight("embedding", embedding)
+        weights.set_global_weight("final_layernorm.gamma", norm)
         # rpc_engine._start hands model_weights_loader to RTP's HTTP server, which only stores it; RTP's LoRA
         # manager would need its ModelLoader (fxglm5 loads the checkpoint itself: no LoRA)
         self.weight, self.weight_manager, self.py_eplb, self.model_weights_loader = weights, None, None, None
@@ -158,7 +171,7 @@ class Fxglm5Glm5(BaseModel):
             self.model_config, getattr(self, "parallelism_config", None), self.weight,
             getattr(self, "max_generate_batch_size", 1), fmha_config=getattr(self, "fmha_config", None),
             py_hw_kernel_config=getattr(self, "hw_kernel_config", None), model=self.glm5,
-            kv_cache="fp8" if _fp8_kv_cache(self.model_config) else "bf16")
+            kv_cache="fp8" if _fp8_kv_cache(self.model_config) else "bf16", compiled=self.compiled)
         return self.py_model
 
 

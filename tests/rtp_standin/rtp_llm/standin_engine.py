@@ -20,13 +20,20 @@ import argparse
 import json
 import multiprocessing
 import os
+import pickle
+import queue as queue_module
+import socket
+import traceback
 from itertools import accumulate
 
 import torch
 
 from rtp_llm.model_factory_register import _hf_architecture_2_ft, ensure_model_registered
 from rtp_llm.models_py.model_desc.module_base import GptModelBase
-from rtp_llm.ops import KvCacheDataType
+from rtp_llm.config.server_config_setup import set_parallelism_config
+from rtp_llm.models_py.distributed import collective_torch
+from rtp_llm.models_py.distributed.collective_torch import Group
+from rtp_llm.ops import KvCacheDataType, NcclCommConfig, ParallelismConfig
 from rtp_llm.ops.compute_ops import PyAttentionInputs, PyModelInputs, init_resources
 from rtp_llm.standin_cache import BlockManager, allocate_kv_cache, kernel_block_table
 from rtp_llm.standin_graph import CudaGraphRunner
@@ -132,21 +139,6 @@ def _act_type(hf, act_type, config_dtype):
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(name).lower(), str(name).lower())
 
 
-class ParallelismConfig:
-    """One rank; the fields and accessors of RTP's struct (``cpp/config/ConfigModules.h``)."""
-
-    def __init__(self):
-        self.tp_size, self.tp_rank, self.ep_size, self.ep_rank, self.dp_size, self.dp_rank = 1, 0, 1, 0, 1, 0
-        self.pp_size, self.world_size, self.world_rank, self.local_world_size, self.local_rank = 1, 1, 0, 1, 0
-        self.ffn_tp_size, self.ffn_tp_rank, self.ffn_sp_size, self.enable_sp = 1, 0, 1, False
-
-    def get_attn_tp_size(self):
-        return self.tp_size
-
-    def get_ffn_tp_size(self):
-        return self.ffn_tp_size
-
-
 class HWKernelConfig:
     def __init__(self, enable_cuda_graph, decode_capture_batch_sizes):
         self.enable_cuda_graph = enable_cuda_graph
@@ -170,8 +162,9 @@ class Engine:
     def __init__(self, ckpt_path, *, external_model_packages=None, model_type=None, act_type=None,
                  fp8_kv_cache=False, seq_size_per_block=64, kernel_seq_size_per_block=0, enable_cuda_graph=False,
                  decode_capture_batch_sizes=None, max_generate_batch_size=None, num_blocks=64, max_seq_len=None,
-                 warm_up=True, role_type="PDFUSION", device="cpu"):
+                 warm_up=True, role_type="PDFUSION", device="cpu", parallelism_config=None):
         self.device = torch.device(device)
+        self.parallelism_config = parallelism_config or ParallelismConfig()
         sizes = tuple(decode_capture_batch_sizes or ())
         self.max_generate_batch_size = max_generate_batch_size or (max(sizes) if sizes else 32)
         sizes = sizes or tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= self.max_generate_batch_size)
@@ -188,7 +181,6 @@ class Engine:
         if not config.max_seq_len:
             config.max_seq_len = DEFAULT_MAX_SEQ_LEN
         self.dtype, self.max_seq_len = config.compute_dtype, config.max_seq_len
-        self.parallelism_config = ParallelismConfig()
         self.hw_kernel_config = HWKernelConfig(enable_cuda_graph, sizes)
         self.model = self.model_cls.from_config(
             config, self.parallelism_config, self.hw_kernel_config, None, None, None, None,
@@ -202,6 +194,7 @@ class Engine:
         self.prefill_steps = self.eager_decode_steps = self.graph_replays = 0
         if warm_up:
             self._warm_up(role_type, kernel_seq_size_per_block)
+        num_blocks = self._sync_block_num(num_blocks)
         self.kv_cache, self.kv_pools = allocate_kv_cache(config, num_blocks, seq_size_per_block,
                                                          kernel_seq_size_per_block, self.device)
         self.kernel_block_size = self.kv_cache.get_kernel_seq_size_per_block(self.kv_cache.group_tags[0])
@@ -244,6 +237,30 @@ class Engine:
             self._post_layers(hidden[-1:])
         return hidden
 
+    # --- ranks: what RTP's C++ does over the process groups collective_torch created ----------------------
+    def _sync_block_num(self, num_blocks):
+        """``KVCacheManager::allocateAndSync``: every rank's block count all-gathered over DP_AND_TP, the least."""
+        if self.parallelism_config.world_size == 1:
+            return num_blocks
+        return int(collective_torch.all_gather(torch.tensor([num_blocks]), Group.DP_AND_TP).min())
+
+    def _tp_sync_inputs(self, inputs):
+        """``tpSyncModelInputs``: TP rank 0's step inputs (here the token ids) broadcast to the TP group."""
+        pc = self.parallelism_config
+        if pc.tp_size > 1:
+            collective_torch.broadcast(inputs.input_ids, pc.dp_rank * pc.tp_size, Group.TP)
+        return inputs
+
+    def _tp_sync_logits(self, logits):
+        """``PyWrappedModel::tpSyncEmbeddingOrLogits``: each rank's [rows, V/tp] logits all-gathered, laid out
+        [tp, rows, V/tp] and transposed to [rows, tp * V/tp] (rank order along the vocabulary)."""
+        tp = self.parallelism_config.tp_size
+        if tp == 1:
+            return logits
+        rows, cols = logits.shape
+        gathered = collective_torch.all_gather(logits.contiguous(), Group.TP)
+        return gathered.reshape(tp, rows, cols).permute(1, 0, 2).reshape(rows, tp * cols)
+
     # --- inputs, as NormalModelInputGatherer + PyWrappedModel::buildPyAttentionInputs --------------------------
     def _host(self, values):
         t = torch.tensor(values, dtype=_I32)
@@ -271,7 +288,7 @@ class Engine:
         a.total_tokens, a.context_total_kv_length = sum(lens), sum(lens) + sum(prefix)
         self._set_tables(a, block_lists)
         ids = torch.tensor([t for tokens in token_lists for t in tokens], dtype=_I32, device=dev)
-        return PyModelInputs(input_ids=ids, attention_inputs=a)
+        return self._tp_sync_inputs(PyModelInputs(input_ids=ids, attention_inputs=a))
 
     def _decode_inputs(self, ids, input_lengths, seq_lens, block_lists):
         a, dev, b = PyAttentionInputs(), self.device, len(ids)
@@ -285,7 +302,8 @@ class Engine:
         a.decode_cu_seqlens_device = a.decode_cu_seqlens.to(dev)
         a.sequence_lengths_plus_1_device = (a.sequence_lengths + 1).to(dev)
         self._set_tables(a, block_lists)
-        return PyModelInputs(input_ids=torch.tensor(ids, dtype=_I32, device=dev), attention_inputs=a)
+        return self._tp_sync_inputs(PyModelInputs(input_ids=torch.tensor(ids, dtype=_I32, device=dev),
+                                                  attention_inputs=a))
 
     # --- steps -----------------------------------------------------------------------------------------
     def _check_hidden(self, hidden, rows):
@@ -300,8 +318,9 @@ class Engine:
         return self._check_hidden(self.py_model.forward(inputs, impl).hidden_states, inputs.input_ids.shape[0])
 
     def _post_layers(self, rows):
-        """callForwardPostLayers with skip_final_layernorm: fp32 logits from global_weights' lm_head, argmax."""
-        return (rows.float() @ self.lm_head.float().t()).argmax(dim=-1).tolist()
+        """callForwardPostLayers with skip_final_layernorm: fp32 logits from global_weights' lm_head (at tp > 1
+        the rank's vocabulary shard, then gathered), argmax."""
+        return self._tp_sync_logits(rows.float() @ self.lm_head.float().t()).argmax(dim=-1).tolist()
 
     def _prefill(self, reqs):
         inputs = self._prefill_inputs([r.prompt[r.prefix_len:] for r in reqs], [r.prefix_len for r in reqs],
@@ -373,3 +392,82 @@ def launch(argv=(), env=None, **overrides):
         kwargs["num_blocks"] = args["test_block_num"]
     kwargs.update(overrides)
     return Engine(ckpt, **kwargs)
+
+
+# --- several ranks: start_backend_server.multi_rank_start + BackendManager.start ------------------------------
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_parallelism_config(world_rank, tp_size=1, dp_size=1, ep_size=0, fields=None):
+    """A rank's ParallelismConfig as RTP derives it (``set_parallelism_config``; ``ep_size`` 0 is EP_SIZE unset).
+    ``fields`` are set afterwards: configs RTP's own asserts stop (ep_size=3) or its arguments never set
+    (pp_size), to test the model's refusal of them."""
+    pc = ParallelismConfig()
+    pc.tp_size, pc.dp_size, pc.ep_size, pc.world_size = tp_size, dp_size, ep_size, tp_size * dp_size
+    set_parallelism_config(pc, world_rank)
+    for name, value in (fields or {}).items():
+        setattr(pc, name, value)
+    return pc
+
+
+def _rank_start(world_rank, tp_size, dp_size, port, job, args, results):
+    torch.set_num_threads(1)
+    report = (world_rank, "ok", None)
+    try:
+        pc = rank_parallelism_config(world_rank, tp_size, dp_size)
+        collective_torch.init_distributed_environment(pc, NcclCommConfig("127.0.0.1"), port, backend="gloo")
+        report = (world_rank, "ok", job(world_rank, tp_size, dp_size, *args))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, which fails the test
+        report = (world_rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+    finally:
+        results.put(pickle.dumps(report))
+        collective_torch.destroy_distributed_environment()
+
+
+def multi_rank_start(tp_size, dp_size, job, *args, timeout=900):
+    """``tp_size * dp_size`` spawned rank processes, each with its RTP process groups (gloo), running
+    ``job(world_rank, tp_size, dp_size, *args)``; the values in rank order. RuntimeError if a rank fails outside
+    ``job``'s own reports, or if the ranks do not all finish within ``timeout`` seconds (a hang)."""
+    world = tp_size * dp_size
+    ctx = multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank_start, args=(r, tp_size, dp_size, port, job, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    reports = {}
+    try:
+        for _ in range(world):
+            rank, status, value = pickle.loads(results.get(timeout=timeout))
+            reports[rank] = (status, value)
+    except queue_module.Empty:
+        raise RuntimeError(f"ranks {sorted(set(range(world)) - set(reports))} did not finish in {timeout} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    failed = {r: v for r, (status, v) in reports.items() if status != "ok"}
+    if failed:
+        raise RuntimeError(f"ranks failed: {failed}")
+    return [reports[r][1] for r in range(world)]
+
+
+def generate_on_rank(world_rank, tp_size, dp_size, ckpt_paths, runs):
+    """One rank's Engines in turn, one per run: ``dict(ckpt=key of ckpt_paths, ep_size=0 | 1, fields={...},
+    engine={Engine kwargs}, requests=[(prompts, max_new_tokens, reuse_prefix)])``. Each run gives ``("ok",
+    {tokens, lm_head})`` or, where the Engine raised, ``("error", "Type: message")``; the next run goes on."""
+    out = []
+    for run in runs:
+        pc = rank_parallelism_config(world_rank, tp_size, dp_size, run.get("ep_size", 0), run.get("fields"))
+        try:
+            engine = Engine(ckpt_paths[run.get("ckpt", "default")], parallelism_config=pc, **run.get("engine", {}))
+        except Exception as err:  # noqa: BLE001 - the run's outcome, compared by the test
+            out.append(("error", f"{type(err).__name__}: {err}"))
+            continue
+        tokens = [engine.generate(p, n, reuse_prefix=reuse) for p, n, reuse in run.get("requests", ())]
+        out.append(("ok", dict(tokens=tokens, lm_head=engine.lm_head.detach().clone())))
+    return out
