@@ -1,6 +1,7 @@
 """Serving figures for the tensor / expert-parallel run (issue 26 executes it on eight H200s; it runs on one GPU at
-world size 1 today): TTFT and TPOT at batch 1, 8 and 64 for 2k and 32k contexts, through fxglm5's Runner and,
-at world size 1, through the RTP-LLM plugin (the stand-in engine of tests/rtp_standin), with beside them, from
+world size 1 today): TTFT and TPOT at batch 1, 8 and 64 for 2k and 32k contexts, through fxglm5's Runner and
+through the RTP-LLM plugin (the stand-in engine of tests/rtp_standin; at ``--tp`` > 1 its ranks, with RTP's
+process groups: NCCL on CUDA, gloo on the CPU), with beside them, from
 the same run: the per-layer time (TPOT / layers) and the step's roofline, the bytes a decode step must read on
 a rank (its weights, the experts its batch routes to, the cache rows the sparse attention and the indexer read)
 over the copy bandwidth measured on that device.
@@ -40,7 +41,8 @@ STEPS = 6  # timed decode steps per point (after 2 warm-up steps that capture / 
 def bench_config(layers: int, tiny: bool) -> Glm5Config:
     if tiny:
         return Glm5Config.preset("tiny-tp").replace(num_hidden_layers=layers, first_k_dense_replace=1,
-                                                    mlp_layer_types=None, indexer_types=None)
+                                                    mlp_layer_types=None, indexer_types=None,
+                                                    kv_lora_rank=512)  # RTP's cache rows: GLM-5's latent width
     return Glm5Config.preset("glm5").replace(num_hidden_layers=layers, first_k_dense_replace=1, mlp_layer_types=None,
                                              indexer_types=None, num_nextn_predict_layers=0)
 
@@ -120,8 +122,10 @@ def _rank_run(rank, checkpoint, cfg, batches, contexts, ep):
     return runner_points(rank, checkpoint, cfg, batches, contexts, rank.world, ep, rank.device)
 
 
-def plugin_points(checkpoint, cfg, batches, contexts, device):
-    """TPOT through the RTP-LLM plugin driven by the stand-in engine (its decode CUDA graphs), world size 1."""
+def plugin_points(checkpoint, cfg, batches, contexts, device, parallelism_config=None):
+    """TTFT (one request's prefill alone, with RTP's post-layers and sampling) and TPOT (median decode step)
+    through the RTP-LLM plugin driven by the stand-in engine (its decode CUDA graphs); ``parallelism_config``:
+    this rank's, in a rank process of :func:`plugin_rank_points`."""
     from rtp_llm import standin_engine
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -133,7 +137,16 @@ def plugin_points(checkpoint, cfg, batches, contexts, device):
             engine = standin_engine.Engine(checkpoint, external_model_packages=["fxglm5.rtpllm.models"], act_type="BF16",
                                            fp8_kv_cache=True, seq_size_per_block=64, enable_cuda_graph=device == "cuda",
                                            decode_capture_batch_sizes=(batch,), num_blocks=blocks,
-                                           max_seq_len=64 * -(-(ctx + STEPS + 4) // 64), device=device)
+                                           max_seq_len=64 * -(-(ctx + STEPS + 4) // 64), device=device,
+                                           parallelism_config=parallelism_config)
+            engine.generate(prompts[:1], 1)  # compiles / autotunes the prefill kernels at this length: no TTFT
+            ttft = []
+            for prompt in prompts[:min(batch, 4)]:
+                sync()
+                t0 = time.perf_counter()
+                engine.generate([prompt], 1)
+                sync()
+                ttft.append((time.perf_counter() - t0) * 1e3)
             steps, decode = [], engine._decode
 
             def timed(requests):
@@ -146,10 +159,19 @@ def plugin_points(checkpoint, cfg, batches, contexts, device):
 
             engine._decode = timed
             engine.generate(prompts, STEPS + 3)
-            points.append(dict(batch=batch, ctx=ctx, tpot_ms=round(statistics.median(steps[2:] or steps), 3)))
+            points.append(dict(batch=batch, ctx=ctx, ttft_ms=round(statistics.median(ttft), 2),
+                               tpot_ms=round(statistics.median(steps[2:] or steps), 3)))
             print("plugin", points[-1], flush=True)
             del engine
     return points
+
+
+def plugin_rank_points(world_rank, tp, dp, checkpoint, cfg, batches, contexts, ep, device):
+    """One rank process of the stand-in RTP launch (``multi_rank_start``): :func:`plugin_points` on this rank."""
+    from rtp_llm import standin_engine
+
+    pc = standin_engine.rank_parallelism_config(world_rank, tp, dp, 0 if ep == tp else ep)
+    return plugin_points(checkpoint, cfg, batches, contexts, device, pc)
 
 
 def main():
@@ -161,7 +183,7 @@ def main():
     parser.add_argument("--ep", type=int, default=None, help="N (default: --tp) or 1")
     parser.add_argument("--checkpoint", help="checkpoint directory (needed for --tp > 1 and --plugin)")
     parser.add_argument("--write-checkpoint", action="store_true", help="write the random checkpoint there first")
-    parser.add_argument("--plugin", action="store_true", help="also through the RTP-LLM plugin (world size 1)")
+    parser.add_argument("--plugin", action="store_true", help="also through the RTP-LLM plugin (at --tp ranks)")
     parser.add_argument("--tiny", action="store_true", help="the tiny-tp widths on the CPU (a smoke run)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -190,7 +212,15 @@ def main():
         point.update(per_layer_ms=round(point["tpot_ms"] / cfg.num_hidden_layers, 3), step_bytes_per_rank=need,
                      roofline_ms=round(need / (copy_gbs * 1e9) * 1e3, 3) if copy_gbs else None,
                      tokens_per_s_per_gpu=round(point["batch"] / point["tpot_ms"] * 1e3 / args.tp, 1))
-    plugin = plugin_points(args.checkpoint, cfg, batches, contexts, device) if args.plugin else None
+    plugin = None
+    if args.plugin and args.tp == 1:
+        plugin = plugin_points(args.checkpoint, cfg, batches, contexts, device)
+    elif args.plugin:  # rank 0's figures (every rank runs the same steps)
+        from rtp_llm import standin_engine
+
+        plugin = standin_engine.multi_rank_start(args.tp, 1, plugin_rank_points, args.checkpoint, cfg, batches,
+                                                 contexts, ep, device, backend="nccl" if device == "cuda" else "gloo",
+                                                 timeout=3600)[0]
     save_run(f"scale_out_tp{args.tp}_ep{ep}.json", layers=args.layers, tp=args.tp, ep=ep, copy_gbs=copy_gbs,
              model="tiny-tp widths (CPU)" if args.tiny else
              f"GLM-5 widths, {args.layers} layers (1 dense), 256 experts, block-FP8 random weights, FP8 caches",

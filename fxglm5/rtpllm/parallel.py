@@ -104,12 +104,36 @@ def load_rank(ckpt_path, mapping: Mapping, dtype: torch.dtype, device):
     cfg = model.config
     graph, results, _ = compile_model(model, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS),
                                       device=device, head="hidden", mapping=mapping)
-    fill_rank(graph, mapping, reader, model, device)
-    start, stop = mapping.part(cfg.vocab_size)
-    like = torch.empty((stop - start, cfg.hidden_size), dtype=model.dtype, device="meta")
-    with reader:
-        lm_head = reader.param("lm_head.weight", like, torch.device(device), Slice(0, start, stop))
+    failure = lm_head = None
+    try:
+        fill_rank(graph, mapping, reader, model, device)
+        start, stop = mapping.part(cfg.vocab_size)
+        like = torch.empty((stop - start, cfg.hidden_size), dtype=model.dtype, device="meta")
+        with reader:
+            lm_head = reader.param("lm_head.weight", like, torch.device(device), Slice(0, start, stop))
+    except Exception as err:  # noqa: BLE001 - raised again below, on this rank and (named) on every other
+        failure = err
+    loaded_everywhere(failure, mapping)
     return graph, results, model, lm_head
+
+
+def loaded_everywhere(failure: Exception | None, mapping: Mapping) -> None:
+    """Each rank reads other slices, so one may fail to load (a bad tensor of an expert only it owns) while the
+    others would go on into the first forward's collective and wait for it forever: the ranks exchange their
+    outcome (one all-gather), the failed rank raises its error and every other a CheckpointError naming it."""
+    import torch.distributed as dist
+
+    from fxglm5.errors import CheckpointError
+    from fxglm5.parallel import resolve_group
+
+    reports: list = [None] * mapping.tp
+    report = None if failure is None else f"{type(failure).__name__}: {failure}"
+    dist.all_gather_object(reports, report, group=resolve_group(mapping.group))
+    if failure is not None:
+        raise failure
+    failed = [(rank, text) for rank, text in enumerate(reports) if text is not None]
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]} could not load its slices ({failed[0][1]}); every rank stops")
 
 
 def replicated(graph, name: str) -> torch.Tensor:

@@ -9,8 +9,13 @@ takes the least block count over the ranks and all-gathers the vocabulary-sharde
   vocabulary rows of the lm_head.
 - Launches the plugin cannot serve are refused by field name on every rank, before any collective (a refusal on
   one rank only would leave the other in the next run's collectives, and the job would time out): dp_size=2,
-  pp_size=2, ep_size=3, and a model whose 3 heads do not split over 2 ranks.
+  pp_size=2, ep_size=3, and a model whose 3 heads do not split over 2 ranks. A tensor only one rank reads that
+  fails its checks (a NaN in an expert of rank 1's) stops both ranks at load, the other naming rank 1.
 """
+
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,23 +36,44 @@ def odd_heads(tmp_path_factory):
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-3-heads"), fp8=False, config=config))
 
 
-def test_tp2_ranks_generate_the_single_rank_tokens_and_refuse_bad_launches_on_every_rank(rtp, ckpt, odd_heads):
+@pytest.fixture(scope="module")
+def nan_expert(ckpt, tmp_path_factory):
+    """The checkpoint with a NaN in routed expert 12 of layer 1, which only rank 1 reads at ep=2."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("nan-expert")
+    name = "model.layers.1.mlp.experts.12.down_proj.weight"
+    for f in Path(ckpt).iterdir():
+        shutil.copy(f, path / f.name)
+    file = path / json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(file)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, file, metadata={"format": "pt"})
+    return str(path)
+
+
+def test_tp2_ranks_generate_the_single_rank_tokens_and_refuse_bad_launches_on_every_rank(rtp, ckpt, odd_heads,
+                                                                                         nan_expert):
     single = rtp.Engine(ckpt, **ENGINE)
     expected = [single.generate(p, n, reuse_prefix=reuse) for p, n, reuse in REQUESTS]
     assert len({t for batch in expected for seq in batch for t in seq}) > 3  # tokens that can tell shards apart
-    runs = [dict(fields={"pp_size": 2}), dict(fields={"ep_size": 3}), dict(ckpt="odd_heads"),
+    runs = [dict(fields={"pp_size": 2}), dict(fields={"ep_size": 3}), dict(ckpt="odd_heads"), dict(ckpt="nan"),
             dict(ep_size=0, engine=ENGINE, requests=REQUESTS), dict(ep_size=1, engine=ENGINE, requests=REQUESTS)]
-    for run in runs[:3]:
+    for run in runs[:4]:
         run["engine"] = ENGINE
-    ranks = rtp.multi_rank_start(2, 1, rtp.generate_on_rank, dict(default=str(ckpt), odd_heads=odd_heads), runs,
-                                 timeout=TIMEOUT)
+    ckpts = dict(default=str(ckpt), odd_heads=odd_heads, nan=nan_expert)
+    ranks = rtp.multi_rank_start(2, 1, rtp.generate_on_rank, ckpts, runs, timeout=TIMEOUT)
     refusals = ["parallelism_config.pp_size=2", "parallelism_config.ep_size=3", "num_attention_heads = 3 is not "
                 "divisible by tp=2"]
     vocab = single.lm_head.shape[0]
     for rank, outcomes in enumerate(ranks):
         for (status, value), reason in zip(outcomes[:3], refusals):
             assert status == "error" and reason in value, f"rank {rank}: {value}"
-        for status, value in outcomes[3:]:
+        # the rank that read the bad tensor names it; the other names that rank, instead of waiting for it
+        status, value = outcomes[3]
+        reason = "experts.12.down_proj.weight' holds NaN" if rank == 1 else "rank 1 could not load its slices"
+        assert status == "error" and value.startswith("CheckpointError") and reason in value, f"rank {rank}: {value}"
+        for status, value in outcomes[4:]:
             assert status == "ok", f"rank {rank}: {value}"
             assert value["tokens"] == expected, f"rank {rank}"
             shard = single.lm_head[rank * vocab // 2:(rank + 1) * vocab // 2]

@@ -242,7 +242,7 @@ class Engine:
         """``KVCacheManager::allocateAndSync``: every rank's block count all-gathered over DP_AND_TP, the least."""
         if self.parallelism_config.world_size == 1:
             return num_blocks
-        return int(collective_torch.all_gather(torch.tensor([num_blocks]), Group.DP_AND_TP).min())
+        return int(collective_torch.all_gather(torch.tensor([num_blocks], device=self.device), Group.DP_AND_TP).min())
 
     def _tp_sync_inputs(self, inputs):
         """``tpSyncModelInputs``: TP rank 0's step inputs (here the token ids) broadcast to the TP group."""
@@ -413,12 +413,14 @@ def rank_parallelism_config(world_rank, tp_size=1, dp_size=1, ep_size=0, fields=
     return pc
 
 
-def _rank_start(world_rank, tp_size, dp_size, port, job, args, results):
+def _rank_start(world_rank, tp_size, dp_size, port, backend, job, args, results):
     torch.set_num_threads(1)
     report = (world_rank, "ok", None)
     try:
         pc = rank_parallelism_config(world_rank, tp_size, dp_size)
-        collective_torch.init_distributed_environment(pc, NcclCommConfig("127.0.0.1"), port, backend="gloo")
+        if backend == "nccl":  # local_rank_start: torch.cuda.set_device(local_rank)
+            torch.cuda.set_device(pc.local_rank)
+        collective_torch.init_distributed_environment(pc, NcclCommConfig("127.0.0.1"), port, backend=backend)
         report = (world_rank, "ok", job(world_rank, tp_size, dp_size, *args))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which fails the test
         report = (world_rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
@@ -427,14 +429,14 @@ def _rank_start(world_rank, tp_size, dp_size, port, job, args, results):
         collective_torch.destroy_distributed_environment()
 
 
-def multi_rank_start(tp_size, dp_size, job, *args, timeout=900):
-    """``tp_size * dp_size`` spawned rank processes, each with its RTP process groups (gloo), running
+def multi_rank_start(tp_size, dp_size, job, *args, backend="gloo", timeout=900):
+    """``tp_size * dp_size`` spawned rank processes, each with its RTP process groups (``backend``), running
     ``job(world_rank, tp_size, dp_size, *args)``; the values in rank order. RuntimeError if a rank fails outside
     ``job``'s own reports, or if the ranks do not all finish within ``timeout`` seconds (a hang)."""
     world = tp_size * dp_size
     ctx = multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_start, args=(r, tp_size, dp_size, port, job, args, results), daemon=True)
+    procs = [ctx.Process(target=_rank_start, args=(r, tp_size, dp_size, port, backend, job, args, results), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

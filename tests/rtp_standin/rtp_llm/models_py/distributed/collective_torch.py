@@ -33,7 +33,7 @@ def init_distributed_environment(parallelism_config, nccl_comm_config, nccl_init
     pc = parallelism_config
     torch.distributed.init_process_group(backend=backend, init_method=f"tcp://{nccl_comm_config.nccl_ip}:{nccl_init_port}",
                                          world_size=pc.world_size, rank=pc.world_rank,
-                                         timeout=timedelta(seconds=timeout or 600))
+                                         timeout=timedelta(seconds=timeout or 7200))
     _group_map[Group.DP_AND_TP] = torch.distributed.group.WORLD
     if pc.dp_size > 1 and pc.world_size != pc.dp_size:
         for tp_rank in range(pc.tp_size):
