@@ -353,7 +353,8 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     """Launch MLA (dense or sparse). ``num_splits=None`` picks from the shapes only.
 
     ``cfg=None`` takes the Hopper kernel where it applies (:func:`mla_hopper.supported`), else the Triton
-    kernel autotuned; ``cfg={}`` forces the autotuned Triton kernel, a non-empty ``cfg`` one explicit launch."""
+    kernel autotuned; ``cfg={"kernel": "hopper"}`` forces the Hopper kernel (an error where it does not apply);
+    ``cfg={}`` forces the autotuned Triton kernel, any other ``cfg`` one explicit Triton launch."""
     T, H, _ = q.shape
     R = 512
     if out is None:
@@ -378,7 +379,12 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     else:
         po = torch.empty(T, num_splits, H, R, dtype=torch.float32, device=q.device)
         plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
-    if cfg is None and not settings.triton_interpret() and mla_hopper.supported(q, cache, sparse=sparse):
+    force_hopper = cfg is not None and cfg.get("kernel") == "hopper"
+    hopper_ok = not settings.triton_interpret() and mla_hopper.supported(q, cache, sparse=sparse)
+    if force_hopper and not hopper_ok:
+        raise ValueError(f"launch_mla: cfg={cfg} asks for the Hopper kernel, which does not serve these inputs "
+                         f"(q {tuple(q.shape)} {q.dtype} on {q.device}, cache {cache.dtype})")
+    if (cfg is None or force_hopper) and hopper_ok:
         _LAST["impl"] = "hopper"
         ensure_tma_allocator()
         mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len, num_splits,
