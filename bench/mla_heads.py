@@ -1,12 +1,14 @@
-"""MLA / sparse MLA decode at a tensor-parallel rank's head count: every kernel and split count side by side.
+"""MLA / sparse MLA decode at a tensor-parallel rank's head count: the Hopper kernel's two forms side by side.
 
-At 8 heads (a TP8 rank of GLM-5's 64) the Gluon Hopper kernel pads the heads to its 64 MMA rows, so it does the
-64-head MMA work for an eighth of the useful output; the generic Triton kernel runs ``BLOCK_H = 16`` heads a
-program. This times, in one run, at B=64 (dense 32k context, sparse top-2048 of 32k), bf16 and FP8 (656-byte)
-caches: the default launch, the Hopper kernel forced, and the Triton kernel at explicit launches and split
-counts; every output is compared with the Hopper kernel's (max abs difference in the note).
+At 8 heads (a TP8 rank of GLM-5's 64) the Hopper kernel with the heads as its 64 MMA rows (``hopper64``, the
+only form before session 16) does the 64-head MMA work for an eighth of the useful output; the default launch
+makes the 64 keys of a tile the MMA rows and the heads, padded to 8 or 16, the N (``mla_hopper.rows_for``).
+This times both in one run at B=64 (dense 32k context, sparse top-2048 of 32k), bf16 and FP8 (656-byte) caches,
+the default at a few split counts, and, with ``--triton``, the generic Triton kernel at explicit launches
+(session 16's first run: slower than both at every shape, ``bench/results/session16/``). Every output is compared
+with the ``hopper64`` one (max abs difference in the note).
 
-    python bench/mla_heads.py [--heads 8] [--quick]   # saves bench/results/mla_heads.{json,md}
+    python bench/mla_heads.py [--heads 8] [--triton]   # saves mla_heads_h<heads>.{json,md} under $OUT or bench/results
 """
 
 from __future__ import annotations
@@ -22,29 +24,25 @@ from bench import harness  # noqa: E402
 from bench.harness import Results, copy_bandwidth_gbs, time_graph_us  # noqa: E402
 from bench.kernels_attention import BS, D, R, SCALE, TOPK, _paged, _row  # noqa: E402
 
-QUICK = "--quick" in sys.argv
 HEADS = int(sys.argv[sys.argv.index("--heads") + 1]) if "--heads" in sys.argv else 8
-HOPPER = {"kernel": "hopper"}
-
-DENSE_CFGS = [dict(BLOCK_N=64, USE_TMA=True, num_warps=4, num_stages=3),
-              dict(BLOCK_N=64, USE_TMA=True, num_warps=8, num_stages=2)]
-SPARSE_CFGS = [dict(BLOCK_N=64, num_warps=4, num_stages=3),
-               dict(BLOCK_N=32, num_warps=4, num_stages=4)]
-SPLITS = (None, 4, 8, 16)
+HOPPER64 = {"kernel": "hopper64"}
+TRITON_CFGS = {False: [dict(BLOCK_N=64, USE_TMA=True, num_warps=8, num_stages=2)],
+               True: [dict(BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=4)]}
 
 
-def _sweep(results, name, shape, run, bytes_, flops, cfgs):
+def _sweep(results, name, shape, run, bytes_, flops, sparse):
     from fxglm5.lowering.triton import mla
 
-    out_ref = run(HOPPER, None).clone()
-    launches = [(None, None), (HOPPER, None)] + [(c, ns) for c in cfgs[:1 if QUICK else None] for ns in SPLITS]
+    out_ref = run(HOPPER64, None).clone()
+    launches = [(None, None), (None, 4), (None, 8), (HOPPER64, None)]
+    if "--triton" in sys.argv:
+        launches += [(c, None) for c in TRITON_CFGS[sparse]]
     for cfg, ns in launches:
         try:
             us = time_graph_us(lambda: run(cfg, ns))
             diff = (run(cfg, ns).float() - out_ref.float()).abs().max().item()
-            what = "default" if cfg is None else ("hopper" if cfg is HOPPER else str(cfg))
             _row(results, name, f"{shape} splits={ns}", us, bytes_=bytes_, flops=flops,
-                 note=f"{what} -> {mla._LAST['impl']}; max|d| vs hopper {diff:.2e}")
+                 note=f"{'default' if cfg is None else cfg}: {mla.tuned_config()}; max|d| vs hopper64 {diff:.2e}")
         except Exception as e:  # noqa: BLE001 - a launch that fails is reported, the others still run
             print("launch failed", cfg, ns, type(e).__name__, str(e)[:300], flush=True)
 
@@ -70,7 +68,7 @@ def main():
                                         num_splits=ns)
 
         _sweep(results, f"mla_decode[{tag}]", f"B={B} H={HEADS} ctx={ctx} bs={BS}", dense,
-               B * ctx * width * cache.element_size(), 2 * B * HEADS * ctx * (D + R), DENSE_CFGS)
+               B * ctx * width * cache.element_size(), 2 * B * HEADS * ctx * (D + R), False)
         topk = torch.rand(B, ctx, device="cuda").topk(TOPK, dim=1).indices.int()
 
         def sparse(cfg, ns):
@@ -78,7 +76,7 @@ def main():
                                                       cfg=cfg, num_splits=ns)
 
         _sweep(results, f"sparse_mla_decode[{tag}]", f"B={B} H={HEADS} topk={TOPK} ctx={ctx}", sparse,
-               B * TOPK * width * cache.element_size(), 2 * B * HEADS * TOPK * (D + R), SPARSE_CFGS)
+               B * TOPK * width * cache.element_size(), 2 * B * HEADS * TOPK * (D + R), True)
         del cache, bt
         torch.cuda.empty_cache()
     print("saved", results.save(f"mla_heads_h{HEADS}"), flush=True)
