@@ -3,8 +3,7 @@
 At 8 heads (a TP8 rank of GLM-5's 64) the Hopper kernel with the heads as its 64 MMA rows (``hopper64``, the
 only form before session 16) does the 64-head MMA work for an eighth of the useful output; the default launch
 makes the 64 keys of a tile the MMA rows and the heads, padded to 8 or 16, the N (``mla_hopper.rows_for``).
-An FP8 cache with few heads stages its tiles in registers by default (``RING``: the shared-memory ring).
-This times them in one run at B=64 (dense 32k context, sparse top-2048 of 32k), bf16 and FP8 (656-byte) caches,
+This times both in one run at B=64 (dense 32k context, sparse top-2048 of 32k), bf16 and FP8 (656-byte) caches,
 the default at a few split counts, and, with ``--triton``, the generic Triton kernel at explicit launches
 (session 16's first run: slower than both at every shape, ``bench/results/session16/``). Every output is compared
 with the ``hopper64`` one (max abs difference in the note).
@@ -27,7 +26,6 @@ from bench.kernels_attention import BS, D, R, SCALE, TOPK, _paged, _row  # noqa:
 
 HEADS = int(sys.argv[sys.argv.index("--heads") + 1]) if "--heads" in sys.argv else 8
 HOPPER64 = {"kernel": "hopper64"}
-RING = {"kernel": "hopper", "fp8_staging": "smem"}  # a few heads' FP8 tiles through the shared-memory ring
 TRITON_CFGS = {False: [dict(BLOCK_N=64, USE_TMA=True, num_warps=8, num_stages=2)],
                True: [dict(BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_N=32, num_warps=4, num_stages=4)]}
 
@@ -36,7 +34,7 @@ def _sweep(results, name, shape, run, bytes_, flops, sparse):
     from fxglm5.lowering.triton import mla
 
     out_ref = run(HOPPER64, None).clone()
-    launches = [(None, None), (None, 4), (None, 8), (HOPPER64, None), (RING, None)]
+    launches = [(None, None), (None, 4), (None, 8), (HOPPER64, None)]
     if "--triton" in sys.argv:
         launches += [(c, None) for c in TRITON_CFGS[sparse]]
     for cfg, ns in launches:

@@ -313,8 +313,7 @@ def tuned_config(kernel=None):
     if kernel is None and _LAST.get("impl") == "hopper":
         rows, keys_as_rows = _LAST["rows"]
         return dict(kernel="hopper-gluon", BLOCK_N=mla_hopper.BLOCK_N, stages=mla_hopper.STAGES,
-                    num_warps=4 if keys_as_rows else 8, mma_rows="keys" if keys_as_rows else "heads", heads=rows,
-                    staging=_LAST["staging"])
+                    num_warps=4 if keys_as_rows else 8, mma_rows="keys" if keys_as_rows else "heads", heads=rows)
     bc = getattr(kernel or _LAST.get("tuner"), "best_config", None)
     return None if bc is None else dict(bc.kwargs, num_warps=bc.num_warps, num_stages=bc.num_stages)
 
@@ -357,8 +356,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
 
     ``cfg=None`` takes the Hopper kernel where it applies (:func:`mla_hopper.supported`), else the Triton
     kernel autotuned; ``cfg={"kernel": "hopper"}`` forces the Hopper kernel (an error where it does not apply),
-    ``{"kernel": "hopper64"}`` with the heads as its 64 MMA rows whatever their count (:func:`mla_hopper.rows_for`),
-    ``{"kernel": "hopper", "fp8_staging": "smem"}`` a few heads' FP8 tiles through the shared-memory ring;
+    ``{"kernel": "hopper64"}`` with the heads as its 64 MMA rows whatever their count (:func:`mla_hopper.rows_for`);
     ``cfg={}`` forces the autotuned Triton kernel, any other ``cfg`` one explicit Triton launch."""
     T, H, _ = q.shape
     R = 512
@@ -392,12 +390,10 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     if (cfg is None or force_hopper) and hopper_ok:
         _LAST["impl"] = "hopper"
         keys_as_rows = False if force_hopper and cfg["kernel"] == "hopper64" else None
-        staging = cfg.get("fp8_staging") if force_hopper else None
         _LAST["rows"] = mla_hopper.rows_for(H, keys_as_rows)
-        _LAST["staging"] = (staging or "regs") if cache.dtype == torch.uint8 and _LAST["rows"][1] else "smem"
         ensure_tma_allocator()
         mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len, num_splits,
-                          out, po, plse, sparse=sparse, keys_as_rows=keys_as_rows, fp8_staging=staging)
+                          out, po, plse, sparse=sparse, keys_as_rows=keys_as_rows)
     else:
         _LAST["impl"] = "triton"
         _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, plse, BLOCK_H, num_splits,

@@ -443,15 +443,6 @@ def _mla_hopper_kernel(
     for i in gl.static_range(STAGES_):
         mbarrier.invalidate(ready.index(i))
 
-    _finish(acc_a, acc_b, m_i, l_i, t64, sp, H, o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr, num_splits, s_l, o_l,
-            ROWS, KA, DIRECT)
-
-
-@gluon.jit
-def _finish(acc_a, acc_b, m_i, l_i, t64, sp, H, o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr, num_splits,
-            s_l: gl.constexpr, o_l: gl.constexpr, ROWS: gl.constexpr, KA: gl.constexpr, DIRECT: gl.constexpr):
-    """Normalize the two output halves and store them (one split: the output; else the combine kernel's partials
-    and log-sum-exps)."""
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     inv = gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(KA, o_l)), KA)
     heads = gl.arange(0, ROWS, layout=gl.SliceLayout(KA, o_l)).to(gl.int64)
@@ -469,167 +460,18 @@ def _finish(acc_a, acc_b, m_i, l_i, t64, sp, H, o_ptr, stride_ot, stride_oh, po_
         gl.store(plse_ptr + (t64 * num_splits + sp) * H + lse_heads, lse, mask=lse_heads < H)
 
 
-@gluon.jit
-def _tile_slots(j, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS: gl.constexpr,
-                BLOCK: gl.constexpr, SPARSE: gl.constexpr, NW: gl.constexpr):
-    """The cache slot of each of tile ``j``'s rows and whether it takes part (a dense tile lies inside one cache
-    block); tiles past the split come back all invalid, so loading them reads nothing."""
-    rows = _tile_rows(j, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE, NW)
-    if SPARSE:
-        slot, valid = rows
-    else:
-        row0, n0 = rows
-        r = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, _rows_layout(8, NW)))
-        slot = row0 + r
-        valid = (n0 + r) < end
-    return slot, valid
-
-
-@gluon.jit
-def _load_fp8_rows(lat_ptr, pe_ptr, sc_ptr, slot, valid, NW: gl.constexpr):
-    """One FP8 (ds_mla) tile from global memory into registers: the four 128-column e4m3 scale groups, the
-    bf16 rope columns and the four scales of each listed row (invalid rows read 0; stale bytes are never
-    read)."""
-    l16: gl.constexpr = _rows_layout(16, NW)
-    l8: gl.constexpr = _rows_layout(8, NW)
-    l4: gl.constexpr = _rows_layout(4, NW)
-    s16 = gl.convert_layout(slot, gl.SliceLayout(1, l16))[:, None]
-    v16 = gl.convert_layout(valid, gl.SliceLayout(1, l16))[:, None]
-    c = gl.arange(0, 128, layout=gl.SliceLayout(0, l16))[None, :]
-    row = lat_ptr + s16 * 656 + c
-    x0 = gl.load(row, mask=v16, other=0.0)
-    x1 = gl.load(row + 128, mask=v16, other=0.0)
-    x2 = gl.load(row + 256, mask=v16, other=0.0)
-    x3 = gl.load(row + 384, mask=v16, other=0.0)
-    s8 = gl.convert_layout(slot, gl.SliceLayout(1, l8))[:, None]
-    v8 = gl.convert_layout(valid, gl.SliceLayout(1, l8))[:, None]
-    cp = gl.arange(0, 64, layout=gl.SliceLayout(0, l8))[None, :]
-    pe = gl.load(pe_ptr + s8 * 328 + 264 + cp, mask=v8, other=0.0)
-    s4 = gl.convert_layout(slot, gl.SliceLayout(1, l4))[:, None]
-    v4 = gl.convert_layout(valid, gl.SliceLayout(1, l4))[:, None]
-    g = gl.arange(0, 4, layout=gl.SliceLayout(0, l4))[None, :]
-    sc = gl.load(sc_ptr + s4 * 164 + 128 + g, mask=v4, other=0.0)
-    return x0, x1, x2, x3, pe, sc
-
-
-@gluon.jit
-def _store_group(dst, x, scales, G: gl.constexpr, NW: gl.constexpr):
-    """Scale group G of a registered FP8 tile ([BLOCK, 128] e4m3) times its rows' power-of-two scale -> bf16
-    into ``dst`` (a 128-column slice of a latent half; exact)."""
-    lay: gl.constexpr = _rows_layout(16, NW)
-    scl: gl.constexpr = _rows_layout(4, NW)
-    g = gl.arange(0, 4, layout=gl.SliceLayout(0, scl))
-    sg = gl.convert_layout(gl.sum(gl.where(g[None, :] == G, scales, 0.0), 1), gl.SliceLayout(1, lay))
-    dst.store(x.to(gl.bfloat16) * sg.to(gl.bfloat16)[:, None])
-
-
-@gluon.jit
-def _mla_fp8_regs_kernel(
-    q_ptr, stride_qt, stride_qh, H,
-    lat_ptr, pe_ptr, sc_ptr, bt_ptr, stride_bt, req_ptr, pos_ptr, stride_pt, K,
-    o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr,
-    sm_scale_log2, split_len, num_splits,
-    BS: gl.constexpr, DIRECT: gl.constexpr, SPARSE: gl.constexpr, BLOCK: gl.constexpr, ROWS: gl.constexpr,
-):
-    """FP8 cache, up to 16 heads, keys as MMA rows (one warpgroup), tiles staged in registers: each tile's rows
-    are loaded from global memory into registers one tile ahead (no shared-memory ring, no TMA), dequantized into
-    one bf16 tile in shared memory that both MMAs read. That leaves about 90 KB of shared memory a program, so two
-    programs share an SM and one's dequantization and softmax overlap the other's MMAs and loads (the
-    shared-memory ring form of :func:`_mla_hopper_kernel` holds 160 KB: one program an SM, all of it serial)."""
-    NW: gl.constexpr = 4
-    KA: gl.constexpr = 0
-    s_l: gl.constexpr = _score_layout(True, ROWS)
-    o_l: gl.constexpr = _out_layout(True, ROWS)
-    kv_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], gl.bfloat16)
-    pe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 64], gl.bfloat16)
-    qlat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, 256], gl.bfloat16)
-    qpe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, 64], gl.bfloat16)
-    p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK], gl.bfloat16)
-
-    t = gl.program_id(0)
-    sp = gl.program_id(1)
-    t64 = t.to(gl.int64)
-    req = gl.load(req_ptr + t).to(gl.int64)
-    if SPARSE:
-        n_total = K
-    else:
-        n_total = gl.load(pos_ptr + t).to(gl.int32) + 1
-    start = sp * split_len
-    end = gl.minimum(start + split_len, n_total)
-    n_tiles = (gl.maximum(end - start, 0) + BLOCK - 1) // BLOCK
-
-    qa_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 256], qlat_l)
-    qb_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 256], qlat_l)
-    qpe_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 64], qpe_l)
-    ka_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, 256], kv_l)
-    kb_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, 256], kv_l)
-    kpe_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK, 64], pe_l)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, BLOCK], p_l)
-
-    slot, valid = _tile_slots(0, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE, NW)
-    x0, x1, x2, x3, pe, sc = _load_fp8_rows(lat_ptr, pe_ptr, sc_ptr, slot, valid, NW)
-    _stage_queries(q_ptr, t64 * stride_qt, stride_qh, H, qa_s, qb_s, qpe_s, ROWS, NW)
-
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(KA, s_l))
-    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(KA, s_l))
-    acc_a = gl.zeros([256, ROWS], gl.float32, o_l)
-    acc_b = gl.zeros([256, ROWS], gl.float32, o_l)
-    for j in range(n_tiles):
-        if j > 0:  # P @ V of tile j-1, done before its bf16 tile is overwritten
-            acc_a, acc_b = _issue_pv(p_s, ka_s, kb_s, acc_a, acc_b, True)
-            acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
-        gl.thread_barrier()  # every warp is done with the bf16 tile (P @ V of tile j-1) and with P
-        _store_group(ka_s.slice(0, 128, dim=1), x0, sc, 0, NW)
-        _store_group(ka_s.slice(128, 128, dim=1), x1, sc, 1, NW)
-        _store_group(kb_s.slice(0, 128, dim=1), x2, sc, 2, NW)
-        _store_group(kb_s.slice(128, 128, dim=1), x3, sc, 3, NW)
-        kpe_s.store(pe)
-        fence_async_shared()
-        gl.thread_barrier()
-        # tile j+1's rows start arriving now, into the registers this tile's just left, under its MMAs and
-        # softmax (one tile in registers at a time: two would spill)
-        slot, valid = _tile_slots(j + 1, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK,
-                                  SPARSE, NW)
-        x0, x1, x2, x3, pe, sc = _load_fp8_rows(lat_ptr, pe_ptr, sc_ptr, slot, valid, NW)
-        qk = _issue_qk(qa_s, qb_s, qpe_s, ka_s, kb_s, kpe_s, s_l, BLOCK, ROWS, True)
-        tmask = _tile_mask(j, start, end, t64, pos_ptr, stride_pt, gl.SliceLayout(1 - KA, s_l), BLOCK, SPARSE)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
-        p, alpha, m_i, l_i = _online_softmax(qk, tmask, m_i, l_i, sm_scale_log2, SPARSE, KA)
-        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(KA, o_l)), KA)
-        acc_a = acc_a * alpha_o
-        acc_b = acc_b * alpha_o
-        p_s.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
-        fence_async_shared()
-        gl.thread_barrier()
-    if n_tiles > 0:
-        acc_a, acc_b = _issue_pv(p_s, ka_s, kb_s, acc_a, acc_b, True)
-        acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
-    _finish(acc_a, acc_b, m_i, l_i, t64, sp, H, o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr, num_splits, s_l, o_l,
-            ROWS, KA, DIRECT)
-
-
 def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split_len: int, num_splits: int,
-           out, po, plse, *, sparse: bool, keys_as_rows: bool | None = None, fp8_staging: str | None = None):
+           out, po, plse, *, sparse: bool, keys_as_rows: bool | None = None):
     """One program per (token, split); writes ``out`` directly at one split, else the partials for the
     combine kernel of :mod:`fxglm5.lowering.triton.mla`. Dense: ``pos_or_topk`` are the query positions;
-    sparse: the [T, K] listed positions (-1 = unused). ``keys_as_rows``: see :func:`rows_for`. An FP8 cache
-    with the keys as rows stages its tiles in registers (:func:`_mla_fp8_regs_kernel`) unless
-    ``fp8_staging="smem"`` (the shared-memory ring of :func:`_mla_hopper_kernel`)."""
+    sparse: the [T, K] listed positions (-1 = unused). ``keys_as_rows``: see :func:`rows_for`."""
     rows, keys_as_rows = rows_for(q.shape[1], keys_as_rows)
-    if fp8_staging not in (None, "regs", "smem"):
-        raise ValueError(f"mla_hopper: fp8_staging is 'regs' or 'smem', not {fp8_staging!r}")
     T = q.shape[0]
     bs = cache.shape[1]
     fp8 = cache.dtype == torch.uint8
     lat, pe, sc = ((cache.view(torch.float8_e4m3fn), cache.view(torch.bfloat16), cache.view(torch.float32)) if fp8
                    else (cache, cache, cache))
     stride_pt, K = (pos_or_topk.stride(0), pos_or_topk.shape[1]) if sparse else (0, 0)
-    if fp8 and keys_as_rows and fp8_staging != "smem":
-        _mla_fp8_regs_kernel[(T, num_splits)](
-            q, q.stride(0), q.stride(1), q.shape[1], lat, pe, sc, block_table, block_table.stride(0), req_idx,
-            pos_or_topk, stride_pt, K, out, out.stride(0), out.stride(1), po, plse, scale_log2, split_len, num_splits,
-            BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, BLOCK=BLOCK_N, ROWS=rows, num_warps=4)
-        return
     _mla_hopper_kernel[(T, num_splits)](
         q, q.stride(0), q.stride(1), q.shape[1], lat, pe, sc, block_table, block_table.stride(0), req_idx, pos_or_topk,
         stride_pt, K, out, out.stride(0), out.stride(1), po, plse,
