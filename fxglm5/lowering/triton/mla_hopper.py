@@ -124,7 +124,7 @@ def _tile_rows(j, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, B
                BLOCK: gl.constexpr, SPARSE: gl.constexpr, NW: gl.constexpr):
     """Where tile ``j``'s rows are in the cache. Dense: the first row (a tile lies inside one cache block);
     sparse: the slot of every listed position and whether it is valid. These are dependent global loads (list,
-    then block table), so the kernel issues them an iteration before the tile's copy is issued."""
+    then block table), so the kernel issues them for a later tile while this tile's QK^T runs."""
     if SPARSE:
         offs = start + j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, _rows_layout(8, NW)))
         inside = offs < end
@@ -377,8 +377,6 @@ def _mla_hopper_kernel(
                         sc_l, BLOCK, STAGES_, SPARSE, FP8, NW)
         elif SPARSE:
             async_copy.commit_group()  # an empty group keeps one group per tile for _wait_tile
-    # the location of the first tile the loop copies; each iteration then loads the next one's, a tile early
-    nxt = _tile_rows(AHEAD, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE, NW)
     _stage_queries(q_ptr, t64 * stride_qt, stride_qh, H, qa_s, qb_s, qpe_s, ROWS, NW)
     fence_async_shared()
     gl.thread_barrier()
@@ -393,9 +391,8 @@ def _mla_hopper_kernel(
         acc_b = gl.zeros([ROWS, 256], gl.float32, o_l)
     # Per tile j: P @ V of tile j-1 is issued first, so it runs while tile j may still be arriving (decode is
     # bound by the cache read); FP8 then dequantizes tile j into the bf16 tile; then QK^T of tile j; while
-    # it runs, the mask of tile j is loaded, and as soon as the stage that tile j+AHEAD reuses is free (bf16:
-    # after P @ V of tile j-1, while QK^T still runs) its copy is issued, at the location loaded an iteration
-    # earlier; then the location of tile j+AHEAD+1 is loaded, under the softmax and the next tile. (Issuing
+    # it runs, the mask of tile j and the location of tile j+AHEAD are loaded, and as soon as the stage that
+    # tile reuses is free (bf16: after P @ V of tile j-1, while QK^T still runs) its copy is issued. (Issuing
     # P @ V behind QK^T instead, under the softmax, measured 920 vs 732 us at B=64 / 32k:
     # bench/results/attention_s9/loop_ordering.json.) Tile 0 has no P @ V before it, the last one's follows the
     # loop, so no MMA is in flight across the loop's back edge (ptxas would serialize the MMAs otherwise).
@@ -418,6 +415,8 @@ def _mla_hopper_kernel(
         qk = _issue_qk(qa_s, qb_s, qpe_s, ka_s.index(kv), kb_s.index(kv), pe_s.index(s), s_l, BLOCK, ROWS,
                        KEYS_AS_ROWS)
         valid = _tile_mask(j, start, end, t64, pos_ptr, stride_pt, gl.SliceLayout(1 - KA, s_l), BLOCK, SPARSE)
+        nxt = _tile_rows(j + AHEAD, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE,
+                         NW)
         if FP8:  # the next copy reuses this tile's stage, whose rope columns QK^T reads
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         else:  # the next copy reuses tile j-1's stage: free once P @ V of tile j-1 is done, QK^T may still run
@@ -428,10 +427,6 @@ def _mla_hopper_kernel(
                         lat_l, pe_l, sc_l, BLOCK, STAGES_, SPARSE, FP8, NW)
         elif SPARSE:
             async_copy.commit_group()
-        # where tile j+AHEAD+1 is (dependent list / block-table loads): in flight for a whole iteration before its
-        # copy is issued, so the copy does not wait for them
-        nxt = _tile_rows(j + AHEAD + 1, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK,
-                         SPARSE, NW)
         qk, acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc_a, acc_b))
         p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2, SPARSE, KA)
         alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(KA, o_l)), KA)
