@@ -109,3 +109,18 @@ def test_supported_only_on_hopper_cuda_with_bf16_queries():
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
     cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
     assert not mla_hopper.supported(q, cache, sparse=False)  # a CPU tensor
+
+
+@pytest.mark.parametrize("kernel", ["hopper", "hopper64"])
+def test_forcing_the_hopper_kernel_where_it_does_not_apply_is_one_clear_error(kernel):
+    """cfg={"kernel": "hopper" | "hopper64"} on inputs the Gluon kernel does not serve (CPU tensors here) is a
+    ValueError naming the inputs, not a Triton launch with an unknown "kernel" argument."""
+    from fxglm5.lowering.triton import mla
+
+    q = torch.zeros(2, 8, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    bt = torch.arange(1, 3, dtype=torch.int32).view(1, 2)
+    req = torch.zeros(2, dtype=torch.int32)
+    pos = torch.tensor([10, 20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="does not serve these inputs"):
+        mla.launch_mla(q, cache, bt, req, pos, 0.1, sparse=False, cfg={"kernel": kernel})
