@@ -207,6 +207,17 @@ def _stale_caches(lens, seed, cdtype):
 TRITON_TMA = dict(BLOCK_N=64, num_warps=8, num_stages=2, USE_TMA=True)
 
 
+def _ragged_decode(cdtype, seed, heads):
+    """One decode query per request over ragged lengths (tails of 1, 63, 64, 65 ... rows) in stale caches
+    (:func:`_stale_caches`): (stale cache, clean cache, block table, request ids, positions, queries)."""
+    lens = [1, 63, 64, 65, 700, 2100, 4000, 8191]
+    cache, clean, bt = _stale_caches(lens, seed, cdtype)
+    req = torch.arange(len(lens), device="cuda", dtype=torch.int32)
+    pos = torch.tensor([l - 1 for l in lens], device="cuda", dtype=torch.int32)
+    q = torch.randn(len(lens), heads, D, device="cuda", dtype=torch.bfloat16)
+    return cache, clean, bt, req, pos, q
+
+
 @pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
 def test_hopper_mla_decode_matches_reference_and_triton(cdtype):
     """The Gluon Hopper kernel (64 heads, bf16 and FP8 caches): ragged tails over stale NaN bytes, every split
@@ -215,11 +226,7 @@ def test_hopper_mla_decode_matches_reference_and_triton(cdtype):
     from fxglm5.lowering.triton import mla, mla_hopper
 
     _hopper_only()
-    lens = [1, 63, 64, 65, 700, 2100, 4000, 8191]
-    cache, clean, bt = _stale_caches(lens, 5, cdtype)
-    req = torch.arange(len(lens), device="cuda", dtype=torch.int32)
-    pos = torch.tensor([l - 1 for l in lens], device="cuda", dtype=torch.int32)
-    q = torch.randn(len(lens), H, D, device="cuda", dtype=torch.bfloat16)
+    cache, clean, bt, req, pos, q = _ragged_decode(cdtype, 5, H)
     assert mla_hopper.supported(q, cache, sparse=False)
     r = ref.mla_paged(q, cache, bt, req, pos, SCALE)
     _assert_scale_visible(ref.mla_paged, q, cache, bt, req, pos)
@@ -284,11 +291,8 @@ def test_hopper_few_heads_keys_as_mma_rows(cdtype, heads):
     from fxglm5.lowering.triton import mla, mla_hopper, sparse_mla
 
     _hopper_only()
-    lens = [1, 63, 64, 65, 700, 2100, 4000, 8191]
-    cache, _, bt = _stale_caches(lens, 7, cdtype)
-    req = torch.arange(len(lens), device="cuda", dtype=torch.int32)
-    pos = torch.tensor([l - 1 for l in lens], device="cuda", dtype=torch.int32)
-    q = torch.randn(len(lens), heads, D, device="cuda", dtype=torch.bfloat16)
+    cache, _, bt, req, pos, q = _ragged_decode(cdtype, 7, heads)
+    lens = [l + 1 for l in pos.tolist()]
     assert mla_hopper.rows_for(heads)[1]
     r = ref.mla_paged(q, cache, bt, req, pos, SCALE)
     _assert_scale_visible(ref.mla_paged, q, cache, bt, req, pos)

@@ -61,11 +61,11 @@ def _report(sparse: bool, fp8: bool, direct: bool, heads: int = 64) -> dict:
     return dict(shared=k.metadata.shared, ptxas=log, ptx=k.asm["ptx"])
 
 
-@pytest.mark.parametrize("sparse,fp8,direct", [(False, False, False), (True, False, False), (False, True, False),
-                                               (True, True, False), (True, True, True)])
-def test_hopper_kernel_compiles_without_spills_or_serialized_mmas(sparse, fp8, direct):
+def _fits(sparse: bool, fp8: bool, direct: bool, heads: int = 64) -> dict:
+    """:func:`_report` of one variant, which fits shared memory, does not spill, and whose MMAs ptxas does not
+    serialize (the C7515 warning)."""
     code = ("import json, sys; from tests.kernels.test_mla_hopper_compile import _report; "
-            f"json.dump(_report({sparse}, {fp8}, {direct}), sys.stdout)")
+            f"json.dump(_report({sparse}, {fp8}, {direct}, {heads}), sys.stdout)")
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -73,6 +73,13 @@ def test_hopper_kernel_compiles_without_spills_or_serialized_mmas(sparse, fp8, d
     assert r["shared"] <= SMEM_LIMIT, r["shared"]
     assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], r["ptxas"]
     assert "C7515" not in r["ptxas"], r["ptxas"]  # wgmma serialized
+    return r
+
+
+@pytest.mark.parametrize("sparse,fp8,direct", [(False, False, False), (True, False, False), (False, True, False),
+                                               (True, True, False), (True, True, True)])
+def test_hopper_kernel_compiles_without_spills_or_serialized_mmas(sparse, fp8, direct):
+    r = _fits(sparse, fp8, direct)
     assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in r["ptx"]  # QK^T: 32 key columns per warpgroup
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in r["ptx"]  # P @ V: 128 columns per warpgroup
 
@@ -82,15 +89,7 @@ def test_hopper_kernel_compiles_without_spills_or_serialized_mmas(sparse, fp8, d
 def test_few_heads_kernel_makes_the_keys_the_mma_rows(sparse, fp8, direct, heads):
     """Up to 16 heads, one warpgroup runs m64 x n(8 | 16) MMAs (the keys as rows, the padded heads as N), not
     the 64-head MMAs, and still fits shared memory without spills or serialized MMAs."""
-    code = ("import json, sys; from tests.kernels.test_mla_hopper_compile import _report; "
-            f"json.dump(_report({sparse}, {fp8}, {direct}, {heads}), sys.stdout)")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                  env=env, cwd=root).stdout)
-    assert r["shared"] <= SMEM_LIMIT, r["shared"]
-    assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], r["ptxas"]
-    assert "C7515" not in r["ptxas"], r["ptxas"]
+    r = _fits(sparse, fp8, direct, heads)
     mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", r["ptx"]))
     assert mmas == {f"m64n{heads}k16"}, mmas
 
