@@ -207,6 +207,17 @@ def _stale_caches(lens, seed, cdtype):
 TRITON_TMA = dict(BLOCK_N=64, num_warps=8, num_stages=2, USE_TMA=True)
 
 
+def _ragged_decode(cdtype, seed, heads):
+    """One decode query per request over ragged lengths (tails of 1, 63, 64, 65 ... rows) in stale caches
+    (:func:`_stale_caches`): (stale cache, clean cache, block table, request ids, positions, queries)."""
+    lens = [1, 63, 64, 65, 700, 2100, 4000, 8191]
+    cache, clean, bt = _stale_caches(lens, seed, cdtype)
+    req = torch.arange(len(lens), device="cuda", dtype=torch.int32)
+    pos = torch.tensor([l - 1 for l in lens], device="cuda", dtype=torch.int32)
+    q = torch.randn(len(lens), heads, D, device="cuda", dtype=torch.bfloat16)
+    return cache, clean, bt, req, pos, q
+
+
 @pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
 def test_hopper_mla_decode_matches_reference_and_triton(cdtype):
     """The Gluon Hopper kernel (64 heads, bf16 and FP8 caches): ragged tails over stale NaN bytes, every split
@@ -215,11 +226,7 @@ def test_hopper_mla_decode_matches_reference_and_triton(cdtype):
     from fxglm5.lowering.triton import mla, mla_hopper
 
     _hopper_only()
-    lens = [1, 63, 64, 65, 700, 2100, 4000, 8191]
-    cache, clean, bt = _stale_caches(lens, 5, cdtype)
-    req = torch.arange(len(lens), device="cuda", dtype=torch.int32)
-    pos = torch.tensor([l - 1 for l in lens], device="cuda", dtype=torch.int32)
-    q = torch.randn(len(lens), H, D, device="cuda", dtype=torch.bfloat16)
+    cache, clean, bt, req, pos, q = _ragged_decode(cdtype, 5, H)
     assert mla_hopper.supported(q, cache, sparse=False)
     r = ref.mla_paged(q, cache, bt, req, pos, SCALE)
     _assert_scale_visible(ref.mla_paged, q, cache, bt, req, pos)
@@ -231,7 +238,7 @@ def test_hopper_mla_decode_matches_reference_and_triton(cdtype):
         assert torch.isfinite(o).all(), ns
         _close(o, r)
         _close(o, tri, tol=1e-2)
-    q16 = q[:, 16:32].contiguous()  # 16 heads (a tensor-parallel shard): padded to the 64 MMA rows
+    q16 = q[:, 16:32].contiguous()  # 16 heads (a tensor-parallel shard): the keys as MMA rows
     _close(mla.mla_decode_paged(q16, cache, bt, req, pos, SCALE), ref.mla_paged(q16, cache, bt, req, pos, SCALE))
     assert mla._LAST["impl"] == "hopper"
     # prefill with a cached prefix (one split per token: the direct store)
@@ -272,6 +279,53 @@ def test_hopper_sparse_mla_matches_reference(cdtype):
         assert o[5].abs().max().item() == 0.0
     _close(sparse_mla.sparse_mla_prefill_paged(q, cache, bt, req, topk, SCALE), r)
     assert mla._LAST["impl"] == "hopper"
+
+
+@pytest.mark.parametrize("heads", [8, 16, 3])
+@pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
+def test_hopper_few_heads_keys_as_mma_rows(cdtype, heads):
+    """A tensor-parallel shard's few heads (8: TP8 of GLM-5's 64; 16; 3, padded to 8) through the Hopper kernel
+    with the keys as MMA rows: dense decode over ragged tails and stale NaN bytes at every split count, the
+    prefill launch, and sparse decode with unused entries, a row with none and empty tiles; against the
+    reference op and against the same kernel with the heads as its 64 MMA rows."""
+    from fxglm5.lowering.triton import mla, mla_hopper, sparse_mla
+
+    _hopper_only()
+    cache, _, bt, req, pos, q = _ragged_decode(cdtype, 7, heads)
+    lens = [l + 1 for l in pos.tolist()]
+    assert mla_hopper.rows_for(heads)[1]
+    r = ref.mla_paged(q, cache, bt, req, pos, SCALE)
+    _assert_scale_visible(ref.mla_paged, q, cache, bt, req, pos)
+    wide = mla.mla_decode_paged(q, cache, bt, req, pos, SCALE, cfg={"kernel": "hopper64"})
+    assert mla._LAST["rows"] == (64, False)
+    for ns in (None, 1, 2, 7, 128):
+        o = mla.mla_decode_paged(q, cache, bt, req, pos, SCALE, num_splits=ns)
+        assert mla._LAST["impl"] == "hopper" and mla._LAST["rows"][1], ns
+        assert torch.isfinite(o).all(), ns
+        _close(o, r)
+        _close(o, wide, tol=1e-2)
+    preq = torch.cat([torch.full((300,), 6), torch.full((100,), 5)]).int().cuda()
+    ppos = torch.cat([torch.arange(1500, 1800), torch.arange(100)]).int().cuda()
+    pq = torch.randn(400, heads, D, device="cuda", dtype=torch.bfloat16)
+    _close(mla.mla_prefill_paged(pq, cache, bt, preq, ppos, SCALE), ref.mla_paged(pq, cache, bt, preq, ppos, SCALE))
+    assert mla._LAST["rows"][1]
+    T = 24
+    sreq = (torch.arange(T) % len(lens)).int().cuda()
+    lim = torch.tensor(lens, device="cuda")[sreq.long()]
+    topk = (torch.rand(T, TOPK, device="cuda") * lim.unsqueeze(1)).long().int()
+    topk[torch.rand(T, TOPK, device="cuda") < 0.1] = -1
+    topk[5] = -1
+    topk[7, 64:] = -1
+    sq = torch.randn(T, heads, D, device="cuda", dtype=torch.bfloat16)
+    sr = ref.sparse_mla_paged(sq, cache, bt, sreq, topk, SCALE)
+    swide = sparse_mla.sparse_mla_decode_paged(sq, cache, bt, sreq, topk, SCALE, cfg={"kernel": "hopper64"})
+    for ns in (None, 1, 5, 32):
+        o = sparse_mla.sparse_mla_decode_paged(sq, cache, bt, sreq, topk, SCALE, num_splits=ns)
+        assert mla._LAST["rows"][1], ns
+        assert torch.isfinite(o).all(), ns
+        _close(o, sr)
+        _close(o, swide, tol=1e-2)
+        assert o[5].abs().max().item() == 0.0
 
 
 @pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])

@@ -8,6 +8,7 @@ serialize its asynchronous MMAs (the C7515 warning, which a register move of an 
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
 _POINTERS = ("q_ptr", "lat_ptr", "pe_ptr", "sc_ptr", "bt_ptr", "req_ptr", "pos_ptr", "o_ptr", "po_ptr", "plse_ptr")
 
 
-def _compile(sparse: bool, fp8: bool, direct: bool):
+def _compile(sparse: bool, fp8: bool, direct: bool, heads: int = 64):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -32,23 +33,26 @@ def _compile(sparse: bool, fp8: bool, direct: bool):
            "req_ptr": "*i32", "pos_ptr": "*i32", "stride_pt": "i32", "K": "i32", "o_ptr": "*bf16",
            "stride_ot": "i32", "stride_oh": "i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "sm_scale_log2": "fp32",
            "split_len": "i32", "num_splits": "i32", "n_rows": "i32", "BS": "constexpr", "DIRECT": "constexpr",
-           "SPARSE": "constexpr", "FP8": "constexpr", "BLOCK": "constexpr", "STAGES_": "constexpr"}
-    const = dict(BS=64, DIRECT=direct, SPARSE=sparse, FP8=fp8, BLOCK=mla_hopper.BLOCK_N, STAGES_=mla_hopper.STAGES)
+           "SPARSE": "constexpr", "FP8": "constexpr", "BLOCK": "constexpr", "STAGES_": "constexpr",
+           "ROWS": "constexpr", "KEYS_AS_ROWS": "constexpr"}
+    rows, keys_as_rows = mla_hopper.rows_for(heads)
+    const = dict(BS=64, DIRECT=direct, SPARSE=sparse, FP8=fp8, BLOCK=mla_hopper.BLOCK_N, STAGES_=mla_hopper.STAGES,
+                 ROWS=rows, KEYS_AS_ROWS=keys_as_rows)
     names = list(sig)
     # what the launcher's JIT specializes: 16-byte aligned pointers (supported() requires the cache's)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _POINTERS}
     src = GluonASTSource(mla_hopper._mla_hopper_kernel, sig, const, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if keys_as_rows else 8})
 
 
-def _report(sparse: bool, fp8: bool, direct: bool) -> dict:
+def _report(sparse: bool, fp8: bool, direct: bool, heads: int = 64) -> dict:
     """Compile one variant and run ptxas -v on it (in a process where Triton does not interpret: importing
     triton under TRITON_INTERPRET=1 turns its library functions into interpreted ones)."""
     import tempfile
 
     from triton.backends.nvidia.compiler import get_ptxas
 
-    k = _compile(sparse, fp8, direct)
+    k = _compile(sparse, fp8, direct, heads)
     with tempfile.TemporaryDirectory() as d:
         with open(f"{d}/k.ptx", "w") as f:
             f.write(k.asm["ptx"])
@@ -57,11 +61,11 @@ def _report(sparse: bool, fp8: bool, direct: bool) -> dict:
     return dict(shared=k.metadata.shared, ptxas=log, ptx=k.asm["ptx"])
 
 
-@pytest.mark.parametrize("sparse,fp8,direct", [(False, False, False), (True, False, False), (False, True, False),
-                                               (True, True, False), (True, True, True)])
-def test_hopper_kernel_compiles_without_spills_or_serialized_mmas(sparse, fp8, direct):
+def _fits(sparse: bool, fp8: bool, direct: bool, heads: int = 64) -> dict:
+    """:func:`_report` of one variant, which fits shared memory, does not spill, and whose MMAs ptxas does not
+    serialize (the C7515 warning)."""
     code = ("import json, sys; from tests.kernels.test_mla_hopper_compile import _report; "
-            f"json.dump(_report({sparse}, {fp8}, {direct}), sys.stdout)")
+            f"json.dump(_report({sparse}, {fp8}, {direct}, {heads}), sys.stdout)")
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -69,11 +73,53 @@ def test_hopper_kernel_compiles_without_spills_or_serialized_mmas(sparse, fp8, d
     assert r["shared"] <= SMEM_LIMIT, r["shared"]
     assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], r["ptxas"]
     assert "C7515" not in r["ptxas"], r["ptxas"]  # wgmma serialized
+    return r
+
+
+@pytest.mark.parametrize("sparse,fp8,direct", [(False, False, False), (True, False, False), (False, True, False),
+                                               (True, True, False), (True, True, True)])
+def test_hopper_kernel_compiles_without_spills_or_serialized_mmas(sparse, fp8, direct):
+    r = _fits(sparse, fp8, direct)
     assert "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16" in r["ptx"]  # QK^T: 32 key columns per warpgroup
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in r["ptx"]  # P @ V: 128 columns per warpgroup
+
+
+@pytest.mark.parametrize("sparse,fp8,direct,heads", [(False, True, False, 8), (True, True, False, 8),
+                                                     (False, False, False, 8), (True, True, True, 16)])
+def test_few_heads_kernel_makes_the_keys_the_mma_rows(sparse, fp8, direct, heads):
+    """Up to 16 heads, one warpgroup runs m64 x n(8 | 16) MMAs (the keys as rows, the padded heads as N), not
+    the 64-head MMAs, and still fits shared memory without spills or serialized MMAs."""
+    r = _fits(sparse, fp8, direct, heads)
+    mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", r["ptx"]))
+    assert mmas == {f"m64n{heads}k16"}, mmas
+
+
+def test_rows_for_pads_few_heads_to_the_mma_n():
+    assert mla_hopper.rows_for(8) == (8, True)
+    assert mla_hopper.rows_for(5) == (8, True)
+    assert mla_hopper.rows_for(16) == (16, True)
+    assert mla_hopper.rows_for(17) == (64, False)
+    assert mla_hopper.rows_for(8, keys_as_rows=False) == (64, False)
+    with pytest.raises(ValueError, match="up to 16 heads"):
+        mla_hopper.rows_for(32, keys_as_rows=True)
 
 
 def test_supported_only_on_hopper_cuda_with_bf16_queries():
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
     cache = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
     assert not mla_hopper.supported(q, cache, sparse=False)  # a CPU tensor
+
+
+@pytest.mark.parametrize("kernel", ["hopper", "hopper64"])
+def test_forcing_the_hopper_kernel_where_it_does_not_apply_is_one_clear_error(kernel):
+    """cfg={"kernel": "hopper" | "hopper64"} on inputs the Gluon kernel does not serve (CPU tensors here) is a
+    ValueError naming the inputs, not a Triton launch with an unknown "kernel" argument."""
+    from fxglm5.lowering.triton import mla
+
+    q = torch.zeros(2, 8, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    bt = torch.arange(1, 3, dtype=torch.int32).view(1, 2)
+    req = torch.zeros(2, dtype=torch.int32)
+    pos = torch.tensor([10, 20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="does not serve these inputs"):
+        mla.launch_mla(q, cache, bt, req, pos, 0.1, sparse=False, cfg={"kernel": kernel})

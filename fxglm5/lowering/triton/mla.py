@@ -311,7 +311,9 @@ def tuned_config(kernel=None):
     """The launch of the last call: the Hopper kernel's fixed one, or the configuration the autotuner picked
     (None before the first GPU call)."""
     if kernel is None and _LAST.get("impl") == "hopper":
-        return dict(kernel="hopper-gluon", BLOCK_N=mla_hopper.BLOCK_N, stages=mla_hopper.STAGES, num_warps=8)
+        rows, keys_as_rows = _LAST["rows"]
+        return dict(kernel="hopper-gluon", BLOCK_N=mla_hopper.BLOCK_N, stages=mla_hopper.STAGES,
+                    num_warps=4 if keys_as_rows else 8, mma_rows="keys" if keys_as_rows else "heads", heads=rows)
     bc = getattr(kernel or _LAST.get("tuner"), "best_config", None)
     return None if bc is None else dict(bc.kwargs, num_warps=bc.num_warps, num_stages=bc.num_stages)
 
@@ -353,7 +355,9 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     """Launch MLA (dense or sparse). ``num_splits=None`` picks from the shapes only.
 
     ``cfg=None`` takes the Hopper kernel where it applies (:func:`mla_hopper.supported`), else the Triton
-    kernel autotuned; ``cfg={}`` forces the autotuned Triton kernel, a non-empty ``cfg`` one explicit launch."""
+    kernel autotuned; ``cfg={"kernel": "hopper"}`` forces the Hopper kernel (an error where it does not apply),
+    ``{"kernel": "hopper64"}`` with the heads as its 64 MMA rows whatever their count (:func:`mla_hopper.rows_for`);
+    ``cfg={}`` forces the autotuned Triton kernel, any other ``cfg`` one explicit Triton launch."""
     T, H, _ = q.shape
     R = 512
     if out is None:
@@ -378,11 +382,18 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     else:
         po = torch.empty(T, num_splits, H, R, dtype=torch.float32, device=q.device)
         plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
-    if cfg is None and not settings.triton_interpret() and mla_hopper.supported(q, cache, sparse=sparse):
+    force_hopper = cfg is not None and cfg.get("kernel") in ("hopper", "hopper64")
+    hopper_ok = not settings.triton_interpret() and mla_hopper.supported(q, cache, sparse=sparse)
+    if force_hopper and not hopper_ok:
+        raise ValueError(f"launch_mla: cfg={cfg} asks for the Hopper kernel, which does not serve these inputs "
+                         f"(q {tuple(q.shape)} {q.dtype} on {q.device}, cache {cache.dtype})")
+    if (cfg is None or force_hopper) and hopper_ok:
         _LAST["impl"] = "hopper"
+        keys_as_rows = False if force_hopper and cfg["kernel"] == "hopper64" else None
+        _LAST["rows"] = mla_hopper.rows_for(H, keys_as_rows)
         ensure_tma_allocator()
         mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len, num_splits,
-                          out, po, plse, sparse=sparse)
+                          out, po, plse, sparse=sparse, keys_as_rows=keys_as_rows)
     else:
         _LAST["impl"] = "triton"
         _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, plse, BLOCK_H, num_splits,

@@ -2,8 +2,10 @@
 
 Same semantics as :mod:`fxglm5.lowering.triton.mla` (the reference is
 :func:`fxglm5.lowering.reference.paged.mla_paged` / ``sparse_mla_paged``) for up to 64 heads (GLM-5's 64, or a
-tensor-parallel shard of them, padded to 64 MMA rows); :func:`supported` says
-when it applies and ``launch_mla`` picks it then. It exists because of one layout decision Triton 3.6 makes for
+tensor-parallel shard of them); :func:`supported` says when it applies and ``launch_mla`` picks it then. Above
+16 heads the heads are the 64 MMA rows (padded) as below; up to 16 (a TP4 / TP8 rank) the keys of a tile are the
+MMA rows and the heads, padded to 8 or 16, the MMAs' N (:func:`rows_for`): S^T = K Q^T, O^T = V^T P^T on one
+warpgroup, the same loop, so 8 heads no longer do the 64-head MMA work. It exists because of one layout decision Triton 3.6 makes for
 the generic kernel (docs/perf/attention_notes.md, "Duplicated QK^T"): a QK^T whose result feeds
 P @ V in the same loop gets all 8 warps along its 64 rows, so both warpgroups issue the same QK^T MMAs. Gluon
 states the layouts:
@@ -44,8 +46,21 @@ from fxglm5.lowering.triton.device import capability
 __all__ = ["supported", "launch"]
 
 MAX_HEADS = 64  # the MMA rows of one program
+SMALL_HEADS = 16  # up to this many heads, the keys are the MMA rows (:func:`rows_for`)
 BLOCK_N = 64
 STAGES = 2
+
+
+def rows_for(H: int, keys_as_rows: bool | None = None) -> tuple[int, bool]:
+    """(padded head count, keys as MMA rows) of a launch for H heads. With the heads as the 64 MMA rows, a
+    tensor-parallel shard of 8 heads would do the 64-head MMA work for an eighth of the output; up to
+    ``SMALL_HEADS`` heads the kernel makes the 64 keys of a tile the MMA rows and the heads, padded to 8 or 16,
+    the N of the MMAs (one warpgroup). ``keys_as_rows`` forces either form (up to 16 heads for the keys)."""
+    if keys_as_rows is None:
+        keys_as_rows = H <= SMALL_HEADS
+    if keys_as_rows and H > SMALL_HEADS:
+        raise ValueError(f"mla_hopper: keys as MMA rows serve up to {SMALL_HEADS} heads, not {H}")
+    return (8 if H <= 8 else 16, True) if keys_as_rows else (MAX_HEADS, False)
 
 
 def supported(q, cache, *, sparse: bool) -> bool:
@@ -57,11 +72,11 @@ def supported(q, cache, *, sparse: bool) -> bool:
 
 
 @gluon.jit
-def _stage_queries(q_ptr, q_row, stride_qh, H, qa_s, qb_s, qpe_s):
-    """The H x 576 queries of one token -> three shared-memory operands (latent halves and rope); rows past H
-    (fewer heads, e.g. a tensor-parallel shard) are zeros, computed and never stored."""
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    h = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
+def _stage_queries(q_ptr, q_row, stride_qh, H, qa_s, qb_s, qpe_s, ROWS: gl.constexpr, NW: gl.constexpr):
+    """The H x 576 queries of one token -> three shared-memory operands [ROWS, 256 / 64] (latent halves and
+    rope); rows past H (fewer heads, e.g. a tensor-parallel shard) are zeros, computed and never stored."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    h = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
     c = gl.arange(0, 256, layout=gl.SliceLayout(0, ld))
     cp = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
     base = q_ptr + q_row + h[:, None] * stride_qh
@@ -72,20 +87,46 @@ def _stage_queries(q_ptr, q_row, stride_qh, H, qa_s, qb_s, qpe_s):
 
 
 @gluon.constexpr_function
-def _rows_layout(VEC):
-    """Register layout of a [64, n] tile of cache rows: VEC contiguous elements (16 bytes) per thread, 32 rows a
-    pass. Every row-indexed vector of the kernel's copies lives in its row slice, which is the same for any VEC."""
-    return gl.BlockedLayout([1, VEC], [4, 8], [8, 1], [1, 0])
+def _rows_layout(VEC, NW):
+    """Register layout of a [64, n] tile of cache rows over NW warps: VEC contiguous elements (16 bytes) per
+    thread, 4 x NW rows a pass. Every row-indexed vector of the kernel's copies lives in its row slice, which is
+    the same for any VEC."""
+    return gl.BlockedLayout([1, VEC], [4, 8], [NW, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _key_axis(keys_as_rows):
+    """The axis of the scores S (and the one reduced in the softmax) that runs over keys: 1 when the MMA rows
+    are the heads (S = Q K^T, [heads, keys]), 0 when they are the keys (S^T = K Q^T, [keys, heads])."""
+    return 0 if keys_as_rows else 1
+
+
+@gluon.constexpr_function
+def _score_layout(keys_as_rows, rows):
+    """S's register layout. Heads as rows: two warpgroups, 32 key columns each. Keys as rows: one warpgroup,
+    N = the padded head count."""
+    if keys_as_rows:
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 16])
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+
+
+@gluon.constexpr_function
+def _out_layout(keys_as_rows, rows):
+    """The output accumulators' layout: [heads, 256] at 128 columns a warpgroup, or O^T [256, heads] on one
+    warpgroup (4 MMA row blocks)."""
+    if keys_as_rows:
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 16])
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
 
 
 @gluon.jit
 def _tile_rows(j, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS: gl.constexpr,
-               BLOCK: gl.constexpr, SPARSE: gl.constexpr):
+               BLOCK: gl.constexpr, SPARSE: gl.constexpr, NW: gl.constexpr):
     """Where tile ``j``'s rows are in the cache. Dense: the first row (a tile lies inside one cache block);
     sparse: the slot of every listed position and whether it is valid. These are dependent global loads (list,
     then block table), so the kernel issues them for a later tile while this tile's QK^T runs."""
     if SPARSE:
-        offs = start + j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, _rows_layout(8)))
+        offs = start + j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, _rows_layout(8, NW)))
         inside = offs < end
         p = gl.load(pos_ptr + t64 * stride_pt + offs, mask=inside, other=-1)
         valid = inside & (p >= 0)
@@ -127,10 +168,11 @@ def _row_descs(lat_ptr, pe_ptr, sc_ptr, row0, n_rows, lat_l: gl.constexpr, pe_l:
 
 
 @gluon.jit
-def _gather_part(dst, ptr, W: gl.constexpr, slot, valid, col0, NCOL: gl.constexpr, VEC: gl.constexpr):
+def _gather_part(dst, ptr, W: gl.constexpr, slot, valid, col0, NCOL: gl.constexpr, VEC: gl.constexpr,
+                 NW: gl.constexpr):
     """Asynchronous 16-byte copies of columns col0 .. col0+NCOL-1 of the listed rows (row stride W elements)
     into ``dst``; invalid rows are zero-filled (cp.async with a zero source size), so they add nothing."""
-    lay: gl.constexpr = _rows_layout(VEC)
+    lay: gl.constexpr = _rows_layout(VEC, NW)
     slot = gl.convert_layout(slot, gl.SliceLayout(1, lay))
     valid = gl.convert_layout(valid, gl.SliceLayout(1, lay))
     c = gl.arange(0, NCOL, layout=gl.SliceLayout(0, lay))
@@ -140,7 +182,7 @@ def _gather_part(dst, ptr, W: gl.constexpr, slot, valid, col0, NCOL: gl.constexp
 @gluon.jit
 def _issue_tile(rows, j, n_full, end, lat_ptr, pe_ptr, sc_ptr, descs, la_s, lb_s, pe_s, sc_s, ready,
                 lat_l: gl.constexpr, pe_l: gl.constexpr, sc_l: gl.constexpr, BLOCK: gl.constexpr,
-                STAGES_: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr):
+                STAGES_: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr, NW: gl.constexpr):
     """Start copying tile ``j`` (located by :func:`_tile_rows`) into its stage. Sparse: cp.async gathers, one
     commit group per tile. Dense: TMA boxes; a full tile through the cache-wide descriptors, the ragged last
     tile through descriptors that end at the last valid row, so TMA zero-fills the rest (rows past the
@@ -151,11 +193,11 @@ def _issue_tile(rows, j, n_full, end, lat_ptr, pe_ptr, sc_ptr, descs, la_s, lb_s
         slot, valid = rows
         LAT_W: gl.constexpr = 656 if FP8 else 576
         LAT_VEC: gl.constexpr = 16 if FP8 else 8
-        _gather_part(la_s.index(s), lat_ptr, LAT_W, slot, valid, 0, 256, LAT_VEC)
-        _gather_part(lb_s.index(s), lat_ptr, LAT_W, slot, valid, 256, 256, LAT_VEC)
-        _gather_part(pe_s.index(s), pe_ptr, 328 if FP8 else 576, slot, valid, PE_COL, 64, 8)
+        _gather_part(la_s.index(s), lat_ptr, LAT_W, slot, valid, 0, 256, LAT_VEC, NW)
+        _gather_part(lb_s.index(s), lat_ptr, LAT_W, slot, valid, 256, 256, LAT_VEC, NW)
+        _gather_part(pe_s.index(s), pe_ptr, 328 if FP8 else 576, slot, valid, PE_COL, 64, 8, NW)
         if FP8:
-            _gather_part(sc_s.index(s), sc_ptr, 164, slot, valid, 128, 4, 4)
+            _gather_part(sc_s.index(s), sc_ptr, 164, slot, valid, 128, 4, 4, NW)
         async_copy.commit_group()
     else:
         row, n0 = rows
@@ -196,11 +238,11 @@ def _tile_mask(j, start, end, t64, pos_ptr, stride_pt, layout: gl.constexpr, BLO
 
 
 @gluon.jit
-def _dequant(src, sc, G0: gl.constexpr):
+def _dequant(src, sc, G0: gl.constexpr, NW: gl.constexpr):
     """[BLOCK, 256] e4m3 (columns of scale groups G0, G0+1) x their per-row power-of-two scales -> bf16
     registers (exact: the cache writer's scales are powers of two)."""
-    lay: gl.constexpr = _rows_layout(16)
-    scl: gl.constexpr = _rows_layout(4)
+    lay: gl.constexpr = _rows_layout(16, NW)
+    scl: gl.constexpr = _rows_layout(4, NW)
     x = src.load(lay)
     scales = sc.load(scl)
     g = gl.arange(0, 4, layout=gl.SliceLayout(0, scl))
@@ -212,33 +254,58 @@ def _dequant(src, sc, G0: gl.constexpr):
 
 
 @gluon.jit
-def _issue_qk(qa_s, qb_s, qpe_s, ka, kb, kpe, s_l: gl.constexpr, BLOCK: gl.constexpr):
-    """Issue S = Q K^T over the 576 columns of one tile (three asynchronous MMA groups)."""
-    qk = warpgroup_mma(qa_s, ka.permute((1, 0)), gl.zeros([64, BLOCK], gl.float32, s_l), use_acc=False,
-                       is_async=True)
-    qk = warpgroup_mma(qb_s, kb.permute((1, 0)), qk, is_async=True)
-    return warpgroup_mma(qpe_s, kpe.permute((1, 0)), qk, is_async=True)
+def _issue_qk(qa_s, qb_s, qpe_s, ka, kb, kpe, s_l: gl.constexpr, BLOCK: gl.constexpr, ROWS: gl.constexpr,
+              KEYS_AS_ROWS: gl.constexpr):
+    """Issue the scores of one tile over its 576 columns (three asynchronous MMA groups): S = Q K^T
+    [ROWS heads, BLOCK keys], or with the keys as MMA rows S^T = K Q^T [BLOCK, ROWS] (the queries as B)."""
+    if KEYS_AS_ROWS:
+        qk = warpgroup_mma(ka, qa_s.permute((1, 0)), gl.zeros([BLOCK, ROWS], gl.float32, s_l), use_acc=False,
+                           is_async=True)
+        qk = warpgroup_mma(kb, qb_s.permute((1, 0)), qk, is_async=True)
+        qk = warpgroup_mma(kpe, qpe_s.permute((1, 0)), qk, is_async=True)
+    else:
+        qk = warpgroup_mma(qa_s, ka.permute((1, 0)), gl.zeros([ROWS, BLOCK], gl.float32, s_l), use_acc=False,
+                           is_async=True)
+        qk = warpgroup_mma(qb_s, kb.permute((1, 0)), qk, is_async=True)
+        qk = warpgroup_mma(qpe_s, kpe.permute((1, 0)), qk, is_async=True)
+    return qk
 
 
 @gluon.jit
-def _online_softmax(qk, valid, m_i, l_i, sm_scale_log2, SPARSE: gl.constexpr):
-    """Masked online-softmax step in the exp2 domain -> (P, rescale of the running output, new max, new sum)."""
-    qk = gl.where(valid[None, :], qk * sm_scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(qk, 1))
+def _issue_pv(p_s, ka, kb, acc_a, acc_b, KEYS_AS_ROWS: gl.constexpr):
+    """Issue the two latent halves' P @ V (two asynchronous MMA groups); with the keys as rows O^T = V^T P^T, the
+    latent tile as a transposed (M-major) A operand and P [heads, keys] as B."""
+    if KEYS_AS_ROWS:
+        acc_a = warpgroup_mma(ka.permute((1, 0)), p_s.permute((1, 0)), acc_a, is_async=True)
+        acc_b = warpgroup_mma(kb.permute((1, 0)), p_s.permute((1, 0)), acc_b, is_async=True)
+    else:
+        acc_a = warpgroup_mma(p_s, ka, acc_a, is_async=True)
+        acc_b = warpgroup_mma(p_s, kb, acc_b, is_async=True)
+    return acc_a, acc_b
+
+
+@gluon.jit
+def _online_softmax(qk, valid, m_i, l_i, sm_scale_log2, SPARSE: gl.constexpr, KA: gl.constexpr):
+    """Masked online-softmax step in the exp2 domain over the key axis KA of the scores -> (P, rescale of the
+    running output, new max, new sum)."""
+    qk = gl.where(gl.expand_dims(valid, 1 - KA), qk * sm_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, KA))
     if SPARSE:  # a sparse tile may list no valid key
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_safe = m_new
     alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(qk - m_safe[:, None])
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+    p = gl.exp2(qk - gl.expand_dims(m_safe, KA))
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, KA)
 
 
 @gluon.jit
-def _store_rows(ptr, rows, hmask, acc, col0, layout: gl.constexpr):
-    """Store the heads ``hmask`` of a [64, 256] register tile at ``ptr + rows[h] + col0 + c`` (int64 rows)."""
-    c = gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
-    gl.store(ptr + rows[:, None] + col0 + c[None, :], acc.to(ptr.dtype.element_ty), mask=hmask[:, None])
+def _store_rows(ptr, rows, hmask, acc, col0, layout: gl.constexpr, KA: gl.constexpr):
+    """Store the heads ``hmask`` of an output half at ``ptr + rows[h] + col0 + c`` (int64 rows); the half is
+    [heads, 256] (KA = 1) or O^T [256, heads] (KA = 0): its columns run along axis KA."""
+    c = gl.arange(0, 256, layout=gl.SliceLayout(1 - KA, layout))
+    gl.store(ptr + gl.expand_dims(rows, KA) + col0 + gl.expand_dims(c, 1 - KA), acc.to(ptr.dtype.element_ty),
+             mask=gl.expand_dims(hmask, KA))
 
 
 @gluon.jit
@@ -248,18 +315,22 @@ def _mla_hopper_kernel(
     o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr,
     sm_scale_log2, split_len, num_splits, n_rows,
     BS: gl.constexpr, DIRECT: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr, BLOCK: gl.constexpr,
-    STAGES_: gl.constexpr,
+    STAGES_: gl.constexpr, ROWS: gl.constexpr, KEYS_AS_ROWS: gl.constexpr,
 ):
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 128, 16])
+    # heads as MMA rows (ROWS = 64, two warpgroups) or, for a few heads, keys as MMA rows (one warpgroup, the
+    # ROWS padded heads as N): the same loop either way, the scores and outputs transposed
+    NW: gl.constexpr = 4 if KEYS_AS_ROWS else 8
+    KA: gl.constexpr = _key_axis(KEYS_AS_ROWS)
+    s_l: gl.constexpr = _score_layout(KEYS_AS_ROWS, ROWS)
+    o_l: gl.constexpr = _out_layout(KEYS_AS_ROWS, ROWS)
     lat_dt: gl.constexpr = gl.float8e4nv if FP8 else gl.bfloat16
     lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], lat_dt)
     kv_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], gl.bfloat16)
     pe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 64], gl.bfloat16)
     sc_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    qlat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 256], gl.bfloat16)
-    qpe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK], gl.bfloat16)
+    qlat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, 256], gl.bfloat16)
+    qpe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, 64], gl.bfloat16)
+    p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK], gl.bfloat16)
     # tiles copied ahead: a bf16 stage is read by P @ V until the next tile's MMAs; an FP8 stage only until its
     # dequantization and QK^T, so FP8 issues the tile after next at that point
     AHEAD: gl.constexpr = 2 if FP8 else 1
@@ -278,9 +349,9 @@ def _mla_hopper_kernel(
     n_full = n_keys // BLOCK
     n_tiles = (n_keys + BLOCK - 1) // BLOCK
 
-    qa_s = gl.allocate_shared_memory(gl.bfloat16, [64, 256], qlat_l)
-    qb_s = gl.allocate_shared_memory(gl.bfloat16, [64, 256], qlat_l)
-    qpe_s = gl.allocate_shared_memory(gl.bfloat16, [64, 64], qpe_l)
+    qa_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 256], qlat_l)
+    qb_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 256], qlat_l)
+    qpe_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 64], qpe_l)
     la_s = gl.allocate_shared_memory(lat_dt, [STAGES_, BLOCK, 256], lat_l)
     lb_s = gl.allocate_shared_memory(lat_dt, [STAGES_, BLOCK, 256], lat_l)
     pe_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, BLOCK, 64], pe_l)
@@ -292,7 +363,7 @@ def _mla_hopper_kernel(
         sc_s = pe_s  # unused
         ka_s = la_s
         kb_s = lb_s
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [64, BLOCK], p_l)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, BLOCK], p_l)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES_):
         mbarrier.init(ready.index(i), count=1)
@@ -300,19 +371,24 @@ def _mla_hopper_kernel(
     descs = _row_descs(lat_ptr, pe_ptr, sc_ptr, 0, n_rows, lat_l, pe_l, sc_l, BLOCK, FP8)
     for i in gl.static_range(AHEAD):
         if i < n_tiles:
-            _issue_tile(_tile_rows(i, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE),
+            _issue_tile(_tile_rows(i, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE,
+                                   NW),
                         i, n_full, end, lat_ptr, pe_ptr, sc_ptr, descs, la_s, lb_s, pe_s, sc_s, ready, lat_l, pe_l,
-                        sc_l, BLOCK, STAGES_, SPARSE, FP8)
+                        sc_l, BLOCK, STAGES_, SPARSE, FP8, NW)
         elif SPARSE:
             async_copy.commit_group()  # an empty group keeps one group per tile for _wait_tile
-    _stage_queries(q_ptr, t64 * stride_qt, stride_qh, H, qa_s, qb_s, qpe_s)
+    _stage_queries(q_ptr, t64 * stride_qt, stride_qh, H, qa_s, qb_s, qpe_s, ROWS, NW)
     fence_async_shared()
     gl.thread_barrier()
 
-    m_i = gl.full([64], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
-    l_i = gl.zeros([64], gl.float32, gl.SliceLayout(1, s_l))
-    acc_a = gl.zeros([64, 256], gl.float32, o_l)
-    acc_b = gl.zeros([64, 256], gl.float32, o_l)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(KA, s_l))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(KA, s_l))
+    if KEYS_AS_ROWS:
+        acc_a = gl.zeros([256, ROWS], gl.float32, o_l)
+        acc_b = gl.zeros([256, ROWS], gl.float32, o_l)
+    else:
+        acc_a = gl.zeros([ROWS, 256], gl.float32, o_l)
+        acc_b = gl.zeros([ROWS, 256], gl.float32, o_l)
     # Per tile j: P @ V of tile j-1 is issued first, so it runs while tile j may still be arriving (decode is
     # bound by the cache read); FP8 then dequantizes tile j into the bf16 tile; then QK^T of tile j; while
     # it runs, the mask of tile j and the location of tile j+AHEAD are loaded, and as soon as the stage that
@@ -325,21 +401,22 @@ def _mla_hopper_kernel(
         kv = 0 if FP8 else s
         if j > 0:
             prev = 0 if FP8 else (j - 1) % STAGES_
-            acc_a = warpgroup_mma(p_s, ka_s.index(prev), acc_a, is_async=True)
-            acc_b = warpgroup_mma(p_s, kb_s.index(prev), acc_b, is_async=True)
+            acc_a, acc_b = _issue_pv(p_s, ka_s.index(prev), kb_s.index(prev), acc_a, acc_b, KEYS_AS_ROWS)
             # FP8 waits at once: the dequantization overwrites the bf16 tile this P @ V reads (dequantizing into
             # registers meanwhile took 255 registers, and ptxas serialized the MMAs)
             acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0 if FP8 else 2, deps=(acc_a, acc_b))
         _wait_tile(j, ready, STAGES_, SPARSE, AHEAD)
         if FP8:
             gl.thread_barrier()  # both warpgroups are done with the bf16 tile (P @ V of tile j-1)
-            ka_s.index(0).store(_dequant(la_s.index(s), sc_s.index(s), 0))
-            kb_s.index(0).store(_dequant(lb_s.index(s), sc_s.index(s), 2))
+            ka_s.index(0).store(_dequant(la_s.index(s), sc_s.index(s), 0, NW))
+            kb_s.index(0).store(_dequant(lb_s.index(s), sc_s.index(s), 2, NW))
             fence_async_shared()
             gl.thread_barrier()
-        qk = _issue_qk(qa_s, qb_s, qpe_s, ka_s.index(kv), kb_s.index(kv), pe_s.index(s), s_l, BLOCK)
-        valid = _tile_mask(j, start, end, t64, pos_ptr, stride_pt, gl.SliceLayout(0, s_l), BLOCK, SPARSE)
-        nxt = _tile_rows(j + AHEAD, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE)
+        qk = _issue_qk(qa_s, qb_s, qpe_s, ka_s.index(kv), kb_s.index(kv), pe_s.index(s), s_l, BLOCK, ROWS,
+                       KEYS_AS_ROWS)
+        valid = _tile_mask(j, start, end, t64, pos_ptr, stride_pt, gl.SliceLayout(1 - KA, s_l), BLOCK, SPARSE)
+        nxt = _tile_rows(j + AHEAD, start, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK, SPARSE,
+                         NW)
         if FP8:  # the next copy reuses this tile's stage, whose rope columns QK^T reads
             qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk,))
         else:  # the next copy reuses tile j-1's stage: free once P @ V of tile j-1 is done, QK^T may still run
@@ -347,47 +424,50 @@ def _mla_hopper_kernel(
         gl.thread_barrier()  # both warpgroups are done with the stage the next copy goes to, and with P
         if j + AHEAD < n_tiles:
             _issue_tile(nxt, j + AHEAD, n_full, end, lat_ptr, pe_ptr, sc_ptr, descs, la_s, lb_s, pe_s, sc_s, ready,
-                        lat_l, pe_l, sc_l, BLOCK, STAGES_, SPARSE, FP8)
+                        lat_l, pe_l, sc_l, BLOCK, STAGES_, SPARSE, FP8, NW)
         elif SPARSE:
             async_copy.commit_group()
         qk, acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(qk, acc_a, acc_b))
-        p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2, SPARSE)
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        p, alpha, m_i, l_i = _online_softmax(qk, valid, m_i, l_i, sm_scale_log2, SPARSE, KA)
+        alpha_o = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(KA, o_l)), KA)
         acc_a = acc_a * alpha_o
         acc_b = acc_b * alpha_o
-        p_s.store(p.to(gl.bfloat16))
+        if KEYS_AS_ROWS:  # P^T [keys, heads] -> P [heads, keys], the B operand's K-major tile
+            p_s.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        else:
+            p_s.store(p.to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
     if n_tiles > 0:
         last = 0 if FP8 else (n_tiles - 1) % STAGES_
-        acc_a = warpgroup_mma(p_s, ka_s.index(last), acc_a, is_async=True)
-        acc_b = warpgroup_mma(p_s, kb_s.index(last), acc_b, is_async=True)
+        acc_a, acc_b = _issue_pv(p_s, ka_s.index(last), kb_s.index(last), acc_a, acc_b, KEYS_AS_ROWS)
         acc_a, acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a, acc_b))
     for i in gl.static_range(STAGES_):
         mbarrier.invalidate(ready.index(i))
 
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
-    inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_l))[:, None]
-    heads = gl.arange(0, 64, layout=gl.SliceLayout(1, o_l)).to(gl.int64)
+    inv = gl.expand_dims(gl.convert_layout(1.0 / l_safe, gl.SliceLayout(KA, o_l)), KA)
+    heads = gl.arange(0, ROWS, layout=gl.SliceLayout(KA, o_l)).to(gl.int64)
     hmask = heads < H
     if DIRECT:
         rows = t64 * stride_ot + heads * stride_oh
-        _store_rows(o_ptr, rows, hmask, acc_a * inv, 0, o_l)
-        _store_rows(o_ptr, rows, hmask, acc_b * inv, 256, o_l)
+        _store_rows(o_ptr, rows, hmask, acc_a * inv, 0, o_l, KA)
+        _store_rows(o_ptr, rows, hmask, acc_b * inv, 256, o_l, KA)
     else:  # the combine kernel's partial layout: [T, num_splits, H, 512] and [T, num_splits, H]
         base = (t64 * num_splits + sp) * H + heads
-        _store_rows(po_ptr, base * 512, hmask, acc_a * inv, 0, o_l)
-        _store_rows(po_ptr, base * 512, hmask, acc_b * inv, 256, o_l)
+        _store_rows(po_ptr, base * 512, hmask, acc_a * inv, 0, o_l, KA)
+        _store_rows(po_ptr, base * 512, hmask, acc_b * inv, 256, o_l, KA)
         lse = gl.where(l_i > 0.0, m_i + gl.log2(l_safe), float("-inf"))
-        lse_heads = gl.arange(0, 64, layout=gl.SliceLayout(1, s_l)).to(gl.int64)
+        lse_heads = gl.arange(0, ROWS, layout=gl.SliceLayout(KA, s_l)).to(gl.int64)
         gl.store(plse_ptr + (t64 * num_splits + sp) * H + lse_heads, lse, mask=lse_heads < H)
 
 
 def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split_len: int, num_splits: int,
-           out, po, plse, *, sparse: bool):
+           out, po, plse, *, sparse: bool, keys_as_rows: bool | None = None):
     """One program per (token, split); writes ``out`` directly at one split, else the partials for the
     combine kernel of :mod:`fxglm5.lowering.triton.mla`. Dense: ``pos_or_topk`` are the query positions;
-    sparse: the [T, K] listed positions (-1 = unused)."""
+    sparse: the [T, K] listed positions (-1 = unused). ``keys_as_rows``: see :func:`rows_for`."""
+    rows, keys_as_rows = rows_for(q.shape[1], keys_as_rows)
     T = q.shape[0]
     bs = cache.shape[1]
     fp8 = cache.dtype == torch.uint8
@@ -398,4 +478,5 @@ def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split
         q, q.stride(0), q.stride(1), q.shape[1], lat, pe, sc, block_table, block_table.stride(0), req_idx, pos_or_topk,
         stride_pt, K, out, out.stride(0), out.stride(1), po, plse,
         scale_log2, split_len, num_splits, cache.shape[0] * bs,
-        BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, FP8=fp8, BLOCK=BLOCK_N, STAGES_=STAGES, num_warps=8)
+        BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, FP8=fp8, BLOCK=BLOCK_N, STAGES_=STAGES, ROWS=rows,
+        KEYS_AS_ROWS=keys_as_rows, num_warps=4 if keys_as_rows else 8)
