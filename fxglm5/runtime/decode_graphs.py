@@ -74,6 +74,7 @@ class DecodeGraphs:
         self._copied = None  # CUDA event after the last step's copies: its staging may be rewritten once it is done
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, width, q)
         self.steps = 0  # decode / verify steps run from the static buffers (replayed, or uncaptured on a CPU)
+        self.hidden: Optional[torch.Tensor] = None  # the last step's hidden rows, from a (logits, hidden) graph
         self.disabled: Optional[str] = None
         self._pool = None
 
@@ -92,12 +93,20 @@ class DecodeGraphs:
         self.steps += 1
         T = B * per_request
         if not self.capture:
-            return self._forward(*key)[0, :T].float()
+            return self._rows(self._forward(*key), T)
         if key in self.graphs:
             graph, out = self.graphs[key]
             graph.replay()
-            return out[0, :T].to(torch.float32, copy=True)  # the static output is overwritten by the next replay
-        return self._warm_up_and_capture(key)[0, :T].float()
+            return self._rows(out, T)
+        return self._rows(self._warm_up_and_capture(key), T)
+
+    def _rows(self, out, T: int) -> torch.Tensor:
+        """float32 logits of the live rows (a copy: the static output is overwritten by the next replay); the
+        hidden rows of a (logits, hidden) graph (head "logits+hidden") go to ``self.hidden``, copied too."""
+        if isinstance(out, (tuple, list)):
+            out, hidden = out
+            self.hidden = hidden[0, :T].clone()
+        return out[0, :T].to(torch.float32, copy=True)
 
     def _load(self, input_ids: torch.Tensor, ctx: ForwardContext, bucket: int, width: int, q: int = 1) -> None:
         """Copy the step into the static buffers; rows B..bucket-1 become padding tokens. The step is written into

@@ -104,7 +104,7 @@ class Runner:
                  num_blocks: int | None = None, max_cache_tokens: int = 8192, device="cpu", keep_logits=False,
                  graph=None, backend: str | None = None, decode_graphs: bool | None = None,
                  max_decode_batch: int = 64, disabled_passes=(), tp: int = 1, ep: int | None = None,
-                 speculative: SpeculativeConfig | None = None, drafter=None):
+                 speculative: SpeculativeConfig | None = None, drafter=None, mtp_graph=None):
         """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); with ``graph``, anything
         with the model's ``config`` and compute ``dtype`` (an exported artifact: ``fxglm5.artifact``). ``kv_cache``: "bf16"
         (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
@@ -121,13 +121,16 @@ class Runner:
         expert split along its intermediate dim). Every rank gets the same logits and so the same tokens.
         ``speculative``: a SpeculativeConfig; its drafts come from ``drafter`` (any
         ``fxglm5.runtime.speculative.Drafter``), by default the model's MTP layer (InputError without one);
-        ``acceptance`` then holds the last ``run``'s verify statistics."""
+        ``acceptance`` then holds the last ``run``'s verify statistics. The MTP drafter needs the target's hidden
+        states, so the target graph is then compiled with head "logits+hidden" (a given ``graph`` must be one) and
+        the MTP layer's own graph (``mtp_graph``: another such Runner's ``drafter.graph``, reused) with a second
+        paged cache (fxglm5.runtime.mtp_drafter)."""
         index_kind, _ = check_options(block_size, kernel_block_size, kv_cache, index_cache)  # before the slow part
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise InputError(f"speculative: expected a SpeculativeConfig or None, got {type(speculative).__name__}")
-        if speculative is not None and drafter is None and getattr(model, "mtp", None) is None:
-            raise InputError(f"speculative method {speculative.method!r}: the model has no MTP layer (its config has "
-                             "num_nextn_predict_layers = 0, or it was loaded without mtp=True)")
+        if speculative is not None and tp != 1:
+            raise InputError(f"speculative: not with tp={tp} (the drafts and their verify step run in one process)")
+
         preferred_backend(backend)
         if not isinstance(max_cache_tokens, int) or max_cache_tokens < 1:
             raise InputError(f"max_cache_tokens: must be a positive integer, got {max_cache_tokens!r}")
@@ -139,14 +142,20 @@ class Runner:
         elif isinstance(model, (str, Path)):
             from fxglm5.model.modeling import Glm5ForCausalLM
 
-            model = Glm5ForCausalLM.from_pretrained(model, dtype=dtype, device=device, progress=False)
+            model = Glm5ForCausalLM.from_pretrained(model, dtype=dtype, device=device, progress=False,
+                                                    mtp=speculative is not None and drafter is None)
+        if speculative is not None and drafter is None and getattr(model, "mtp", None) is None:
+            raise InputError(f"speculative method {speculative.method!r}: the model has no MTP layer (its config has "
+                             "num_nextn_predict_layers = 0, or it was loaded without mtp=True)")
         self.config, self.device, self.keep_logits = model.config, device, keep_logits
         num_blocks = num_blocks or -(-max_cache_tokens // block_size) + 1
         check_sizes(self.config, num_blocks, block_size, kv_cache, index_kind, model.dtype, device)  # before compiling
         self.graph, self.pass_results = graph, []
+        self.with_hidden = speculative is not None and drafter is None  # the MTP drafter reads the target's hidden
+        max_tokens = max(self.config.max_position_embeddings, num_blocks * block_size)
         if graph is None:  # a step's flat token count is bounded by the cache, not by one sequence's length
             self.graph, self.pass_results, _ = compile_model(
-                model, max_tokens=max(self.config.max_position_embeddings, num_blocks * block_size), device=device,
+                model, head="logits+hidden" if self.with_hidden else "logits", max_tokens=max_tokens, device=device,
                 backend=backend, disabled_passes=disabled_passes, **({} if self.mapping is None else
                                                                     {"mapping": self.mapping}))
         if self.mapping is not None:
@@ -168,6 +177,13 @@ class Runner:
         self.active: list[Sequence] = []
         self._ids = itertools.count()
         self.speculative, self.drafter, self.acceptance = speculative, drafter, Acceptance()
+        if self.with_hidden:
+            from fxglm5.runtime.mtp_drafter import MtpDrafter
+
+            self.drafter = MtpDrafter(self, model, mtp_graph, max_tokens=max_tokens, backend=backend,
+                                      disabled_passes=disabled_passes)
+        # the last step's hidden rows [rows, H] where the graph returns them (head "logits+hidden"), else None
+        self.hidden = None
 
     def _agree(self, *request) -> None:
         """Ranks: the same request on every rank, checked before anything that can raise on one rank only."""
@@ -194,6 +210,9 @@ class Runner:
         with validation(False):
             logits = self.graph(input_ids[None], ctx.positions[None], *ctx.graph_args(), last,
                                 *self.cache.graph_inputs())
+        if isinstance(logits, (tuple, list)):  # head "logits+hidden" (speculative decoding with the MTP layer)
+            logits, hidden = logits
+            self.hidden = hidden[0]
         return logits[0].float()
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -223,10 +242,15 @@ class Runner:
                 seq.error = err
         if admitted:
             ids = torch.tensor([t for s in admitted for t in s.prompt[s.cached:]], device=self.device)
-            self._advance(admitted, self.step(self.context(admitted, True), ids))
+            ctx = self.context(admitted, True)
+            if not self.with_hidden:
+                self._advance(admitted, self.step(ctx, ids))
+            else:  # the drafter reads the target's hidden state at every prompt row
+                logits = self.step(ctx, ids, rows=torch.arange(len(ids), device=self.device))
+                self._advance(admitted, logits[ctx.cu_seqlens[1:].long() - 1])
             self.active.extend(admitted)
             if self.drafter is not None:
-                self.drafter.start(admitted, None)
+                self.drafter.start(admitted, self.hidden)
         return seqs
 
     def decode(self) -> list[Sequence]:
@@ -285,7 +309,7 @@ class Runner:
             accepted.append(a)
         for seq in reversed(running):  # last first: the free list gets back the order plain decoding leaves it in
             self.blocks.truncate(seq.id, seq.cached)
-        self.drafter.accepted(running, counts, accepted, None)
+        self.drafter.accepted(running, counts, accepted, self.hidden)
         return running
 
     def _verify_step(self, seqs: list[Sequence], counts: list[int], ids: list[int]) -> torch.Tensor:
@@ -302,6 +326,7 @@ class Runner:
         if self.decode_graphs is not None and all(n + 1 == q for n in counts):
             logits = self.decode_graphs.run(torch.tensor(ids), context("cpu").validate(), per_request=q)
             if logits is not None:
+                self.hidden = self.decode_graphs.hidden
                 return logits
         return self.step(context(self.device), torch.tensor(ids, device=self.device),
                          rows=torch.arange(len(ids), device=self.device))

@@ -31,9 +31,9 @@ from typing import Protocol
 import torch
 
 from fxglm5.errors import InputError
+from fxglm5.model.generate import MAX_SPECULATIVE_TOKENS as MAX_TOKENS
 
 METHODS = ("mtp",)
-MAX_TOKENS = 4
 
 
 @dataclasses.dataclass(frozen=True)
