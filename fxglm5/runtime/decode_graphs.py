@@ -93,14 +93,14 @@ class DecodeGraphs:
         self.steps += 1
         T = B * per_request
         if not self.capture:
-            return self._rows(self._forward(*key), T)
+            return self._outputs(self._forward(*key), T)
         if key in self.graphs:
             graph, out = self.graphs[key]
             graph.replay()
-            return self._rows(out, T)
-        return self._rows(self._warm_up_and_capture(key), T)
+            return self._outputs(out, T)
+        return self._outputs(self._warm_up_and_capture(key), T)
 
-    def _rows(self, out, T: int) -> torch.Tensor:
+    def _outputs(self, out, T: int) -> torch.Tensor:
         """float32 logits of the live rows (a copy: the static output is overwritten by the next replay); the
         hidden rows of a (logits, hidden) graph (head "logits+hidden") go to ``self.hidden``, copied too."""
         if isinstance(out, (tuple, list)):
