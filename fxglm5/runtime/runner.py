@@ -255,6 +255,13 @@ class Runner:
 
     def decode(self) -> list[Sequence]:
         """One decode step for every active request (a request without room gets CacheFullError and leaves)."""
+        running = self._room_for_one()
+        if running:
+            self._advance(running, self._decode_step(running))
+        return running
+
+    def _room_for_one(self) -> list[Sequence]:
+        """Grow every active request by one token's room; one that has none gets CacheFullError and leaves."""
         running = []
         for seq in self.active:
             try:
@@ -264,26 +271,17 @@ class Runner:
                 seq.error = err
                 self._leave(seq)
         self.active = running
-        if running:
-            self._advance(running, self._decode_step(running))
         return running
 
     def speculate(self, max_new_tokens: int) -> list[Sequence]:
         """One verify step for every active request with fewer than ``max_new_tokens`` tokens (those done leave
         ``active``); returns the requests stepped. Room is given as decode gives it (a request that cannot grow
         by one token gets CacheFullError) before any draft is given room, and drafts never take a request past
-        ``max_new_tokens``, so every request gets the tokens and errors of plain decoding."""
+        ``max_new_tokens``: a request runs out of room only where its next token has none, as in decode (which
+        request that is can differ from plain decoding's, since requests move up to k+1 tokens a step)."""
         k, bs = self.speculative.num_tokens, self.blocks.block_size
         self.active = [seq for seq in self.active if len(seq.output) < max_new_tokens]
-        running = []
-        for seq in self.active:
-            try:
-                self.blocks.extend(seq.id, seq.cached + 1)
-                running.append(seq)
-            except CacheFullError as err:
-                seq.error = err
-                self._leave(seq)
-        self.active = running
+        running = self._room_for_one()
         if not running:
             return running
         counts = []
