@@ -39,7 +39,7 @@ def host_only(B: int, ctx: int) -> None:
     runner = Runner(Glm5ForCausalLM(cfg).eval(), block_size=64, max_cache_tokens=B * (ctx + 128),
                     decode_graphs=True, max_decode_batch=max(64, B))
     logits = torch.zeros(1, max(64, B), 8)
-    runner.decode_graphs._forward = lambda bucket, width: logits[:, :bucket]  # the replay, stubbed
+    runner.decode_graphs._forward = lambda bucket, width, q=1: logits[:, :bucket]  # the replay, stubbed
     for i in range(B):
         seq = Sequence(i, list(range(i, i + ctx)))
         runner.blocks.allocate(seq.id, seq.prompt)

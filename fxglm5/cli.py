@@ -119,6 +119,10 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                         "(every expert split along its intermediate dim)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the paged graph runs (with --tp on cuda: rank r on cuda:r)")
+    p.add_argument("--speculative", choices=["mtp"],
+                   help="speculative decoding: drafts from the checkpoint's MTP layer, verified in one step (the "
+                        "same tokens); prints the mean acceptance length after the tokens")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="drafts per step with --speculative (1..4)")
     _pass_options(p, dump=False)
 
 
@@ -142,6 +146,7 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     from fxglm5.runtime.runner import Runner, check_lengths
 
     check_lengths(prompts, args.max_new_tokens, config.max_position_embeddings)  # before a cache is sized from them
+    speculative = _speculative(args, artifact)
     if args.tp != 1:
         return _generate_sharded(args, artifact, prompts, disabled)
     if args.ep not in (None, 1):
@@ -155,10 +160,32 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     else:
         options = _paged_options(args, prompts, disabled)
         runner = artifact.runner(device=args.device, **options) if artifact else Runner(
-            args.model, dtype=args.dtype, device=args.device, **options)
+            args.model, dtype=args.dtype, device=args.device, speculative=speculative, **options)
         outputs = runner.generate(prompts, args.max_new_tokens)
+        if speculative is not None:
+            _print_outputs(outputs)
+            print(f"mean acceptance length: {runner.acceptance.mean_length:.2f} tokens per verify step "
+                  f"({runner.acceptance.steps} steps, {speculative.num_tokens} drafts each at most)")
+            return 0
     _print_outputs(outputs)
     return 0
+
+
+def _speculative(args: argparse.Namespace, artifact):
+    """``--speculative`` / ``--num-speculative-tokens`` as a SpeculativeConfig (None without them); only the
+    single-process paged runtime on a checkpoint directory speculates."""
+    from fxglm5.runtime.speculative import SpeculativeConfig
+
+    if args.speculative is None:
+        if args.num_speculative_tokens is not None:
+            raise InputError("--num-speculative-tokens: only with --speculative mtp")
+        return None
+    if args.num_speculative_tokens is None:
+        raise InputError("--speculative: give --num-speculative-tokens K (1..4)")
+    if args.backend != "paged" or artifact is not None or args.tp != 1:
+        raise InputError("--speculative: runs on the paged backend, one process, from a checkpoint directory "
+                         "(not --backend reference, an artifact or --tp)")
+    return SpeculativeConfig(args.speculative, args.num_speculative_tokens)
 
 
 def _print_outputs(outputs: list[list[int]]) -> None:

@@ -41,7 +41,9 @@ def compile_model(model, *, stages=STAGES, head: str = "logits", max_tokens: int
                   backend: str | None = None, strict: bool = False, act_quant: bool = False,
                   disabled_passes=(), dump_dir: str | Path | None = None, mapping: Mapping = Mapping()) -> Compiled:
     """Capture ``model`` (a Glm5ForCausalLM; steps of up to ``max_tokens`` flat tokens, default its
-    max_position_embeddings; ``head``: "logits", or "hidden" for the hidden states after the final norm) and run
+    max_position_embeddings; ``head``: "logits", "hidden" for the hidden states after the final norm, or
+    "logits+hidden" for both, (logits, hidden), the target of speculative decoding whose hidden feeds
+    :func:`compile_mtp`'s graph) and run
     ``stages`` on it. The match, fuse and shard stages run once per decoder-layer kind (``fxglm5.capture.by_kind``);
     the stages after them run on the whole stitched graph. The other options are :func:`compile_graph`'s."""
     stages = stages_of(stages)
@@ -61,6 +63,39 @@ def compile_model(model, *, stages=STAGES, head: str = "logits", max_tokens: int
     return Compiled(graph, results, seconds)
 
 
+def compile_mtp(model, *, stages=STAGES, max_tokens: int | None = None, device=None, backend: str | None = None,
+                strict: bool = False, act_quant: bool = False, disabled_passes=(), dump_dir: str | Path | None = None,
+                mapping: Mapping = Mapping()) -> Compiled:
+    """The MTP layer's graph (``model.mtp``, a Glm5MTP; options as :func:`compile_model`'s): the decoder layer
+    through the same passes as the target's layers (sparse_mla, its fp8_linears, moe: strict counts for one
+    indexed MoE layer), the rest (enorm, hnorm, eh_proj, the concat, shared_head.norm, the head) plain graph ops
+    (eh_proj an fp8_linear where the checkpoint stores it in FP8). Paged, it is called as
+
+        graph(input_ids [1, T], position_ids [1, T], hidden [1, T, H], slot_mapping, block_table, req_idx,
+              logits_indices [R], kv_cache_0, index_cache_0) -> (logits [1, R, V], hidden_out [1, R, H])
+
+    with its own ``graph.meta["paged_cache"]`` (one indexed layer): a second PagedCache, beside the target's."""
+    if getattr(model, "mtp", None) is None:
+        raise InputError("compile_mtp: the model has no MTP layer (load it with from_pretrained(..., mtp=True))")
+    if mapping.world != 1:
+        raise InputError(f"compile_mtp: the MTP graph is compiled for one rank only, got a mapping of world {mapping.world}")
+    from fxglm5.capture.export import MTP_HEAD, capture_mtp
+
+    start = time.perf_counter()
+    graph = capture_mtp(model, max_seq=max_tokens)
+    seconds = time.perf_counter() - start
+    results = compile_graph(graph, _mtp_graph_config(model.config), stages=stages, device=device, backend=backend,
+                            strict=strict, act_quant=act_quant, disabled_passes=disabled_passes, dump_dir=dump_dir,
+                            mapping=mapping, head=MTP_HEAD, extras={"eh_proj_fp8": model.mtp.eh_proj.fp8})
+    return Compiled(graph, results, seconds)
+
+
+def _mtp_graph_config(config):
+    """``config`` as the passes see the MTP graph: a model of one decoder layer, MoE with its own indexer."""
+    return config.replace(num_hidden_layers=1, first_k_dense_replace=0, mlp_layer_types=["sparse"],
+                          indexer_types=["full"])
+
+
 def _capture(model, *, max_tokens: int | None, head: str, rewrite: dict | None) -> tuple[fx.GraphModule, list]:
     """The model as the graph the passes rewrite (the one capture of every compile): with ``rewrite`` (the
     match / fuse options), captured once per layer kind and returned rewritten by those stages, with results
@@ -77,16 +112,19 @@ def _capture(model, *, max_tokens: int | None, head: str, rewrite: dict | None) 
 def compile_graph(graph: fx.GraphModule, config, *, stages=STAGES, device=None, backend: str | None = None,
                   strict: bool = False, act_quant: bool = False, disabled_passes=(),
                   dump_dir: str | Path | None = None, mapping: Mapping = Mapping(),
-                  head: str | None = None) -> list[PassResult]:
+                  head: str | None = None, extras: dict | None = None) -> list[PassResult]:
     """Run ``stages`` (in pipeline order) on ``graph`` in place. ``config``: the Glm5Config (expected scales and
     match counts; None for an arbitrary module). ``device``: where the lowered graph runs (default: where its
     weights are); ``backend``: the kernel backend the lower stage puts first. ``strict``: a pass with another
     match count than the model needs is a PassError (else a logged warning). ``act_quant``: W8A8 FP8 GEMMs.
     ``disabled_passes``: pass names to skip. ``dump_dir``: write each pass's graph before and after there.
     ``mapping``: the rank's place for the shard stage; ``head``: the graph's output ("logits" / "hidden", None:
-    unknown), for the shard stage's expected counts. A graph that ran the cache stage must have come out paged."""
+    unknown), for the shard stage's expected counts; ``extras``: more of the passes' context (``PassContext.extras``).
+    A graph that ran the cache stage must have come out paged."""
     stages = stages_of(stages)
-    extras = {} if device is None else {"device": torch.device(device).type}
+    extras = dict(extras or {})
+    if device is not None:
+        extras["device"] = torch.device(device).type
     if head is not None:
         extras["head"] = head
     ctx = PassContext(config=config, act_quant=act_quant, strict=strict, backend=backend, disabled=tuple(disabled_passes),

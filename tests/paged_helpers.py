@@ -20,7 +20,8 @@ from fxglm5.runtime.runner import Runner
 # and the tie rule (the lower position wins) decides which of them the paged runtime and the model keep.
 _SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_attention_heads=2, num_key_value_heads=2,
               q_lora_rank=64, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=16,
-              max_position_embeddings=256, quantization_config=None, mlp_layer_types=None, indexer_types=None)
+              max_position_embeddings=256, quantization_config=None, mlp_layer_types=None, indexer_types=None,
+              num_nextn_predict_layers=0)  # the tiny preset has an MTP layer now; these models are built without it
 CONFIGS = {
     # dense + MoE layers; layer 1 reuses layer 0's top-k ("shared"); index_topk 8 < most sequences
     "exact": dict(num_hidden_layers=3, first_k_dense_replace=1, index_topk=8, **{**_SMALL, "indexer_types": ["full", "shared", "full"]}),

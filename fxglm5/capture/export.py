@@ -15,7 +15,8 @@ from torch.export import Dim
 _METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
-HEADS = ("logits", "hidden")
+HEADS = ("logits", "hidden", "logits+hidden")
+MTP_HEAD = "mtp"  # PassContext.extras["head"] of the MTP layer's graph (capture_mtp): (logits, hidden_out)
 
 
 class _DecoderOnly(torch.nn.Module):
@@ -30,20 +31,54 @@ class _DecoderOnly(torch.nn.Module):
         return self.model(input_ids, position_ids)
 
 
+class _LogitsAndHidden(torch.nn.Module):
+    """A causal LM returning (logits, hidden after the final norm): the target of speculative decoding, whose
+    hidden states feed the MTP layer. Same parameter names as the causal LM."""
+
+    def __init__(self, causal_lm: torch.nn.Module):
+        super().__init__()
+        self.config, self.model, self.lm_head = causal_lm.config, causal_lm.model, causal_lm.lm_head
+
+    def forward(self, input_ids, position_ids):
+        hidden = self.model(input_ids, position_ids)
+        return self.lm_head(hidden), hidden
+
+
+class _MtpOnly(torch.nn.Module):
+    """The causal LM's MTP layer alone (parameters ``mtp.*``, the shared embedding and head under ``mtp.``)."""
+
+    def __init__(self, causal_lm: torch.nn.Module):
+        super().__init__()
+        self.config, self.mtp = causal_lm.config, causal_lm.mtp
+
+    def forward(self, input_ids, position_ids, hidden):
+        return self.mtp(input_ids, position_ids, hidden)
+
+
 def capture(model: torch.nn.Module, max_batch: int = 1024, max_seq: int | None = None,
             head: str = "logits") -> fx.GraphModule:
     """Export ``model(input_ids, position_ids)`` with dynamic [batch, seq]; returns the graph the passes
     work on. Both inputs are [batch, seq] int64; positions are explicit so the paged runtime can feed
     each token's real position (a decode step's token is not at position 0). ``head="hidden"`` exports the
     decoder alone: the output is the hidden states after the final norm, for engines that apply the lm_head
-    themselves (RTP-LLM)."""
+    themselves (RTP-LLM); ``head="logits+hidden"`` both, (logits, hidden), for speculative decoding's target."""
     if head not in HEADS:
         raise ValueError(f"head must be one of {HEADS}, got {head!r}")
     cfg = getattr(model, "config", None)
     max_seq = max_seq or (cfg.max_position_embeddings if cfg is not None else 4096)
     example, dims = token_inputs(next(model.parameters()).device, max_batch, max_seq)
-    module = _DecoderOnly(model) if head == "hidden" else model
+    module = {"hidden": _DecoderOnly, "logits+hidden": _LogitsAndHidden}.get(head, lambda m: m)(model)
     return export_graph(module, example, {"input_ids": dims, "position_ids": dims})
+
+
+def capture_mtp(model: torch.nn.Module, max_batch: int = 1024, max_seq: int | None = None) -> fx.GraphModule:
+    """Export ``model.mtp(input_ids, position_ids, hidden [batch, seq, H]) -> (logits, hidden_out)`` with dynamic
+    [batch, seq], as :func:`capture` exports the model."""
+    max_seq = max_seq or model.config.max_position_embeddings
+    param = next(model.mtp.parameters())
+    (ids, pos), dims = token_inputs(param.device, max_batch, max_seq)
+    hidden = torch.zeros(*ids.shape, model.config.hidden_size, dtype=model.dtype, device=param.device)
+    return export_graph(_MtpOnly(model), (ids, pos, hidden), {"input_ids": dims, "position_ids": dims, "hidden": dims})
 
 
 def token_inputs(device, max_batch: int, max_seq: int) -> tuple[tuple, dict]:

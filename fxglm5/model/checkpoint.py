@@ -25,7 +25,8 @@ from fxglm5.contracts import FP8_MAX
 from fxglm5.errors import CheckpointError, ConfigError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layout import (
-    SCALE_SUFFIX, TensorSpec, check_fp8_layout, expected_tensors, is_mtp_tensor, is_packed_expert,
+    MTP_MODULE, SCALE_SUFFIX, MtpLayout, TensorSpec, check_fp8_layout, check_mtp_config, checkpoint_name, expected_tensors, is_mtp_tensor,
+    is_packed_expert, mtp_layout, mtp_prefix, mtp_tensors,
 )
 from fxglm5.model.st_files import PlannedTensor, TensorInfo, scan_checkpoint, write_shards
 
@@ -83,13 +84,15 @@ def check_values(t: torch.Tensor, name: str, file: Path) -> torch.Tensor:
     return t
 
 
-def check_tensors(tensors: Mapping[str, TensorInfo], expected: Mapping[str, TensorSpec], cfg: Glm5Config, where: Path) -> list[str]:
-    """Check every tensor against the table; returns the MTP tensor names (present but not used)."""
+def check_tensors(tensors: Mapping[str, TensorInfo], expected: Mapping[str, TensorSpec], cfg: Glm5Config, where: Path,
+                  skip_mtp: bool = True) -> list[str]:
+    """Check every tensor against the table; returns the MTP tensor names the table lacks (present but not
+    used: ``skip_mtp``; else such a tensor is unexpected, as the table then holds the MTP layer's)."""
     mtp = []
     for name, info in tensors.items():
         spec = expected.get(name)
         if spec is None:
-            if is_mtp_tensor(name, cfg):
+            if skip_mtp and is_mtp_tensor(name, cfg):
                 mtp.append(name)
                 continue
             hint = " (config.json has no quantization_config, but this is an FP8 scale)" if (
@@ -118,7 +121,9 @@ class CheckpointReader:
     context manager around data access; files are opened (memory-mapped) on first use.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, mtp: bool | None = False):
+        """``mtp``: the MTP layer is part of the table (``mtp_layout`` says how the files store it); None: when the
+        files hold MTP tensors; False: its tensors are skipped unread, with one notice."""
         self.dir = Path(path)
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: checkpoint directory not found")
@@ -128,12 +133,14 @@ class CheckpointReader:
         self.tensors, self.where = scan_checkpoint(self.dir)
         self.packed = any(is_packed_expert(n) for n in self.tensors)
         self.expected = expected_tensors(self.config, packed=self.packed)
-        mtp = check_tensors(self.tensors, self.expected, self.config, self.where)
+        if mtp is None:
+            mtp = any(is_mtp_tensor(name, self.config) for name in self.tensors)
+        self.mtp_layout: MtpLayout | None = self._expect_mtp() if mtp else None
+        mtp = check_tensors(self.tensors, self.expected, self.config, self.where, skip_mtp=self.mtp_layout is None)
         if mtp:
             layers = sorted({int(n.split(".")[2]) for n in mtp})
-            log.warning(
-                "%s: skipping %d tensors of the MTP layer %s (multi-token prediction is not used)", self.where, len(mtp), layers
-            )
+            log.warning("%s: skipping %d tensors of the MTP layer %s (multi-token prediction is not used: load with "
+                        "mtp=True to use it)", self.where, len(mtp), layers)
         self._stack: contextlib.ExitStack | None = None
         self._files: dict[Path, Any] = {}
         self.bytes_read: dict[str, int] = {}
@@ -147,6 +154,19 @@ class CheckpointReader:
         if self._stack is not None:
             self._stack.close()
         self._stack = None
+
+    def _expect_mtp(self) -> MtpLayout:
+        """Add the MTP layer's tensors to the table; CheckpointError naming what is missing."""
+        check_mtp_config(self.config)
+        layout = mtp_layout(self.tensors, self.config)
+        table = mtp_tensors(self.config, layout, packed=self.packed)
+        missing = [n for n in table if n not in self.tensors]
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise CheckpointError(f"{self.where}: no complete MTP layer ({mtp_prefix(self.config)}*) for mtp=True: "
+                                  f"missing {len(missing)} of its {len(table)} tensors: {shown}")
+        self.expected.update(table)
+        return layout
 
     def _file(self, name: str):
         info = self._info(name)
@@ -251,7 +271,8 @@ class CheckpointReader:
                         leave=False) as bar:
             for name, meta in params:
                 owner, leaf = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-                owner._parameters[leaf] = torch.nn.Parameter(self.param(name, meta, device), requires_grad=False)
+                data = self.param(checkpoint_name(name, self.config), meta, device)
+                owner._parameters[leaf] = torch.nn.Parameter(data, requires_grad=False)
                 bar.update()
         leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if leftover:
@@ -290,6 +311,13 @@ def _state_tensor(state: Mapping[str, torch.Tensor], name: str) -> tuple[torch.T
     return (full[:half] if proj == "gate" else full[half:]), key
 
 
+def _checkpoint_state(state: Mapping[str, torch.Tensor], cfg: Glm5Config, layout: MtpLayout) -> dict:
+    """``state`` with the MTP module's tensors under their checkpoint names (stacked experts kept stacked), less
+    the ones it shares with the model (embed_tokens; the head unless ``layout.own_head``)."""
+    shared = (MTP_MODULE + "embed_tokens.",) + (() if layout.own_head else (MTP_MODULE + "head.",))
+    return {checkpoint_name(k, cfg): v for k, v in state.items() if not k.startswith(shared)}
+
+
 def save_checkpoint(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor], path: str | Path,
                     max_shard_bytes: int | None = None, config: Glm5Config | None = None) -> list[str]:
     """Write config.json and the weights in the GLM-5-FP8 layout (per-expert tensors, ``weight_scale_inv``).
@@ -300,13 +328,22 @@ def save_checkpoint(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]
     """
     if isinstance(model_or_state, torch.nn.Module):
         cfg, state = model_or_state.config, model_or_state.state_dict()
+        mtp = getattr(model_or_state, "mtp", None)
+        layout = None if mtp is None else mtp.layout
     else:
         if config is None:
             raise ConfigError("save_checkpoint: a state dict needs its Glm5Config (config=...)")
         cfg, state = config, dict(model_or_state)
+        layout = MtpLayout(eh_proj_fp8=MTP_MODULE + "eh_proj.weight" + SCALE_SUFFIX in state,
+                           own_head=MTP_MODULE + "head.weight" in state) if any(
+            k.startswith(MTP_MODULE) for k in state) else None
     check_fp8_layout(cfg, "config")
+    table = expected_tensors(cfg)
+    if layout is not None:
+        state = _checkpoint_state(state, cfg, layout)
+        table.update(mtp_tensors(cfg, layout))
     planned, used = [], set()
-    for name, spec in expected_tensors(cfg).items():
+    for name, spec in table.items():
         tensor, key = _state_tensor(state, name)
         used.add(key)
         if tuple(tensor.shape) != spec.shape or tensor.dtype not in spec.dtypes:

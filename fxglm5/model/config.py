@@ -145,10 +145,14 @@ class Glm5Config:
         return int(block[0]), int(block[1])
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.mlp_layer_types[layer] == "sparse"
+        """Layer ``layer``'s MLP is the MoE; the MTP layer (index >= num_hidden_layers, past the per-layer lists,
+        as in GLM-5's config.json) is a MoE layer, as GLM-5's."""
+        return layer >= self.num_hidden_layers or self.mlp_layer_types[layer] == "sparse"
 
     def has_indexer(self, layer: int) -> bool:
-        return self.indexer_types[layer] == "full"
+        """Layer ``layer`` runs its own DSA indexer; the MTP layer always does (it has no earlier layer whose
+        top-k it could share)."""
+        return layer >= self.num_hidden_layers or self.indexer_types[layer] == "full"
 
     # ---- validation ---------------------------------------------------------------------------
     def validate(self) -> None:
@@ -307,7 +311,8 @@ class Glm5Config:
     # ---- presets ------------------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str) -> "Glm5Config":
-        """'glm5': the full 78-layer GLM-5-FP8; 'tiny': 4 layers (1 dense, 3 MoE), small widths, index_topk 8;
+        """'glm5': the full 78-layer GLM-5-FP8; 'tiny': 4 layers (1 dense, 3 MoE) + GLM-5's MTP layer, small widths,
+        index_topk 8;
         'tiny-tp': 'tiny' with widths that split over 2 and 4 ranks into whole 128-blocks (8 heads of qk 64 + 64 and
         v 128: per rank at TP4 q_b 256 rows, kv_b 384 rows, o_proj 256 columns; MLP / expert widths 512)."""
         if name == "glm5":
@@ -324,6 +329,6 @@ class Glm5Config:
                 kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
                 n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, first_k_dense_replace=1,
                 index_topk=8, index_head_dim=64, index_n_heads=16, max_position_embeddings=4096,
-                num_nextn_predict_layers=0,
+                num_nextn_predict_layers=1,
             ).with_fp8()
         raise ConfigError(f"unknown preset {name!r}; choose 'glm5', 'tiny' or 'tiny-tp'")

@@ -16,7 +16,7 @@ import re
 import torch
 
 from fxglm5.contracts import scale_shape
-from fxglm5.errors import ConfigError
+from fxglm5.errors import CheckpointError, ConfigError, InputError
 from fxglm5.model.config import Glm5Config
 
 FP8 = torch.float8_e4m3fn
@@ -115,19 +115,73 @@ def expected_tensors(cfg: Glm5Config, packed: bool = False) -> dict[str, TensorS
     return table
 
 
-def mtp_tensors(cfg: Glm5Config) -> dict[str, TensorSpec]:
-    """The MTP (next-token prediction) layers' tensors, DeepSeek-V3 style: a full MoE decoder layer plus
-    enorm, hnorm, eh_proj [H, 2H] and shared_head.norm; embed_tokens and the head are shared with the
-    main model. Used to count parameters: 743.9 B + this = the published 753.86 B for GLM-5."""
+@dataclasses.dataclass(frozen=True)
+class MtpLayout:
+    """How a checkpoint stores its MTP layer where checkpoints differ: ``eh_proj_fp8`` (block-FP8 with a
+    ``weight_scale_inv``; GLM-5-FP8 keeps eh_proj in bf16, as DeepSeek-V3 does), ``own_head`` (a
+    ``shared_head.head`` of its own, GLM-5.x variants; else the model's lm_head is the head), ``embed_copy`` (a copy
+    of ``embed_tokens`` under the layer; never read, the model's is used)."""
+
+    eh_proj_fp8: bool = False
+    own_head: bool = False
+    embed_copy: bool = False
+
+
+# Glm5MTP's parameters (``mtp.<sub>``) -> their names under the checkpoint's ``model.layers.{L}.``.
+_MTP_NAMES = (("layer.", ""), ("shared_head_norm.", "shared_head.norm."), ("head.", "shared_head.head."),
+              ("enorm.", "enorm."), ("hnorm.", "hnorm."), ("eh_proj.", "eh_proj."))
+MTP_MODULE = "mtp."
+
+
+def check_mtp_config(cfg: Glm5Config) -> None:
+    """The MTP needs exactly one next-token layer in the config (GLM-5's); anything else is an InputError."""
+    n = cfg.num_nextn_predict_layers
+    if n != 1:
+        what = "has no MTP layer" if n == 0 else f"has {n} MTP layers; fxglm5 supports one (GLM-5's)"
+        raise InputError(f"config field 'num_nextn_predict_layers' = {n}: the model {what}")
+
+
+def mtp_prefix(cfg: Glm5Config) -> str:
+    """The checkpoint prefix of the (one supported) MTP layer: ``model.layers.{num_hidden_layers}.``."""
+    return f"model.layers.{cfg.num_hidden_layers}."
+
+
+def checkpoint_name(name: str, cfg: Glm5Config) -> str:
+    """The checkpoint name of the model parameter ``name``: itself, or for the MTP module's (``mtp.layer.mlp...``)
+    its name under the MTP layer (``model.layers.{L}.mlp...``)."""
+    if not name.startswith(MTP_MODULE):
+        return name
+    rest = name[len(MTP_MODULE):]
+    for ours, theirs in _MTP_NAMES:
+        if rest.startswith(ours):
+            return mtp_prefix(cfg) + theirs + rest[len(ours):]
+    raise CheckpointError(f"model parameter {name!r} has no checkpoint name")
+
+
+def mtp_layout(names, cfg: Glm5Config) -> MtpLayout:
+    """The MtpLayout of a checkpoint holding the tensors ``names``."""
+    p = mtp_prefix(cfg)
+    return MtpLayout(eh_proj_fp8=cfg.is_fp8 and p + "eh_proj.weight" + SCALE_SUFFIX in names,
+                     own_head=p + "shared_head.head.weight" in names, embed_copy=p + "embed_tokens.weight" in names)
+
+
+def mtp_tensors(cfg: Glm5Config, layout: MtpLayout = MtpLayout(), packed: bool = False) -> dict[str, TensorSpec]:
+    """The MTP (next-token prediction) layers' tensors, DeepSeek-V3 style: a full MoE decoder layer with its own
+    indexer plus enorm, hnorm, eh_proj [H, 2H] and shared_head.norm (and what ``layout`` adds). Also counts
+    parameters: 743.9 B + this = the published 753.86 B for GLM-5."""
     table: dict[str, TensorSpec] = {}
     h = cfg.hidden_size
     for j in range(cfg.num_nextn_predict_layers):
         p = f"model.layers.{cfg.num_hidden_layers + j}."
-        table.update(layer_tensors(cfg, p, moe=True, indexer=True, packed=False))
+        if layout.embed_copy:
+            _hp(table, p + "embed_tokens.weight", (cfg.vocab_size, h))
         _hp(table, p + "enorm.weight", (h,))
         _hp(table, p + "hnorm.weight", (h,))
-        _weight(table, p + "eh_proj.weight", (h, 2 * h), cfg.is_fp8)
+        _weight(table, p + "eh_proj.weight", (h, 2 * h), layout.eh_proj_fp8)
+        table.update(layer_tensors(cfg, p, moe=True, indexer=True, packed=packed))
         _hp(table, p + "shared_head.norm.weight", (h,))
+        if layout.own_head:
+            _hp(table, p + "shared_head.head.weight", (cfg.vocab_size, h))
     return table
 
 

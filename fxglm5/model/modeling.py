@@ -16,6 +16,7 @@ from fxglm5.model.attention import MLAAttention
 from fxglm5.model.checkpoint import CheckpointReader, resolve_dtype
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layers import MLP, RMSNorm, rope_cos_sin
+from fxglm5.model.layout import MtpLayout
 from fxglm5.model.moe import MoE
 
 
@@ -66,27 +67,45 @@ class Glm5Model(nn.Module):
 class Glm5ForCausalLM(nn.Module):
     """GLM-5 (glm_moe_dsa) causal LM; ``dtype`` is the compute dtype (FP8 weights stay FP8)."""
 
-    def __init__(self, config: Glm5Config, dtype: torch.dtype = torch.bfloat16, device=None):
+    def __init__(self, config: Glm5Config, dtype: torch.dtype = torch.bfloat16, device=None,
+                 mtp: bool | MtpLayout = False):
+        """``mtp``: also build the MTP layer as ``self.mtp`` (a ``Glm5MTP``; an MtpLayout says how the checkpoint
+        stores it, True: as GLM-5-FP8 does); else ``self.mtp`` is None and the model is as large as without it."""
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.model = Glm5Model(config, dtype, device)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
         self.lm_head.requires_grad_(False)
+        self.mtp = None
+        if mtp:
+            from fxglm5.model.mtp import Glm5MTP  # mtp.py builds on this module's DecoderLayer
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids, position_ids))
+            layout = mtp if isinstance(mtp, MtpLayout) else MtpLayout()
+            self.mtp = Glm5MTP(config, self.model.embed_tokens, self.lm_head, dtype, device, layout)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, S, V]; with ``return_hidden`` (logits, hidden [B, S, H] after the final norm): what the MTP
+        layer takes."""
+        hidden = self.model(input_ids, position_ids)
+        logits = self.lm_head(hidden)
+        return (logits, hidden) if return_hidden else logits
 
     @classmethod
-    def from_pretrained(cls, path, dtype: torch.dtype | str = torch.bfloat16, device="cpu", progress: bool = True):
-        """Build the model for ``path``'s config.json and load its safetensors (FP8 or bf16) into it.
+    def from_pretrained(cls, path, dtype: torch.dtype | str = torch.bfloat16, device="cpu", progress: bool = True,
+                        mtp: bool = False):
+        """Build the model for ``path``'s config.json and load its safetensors (FP8 or bf16) into it; with
+        ``mtp`` the MTP layer too (``self.mtp``; a checkpoint without one is a CheckpointError naming the missing
+        tensors), else its tensors are skipped and never read.
 
         The checkpoint is checked from its headers first (names, shapes, dtypes, scale shapes), then each tensor's
         values as it is read. High-precision tensors are converted to ``dtype`` (the router and
         indexer.weights_proj stay float32); FP8 weights and their float32 scales are kept as stored."""
         dtype, device = resolve_dtype(dtype), torch.device(device)
-        reader = CheckpointReader(path)
-        return reader.load_into(cls(reader.config, dtype=dtype, device="meta"), device, progress)
+        reader = CheckpointReader(path, mtp=mtp)
+        model = cls(reader.config, dtype=dtype, device="meta", mtp=reader.mtp_layout or False)
+        return reader.load_into(model, device, progress)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

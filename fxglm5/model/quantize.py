@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from fxglm5.contracts import FP8_BLOCK, FP8_MAX
 from fxglm5.errors import CheckpointError
 from fxglm5.model.checkpoint import CheckpointReader
-from fxglm5.model.layout import FP8, SCALE_SUFFIX, check_fp8_layout, expected_tensors
+from fxglm5.model.layout import FP8, SCALE_SUFFIX, check_fp8_layout, expected_tensors, mtp_tensors
 from fxglm5.model.st_files import INDEX, PlannedTensor, check_output_dir, write_shards
 
 AMAX_FLOOR = 1e-12
@@ -47,11 +47,12 @@ def quantize_checkpoint(in_dir: str | Path, out_dir: str | Path, max_shard_bytes
 
     Output: per-expert tensor names, FP8 weights + ``weight_scale_inv``, high-precision tensors copied in
     their stored dtype, config.json with GLM-5-FP8's quantization_config, other small files (tokenizer,
-    generation_config.json) copied. MTP-layer tensors are not carried over (the loader skips them anyway).
-    Returns the safetensors file names written.
+    generation_config.json) copied. An MTP layer is carried over as GLM-5-FP8 stores it: its decoder layer's
+    linears in FP8, eh_proj (and the norms, any shared_head.head or embed_tokens copy) as stored. Returns the
+    safetensors file names written.
     """
     in_dir, out_dir = Path(in_dir), Path(out_dir)
-    reader = CheckpointReader(in_dir)
+    reader = CheckpointReader(in_dir, mtp=None)
     if reader.config.is_fp8:
         raise CheckpointError(f"{in_dir / 'config.json'}: already an FP8 checkpoint (it has a quantization_config)")
     if in_dir.resolve() == out_dir.resolve():
@@ -64,8 +65,11 @@ def quantize_checkpoint(in_dir: str | Path, out_dir: str | Path, max_shard_bytes
     def quantized(weight_name: str) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_fp8_block(reader.get_expert(weight_name))
 
+    table = expected_tensors(cfg)
+    if reader.mtp_layout is not None:
+        table.update(mtp_tensors(cfg, reader.mtp_layout))
     planned = []
-    for name, spec in expected_tensors(cfg).items():
+    for name, spec in table.items():
         numel = math.prod(spec.shape)
         if spec.kind == "fp8":
             planned.append(PlannedTensor(name, numel, lambda n=name: quantized(n)[0]))

@@ -4,7 +4,8 @@ Weights are drawn so activations keep unit scale through the stack (linears std 
 embeddings std 1, norms near 1, small router bias): the logits then have a healthy spread and the
 greedy token changes from position to position, so tests comparing two implementations are sensitive.
 The FP8 variant is the block-FP8 quantization of the bf16 one (same seed), written with fewer bytes per
-shard so that the sharded (index + shards) path is always exercised.
+shard so that the sharded (index + shards) path is always exercised. The MTP layer is written as GLM-5-FP8
+stores it: layer ``num_hidden_layers``, eh_proj in bf16, no ``shared_head.head`` (the model's lm_head serves).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from fxglm5.model.checkpoint import save_checkpoint
 from fxglm5.model.config import Glm5Config
+from fxglm5.model.layout import MTP_MODULE
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.quantize import quantize_checkpoint
 from fxglm5.model.st_files import check_output_dir
@@ -26,6 +28,7 @@ from fxglm5.model.st_files import check_output_dir
 # logits a little instead of chaotically, so the FP8 model tracks its bf16 source (cosine >= 0.99).
 OUTPUT_GAIN = 0.3
 _OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
+MTP_SEED_OFFSET = 1  # the MTP layer's generator: seed + this
 
 
 def _init(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
@@ -42,10 +45,16 @@ def _init(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
 
 
 def tiny_state(config: Glm5Config, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random bf16 weights (float32 router / weights_proj) in the model's parameter naming."""
+    """Random bf16 weights (float32 router / weights_proj) in the model's parameter naming, with the MTP layer
+    (``mtp.*``) when the config has one. The MTP's are drawn from a generator of their own, so the model's
+    weights are those of a config without it (the same tokens as before the MTP layer was written)."""
     gen = torch.Generator().manual_seed(seed)
-    model = Glm5ForCausalLM(config, dtype=torch.bfloat16, device="meta")
-    return {name: _init(name, p.shape, gen).to(p.dtype) for name, p in model.named_parameters()}
+    model = Glm5ForCausalLM(config, dtype=torch.bfloat16, device="meta", mtp=config.num_nextn_predict_layers > 0)
+    params = list(model.named_parameters())
+    state = {name: _init(name, p.shape, gen).to(p.dtype) for name, p in params if not name.startswith(MTP_MODULE)}
+    mtp_gen = torch.Generator().manual_seed(seed + MTP_SEED_OFFSET)
+    state.update({name: _init(name, p.shape, mtp_gen).to(p.dtype) for name, p in params if name.startswith(MTP_MODULE)})
+    return state
 
 
 def deep_tiny_config(layers: int) -> Glm5Config:

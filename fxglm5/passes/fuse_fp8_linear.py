@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from fxglm5.capture.export import MTP_HEAD
 from fxglm5.passes.dequant import match_dequant
 from fxglm5.passes.graph_utils import aten, is_op, op_args, replace_with_call
 from fxglm5.passes.manager import PassOutcome
@@ -18,11 +19,12 @@ from fxglm5.passes.registry import register_pass
 
 def expected_fp8_linears(ctx) -> int:
     """FP8 linears left after match_*_mla absorbed kv_b_proj: q_a, q_b, kv_a, o_proj, indexer wq_b/wk,
-    and the dense MLP or the shared expert (3 each)."""
+    and the dense MLP or the shared expert (3 each); the MTP graph's eh_proj where it is stored in FP8
+    (``extras["eh_proj_fp8"]``; GLM-5-FP8 keeps it in bf16)."""
     cfg = ctx.config
     if not cfg.is_fp8:
         return 0
-    total = 0
+    total = int(ctx.extras.get("head") == MTP_HEAD and bool(ctx.extras.get("eh_proj_fp8")))
     for layer in range(cfg.num_hidden_layers):
         total += 4 + (2 if cfg.has_indexer(layer) else 0)
         total += 3 if (not cfg.is_moe_layer(layer) or cfg.n_shared_experts) else 0

@@ -11,6 +11,10 @@ The rewritten module is called positionally (plain FX codegen; the exported pytr
     forward(input_ids [1, T], position_ids [1, T], slot_mapping [T], block_table [B, max_blocks],
             req_idx [T], logits_indices [R], kv_cache_0, index_cache_0, kv_cache_1, ...) -> logits [1, R, vocab]
 
+A graph with a third input (the MTP layer's ``hidden`` [1, T, H], ``capture_mtp``) takes it after position_ids; a
+graph of several outputs ((logits, hidden) of head "logits+hidden", the MTP's (logits, hidden_out)) keeps the
+``logits_indices`` rows of each.
+
 T tokens of B requests, flat (RTP style); ``position_ids[0]`` doubles as the ops' ``positions``; the block
 table is at kernel granularity (its block size is the caches' dim 1). ``logits_indices`` lists the tokens
 whose logits the step needs (a request's last token; ``torch.arange(T)`` for all of them): the output keeps
@@ -72,8 +76,8 @@ def insert_paged_cache(gm: fx.GraphModule, ctx) -> PassOutcome:
     if not attention and not indexers:
         return PassOutcome(0, {"indexers": 0})
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != 2:
-        return PassOutcome(0, {"skipped": f"expected (input_ids, position_ids), found {len(placeholders)} inputs"})
+    if len(placeholders) not in (2, 3):
+        return PassOutcome(0, {"skipped": f"expected (input_ids, position_ids[, hidden]), found {len(placeholders)} inputs"})
     config = getattr(ctx, "config", None)
     max_pos = int(config.max_position_embeddings) if config is not None else _UNBOUNDED
 
@@ -113,13 +117,18 @@ def insert_paged_cache(gm: fx.GraphModule, ctx) -> PassOutcome:
 
     output = next(n for n in gm.graph.nodes if n.op == "output")
     _drop_pytree_signature(gm, output)
-    with gm.graph.inserting_before(output):
-        rows = gm.graph.call_function(aten.index_select.default, (output.args[0], 1, inputs["logits_indices"]))
-    index = fake_index(output.args[0])
+    results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    index = fake_index(results[0])
     if index is not None:  # the rows kept are known at run time only; their dtype and width are known now
         inputs["logits_indices"].meta["val"] = index
-        rows.meta["val"] = fake_call(aten.index_select.default, output.args[0], 1, inputs["logits_indices"])
-    output.args = (rows,)
+    kept = []
+    for result in results:
+        with gm.graph.inserting_before(output):
+            rows = gm.graph.call_function(aten.index_select.default, (result, 1, inputs["logits_indices"]))
+        if index is not None:
+            rows.meta["val"] = fake_call(aten.index_select.default, result, 1, inputs["logits_indices"])
+        kept.append(rows)
+    output.args = (kept[0] if len(kept) == 1 else tuple(kept),)
     gm.meta["paged_cache"] = PagedSignature(tuple(names))
     return PassOutcome(len(attention), {"indexers": len(indexers)})
 

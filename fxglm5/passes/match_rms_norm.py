@@ -3,7 +3,8 @@
 ``weight * (xf * rsqrt(mean(xf^2, -1) + eps)).to(dtype)`` with ``xf = x.float()`` is eight ATen kernels
 (casts, pow, mean, add, rsqrt, two muls) and three float32 copies of the activation; as one op it is one
 kernel that reads x once, and ``fuse_norm_rope_into_cache_writes`` can fold it into the latent cache write.
-GLM-5 has four per layer (input, post-attention, q_a, kv_a) and the final norm.
+GLM-5 has four per layer (input, post-attention, q_a, kv_a) and the final norm (the MTP layer: enorm, hnorm and
+shared_head.norm).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from fxglm5.capture.export import MTP_HEAD
 from fxglm5.passes.graph_utils import (
     aten, const_float, dtype_of, float32_source, is_cast, is_op, op_args, replace_with_call, shape_of, through,
 )
@@ -20,7 +22,8 @@ from fxglm5.passes.registry import register_pass
 
 
 def expected_norms(ctx) -> int:
-    return 4 * ctx.config.num_hidden_layers + 1
+    """Four per layer and the final norm; the MTP graph has enorm, hnorm and shared_head.norm in its place."""
+    return 4 * ctx.config.num_hidden_layers + (3 if ctx.extras.get("head") == MTP_HEAD else 1)
 
 
 def _operands(node: fx.Node) -> tuple:

@@ -33,14 +33,27 @@ def _rows_input(node) -> fx.Node | None:
     return op_args(node)[rows[node.target]] if is_op(node, *rows) else None
 
 
+def _merge_twin(gm: fx.GraphModule, select: fx.Node) -> fx.Node:
+    """``select`` after merging the other selection of the same rows of the same tensor into it (where two
+    outputs meet: the lm_head's input is the hidden output too), so the moving can go on above them."""
+    for twin in list(op_args(select)["self"].users):
+        if twin is not select and is_op(twin, aten.index_select.default) and twin.args[1:] == select.args[1:]:
+            twin.replace_all_uses_with(select)
+            gm.graph.erase_node(twin)
+    return select
+
+
 @register_pass("cache", expected=expected_selections)
 def select_sampled_rows(gm: fx.GraphModule, ctx) -> PassOutcome:
+    """One selection per graph moved up: the first output's (the logits; a second output, the hidden states of
+    head "logits+hidden" or the MTP's, shares the rows its selection meets)."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    (select,) = output.args
+    (result,) = output.args
+    select = result[0] if isinstance(result, (tuple, list)) else result
     if not is_op(select, aten.index_select.default) or op_args(select)["dim"] != 1:
         return PassOutcome(0)
     moved = 0
-    while _rows_input(op_args(select)["self"]) is not None and len(op_args(select)["self"].users) == 1:
+    while _rows_input(op_args(select)["self"]) is not None and len(_merge_twin(gm, select).args[0].users) == 1:
         producer = op_args(select)["self"]
         rows = _rows_input(producer)
         with gm.graph.inserting_before(producer):

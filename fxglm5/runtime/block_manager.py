@@ -92,6 +92,21 @@ class BlockManager:
             self._ref[block] = 1
             table.append(block)
 
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Shrink a request's blocks to those holding its first ``num_tokens`` tokens: the rollback of rejected
+        draft tokens (fxglm5.runtime.speculative). The released blocks were taken by ``extend`` (never shared,
+        never committed) and go back to the FRONT of the free list in their order, so the next ``extend`` takes
+        them again as plain decoding would have. A committed block cannot be released (InputError)."""
+        table = self.tables[seq_id]
+        keep = -(-num_tokens // self.block_size)
+        if keep < self._committed.get(seq_id, (0, b""))[0]:
+            raise InputError(f"request {seq_id!r}: truncate to {num_tokens} tokens would drop a committed block")
+        for block in reversed(table[keep:]):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                self._free.appendleft(block)
+        del table[keep:]
+
     def commit(self, seq_id, tokens) -> None:
         """Make the full blocks of ``tokens`` (all of them already in the cache) reusable as a prefix.
 

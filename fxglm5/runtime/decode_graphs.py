@@ -14,7 +14,10 @@ A step copies its validated context into the buffers, padded to its (batch, widt
 staging buffers written in place (one asynchronous copy per device buffer, no tensors made per step) -- a padding token
 has slot -1 (its cache write is skipped), position 0 and an all-zero block-table row (block 0 is reserved), so
 it reads only block 0 and writes nothing -- replays that bucket's graph and returns the live rows' logits.
-A bucket is captured at its first use: the step first runs eagerly on the same buffers (kernel compilation
+Verify steps of speculative decoding (:mod:`fxglm5.runtime.speculative`) run here too: ``per_request`` = k+1
+tokens of each request, request b's tokens at rows b*q .. b*q+q-1, every row's logits returned; their graphs are
+bucketed by (batch, width, tokens per request) alike (a step whose requests compute different numbers of tokens
+runs eagerly). A bucket is captured at its first use: the step first runs eagerly on the same buffers (kernel compilation
 and autotuning happen there, never inside capture; its result is that step's answer, as capture itself
 computes nothing), then the graph is captured. The op-level validation is off throughout (it syncs with the
 host); the runner validated the context.
@@ -45,25 +48,33 @@ def pow2_buckets(limit: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, graph: Callable, caches: list[torch.Tensor], *, max_batch: int, table_width: int, device,
-                 capture: bool = True):
+                 capture: bool = True, tokens_per_request: int = 1):
+        """``tokens_per_request``: the most tokens one request computes in a step (1; k+1 with k drafts)."""
         self.graph, self.caches, self.capture = graph, caches, capture
+        self.max_batch = max_batch
         self.buckets, self.widths = pow2_buckets(max_batch), pow2_buckets(table_width)
         self.device = device
         i64 = dict(dtype=torch.int64, device=device)
         # token ids, positions and slot mapping in one buffer (one host -> device copy a step); the graph reads views
-        self.inputs = torch.zeros(3, max_batch, **i64)
+        self.inputs = torch.zeros(3, max_batch * tokens_per_request, **i64)
         self.input_ids, self.positions, self.slot_mapping = self.inputs[0:1], self.inputs[1:2], self.inputs[2]
         self.slot_mapping.fill_(-1)
         self.req_idx = torch.arange(max_batch, **i64)  # decode: token b is request b; padding reads row b
+        # per tokens-per-request q: (the request of each token, the logits rows = every token)
+        self._rows = {1: (self.req_idx, self.req_idx)}
+        if tokens_per_request > 1:
+            q, every = tokens_per_request, torch.arange(max_batch * tokens_per_request, **i64)
+            self._rows[q] = (every // q, every)
         self.tables: dict[int, torch.Tensor] = {}  # width bucket -> int32 [max_batch, width]
         # host staging of each device buffer, pinned on a GPU so that its copy is asynchronous (a copy from
         # pageable memory waits for the device: the copy queued behind the previous replay held the host)
         self._pin = torch.device(device).type == "cuda" and torch.cuda.is_available()
-        self._staged_inputs = torch.zeros(3, max_batch, dtype=torch.int64, pin_memory=self._pin)
+        self._staged_inputs = torch.zeros(3, max_batch * tokens_per_request, dtype=torch.int64, pin_memory=self._pin)
         self._staged_tables: dict[int, torch.Tensor] = {}
         self._copied = None  # CUDA event after the last step's copies: its staging may be rewritten once it is done
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, width) bucket
-        self.steps = 0  # decode steps run from the static buffers (replayed, or uncaptured on a CPU)
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, width, q)
+        self.steps = 0  # decode / verify steps run from the static buffers (replayed, or uncaptured on a CPU)
+        self.hidden: Optional[torch.Tensor] = None  # the last step's hidden rows, from a (logits, hidden) graph
         self.disabled: Optional[str] = None
         self._pool = None
 
@@ -71,36 +82,46 @@ class DecodeGraphs:
     def _fit(buckets: list[int], n: int) -> Optional[int]:
         return next((b for b in buckets if b >= n), None)
 
-    def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Optional[torch.Tensor]:
-        """float32 logits [B, V] of a validated decode ``ctx`` (host or device tensors), or None: run it eagerly."""
+    def run(self, input_ids: torch.Tensor, ctx: ForwardContext, per_request: int = 1) -> Optional[torch.Tensor]:
+        """float32 logits [B * per_request, V] of a validated ``ctx`` (host or device tensors) in which every request
+        computes ``per_request`` tokens (a decode step: 1), or None: run it eagerly."""
         B = ctx.batch_size
-        key = (self._fit(self.buckets, B), self._fit(self.widths, ctx.kernel_block_table.shape[1]))
-        if self.disabled is not None or None in key:
+        key = (self._fit(self.buckets, B), self._fit(self.widths, ctx.kernel_block_table.shape[1]), per_request)
+        if self.disabled is not None or None in key or per_request not in self._rows:
             return None
         self._load(input_ids, ctx, *key)
         self.steps += 1
+        T = B * per_request
         if not self.capture:
-            return self._forward(*key)[0, :B].float()
+            return self._outputs(self._forward(*key), T)
         if key in self.graphs:
             graph, out = self.graphs[key]
             graph.replay()
-            return out[0, :B].to(torch.float32, copy=True)  # the static output is overwritten by the next replay
-        return self._warm_up_and_capture(key)[0, :B].float()
+            return self._outputs(out, T)
+        return self._outputs(self._warm_up_and_capture(key), T)
 
-    def _load(self, input_ids: torch.Tensor, ctx: ForwardContext, bucket: int, width: int) -> None:
+    def _outputs(self, out, T: int) -> torch.Tensor:
+        """float32 logits of the live rows (a copy: the static output is overwritten by the next replay); the
+        hidden rows of a (logits, hidden) graph (head "logits+hidden") go to ``self.hidden``, copied too."""
+        if isinstance(out, (tuple, list)):
+            out, hidden = out
+            self.hidden = hidden[0, :T].clone()
+        return out[0, :T].to(torch.float32, copy=True)
+
+    def _load(self, input_ids: torch.Tensor, ctx: ForwardContext, bucket: int, width: int, q: int = 1) -> None:
         """Copy the step into the static buffers; rows B..bucket-1 become padding tokens. The step is written into
         the host staging buffers in place and each goes to the device in one non-blocking copy."""
         B, used = ctx.batch_size, ctx.kernel_block_table.shape[1]
         if width not in self.tables:
-            rows = self.inputs.shape[1]
+            rows = self.max_batch
             self.tables[width] = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
             self._staged_tables[width] = torch.zeros(rows, width, dtype=torch.int32, pin_memory=self._pin)
         if self._copied is not None and not self._copied.query():  # done by now: the runner read the last tokens
             self._copied.synchronize()  # the previous step's copies must have read the staging buffers
         staged, table = self._staged_inputs, self._staged_tables[width]
         for row, values, pad in ((0, input_ids, 0), (1, ctx.positions, 0), (2, ctx.slot_mapping, -1)):
-            staged[row, :B] = values
-            staged[row, B:bucket] = pad
+            staged[row, :B * q] = values
+            staged[row, B * q:bucket * q] = pad
         table[:B, :used] = ctx.kernel_block_table
         table[:B, used:] = 0
         table[B:bucket] = 0
@@ -110,11 +131,12 @@ class DecodeGraphs:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def _forward(self, bucket: int, width: int) -> torch.Tensor:
-        tokens = self.req_idx[:bucket]  # one token per request: token b is request b's and its logits' row
+    def _forward(self, bucket: int, width: int, q: int = 1) -> torch.Tensor:
+        T = bucket * q
+        req, rows = self._rows[q]  # q = 1: token b is request b's and its logits' row
         with validation(False):
-            return self.graph(self.input_ids[:, :bucket], self.positions[:, :bucket], self.slot_mapping[:bucket],
-                              self.tables[width][:bucket], tokens, tokens, *self.caches)
+            return self.graph(self.input_ids[:, :T], self.positions[:, :T], self.slot_mapping[:T],
+                              self.tables[width][:bucket], req[:T], rows[:T], *self.caches)
 
     def _warm_up_and_capture(self, key: tuple[int, int]) -> torch.Tensor:
         bucket = key[0]

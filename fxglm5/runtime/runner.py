@@ -10,6 +10,9 @@ is inside a CUDA graph. On a CUDA device decode steps replay CUDA graphs capture
 Requests are admitted one by one: one that does not fit the cache (at prefill or when a decode step
 needs a new block) gets a :class:`CacheFullError` in ``Sequence.error`` and its blocks are released; the
 other requests go on unchanged.
+
+With ``speculative`` (:mod:`fxglm5.runtime.speculative`) a drafter proposes up to k tokens per request and each
+step verifies them in one forward (``speculate``); the tokens are plain greedy decoding's.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from fxglm5.compiler import compile_model
 from fxglm5.runtime.decode_graphs import DecodeGraphs
 from fxglm5.runtime.distributed import agree, digest
 from fxglm5.runtime.forward_context import ForwardContext
+from fxglm5.runtime.speculative import Acceptance, SpeculativeConfig, accepted_length, check_drafts, verify_rows
 
 
 def check_lengths(prompts: list[list[int]], max_new_tokens: int, limit: int) -> None:
@@ -87,6 +91,7 @@ class Sequence:
     logits: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per generated token, if kept
     cached: int = 0  # tokens whose KV rows are in the cache
     prefix_reused: int = 0  # prompt tokens taken from an earlier request's blocks
+    acceptance: list[int] = dataclasses.field(default_factory=list)  # tokens emitted per verify step (speculative)
 
     @property
     def tokens(self) -> Tokens:
@@ -98,7 +103,8 @@ class Runner:
                  kernel_block_size: int | None = None, dtype: torch.dtype = torch.float32,
                  num_blocks: int | None = None, max_cache_tokens: int = 8192, device="cpu", keep_logits=False,
                  graph=None, backend: str | None = None, decode_graphs: bool | None = None,
-                 max_decode_batch: int = 64, disabled_passes=(), tp: int = 1, ep: int | None = None):
+                 max_decode_batch: int = 64, disabled_passes=(), tp: int = 1, ep: int | None = None,
+                 speculative: SpeculativeConfig | None = None, drafter=None, mtp_graph=None):
         """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); with ``graph``, anything
         with the model's ``config`` and compute ``dtype`` (an exported artifact: ``fxglm5.artifact``). ``kv_cache``: "bf16"
         (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
@@ -112,8 +118,19 @@ class Runner:
         ``tp`` > 1: this process is one of ``tp`` ranks of the process group registered as "tp"
         (``fxglm5.runtime.distributed``); ``model`` must then be a checkpoint directory, of which this rank reads
         only its slices (``load_report``), with its experts split over ``ep`` ranks (default ``tp``; 1: every
-        expert split along its intermediate dim). Every rank gets the same logits and so the same tokens."""
+        expert split along its intermediate dim). Every rank gets the same logits and so the same tokens.
+        ``speculative``: a SpeculativeConfig; its drafts come from ``drafter`` (any
+        ``fxglm5.runtime.speculative.Drafter``), by default the model's MTP layer (InputError without one);
+        ``acceptance`` then holds the last ``run``'s verify statistics. The MTP drafter needs the target's hidden
+        states, so the target graph is then compiled with head "logits+hidden" (a given ``graph`` must be one) and
+        the MTP layer's own graph (``mtp_graph``: another such Runner's ``drafter.graph``, reused) with a second
+        paged cache (fxglm5.runtime.mtp_drafter)."""
         index_kind, _ = check_options(block_size, kernel_block_size, kv_cache, index_cache)  # before the slow part
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise InputError(f"speculative: expected a SpeculativeConfig or None, got {type(speculative).__name__}")
+        if speculative is not None and tp != 1:
+            raise InputError(f"speculative: not with tp={tp} (the drafts and their verify step run in one process)")
+
         preferred_backend(backend)
         if not isinstance(max_cache_tokens, int) or max_cache_tokens < 1:
             raise InputError(f"max_cache_tokens: must be a positive integer, got {max_cache_tokens!r}")
@@ -125,14 +142,20 @@ class Runner:
         elif isinstance(model, (str, Path)):
             from fxglm5.model.modeling import Glm5ForCausalLM
 
-            model = Glm5ForCausalLM.from_pretrained(model, dtype=dtype, device=device, progress=False)
+            model = Glm5ForCausalLM.from_pretrained(model, dtype=dtype, device=device, progress=False,
+                                                    mtp=speculative is not None and drafter is None)
+        if speculative is not None and drafter is None and getattr(model, "mtp", None) is None:
+            raise InputError(f"speculative method {speculative.method!r}: the model has no MTP layer (its config has "
+                             "num_nextn_predict_layers = 0, or it was loaded without mtp=True)")
         self.config, self.device, self.keep_logits = model.config, device, keep_logits
         num_blocks = num_blocks or -(-max_cache_tokens // block_size) + 1
         check_sizes(self.config, num_blocks, block_size, kv_cache, index_kind, model.dtype, device)  # before compiling
         self.graph, self.pass_results = graph, []
+        self.with_hidden = speculative is not None and drafter is None  # the MTP drafter reads the target's hidden
+        max_tokens = max(self.config.max_position_embeddings, num_blocks * block_size)
         if graph is None:  # a step's flat token count is bounded by the cache, not by one sequence's length
             self.graph, self.pass_results, _ = compile_model(
-                model, max_tokens=max(self.config.max_position_embeddings, num_blocks * block_size), device=device,
+                model, head="logits+hidden" if self.with_hidden else "logits", max_tokens=max_tokens, device=device,
                 backend=backend, disabled_passes=disabled_passes, **({} if self.mapping is None else
                                                                     {"mapping": self.mapping}))
         if self.mapping is not None:
@@ -149,9 +172,18 @@ class Runner:
         if decode_graphs:
             longest = min(-(-self.config.max_position_embeddings // block_size), num_blocks)
             self.decode_graphs = DecodeGraphs(self.graph, self.cache.graph_inputs(), max_batch=max_decode_batch,
-                                              table_width=longest * self.cache.ratio, device=device, capture=on_cuda)
+                                              table_width=longest * self.cache.ratio, device=device, capture=on_cuda,
+                                              tokens_per_request=1 + (speculative.num_tokens if speculative else 0))
         self.active: list[Sequence] = []
         self._ids = itertools.count()
+        self.speculative, self.drafter, self.acceptance = speculative, drafter, Acceptance()
+        if self.with_hidden:
+            from fxglm5.runtime.mtp_drafter import MtpDrafter
+
+            self.drafter = MtpDrafter(self, model, mtp_graph, max_tokens=max_tokens, backend=backend,
+                                      disabled_passes=disabled_passes)
+        # the last step's hidden rows [rows, H] where the graph returns them (head "logits+hidden"), else None
+        self.hidden = None
 
     def _agree(self, *request) -> None:
         """Ranks: the same request on every rank, checked before anything that can raise on one rank only."""
@@ -168,15 +200,19 @@ class Runner:
             prompt_lengths=[len(s.prompt) for s in seqs], device=device or self.device)
 
     @torch.no_grad()
-    def step(self, ctx: ForwardContext, input_ids: torch.Tensor) -> torch.Tensor:
-        """Validate ``ctx``, run the graph on the flat ``input_ids`` [T]; logits of each request's last token [B, V]."""
+    def step(self, ctx: ForwardContext, input_ids: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Validate ``ctx``, run the graph on the flat ``input_ids`` [T]; logits of each request's last token [B, V]
+        (or of the flat token ``rows``: a verify step asks for all of them)."""
         ctx.validate()
         if input_ids.shape != ctx.positions.shape:
             raise InputError(f"input_ids: expected {tuple(ctx.positions.shape)} tokens, got {tuple(input_ids.shape)}")
-        last = ctx.cu_seqlens[1:].long() - 1  # each request's last token: the only logits a step samples from
+        last = ctx.cu_seqlens[1:].long() - 1 if rows is None else rows  # default: the only logits decode samples
         with validation(False):
             logits = self.graph(input_ids[None], ctx.positions[None], *ctx.graph_args(), last,
                                 *self.cache.graph_inputs())
+        if isinstance(logits, (tuple, list)):  # head "logits+hidden" (speculative decoding with the MTP layer)
+            logits, hidden = logits
+            self.hidden = hidden[0]
         return logits[0].float()
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -206,12 +242,26 @@ class Runner:
                 seq.error = err
         if admitted:
             ids = torch.tensor([t for s in admitted for t in s.prompt[s.cached:]], device=self.device)
-            self._advance(admitted, self.step(self.context(admitted, True), ids))
+            ctx = self.context(admitted, True)
+            if not self.with_hidden:
+                self._advance(admitted, self.step(ctx, ids))
+            else:  # the drafter reads the target's hidden state at every prompt row
+                logits = self.step(ctx, ids, rows=torch.arange(len(ids), device=self.device))
+                self._advance(admitted, logits[ctx.cu_seqlens[1:].long() - 1])
             self.active.extend(admitted)
+            if self.drafter is not None:
+                self.drafter.start(admitted, self.hidden)
         return seqs
 
     def decode(self) -> list[Sequence]:
         """One decode step for every active request (a request without room gets CacheFullError and leaves)."""
+        running = self._room_for_one()
+        if running:
+            self._advance(running, self._decode_step(running))
+        return running
+
+    def _room_for_one(self) -> list[Sequence]:
+        """Grow every active request by one token's room; one that has none gets CacheFullError and leaves."""
         running = []
         for seq in self.active:
             try:
@@ -219,11 +269,71 @@ class Runner:
                 running.append(seq)
             except CacheFullError as err:
                 seq.error = err
-                self.blocks.free(seq.id)
+                self._leave(seq)
         self.active = running
-        if running:
-            self._advance(running, self._decode_step(running))
         return running
+
+    def speculate(self, max_new_tokens: int) -> list[Sequence]:
+        """One verify step for every active request with fewer than ``max_new_tokens`` tokens (those done leave
+        ``active``); returns the requests stepped. Room is given as decode gives it (a request that cannot grow
+        by one token gets CacheFullError) before any draft is given room, and drafts never take a request past
+        ``max_new_tokens``: a request runs out of room only where its next token has none, as in decode (which
+        request that is can differ from plain decoding's, since requests move up to k+1 tokens a step)."""
+        k, bs = self.speculative.num_tokens, self.blocks.block_size
+        self.active = [seq for seq in self.active if len(seq.output) < max_new_tokens]
+        running = self._room_for_one()
+        if not running:
+            return running
+        counts = []
+        for seq in running:  # the drafts that fit: the free blocks go to the requests in order
+            room = (len(self.blocks.tables[seq.id]) + self.blocks.num_free) * bs - seq.cached - 1
+            counts.append(min(k, max_new_tokens - len(seq.output) - 1, room))
+            self.blocks.extend(seq.id, seq.cached + 1 + counts[-1])
+        drafts = check_drafts(self.drafter.propose(running, counts), counts, self.config.vocab_size)
+        ids = [t for seq, d in zip(running, drafts) for t in (seq.tokens[-1], *d)]
+        logits = self._verify_step(running, counts, ids)
+        accepted, start = [], 0
+        for seq, d, targets in zip(running, drafts, verify_rows(logits, counts)):
+            a = accepted_length(d, targets)
+            seq.output.extend(d[:a])  # the accepted drafts' rows are now cached: commit them, then the target's token
+            seq.cached = len(seq.tokens)
+            self.blocks.commit(seq.id, seq.tokens)
+            seq.output.append(targets[a])
+            if self.keep_logits:
+                seq.logits.extend(logits[start:start + a + 1])
+            start += len(d) + 1
+            seq.acceptance.append(a + 1)
+            self.acceptance.add(len(d), a + 1)
+            accepted.append(a)
+        for seq in reversed(running):  # last first: the free list gets back the order plain decoding leaves it in
+            self.blocks.truncate(seq.id, seq.cached)
+        self.drafter.accepted(running, counts, accepted, self.hidden)
+        return running
+
+    def _verify_step(self, seqs: list[Sequence], counts: list[int], ids: list[int]) -> torch.Tensor:
+        """Logits [T, V] of every token of a verify step: from the static buffers (a CUDA graph on a GPU) when every
+        request verifies k drafts, else eagerly. The step is a prefill behind each request's cached tokens."""
+        def context(device):
+            c = self.cache
+            return ForwardContext.build(
+                True, [n + 1 for n in counts], [s.cached for s in seqs], [self.blocks.tables[s.id] for s in seqs],
+                block_size=c.block_size, kernel_block_size=c.kernel_block_size, num_blocks=c.num_blocks,
+                max_position_embeddings=self.config.max_position_embeddings, device=device)
+
+        q = self.speculative.num_tokens + 1
+        if self.decode_graphs is not None and all(n + 1 == q for n in counts):
+            logits = self.decode_graphs.run(torch.tensor(ids), context("cpu").validate(), per_request=q)
+            if logits is not None:
+                self.hidden = self.decode_graphs.hidden
+                return logits
+        return self.step(context(self.device), torch.tensor(ids, device=self.device),
+                         rows=torch.arange(len(ids), device=self.device))
+
+    def _leave(self, seq: Sequence) -> None:
+        """A request that cannot go on: its blocks (and its drafter's state) are released."""
+        self.blocks.free(seq.id)
+        if self.drafter is not None:
+            self.drafter.release(seq)
 
     def _decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits of one decode step: replayed from a CUDA graph where one applies, else eagerly."""
@@ -236,7 +346,7 @@ class Runner:
 
     def release(self, seq: Sequence) -> None:
         """Give a request's blocks back (full prompt blocks stay reusable as a cached prefix)."""
-        self.blocks.free(seq.id)
+        self._leave(seq)
         if seq in self.active:
             self.active.remove(seq)
 
@@ -246,10 +356,15 @@ class Runner:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
         check_lengths(prompts, max_new_tokens, self.config.max_position_embeddings)
+        self.acceptance = Acceptance()
         seqs = self._prefill(prompts)
-        for _ in range(max_new_tokens - 1):
-            if not self.decode():
-                break
+        if self.speculative is None:
+            for _ in range(max_new_tokens - 1):
+                if not self.decode():
+                    break
+        else:
+            while self.speculate(max_new_tokens):
+                pass
         for seq in seqs:
             self.release(seq)
         return seqs

@@ -1,0 +1,114 @@
+"""Speculative decoding's costs in the paged runtime: the wall time of a (k+1)-token verify step against a 1-token
+decode step at B = 1, 8, 64 (decode CUDA graphs on a GPU: both shapes replay their own bucket's graph), and
+tokens per second with the forced-acceptance draft (the target's own greedy tokens: every draft accepted, the
+upper bound of any drafter, without the drafter's own cost) against plain decoding, all in one run.
+
+The model is bench/decode_step.py's: bf16, GLM-5's widths, 2 layers (1 dense, 1 MoE), random FP8 weights, FP8
+caches, Triton kernels; ``--tiny``: the tiny preset on the CPU (a check that the script runs, not a figure).
+A verify step is timed with drafts that are always rejected, so that every step scores k+1 tokens and moves one.
+
+    python bench/speculative.py [--tiny] [--k K] [--ctx N] [--new N] [--batches 1,8,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.decode_step import random_model, two_layer_config  # noqa: E402
+from bench.harness import save_run  # noqa: E402
+from fxglm5.runtime.runner import Runner  # noqa: E402
+from fxglm5.runtime.speculative import ScriptedDrafter, SpeculativeConfig  # noqa: E402
+
+
+class Rejected(ScriptedDrafter):
+    """Drafts that differ from the target's next token: every verify step scores k+1 tokens and emits one."""
+
+    def __init__(self, continuations, vocab: int):
+        super().__init__(continuations)
+        self.vocab = vocab
+
+    def propose(self, seqs, counts):
+        good = super().propose(seqs, counts)
+        return [[(t + 1) % self.vocab for t in d] for d in good]
+
+
+def timed(fn, sync) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def measure(model, graph, prompts, k, new, dev, sync) -> dict:
+    B, ctx = len(prompts), len(prompts[0])
+    opts = dict(kv_cache="fp8", index_cache="fp8", block_size=64, dtype=model.dtype, graph=graph, device=dev,
+                max_cache_tokens=B * (ctx + new + 2 * 64), max_decode_batch=max(64, B),
+                backend=None if dev == "cuda" else "reference")
+    plain = Runner(model, **opts)
+    plain.prefill(prompts)
+    for _ in range(3):  # warm-up: compiles, autotunes and captures at the decode shape
+        plain.decode()
+    decode_us = [timed(plain.decode, sync) * 1e6 for _ in range(5)]
+    for seq in list(plain.active):
+        plain.release(seq)
+    t_plain = timed(lambda: plain.run(prompts, new), sync)
+    script = {tuple(p): s for p, s in zip(prompts, plain.generate(prompts, new))}
+
+    spec = Runner(model, speculative=SpeculativeConfig(num_tokens=k), drafter=Rejected(script, model.config.vocab_size), **opts)
+    spec.prefill(prompts)
+    limit = new + 8  # drafts of up to k tokens stay inside max_new_tokens
+    for _ in range(3):
+        spec.speculate(limit)
+    verify_us = [timed(lambda: spec.speculate(limit), sync) * 1e6 for _ in range(5)]
+    for seq in list(spec.active):
+        spec.release(seq)
+    spec.drafter = ScriptedDrafter(script)
+    t_spec = timed(lambda: spec.run(prompts, new), sync)
+    same = [s.output for s in spec.run(prompts, new)] == list(script.values())
+    graphs = spec.decode_graphs
+    return dict(B=B, decode_step_us=[round(x, 1) for x in decode_us], verify_step_us=[round(x, 1) for x in verify_us],
+                verify_over_decode=round(sorted(verify_us)[2] / sorted(decode_us)[2], 3),
+                plain_tokens_per_s=round(B * new / t_plain, 1), forced_acceptance_tokens_per_s=round(B * new / t_spec, 1),
+                mean_acceptance_length=round(spec.acceptance.mean_length, 3), tokens_equal=same,
+                verify_graphs_replayed=graphs is not None and graphs.capture and graphs.disabled is None
+                and any(key[2] == k + 1 for key in graphs.graphs))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--ctx", type=int)
+    p.add_argument("--new", type=int)
+    p.add_argument("--batches")
+    a = p.parse_args()
+    dev = "cpu" if a.tiny else "cuda"
+    ctx, new = a.ctx or (24 if a.tiny else 2048), a.new or (9 if a.tiny else 64)
+    batches = [int(b) for b in (a.batches or ("1,2" if a.tiny else "1,8,64")).split(",")]
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    cfg = two_layer_config(a.tiny)
+    model = random_model(cfg, dev)
+    t0 = time.time()
+    graph = Runner(model, block_size=64, dtype=model.dtype, device=dev, max_cache_tokens=max(batches) * (ctx + new + 128),
+                   decode_graphs=False, backend=None if dev == "cuda" else "reference").graph
+    print(f"compiled in {time.time() - t0:.1f} s", flush=True)
+    gen = torch.Generator().manual_seed(1)
+    runs = []
+    for B in batches:
+        prompts = torch.randint(0, cfg.vocab_size, (B, ctx), generator=gen).tolist()
+        runs.append(measure(model, graph, prompts, a.k, new, dev, sync))
+        print(runs[-1], flush=True)
+    print("saved", save_run(f"speculative_k{a.k}_ctx{ctx}{'_tiny' if a.tiny else ''}.json", k=a.k, ctx=ctx,
+                            new_tokens=new, layers="tiny" if a.tiny else "1 dense + 1 MoE (GLM-5 widths)", runs=runs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Drafts from the checkpoint's MTP layer (``compile_mtp``'s paged graph), chained k times per verify step.
+
+At position i the MTP layer takes the target's hidden state h_i (after the final norm) and token t_{i+1} and
+predicts t_{i+2}; its decoder layer keeps its own MLA and index-cache rows at position i, in a second
+:class:`PagedCache` that shares the target's block tables (same blocks, same positions), so the target's
+rollback (``BlockManager.truncate``) rolls it back too: after every step both caches hold rows 0 .. C-1 of a
+request with C tokens cached, and whatever a draft or a rejected token wrote past them is never read.
+
+- ``start`` (after the target's prefill of n new tokens behind a reused prefix of R): the draft prefill over
+  positions R .. n-1, tokens shifted by one (``prompt[R+1:]`` then the first sampled token), hidden h_R .. h_{n-1};
+  its last row predicts d1.
+- ``propose``: d1, then k-1 chained steps: d_j at position C+j-1 with the MTP's own last hidden output.
+- ``accepted`` (after a verify step that accepted a of the drafts): the draft extend over the step's a+1 emitted
+  tokens at positions C_old .. C_old+a with the target's hidden states of those rows, which rewrites the rows
+  the chain wrote there from draft hiddens; its last row predicts the next d1.
+
+A reused prefix's last MTP row (position R-1) was written by the earlier request, from its token R, which the
+new request may not share: it can only change drafts (so acceptance), never tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxglm5.lowering.reference.paged_steps import validation
+from fxglm5.runtime.cache import PagedCache
+from fxglm5.runtime.forward_context import ForwardContext
+
+
+class MtpDrafter:
+    def __init__(self, runner, model, graph=None, *, max_tokens: int, backend=None, disabled_passes=()):
+        """``graph``: another MtpDrafter's (reused: it holds no cache), else ``compile_mtp(model)``."""
+        if graph is None:
+            from fxglm5.compiler import compile_mtp
+
+            graph = compile_mtp(model, max_tokens=max_tokens, device=runner.device, backend=backend,
+                                disabled_passes=disabled_passes).graph
+        c = runner.cache
+        self.graph, self.runner = graph, runner
+        self.cache = PagedCache(graph.meta["paged_cache"], c.num_blocks, c.block_size, c.kernel_block_size,
+                                c.kv_cache, c.index_cache, c.dtype, runner.device)
+        self.next: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (d1, the MTP's hidden output for it)
+
+    def _forward(self, seqs, tokens: list[list[int]], starts: list[int], hidden: torch.Tensor):
+        """One MTP step: ``tokens[b]`` at positions ``starts[b]`` .. with ``hidden`` [T, H]; per request its last
+        row's argmax token and hidden output."""
+        r, c = self.runner, self.cache
+        ctx = ForwardContext.build(True, [len(t) for t in tokens], starts, [r.blocks.tables[s.id] for s in seqs],
+                                   block_size=c.block_size, kernel_block_size=c.kernel_block_size,
+                                   num_blocks=c.num_blocks, max_position_embeddings=r.config.max_position_embeddings,
+                                   device=r.device).validate()
+        ids = torch.tensor([t for row in tokens for t in row], device=r.device)
+        last = ctx.cu_seqlens[1:].long() - 1
+        with validation(False):
+            logits, out = self.graph(ids[None], ctx.positions[None], hidden[None].to(r.cache.dtype),
+                                     *ctx.graph_args(), last, *c.graph_inputs())
+        return logits[0].float().argmax(-1).tolist(), out[0]
+
+    def _update(self, seqs, tokens, starts, hidden) -> None:
+        drafts, out = self._forward(seqs, tokens, starts, hidden)
+        for b, seq in enumerate(seqs):
+            self.next[seq.id] = (drafts[b], out[b])
+
+    def start(self, seqs, hidden) -> None:
+        starts = [s.prefix_reused for s in seqs]
+        tokens = [s.prompt[r + 1:] + s.output[:1] for s, r in zip(seqs, starts)]
+        self._update(seqs, tokens, starts, hidden)
+
+    def propose(self, seqs, counts):
+        drafts = [[self.next[s.id][0]] if n else [] for s, n in zip(seqs, counts)]
+        hidden = {s.id: self.next[s.id][1] for s in seqs}
+        for j in range(1, max(counts)):
+            live = [b for b, n in enumerate(counts) if n > j]
+            chain = [seqs[b] for b in live]
+            tokens, out = self._forward(chain, [[drafts[b][-1]] for b in live],
+                                        [seqs[b].cached + j - 1 for b in live],
+                                        torch.stack([hidden[s.id] for s in chain]))
+            for i, b in enumerate(live):
+                drafts[b].append(tokens[i])
+                hidden[seqs[b].id] = out[i]
+        return drafts
+
+    def accepted(self, seqs, counts, accepted, hidden) -> None:
+        rows, start = [], 0
+        for n, a in zip(counts, accepted):
+            rows.extend(range(start, start + a + 1))
+            start += n + 1
+        emitted = [s.output[len(s.output) - a - 1:] for s, a in zip(seqs, accepted)]
+        self._update(seqs, emitted, [s.cached - a - 1 for s, a in zip(seqs, accepted)],
+                     hidden[torch.tensor(rows, device=hidden.device)])
+
+    def release(self, seq) -> None:
+        self.next.pop(seq.id, None)

@@ -1,0 +1,82 @@
+"""The MTP layer's paged graph (``compile_mtp``) and the target's "logits+hidden" head, driven through a PagedCache
+over a prefill and decode steps, against the eager model (reference kernels, float32); the passes' counts exact."""
+
+import pytest
+import torch
+
+from fxglm5.compiler import compile_model, compile_mtp
+from fxglm5.errors import InputError
+from fxglm5.model.modeling import Glm5ForCausalLM
+from fxglm5.model.tiny import make_tiny_checkpoint
+from fxglm5.parallel import Mapping
+from fxglm5.runtime.cache import PagedCache
+from fxglm5.runtime.forward_context import ForwardContext
+
+IDS = [5, 77, 300, 2, 411, 9, 33, 480, 12, 6, 150, 91, 200]  # 10 prefill positions (> index_topk 8) + 3 decode
+PREFILL, BLOCK = 10, 4
+# one indexed MoE layer: 4 RMSNorms + enorm, hnorm, shared_head.norm; q_a, q_b, kv_a, o_proj, indexer wq_b / wk and
+# the shared expert's 3 in FP8 (eh_proj is bf16, as GLM-5-FP8 stores it)
+MTP_COUNTS = {"match_sparse_mla": 1, "match_mla": 0, "match_rms_norm": 7, "match_rope": 4, "fuse_fp8_linear": 9,
+              "fuse_fp8_moe": 1, "insert_paged_cache": 1, "select_sampled_rows": 1,
+              "fuse_norm_rope_into_cache_writes": 2, "fuse_shared_input_gemms": 3}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("mtp") / "fp8", fp8=True)
+    return Glm5ForCausalLM.from_pretrained(path, dtype=torch.float32, progress=False, mtp=True)
+
+
+def run_paged(graph, model, ids, extra=None):
+    """The graph over a prefill of PREFILL tokens, then one decode step per further token: each step's output
+    rows (all of a prefill's, the decode token's), concatenated along the tokens."""
+    cache = PagedCache(graph.meta["paged_cache"], 6, BLOCK, dtype=torch.float32)
+    table = [[1, 2, 3, 4]]
+    steps = [(True, 0, PREFILL)] + [(False, p, p + 1) for p in range(PREFILL, ids.shape[1])]
+    outs = []
+    for prefill, lo, hi in steps:
+        ctx = ForwardContext.build(prefill, [hi - lo], [lo], table, block_size=BLOCK, kernel_block_size=BLOCK,
+                                   num_blocks=6, max_position_embeddings=model.config.max_position_embeddings).validate()
+        inputs = (ids[:, lo:hi], ctx.positions[None]) + (() if extra is None else (extra[:, lo:hi],))
+        outs.append(graph(*inputs, *ctx.graph_args(), torch.arange(hi - lo), *cache.graph_inputs()))
+    return [torch.cat(parts, dim=1) for parts in zip(*outs)]
+
+
+def close(a, b):
+    assert a.shape == b.shape and (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_paged_mtp_graph_equals_the_eager_mtp(model):
+    compiled = compile_mtp(model, backend="reference", strict=True, max_tokens=64)
+    counts = {r.name: r.num_matches for r in compiled.results if r.name in MTP_COUNTS}
+    assert counts == MTP_COUNTS and all(r.num_matches == r.expected for r in compiled.results if r.expected is not None)
+    assert [(kv, ix) for kv, ix in compiled.graph.meta["paged_cache"].layers] == [("kv_cache_0", "index_cache_0")]
+    ids = torch.tensor([IDS])
+    with torch.no_grad():
+        _, hidden = model(ids, return_hidden=True)
+        tokens, h = ids[:, 1:], hidden[:, :-1]  # position i: t_{i+1} and the target's h_i
+        ref_logits, ref_hidden = model.mtp(tokens, torch.arange(tokens.shape[1])[None], h)
+        logits, out = run_paged(compiled.graph, model, tokens, h)
+    close(logits, ref_logits)
+    close(out, ref_hidden)
+
+
+def test_logits_and_hidden_head(model):
+    compiled = compile_model(model, head="logits+hidden", backend="reference", strict=True, max_tokens=64)
+    select = next(r for r in compiled.results if r.name == "select_sampled_rows")
+    # the logits' selection meets the hidden output's at the final norm's output, and both move above the norm
+    assert select.num_matches == 1 and select.details["ops_moved"] == 2
+    ids = torch.tensor([IDS])
+    with torch.no_grad():
+        ref_logits, ref_hidden = model(ids, return_hidden=True)
+        logits, hidden = run_paged(compiled.graph, model, ids)
+    close(logits, ref_logits)
+    close(hidden, ref_hidden)
+
+
+def test_compile_mtp_bad_input(model, tmp_path):
+    plain = Glm5ForCausalLM(model.config, dtype=torch.float32, device="meta")
+    with pytest.raises(InputError, match="no MTP layer"):
+        compile_mtp(plain)
+    with pytest.raises(InputError, match="one rank"):
+        compile_mtp(model, mapping=Mapping(tp=2, rank=0))
