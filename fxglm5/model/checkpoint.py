@@ -139,8 +139,8 @@ class CheckpointReader:
         mtp = check_tensors(self.tensors, self.expected, self.config, self.where, skip_mtp=self.mtp_layout is None)
         if mtp:
             layers = sorted({int(n.split(".")[2]) for n in mtp})
-            log.warning("%s: skipping %d tensors of the MTP layer %s (multi-token prediction is not used: load with "
-                        "mtp=True to use it)", self.where, len(mtp), layers)
+            log.info("%s: skipping %d tensors of the MTP layer %s (multi-token prediction is not used: load with "
+                     "mtp=True to use it)", self.where, len(mtp), layers)
         self._stack: contextlib.ExitStack | None = None
         self._files: dict[Path, Any] = {}
         self.bytes_read: dict[str, int] = {}
