@@ -139,8 +139,8 @@ class CheckpointReader:
         mtp = check_tensors(self.tensors, self.expected, self.config, self.where, skip_mtp=self.mtp_layout is None)
         if mtp:
             layers = sorted({int(n.split(".")[2]) for n in mtp})
-            log.warning("%s: skipping %d tensors of the MTP layer %s (multi-token prediction is not used: load with "
-                        "mtp=True to use it)", self.where, len(mtp), layers)
+            log.info("%s: skipping %d tensors of the MTP layer %s (multi-token prediction is not used: load with "
+                     "mtp=True to use it)", self.where, len(mtp), layers)
         self._stack: contextlib.ExitStack | None = None
         self._files: dict[Path, Any] = {}
         self.bytes_read: dict[str, int] = {}
@@ -323,8 +323,9 @@ def save_checkpoint(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]
     """Write config.json and the weights in the GLM-5-FP8 layout (per-expert tensors, ``weight_scale_inv``).
 
     ``model_or_state``: a Glm5ForCausalLM, or a state dict in its naming (stacked experts) or in checkpoint
-    naming, with ``config``. One model.safetensors unless ``max_shard_bytes`` asks for shards + index.
-    Returns the safetensors file names written.
+    naming, with ``config``. An MTP module (``model.mtp``, state ``mtp.*``) is written as its checkpoint layer
+    ``model.layers.{L}.*`` (``layout.checkpoint_name``). One model.safetensors unless ``max_shard_bytes`` asks for
+    shards + index. Returns the safetensors file names written.
     """
     if isinstance(model_or_state, torch.nn.Module):
         cfg, state = model_or_state.config, model_or_state.state_dict()

@@ -44,12 +44,12 @@ def _init(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
     return noise * shape[-1] ** -0.5
 
 
-def tiny_state(config: Glm5Config, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random bf16 weights (float32 router / weights_proj) in the model's parameter naming, with the MTP layer
-    (``mtp.*``) when the config has one. The MTP's are drawn from a generator of their own, so the model's
-    weights are those of a config without it (the same tokens as before the MTP layer was written)."""
+def tiny_state(config: Glm5Config, seed: int = 0, mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Random bf16 weights (float32 router / weights_proj) in the model's parameter naming; with ``mtp`` the MTP
+    layer's too (``mtp.*``, for ``Glm5ForCausalLM(config, mtp=True)``). The MTP's are drawn from a generator of
+    their own, so the model's weights are the same with or without it (the same tokens as before it was written)."""
     gen = torch.Generator().manual_seed(seed)
-    model = Glm5ForCausalLM(config, dtype=torch.bfloat16, device="meta", mtp=config.num_nextn_predict_layers > 0)
+    model = Glm5ForCausalLM(config, dtype=torch.bfloat16, device="meta", mtp=mtp)
     params = list(model.named_parameters())
     state = {name: _init(name, p.shape, gen).to(p.dtype) for name, p in params if not name.startswith(MTP_MODULE)}
     mtp_gen = torch.Generator().manual_seed(seed + MTP_SEED_OFFSET)
@@ -70,7 +70,7 @@ def make_tiny_checkpoint(out_dir: str | Path, fp8: bool = True, seed: int = 0, c
     """Write a random tiny GLM-5 checkpoint (default ``Glm5Config.preset('tiny')``) to ``out_dir``, a new or
     empty directory."""
     cfg = (config or Glm5Config.preset("tiny")).replace(quantization_config=None)
-    state = tiny_state(cfg, seed)
+    state = tiny_state(cfg, seed, mtp=cfg.num_nextn_predict_layers > 0)
     total = sum(t.numel() * t.element_size() for t in state.values())
     out_dir = Path(out_dir)
     check_output_dir(out_dir, empty=True)

@@ -11,7 +11,8 @@ The rewritten module is called positionally (plain FX codegen; the exported pytr
     forward(input_ids [1, T], position_ids [1, T], slot_mapping [T], block_table [B, max_blocks],
             req_idx [T], logits_indices [R], kv_cache_0, index_cache_0, kv_cache_1, ...) -> logits [1, R, vocab]
 
-A graph with a third input (the MTP layer's ``hidden`` [1, T, H], ``capture_mtp``) takes it after position_ids; a
+The MTP layer's graph (``capture_mtp``, ``extras["head"] == "mtp"``) has a third input, ``hidden`` [1, T, H], before
+the context inputs; a
 graph of several outputs ((logits, hidden) of head "logits+hidden", the MTP's (logits, hidden_out)) keeps the
 ``logits_indices`` rows of each.
 
@@ -32,6 +33,7 @@ import torch
 from torch import fx
 
 import fxglm5.ops.cached  # noqa: F401  (registers the cached ops)
+from fxglm5.capture.export import MTP_HEAD
 from fxglm5.passes.graph_utils import aten, fake_call, fake_index, is_op, op_args
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
@@ -76,8 +78,10 @@ def insert_paged_cache(gm: fx.GraphModule, ctx) -> PassOutcome:
     if not attention and not indexers:
         return PassOutcome(0, {"indexers": 0})
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) not in (2, 3):
-        return PassOutcome(0, {"skipped": f"expected (input_ids, position_ids[, hidden]), found {len(placeholders)} inputs"})
+    mtp = getattr(ctx, "extras", {}).get("head") == MTP_HEAD
+    if len(placeholders) != 2 + mtp:
+        wanted = "(input_ids, position_ids, hidden)" if mtp else "(input_ids, position_ids)"
+        return PassOutcome(0, {"skipped": f"expected {wanted}, found {len(placeholders)} inputs"})
     config = getattr(ctx, "config", None)
     max_pos = int(config.max_position_embeddings) if config is not None else _UNBOUNDED
 

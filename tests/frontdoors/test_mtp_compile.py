@@ -30,15 +30,18 @@ def model(tmp_path_factory):
 def run_paged(graph, model, ids, extra=None):
     """The graph over a prefill of PREFILL tokens, then one decode step per further token: each step's output
     rows (all of a prefill's, the decode token's), concatenated along the tokens."""
-    cache = PagedCache(graph.meta["paged_cache"], 6, BLOCK, dtype=torch.float32)
+    device = ids.device
+    cache = PagedCache(graph.meta["paged_cache"], 6, BLOCK, dtype=model.dtype, device=device)
     table = [[1, 2, 3, 4]]
     steps = [(True, 0, PREFILL)] + [(False, p, p + 1) for p in range(PREFILL, ids.shape[1])]
     outs = []
     for prefill, lo, hi in steps:
         ctx = ForwardContext.build(prefill, [hi - lo], [lo], table, block_size=BLOCK, kernel_block_size=BLOCK,
-                                   num_blocks=6, max_position_embeddings=model.config.max_position_embeddings).validate()
+                                   num_blocks=6, max_position_embeddings=model.config.max_position_embeddings,
+                                   device=device).validate()
         inputs = (ids[:, lo:hi], ctx.positions[None]) + (() if extra is None else (extra[:, lo:hi],))
-        outs.append(graph(*inputs, *ctx.graph_args(), torch.arange(hi - lo), *cache.graph_inputs()))
+        rows = torch.arange(hi - lo, device=device)
+        outs.append(graph(*inputs, *ctx.graph_args(), rows, *cache.graph_inputs()))
     return [torch.cat(parts, dim=1) for parts in zip(*outs)]
 
 

@@ -173,7 +173,7 @@ def test_mtp_tensors_are_skipped_with_one_notice(tiny, caplog):
     mtp = mtp_tensors(config)
     assert {"model.layers.4.eh_proj.weight", "model.layers.4.shared_head.norm.weight",
             "model.layers.4.mlp.experts.15.down_proj.weight"} <= set(mtp)
-    with caplog.at_level(logging.WARNING, logger="fxglm5.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="fxglm5.checkpoint"):
         model = Glm5ForCausalLM.from_pretrained(tiny[0], dtype=torch.bfloat16, progress=False)
     notices = [r for r in caplog.records if "MTP" in r.getMessage()]
     assert len(notices) == 1 and f"{len(mtp)} tensors" in notices[0].getMessage()

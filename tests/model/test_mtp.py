@@ -19,7 +19,7 @@ from fxglm5.model.layout import MtpLayout
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.quantize import quantize_fp8_block
 from fxglm5.model.st_files import INDEX, SINGLE
-from fxglm5.model.tiny import make_tiny_checkpoint
+from fxglm5.model.tiny import make_tiny_checkpoint, tiny_state
 
 PROMPT = [1, 17, 42, 7, 99, 3, 250, 11, 300, 5, 64, 128]  # longer than the tiny index_topk (8): DSA drops keys
 NEW = 16  # 1 + 3 verify steps of k + 1 = 5 tokens
@@ -51,6 +51,17 @@ def test_tiny_checkpoint_stores_the_mtp_layer_as_glm5_fp8(ckpt, model):
     assert mtp.head is model.lm_head and mtp.embed_tokens is model.model.embed_tokens
     assert mtp.layer.self_attn.indexer is not None and mtp.layer.mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     assert not mtp.eh_proj.fp8
+
+
+def test_mtp_weights_leave_the_models_random_init_unchanged():
+    """make-tiny's MTP tensors come from a generator of their own: the model's weights (and so every existing
+    test's tokens) are those drawn without them."""
+    cfg = Glm5Config.preset("tiny").replace(quantization_config=None)
+    with_mtp, without = tiny_state(cfg, mtp=True), tiny_state(cfg)
+    assert {k for k in with_mtp if not k.startswith("mtp.")} == set(without)
+    assert all(torch.equal(with_mtp[k], v) for k, v in without.items())
+    assert "mtp.eh_proj.weight" in with_mtp and not torch.equal(with_mtp["mtp.layer.input_layernorm.weight"],
+                                                                without["model.layers.3.input_layernorm.weight"])
 
 
 def test_mtp_math_matches_the_formula(model):
