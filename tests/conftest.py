@@ -16,6 +16,11 @@ import torch
 # Set here, once, before any test module imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One intra-op thread here and in the processes the tests start (OMP_NUM_THREADS is inherited): the tiny
+    # models' ops gain nothing from more, and where the cores are shared (test workers, spawned ranks, a busy
+    # host) OpenMP's barriers wait on descheduled threads: an index_add_ + an FP8 dequantize of tiny tensors took
+    # 56-83 ms with 2 threads against 5 ms with 1 on this 2-core machine under load.
+    torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
 from hypothesis import HealthCheck, settings
 
 from tests import export_cache
