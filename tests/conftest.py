@@ -1,7 +1,12 @@
-"""Shared test set-up: hypothesis profiles, the GPU marker and the run-wide export cache.
+"""Shared test set-up: hypothesis profiles, the GPU marker, the run-wide export cache and the number of workers.
 
 The export cache (tests/export_cache.py) makes each distinct tiny model's torch.export run once per test run;
 ``FXGLM5_TEST_EXPORT_CACHE=0`` turns it off (every export traced, as before it existed).
+
+Workers (pytest-xdist, in the test extra): the whole suite (``python -m pytest -q``, no paths: what .ci/run runs)
+on a CPU host runs one worker per core, each test file's tests in one worker (its module fixtures built once); a
+run that names its tests (``pytest tests/x.py -k y``), a run on a CUDA host (the GPU tests share one device and time
+it) and a run without pytest-xdist installed stay in this one process. ``-n N`` / ``-n 0`` choose explicitly.
 
 Profiles: ``ci`` (derandomized, few examples: the default, what .ci/run uses) and ``local`` (random,
 many examples). Pick one with ``HYPOTHESIS_PROFILE=local pytest``.
@@ -16,6 +21,11 @@ import torch
 # Set here, once, before any test module imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One intra-op thread here and in the processes the tests start (OMP_NUM_THREADS is inherited): the tiny
+    # models' ops gain nothing from more, and where the cores are shared (test workers, spawned ranks, a busy
+    # host) OpenMP's barriers wait on descheduled threads: an index_add_ + an FP8 dequantize of tiny tensors took
+    # 56-83 ms with 2 threads against 5 ms with 1 on this 2-core machine under load.
+    torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
 from hypothesis import HealthCheck, settings
 
 from tests import export_cache
@@ -38,6 +48,15 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Before xdist reads its options: the whole suite on a CPU host spreads its files over one worker per core."""
+    whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    if (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput") and whole_suite
+            and config.getoption("numprocesses") is None and not torch.cuda.is_available()):
+        config.option.numprocesses, config.option.dist = len(os.sched_getaffinity(0)), "loadfile"
 
 
 def pytest_collection_modifyitems(config, items):
