@@ -22,6 +22,7 @@ from fxglm5.model.tiny import deep_tiny_config, make_tiny_checkpoint
 from fxglm5.runtime.runner import Runner
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [7, 1, 8]]  # around index_topk (8)
+SERVE = dict(kv_cache="fp8", block_size=16, max_cache_tokens=512)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,13 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(ckpt):
     return Glm5ForCausalLM.from_pretrained(ckpt, dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    """The in-memory Runner's tokens for PROMPTS (fp8 cache, 16-token blocks): what an artifact of the checkpoint,
+    captured by kind or whole, must generate."""
+    return Runner(model, **SERVE).generate(PROMPTS, 6)
 
 
 @pytest.fixture(scope="module")
@@ -74,18 +82,17 @@ class Payload:
         return open, (self.marker, "w")
 
 
-def test_an_artifact_generates_the_tokens_of_its_checkpoint(model, artifact_path):
+def test_an_artifact_generates_the_tokens_of_its_checkpoint(model, artifact_path, served):
     with zipfile.ZipFile(artifact_path) as archive:  # the format's four members, none of them a pickle
         assert archive.namelist() == list(MEMBERS)
         assert all(archive.read(name)[:1] != b"\x80" for name in MEMBERS)
     art = load_artifact(artifact_path)
     assert art.config == model.config and art.dtype == torch.float32 and art.head == "logits"
     assert art.record["passes"]["match_sparse_mla"]["matches"] == 4  # what ran before the export
-    runner = art.runner(kv_cache="fp8", block_size=16, max_cache_tokens=512)
+    runner = art.runner(**SERVE)
     matches = {r.name: r.num_matches for r in runner.pass_results}
     assert matches["insert_paged_cache"] == 4 and matches["fuse_norm_rope_into_cache_writes"] == 8
-    direct = Runner(model, kv_cache="fp8", block_size=16, max_cache_tokens=512)
-    assert runner.generate(PROMPTS, 6) == direct.generate(PROMPTS, 6)
+    assert runner.generate(PROMPTS, 6) == served
 
 
 def test_a_hidden_head_artifact_gives_the_decoder_output(model, tmp_path):
@@ -338,21 +345,19 @@ def test_a_deep_model_stores_its_prefix_once_and_generates_the_runners_tokens(tm
         stored = sum(archive.getinfo(name).file_size for name in (WEIGHTS, CONSTANTS))
         program_bytes = archive.getinfo(PROGRAM).file_size
     assert one_copy <= stored <= 1.01 * one_copy and program_bytes < stored
-    options = dict(kv_cache="fp8", block_size=16, max_cache_tokens=512)
-    direct = Runner(model, **options)
-    assert art.runner(**options).generate(PROMPTS, 6) == direct.generate(PROMPTS, 6)
+    assert art.runner(**SERVE).generate(PROMPTS, 6) == Runner(model, **SERVE).generate(PROMPTS, 6)
 
 
-def test_a_model_captured_whole_is_stored_whole_with_the_identity_map(ckpt, tmp_path):
+def test_a_model_captured_whole_is_stored_whole_with_the_identity_map(ckpt, tmp_path, served):
     """A layer with a hook cannot be proven its kind's: the model is captured whole, and the file holds the whole
-    program with each layer copying itself; it loads and generates the in-memory Runner's tokens."""
+    program with each layer copying itself; it loads and generates the tokens of the checkpoint's in-memory Runner
+    (captured by kind: the hook does nothing, so the tokens are the same)."""
     model = Glm5ForCausalLM.from_pretrained(ckpt, dtype=torch.float32, progress=False)
     model.model.layers[2].mlp.register_forward_hook(lambda *args: None)
     art = load_artifact(export_artifact(model, tmp_path / "whole.pt2"))
     assert art.record["layers"] == dict(kinds=[0, 1, 2, 3], prefix=4, source=[0, 1, 2, 3], depth=0)
     assert _program_layers(art.program) == {0, 1, 2, 3}
-    options = dict(kv_cache="fp8", block_size=16, max_cache_tokens=512)
-    assert art.runner(**options).generate(PROMPTS, 6) == Runner(model, **options).generate(PROMPTS, 6)
+    assert art.runner(**SERVE).generate(PROMPTS, 6) == served
 
 
 def _layers(**changes):
