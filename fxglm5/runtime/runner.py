@@ -279,7 +279,9 @@ class Runner:
         ids = torch.tensor([t for seq, a, n in step for t in seq.prompt[a:a + n]], device=self.device)
         ends = list(itertools.accumulate(n for _, _, n in step))
         done = [b for b, (seq, a, n) in enumerate(step) if a + n == len(seq.prompt)]
-        last = torch.tensor([ends[b] - 1 for b in done] or [ends[-1] - 1], device=self.device)  # >= 1 logits row
+        # logits of the completed prompts' last rows; a step that completes none still asks for one row (unused),
+        # so that the head never runs on zero rows
+        last = torch.tensor([ends[b] - 1 for b in done] or [ends[-1] - 1], device=self.device)
         if not self.with_hidden:
             logits = self.step(ctx, ids, rows=last)
         else:  # the drafter reads the target's hidden state at every prompt row
