@@ -111,6 +111,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache", choices=["bf16", "fp8"], default="bf16",
                    help="paged latent cache: the compute dtype (bf16) or FP8 ds_mla rows (fp8)")
     p.add_argument("--block-size", type=int, default=64, help="paged cache block size (tokens)")
+    p.add_argument("--max-step-tokens", type=int, default=16384,
+                   help="paged: the most tokens one prefill step computes (longer prompts: chunked prefill)")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks: N local ranks are started (gloo on cpu, NCCL on cuda), or, under "
                         "torchrun, this process is one of them; each reads only its slices of the checkpoint")
@@ -197,7 +199,7 @@ def _paged_options(args: argparse.Namespace, prompts: list[list[int]], disabled:
     """The Runner's options for ``generate``: a cache sized for the batch's prompts and new tokens."""
     tokens = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
     return dict(kv_cache=args.kv_cache, block_size=args.block_size, max_cache_tokens=tokens + len(prompts) * args.block_size,
-                disabled_passes=disabled)
+                disabled_passes=disabled, max_step_tokens=args.max_step_tokens)
 
 
 def _generate_sharded(args: argparse.Namespace, artifact, prompts: list[list[int]], disabled: tuple[str, ...]) -> int:

@@ -6,9 +6,11 @@ predicts t_{i+2}; its decoder layer keeps its own MLA and index-cache rows at po
 rollback (``BlockManager.truncate``) rolls it back too: after every step both caches hold rows 0 .. C-1 of a
 request with C tokens cached, and whatever a draft or a rejected token wrote past them is never read.
 
-- ``start`` (after the target's prefill of n new tokens behind a reused prefix of R): the draft prefill over
-  positions R .. n-1, tokens shifted by one (``prompt[R+1:]`` then the first sampled token), hidden h_R .. h_{n-1};
-  its last row predicts d1.
+- ``start`` (after each target prefill step, of n tokens at positions a .. a+n-1 per request, a = R, the reused
+  prefix, for a prompt's first chunk): the draft prefill over the same positions, tokens shifted by one
+  (``prompt[a+1:a+n+1]``, the first sampled token in place of the one past the prompt), hidden h_a .. h_{a+n-1};
+  the last row of a prompt's last chunk predicts d1. Chunked prefill thus gives the MTP cache the rows unchunked
+  prefill gives it.
 - ``propose``: d1, then k-1 chained steps: d_j at position C+j-1 with the MTP's own last hidden output.
 - ``accepted`` (after a verify step that accepted a of the drafts): the draft extend over the step's a+1 emitted
   tokens at positions C_old .. C_old+a with the target's hidden states of those rows, which rewrites the rows
@@ -61,10 +63,9 @@ class MtpDrafter:
         for b, seq in enumerate(seqs):
             self.next[seq.id] = (drafts[b], out[b])
 
-    def start(self, seqs, hidden) -> None:
-        starts = [s.prefix_reused for s in seqs]
-        tokens = [s.prompt[r + 1:] + s.output[:1] for s, r in zip(seqs, starts)]
-        self._update(seqs, tokens, starts, hidden)
+    def start(self, chunks, hidden) -> None:
+        seqs = [s for s, _, _ in chunks]
+        self._update(seqs, [s.tokens[a + 1:a + n + 1] for s, a, n in chunks], [a for _, a, _ in chunks], hidden)
 
     def propose(self, seqs, counts):
         drafts = [[self.next[s.id][0]] if n else [] for s, n in zip(seqs, counts)]

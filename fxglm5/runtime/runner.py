@@ -9,7 +9,8 @@ is inside a CUDA graph. On a CUDA device decode steps replay CUDA graphs capture
 
 Requests are admitted one by one: one that does not fit the cache (at prefill or when a decode step
 needs a new block) gets a :class:`CacheFullError` in ``Sequence.error`` and its blocks are released; the
-other requests go on unchanged.
+other requests go on unchanged. Prefill runs the admitted prompts in steps of at most ``max_step_tokens`` flat
+tokens (chunked prefill): a prompt longer than a step's room goes on in the next step behind its cached rows.
 
 With ``speculative`` (:mod:`fxglm5.runtime.speculative`) a drafter proposes up to k tokens per request and each
 step verifies them in one forward (``speculate``); the tokens are plain greedy decoding's.
@@ -104,7 +105,8 @@ class Runner:
                  num_blocks: int | None = None, max_cache_tokens: int = 8192, device="cpu", keep_logits=False,
                  graph=None, backend: str | None = None, decode_graphs: bool | None = None,
                  max_decode_batch: int = 64, disabled_passes=(), tp: int = 1, ep: int | None = None,
-                 speculative: SpeculativeConfig | None = None, drafter=None, mtp_graph=None):
+                 speculative: SpeculativeConfig | None = None, drafter=None, mtp_graph=None,
+                 max_step_tokens: int = 16384):
         """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); with ``graph``, anything
         with the model's ``config`` and compute ``dtype`` (an exported artifact: ``fxglm5.artifact``). ``kv_cache``: "bf16"
         (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
@@ -124,7 +126,12 @@ class Runner:
         ``acceptance`` then holds the last ``run``'s verify statistics. The MTP drafter needs the target's hidden
         states, so the target graph is then compiled with head "logits+hidden" (a given ``graph`` must be one) and
         the MTP layer's own graph (``mtp_graph``: another such Runner's ``drafter.graph``, reused) with a second
-        paged cache (fxglm5.runtime.mtp_drafter)."""
+        paged cache (fxglm5.runtime.mtp_drafter). ``max_step_tokens``: the most flat tokens one prefill step
+        computes (chunked prefill, see ``_prefill``): the activations of a step grow with its tokens, and the
+        FP8 GEMMs' int32 offsets overflow at 2^31 elements (131072 tokens x 16384 columns)."""
+        if isinstance(max_step_tokens, bool) or not isinstance(max_step_tokens, int) or max_step_tokens < 1:
+            raise InputError(f"max_step_tokens: must be a positive integer, got {max_step_tokens!r}")
+        self.max_step_tokens = max_step_tokens
         index_kind, _ = check_options(block_size, kernel_block_size, kv_cache, index_cache)  # before the slow part
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise InputError(f"speculative: expected a SpeculativeConfig or None, got {type(speculative).__name__}")
@@ -191,13 +198,16 @@ class Runner:
             agree(digest(*request), "the request", self.mapping.group)
 
     # ---- one step -----------------------------------------------------------------------------------
-    def context(self, seqs: list[Sequence], prefill: bool, device=None) -> ForwardContext:
+    def context(self, seqs: list[Sequence], lengths: list[int] | None = None, starts: list[int] | None = None,
+                device=None) -> ForwardContext:
+        """A prefill step of ``lengths[b]`` tokens behind ``starts[b]`` cached ones (default: each request's cached
+        tokens), or, with ``lengths`` None, a decode step of one token per request."""
         c = self.cache
         return ForwardContext.build(
-            prefill, [len(s.prompt) - s.cached for s in seqs], [s.cached for s in seqs],
-            [self.blocks.tables[s.id] for s in seqs], block_size=c.block_size, kernel_block_size=c.kernel_block_size,
-            num_blocks=c.num_blocks, max_position_embeddings=self.config.max_position_embeddings,
-            prompt_lengths=[len(s.prompt) for s in seqs], device=device or self.device)
+            lengths is not None, lengths or [], starts or [s.cached for s in seqs], [self.blocks.tables[s.id] for s in seqs],
+            block_size=c.block_size, kernel_block_size=c.kernel_block_size, num_blocks=c.num_blocks,
+            max_position_embeddings=self.config.max_position_embeddings, prompt_lengths=[len(s.prompt) for s in seqs],
+            device=device or self.device)
 
     @torch.no_grad()
     def step(self, ctx: ForwardContext, input_ids: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -240,18 +250,48 @@ class Runner:
                 admitted.append(seq)
             except CacheFullError as err:
                 seq.error = err
-        if admitted:
-            ids = torch.tensor([t for s in admitted for t in s.prompt[s.cached:]], device=self.device)
-            ctx = self.context(admitted, True)
-            if not self.with_hidden:
-                self._advance(admitted, self.step(ctx, ids))
-            else:  # the drafter reads the target's hidden state at every prompt row
-                logits = self.step(ctx, ids, rows=torch.arange(len(ids), device=self.device))
-                self._advance(admitted, logits[ctx.cu_seqlens[1:].long() - 1])
-            self.active.extend(admitted)
-            if self.drafter is not None:
-                self.drafter.start(admitted, self.hidden)
+        for step in self._chunks(admitted):
+            self._prefill_step(step)
+        self.active.extend(admitted)
         return seqs
+
+    def _chunks(self, seqs: list[Sequence]) -> list[list[tuple[Sequence, int, int]]]:
+        """The prompts' uncached tokens packed in order into steps of at most ``max_step_tokens``: per step,
+        (request, first position, tokens). A request longer than a step's room is split; its next chunk runs in
+        the next step behind its cached rows, as a reused prefix does."""
+        steps, step, room = [], [], self.max_step_tokens
+        for seq in seqs:
+            start = seq.cached
+            while start < len(seq.prompt):
+                n = min(len(seq.prompt) - start, room)
+                step.append((seq, start, n))
+                start, room = start + n, room - n
+                if room == 0:
+                    steps.append(step)
+                    step, room = [], self.max_step_tokens
+        return steps + [step] if step else steps
+
+    def _prefill_step(self, step: list[tuple[Sequence, int, int]]) -> None:
+        """One prefill step; the requests whose prompt it completes get their first token, the others only have
+        their cached rows advanced."""
+        seqs = [seq for seq, _, _ in step]
+        ctx = self.context(seqs, [n for _, _, n in step], [a for _, a, _ in step])
+        ids = torch.tensor([t for seq, a, n in step for t in seq.prompt[a:a + n]], device=self.device)
+        ends = list(itertools.accumulate(n for _, _, n in step))
+        done = [b for b, (seq, a, n) in enumerate(step) if a + n == len(seq.prompt)]
+        # logits of the completed prompts' last rows; a step that completes none still asks for one row (unused),
+        # so that the head never runs on zero rows
+        last = torch.tensor([ends[b] - 1 for b in done] or [ends[-1] - 1], device=self.device)
+        if not self.with_hidden:
+            logits = self.step(ctx, ids, rows=last)
+        else:  # the drafter reads the target's hidden state at every prompt row
+            logits = self.step(ctx, ids, rows=torch.arange(len(ids), device=self.device))[last]
+        for seq, a, n in step:  # a prompt's full blocks are committed (hashed) with its first token, in _advance
+            seq.cached = a + n
+        if done:
+            self._advance([seqs[b] for b in done], logits)
+        if self.drafter is not None:
+            self.drafter.start(step, self.hidden)
 
     def decode(self) -> list[Sequence]:
         """One decode step for every active request (a request without room gets CacheFullError and leaves)."""
@@ -313,20 +353,15 @@ class Runner:
     def _verify_step(self, seqs: list[Sequence], counts: list[int], ids: list[int]) -> torch.Tensor:
         """Logits [T, V] of every token of a verify step: from the static buffers (a CUDA graph on a GPU) when every
         request verifies k drafts, else eagerly. The step is a prefill behind each request's cached tokens."""
-        def context(device):
-            c = self.cache
-            return ForwardContext.build(
-                True, [n + 1 for n in counts], [s.cached for s in seqs], [self.blocks.tables[s.id] for s in seqs],
-                block_size=c.block_size, kernel_block_size=c.kernel_block_size, num_blocks=c.num_blocks,
-                max_position_embeddings=self.config.max_position_embeddings, device=device)
-
         q = self.speculative.num_tokens + 1
-        if self.decode_graphs is not None and all(n + 1 == q for n in counts):
-            logits = self.decode_graphs.run(torch.tensor(ids), context("cpu").validate(), per_request=q)
+        lengths = [n + 1 for n in counts]
+        if self.decode_graphs is not None and all(n == q for n in lengths):
+            logits = self.decode_graphs.run(torch.tensor(ids), self.context(seqs, lengths, device="cpu").validate(),
+                                            per_request=q)
             if logits is not None:
                 self.hidden = self.decode_graphs.hidden
                 return logits
-        return self.step(context(self.device), torch.tensor(ids, device=self.device),
+        return self.step(self.context(seqs, lengths), torch.tensor(ids, device=self.device),
                          rows=torch.arange(len(ids), device=self.device))
 
     def _leave(self, seq: Sequence) -> None:
@@ -339,10 +374,10 @@ class Runner:
         """Logits of one decode step: replayed from a CUDA graph where one applies, else eagerly."""
         last = [s.tokens[-1] for s in seqs]
         if self.decode_graphs is not None:  # the context is built and validated on the host: no device syncs
-            logits = self.decode_graphs.run(torch.tensor(last), self.context(seqs, False, device="cpu").validate())
+            logits = self.decode_graphs.run(torch.tensor(last), self.context(seqs, device="cpu").validate())
             if logits is not None:
                 return logits
-        return self.step(self.context(seqs, False), torch.tensor(last, device=self.device))
+        return self.step(self.context(seqs), torch.tensor(last, device=self.device))
 
     def release(self, seq: Sequence) -> None:
         """Give a request's blocks back (full prompt blocks stay reusable as a cached prefix)."""

@@ -52,13 +52,15 @@ class SpeculativeConfig:
 
 
 class Drafter(Protocol):
-    """Proposes draft tokens for the runner's requests. The runner calls ``start`` after the target's prefill of
-    newly admitted requests, ``propose`` before each verify step, ``accepted`` after it (how many of each
+    """Proposes draft tokens for the runner's requests. The runner calls ``start`` after each prefill step of
+    newly admitted requests with the step's ``(request, first position, tokens)`` chunks (a prompt may take
+    several steps: chunked prefill; its first token is in ``output`` after the step that completes it),
+    ``propose`` before each verify step, ``accepted`` after it (how many of each
     request's drafts were accepted: a drafter with a cache of its own rolls it back there) and ``release``
     when a request leaves. ``hidden``: the target's hidden states of the step's logits rows [rows, H] where
     the target graph returns them (head "logits+hidden"), else None."""
 
-    def start(self, seqs: list, hidden) -> None: ...
+    def start(self, chunks: list, hidden) -> None: ...
 
     def propose(self, seqs: list, counts: list[int]) -> list[list[int]]: ...
 
@@ -75,8 +77,8 @@ class ScriptedDrafter:
     def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
         self.continuations = continuations
 
-    def start(self, seqs, hidden) -> None:
-        for seq in seqs:
+    def start(self, chunks, hidden) -> None:
+        for seq, _, _ in chunks:
             if tuple(seq.prompt) not in self.continuations:
                 raise InputError(f"ScriptedDrafter: no continuation for the prompt of request {seq.id}")
 

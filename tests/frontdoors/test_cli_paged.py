@@ -25,11 +25,12 @@ def test_batch_generate_paged_equals_reference(tiny_bf16, capsys):
     paged = lines(capsys, *common, "--block-size", "4")
     reference = lines(capsys, *common, "--backend", "reference")
     assert len(paged) == 2 and paged == reference
+    assert lines(capsys, *common, "--block-size", "4", "--max-step-tokens", "5") == reference  # chunked prefill
     assert all(len(line.split()) == 5 for line in paged)
 
 
-def test_bad_paged_options_fail_with_one_line(tiny_bf16, capsys):
-    assert main(["generate", "--model", str(tiny_bf16), "--prompt-ids", "1,2", "--max-new-tokens", "2",
-                 "--block-size", "0"]) == 2
+@pytest.mark.parametrize("option", [["--block-size", "0"], ["--max-step-tokens", "0"]])
+def test_bad_paged_options_fail_with_one_line(tiny_bf16, capsys, option):
+    assert main(["generate", "--model", str(tiny_bf16), "--prompt-ids", "1,2", "--max-new-tokens", "2", *option]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fxglm5: error:")

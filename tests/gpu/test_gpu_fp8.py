@@ -107,6 +107,21 @@ def test_fp8_linear_split_k_graph_replay(fixup, gen):
         assert _rel(out, ref(x.float(), w, s, b, True)) < 1e-2
 
 
+def test_fp8_linear_past_int32_offsets(gen):
+    """The fused q_b|wq_b GEMM of a 131072-token prefill step: M x N = 131072 x 16384 = 2^31 elements, past the
+    kernel's int32 offsets (an illegal memory access before fp8_gemm.row_chunk): row chunks, each row right."""
+    from fxglm5.lowering.reference.fp8 import fp8_linear as ref
+    from fxglm5.lowering.triton.fp8_gemm import fp8_linear
+
+    m, (n, k) = 131072, (16384, 2048)
+    w, s = _weight(n, k, gen)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    out = fp8_linear(x, w, s, None, True)
+    torch.cuda.synchronize()
+    for rows in (slice(0, 64), slice(m // 2 - 32, m // 2 + 32), slice(m - 64, m)):  # ends and the chunk boundary
+        assert _rel(out[rows], ref(x[rows].float(), w, s, None, True)) < 1e-2, rows
+
+
 @pytest.fixture(scope="module", params=[(6144, 2048), (6144 + 64, 2048 - 64)], ids=["glm5", "partial"])
 def experts(request):
     """256 experts of hidden H, intermediate I; w13's scales: the gate half's ceil(I/128) block rows, then
@@ -145,6 +160,24 @@ def test_moe_glm5(t, experts):
     x32 = torch.randn(min(t, 64), h, device="cuda", generator=g)  # fp32: the same math up to summation order
     ids, w = ids[: x32.shape[0]], w[: x32.shape[0]]
     assert _rel(moe.moe_fp8(x32, ids, w, w13, s13, w2, s2, False), ref.moe_fp8(x32, ids, w, w13, s13, w2, s2, False)) < 1e-5
+
+
+def test_moe_past_int32_offsets(experts):
+    """65536 tokens x top-8: the [SPLIT2, T*k, H] partials hold 3.2e9 elements, the padded gate|up rows x 2I 2^31:
+    past the kernels' int32 offsets, so the tokens run in chunks; each token's output right."""
+    from fxglm5.lowering.reference import fp8 as ref
+    from fxglm5.lowering.triton import moe
+
+    w13, s13, w2, s2 = experts
+    t, h = 65536, w2.shape[1]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w, ids = moe.moe_route(torch.randn(t, 256, device="cuda", generator=g), torch.zeros(256, device="cuda"), 8, 1, 1,
+                           True, 2.5)
+    x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    out = moe.moe_fp8(x, ids, w, w13, s13, w2, s2, True)
+    torch.cuda.synchronize()
+    for rows in (slice(0, 64), slice(t - 64, t)):
+        assert _rel(out[rows], ref.moe_fp8(x[rows].float(), ids[rows], w[rows], w13, s13, w2, s2, True)) < 2e-2, rows
 
 
 def test_moe_graph_capture(experts):

@@ -126,6 +126,56 @@ def test_fp8_linear_prefill_path_and_leading_dims():
     assert _rel(out, ref.fp8_linear(x, w, s, None, True)) < 1e-4
 
 
+def _spy_launches(monkeypatch, module, name, rows_of):
+    """The row count of every call of ``module.name`` (the chunks call it again through the module global)."""
+    calls, fn = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(rows_of(*args))
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("n, k", [(256, 384), (384, 128)])  # the limit reached by M x K, then by M x N
+def test_fp8_linear_past_the_int32_limit_runs_in_row_chunks(monkeypatch, n, k, act_quant):
+    """A call whose M x max(N, K) reaches INT32_ELEMENTS (2^31, monkeypatched down to 150 rows' worth) runs as row
+    chunks below it, each one GEMM on a contiguous row view of whole 128-row tiles: the result is the unchunked
+    one, bit for bit. (The tile config is fixed: the default picks by M, and a chunk's M is smaller.)"""
+    w, s = _weight(n, k, 5)
+    x = torch.randn(3, 100, k)  # M = 300 rows
+    b = torch.randn(n)
+    config = dict(fp8_gemm.MEDIUM, SPLIT_K=1)
+    whole = fp8_gemm.fp8_linear(x, w, s, b, act_quant, config=config)
+    monkeypatch.setattr(fp8_gemm, "INT32_ELEMENTS", 150 * max(n, k))
+    calls = _spy_launches(monkeypatch, fp8_gemm, "fp8_linear", lambda x, *_: x.reshape(-1, x.shape[-1]).shape[0])
+    out = fp8_gemm.fp8_linear(x, w, s, b, act_quant, config=config)
+    assert calls == [300, 128, 128, 44]  # halved to whole tiles below the limit
+    assert out.shape == whole.shape and torch.equal(out, whole)
+
+
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_moe_fp8_past_the_int32_limit_runs_in_token_chunks(monkeypatch, act_quant):
+    """The fused MoE's largest tensor (the padded [rows, 2I] gate|up rows or the [SPLIT2, T*k, H] partials) at
+    INT32_ELEMENTS (monkeypatched small) splits the tokens into independent MoE calls: the unchunked result, bit
+    for bit. The routing gives every expert 16 entries (one BLOCK_M block) per 32 tokens, so that every entry sits
+    at the same row of its block in both (the interpreter's numpy matmul rounds a row by its place in the tile)."""
+    t, e, k, inter, h = 64, 4, 2, 128, 256
+    _, _, w13, s13, w2, s2 = _moe_case(t, e, k, inter, h, 6)
+    ids = torch.tensor([[j % 4, (j + 1 + j // 4 % 3) % 4] for j in range(t)], dtype=torch.int32)
+    tw, x = torch.rand(t, k), torch.randn(t, h)
+    whole = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant)
+    limit = moe._moe_elements(40, k, e, h, inter, None)  # chunks of 64 -> 32 tokens
+    monkeypatch.setattr(fp8_gemm, "INT32_ELEMENTS", limit)
+    calls = _spy_launches(monkeypatch, moe, "moe_fp8", lambda x, *_: x.shape[0])
+    out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant)
+    assert calls == [64, 32, 32]
+    assert all(moe._moe_elements(c, k, e, h, inter, None) < limit for c in calls[1:])
+    assert torch.equal(out, whole)
+
+
 def test_reference_fp8_linear_vs_naive():
     """Reference dequant + GEMM against explicit per-block loops (N=192, K=320: short last blocks)."""
     w, s = _weight(192, 320, 5)

@@ -33,11 +33,13 @@ def graphs(model):
     return r.graph, r.drafter.graph
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
-def test_mtp_drafts_give_greedy_tokens_and_the_reference_acceptance(model, k):
+# max_step_tokens 5 and 7 split the 15 prompt tokens into chunked prefill steps (5+5+2|3 and 7|5+2|1): the
+# draft prefill runs per chunk and must leave the MTP cache the rows of one unchunked step
+@pytest.mark.parametrize("k, max_step_tokens", [(1, 16384), (2, 16384), (3, 16384), (4, 16384), (2, 5), (3, 7)])
+def test_mtp_drafts_give_greedy_tokens_and_the_reference_acceptance(model, k, max_step_tokens):
     graph, mtp_graph = graphs(model)
     r = Runner(model, block_size=4, max_cache_tokens=128, speculative=SpeculativeConfig(num_tokens=k),
-               graph=graph, mtp_graph=mtp_graph)
+               graph=graph, mtp_graph=mtp_graph, max_step_tokens=max_step_tokens)
     propose, checked = r.drafter.propose, []
 
     def check(seqs, counts):

@@ -38,6 +38,9 @@ from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.triton.device import num_sms
 
 BLOCK_K = FP8_BLOCK  # one weight-scale column and one activation-scale group per K step
+# The kernels index their tensors with int32 offsets: no tensor a launch touches may reach 2^31 elements (a
+# prefill step of 131072 tokens through the 16384-wide fused q_b GEMM does). Calls past it run in row chunks.
+INT32_ELEMENTS = 2**31
 
 
 @triton.jit
@@ -265,6 +268,17 @@ def pick_config(m: int, n: int, k: int, act_quant: bool, num_sms: int = 132, con
     return cfg
 
 
+def row_chunk(m: int, elements, align: int = 1) -> int:
+    """Rows per chunk (``m`` if no chunking is needed) so that ``elements(rows)``, the most elements any tensor of
+    a launch over ``rows`` rows holds (monotone in rows), stays below INT32_ELEMENTS: a call split into such row
+    chunks, each an independent launch on contiguous row views, never overflows the kernels' int32 offsets.
+    Halved until it fits, kept a multiple of ``align`` (whole M tiles: every row keeps its place in its tile)."""
+    rows = m
+    while rows > align and elements(rows) >= INT32_ELEMENTS:
+        rows = max(align, rows // 2 // align * align)
+    return rows
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -284,6 +298,11 @@ def fp8_linear(
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
+        return out.view(*lead, n)
+    rows = row_chunk(m, lambda r: r * max(n, k), align=128)  # 128: a multiple of every BLOCK_M
+    if rows < m:
+        for i in range(0, m, rows):
+            out[i:i + rows] = fp8_linear(x2[i:i + rows], weight, weight_scale_inv, bias, act_quant, config=config)
         return out.view(*lead, n)
     weight = weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from fxglm5 import settings
 from fxglm5.lowering.reference import fp8 as ref
-from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, _dot, _quant_rows, quantize_act_1x128
+from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, _dot, _quant_rows, quantize_act_1x128, row_chunk
 
 
 # ----------------------------------------------------------------------------------------- routing
@@ -290,6 +290,21 @@ def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k
     return split
 
 
+def _split2(inter: int, cfg: dict) -> int:
+    """The down GEMM's K splits (each writes its own [T*k, H] fp32 partial)."""
+    kg2 = triton.cdiv(inter, 128)
+    return triton.cdiv(kg2, triton.cdiv(kg2, max(1, cfg["SPLIT2"])))
+
+
+def _moe_elements(t: int, k: int, e: int, h: int, inter: int, config) -> int:
+    """The most elements a tensor of ``moe_fp8`` over ``t`` tokens holds: the gated GEMM's padded sorted rows x 2I
+    (its gate|up weight rows), or the down GEMM's split partials [SPLIT2, T*k, H] (GLM-5: k=8, H=6144, 2I=4096,
+    so the partials pass 2^31 from 43691 tokens on)."""
+    cfg = pick_moe_config(t, k, e, config)
+    rows = align_capacity(t * k, e, cfg["BLOCK_M"]) * cfg["BLOCK_M"]
+    return max(rows * 2 * inter, _split2(inter, cfg) * t * k * h)
+
+
 def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None):
     """Routed FP8 experts (see module doc); ``config`` overrides :func:`pick_moe_config`."""
     t, e, h, inter = ref.check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
@@ -297,6 +312,12 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0 or k == 0:
         return out.zero_()
+    chunk = row_chunk(t, lambda r: _moe_elements(r, k, e, h, inter, config))
+    if chunk < t:  # tokens are routed independently: chunks of them are independent MoE calls
+        for i in range(0, t, chunk):
+            out[i:i + chunk] = moe_fp8(x[i:i + chunk], topk_ids[i:i + chunk], topk_weights[i:i + chunk], w13,
+                                       w13_scale, w2, w2_scale, act_quant, config=config)
+        return out
     cfg = pick_moe_config(t, k, e, config)
     x = x.contiguous()
     ids = topk_ids.contiguous()
@@ -306,8 +327,7 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     dot_f32 = x.dtype == torch.float32 or settings.triton_interpret()
     h_dtype = torch.float32 if (act_quant or x.dtype == torch.float32) else x.dtype
     hmid = torch.empty(rows, inter, dtype=h_dtype, device=x.device)
-    kg2 = triton.cdiv(inter, 128)
-    split = triton.cdiv(kg2, triton.cdiv(kg2, max(1, cfg["SPLIT2"])))
+    split = _split2(inter, cfg)
     y = torch.empty(split, t * k, h, dtype=torch.float32, device=x.device)
     if act_quant and not cfg["fused_quant"]:
         xq, xs = quantize_act_1x128(x)
