@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from fxglm5.errors import InputError
-from fxglm5.model.modeling import Glm5ForCausalLM, check_input_ids
+from fxglm5.model.decoder import check_input_ids
+from fxglm5.model.modeling import Glm5ForCausalLM
 
 
 @torch.no_grad()

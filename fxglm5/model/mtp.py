@@ -20,7 +20,7 @@ from torch import nn
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layers import Linear, RMSNorm, rope_cos_sin
 from fxglm5.model.layout import MtpLayout, check_mtp_config
-from fxglm5.model.modeling import DecoderLayer, check_input_ids
+from fxglm5.model.decoder import DecoderLayer, check_input_ids
 
 
 class Glm5MTP(nn.Module):

@@ -23,7 +23,7 @@ import torch
 from fxglm5.compiler import MAX_STEP_TOKENS, compile_model
 from fxglm5.errors import ConfigError, InputError
 from fxglm5.model.config import Glm5Config
-from fxglm5.model.modeling import check_input_ids
+from fxglm5.model.decoder import check_input_ids
 from fxglm5.lowering.reference.paged_steps import validation
 from fxglm5.rtpllm.config import compute_dtype, fill_model_config
 from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step
