@@ -15,6 +15,7 @@ import sys
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.export import Dim
 
 _METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
@@ -94,20 +95,21 @@ def token_inputs(device, max_batch: int, max_seq: int) -> tuple[tuple, dict]:
 
 @contextlib.contextmanager
 def lean_tracing():
-    """torch.export without two costs that buy nothing here. The fake-tensor dispatch cache: with symbolic
+    """torch.export without three costs that buy nothing here. The fake-tensor dispatch cache: with symbolic
     shapes half its lookups miss, and each miss builds and checks an entry (hashing every SymInt argument,
-    synthesizing the output twice), which costs more than the hits save (about a quarter of a GLM-5 export).
-    The Python stack trace recorded for every node (``node.meta["stack_trace"]``, a traceback extracted and
-    symbolized per op, about a tenth): no pass reads it, and a node keeps its ``nn_module_stack``, which names the
-    module it came from. ``torch.fx.config.do_not_emit_stack_traces`` is newer than torch 2.11; where it is
-    missing the traces are recorded as before."""
+    synthesizing the output twice), which costs more than the hits save. The Python stack trace recorded for
+    every node (``node.meta["stack_trace"]``, a traceback extracted and symbolized per op): no pass reads it, and
+    a node keeps its ``nn_module_stack``, which names the module it came from; ``torch.fx.config.
+    do_not_emit_stack_traces`` is newer than torch 2.11, and where it is missing the traces are recorded as
+    before. The Python code of export's intermediate graph modules, regenerated after each of its clean-up passes
+    (lazy graph modules, as torch.compile's own tracing uses, generate it only if it is called)."""
     fx_config = torch.fx.config
     had_flag = hasattr(fx_config, "do_not_emit_stack_traces")
     before = getattr(fx_config, "do_not_emit_stack_traces", None)
     try:
         if had_flag:
             fx_config.do_not_emit_stack_traces = True
-        with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+        with torch._dynamo.config.patch(fake_tensor_cache_enabled=False), _use_lazy_graph_module(True):
             yield
     finally:
         if had_flag:
