@@ -103,7 +103,7 @@ def lean_tracing():
     do_not_emit_stack_traces`` is newer than torch 2.11, and where it is missing the traces are recorded as
     before. The Python code of export's intermediate graph modules, regenerated after each of its clean-up passes
     (lazy graph modules, as torch.compile's own tracing uses, generate it only if it is called)."""
-    fx_config = torch.fx.config
+    fx_config = getattr(torch.fx, "config", None)
     had_flag = hasattr(fx_config, "do_not_emit_stack_traces")
     before = getattr(fx_config, "do_not_emit_stack_traces", None)
     try:
