@@ -29,6 +29,7 @@ from typing import Callable, Mapping
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from fxglm5.capture.export import capture
 from fxglm5.capture.layer_kinds import KindPlan, Unprovable, decoder_layers, layer_key, plan_kinds
@@ -312,7 +313,9 @@ class _Stitcher:
                                      POST, POST)
         for node in self.graph.find_nodes(op="call_module"):
             self.attrs[node.target] = self.gm.get_submodule(node.target)
-        whole = fx.GraphModule(self.attrs, self.graph)
+        # lazy: its Python code (a third of a second for GLM-5's 6754 nodes) is generated when first called or
+        # read, after the later stages have rewritten the graph, not here
+        whole = _LazyGraphModule(self.attrs, self.graph)
         for target in self.derived_targets:  # non-persistent, as add_constant registers them
             owner_path, _, name = target.rpartition(".")
             whole.get_submodule(owner_path)._non_persistent_buffers_set.add(name)

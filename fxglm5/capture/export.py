@@ -2,14 +2,20 @@
 
 The result is an unlifted ``GraphModule`` (parameters as ``get_attr`` nodes) in pre-dispatch ATen, the
 form the passes rewrite. Works with real weights and on the meta device (the full 78-layer GLM-5).
+
+Tracing is the cost of a compile (about a second per GLM-5 layer on a 2-core CPU: every ATen op of the Python
+model goes through fake-tensor shape propagation on symbolic [batch, seq]), so :func:`lean_tracing` turns off
+what costs time there and changes nothing in the graph (docs/perf/compile_time.md has the profile).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
 from torch import fx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.export import Dim
 
 _METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
@@ -87,9 +93,33 @@ def token_inputs(device, max_batch: int, max_seq: int) -> tuple[tuple, dict]:
     return (example, example.clone()), {0: Dim("batch", min=1, max=max_batch), 1: Dim("seq", min=1, max=max_seq)}
 
 
+@contextlib.contextmanager
+def lean_tracing():
+    """torch.export without three costs that buy nothing here. The fake-tensor dispatch cache: with symbolic
+    shapes half its lookups miss, and each miss builds and checks an entry (hashing every SymInt argument,
+    synthesizing the output twice), which costs more than the hits save. The Python stack trace recorded for
+    every node (``node.meta["stack_trace"]``, a traceback extracted and symbolized per op): no pass reads it, and
+    a node keeps its ``nn_module_stack``, which names the module it came from; ``torch.fx.config.
+    do_not_emit_stack_traces`` is newer than torch 2.11, and where it is missing the traces are recorded as
+    before. The Python code of export's intermediate graph modules, regenerated after each of its clean-up passes
+    (lazy graph modules, as torch.compile's own tracing uses, generate it only if it is called)."""
+    fx_config = getattr(torch.fx, "config", None)
+    had_flag = hasattr(fx_config, "do_not_emit_stack_traces")
+    before = getattr(fx_config, "do_not_emit_stack_traces", None)
+    try:
+        if had_flag:
+            fx_config.do_not_emit_stack_traces = True
+        with torch._dynamo.config.patch(fake_tensor_cache_enabled=False), _use_lazy_graph_module(True):
+            yield
+    finally:
+        if had_flag:
+            fx_config.do_not_emit_stack_traces = before
+
+
 def export_graph(module: torch.nn.Module, args: tuple, dynamic_shapes) -> fx.GraphModule:
-    """Non-strict torch.export of any module -> unlifted GraphModule without metadata asserts."""
-    with torch.no_grad():
+    """Non-strict torch.export of any module (under :func:`lean_tracing`) -> unlifted GraphModule without
+    metadata asserts."""
+    with torch.no_grad(), lean_tracing():
         program = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
     gm = program.module()
     drop_full_slices(gm)

@@ -1,7 +1,9 @@
 """PassManager: runs the declared passes (:mod:`fxglm5.passes.pipeline`) stage by stage over a captured GraphModule.
 
-After every pass: dead code is removed, the graph is linted and recompiled, and (with ``dump_dir``) the graph
-before and after is written as readable Python plus one summary line. A pass that finds another number of
+After every pass: dead code is removed and the graph is linted, and (with ``dump_dir``) the graph before and
+after is written as readable Python plus one summary line; the graph's Python code is regenerated once, after the
+last pass (no pass calls the module or reads its code, and regenerating a whole GLM-5's code takes a
+third of a second). A pass that finds another number of
 matches than the model must have is a PassError with ``strict=True`` and a logged warning without it (the
 serving path goes on with the graph as it is, but says which rewrite it lacks). ``PassContext.disabled`` skips
 passes by name: an A/B switch for measuring what a pass buys in the same run, and a way around a pass
@@ -84,10 +86,11 @@ def _op_name(target) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def cleanup(gm: fx.GraphModule) -> None:
+def cleanup(gm: fx.GraphModule, recompile: bool = True) -> None:
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
 
 
 class PassManager:
@@ -102,11 +105,16 @@ class PassManager:
 
     def run(self, gm: fx.GraphModule) -> list[PassResult]:
         results = []
-        for index, spec in enumerate(self.passes):
-            results.append(self.run_one(gm, spec, index))
+        try:
+            for index, spec in enumerate(self.passes):
+                results.append(self.run_one(gm, spec, index, recompile=False))
+        finally:
+            gm.recompile()
         return results
 
-    def run_one(self, gm: fx.GraphModule, spec: PassSpec, index: int = 0) -> PassResult:
+    def run_one(self, gm: fx.GraphModule, spec: PassSpec, index: int = 0, recompile: bool = True) -> PassResult:
+        """Run one pass; ``recompile=False`` leaves the module's Python code stale (``run`` regenerates it after
+        the last pass)."""
         before = op_histogram(gm)
         if self.dump_dir:
             self._dump(gm, f"{index:02d}_{spec.name}.before.py")
@@ -114,7 +122,7 @@ class PassManager:
         outcome = spec.fn(gm, self.ctx)
         if not isinstance(outcome, PassOutcome):
             outcome = PassOutcome(int(outcome))
-        cleanup(gm)
+        cleanup(gm, recompile)
         seconds = time.perf_counter() - start
         expected = spec.expected(self.ctx) if spec.expected is not None and self.ctx.config is not None else None
         result = PassResult(spec.name, spec.stage, outcome.num_matches, seconds, expected, outcome.details, before, op_histogram(gm))
@@ -131,6 +139,7 @@ class PassManager:
 
     def _dump(self, gm: fx.GraphModule, name: str) -> None:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
+        gm.recompile()
         (self.dump_dir / name).write_text(gm.code)
 
 
