@@ -27,6 +27,9 @@ from fxglm5.passes.shard_check import check_sharded
 from fxglm5.passes.pipeline import STAGES, Stage, stages_of
 
 MAX_STEP_TOKENS = 1 << 20  # flat tokens of one step when nothing bounds them (RTP's batches, artifacts)
+# the flat tokens one prefill forward runs at most (the Runner's default chunk, the RTP plugin's): GLM-5's
+# [tokens, 64 heads, 576] attention tensors stay inside the kernels' int32 offsets
+PREFILL_STEP_TOKENS = 16384
 DEVICE_STAGES = (Stage.CACHE, Stage.LOWER)  # what a graph still needs for the device it serves on
 KIND_STAGES = (Stage.MATCH, Stage.FUSE, Stage.SHARD)  # what runs once per decoder-layer kind (on the captured prefix)
 

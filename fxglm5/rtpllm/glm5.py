@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fxglm5.compiler import MAX_STEP_TOKENS, compile_model
+from fxglm5.compiler import MAX_STEP_TOKENS, PREFILL_STEP_TOKENS, compile_model
 from fxglm5.errors import ConfigError, InputError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.decoder import check_input_ids
@@ -71,6 +71,7 @@ class Fxglm5PyModel(GptModelBase):
             compiled = compile_model(model, max_tokens=max(model.config.max_position_embeddings, MAX_STEP_TOKENS),
                                      device=self.device, head="hidden")[:2]
         self.graph, self.pass_results = compiled
+        self.max_step_tokens = PREFILL_STEP_TOKENS
         self.signature = self.graph.meta["paged_cache"]
         self.caches, self.layout = None, None
 
@@ -104,9 +105,30 @@ class Fxglm5PyModel(GptModelBase):
         if caches is None:
             raise InputError("kv_cache: this step was prepared for RTP's cache, but initialize() holds none now")
         with torch.no_grad(), validation(False):
-            hidden = self.graph(ids.long()[None], impl.positions[None], impl.slot_mapping, impl.block_table,
-                                impl.req_idx, impl.logits_indices, *caches)
-        return _rtp_symbol("rtp_llm.ops.compute_ops:PyModelOutputs", "rtp_llm.ops:PyModelOutputs")(hidden[0])
+            chunks = self._step_chunks(impl)
+            if len(chunks) == 1:
+                hidden = self.graph(ids.long()[None], impl.positions[None], impl.slot_mapping, impl.block_table,
+                                    impl.req_idx, impl.logits_indices, *caches)[0]
+            else:
+                li = impl.logits_indices
+                hidden = torch.cat([self.graph(ids[rows].long()[None], impl.positions[rows][None],
+                                               impl.slot_mapping[rows], impl.block_table, impl.req_idx[rows],
+                                               li[(li >= rows.start) & (li < rows.stop)] - rows.start, *caches)[0]
+                                    for rows in chunks])
+        return _rtp_symbol("rtp_llm.ops.compute_ops:PyModelOutputs", "rtp_llm.ops:PyModelOutputs")(hidden)
+
+    def _step_chunks(self, impl: StepMetadata) -> list[slice]:
+        """Token-row slices the step runs as, in order. RTP may hand over a prefill of any size (the stand-in's
+        8 x 32k prompts: 262144 tokens in one step, whose [tokens, heads, 576] attention tensors pass the
+        kernels' int32 offsets and whose indexer logits alone would take 34 GB), so a prefill longer than
+        ``max_step_tokens`` runs as consecutive chunks of rows, each behind the cache rows the earlier ones
+        wrote, as the Runner's chunked prefill does (every row reads its causal window through its block table
+        and position, so the hidden states are the unchunked step's). Prefill returns every row's hidden state
+        (``logits_indices`` is the rows in order): each chunk returns the ones among its rows."""
+        rows = impl.positions.shape[0]
+        if impl.static or rows <= self.max_step_tokens:
+            return [slice(0, rows)]
+        return [slice(s, min(rows, s + self.max_step_tokens)) for s in range(0, rows, self.max_step_tokens)]
 
 
 class Fxglm5Glm5(BaseModel):

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fxglm5.compiler import PREFILL_STEP_TOKENS
 from fxglm5.errors import ConfigError, InputError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.tiny import make_tiny_checkpoint
@@ -245,6 +246,27 @@ def test_prefix_reuse_gives_the_tokens_of_a_full_prefill(eager):
     del eager.py_model.prepare_fmha_impl
     assert prefixes[0] == [32, 16]  # whole 16-token blocks of the first batch's requests
     assert reused == eager.generate(second, 4)
+
+
+def test_a_prefill_longer_than_the_step_limit_runs_in_chunks_with_the_same_hidden_states(eager):
+    """A prefill past ``max_step_tokens`` (7 here; 16384 by default: what keeps a 262144-token step of RTP inside
+    the kernels' int32 offsets) runs as consecutive row chunks, chunks that cut a request included: the hidden
+    states of every row and the greedy tokens are the one-call step's (float32; a chunk's GEMMs see fewer rows)."""
+    batch = _prompts([40, 23], seed=5)
+    model = eager.py_model
+    hidden = _record(model, "forward", lambda args, out: out.hidden_states.clone())
+    whole = eager.generate(batch, 3)
+    calls = _record(model, "graph", lambda args, out: args[0].shape[1])
+    try:
+        object.__setattr__(model, "max_step_tokens", 7)
+        chunked = eager.generate(batch, 3)
+    finally:
+        object.__setattr__(model, "max_step_tokens", PREFILL_STEP_TOKENS)
+        model.__dict__.pop("forward"), model.__dict__.pop("graph")  # the wrappers; the registered graph stays
+    assert calls == [7] * 9 + [2, 2]  # 63 prefill rows in 9 calls, then two decode steps of 2 rows
+    assert chunked == whole
+    assert hidden[3].shape == hidden[0].shape == (63, model.glm5_config.hidden_size)
+    torch.testing.assert_close(hidden[3], hidden[0], rtol=1e-5, atol=1e-5)
 
 
 def test_bad_steps_fail_by_name_and_leave_the_cache_as_it_was(rtp, eager):

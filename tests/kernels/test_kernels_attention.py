@@ -10,7 +10,7 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import given  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fxglm5.errors import InputError  # noqa: E402
@@ -438,6 +438,32 @@ def test_indexer_topk_paged(s, HI, K, data):
             # ...and a near-top-k of the independent float64 scores
             best = naive[t].topk(k).values.sort().values
             _close(naive[t][got].sort().values, best, atol=1e-3)
+
+
+@settings(max_examples=2)
+@given(paged_setup(max_len=48), st.integers(1, 16))
+def test_indexer_topk_paged_row_chunks_select_as_one_call(s, K):
+    """A step whose [tokens, context] float32 logits would pass 2^31 bytes (monkeypatched down to one row's
+    worth) runs as row chunks (here one row each): the selection of each row is the unchunked call's, bit for bit (a 262144-token
+    prefill at 32k context faulted on the H200 before: int32 row offsets)."""
+    from fxglm5.lowering.triton import fp8_gemm
+
+    kc = _filled_index(s)
+    req, pos = _queries(s, lambda b, n: sorted({0, n // 2, n - 1}))
+    g = torch.Generator().manual_seed(s["seed"] + 6)
+    q = torch.randn(len(req), 2, 128, generator=g).bfloat16()
+    w = torch.randn(len(req), 2, generator=g)
+    whole = tindexer.indexer_topk_paged(q, w, kc, s["bt"], req, pos, K)
+    row_bytes = s["bt"].shape[1] * s["bs"] * tindexer.LOGITS_BYTES_PER_ELEMENT
+    calls = []
+    real = tindexer.indexer_logits_paged
+    limit = row_bytes + 1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8_gemm, "INT32_ELEMENTS", limit)
+        mp.setattr(tindexer, "indexer_logits_paged", lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k))
+        chunked = tindexer.indexer_topk_paged(q, w, kc, s["bt"], req, pos, K)
+    assert calls == [1] * len(req)
+    assert torch.equal(chunked, whole)
 
 
 @given(paged_setup(max_len=100, block_sizes=(32, 64)), st.sampled_from([1, 4]), st.sampled_from([(16, 2), (32, 3)]))

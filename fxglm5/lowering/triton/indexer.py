@@ -27,6 +27,7 @@ from fxglm5 import settings
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat
+from fxglm5.lowering.triton.fp8_gemm import row_chunk
 from fxglm5.lowering.triton.paged_cache import e4m3_bits, pow2_scale
 from fxglm5.lowering.triton.topk import SEGMENT_MAX, topk_from_logits
 
@@ -220,11 +221,27 @@ def tma_tiles_fit(block_size: int, block_n: int) -> bool:
     return block_size % 32 == 0 and block_size % block_n == 0
 
 
+# A prefill step's logits are [tokens, context] float32: 16384 tokens at a 128k context are 8.6e9 elements, past
+# the kernels' int32 offsets (row * stride) and 34 GB of memory. Steps are cut into row chunks whose logits stay
+# below 2^31 bytes (each chunk's top-k only reads its own rows, so the result is the same); decode steps, whose
+# graph-owned buffers are passed in, never reach that size.
+LOGITS_BYTES_PER_ELEMENT = 4
+
+
 def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk: int, *, validate: bool = True,
                        logits_buf: torch.Tensor | None = None, out: torch.Tensor | None = None):
     """DSA lightning indexer -> int32 [T, topk] positions (any order), -1 padded."""
     if validate:
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk)
+    T, max_len = q.shape[0], block_table.shape[1] * k_cache.shape[1]
+    rows = row_chunk(T, lambda r: r * max_len * LOGITS_BYTES_PER_ELEMENT) if logits_buf is None else T
+    if rows < T:
+        out = out if out is not None else torch.empty(T, topk, dtype=torch.int32, device=q.device)
+        for s in range(0, T, rows):
+            e = min(T, s + rows)
+            indexer_topk_paged(q[s:e], weights[s:e], k_cache, block_table, req_idx[s:e], positions[s:e], topk,
+                               validate=False, out=out[s:e])
+        return out
     logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
                                   validate=False)
     return topk_from_logits(logits, positions, topk, out=out, validate=False)
