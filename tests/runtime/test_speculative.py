@@ -149,9 +149,11 @@ def test_forced_rejection_leaves_caches_and_tables_as_plain_decoding(k):
         assert [spec.blocks.tables[s.id] for s in seqs] == [plain.blocks.tables[s.id] for s in ps]
         assert spec.blocks._block_of.keys() == plain.blocks._block_of.keys()  # no hash over a rejected token
     a, b, want = live_rows(r1, s1), live_rows(r2, s2), live_rows(plain, ps)
-    for name in want:  # the MoE layers group a step's tokens by expert: the drafts change those GEMMs' shapes
+    # the MoE layers group a step's tokens by expert: the drafts change those GEMMs' shapes, and CPU matmul rounds
+    # a row by the rows beside it (up to 1.9e-6 on rows of magnitude ~5 on one of the project's CPUs): atol 1e-5
+    for name in want:
         for x, y, z in zip(a[name], b[name], want[name]):
-            assert torch.allclose(x, y, rtol=1e-5, atol=1e-6) and torch.allclose(x, z, rtol=1e-5, atol=1e-6), name
+            assert torch.allclose(x, y, rtol=1e-5, atol=1e-5) and torch.allclose(x, z, rtol=1e-5, atol=1e-5), name
 
 
 @pytest.mark.parametrize("kv_cache,index_cache", [("bf16", "bf16"), ("fp8", "fp8"), ("bf16", "fp8")])
@@ -170,7 +172,7 @@ def test_rejected_drafts_leave_no_byte_on_a_live_row(kv_cache, index_cache):
     for name in a:
         assert all(torch.equal(x, y) for x, y in zip(a[name], b[name])), name
         if kv_cache == index_cache == "bf16":
-            assert all(torch.allclose(x, z, rtol=1e-5, atol=1e-6) for x, z in zip(a[name], want[name])), name
+            assert all(torch.allclose(x, z, rtol=1e-5, atol=1e-5) for x, z in zip(a[name], want[name])), name
     _, s3 = spec_run("fp8", batch, 3, ScriptedDrafter(script), **opts)
     assert [s.output for s in s3] == [s.output for s in ps]
     assert all(set(s.acceptance[:-1]) == {4} for s in s3)
