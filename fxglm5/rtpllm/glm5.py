@@ -27,6 +27,7 @@ from fxglm5.model.decoder import check_input_ids
 from fxglm5.lowering.reference.paged_steps import validation
 from fxglm5.rtpllm.config import compute_dtype, fill_model_config
 from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step
+from fxglm5.rtpllm import speculative
 from fxglm5.rtpllm.parallel import join_rtp_tp_group, load_rank, replicated, rtp_mapping
 from rtp_llm.models.base_model import BaseModel
 from rtp_llm.models_py.model_desc.module_base import GptModelBase
@@ -87,8 +88,8 @@ class Fxglm5PyModel(GptModelBase):
     def prepare_fmha_impl(self, inputs, is_cuda_graph: bool = False) -> StepMetadata:
         attn = inputs.attention_inputs
         if is_cuda_graph:
-            if bool(attn.is_prefill):
-                raise InputError("attention_inputs: RTP captures CUDA graphs for decode only, got a prefill batch")
+            if bool(attn.is_prefill):  # RTP's target-verify graphs (speculative decoding) are prefills
+                return speculative.verify_step(attn, self.layout, self.device)
             return StepMetadata(attn, self.layout, self.device, static=True)
         return StepMetadata(attn, self.layout, self.device, scratch=lambda a: scratch_step(
             a, self.signature, self.kv_cache_kind, self.dtype, self.device, self.glm5_config.max_position_embeddings))
