@@ -177,7 +177,8 @@ class Fxglm5Glm5(BaseModel):
 
 
 def register() -> None:
-    """Take ``glm_5`` (and its HF architecture) over from RTP's DeepSeekV2, and register ``fxglm5_glm5``."""
+    """Take ``glm_5`` (and its HF architecture) over from RTP's DeepSeekV2, and register ``fxglm5_glm5`` and the
+    MTP draft types (``fxglm5.rtpllm.speculative``)."""
     try:  # RTP's own glm_5 is registered on this import; ours must come after it
         importlib.import_module("rtp_llm.models.deepseek_v2")
     except ImportError as err:
@@ -186,3 +187,4 @@ def register() -> None:
     factory.register_model(ALIAS, Fxglm5Glm5)
     factory._model_factory[NAME] = Fxglm5Glm5
     factory._hf_architecture_2_ft[ARCHITECTURE] = NAME
+    speculative.register(factory)

@@ -1,6 +1,6 @@
 """RTP-LLM's speculative decoding (sp_type "mtp") through the plugin: the target's verify step replayed from RTP's
-CUDA graphs. Read from rtp-llm 4b8d39cd5; the contract, with file:line, is docs/rtp_speculative.md (which also says
-why GLM-5's MTP layer is not yet served as RTP's draft model).
+CUDA graphs, and GLM-5's MTP layer as RTP's draft model ``glm_5-mtp``. Read from rtp-llm 4b8d39cd5; the contract,
+with file:line, is docs/rtp_speculative.md.
 
 - :class:`VerifyStepMetadata`: the static step inputs of a target-verify graph. RTP builds the target's graph
   runner with ``num_tokens_per_bs = gen_num_per_cycle + 1`` (k+1) and ``is_target_verify`` when speculation is on
@@ -11,15 +11,34 @@ why GLM-5's MTP layer is not yet served as RTP's draft model).
   ``prefix_lengths`` but not their host block-table rows (``cuda_graph_runner.cc:509-517, 588-600``): a row is
   live where its input length is positive and its table starts with a real block, else it computes padding
   tokens that write nothing.
+- :class:`Fxglm5MtpPyModel` / :class:`Fxglm5Glm5Mtp`: ``compile_mtp``'s graph as the draft. RTP hands it the
+  target's returned hidden states (``PyModelOutputs.hidden_states``, carried as ``all_hidden_states``) in
+  ``PyModelInputs.input_hiddens`` (``MtpBatchStreamProcessor.cc:777, 815, 1070``; ``PyWrappedModel.cc:785-786``),
+  one row per input token, with its own one-layer cache (``getMTPModuleGroupedCacheLayerLayout(0)``,
+  ``MtpExecutor.cc:643-645``) under the target's block ids. Its returned hidden states go through RTP's lm_head
+  (``PyWrappedModel.cc:866-884``, the final norm skipped), so the draft returns ``shared_head_norm(y)``; the
+  pre-norm ``y`` that a chained draft step feeds back goes through ``get_mtp_target_hidden_states``, which RTP
+  prefers over the returned rows for the next draft input (``MtpExecutor.cc:241-254, 967, 2282``).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from fxglm5.errors import InputError
-from fxglm5.rtpllm.context import _context, _host, _tables
+from fxglm5.errors import ConfigError, InputError
+from fxglm5.lowering.reference.paged_steps import validation
+from fxglm5.model.config import Glm5Config
+from fxglm5.model.decoder import check_input_ids
+from fxglm5.rtpllm.config import compute_dtype, fill_model_config
+from fxglm5.rtpllm.context import StepMetadata, _context, _host, _tables, bind_caches, scratch_step
+from fxglm5.rtpllm.parallel import rtp_mapping
 from fxglm5.runtime.decode_graphs import request_rows
+from rtp_llm.models.base_model import BaseModel
+from rtp_llm.models_py.model_desc.module_base import GptModelBase
+
+MTP_NAME, MTP_ALIAS = "glm_5-mtp", "fxglm5_glm5_mtp"  # RTP's pattern: deepseek-v3-mtp, qwen_3_moe-mtp
 
 
 class VerifyStepMetadata:
@@ -72,3 +91,141 @@ def verify_step(attn, layout, device):
         raise InputError("attention_inputs: the plugin's CUDA graphs are decode and target-verify steps; got a "
                          "prefill batch without is_target_verify")
     return VerifyStepMetadata(attn, layout, device)
+
+
+def mtp_model_config(ckpt_path) -> Glm5Config:
+    """The checkpoint's config as the draft model sees it (one MoE layer with its indexer); ConfigError for a
+    checkpoint without an MTP layer."""
+    cfg = Glm5Config.from_json(Path(ckpt_path) / "config.json")
+    if cfg.num_nextn_predict_layers < 1:
+        raise ConfigError(f"{Path(ckpt_path) / 'config.json'}: num_nextn_predict_layers="
+                          f"{cfg.num_nextn_predict_layers}; the checkpoint has no MTP layer to serve as RTP's draft "
+                          f"model {MTP_NAME!r}")
+    from fxglm5.compiler import mtp_graph_config
+
+    return mtp_graph_config(cfg)
+
+
+def _glm5():
+    """fxglm5.rtpllm.glm5, which imports this module (its RTP-symbol lookup, the target's weight class)."""
+    from fxglm5.rtpllm import glm5
+
+    return glm5
+
+
+class Fxglm5MtpPyModel(GptModelBase):
+    """The compiled MTP layer on RTP's draft cache; ``forward`` returns ``shared_head_norm(y)`` for every row."""
+
+    def __init__(self, config, parallelism_config, weight, max_generate_batch_size, fmha_config=None,
+                 py_hw_kernel_config=None, device_resource_config=None, *, model, graph, kv_cache: str = "bf16"):
+        super().__init__(config, parallelism_config, weight, max_generate_batch_size, fmha_config, py_hw_kernel_config,
+                         device_resource_config)
+        self.glm5_config: Glm5Config = model.config
+        self.dtype, self.kv_cache_kind, self.graph = model.dtype, kv_cache, graph
+        self.shared_head_norm = model.mtp.shared_head_norm
+        self.device = next(model.mtp.parameters()).device
+        self.signature = graph.meta["paged_cache"]
+        self.caches, self.layout, self.mtp_hidden = None, None, None
+
+    def initialize(self, init_resource) -> bool:
+        kv = getattr(init_resource, "kv_cache", None)
+        self.caches, self.layout = (None, None) if kv is None else bind_caches(
+            kv, self.signature, self.dtype, self.glm5_config.max_position_embeddings)
+        return True
+
+    def prepare_fmha_impl(self, inputs, is_cuda_graph: bool = False) -> StepMetadata:
+        if is_cuda_graph:
+            raise InputError(f"{MTP_NAME}: the MTP draft runs eagerly; RTP's draft decode and draft prefill CUDA "
+                             "graphs are not supported (ENABLE_CUDA_GRAPH=0)")
+        return StepMetadata(inputs.attention_inputs, self.layout, self.device, scratch=lambda a: scratch_step(
+            a, self.signature, self.kv_cache_kind, self.dtype, self.device, self.glm5_config.max_position_embeddings))
+
+    def forward(self, inputs, fmha_impl: StepMetadata | None = None):
+        impl = fmha_impl if fmha_impl is not None else self.prepare_fmha_impl(inputs)
+        ids, hidden = inputs.input_ids, inputs.input_hiddens
+        rows = impl.positions.shape[0]
+        if ids.dim() != 1 or ids.shape[0] != rows:
+            raise InputError(f"input_ids: expected {rows} tokens, got {tuple(ids.shape)}")
+        want = (rows, self.glm5_config.hidden_size)
+        if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape) != want:
+            got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+            raise InputError(f"input_hiddens: the MTP draft needs the target's hidden state of every input token, "
+                             f"expected {want}, got {got}")
+        check_input_ids(ids[None], self.glm5_config.vocab_size)
+        caches = impl.caches if impl.caches is not None else self.caches
+        if caches is None:
+            raise InputError("kv_cache: this step was prepared for RTP's cache, but initialize() holds none now")
+        with torch.no_grad(), validation(False):
+            _, y = self.graph(ids.long()[None], impl.positions[None], hidden[None].to(self.dtype), impl.slot_mapping,
+                              impl.block_table, impl.req_idx, impl.logits_indices, *caches)
+            self.mtp_hidden = y[0]
+            out = self.shared_head_norm(y[0])
+        return _glm5()._rtp_symbol("rtp_llm.ops.compute_ops:PyModelOutputs", "rtp_llm.ops:PyModelOutputs")(out)
+
+    def get_mtp_target_hidden_states(self, num_tokens: int):
+        """The last forward's pre-norm MTP outputs ``y`` (its first ``num_tokens`` rows; all for a negative count):
+        what a chained draft step takes as the hidden state of the position before it."""
+        if self.mtp_hidden is None:
+            return None
+        n = self.mtp_hidden.shape[0] if num_tokens < 0 else int(num_tokens)
+        if n > self.mtp_hidden.shape[0]:
+            raise InputError(f"get_mtp_target_hidden_states: {n} rows asked, the last forward computed "
+                             f"{self.mtp_hidden.shape[0]}")
+        return self.mtp_hidden[:n]
+
+
+class Fxglm5Glm5Mtp(BaseModel):
+    """GLM-5's MTP layer (checkpoint layer ``num_hidden_layers``) as RTP's draft model (``--sp_model_type
+    glm_5-mtp --sp_type mtp``, ``--sp_checkpoint_path`` the GLM-5 checkpoint)."""
+
+    @classmethod
+    def _create_config(cls, ckpt_path):
+        model_config = _glm5()._rtp_symbol("rtp_llm.config.model_config:ModelConfig")()
+        fill_model_config(model_config, mtp_model_config(ckpt_path), ckpt_path)
+        model_config.is_mtp = True  # as RTP's DeepSeekV3Mtp (models/deepseek_v2.py:798-806)
+        model_config.reverse_e_h_norm = True  # eh_proj(cat([enorm(e), hnorm(h)])): the embedding first
+        return model_config
+
+    @staticmethod
+    def get_weight_cls():
+        return _glm5().Fxglm5Glm5.get_weight_cls()
+
+    def support_cuda_graph(self) -> bool:
+        return False  # see Fxglm5MtpPyModel.prepare_fmha_impl
+
+    def load(self, skip_python_model: bool = False):
+        from fxglm5.compiler import MAX_STEP_TOKENS, compile_mtp
+        from fxglm5.model.modeling import Glm5ForCausalLM
+
+        glm5, model_config = _glm5(), self.model_config
+        cfg = mtp_model_config(model_config.ckpt_path)
+        if rtp_mapping(getattr(self, "parallelism_config", None), cfg).tp != 1:
+            raise ConfigError(f"{MTP_NAME}: the MTP graph is compiled for one rank only (tp_size=1)")
+        if getattr(getattr(self, "hw_kernel_config", None), "enable_cuda_graph", False):
+            raise ConfigError(f"ENABLE_CUDA_GRAPH=1: the {MTP_NAME} draft has no CUDA-graph path (RTP captures the "
+                              "draft's decode and prefill graphs too); ENABLE_CUDA_GRAPH=0")
+        dtype = compute_dtype(model_config)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.glm5 = Glm5ForCausalLM.from_pretrained(model_config.ckpt_path, dtype=dtype, device=device,
+                                                    progress=False, mtp=True)
+        self.graph = compile_mtp(self.glm5, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS),
+                                 device=device).graph
+        mtp = self.glm5.mtp
+        weights = glm5._rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelWeights",
+                                   "rtp_llm.utils.model_weight:ModelWeights")(1, device, dtype)
+        weights.set_global_weight("lm_head", mtp.head.weight)  # RTP's lm_head turns the draft's rows into logits
+        weights.set_global_weight("embedding", mtp.embed_tokens.weight)
+        weights.set_global_weight("final_layernorm.gamma", mtp.shared_head_norm.weight)
+        self.weight, self.weight_manager, self.py_eplb, self.model_weights_loader = weights, None, None, None
+        if not skip_python_model:
+            self.py_model = Fxglm5MtpPyModel(
+                model_config, getattr(self, "parallelism_config", None), weights,
+                getattr(self, "max_generate_batch_size", 1), fmha_config=getattr(self, "fmha_config", None),
+                py_hw_kernel_config=getattr(self, "hw_kernel_config", None), model=self.glm5, graph=self.graph,
+                kv_cache="fp8" if glm5._fp8_kv_cache(model_config) else "bf16")
+
+
+def register(factory) -> None:
+    """``glm_5-mtp`` and ``fxglm5_glm5_mtp``: RTP has no GLM-5 draft type of its own to take over."""
+    factory.register_model(MTP_NAME, Fxglm5Glm5Mtp)
+    factory.register_model(MTP_ALIAS, Fxglm5Glm5Mtp)

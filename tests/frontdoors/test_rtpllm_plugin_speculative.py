@@ -77,7 +77,7 @@ def test_the_draft_takes_the_target_hidden_states_and_refuses_what_it_cannot_ser
     t, draft = mtp2.target, mtp2.py_draft
     inputs = t._prefill_inputs([[1, 2, 3]], [0], [[1]])
     with pytest.raises(InputError, match=r"input_hiddens: the MTP draft needs the target's hidden state of every "
-                                         r"input token, expected \(3, 64\), got \(2, 64\)"):
+                                         r"input token, expected \(3, 256\), got \(2, 64\)"):
         draft.forward(PyModelInputs(input_ids=inputs.input_ids, input_hiddens=torch.zeros(2, 64),
                                     attention_inputs=inputs.attention_inputs))
     with pytest.raises(InputError, match="glm_5-mtp: the MTP draft runs eagerly"):
