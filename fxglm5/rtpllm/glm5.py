@@ -13,7 +13,6 @@ publishes its lm_head vocabulary shard, and returns every token's full hidden st
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 from pathlib import Path
@@ -25,7 +24,8 @@ from fxglm5.errors import ConfigError, InputError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.decoder import check_input_ids
 from fxglm5.lowering.reference.paged_steps import validation
-from fxglm5.rtpllm.config import compute_dtype, fill_model_config
+from fxglm5.rtpllm.config import compute_dtype, fill_model_config, no_weight_info_cls
+from fxglm5.rtpllm.config import fp8_kv_cache as _fp8_kv_cache, rtp_symbol as _rtp_symbol
 from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step
 from fxglm5.rtpllm import speculative
 from fxglm5.rtpllm.parallel import join_rtp_tp_group, load_rank, replicated, rtp_mapping
@@ -34,25 +34,6 @@ from rtp_llm.models_py.model_desc.module_base import GptModelBase
 
 log = logging.getLogger(__name__)
 NAME, ALIAS, ARCHITECTURE = "glm_5", "fxglm5_glm5", "GlmMoeDsaForCausalLM"
-
-
-@functools.lru_cache(maxsize=None)
-def _rtp_symbol(*paths: str):
-    """The first importable ``module:name`` (RTP moved these between versions), looked up once."""
-    for path in paths:
-        module, name = path.split(":")
-        try:
-            return getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
-    raise ImportError(f"rtp_llm provides none of {paths}")
-
-
-def _fp8_kv_cache(model_config) -> bool:
-    """FP8_KV_CACHE=1: RTP's kv_cache_dtype is float8_e4m3fn (an enum or a name in some versions)."""
-    kv_dtype = getattr(getattr(model_config, "attn_config", None), "kv_cache_dtype", None)
-    text = str(kv_dtype).lower()
-    return kv_dtype is not None and ("float8" in text or text.endswith("fp8"))
 
 
 class Fxglm5PyModel(GptModelBase):
@@ -120,8 +101,7 @@ class Fxglm5Glm5(BaseModel):
 
     @staticmethod
     def get_weight_cls():
-        base = _rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelDeployWeightInfo")
-        return type("Fxglm5NoWeightInfo", (base,), {"__doc__": "fxglm5 loads the checkpoint itself (load())."})
+        return no_weight_info_cls()
 
     def support_cuda_graph(self) -> bool:
         """Block-FP8 checkpoints (GLM-5-FP8): every op of the compiled decoder has a kernel that never syncs with

@@ -31,7 +31,7 @@ from fxglm5.errors import ConfigError, InputError
 from fxglm5.lowering.reference.paged_steps import validation
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.decoder import check_input_ids
-from fxglm5.rtpllm.config import compute_dtype, fill_model_config
+from fxglm5.rtpllm.config import compute_dtype, fill_model_config, fp8_kv_cache, no_weight_info_cls, rtp_symbol
 from fxglm5.rtpllm.context import StepMetadata, _context, _host, _tables, bind_caches, scratch_step
 from fxglm5.rtpllm.parallel import rtp_mapping
 from fxglm5.runtime.decode_graphs import request_rows
@@ -106,13 +106,6 @@ def mtp_model_config(ckpt_path) -> Glm5Config:
     return mtp_graph_config(cfg)
 
 
-def _glm5():
-    """fxglm5.rtpllm.glm5, which imports this module (its RTP-symbol lookup, the target's weight class)."""
-    from fxglm5.rtpllm import glm5
-
-    return glm5
-
-
 class Fxglm5MtpPyModel(GptModelBase):
     """The compiled MTP layer on RTP's draft cache; ``forward`` returns ``shared_head_norm(y)`` for every row."""
 
@@ -160,7 +153,7 @@ class Fxglm5MtpPyModel(GptModelBase):
                               impl.block_table, impl.req_idx, impl.logits_indices, *caches)
             self.mtp_hidden = y[0]
             out = self.shared_head_norm(y[0])
-        return _glm5()._rtp_symbol("rtp_llm.ops.compute_ops:PyModelOutputs", "rtp_llm.ops:PyModelOutputs")(out)
+        return rtp_symbol("rtp_llm.ops.compute_ops:PyModelOutputs", "rtp_llm.ops:PyModelOutputs")(out)
 
     def get_mtp_target_hidden_states(self, num_tokens: int):
         """The last forward's pre-norm MTP outputs ``y`` (its first ``num_tokens`` rows; all for a negative count):
@@ -180,7 +173,7 @@ class Fxglm5Glm5Mtp(BaseModel):
 
     @classmethod
     def _create_config(cls, ckpt_path):
-        model_config = _glm5()._rtp_symbol("rtp_llm.config.model_config:ModelConfig")()
+        model_config = rtp_symbol("rtp_llm.config.model_config:ModelConfig")()
         fill_model_config(model_config, mtp_model_config(ckpt_path), ckpt_path)
         model_config.is_mtp = True  # as RTP's DeepSeekV3Mtp (models/deepseek_v2.py:798-806)
         model_config.reverse_e_h_norm = True  # eh_proj(cat([enorm(e), hnorm(h)])): the embedding first
@@ -188,7 +181,7 @@ class Fxglm5Glm5Mtp(BaseModel):
 
     @staticmethod
     def get_weight_cls():
-        return _glm5().Fxglm5Glm5.get_weight_cls()
+        return no_weight_info_cls()
 
     def support_cuda_graph(self) -> bool:
         return False  # see Fxglm5MtpPyModel.prepare_fmha_impl
@@ -197,7 +190,7 @@ class Fxglm5Glm5Mtp(BaseModel):
         from fxglm5.compiler import MAX_STEP_TOKENS, compile_mtp
         from fxglm5.model.modeling import Glm5ForCausalLM
 
-        glm5, model_config = _glm5(), self.model_config
+        model_config = self.model_config
         cfg = mtp_model_config(model_config.ckpt_path)
         if rtp_mapping(getattr(self, "parallelism_config", None), cfg).tp != 1:
             raise ConfigError(f"{MTP_NAME}: the MTP graph is compiled for one rank only (tp_size=1)")
@@ -211,7 +204,7 @@ class Fxglm5Glm5Mtp(BaseModel):
         self.graph = compile_mtp(self.glm5, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS),
                                  device=device).graph
         mtp = self.glm5.mtp
-        weights = glm5._rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelWeights",
+        weights = rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelWeights",
                                    "rtp_llm.utils.model_weight:ModelWeights")(1, device, dtype)
         weights.set_global_weight("lm_head", mtp.head.weight)  # RTP's lm_head turns the draft's rows into logits
         weights.set_global_weight("embedding", mtp.embed_tokens.weight)
@@ -222,7 +215,7 @@ class Fxglm5Glm5Mtp(BaseModel):
                 model_config, getattr(self, "parallelism_config", None), weights,
                 getattr(self, "max_generate_batch_size", 1), fmha_config=getattr(self, "fmha_config", None),
                 py_hw_kernel_config=getattr(self, "hw_kernel_config", None), model=self.glm5, graph=self.graph,
-                kv_cache="fp8" if glm5._fp8_kv_cache(model_config) else "bf16")
+                kv_cache="fp8" if fp8_kv_cache(model_config) else "bf16")
 
 
 def register(factory) -> None:
