@@ -87,13 +87,13 @@ def compile_mtp(model, *, stages=STAGES, max_tokens: int | None = None, device=N
     start = time.perf_counter()
     graph = capture_mtp(model, max_seq=max_tokens)
     seconds = time.perf_counter() - start
-    results = compile_graph(graph, _mtp_graph_config(model.config), stages=stages, device=device, backend=backend,
+    results = compile_graph(graph, mtp_graph_config(model.config), stages=stages, device=device, backend=backend,
                             strict=strict, act_quant=act_quant, disabled_passes=disabled_passes, dump_dir=dump_dir,
                             mapping=mapping, head=MTP_HEAD, extras={"eh_proj_fp8": model.mtp.eh_proj.fp8})
     return Compiled(graph, results, seconds)
 
 
-def _mtp_graph_config(config):
+def mtp_graph_config(config):
     """``config`` as the passes see the MTP graph: a model of one decoder layer, MoE with its own indexer."""
     return config.replace(num_hidden_layers=1, first_k_dense_replace=0, mlp_layer_types=["sparse"],
                           indexer_types=["full"])

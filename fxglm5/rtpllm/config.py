@@ -7,6 +7,8 @@ pybind structs reject unknown names, and field sets drift between RTP versions.
 
 from __future__ import annotations
 
+import functools
+import importlib
 from pathlib import Path
 
 import torch
@@ -22,6 +24,32 @@ COMPUTE_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": to
 # MAX_SEQ_LEN override it). It sizes the CUDA-graph tables and the default warm-up prefill (max_seq_len - 1
 # tokens): GLM-5's max_position_embeddings (202752) there would be a 202751-token warm-up.
 RTP_DEFAULT_MAX_SEQ_LEN = 8192
+
+
+@functools.lru_cache(maxsize=None)
+def rtp_symbol(*paths: str):
+    """The first importable ``module:name`` (RTP moved these between versions), looked up once."""
+    for path in paths:
+        module, name = path.split(":")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(f"rtp_llm provides none of {paths}")
+
+
+def fp8_kv_cache(model_config) -> bool:
+    """FP8_KV_CACHE=1: RTP's kv_cache_dtype is float8_e4m3fn (an enum or a name in some versions)."""
+    kv_dtype = getattr(getattr(model_config, "attn_config", None), "kv_cache_dtype", None)
+    text = str(kv_dtype).lower()
+    return kv_dtype is not None and ("float8" in text or text.endswith("fp8"))
+
+
+def no_weight_info_cls():
+    """RTP's weight-info class for a model that loads its checkpoint itself (its ``load()``): RTP's loader, which
+    would read it, is bypassed."""
+    base = rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelDeployWeightInfo")
+    return type("Fxglm5NoWeightInfo", (base,), {"__doc__": "fxglm5 loads the checkpoint itself (load())."})
 
 
 def _set(obj, **fields) -> None:

@@ -13,7 +13,6 @@ publishes its lm_head vocabulary shard, and returns every token's full hidden st
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 from pathlib import Path
@@ -25,33 +24,16 @@ from fxglm5.errors import ConfigError, InputError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.decoder import check_input_ids
 from fxglm5.lowering.reference.paged_steps import validation
-from fxglm5.rtpllm.config import compute_dtype, fill_model_config
+from fxglm5.rtpllm.config import compute_dtype, fill_model_config, no_weight_info_cls
+from fxglm5.rtpllm.config import fp8_kv_cache as _fp8_kv_cache, rtp_symbol as _rtp_symbol
 from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step
+from fxglm5.rtpllm import speculative
 from fxglm5.rtpllm.parallel import join_rtp_tp_group, load_rank, replicated, rtp_mapping
 from rtp_llm.models.base_model import BaseModel
 from rtp_llm.models_py.model_desc.module_base import GptModelBase
 
 log = logging.getLogger(__name__)
 NAME, ALIAS, ARCHITECTURE = "glm_5", "fxglm5_glm5", "GlmMoeDsaForCausalLM"
-
-
-@functools.lru_cache(maxsize=None)
-def _rtp_symbol(*paths: str):
-    """The first importable ``module:name`` (RTP moved these between versions), looked up once."""
-    for path in paths:
-        module, name = path.split(":")
-        try:
-            return getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
-    raise ImportError(f"rtp_llm provides none of {paths}")
-
-
-def _fp8_kv_cache(model_config) -> bool:
-    """FP8_KV_CACHE=1: RTP's kv_cache_dtype is float8_e4m3fn (an enum or a name in some versions)."""
-    kv_dtype = getattr(getattr(model_config, "attn_config", None), "kv_cache_dtype", None)
-    text = str(kv_dtype).lower()
-    return kv_dtype is not None and ("float8" in text or text.endswith("fp8"))
 
 
 class Fxglm5PyModel(GptModelBase):
@@ -88,8 +70,8 @@ class Fxglm5PyModel(GptModelBase):
     def prepare_fmha_impl(self, inputs, is_cuda_graph: bool = False) -> StepMetadata:
         attn = inputs.attention_inputs
         if is_cuda_graph:
-            if bool(attn.is_prefill):
-                raise InputError("attention_inputs: RTP captures CUDA graphs for decode only, got a prefill batch")
+            if bool(attn.is_prefill):  # RTP's target-verify graphs (speculative decoding) are prefills
+                return speculative.verify_step(attn, self.layout, self.device)
             return StepMetadata(attn, self.layout, self.device, static=True)
         return StepMetadata(attn, self.layout, self.device, scratch=lambda a: scratch_step(
             a, self.signature, self.kv_cache_kind, self.dtype, self.device, self.glm5_config.max_position_embeddings))
@@ -141,8 +123,7 @@ class Fxglm5Glm5(BaseModel):
 
     @staticmethod
     def get_weight_cls():
-        base = _rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelDeployWeightInfo")
-        return type("Fxglm5NoWeightInfo", (base,), {"__doc__": "fxglm5 loads the checkpoint itself (load())."})
+        return no_weight_info_cls()
 
     def support_cuda_graph(self) -> bool:
         """Block-FP8 checkpoints (GLM-5-FP8): every op of the compiled decoder has a kernel that never syncs with
@@ -198,7 +179,8 @@ class Fxglm5Glm5(BaseModel):
 
 
 def register() -> None:
-    """Take ``glm_5`` (and its HF architecture) over from RTP's DeepSeekV2, and register ``fxglm5_glm5``."""
+    """Take ``glm_5`` (and its HF architecture) over from RTP's DeepSeekV2, and register ``fxglm5_glm5`` and the
+    MTP draft types (``fxglm5.rtpllm.speculative``)."""
     try:  # RTP's own glm_5 is registered on this import; ours must come after it
         importlib.import_module("rtp_llm.models.deepseek_v2")
     except ImportError as err:
@@ -207,3 +189,4 @@ def register() -> None:
     factory.register_model(ALIAS, Fxglm5Glm5)
     factory._model_factory[NAME] = Fxglm5Glm5
     factory._hf_architecture_2_ft[ARCHITECTURE] = NAME
+    speculative.register(factory)

@@ -41,6 +41,14 @@ from fxglm5.runtime.forward_context import ForwardContext
 log = logging.getLogger(__name__)
 
 
+def request_rows(batch: int, tokens_per_request: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request of each token, logits rows) of a step in which each of ``batch`` requests computes
+    ``tokens_per_request`` tokens laid out request by request (request b's at rows b*q .. b*q+q-1): ``row // q``,
+    and every row (a verify step scores each of its tokens)."""
+    every = torch.arange(batch * tokens_per_request, dtype=torch.int64, device=device)
+    return every // tokens_per_request, every
+
+
 def pow2_buckets(limit: int) -> list[int]:
     """Powers of two up to ``limit``, and ``limit`` itself (batch sizes; block-table widths)."""
     return sorted({1 << i for i in range(limit.bit_length()) if 1 << i <= limit} | {limit})
@@ -63,8 +71,7 @@ class DecodeGraphs:
         # per tokens-per-request q: (the request of each token, the logits rows = every token)
         self._rows = {1: (self.req_idx, self.req_idx)}
         if tokens_per_request > 1:
-            q, every = tokens_per_request, torch.arange(max_batch * tokens_per_request, **i64)
-            self._rows[q] = (every // q, every)
+            self._rows[tokens_per_request] = request_rows(max_batch, tokens_per_request, device)
         self.tables: dict[int, torch.Tensor] = {}  # width bucket -> int32 [max_batch, width]
         # host staging of each device buffer, pinned on a GPU so that its copy is asynchronous (a copy from
         # pageable memory waits for the device: the copy queued behind the previous replay held the host)

@@ -162,7 +162,9 @@ class Engine:
     def __init__(self, ckpt_path, *, external_model_packages=None, model_type=None, act_type=None,
                  fp8_kv_cache=False, seq_size_per_block=64, kernel_seq_size_per_block=0, enable_cuda_graph=False,
                  decode_capture_batch_sizes=None, max_generate_batch_size=None, num_blocks=64, max_seq_len=None,
-                 warm_up=True, role_type="PDFUSION", device="cpu", parallelism_config=None):
+                 warm_up=True, role_type="PDFUSION", device="cpu", parallelism_config=None, gen_num_per_cycle=0):
+        """``gen_num_per_cycle`` k > 0: the target of speculative decoding (``standin_speculative``), whose graphs
+        are target-verify graphs of k+1 tokens per request (``PyWrappedModel.h:317-341``)."""
         self.device = torch.device(device)
         self.parallelism_config = parallelism_config or ParallelismConfig()
         sizes = tuple(decode_capture_batch_sizes or ())
@@ -194,7 +196,7 @@ class Engine:
         self.prefill_steps = self.eager_decode_steps = self.graph_replays = 0
         if warm_up:
             self._warm_up(role_type, kernel_seq_size_per_block)
-        num_blocks = self._sync_block_num(num_blocks)
+        self.num_blocks = num_blocks = self._sync_block_num(num_blocks)
         self.kv_cache, self.kv_pools = allocate_kv_cache(config, num_blocks, seq_size_per_block,
                                                          kernel_seq_size_per_block, self.device)
         self.kernel_block_size = self.kv_cache.get_kernel_seq_size_per_block(self.kv_cache.group_tags[0])
@@ -207,7 +209,8 @@ class Engine:
             self.graph_runner = CudaGraphRunner(
                 self.py_model, max_bs=self.max_generate_batch_size, capture_sizes=sizes, max_seq_len=self.max_seq_len,
                 block_size=seq_size_per_block, kernel_block_size=self.kernel_block_size,
-                hidden_size=config.hidden_size, dtype=self.dtype, device=self.device)
+                hidden_size=config.hidden_size, dtype=self.dtype, device=self.device,
+                num_tokens_per_bs=gen_num_per_cycle + 1, is_target_verify=gen_num_per_cycle > 0)
             self.graph_runner.capture()
         self.model_weights_loader = self.model.model_weights_loader  # rpc_engine._start
 

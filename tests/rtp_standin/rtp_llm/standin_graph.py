@@ -15,6 +15,16 @@ table gets the live rows only (rows and columns past them keep what an earlier, 
 host ``sequence_lengths`` past the batch are zeroed, host ``input_lengths`` past it stay stale; the device
 lengths get the live entries only; then ``prepare_cuda_graph(static attention inputs)`` and the replay.
 
+Target verify (speculative decoding; ``num_tokens_per_bs`` = k+1 > 1 with ``is_target_verify``, as
+``PyWrappedModel.h:305-341`` builds the target's runner): the static inputs are a prefill (``is_prefill`` and
+``is_target_verify`` set, ``cuda_graph_runner.cc:896-897``) of ``num_tokens_per_bs`` tokens per request
+(``input_lengths``, line 902) behind ``prefix_lengths`` ``max_seq_len - num_tokens_per_bs`` (lines 935-937),
+``sequence_lengths`` ``max_seq_len - num_tokens_per_bs - 1`` (line 908) and ``batch * num_tokens_per_bs`` token
+rows; a replay needs exactly ``batch * num_tokens_per_bs`` tokens (``canRun``, lines 834-847: a failed check,
+not a fallback), copies the live ``input_lengths`` / ``prefix_lengths`` / ``cu_seqlens`` (lines 505-511), zeroes
+the padding rows' ``input_lengths`` and ``prefix_lengths`` (host and device, lines 588-600) and every host
+``sequence_lengths`` entry (the live inputs carry none, lines 519-527), and returns ``hidden[:batch * q]``.
+
 A CUDA graph cannot be captured on a CPU: there step 3's capture call and every replay run
 ``forward(static, impl)`` eagerly on the prepared static buffers, which keeps everything around the replay
 (the Python calls, their order, the buffers and their refresh).
@@ -53,8 +63,11 @@ class CudaGraphRunner:
     (the flag's value seen by each forward during capture)."""
 
     def __init__(self, py_model, *, max_bs, capture_sizes, max_seq_len, block_size, kernel_block_size, hidden_size,
-                 dtype, device):
+                 dtype, device, num_tokens_per_bs=1, is_target_verify=False):
         self.py_model, self.max_bs, self.device, self.dtype = py_model, max_bs, torch.device(device), dtype
+        if is_target_verify != (num_tokens_per_bs > 1):
+            raise ValueError("the stand-in runs decode graphs (1 token per request) and target-verify graphs (> 1)")
+        self.q, self.verify = num_tokens_per_bs, is_target_verify
         self.sizes = sorted(set(capture_sizes))
         if not self.sizes or self.sizes[-1] > max_bs:
             raise ValueError(f"capture sizes {self.sizes} must be within max_bs {max_bs}")
@@ -67,14 +80,19 @@ class CudaGraphRunner:
         return t.pin_memory() if self.cuda else t
 
     def _static_inputs(self):
-        n, dev = self.max_bs, self.device
+        n, dev, q = self.max_bs, self.device, self.q
         a = PyAttentionInputs()
-        a.is_prefill, a.is_cuda_graph, a.is_s_padded, a.dtype = False, True, True, self.dtype
-        a.input_lengths = self._host(torch.ones(n, dtype=_I32))
+        a.is_prefill, a.is_cuda_graph, a.is_s_padded, a.dtype = self.verify, True, True, self.dtype
+        a.is_target_verify = self.verify
+        a.input_lengths = self._host(torch.full((n,), q, dtype=_I32))
         a.input_lengths_device = a.input_lengths.to(dev)
-        a.sequence_lengths = self._host(torch.full((n,), self.max_seq_len - 2, dtype=_I32))
+        a.sequence_lengths = self._host(torch.full((n,), self.max_seq_len - q - 1, dtype=_I32))
         a.sequence_lengths_plus_1_device = (a.sequence_lengths + 1).to(dev)
-        a.prefix_lengths = self._host(torch.zeros(0, dtype=_I32))
+        if self.verify:
+            a.prefix_lengths = self._host(torch.full((n,), self.max_seq_len - q, dtype=_I32))
+            a.prefix_lengths_device = a.prefix_lengths.to(dev)
+        else:
+            a.prefix_lengths = self._host(torch.zeros(0, dtype=_I32))
         a.kv_cache_kernel_block_id_device = torch.zeros((n, self.max_blocks), dtype=_I32, device=dev)
         a.kv_cache_kernel_block_id = self._host(torch.zeros((n, self.max_blocks), dtype=_I32))
         a.padding_offset = self._host(torch.zeros(self.max_seq_len * n, dtype=_I32))
@@ -84,20 +102,23 @@ class CudaGraphRunner:
         cu[1:] = torch.cumsum(a.input_lengths, 0)
         a.cu_seqlens, a.cu_seqlens_device = self._host(cu), cu.to(dev)
         a.cu_kv_seqlens_device = torch.zeros(n + 1, dtype=_I32, device=dev)
-        return PyModelInputs(input_ids=torch.zeros(n, dtype=_I32, device=dev), attention_inputs=a)
+        return PyModelInputs(input_ids=torch.zeros(n * q, dtype=_I32, device=dev), attention_inputs=a)
 
-    @staticmethod
-    def _slice(full, bs):
+    def _slice(self, full, bs):
         f, a = full.attention_inputs, PyAttentionInputs()
-        a.is_prefill, a.is_cuda_graph, a.is_s_padded, a.dtype = False, True, True, f.dtype
+        a.is_prefill, a.is_cuda_graph, a.is_s_padded, a.dtype = f.is_prefill, True, True, f.dtype
+        a.is_target_verify = f.is_target_verify
         for name in ("input_lengths", "input_lengths_device", "sequence_lengths", "sequence_lengths_plus_1_device",
                      "kv_cache_kernel_block_id", "kv_cache_kernel_block_id_device", "padding_offset"):
             setattr(a, name, getattr(f, name)[:bs])
         for name in ("cu_seqlens", "cu_seqlens_device", "cu_kv_seqlens_device", "decode_cu_seqlens",
                      "decode_cu_seqlens_device"):
             setattr(a, name, getattr(f, name)[:bs + 1])
-        a.prefix_lengths = f.prefix_lengths
-        return PyModelInputs(input_ids=full.input_ids[:bs], attention_inputs=a)
+        if self.verify:  # cuda_graph_runner.cc:1231-1236: the first bs rows
+            a.prefix_lengths, a.prefix_lengths_device = f.prefix_lengths[:bs], f.prefix_lengths_device[:bs]
+        else:
+            a.prefix_lengths = f.prefix_lengths
+        return PyModelInputs(input_ids=full.input_ids[:bs * self.q], attention_inputs=a)
 
     def _forward(self, inst):
         return self.py_model.forward(inst.inputs, inst.impl).hidden_states
@@ -107,11 +128,11 @@ class CudaGraphRunner:
         impl = self.py_model.prepare_fmha_impl(full, True)
         with _env_flag("RTP_LLM_CUDA_GRAPH_WARMUP_FORWARD", "1"):
             self.py_model.forward(full, impl)
-        hidden = torch.zeros((self.max_bs, self.hidden_size), dtype=self.dtype, device=self.device)
+        hidden = torch.zeros((self.max_bs * self.q, self.hidden_size), dtype=self.dtype, device=self.device)
         pool = torch.cuda.graph_pool_handle() if self.cuda else None
         for bs in reversed(self.sizes):
             inputs = self._slice(full, bs)
-            inst = _Instance(inputs, self.py_model.prepare_fmha_impl(inputs, True), hidden[:bs])
+            inst = _Instance(inputs, self.py_model.prepare_fmha_impl(inputs, True), hidden[:bs * self.q])
             self._forward(inst)
             self._forward(inst)
             if self.cuda:
@@ -136,8 +157,11 @@ class CudaGraphRunner:
         return bs <= self.sizes[-1]
 
     def forward(self, live):
-        """Replay for a live decode batch; returns ``hidden[:bs]`` (a copy, as PyWrappedModel clones it)."""
+        """Replay for a live decode (or verify) batch; returns ``hidden[:bs * q]`` (a copy, as PyWrappedModel
+        clones it)."""
         la = live.attention_inputs
+        if self.verify:
+            return self._forward_verify(live)
         bs = la.sequence_lengths.shape[0]
         key = next(s for s in self.sizes if s >= bs)
         inst = self.instances[key]
@@ -160,3 +184,34 @@ class CudaGraphRunner:
         self._replay(inst)
         self.replays_by_size[key] = self.replays_by_size.get(key, 0) + 1
         return inst.hidden[:bs].clone()
+
+    def _forward_verify(self, live):
+        la = live.attention_inputs
+        if not (la.is_target_verify and la.is_prefill):  # canRun: not this graph's step
+            raise ValueError("a target-verify graph replays target-verify prefills only")
+        bs, q = la.input_lengths.shape[0], self.q
+        if live.input_ids.shape[0] != bs * q:
+            raise RuntimeError(f"target-verify decode graph expects {bs * q} tokens ({bs} batches * {q}), got "
+                               f"{live.input_ids.shape[0]}")
+        key = next(s for s in self.sizes if s >= bs)
+        inst = self.instances[key]
+        s = inst.inputs.attention_inputs
+        inst.inputs.input_ids[:bs * q].copy_(live.input_ids)
+        s.kv_cache_kernel_block_id_device.zero_()
+        src = la.kv_cache_kernel_block_id_device
+        s.kv_cache_kernel_block_id_device[:src.shape[0], :src.shape[1]].copy_(src)
+        src = la.kv_cache_kernel_block_id
+        s.kv_cache_kernel_block_id[:src.shape[0], :src.shape[1]].copy_(src)  # host mirror: not zeroed
+        for name, n in (("cu_seqlens", bs + 1), ("cu_seqlens_device", bs + 1), ("cu_kv_seqlens_device", bs + 1),
+                        ("input_lengths", bs), ("input_lengths_device", bs), ("prefix_lengths", bs),
+                        ("prefix_lengths_device", bs)):
+            getattr(s, name)[:n].copy_(getattr(la, name)[:n])
+        for name in ("input_lengths", "input_lengths_device", "prefix_lengths", "prefix_lengths_device"):
+            getattr(s, name)[bs:].zero_()
+        s.sequence_lengths.zero_()
+        prepare = getattr(inst.impl, "prepare_cuda_graph", None)
+        if prepare is not None:
+            prepare(s)
+        self._replay(inst)
+        self.replays_by_size[key] = self.replays_by_size.get(key, 0) + 1
+        return inst.hidden[:bs * q].clone()

@@ -50,7 +50,9 @@ class ModelConfig(_Fields):
                      moe_topk_group=1, routed_scaling_factor=1.0, scoring_func=0, has_moe_norm=False,
                      norm_type="layernorm", has_post_decoder_layernorm=False, activation_type="Gelu",
                      tie_word_embeddings=False, config_dtype=None, ckpt_path="", model_type="",
-                     attn_config=AttentionConfigs, _data_type=DataType.TYPE_FP16)
+                     attn_config=AttentionConfigs, _data_type=DataType.TYPE_FP16,
+                     # Python-only fields of RTP's ModelConfig (config/model_config.py:55-69, 527): an MTP draft's
+                     is_mtp=False, reverse_e_h_norm=False)
 
     @property
     def data_type(self):

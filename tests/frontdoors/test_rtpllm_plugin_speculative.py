@@ -1,0 +1,126 @@
+"""RTP-LLM's MTP speculative decoding through the plugin (issue 25), driven by the stand-in's MtpEngine
+(tests/rtp_standin/rtp_llm/standin_speculative.py, RTP's MtpExecutor as docs/rtp_speculative.md traces it).
+
+What a user relies on: ``--sp_type mtp --sp_model_type glm_5-mtp`` serves the checkpoint's MTP layer as RTP's
+draft model; RTP's draft prefill / chain / verify / extend cycle through the plugin gives plain greedy decoding's
+tokens (and fxglm5's own speculative Runner's); each verify step's first draft is fxglm5's own MTP drafter's
+after the same tokens; the target's verify steps replay from RTP's
+target-verify graphs (k+1 tokens per request) with the eager step's tokens; bad input is refused by name.
+"""
+
+import pytest
+import torch
+
+from fxglm5.errors import ConfigError, InputError
+from fxglm5.model.tiny import make_tiny_checkpoint
+from fxglm5.runtime.speculative import SpeculativeConfig
+from tests.frontdoors.test_rtpllm_plugin import (  # noqa: F401 - fixtures
+    PLUGIN, RTP_TINY, _prompts, ckpt, engine, fp8_ckpt, rtp, runner)
+
+PROMPTS_LENGTHS, NEW = (5, 12), 6  # 12 > index_topk (8): the indexer selects
+
+
+@pytest.fixture(scope="module")
+def spec(rtp):
+    from rtp_llm import standin_speculative
+
+    return standin_speculative
+
+
+@pytest.fixture(scope="module")
+def mtp2(spec, ckpt):
+    """RTP's MTP engine, k = 2, eager, fp32 compute: the draft chain runs."""
+    return spec.MtpEngine(ckpt, sp_model_type="glm_5-mtp", sp_checkpoint_path=ckpt, gen_num_per_cycle=2,
+                          **dict(external_model_packages=[PLUGIN], seq_size_per_block=16, num_blocks=40, max_seq_len=64,
+                                 act_type="FP32"))
+
+
+def test_rtp_serves_the_mtp_layer_as_its_draft_and_gets_plain_greedy_tokens(rtp, spec, mtp2, ckpt):
+    from rtp_llm.model_factory_register import ensure_model_registered
+
+    from fxglm5.rtpllm.speculative import Fxglm5Glm5Mtp
+
+    assert ensure_model_registered("glm_5-mtp") is ensure_model_registered("fxglm5_glm5_mtp") is Fxglm5Glm5Mtp
+    dc = mtp2.draft_config  # one MLA layer with its indexer: RTP sizes the MTP module's cache from it
+    assert (dc.num_layers, dc.is_mtp, dc.reverse_e_h_norm, dc.attn_config.is_sparse) == (1, True, True, True)
+    assert mtp2.draft_cache.layer_count == 1
+    prompts = _prompts(PROMPTS_LENGTHS)
+    got = mtp2.generate(prompts, NEW)
+    plain = engine(rtp, ckpt, act_type="FP32").generate(prompts, NEW)
+    fx_runner = runner(ckpt, "bf16", None, torch.float32, speculative=SpeculativeConfig(num_tokens=2))
+    propose, fx_drafts = fx_runner.drafter.propose, {}
+
+    def record(seqs, counts):
+        drafts = propose(seqs, counts)
+        fx_drafts.update((tuple(seq.tokens), d) for seq, d in zip(seqs, drafts))
+        return drafts
+
+    fx_runner.drafter.propose = record
+    assert got == plain == [s.output for s in fx_runner.run(prompts, NEW)]
+    # every verify step's first draft is the one fxglm5's own MTP drafter proposes after the same tokens (its
+    # paged MTP graph and caches), whether it came from RTP's draft prefill or from the extend of an earlier step
+    assert mtp2.verify_steps == len(mtp2.proposals) // len(prompts) >= NEW // 3
+    compared = 0
+    for tokens, drafts in mtp2.proposals:
+        assert len(drafts) == 2
+        if fx_drafts.get(tuple(tokens)):
+            assert drafts[0] == fx_drafts[tuple(tokens)][0], tokens
+            compared += 1
+    assert compared >= len(mtp2.proposals) // 2
+
+
+def test_the_draft_takes_the_target_hidden_states_and_refuses_what_it_cannot_serve(mtp2, ckpt, tmp_path):
+    from rtp_llm.ops.compute_ops import PyModelInputs
+
+    from fxglm5.rtpllm.speculative import Fxglm5Glm5Mtp
+
+    t, draft = mtp2.target, mtp2.py_draft
+    inputs = t._prefill_inputs([[1, 2, 3]], [0], [[1]])
+    with pytest.raises(InputError, match=r"input_hiddens: the MTP draft needs the target's hidden state of every "
+                                         r"input token, expected \(3, 256\), got \(2, 64\)"):
+        draft.forward(PyModelInputs(input_ids=inputs.input_ids, input_hiddens=torch.zeros(2, 64),
+                                    attention_inputs=inputs.attention_inputs))
+    with pytest.raises(InputError, match="glm_5-mtp: the MTP draft runs eagerly"):
+        draft.prepare_fmha_impl(inputs, True)
+    no_mtp = make_tiny_checkpoint(tmp_path / "no-mtp", fp8=False, config=RTP_TINY.replace(num_nextn_predict_layers=0))
+    with pytest.raises(ConfigError, match=r"num_nextn_predict_layers=0; the checkpoint has no MTP layer to serve as "
+                                          r"RTP's draft model 'glm_5-mtp'"):
+        Fxglm5Glm5Mtp._create_config(no_mtp)  # what create_propose_model_config calls first
+
+
+def test_verify_steps_replay_from_target_verify_graphs(rtp, spec, fp8_ckpt):
+    """k = 2 on the block-FP8 checkpoint (its graphs are allowed): a batch of 3 in the size-4 graph (a padding
+    request), drafts right for one request and wrong for the others; the replay's greedy rows are the eager
+    step's and plain decoding's."""
+    from rtp_llm.standin_engine import _Request
+
+    prompts = _prompts((5, 12, 7), seed=1)
+    plain = engine(rtp, fp8_ckpt).generate(prompts, 4)
+    t = engine(rtp, fp8_ckpt, enable_cuda_graph=True, gen_num_per_cycle=2, decode_capture_batch_sizes=(1, 2, 4))
+    assert t.graph_runner.captured_sizes == [4, 2, 1]
+    reqs = [_Request(p) for p in prompts]
+    for r in reqs:
+        t._grow(r, len(r.prompt) + 3)
+    for r, token in zip(reqs, t._prefill(reqs)):
+        r.tokens.append(token)
+    cached = [len(r.tokens) - 1 for r in reqs]
+    drafts = [plain[0][1:3], [(plain[1][1] + 1) % 512, 0], [plain[2][1], (plain[2][2] + 1) % 512]]
+    hidden, scored = spec.verify_step(t, reqs, cached, drafts)
+    assert t.graph_runner.replays_by_size == {4: 1}
+    eager_hidden, eager_scored = spec.verify_step(t, reqs, cached, drafts, graphs=False)
+    assert scored == eager_scored
+    torch.testing.assert_close(hidden, eager_hidden, rtol=0, atol=0.05)
+    assert scored[0] == plain[0][1:4]  # both drafts right: the target's rows are plain decoding's next three
+    assert scored[1][0] == plain[1][1] and scored[2][:2] == plain[2][1:3]
+    # a step of another width than the graph's num_tokens_per_bs: RTP's replay check, and the plugin's own
+    with pytest.raises(RuntimeError, match=r"target-verify decode graph expects 6 tokens \(2 batches \* 3\), got 4"):
+        spec.verify_step(t, reqs[:2], cached[:2], [d[:1] for d in drafts[:2]])
+    inst = t.graph_runner.instances[1]
+    static = inst.inputs.attention_inputs
+    static.kv_cache_kernel_block_id[0, 0], static.input_lengths[0] = reqs[0].blocks[0], 2
+    with pytest.raises(InputError, match=r"input_lengths: request 0 verifies 2 tokens; this graph was captured for "
+                                         r"3 per request \(RTP's num_tokens_per_bs = gen_num_per_cycle \+ 1\)"):
+        inst.impl.prepare_cuda_graph(static)
+    prefill = t._prefill_inputs([[1, 2]], [0], [reqs[0].blocks])
+    with pytest.raises(InputError, match="prefill batch without is_target_verify"):
+        t.py_model.prepare_fmha_impl(prefill, True)

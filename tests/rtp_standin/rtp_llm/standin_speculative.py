@@ -1,0 +1,182 @@
+"""Test stand-in of RTP-LLM's MTP speculative decoding around a plugin target and draft model. NOT RTP-LLM code.
+
+Written from rtp-llm 4b8d39cd5 (``cpp/normal_engine/speculative/MtpExecutor.cc``, ``MtpBatchStreamProcessor.cc``,
+``model_factory.py``); what a plugin sees, greedily, on one device (eager drafts, the target's verify steps eager
+or from its target-verify graphs):
+
+- the draft model: ``create_propose_model_config`` (``model_factory.py:404-482``): sp_type "mtp" (else
+  ValueError), a draft checkpoint (none: no draft model at all, so no speculation: ValueError here),
+  ``get_model_cls(sp_model_type)._create_config(sp_checkpoint_path)``, the target's ``max_seq_len``, the launch's
+  compute dtype; ``from_config`` (``get_sp_model``, ``model_factory.py:112-217``); its own cache with the
+  target's block count and block ids (``getMTPModuleGroupedCacheLayerLayout(0)``, ``MtpExecutor.cc:643-645``);
+- prefill (``MtpExecutor::prefillStep``, lines 812-1010): the target's prefill, its last rows sampled; the
+  draft prefill on the same attention inputs with every request's tokens shifted left by one and the sampled
+  token last (``updatePrefillPostDraftModelInput``, ``MtpBatchStreamProcessor.cc:814-867``), ``input_hiddens`` the
+  target's hidden rows (``all_hidden_states``); the draft's last rows through its lm_head give d1;
+- decode (``decodeStep``, from line 1182): with k > 1 the draft chain (``draftModelDecode``, lines 2174-2372):
+  k-1 draft decode steps of one token per request at ``sequence_lengths`` = the committed length (the target's
+  decode ``sequence_lengths`` + 1, ``normalDecodePositionToDraftDecodePosition``) and one more per step, its
+  ``input_hiddens`` the stream's last draft hidden row, then each step's draft hidden rows
+  (``updateDecodeDraftModelInput``, lines 776-812); then the target verify: a prefill of [last token, d1..dk]
+  per request behind ``prefix_lengths`` = the target's decode ``sequence_lengths`` with ``is_target_verify``
+  (``prepareOneStepSpecDecodeModelInput`` / ``draftModelDecode``), every row scored; greedy acceptance; the
+  draft extend (``updateDecodePostDraftModelInput``, lines 1014-1106, the host path): a prefill behind the same
+  prefix of each request's accepted tokens (the target's samples at its rows 0..a) with the target's hidden
+  rows 0..a, its last row giving the next d1.
+A draft model's ``get_mtp_target_hidden_states(rows)``, where it has one, replaces its returned rows as the hidden
+state carried to the next draft step (``maybeOverrideLastHiddenWithMtpBuffer``, ``MtpExecutor.cc:241-254``;
+``PyWrappedModel.cc:111-121``).
+"""
+
+import torch
+
+from rtp_llm.model_factory_register import ensure_model_registered
+from rtp_llm.models_py.model_desc.module_base import GptModelBase
+from rtp_llm.ops.compute_ops import init_resources
+from rtp_llm.standin_cache import allocate_kv_cache
+from rtp_llm.standin_engine import Engine, _Request
+
+
+def verify_step(target, reqs, cached, drafts, *, graphs=True):
+    """The target's verify step: each request's last token and its k drafts at positions ``cached[b]`` .. behind
+    its cached prefix, replayed from a target-verify graph where one fits (``graphs``), else eager. Returns (the
+    hidden rows, each request's k+1 greedy tokens)."""
+    q = len(drafts[0]) + 1
+    inputs = target._prefill_inputs([[r.tokens[-1]] + d for r, d in zip(reqs, drafts)], cached,
+                                    [r.blocks for r in reqs])
+    inputs.attention_inputs.is_target_verify = True
+    if graphs and target.graph_runner is not None and target.graph_runner.can_run(len(reqs)):
+        hidden = target._check_hidden(target.graph_runner.forward(inputs), len(reqs) * q)
+        target.graph_replays += 1
+    else:
+        hidden = target._eager(inputs)
+    flat = target._post_layers(hidden)
+    return hidden, [flat[b * q:(b + 1) * q] for b in range(len(reqs))]
+
+
+class MtpEngine:
+    """A target :class:`Engine` and its draft model. For tests: ``verify_steps``, ``drafted``, ``accepted`` (drafts
+    the target kept), ``proposals``: (the request's tokens so far, the drafts verified after them) per request and
+    verify step."""
+
+    def __init__(self, ckpt_path, *, sp_model_type, sp_checkpoint_path=None, sp_type="mtp", gen_num_per_cycle=1,
+                 **engine_kwargs):
+        if sp_type != "mtp":
+            raise ValueError(f"Speculative engine only supports MTP, EAGLE and DSpARK, but got {sp_type}")
+        if not sp_checkpoint_path:
+            raise ValueError("SP_CHECKPOINT_PATH is not set: RTP builds no draft model (create_propose_model_config)")
+        if gen_num_per_cycle < 1:
+            raise ValueError(f"gen_num_per_cycle={gen_num_per_cycle}: speculative decoding proposes >= 1 token")
+        self.k = gen_num_per_cycle
+        self.target = t = Engine(ckpt_path, gen_num_per_cycle=gen_num_per_cycle, **engine_kwargs)
+        cls = ensure_model_registered(sp_model_type)  # the packages were imported for the target
+        config = cls._create_config(sp_checkpoint_path)
+        config.ckpt_path, config.max_seq_len = sp_checkpoint_path, t.max_seq_len
+        config.data_type = str(t.config.data_type).split("TYPE_")[-1].lower()
+        config.attn_config.kv_cache_dtype = t.config.attn_config.kv_cache_dtype
+        config.attn_config.tokens_per_block = t.block_size
+        self.draft_config = config
+        self.draft = cls.from_config(config, t.parallelism_config, t.hw_kernel_config, None, None, None, None,
+                                     t.max_generate_batch_size, None, False, None)
+        self.py_draft = self.draft.py_model
+        if not isinstance(self.py_draft, GptModelBase):
+            raise TypeError(f"draft model.py_model must be a GptModelBase, got {type(self.py_draft).__name__}")
+        self.draft_lm_head = self.draft.weight.global_weights["lm_head"]
+        kbs = t.kernel_block_size if t.kernel_block_size != t.block_size else 0
+        self.draft_cache, _ = allocate_kv_cache(config, t.num_blocks, t.block_size, kbs, t.device)
+        if self.py_draft.initialize(init_resources(self.draft_cache)) is not True:
+            raise RuntimeError("draft py_model.initialize() did not return True")
+        self.verify_steps = self.drafted = self.accepted = 0
+        self.proposals = []
+
+    # --- the draft model ---------------------------------------------------------------------------------
+    def _draft(self, inputs, hidden):
+        """The draft's returned rows (its lm_head makes their logits) and the hidden rows carried to the next draft
+        step."""
+        inputs.input_hiddens = hidden
+        impl = self.py_draft.prepare_fmha_impl(inputs, False)
+        out = self.target._check_hidden(self.py_draft.forward(inputs, impl).hidden_states, inputs.input_ids.shape[0])
+        carried = out
+        if hasattr(self.py_draft, "get_mtp_target_hidden_states"):
+            buffered = self.py_draft.get_mtp_target_hidden_states(out.shape[0])
+            if buffered is not None and buffered.numel() > 0:
+                carried = buffered
+        return out, carried
+
+    def _draft_tokens(self, rows):
+        return (rows.float() @ self.draft_lm_head.float().t()).argmax(dim=-1).tolist()
+
+    # --- steps ---------------------------------------------------------------------------------------
+    def _prefill(self, reqs):
+        t = self.target
+        blocks = [r.blocks for r in reqs]
+        inputs = t._prefill_inputs([r.prompt for r in reqs], [0] * len(reqs), blocks)
+        hidden = t._eager(inputs)
+        t.prefill_steps += 1
+        last = (inputs.attention_inputs.cu_seqlens[1:] - 1).long()
+        sampled = t._post_layers(hidden[last])
+        shifted = [r.prompt[1:] + [s] for r, s in zip(reqs, sampled)]
+        out, carried = self._draft(t._prefill_inputs(shifted, [0] * len(reqs), blocks), hidden)
+        for r, s, d, h in zip(reqs, sampled, self._draft_tokens(out[last]), carried[last]):
+            r.tokens.append(s)
+            r.next_draft, r.draft_hidden = d, h
+
+    def _chain(self, reqs, cached):
+        """k-1 draft decode steps after d1: the drafts of each request."""
+        t, drafts = self.target, [[r.next_draft] for r in reqs]
+        ids, hidden = [r.next_draft for r in reqs], torch.stack([r.draft_hidden for r in reqs])
+        for i in range(self.k - 1):
+            inputs = t._decode_inputs(ids, [len(r.prompt) for r in reqs], [c + 1 + i for c in cached],
+                                      [r.blocks for r in reqs])
+            out, hidden = self._draft(inputs, hidden)
+            ids = self._draft_tokens(out)
+            for d, token in zip(drafts, ids):
+                d.append(token)
+        return drafts
+
+
+    def _extend(self, reqs, cached, emitted, hidden):
+        t, q = self.target, self.k + 1
+        rows = torch.tensor([b * q + j for b, e in enumerate(emitted) for j in range(len(e))])
+        inputs = t._prefill_inputs(emitted, cached, [r.blocks for r in reqs])
+        out, carried = self._draft(inputs, hidden[rows.to(hidden.device)])
+        last = (inputs.attention_inputs.cu_seqlens[1:] - 1).long()
+        for r, d, h in zip(reqs, self._draft_tokens(out[last]), carried[last]):
+            r.next_draft, r.draft_hidden = d, h
+
+    def generate(self, prompts, max_new_tokens):
+        """Greedy speculative decoding of every prompt; the new tokens of each."""
+        t = self.target
+        for p in prompts:
+            if not p or len(p) + max_new_tokens + self.k > t.max_seq_len:
+                raise ValueError(f"prompt of {len(p)} + {max_new_tokens} new tokens + {self.k} drafts exceeds "
+                                 "max_seq_len (or is empty)")
+        reqs = [_Request(p) for p in prompts]
+        try:
+            for r in reqs:
+                t._grow(r, len(r.prompt))
+            self._prefill(reqs)
+            while True:
+                live = [r for r in reqs if len(r.tokens) - len(r.prompt) < max_new_tokens]
+                if not live:
+                    break
+                cached = [len(r.tokens) - 1 for r in live]
+                for r, c in zip(live, cached):
+                    t._grow(r, c + self.k + 1)
+                drafts = self._chain(live, cached) if self.k > 1 else [[r.next_draft] for r in live]
+                self.proposals.extend((list(r.tokens), d) for r, d in zip(live, drafts))
+                hidden, scored = verify_step(t, live, cached, drafts)
+                self.verify_steps += 1
+                emitted = []
+                for d, s in zip(drafts, scored):
+                    a = next((j for j in range(self.k) if d[j] != s[j]), self.k)
+                    self.drafted, self.accepted = self.drafted + self.k, self.accepted + a
+                    emitted.append(s[:a + 1])
+                self._extend(live, cached, emitted, hidden)
+                for r, e in zip(live, emitted):
+                    r.tokens.extend(e[:max_new_tokens - (len(r.tokens) - len(r.prompt))])
+        finally:
+            for r in reqs:
+                t.block_manager.release(r.blocks, [])
+        return [r.tokens[len(r.prompt):] for r in reqs]
+
