@@ -30,9 +30,14 @@ RTP_TINY = Glm5Config.preset("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=
 
 
 def _forget_rtp() -> None:
+    """Drop the stand-in and the plugin modules built on its classes, also as attributes of fxglm5.rtpllm (where
+    ``from fxglm5.rtpllm import speculative`` would otherwise find the module of an earlier stand-in)."""
+    package = sys.modules.get("fxglm5.rtpllm")
     for name in list(sys.modules):
-        if name == "rtp_llm" or name.startswith("rtp_llm.") or name in (PLUGIN, "fxglm5.rtpllm.glm5"):
+        if name == "rtp_llm" or name.startswith("rtp_llm.") or name in (PLUGIN, "fxglm5.rtpllm.glm5", "fxglm5.rtpllm.speculative"):
             del sys.modules[name]
+            if package is not None and name.startswith("fxglm5.rtpllm."):
+                package.__dict__.pop(name.rpartition(".")[2], None)
 
 
 @pytest.fixture(scope="module")
