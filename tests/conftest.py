@@ -7,7 +7,8 @@ Workers (pytest-xdist, in the test extra): the whole suite (``python -m pytest -
 on a CPU host runs one worker per core, each test file's tests in one worker (its module fixtures built once), the
 files of SLOW_FILES_FIRST handed out first (xdist's own order, by descending test count, started the longest file
 last); a run that names its tests (``pytest tests/x.py -k y``), a run on a CUDA host (the GPU tests share one
-device and time it) and a run without pytest-xdist installed stay in this one process. ``-n N`` / ``-n 0`` choose explicitly.
+device and time it) and a run without pytest-xdist installed stay in this one process. ``-n N`` / ``-n 0``
+choose explicitly.
 
 Profiles: ``ci`` (derandomized, few examples: the default, what .ci/run uses) and ``local`` (random,
 many examples). Pick one with ``HYPOTHESIS_PROFILE=local pytest``.
