@@ -4,9 +4,11 @@ The export cache (tests/export_cache.py) makes each distinct tiny model's torch.
 ``FXGLM5_TEST_EXPORT_CACHE=0`` turns it off (every export traced, as before it existed).
 
 Workers (pytest-xdist, in the test extra): the whole suite (``python -m pytest -q``, no paths: what .ci/run runs)
-on a CPU host runs one worker per core, each test file's tests in one worker (its module fixtures built once); a
-run that names its tests (``pytest tests/x.py -k y``), a run on a CUDA host (the GPU tests share one device and time
-it) and a run without pytest-xdist installed stay in this one process. ``-n N`` / ``-n 0`` choose explicitly.
+on a CPU host runs one worker per core, each test file's tests in one worker (its module fixtures built once), the
+files of SLOW_FILES_FIRST handed out first (xdist's own order, by descending test count, started the longest file
+last); a run that names its tests (``pytest tests/x.py -k y``), a run on a CUDA host (the GPU tests share one
+device and time it) and a run without pytest-xdist installed stay in this one process. ``-n N`` / ``-n 0``
+choose explicitly.
 
 Profiles: ``ci`` (derandomized, few examples: the default, what .ci/run uses) and ``local`` (random,
 many examples). Pick one with ``HYPOTHESIS_PROFILE=local pytest``.
@@ -57,9 +59,22 @@ def pytest_cmdline_main(config):
     if (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput") and whole_suite
             and config.getoption("numprocesses") is None and not torch.cuda.is_available()):
         config.option.numprocesses, config.option.dist = len(os.sched_getaffinity(0)), "loadfile"
+        # xdist's default hands out files by descending test count (scheduler/loadscope.py), so a long file of few
+        # tests (the 2-test spawned-rank plugin file) starts last and ends the run alone: keep the order set below.
+        config.option.loadscopereorder = False
+
+
+# The files that keep a worker longest (the spawned-rank plugin pair: ~5 min of one worker), started first so that the
+# workers' remaining files fill in around them (longest-first keeps one long file from ending the run alone).
+# A file missing here only starts later; a renamed file simply loses its head start.
+SLOW_FILES_FIRST = (
+    "tests/frontdoors/test_rtpllm_plugin_tp.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: others keep their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
