@@ -122,10 +122,56 @@ def _rank_run(rank, checkpoint, cfg, batches, contexts, ep):
     return runner_points(rank, checkpoint, cfg, batches, contexts, rank.world, ep, rank.device)
 
 
+def _split_decode(engine, sync):
+    """Wrap the stand-in engine's decode step so that each call is timed whole and in its parts (ms per step):
+    ``inputs`` (the stand-in builds RTP's PyAttentionInputs in Python: C++ in RTP), ``prepare`` (the plugin's
+    ``prepare_cuda_graph``: its host work before a replay), ``forward`` (the graph replay, or an eager forward
+    where no graph runs: the plugin's kernels) and ``post`` (the stand-in's post-layers: fp32 lm_head, argmax,
+    tokens to the host: C++ in RTP). Each part is bracketed by device syncs, so the parts add up to the step
+    less the stand-in's replay bookkeeping (static-buffer copies, ``clone``)."""
+    parts = {k: [] for k in ("step", "inputs", "prepare", "forward", "post")}
+    active = [False]
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            if not active[0]:
+                return fn(*args, **kwargs)
+            sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            sync()
+            parts[name].append((time.perf_counter() - t0) * 1e3)
+            return out
+        return call
+
+    runner = engine.graph_runner
+    for inst in (runner.instances.values() if runner is not None else ()):
+        inst.impl.prepare_cuda_graph = timed("prepare", inst.impl.prepare_cuda_graph)  # the instance's, not the class's
+    if runner is not None:
+        runner._replay = timed("forward", runner._replay)
+    engine._eager = timed("forward", engine._eager)
+    engine._decode_inputs = timed("inputs", engine._decode_inputs)
+    engine._post_layers = timed("post", engine._post_layers)
+    decode = timed("step", engine._decode)
+
+    def step(requests):
+        active[0] = True
+        try:
+            return decode(requests)
+        finally:
+            active[0] = False
+
+    engine._decode = step
+    return parts
+
+
 def plugin_points(checkpoint, cfg, batches, contexts, device, parallelism_config=None):
     """TTFT (one request's prefill alone, with RTP's post-layers and sampling) and TPOT (median decode step)
     through the RTP-LLM plugin driven by the stand-in engine (its decode CUDA graphs); ``parallelism_config``:
-    this rank's, in a rank process of :func:`plugin_rank_points`."""
+    this rank's, in a rank process of :func:`plugin_rank_points`. Beside the TPOT, the step's parts
+    (:func:`_split_decode`): ``plugin_ms`` = prepare + forward is what the plugin costs a step (compare it with the
+    Runner's step, which also runs its lm_head and sampling); ``standin_ms`` is the rest, the stand-in's Python
+    scheduling and post-layers, which real RTP runs in C++."""
     from rtp_llm import standin_engine
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -147,20 +193,13 @@ def plugin_points(checkpoint, cfg, batches, contexts, device, parallelism_config
                 engine.generate([prompt], 1)
                 sync()
                 ttft.append((time.perf_counter() - t0) * 1e3)
-            steps, decode = [], engine._decode
-
-            def timed(requests):
-                sync()
-                t0 = time.perf_counter()
-                out = decode(requests)
-                sync()
-                steps.append((time.perf_counter() - t0) * 1e3)
-                return out
-
-            engine._decode = timed
+            parts = _split_decode(engine, sync)
             engine.generate(prompts, STEPS + 3)
-            points.append(dict(batch=batch, ctx=ctx, ttft_ms=round(statistics.median(ttft), 2),
-                               tpot_ms=round(statistics.median(steps[2:] or steps), 3)))
+            med = {k: round(statistics.median(v[2:] or v), 3) if v else 0.0 for k, v in parts.items()}
+            plugin_ms = round(med["prepare"] + med["forward"], 3)
+            points.append(dict(batch=batch, ctx=ctx, ttft_ms=round(statistics.median(ttft), 2), tpot_ms=med["step"],
+                               plugin_ms=plugin_ms, standin_ms=round(med["step"] - plugin_ms, 3),
+                               parts_ms={k: med[k] for k in ("inputs", "prepare", "forward", "post")}))
             print("plugin", points[-1], flush=True)
             del engine
     return points
