@@ -82,6 +82,7 @@ class MtpEngine:
         if not isinstance(self.py_draft, GptModelBase):
             raise TypeError(f"draft model.py_model must be a GptModelBase, got {type(self.py_draft).__name__}")
         self.draft_lm_head = self.draft.weight.global_weights["lm_head"]
+        self._draft_lm_head_fp32 = self.draft_lm_head.float()  # held from the load on, as the target's (Engine)
         kbs = t.kernel_block_size if t.kernel_block_size != t.block_size else 0
         self.draft_cache, _ = allocate_kv_cache(config, t.num_blocks, t.block_size, kbs, t.device)
         if self.py_draft.initialize(init_resources(self.draft_cache)) is not True:
@@ -104,7 +105,7 @@ class MtpEngine:
         return out, carried
 
     def _draft_tokens(self, rows):
-        return (rows.float() @ self.draft_lm_head.float().t()).argmax(dim=-1).tolist()
+        return (rows.float() @ self._draft_lm_head_fp32.t()).argmax(dim=-1).tolist()
 
     # --- steps ---------------------------------------------------------------------------------------
     def _prefill(self, reqs):
