@@ -83,3 +83,16 @@ def test_stop_tokens_are_checked():
     for bad in ([256], [-1], "ab", [True]):
         with pytest.raises(InputError, match="stop_tokens"):
             r.run([[1, 2, 3]], 4, bad)
+
+
+def test_warm_up_runs_every_key_and_writes_no_cache_row():
+    """warm_up runs (on a GPU: captures) one padding-only step per (batch bucket, width bucket, tokens per request)
+    the limits allow; no cache row changes, and the tokens afterwards are a fresh runner's."""
+    batch = prompts(torch.Generator().manual_seed(10), [5, 9, 3])
+    fresh = runner("exact", block_size=4, decode_graphs=True, max_decode_batch=4).run(batch, 6)
+    r = runner("exact", block_size=4, decode_graphs=True, max_decode_batch=4)
+    before = [t.clone() for t in r.cache.graph_inputs()]
+    assert r.warm_up(max_batch=3, max_tokens=17) == 3 * 4  # batches 1, 2, 4 x widths 1, 2, 4, 8 blocks of 4
+    assert r.decode_graphs.keys(3, 5) == [(b, w, 1) for b in (1, 2, 4) for w in (1, 2, 4, 8)]
+    assert all(torch.equal(x, y) for x, y in zip(before, r.cache.graph_inputs()))
+    same(fresh, r.run(batch, 6))
