@@ -2,14 +2,18 @@
 
 CPU (default): the runner's work around the forward (the block manager, building and validating the forward
 context, loading the static buffers through the host staging buffers, reading the next tokens back) is timed with
-the decode graphs' forward replaced by a stub that returns zero logits, for B requests of ``ctx`` cached tokens.
+the decode graphs' forward replaced by a stub that returns zero logits, for B requests of ``ctx`` cached tokens,
+per step of the overlapped loop and of the step-by-step one.
 No GPU and no model weights are needed: the runner holds a small model whose graph is never called.
 
 ``--cuda``: the 2-layer GLM-5-width FP8 model of bench/decode_step.py (bf16, 1 dense + 1 MoE layer, random
 weights, FP8 caches) prefilled with B prompts of ``ctx`` tokens, then decode steps replayed from CUDA graphs. Per
-step: the wall time of ``Runner.decode()`` (perf_counter; it ends with the read of the next tokens, the step's
-one wait on the device) and the device time of the step (CUDA events recorded on the stream around the decode
+step: the wall time and the device time of the step (CUDA events recorded on the stream around the decode
 graphs' run: the input copies, the replay and the logits' copy). The goal: wall <= 1.05 x device.
+Both loops of ``Runner.decode_steps`` are timed in one run, after ``Runner.warm_up`` captured their graphs: the
+step-by-step one (each step's tokens read before the next is built) and the overlapped one (the default; the host
+one step ahead): per loop, the wall time per step (the loop's time over its steps, synchronized at both ends),
+the host's launch-to-launch period and the median device time per step.
 
     python bench/decode_host_time.py [B] [ctx]           # CPU; saves bench/results/decode_host_time.json (or $OUT)
     python bench/decode_host_time.py --cuda [B] [ctx]    # GPU; saves decode_host_time_cuda.json
@@ -47,13 +51,19 @@ def host_only(B: int, ctx: int) -> None:
         seq.output.append(1)
         runner.active.append(seq)
     runner.decode()
-    steps = []
-    for _ in range(50):
-        t0 = time.perf_counter()
-        runner.decode()
-        steps.append((time.perf_counter() - t0) * 1e3)
+    per_step = {}
+    for overlap in (False, True):  # the step-by-step loop, then the overlapped one (the runner's default)
+        runner.overlap, times = overlap, []
+        for _ in range(5):
+            done = len(runner.active[0].output)
+            t0 = time.perf_counter()
+            runner.decode_steps(done + 20)
+            times.append((time.perf_counter() - t0) * 1e3 / 20)
+        per_step[overlap] = times
     save_run("decode_host_time.json", B=B, ctx=ctx, load_average=os.getloadavg()[0],
-             host_ms_per_step_median=round(statistics.median(steps), 3), host_ms_per_step_min=round(min(steps), 3))
+             host_ms_per_step_median=round(statistics.median(per_step[True]), 3),
+             host_ms_per_step_min=round(min(per_step[True]), 3),
+             stepwise_host_ms_per_step_median=round(statistics.median(per_step[False]), 3))
 
 
 def with_graphs(B: int, ctx: int, steps: int = 20) -> None:
@@ -67,34 +77,43 @@ def with_graphs(B: int, ctx: int, steps: int = 20) -> None:
     for i in range(0, B, chunk):
         runner.prefill(prompts[i:i + chunk])
     graphs = runner.decode_graphs
-    events, run = [], graphs.run
+    t0 = time.perf_counter()
+    warmed = runner.warm_up(max_batch=B, max_tokens=ctx + 4 * steps + 8)  # every graph the timed loops replay
+    warm_s = time.perf_counter() - t0
+    events, launches, run = [], [], graphs.run
 
-    def timed_run(input_ids, fctx):
+    def timed_run(input_ids, fctx, per_request=1):
+        launches.append(time.perf_counter())
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = run(input_ids, fctx)
+        out = run(input_ids, fctx, per_request)
         end.record()
         events.append((start, end))
         return out
 
     graphs.run = timed_run
-    for _ in range(3):  # captures the bucket, compiles and autotunes
-        runner.decode()
-    torch.cuda.synchronize()
-    events.clear()
-    wall = []
-    for _ in range(steps):
+    runner.decode_steps(len(runner.active[0].output) + 3)  # compiles and autotunes whatever warm_up did not
+    result = {}
+    for overlap in (False, True):  # the step-by-step loop, then the overlapped one (the runner's default), same run
+        runner.overlap = overlap
+        torch.cuda.synchronize()
+        events.clear()
+        launches.clear()
         t0 = time.perf_counter()
-        runner.decode()
-        wall.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    device = [start.elapsed_time(end) for start, end in events]
-    ratio = [w / d for w, d in zip(wall, device)]
+        runner.decode_steps(len(runner.active[0].output) + steps)
+        torch.cuda.synchronize()
+        total = (time.perf_counter() - t0) * 1e3
+        device = [start.elapsed_time(end) for start, end in events]
+        period = [(b - a) * 1e3 for a, b in zip(launches, launches[1:])]  # launch to launch: the host's period
+        result["overlapped" if overlap else "stepwise"] = dict(
+            steps=len(events), wall_ms_per_step=round(total / len(events), 3),
+            launch_period_ms_median=round(statistics.median(period), 3),
+            device_ms_median=round(statistics.median(device), 3),
+            wall_over_device=round(total / len(events) / statistics.median(device), 3),
+            launch_period_ms=[round(p, 3) for p in period], device_ms=[round(d, 3) for d in device])
     save_run("decode_host_time_cuda.json", B=B, ctx=ctx, replayed=graphs.disabled is None and bool(graphs.graphs),
-             layers="1 dense + 1 MoE (GLM-5 widths)", kv_cache="fp8",
-             wall_ms_median=round(statistics.median(wall), 3), device_ms_median=round(statistics.median(device), 3),
-             wall_over_device_median=round(statistics.median(ratio), 3), wall_ms=[round(w, 3) for w in wall],
-             device_ms=[round(d, 3) for d in device])
+             layers="1 dense + 1 MoE (GLM-5 widths)", kv_cache="fp8", warm_up_graphs=warmed,
+             warm_up_s=round(warm_s, 2), **result)
 
 
 def main():

@@ -36,6 +36,13 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self._free) + len(self._evictable)
 
+    def fits_unevicted(self, growth) -> bool:
+        """Whether growing each ``(request, num_tokens)`` of ``growth`` takes only blocks that hold no cached prefix:
+        then ``extend`` neither fails nor evicts, so the overlapped decode loop may grow a request before it knows
+        whether the request stopped at the step in flight (the wasted room goes back through ``truncate``)."""
+        need = sum(max(-(-n // self.block_size) - len(self.tables[seq_id]), 0) for seq_id, n in growth)
+        return need <= len(self._free)
+
     def _keys(self, tokens, n_blocks: int, first: int = 0, digest: bytes = b"") -> list[bytes]:
         """Keys of blocks ``first`` .. ``n_blocks - 1``; ``digest`` is block ``first - 1``'s key (chained)."""
         keys, bs = [], self.block_size

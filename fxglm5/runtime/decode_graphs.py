@@ -11,15 +11,20 @@ to the longest sequence the cache can hold). The width is bucketed too because k
 the indexer's logits rows are as wide as the table, and past a few thousand keys the top-k switches to its
 long-row method (one table as wide as the cache made a 2-layer step at 2k tokens slower than eager).
 A step copies its validated context into the buffers, padded to its (batch, width) bucket, through pinned host
-staging buffers written in place (one asynchronous copy per device buffer, no tensors made per step) -- a padding token
+staging buffers written in place (one asynchronous copy per device buffer, no tensors made per step; two sets used
+in turn, so that the runner's overlapped loop, one step ahead of its token reads, never waits for the previous
+step's copies to have read a set) -- a padding token
 has slot -1 (its cache write is skipped), position 0 and an all-zero block-table row (block 0 is reserved), so
-it reads only block 0 and writes nothing -- replays that bucket's graph and returns the live rows' logits.
+it reads only block 0 and writes nothing -- replays that bucket's graph and returns the live rows' logits. Token
+ids already on the device (the previous step's sampled tokens, which the overlapped loop never brings to the host
+first) are copied into the static ids buffer on the device, behind the staged copy.
 Verify steps of speculative decoding (:mod:`fxglm5.runtime.speculative`) run here too: ``per_request`` = k+1
 tokens of each request, request b's tokens at rows b*q .. b*q+q-1, every row's logits returned; their graphs are
 bucketed by (batch, width, tokens per request) alike (a step whose requests compute different numbers of tokens
-runs eagerly). A bucket is captured at its first use: the step first runs eagerly on the same buffers (kernel compilation
-and autotuning happen there, never inside capture; its result is that step's answer, as capture itself
-computes nothing), then the graph is captured. The op-level validation is off throughout (it syncs with the
+runs eagerly). A bucket is captured at its first use, or ahead of serving by ``warm``: the step first runs eagerly on
+the same buffers (kernel compilation and autotuning happen there, never inside capture; its result is that step's
+answer, as capture itself computes nothing), then the graph is captured. ``warm`` runs a step of padding tokens
+only (slot -1: nothing is written to the caches). The op-level validation is off throughout (it syncs with the
 host); the runner validated the context.
 
 A step larger than the largest batch bucket, a table wider than the cache's longest sequence, or a graph that
@@ -74,11 +79,10 @@ class DecodeGraphs:
             self._rows[tokens_per_request] = request_rows(max_batch, tokens_per_request, device)
         self.tables: dict[int, torch.Tensor] = {}  # width bucket -> int32 [max_batch, width]
         # host staging of each device buffer, pinned on a GPU so that its copy is asynchronous (a copy from
-        # pageable memory waits for the device: the copy queued behind the previous replay held the host)
+        # pageable memory waits for the device: the copy queued behind the previous replay held the host); two
+        # sets, the steps using them in turn
         self._pin = torch.device(device).type == "cuda" and torch.cuda.is_available()
-        self._staged_inputs = torch.zeros(3, max_batch * tokens_per_request, dtype=torch.int64, pin_memory=self._pin)
-        self._staged_tables: dict[int, torch.Tensor] = {}
-        self._copied = None  # CUDA event after the last step's copies: its staging may be rewritten once it is done
+        self._staging = [_Staging(max_batch * tokens_per_request, self._pin) for _ in range(2)]
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (batch, width, q)
         self.steps = 0  # decode / verify steps run from the static buffers (replayed, or uncaptured on a CPU)
         self.hidden: Optional[torch.Tensor] = None  # the last step's hidden rows, from a (logits, hidden) graph
@@ -89,12 +93,47 @@ class DecodeGraphs:
     def _fit(buckets: list[int], n: int) -> Optional[int]:
         return next((b for b in buckets if b >= n), None)
 
+    def key(self, batch: int, width: int, per_request: int = 1) -> Optional[tuple[int, int, int]]:
+        """The (batch bucket, width bucket, tokens per request) of a step, or None where it runs eagerly."""
+        key = (self._fit(self.buckets, batch), self._fit(self.widths, width), per_request)
+        return None if self.disabled is not None or None in key or per_request not in self._rows else key
+
+    def keys(self, max_batch: int, max_width: int) -> list[tuple[int, int, int]]:
+        """Every key a step of up to ``max_batch`` requests and ``max_width`` kernel blocks can take."""
+        batches = self.buckets[:self.buckets.index(self._fit(self.buckets, min(max_batch, self.max_batch))) + 1]
+        widths = self.widths[:self.widths.index(self._fit(self.widths, min(max_width, self.widths[-1]))) + 1]
+        return [(b, w, q) for q in sorted(self._rows) for b in batches for w in widths]
+
+    def warm(self, keys) -> int:
+        """Capture (on a CPU: run) the graph of each key not captured yet, on a step of padding tokens only (slot
+        -1, position 0, table row 0: the caches are not written); returns how many ran. Serving then compiles,
+        autotunes and captures nothing at these keys."""
+        done = 0
+        for key in keys:
+            if key in self.graphs or self.disabled is not None:
+                continue
+            bucket, width, q = key
+            self._table(width)
+            staging = self._next_staging()
+            staging.inputs.zero_()
+            staging.inputs[2].fill_(-1)
+            staging.tables[width].zero_()
+            self._send(staging, bucket, width)
+            self.steps += 1
+            if self.capture:
+                self._warm_up_and_capture(key)
+            else:
+                self._forward(*key)
+            done += 1
+        return done
+
     def run(self, input_ids: torch.Tensor, ctx: ForwardContext, per_request: int = 1) -> Optional[torch.Tensor]:
         """float32 logits [B * per_request, V] of a validated ``ctx`` (host or device tensors) in which every request
-        computes ``per_request`` tokens (a decode step: 1), or None: run it eagerly."""
+        computes ``per_request`` tokens (a decode step: 1), or None: run it eagerly. ``input_ids`` on the buffers'
+        device are copied there without visiting the host."""
         B = ctx.batch_size
-        key = (self._fit(self.buckets, B), self._fit(self.widths, ctx.kernel_block_table.shape[1]), per_request)
-        if self.disabled is not None or None in key or per_request not in self._rows:
+        key = self.key(B, ctx.kernel_block_table.shape[1], per_request)
+        if key is None:
             return None
         self._load(input_ids, ctx, *key)
         self.steps += 1
@@ -115,28 +154,48 @@ class DecodeGraphs:
             self.hidden = hidden[0, :T].clone()
         return out[0, :T].to(torch.float32, copy=True)
 
+    def _table(self, width: int) -> None:
+        if width not in self.tables:
+            self.tables[width] = torch.zeros(self.max_batch, width, dtype=torch.int32, device=self.device)
+            for staging in self._staging:
+                staging.tables[width] = torch.zeros(self.max_batch, width, dtype=torch.int32, pin_memory=self._pin)
+
+    def _next_staging(self) -> "_Staging":
+        """The staging set of the step after the last one; its last copies are done by now (the runner has read
+        the tokens of the step that used it), so the wait is a check that never blocks in the runner's loops."""
+        self._staging.reverse()
+        staging = self._staging[0]
+        if staging.copied is not None and not staging.copied.query():
+            staging.copied.synchronize()
+        return staging
+
     def _load(self, input_ids: torch.Tensor, ctx: ForwardContext, bucket: int, width: int, q: int = 1) -> None:
         """Copy the step into the static buffers; rows B..bucket-1 become padding tokens. The step is written into
-        the host staging buffers in place and each goes to the device in one non-blocking copy."""
+        the host staging buffers in place and each goes to the device in one non-blocking copy; device-resident
+        ``input_ids`` then overwrite the ids row on the device."""
         B, used = ctx.batch_size, ctx.kernel_block_table.shape[1]
-        if width not in self.tables:
-            rows = self.max_batch
-            self.tables[width] = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
-            self._staged_tables[width] = torch.zeros(rows, width, dtype=torch.int32, pin_memory=self._pin)
-        if self._copied is not None and not self._copied.query():  # done by now: the runner read the last tokens
-            self._copied.synchronize()  # the previous step's copies must have read the staging buffers
-        staged, table = self._staged_inputs, self._staged_tables[width]
-        for row, values, pad in ((0, input_ids, 0), (1, ctx.positions, 0), (2, ctx.slot_mapping, -1)):
-            staged[row, :B * q] = values
+        self._table(width)
+        staging = self._next_staging()
+        staged, table = staging.inputs, staging.tables[width]
+        on_device = input_ids.device == self.inputs.device  # on a CPU every step takes this path
+        for row, values, pad in ((0, None if on_device else input_ids, 0), (1, ctx.positions, 0),
+                                 (2, ctx.slot_mapping, -1)):
+            if values is not None:
+                staged[row, :B * q] = values
             staged[row, B * q:bucket * q] = pad
         table[:B, :used] = ctx.kernel_block_table
         table[:B, used:] = 0
         table[B:bucket] = 0
-        self.inputs.copy_(staged, non_blocking=True)
-        self.tables[width][:bucket].copy_(table[:bucket], non_blocking=True)
+        self._send(staging, bucket, width)
+        if on_device:
+            self.inputs[0, :B * q].copy_(input_ids)
+
+    def _send(self, staging: "_Staging", bucket: int, width: int) -> None:
+        self.inputs.copy_(staging.inputs, non_blocking=True)
+        self.tables[width][:bucket].copy_(staging.tables[width][:bucket], non_blocking=True)
         if self._pin:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            staging.copied = torch.cuda.Event()
+            staging.copied.record()
 
     def _forward(self, bucket: int, width: int, q: int = 1) -> torch.Tensor:
         T = bucket * q
@@ -165,3 +224,13 @@ class DecodeGraphs:
         self._pool = graph.pool()
         self.graphs[key] = (graph, out)
         return logits
+
+
+class _Staging:
+    """One set of host staging buffers (ids, positions, slots; a block table per width bucket) and the event after
+    the last copies that read it."""
+
+    def __init__(self, tokens: int, pin: bool):
+        self.inputs = torch.zeros(3, tokens, dtype=torch.int64, pin_memory=pin)
+        self.tables: dict[int, torch.Tensor] = {}
+        self.copied: Optional[torch.cuda.Event] = None

@@ -13,7 +13,21 @@ other requests go on unchanged. Prefill runs the admitted prompts in steps of at
 tokens (chunked prefill): a prompt longer than a step's room goes on in the next step behind its cached rows.
 
 With ``speculative`` (:mod:`fxglm5.runtime.speculative`) a drafter proposes up to k tokens per request and each
-step verifies them in one forward (``speculate``); the tokens are plain greedy decoding's.
+step verifies them in one forward (``speculate``); the tokens are plain greedy decoding's. Verify steps are
+synchronous: the next step's drafts and room depend on this step's acceptance, read on the host.
+
+Decode overlaps the host with the device (``decode_steps``, the default of ``run``; SGLang's overlap scheduler,
+vLLM's async scheduling): the sampled tokens stay on the device and are the next step's input ids; the host builds
+step n+1 (room, context, staging: none of it needs the tokens) and launches it before it reads step n's tokens,
+which come back through a pinned non-blocking copy and an event, one step late. What the late read decides is
+applied then, and exactly as the step-by-step loop does: the prefix hashes of the rows before the read token are
+committed at the read (``BlockManager.commit``; the rows are on the device, stream-ordered before any reader), and
+a request that emitted a stop token leaves with the output it has: the step already launched for it computes one
+wasted row (its token is dropped, its row lies past the request's length in a block that was never committed, and
+the room taken for it goes back through ``BlockManager.truncate``). Room is taken ahead only where it takes no
+block that holds a cached prefix (``BlockManager.fits_unevicted``); otherwise the loop first reads the step in
+flight and grows the requests in the step-by-step order (so which request gets a CacheFullError, and which
+prefixes are evicted, are the same).
 """
 
 from __future__ import annotations
@@ -93,6 +107,7 @@ class Sequence:
     cached: int = 0  # tokens whose KV rows are in the cache
     prefix_reused: int = 0  # prompt tokens taken from an earlier request's blocks
     acceptance: list[int] = dataclasses.field(default_factory=list)  # tokens emitted per verify step (speculative)
+    stopped: bool = False  # emitted one of the run's stop tokens (its last token) and left
 
     @property
     def tokens(self) -> Tokens:
@@ -106,7 +121,7 @@ class Runner:
                  graph=None, backend: str | None = None, decode_graphs: bool | None = None,
                  max_decode_batch: int = 64, disabled_passes=(), tp: int = 1, ep: int | None = None,
                  speculative: SpeculativeConfig | None = None, drafter=None, mtp_graph=None,
-                 max_step_tokens: int = 16384):
+                 max_step_tokens: int = 16384, overlap: bool = True):
         """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); with ``graph``, anything
         with the model's ``config`` and compute ``dtype`` (an exported artifact: ``fxglm5.artifact``). ``kv_cache``: "bf16"
         (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
@@ -128,10 +143,11 @@ class Runner:
         the MTP layer's own graph (``mtp_graph``: another such Runner's ``drafter.graph``, reused) with a second
         paged cache (fxglm5.runtime.mtp_drafter). ``max_step_tokens``: the most flat tokens one prefill step
         computes (chunked prefill, see ``_prefill``): the activations of a step grow with its tokens, and the
-        FP8 GEMMs' int32 offsets overflow at 2^31 elements (131072 tokens x 16384 columns)."""
+        FP8 GEMMs' int32 offsets overflow at 2^31 elements (131072 tokens x 16384 columns). ``overlap``: ``run``
+        decodes with the overlapped loop (``decode_steps``; the same tokens); False: one ``decode`` at a time."""
         if isinstance(max_step_tokens, bool) or not isinstance(max_step_tokens, int) or max_step_tokens < 1:
             raise InputError(f"max_step_tokens: must be a positive integer, got {max_step_tokens!r}")
-        self.max_step_tokens = max_step_tokens
+        self.max_step_tokens, self.overlap = max_step_tokens, bool(overlap)
         index_kind, _ = check_options(block_size, kernel_block_size, kv_cache, index_cache)  # before the slow part
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise InputError(f"speculative: expected a SpeculativeConfig or None, got {type(speculative).__name__}")
@@ -191,6 +207,18 @@ class Runner:
                                       disabled_passes=disabled_passes)
         # the last step's hidden rows [rows, H] where the graph returns them (head "logits+hidden"), else None
         self.hidden = None
+
+    def warm_up(self, max_batch: int | None = None, max_tokens: int | None = None) -> int:
+        """Capture before serving every decode graph (with ``speculative``, every verify graph too) that a step of up
+        to ``max_batch`` requests (default: the largest batch bucket) of at most ``max_tokens`` tokens each, drafts
+        included (default: the longest sequence the cache holds), can replay, so that no compile, autotune or
+        capture falls inside serving (a capture of a new width bucket once cost a timed phase seconds). Returns how
+        many graphs it captured (on a CPU: static-buffer steps it ran); 0 without decode graphs."""
+        graphs = self.decode_graphs
+        if graphs is None:
+            return 0
+        width = graphs.widths[-1] if max_tokens is None else -(-max_tokens // self.cache.block_size) * self.cache.ratio
+        return graphs.warm(graphs.keys(max_batch or graphs.max_batch, width))
 
     def _agree(self, *request) -> None:
         """Ranks: the same request on every rank, checked before anything that can raise on one rank only."""
@@ -294,24 +322,101 @@ class Runner:
             self.drafter.start(step, self.hidden)
 
     def decode(self) -> list[Sequence]:
-        """One decode step for every active request (a request without room gets CacheFullError and leaves)."""
+        """One decode step for every active request (a request without room gets CacheFullError and leaves); the
+        new tokens are read before it returns."""
         running = self._room_for_one()
         if running:
-            self._advance(running, self._decode_step(running))
+            self._advance(running, self._decode_step(running, torch.tensor([s.tokens[-1] for s in running])))
         return running
 
-    def _room_for_one(self) -> list[Sequence]:
-        """Grow every active request by one token's room; one that has none gets CacheFullError and leaves."""
-        running = []
-        for seq in self.active:
+    def _room_for_one(self, seqs: list[Sequence] | None = None) -> list[Sequence]:
+        """Grow each of ``seqs`` (default: every active request) by one token's room, in order; one that has none
+        gets CacheFullError and leaves. Returns those that grew."""
+        running, failed = [], set()
+        for seq in self.active if seqs is None else seqs:
             try:
                 self.blocks.extend(seq.id, seq.cached + 1)
                 running.append(seq)
             except CacheFullError as err:
                 seq.error = err
                 self._leave(seq)
-        self.active = running
+                failed.add(seq.id)
+        self.active = [seq for seq in self.active if seq.id not in failed]
         return running
+
+    def decode_steps(self, max_new_tokens: int, stop_tokens=()) -> None:
+        """Decode the active requests until each has ``max_new_tokens`` tokens, has emitted one of ``stop_tokens``
+        (it leaves: ``stopped``) or has no room; with ``overlap`` the host runs one step ahead of the device (see
+        the module docstring), else one ``decode`` at a time. The tokens are the same either way."""
+        stop = frozenset(stop_tokens)
+        if not self.overlap:
+            while any(len(s.output) < max_new_tokens for s in self.active):
+                running = self._room_for_one([s for s in self.active if len(s.output) < max_new_tokens])
+                if not running:
+                    continue
+                self._advance(running, self._decode_step(running, torch.tensor([s.tokens[-1] for s in running])))
+                self._stop(running, stop)
+            return
+        flight = None  # the step on the device whose tokens the host has not read
+        while True:
+            ahead = set() if flight is None else {s.id for s in flight.seqs}
+            running = [s for s in self.active if len(s.output) + (s.id in ahead) < max_new_tokens]
+            if flight is not None and not (running and self.blocks.fits_unevicted(
+                    [(s.id, s.cached + 1) for s in running])):
+                flight = self._read(flight, stop)  # nothing left to launch, or room only as the plain loop takes it
+                continue
+            if not running:
+                return
+            running = self._room_for_one(running)
+            if not running:
+                continue
+            logits = self._decode_step(running, self._next_ids(running, flight))
+            for seq in running:  # its row is written on the device, in stream order before any reader
+                seq.cached += 1
+            launched = _Launched(running, logits.argmax(-1), logits if self.keep_logits else None)
+            if flight is not None:
+                self._read(flight, stop)
+            flight = launched
+
+    def _next_ids(self, seqs: list[Sequence], flight: "_Launched | None") -> torch.Tensor:
+        """The input ids of the next step: the last tokens from the host after a read, else the step in flight's
+        tokens on the device (gathered where requests left it)."""
+        if flight is None:
+            return torch.tensor([s.tokens[-1] for s in seqs])
+        if len(seqs) == len(flight.seqs):  # seqs is a subsequence of flight.seqs, so the same requests
+            return flight.tokens
+        row = {s.id: i for i, s in enumerate(flight.seqs)}
+        index = torch.tensor([row[s.id] for s in seqs])
+        if flight.tokens.is_cuda:
+            index = index.pin_memory().to(flight.tokens.device, non_blocking=True)
+        return flight.tokens[index]
+
+    def _read(self, flight: "_Launched", stop: frozenset) -> None:
+        """Wait for the step in flight's tokens (its one event) and apply them as ``_advance`` and ``_stop`` do; a
+        request that stopped before this step gets nothing from it. Returns None (no step in flight)."""
+        tokens = flight.wait()
+        live = []
+        for i, (seq, token) in enumerate(zip(flight.seqs, tokens)):
+            if seq.stopped:
+                continue
+            self.blocks.commit(seq.id, seq.tokens)  # the rows before this token: the plain loop commits them now too
+            seq.output.append(token)
+            if self.keep_logits:
+                seq.logits.append(flight.logits[i])
+            live.append(seq)
+        self._stop(live, stop)
+        return None
+
+    def _stop(self, seqs: list[Sequence], stop: frozenset) -> None:
+        """Requests whose last token is a stop token leave; room taken for a step launched past it is given back
+        first, so the blocks are those the plain loop leaves."""
+        for seq in seqs:
+            if seq.output[-1] in stop:
+                seq.stopped = True
+                if seq.cached > len(seq.tokens) - 1:
+                    seq.cached = len(seq.tokens) - 1
+                    self.blocks.truncate(seq.id, seq.cached)
+                self.release(seq)
 
     def speculate(self, max_new_tokens: int) -> list[Sequence]:
         """One verify step for every active request with fewer than ``max_new_tokens`` tokens (those done leave
@@ -334,7 +439,7 @@ class Runner:
         logits = self._verify_step(running, counts, ids)
         accepted, start = [], 0
         for seq, d, targets in zip(running, drafts, verify_rows(logits, counts)):
-            a = accepted_length(d, targets)
+            a = len(d) if self.speculative.accept_all else accepted_length(d, targets)
             seq.output.extend(d[:a])  # the accepted drafts' rows are now cached: commit them, then the target's token
             seq.cached = len(seq.tokens)
             self.blocks.commit(seq.id, seq.tokens)
@@ -370,14 +475,14 @@ class Runner:
         if self.drafter is not None:
             self.drafter.release(seq)
 
-    def _decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits of one decode step: replayed from a CUDA graph where one applies, else eagerly."""
-        last = [s.tokens[-1] for s in seqs]
+    def _decode_step(self, seqs: list[Sequence], ids: torch.Tensor) -> torch.Tensor:
+        """Logits of one decode step of token ``ids`` (on the host, or the device's sampled tokens): replayed from a
+        CUDA graph where one applies, else eagerly."""
         if self.decode_graphs is not None:  # the context is built and validated on the host: no device syncs
-            logits = self.decode_graphs.run(torch.tensor(last), self.context(seqs, device="cpu").validate())
+            logits = self.decode_graphs.run(ids, self.context(seqs, device="cpu").validate())
             if logits is not None:
                 return logits
-        return self.step(self.context(seqs), torch.tensor(last, device=self.device))
+        return self.step(self.context(seqs), ids.to(self.device))
 
     def release(self, seq: Sequence) -> None:
         """Give a request's blocks back (full prompt blocks stay reusable as a cached prefix)."""
@@ -385,18 +490,21 @@ class Runner:
         if seq in self.active:
             self.active.remove(seq)
 
-    def run(self, prompts: list[list[int]], max_new_tokens: int) -> list[Sequence]:
-        """Greedy generation for a batch; rejected requests carry ``error`` and the rest are unaffected."""
-        self._agree("run", prompts, max_new_tokens)
+    def run(self, prompts: list[list[int]], max_new_tokens: int, stop_tokens=()) -> list[Sequence]:
+        """Greedy generation for a batch; rejected requests carry ``error`` and the rest are unaffected. A request
+        that emits one of ``stop_tokens`` (e.g. the config's eos ids) ends there, the stop token its last."""
+        self._agree("run", prompts, max_new_tokens, sorted(stop_tokens))
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
+        stop = check_stop_tokens(stop_tokens, self.config.vocab_size)
+        if stop and self.speculative is not None:
+            raise InputError("stop_tokens: not with speculative decoding (a verify step emits several tokens)")
         check_lengths(prompts, max_new_tokens, self.config.max_position_embeddings)
         self.acceptance = Acceptance()
         seqs = self._prefill(prompts)
         if self.speculative is None:
-            for _ in range(max_new_tokens - 1):
-                if not self.decode():
-                    break
+            self._stop(list(self.active), stop)  # a first token may already be a stop token
+            self.decode_steps(max_new_tokens, stop)
         else:
             while self.speculate(max_new_tokens):
                 pass
@@ -404,9 +512,9 @@ class Runner:
             self.release(seq)
         return seqs
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_tokens=()) -> list[list[int]]:
         """Greedy tokens per prompt; raises the first CacheFullError (``run`` returns partial results instead)."""
-        seqs = self.run(prompts, max_new_tokens)
+        seqs = self.run(prompts, max_new_tokens, stop_tokens)
         for seq in seqs:
             if seq.error is not None:
                 raise seq.error
@@ -421,6 +529,36 @@ class Runner:
         if bad:
             raise InputError(f"prompt: token id {bad[0]} is out of range [0, {vocab}) (vocab_size)")
         return prompt
+
+
+def check_stop_tokens(stop_tokens, vocab: int) -> frozenset:
+    """The stop token ids as a set, each an int in the vocabulary (InputError)."""
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, collections.abc.Iterable):
+        raise InputError(f"stop_tokens: expected a collection of token ids, got {type(stop_tokens).__name__}")
+    stop = list(stop_tokens)
+    bad = [t for t in stop if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise InputError(f"stop_tokens: {bad[0]!r} is not a token id in [0, {vocab}) (vocab_size)")
+    return frozenset(stop)
+
+
+class _Launched:
+    """A decode step launched on the device: its requests, its sampled tokens there (the next step's input ids),
+    their copy into pinned host memory and the event after it (the loop's one wait on the device)."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, logits: torch.Tensor | None):
+        self.seqs, self.tokens, self.logits, self.done = seqs, tokens, logits, None
+        self.host = tokens
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def wait(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 def sharded_model(model, tp: int, ep: int | None, dtype):

@@ -38,10 +38,14 @@ METHODS = ("mtp",)
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """``method``: where drafts come from ("mtp": the checkpoint's MTP layer); ``num_tokens``: drafts per step, k."""
+    """``method``: where drafts come from ("mtp": the checkpoint's MTP layer); ``num_tokens``: drafts per step, k.
+    ``accept_all``: accept every draft whatever the target's argmax (the tokens are then not greedy decoding's):
+    for bench/speculative.py only, whose forced-acceptance throughput must not depend on bf16 near-ties flipping
+    a verify step's greedy token away from the plain run's."""
 
     method: str = "mtp"
     num_tokens: int = 1
+    accept_all: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:

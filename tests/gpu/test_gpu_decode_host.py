@@ -1,6 +1,7 @@
-"""On the GPU: a decode step replayed from a CUDA graph loads its inputs through pinned host staging buffers with
-asynchronous copies and does not wait on the device (the runner's one read of the next tokens comes after it);
-the tokens are those of eager decoding."""
+"""On the GPU: the overlapped decode loop (Runner.decode_steps) replays CUDA graphs whose inputs come through pinned
+staging buffers and the device's own sampled tokens, and between replays it never syncs with the device except the
+one lagged wait per step on the event after a step's token copy; its tokens are those of eager decoding and of the
+step-by-step loop."""
 
 import pytest
 import torch
@@ -11,38 +12,39 @@ from tests.helpers import random_model
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [7, 1, 8], [2, 71, 82, 81, 82, 84, 59, 4, 5, 23]]
+NEW = 16
 
 
-def _no_sync_in_replays(graphs) -> list:
-    """Wrap ``graphs.run`` so that a step of an already captured bucket runs under sync debug mode "error" (a
-    synchronizing call, such as a copy from pageable memory, raises); returns the list of checked steps."""
-    checked, run = [], graphs.run
-
-    def checked_run(input_ids, ctx):
-        key = (graphs._fit(graphs.buckets, ctx.batch_size), graphs._fit(graphs.widths, ctx.kernel_block_table.shape[1]))
-        if key not in graphs.graphs:
-            return run(input_ids, ctx)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = run(input_ids, ctx)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        checked.append(key)
-        return out
-
-    graphs.run = checked_run
-    return checked
-
-
-def test_replayed_decode_steps_stage_pinned_and_do_not_sync():
+def test_overlapped_decode_loop_does_not_sync_between_replays(monkeypatch):
     cfg = Glm5Config.preset("tiny")
     model = random_model(cfg, torch.float32).cuda()
     # the FP8 index cache: the exact one has no Triton indexer, and the reference one syncs, so it is not captured
-    runners = {mode: Runner(model, index_cache="fp8", block_size=16, dtype=torch.float32, max_cache_tokens=1024,
-                            device="cuda", backend="triton", decode_graphs=mode) for mode in (False, True)}
-    graphs = runners[True].decode_graphs
-    checked = _no_sync_in_replays(graphs)
-    eager, replayed = runners[False].generate(PROMPTS, 16), runners[True].generate(PROMPTS, 16)
-    assert replayed == eager
-    assert graphs.disabled is None and len(checked) >= 10  # most steps replayed a captured bucket, none synced
-    assert graphs._staged_inputs.is_pinned() and all(t.is_pinned() for t in graphs._staged_tables.values())
+    opts = dict(index_cache="fp8", block_size=16, dtype=torch.float32, max_cache_tokens=1024, device="cuda",
+                backend="triton")
+    eager = Runner(model, decode_graphs=False, **opts).generate(PROMPTS, NEW)
+    stepwise = Runner(model, decode_graphs=True, overlap=False, **opts).generate(PROMPTS, NEW)
+    r = Runner(model, decode_graphs=True, **opts)
+    graphs = r.decode_graphs
+    assert r.warm_up(max_batch=len(PROMPTS), max_tokens=max(map(len, PROMPTS)) + NEW) > 0  # no capture when timed
+    seqs = r.prefill(PROMPTS)
+    waits, synchronize = [], torch.cuda.Event.synchronize
+
+    def counted(event):  # the lagged token read: the only wait allowed, outside sync debug's check
+        waits.append(event)
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            synchronize(event)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counted)
+    steps, captured = graphs.steps, len(graphs.graphs)
+    torch.cuda.set_sync_debug_mode("error")  # any other synchronizing call (a pageable copy, .item()) raises
+    try:
+        r.decode_steps(NEW)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert graphs.steps - steps == NEW - 1 and len(graphs.graphs) == captured and graphs.disabled is None
+    assert len(waits) == NEW - 1  # one event wait per step, none for the staging sets
+    assert [s.output for s in seqs] == eager == stepwise
+    assert all(st.inputs.is_pinned() and all(t.is_pinned() for t in st.tables.values()) for st in graphs._staging)

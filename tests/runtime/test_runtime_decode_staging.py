@@ -69,9 +69,9 @@ def test_static_inputs_padding_and_one_copy_per_buffer(monkeypatch):
         bucket = 4 if len(tokens) > 2 else 2
         for got, want in zip(graph.calls[-1], expected_inputs(tokens, lengths, tables, bucket, 4)):
             assert torch.equal(got, want.to(got.dtype)), (step, got, want)
-        pointers = [t.data_ptr() for t in (graphs.inputs, graphs.tables[4], graphs._staged_inputs,
-                                           graphs._staged_tables[4])]
-        assert buffers is None or pointers == buffers  # the same staging and device buffers every step
+        pointers = {t.data_ptr() for t in (graphs.inputs, graphs.tables[4], *(x for st in graphs._staging
+                                                                            for x in (st.inputs, st.tables[4])))}
+        assert buffers is None or pointers == buffers  # the same two staging sets and device buffers every step
         buffers = pointers
     assert made == {"cat": 0, "zeros": 0, "full": 0, "tensor": 0}
-    assert graphs.steps == 3 and not graphs._staged_inputs.is_pinned()  # pinned only with CUDA
+    assert graphs.steps == 3 and not graphs._staging[0].inputs.is_pinned()  # pinned only with CUDA
