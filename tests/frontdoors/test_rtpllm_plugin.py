@@ -31,8 +31,12 @@ RTP_TINY = Glm5Config.preset("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=
 
 def _forget_rtp() -> None:
     """Drop the stand-in and the plugin modules built on its classes, also as attributes of fxglm5.rtpllm (where
-    ``from fxglm5.rtpllm import speculative`` would otherwise find the module of an earlier stand-in)."""
+    ``from fxglm5.rtpllm import speculative`` would otherwise find the module of an earlier stand-in), and the
+    classes ``rtp_symbol`` cached from it."""
     package = sys.modules.get("fxglm5.rtpllm")
+    config = sys.modules.get("fxglm5.rtpllm.config")
+    if config is not None:
+        config.rtp_symbol.cache_clear()  # its cached RTP classes (DataType, ModelConfig) are the old stand-in's
     for name in list(sys.modules):
         if name == "rtp_llm" or name.startswith("rtp_llm.") or name in (PLUGIN, "fxglm5.rtpllm.glm5", "fxglm5.rtpllm.speculative"):
             del sys.modules[name]
