@@ -44,7 +44,7 @@ from fxglm5.lowering.reference.paged_steps import validation
 from fxglm5.lowering.registry import preferred_backend
 from fxglm5.runtime.block_manager import BlockManager
 from fxglm5.runtime.cache import PagedCache, check_cache_size, check_options
-from fxglm5.compiler import compile_model
+from fxglm5.compiler import PREFILL_STEP_TOKENS, compile_model
 from fxglm5.runtime.decode_graphs import DecodeGraphs
 from fxglm5.runtime.distributed import agree, digest
 from fxglm5.runtime.forward_context import ForwardContext
@@ -121,7 +121,7 @@ class Runner:
                  graph=None, backend: str | None = None, decode_graphs: bool | None = None,
                  max_decode_batch: int = 64, disabled_passes=(), tp: int = 1, ep: int | None = None,
                  speculative: SpeculativeConfig | None = None, drafter=None, mtp_graph=None,
-                 max_step_tokens: int = 16384, overlap: bool = True):
+                 max_step_tokens: int = PREFILL_STEP_TOKENS, overlap: bool = True):
         """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); with ``graph``, anything
         with the model's ``config`` and compute ``dtype`` (an exported artifact: ``fxglm5.artifact``). ``kv_cache``: "bf16"
         (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
