@@ -66,7 +66,7 @@ def test_decode_cuda_graphs_same_tokens_as_eager(kv_cache):
             torch.testing.assert_close(torch.stack(a.logits), expected, rtol=1e-3,
                                        atol=1e-3 * expected.abs().max().item())
     graphs = runners[True].decode_graphs
-    assert graphs.disabled is None and {batch for batch, _ in graphs.graphs} == {4, 8} and graphs.steps == 2 * 15
+    assert graphs.disabled is None and {batch for batch, _, _ in graphs.graphs} == {4, 8} and graphs.steps == 2 * 15
 
 
 def _teacher_forced(runner, prompts, forced):
@@ -117,7 +117,7 @@ def test_paged_runtime_hopper_mla_matches_reference(kv_cache, monkeypatch):
     # Python-side launches, every layer, all sparse: the prefill, then the decode bucket's (3 requests -> 4) eager
     # warm-up and its capture; the other 22 decode steps replay the captured launches
     graphs = runners["triton"].decode_graphs
-    assert graphs.disabled is None and list(graphs.graphs) == [(4, 1)] and graphs.steps == 23  # one 64-token block
+    assert graphs.disabled is None and list(graphs.graphs) == [(4, 1, 1)] and graphs.steps == 23  # one 64-token block
     assert calls == [True] * 3 * cfg.num_hidden_layers, calls
     diff = (logits - ref_logits).abs().amax(-1)  # per prompt and step
     assert diff.max() <= 0.05 * ref_logits.abs().max(), (diff.max(), ref_logits.abs().max())
