@@ -212,10 +212,12 @@ class DecodeGraphs:
             logits = self._forward(*key)  # this step's answer; compiles and autotunes outside capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        outer = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
                 out = self._forward(*key)
         except Exception as err:  # noqa: BLE001 - an op that cannot be captured: this runner decodes eagerly
+            undo_failed_capture(graph, outer)
             self.disabled = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
             log.warning("decode CUDA graphs off, capture failed at batch %d (%s); decoding eagerly", bucket,
                         self.disabled)
@@ -224,6 +226,28 @@ class DecodeGraphs:
         self._pool = graph.pool()
         self.graphs[key] = (graph, out)
         return logits
+
+
+def undo_failed_capture(graph: torch.cuda.CUDAGraph, outer: torch.cuda.Stream) -> None:
+    """Put back what a capture that raised leaves half-done, so that the process goes on eagerly.
+
+    ``torch.cuda.graph``'s exit ends the capture before it leaves its stream; when the capture was invalidated (an
+    op that syncs, say) ``capture_end`` raises before the default generator's capture epilogue and before the
+    allocator stops routing the capture stream's allocations to the graph's pool. Left so, the current stream stays
+    the capture stream and every later CUDA random op of the process fails with "Offset increment outside graph
+    capture encountered unexpectedly" (torch's CUDAGeneratorState::increase). Here: the stream before the capture is
+    current again, the pool takes no more allocations, and the default generator gets a fresh state object with the
+    same seed and offset (the stuck one stays with the dead graph)."""
+    torch.cuda.set_stream(outer)
+    device = outer.device.index
+    try:
+        torch._C._cuda_endAllocateToPool(device, graph.pool())
+    except (AttributeError, RuntimeError):  # the capture ended before the error, or never began
+        pass
+    stuck = torch.cuda.default_generators[device]
+    fresh = torch.Generator(device=outer.device)
+    fresh.set_state(stuck.get_state())
+    stuck.graphsafe_set_state(fresh)
 
 
 class _Staging:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fxglm5.model.config import Glm5Config
+from fxglm5.runtime.decode_graphs import DecodeGraphs
 from fxglm5.runtime.runner import Runner
 from tests.helpers import random_model
 
@@ -48,3 +49,37 @@ def test_overlapped_decode_loop_does_not_sync_between_replays(monkeypatch):
     assert len(waits) == NEW - 1  # one event wait per step, none for the staging sets
     assert [s.output for s in seqs] == eager == stepwise
     assert all(st.inputs.is_pinned() and all(t.is_pinned() for t in st.tables.values()) for st in graphs._staging)
+
+
+def test_a_failed_capture_decodes_eagerly_and_leaves_cuda_usable(monkeypatch):
+    """A step that syncs while captured invalidates its capture: the runner decodes that bucket eagerly with the
+    eager tokens, the default stream is current again, CUDA random ops work and a later capture (with a random op
+    inside) replays."""
+    cfg = Glm5Config.preset("tiny")
+    model = random_model(cfg, torch.float32).cuda()
+    opts = dict(index_cache="fp8", block_size=16, dtype=torch.float32, max_cache_tokens=1024, device="cuda",
+                backend="triton")
+    eager = Runner(model, decode_graphs=False, **opts).generate(PROMPTS, NEW)
+    forward = DecodeGraphs._forward
+
+    def syncing(self, *key):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not permitted while capturing: the capture is invalidated
+        return forward(self, *key)
+
+    monkeypatch.setattr(DecodeGraphs, "_forward", syncing)
+    r = Runner(model, decode_graphs=True, **opts)
+    assert r.generate(PROMPTS, NEW) == eager
+    assert r.decode_graphs.disabled is not None and not r.decode_graphs.graphs
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.manual_seed(0)
+    first = torch.randn(8, device="cuda")
+    torch.manual_seed(0)
+    assert torch.equal(torch.randn(8, device="cuda"), first)
+    static = torch.zeros(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static.copy_(torch.rand(8, device="cuda") + 1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool(((static >= 1) & (static < 2)).all())
