@@ -67,7 +67,9 @@ def pytest_cmdline_main(config):
 # The files that keep a worker longest (the spawned-rank plugin pair: ~5 min of one worker), started first so that the
 # workers' remaining files fill in around them (longest-first keeps one long file from ending the run alone).
 # A file missing here only starts later; a renamed file simply loses its head start.
-SLOW_FILES_FIRST = (
+SLOW_FILES_FIRST = (  # the longest single tests (a 40 s hang timeout, multi-process launches), by measured time
+    "tests/multirank/test_launch.py",
+    "tests/multirank/test_sharded_runner.py",
     "tests/frontdoors/test_rtpllm_plugin_tp.py",
 )
 
