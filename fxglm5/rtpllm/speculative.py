@@ -188,7 +188,7 @@ class Fxglm5Glm5Mtp(BaseModel):
 
     def load(self, skip_python_model: bool = False):
         from fxglm5.compiler import MAX_STEP_TOKENS, compile_mtp
-        from fxglm5.model.modeling import Glm5ForCausalLM
+        from fxglm5.model.modeling import Glm5MtpDraft
 
         model_config = self.model_config
         cfg = mtp_model_config(model_config.ckpt_path)
@@ -199,8 +199,8 @@ class Fxglm5Glm5Mtp(BaseModel):
                               "draft's decode and prefill graphs too); ENABLE_CUDA_GRAPH=0")
         dtype = compute_dtype(model_config)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.glm5 = Glm5ForCausalLM.from_pretrained(model_config.ckpt_path, dtype=dtype, device=device,
-                                                    progress=False, mtp=True)
+        # the MTP layer, the embedding and the lm_head only: the decoder stack is the target's (not read twice)
+        self.glm5 = Glm5MtpDraft.from_pretrained(model_config.ckpt_path, dtype=dtype, device=device, progress=False)
         self.graph = compile_mtp(self.glm5, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS),
                                  device=device).graph
         mtp = self.glm5.mtp
