@@ -88,8 +88,8 @@ def test_the_draft_takes_the_target_hidden_states_and_refuses_what_it_cannot_ser
                                          r"input token, expected \(3, 256\), got \(2, 64\)"):
         draft.forward(PyModelInputs(input_ids=inputs.input_ids, input_hiddens=torch.zeros(2, 64),
                                     attention_inputs=inputs.attention_inputs))
-    with pytest.raises(InputError, match="glm_5-mtp: the MTP draft runs eagerly"):
-        draft.prepare_fmha_impl(inputs, True)
+    with pytest.raises(InputError, match=r"glm_5-mtp: RTP's draft-prefill CUDA graph \(sp_prefill_draft_model_"):
+        draft.prepare_fmha_impl(inputs, True)  # what sp_prefill_draft_model_'s capture calls
     no_mtp = make_tiny_checkpoint(tmp_path / "no-mtp", fp8=False, config=RTP_TINY.replace(num_nextn_predict_layers=0))
     with pytest.raises(ConfigError, match=r"num_nextn_predict_layers=0; the checkpoint has no MTP layer to serve as "
                                           r"RTP's draft model 'glm_5-mtp'"):
@@ -192,3 +192,22 @@ def test_verify_steps_replay_from_target_verify_graphs(rtp, spec, fp8_ckpt):
     prefill = t._prefill_inputs([[1, 2]], [0], [reqs[0].blocks])
     with pytest.raises(InputError, match="prefill batch without is_target_verify"):
         t.py_model.prepare_fmha_impl(prefill, True)
+
+
+def test_draft_decode_steps_replay_from_the_drafts_decode_graphs(rtp, spec, fp8_ckpt, ckpt):
+    """k = 3 on the block-FP8 checkpoint: each verify step's two chained draft decode steps replay from the draft's
+    decode graphs (a batch of 3 in the size-4 graph: a padding request), ``input_hiddens`` through the graph's
+    static buffer and the carried rows through each graph's own; tokens and every proposal are the eager draft's."""
+    kw = dict(sp_model_type="glm_5-mtp", sp_checkpoint_path=fp8_ckpt, gen_num_per_cycle=3, external_model_packages=[PLUGIN],
+              seq_size_per_block=16, num_blocks=40, max_seq_len=64)
+    prompts = _prompts((5, 12, 7), seed=1)
+    eager = spec.MtpEngine(fp8_ckpt, **kw)
+    graphs = spec.MtpEngine(fp8_ckpt, enable_cuda_graph=True, decode_capture_batch_sizes=(1, 2, 4), **kw)
+    assert graphs.draft_graph.captured_sizes == [4, 2, 1]
+    assert graphs.generate(prompts, NEW) == eager.generate(prompts, NEW)
+    assert graphs.proposals == eager.proposals
+    assert graphs.draft_graph_replays == 2 * graphs.verify_steps and eager.draft_graph is None
+    assert graphs.draft_graph.replays_by_size[4] >= 2 and graphs.target.graph_runner.replays_by_size
+    with pytest.raises(ConfigError, match=r"is not block-FP8; the bf16 MTP layer's MoE syncs with the host, so the "
+                                          r"glm_5-mtp draft cannot be captured"):
+        spec.MtpEngine(fp8_ckpt, enable_cuda_graph=True, decode_capture_batch_sizes=(1,), **dict(kw, sp_checkpoint_path=ckpt))
