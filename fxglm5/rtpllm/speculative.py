@@ -153,7 +153,8 @@ class Fxglm5MtpPyModel(GptModelBase):
             if bool(inputs.attention_inputs.is_prefill):
                 raise InputError(f"{MTP_NAME}: RTP's draft-prefill CUDA graph (sp_prefill_draft_model_: each "
                                  "request's accepted tokens behind its prefix, a variable count per request) is not "
-                                 "supported; the draft's CUDA graphs are its decode graphs (ENABLE_CUDA_GRAPH=0)")
+                                 "supported, only the draft's decode graphs are; RTP captures both with "
+                                 "ENABLE_CUDA_GRAPH=1, so serve the MTP draft with ENABLE_CUDA_GRAPH=0")
             return DraftDecodeGraphStep(inputs.attention_inputs, self.layout, self.device, self)
         return StepMetadata(inputs.attention_inputs, self.layout, self.device, scratch=lambda a: scratch_step(
             a, self.signature, self.kv_cache_kind, self.dtype, self.device, self.glm5_config.max_position_embeddings))
