@@ -25,8 +25,8 @@ from fxglm5.contracts import FP8_MAX
 from fxglm5.errors import CheckpointError, ConfigError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layout import (
-    MTP_MODULE, SCALE_SUFFIX, MtpLayout, TensorSpec, check_fp8_layout, check_mtp_config, checkpoint_name, expected_tensors, is_mtp_tensor,
-    is_packed_expert, mtp_layout, mtp_prefix, mtp_tensors,
+    MTP_MODULE, SCALE_SUFFIX, MtpLayout, TensorSpec, check_fp8_layout, check_mtp_config, checkpoint_name, expected_tensors,
+    is_mtp_draft_tensor, is_mtp_tensor, is_packed_expert, mtp_layout, mtp_prefix, mtp_shared_tensors, mtp_tensors,
 )
 from fxglm5.model.st_files import PlannedTensor, TensorInfo, scan_checkpoint, write_shards
 
@@ -121,21 +121,28 @@ class CheckpointReader:
     context manager around data access; files are opened (memory-mapped) on first use.
     """
 
-    def __init__(self, path: str | Path, mtp: bool | None = False):
+    def __init__(self, path: str | Path, mtp: bool | None = False, mtp_only: bool = False):
         """``mtp``: the MTP layer is part of the table (``mtp_layout`` says how the files store it); None: when the
-        files hold MTP tensors; False: its tensors are skipped unread, with one notice."""
+        files hold MTP tensors; False: its tensors are skipped unread, with one notice. ``mtp_only``: the table is
+        the MTP layer and the model tensors it shares (``mtp_shared_tensors``), for a draft model beside a target
+        that holds the rest: no other tensor is checked or read, and a shard holding none of them is not opened."""
         self.dir = Path(path)
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: checkpoint directory not found")
         config_path = self.dir / "config.json"
         self.config = Glm5Config.from_json(config_path)
         check_fp8_layout(self.config, str(config_path))
-        self.tensors, self.where = scan_checkpoint(self.dir)
+        wanted = (lambda name: is_mtp_draft_tensor(name, self.config)) if mtp_only else None
+        self.tensors, self.where = scan_checkpoint(self.dir, wanted)
         self.packed = any(is_packed_expert(n) for n in self.tensors)
-        self.expected = expected_tensors(self.config, packed=self.packed)
+        self.expected = {} if mtp_only else expected_tensors(self.config, packed=self.packed)
         if mtp is None:
             mtp = any(is_mtp_tensor(name, self.config) for name in self.tensors)
-        self.mtp_layout: MtpLayout | None = self._expect_mtp() if mtp else None
+        self.mtp_layout: MtpLayout | None = self._expect_mtp("the MTP draft model" if mtp_only else "mtp=True") if (
+            mtp or mtp_only) else None
+        if mtp_only:  # the lm_head is not read where the MTP layer has a head of its own
+            self.expected.update(mtp_shared_tensors(self.config, self.mtp_layout))
+            self.tensors = {n: i for n, i in self.tensors.items() if n in self.expected or is_mtp_tensor(n, self.config)}
         mtp = check_tensors(self.tensors, self.expected, self.config, self.where, skip_mtp=self.mtp_layout is None)
         if mtp:
             layers = sorted({int(n.split(".")[2]) for n in mtp})
@@ -155,15 +162,16 @@ class CheckpointReader:
             self._stack.close()
         self._stack = None
 
-    def _expect_mtp(self) -> MtpLayout:
-        """Add the MTP layer's tensors to the table; CheckpointError naming what is missing."""
+    def _expect_mtp(self, asked: str) -> MtpLayout:
+        """Add the MTP layer's tensors to the table; CheckpointError naming what is missing (and the option
+        ``asked`` that needs them)."""
         check_mtp_config(self.config)
         layout = mtp_layout(self.tensors, self.config)
         table = mtp_tensors(self.config, layout, packed=self.packed)
         missing = [n for n in table if n not in self.tensors]
         if missing:
             shown = ", ".join(repr(n) for n in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-            raise CheckpointError(f"{self.where}: no complete MTP layer ({mtp_prefix(self.config)}*) for mtp=True: "
+            raise CheckpointError(f"{self.where}: no complete MTP layer ({mtp_prefix(self.config)}*) for {asked}: "
                                   f"missing {len(missing)} of its {len(table)} tensors: {shown}")
         self.expected.update(table)
         return layout

@@ -185,6 +185,22 @@ def mtp_tensors(cfg: Glm5Config, layout: MtpLayout = MtpLayout(), packed: bool =
     return table
 
 
+def mtp_shared_tensors(cfg: Glm5Config, layout: MtpLayout) -> dict[str, TensorSpec]:
+    """The model's tensors that its MTP layer uses too: the embedding, and the lm_head unless the layer has a head
+    of its own (``layout.own_head``)."""
+    table: dict[str, TensorSpec] = {}
+    _hp(table, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
+    if not layout.own_head:
+        _hp(table, "lm_head.weight", (cfg.vocab_size, cfg.hidden_size))
+    return table
+
+
+def is_mtp_draft_tensor(name: str, cfg: Glm5Config) -> bool:
+    """A tensor that a draft model serving the MTP layer alone may read: the MTP layer's, the embedding, the
+    lm_head."""
+    return name in ("model.embed_tokens.weight", "lm_head.weight") or is_mtp_tensor(name, cfg)
+
+
 def is_mtp_tensor(name: str, cfg: Glm5Config) -> bool:
     """A tensor of a layer past the decoder stack: the MTP layer(s) (index num_hidden_layers, ...)."""
     match = _LAYER_RE.match(name)

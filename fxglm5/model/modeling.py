@@ -89,3 +89,30 @@ class Glm5ForCausalLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+class Glm5MtpDraft(nn.Module):
+    """GLM-5's MTP layer (``self.mtp``, a Glm5MTP) with only the model's modules it uses: the embedding and, unless
+    the checkpoint's layer has a head of its own, the lm_head (``lm_head`` None then). What a draft model beside a
+    target that holds the decoder stack loads: the parameters are named as in Glm5ForCausalLM, so the same
+    checkpoint loads into it, and it is what ``compiler.compile_mtp`` takes (``config``, ``dtype``, ``mtp``)."""
+
+    def __init__(self, config: Glm5Config, dtype: torch.dtype = torch.bfloat16, device=None,
+                 layout: MtpLayout = MtpLayout()):
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        embed = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.model = nn.ModuleDict({"embed_tokens": embed.requires_grad_(False)})
+        self.lm_head = None if layout.own_head else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device).requires_grad_(False)
+        self.mtp = Glm5MTP(config, embed, self.lm_head, dtype, device, layout)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype: torch.dtype | str = torch.bfloat16, device="cpu", progress: bool = True):
+        """The MTP layer of the checkpoint at ``path`` and the model tensors it shares, and nothing else: the
+        decoder layers' tensors are not checked or read, and a shard holding only them is not opened
+        (``CheckpointReader(mtp_only=True)``). A checkpoint without a complete MTP layer is a CheckpointError
+        naming the missing tensors. Dtypes as :meth:`Glm5ForCausalLM.from_pretrained`."""
+        dtype, device = resolve_dtype(dtype), torch.device(device)
+        reader = CheckpointReader(path, mtp_only=True)
+        return reader.load_into(cls(reader.config, dtype, "meta", reader.mtp_layout), device, progress)

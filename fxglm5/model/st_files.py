@@ -101,18 +101,21 @@ def _check_tiling(path: Path, spans: list[tuple[int, int, str]], data_bytes: int
                               "bytes after its header")
 
 
-def scan_checkpoint(directory: Path) -> tuple[dict[str, TensorInfo], Path]:
-    """All tensors of a checkpoint directory and the file errors about the whole set should name.
+def scan_checkpoint(directory: Path, wanted: Callable[[str], bool] | None = None) -> tuple[dict[str, TensorInfo], Path]:
+    """All tensors of a checkpoint directory (only those whose name is ``wanted``) and the file errors about the
+    whole set should name.
 
     Sharded (index + shards): every shard in the index must exist, every tensor the index lists must be
     in its shard, and every tensor of a shard must be listed (a shard the index does not describe means
-    the two are out of sync).
+    the two are out of sync). With ``wanted`` only the shards the index says hold a wanted tensor are opened
+    and checked so; the others need not exist.
     """
     index_path, single = directory / INDEX, directory / SINGLE
     if index_path.is_file():
-        return _scan_sharded(index_path), index_path
+        return _scan_sharded(index_path, wanted), index_path
     if single.is_file():
-        return read_header(_inside(directory, SINGLE, str(single))), single
+        tensors = read_header(_inside(directory, SINGLE, str(single)))
+        return (tensors if wanted is None else {n: i for n, i in tensors.items() if wanted(n)}), single
     found = sorted(p.name for p in directory.glob("*.safetensors"))
     hint = f" (found {found} but no {INDEX})" if found else ""
     raise CheckpointError(f"{directory}: no {SINGLE} or {INDEX}{hint}")
@@ -134,7 +137,7 @@ def _inside(directory: Path, name: str, what: str) -> Path:
     return path
 
 
-def _scan_sharded(index_path: Path) -> dict[str, TensorInfo]:
+def _scan_sharded(index_path: Path, wanted: Callable[[str], bool] | None) -> dict[str, TensorInfo]:
     try:
         index = json.loads(index_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -142,6 +145,9 @@ def _scan_sharded(index_path: Path) -> dict[str, TensorInfo]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: field 'weight_map' must map tensor names to shard file names")
+    if wanted is not None:
+        shards = {shard for name, shard in weight_map.items() if wanted(name)}
+        weight_map = {name: shard for name, shard in weight_map.items() if shard in shards}
     headers: dict[str, dict[str, TensorInfo]] = {}
     for name, shard in weight_map.items():
         if shard not in headers:
@@ -156,7 +162,8 @@ def _scan_sharded(index_path: Path) -> dict[str, TensorInfo]:
         for name, info in header.items():
             if weight_map.get(name) != shard:
                 raise CheckpointError(f"{info.file}: tensor {name!r} is in this shard but the index does not list it here")
-            tensors[name] = info
+            if wanted is None or wanted(name):
+                tensors[name] = info
     return tensors
 
 

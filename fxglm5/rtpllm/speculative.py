@@ -18,7 +18,12 @@ with file:line, is docs/rtp_speculative.md.
   ``MtpExecutor.cc:643-645``) under the target's block ids. Its returned hidden states go through RTP's lm_head
   (``PyWrappedModel.cc:866-884``, the final norm skipped), so the draft returns ``shared_head_norm(y)``; the
   pre-norm ``y`` that a chained draft step feeds back goes through ``get_mtp_target_hidden_states``, which RTP
-  prefers over the returned rows for the next draft input (``MtpExecutor.cc:241-254, 967, 2282``).
+  prefers over the returned rows for the next draft input (``MtpExecutor.cc:241-254, 967, 2282``). Its weights
+  are the MTP layer's, the embedding and the lm_head only (``Glm5MtpDraft``): the decoder stack is the target's.
+- :class:`DraftDecodeGraphStep`: the draft's decode CUDA graphs (``draft_model_``, one token per request,
+  ``PyWrappedModel.h:305-331``): the target decode graph's static metadata, RTP's static ``input_hiddens``
+  buffer (``cuda_graph_runner.cc:193-229, 1075-1082``), and a static buffer for ``y`` per graph. The draft-prefill
+  graph (``sp_prefill_draft_model_``) is refused at its capture.
 """
 
 from __future__ import annotations
@@ -93,6 +98,23 @@ def verify_step(attn, layout, device):
     return VerifyStepMetadata(attn, layout, device)
 
 
+class DraftDecodeGraphStep(StepMetadata):
+    """The static step inputs of a draft decode CUDA graph (RTP's ``draft_model_``: one token per request, built
+    as the target's decode graph, ``StepMetadata(static=True)``) and the static buffer its forward writes the
+    pre-norm rows ``y`` into. A replay runs no Python forward, so :meth:`prepare_cuda_graph`, which RTP calls
+    before every replay, points the model's ``get_mtp_target_hidden_states`` at this graph's buffer."""
+
+    def __init__(self, attn, layout, device, model: "Fxglm5MtpPyModel"):
+        rows = _host(attn, "input_lengths").shape[0]
+        self.model = model
+        self.mtp_hidden = torch.zeros(rows, model.glm5_config.hidden_size, dtype=model.dtype, device=device)
+        super().__init__(attn, layout, device, static=True)
+
+    def prepare_cuda_graph(self, attn) -> None:
+        super().prepare_cuda_graph(attn)
+        self.model.mtp_hidden = self.mtp_hidden
+
+
 def mtp_model_config(ckpt_path) -> Glm5Config:
     """The checkpoint's config as the draft model sees it (one MoE layer with its indexer); ConfigError for a
     checkpoint without an MTP layer."""
@@ -128,8 +150,12 @@ class Fxglm5MtpPyModel(GptModelBase):
 
     def prepare_fmha_impl(self, inputs, is_cuda_graph: bool = False) -> StepMetadata:
         if is_cuda_graph:
-            raise InputError(f"{MTP_NAME}: the MTP draft runs eagerly; RTP's draft decode and draft prefill CUDA "
-                             "graphs are not supported (ENABLE_CUDA_GRAPH=0)")
+            if bool(inputs.attention_inputs.is_prefill):
+                raise InputError(f"{MTP_NAME}: RTP's draft-prefill CUDA graph (sp_prefill_draft_model_: each "
+                                 "request's accepted tokens behind its prefix, a variable count per request) is not "
+                                 "supported, only the draft's decode graphs are; RTP captures both with "
+                                 "ENABLE_CUDA_GRAPH=1, so serve the MTP draft with ENABLE_CUDA_GRAPH=0")
+            return DraftDecodeGraphStep(inputs.attention_inputs, self.layout, self.device, self)
         return StepMetadata(inputs.attention_inputs, self.layout, self.device, scratch=lambda a: scratch_step(
             a, self.signature, self.kv_cache_kind, self.dtype, self.device, self.glm5_config.max_position_embeddings))
 
@@ -144,20 +170,25 @@ class Fxglm5MtpPyModel(GptModelBase):
             got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
             raise InputError(f"input_hiddens: the MTP draft needs the target's hidden state of every input token, "
                              f"expected {want}, got {got}")
-        check_input_ids(ids[None], self.glm5_config.vocab_size)
+        if not impl.static:  # a CUDA-graph step's ids come from RTP's sampler; checking them would sync
+            check_input_ids(ids[None], self.glm5_config.vocab_size)
         caches = impl.caches if impl.caches is not None else self.caches
         if caches is None:
             raise InputError("kv_cache: this step was prepared for RTP's cache, but initialize() holds none now")
         with torch.no_grad(), validation(False):
             _, y = self.graph(ids.long()[None], impl.positions[None], hidden[None].to(self.dtype), impl.slot_mapping,
                               impl.block_table, impl.req_idx, impl.logits_indices, *caches)
-            self.mtp_hidden = y[0]
+            if impl.static:  # the graph's static buffer; its prepare_cuda_graph points mtp_hidden at it
+                impl.mtp_hidden.copy_(y[0])
+            else:
+                self.mtp_hidden = y[0]
             out = self.shared_head_norm(y[0])
         return rtp_symbol("rtp_llm.ops.compute_ops:PyModelOutputs", "rtp_llm.ops:PyModelOutputs")(out)
 
     def get_mtp_target_hidden_states(self, num_tokens: int):
-        """The last forward's pre-norm MTP outputs ``y`` (its first ``num_tokens`` rows; all for a negative count):
-        what a chained draft step takes as the hidden state of the position before it."""
+        """The last step's pre-norm MTP outputs ``y`` (its first ``num_tokens`` rows; all for a negative count; a
+        graph step's: its static buffer's, padding rows included): what a chained draft step takes as the hidden
+        state of the position before it."""
         if self.mtp_hidden is None:
             return None
         n = self.mtp_hidden.shape[0] if num_tokens < 0 else int(num_tokens)
@@ -184,23 +215,26 @@ class Fxglm5Glm5Mtp(BaseModel):
         return no_weight_info_cls()
 
     def support_cuda_graph(self) -> bool:
-        return False  # see Fxglm5MtpPyModel.prepare_fmha_impl
+        """As the target's (``Fxglm5Glm5.support_cuda_graph``): block-FP8 checkpoints only, the bf16 MoE syncs with
+        the host. The graphs are the draft decode graphs; the draft-prefill graph is refused at its capture
+        (``Fxglm5MtpPyModel.prepare_fmha_impl``)."""
+        return Glm5Config.from_json(Path(self.model_config.ckpt_path) / "config.json").is_fp8
 
     def load(self, skip_python_model: bool = False):
         from fxglm5.compiler import MAX_STEP_TOKENS, compile_mtp
-        from fxglm5.model.modeling import Glm5ForCausalLM
+        from fxglm5.model.modeling import Glm5MtpDraft
 
         model_config = self.model_config
         cfg = mtp_model_config(model_config.ckpt_path)
         if rtp_mapping(getattr(self, "parallelism_config", None), cfg).tp != 1:
             raise ConfigError(f"{MTP_NAME}: the MTP graph is compiled for one rank only (tp_size=1)")
-        if getattr(getattr(self, "hw_kernel_config", None), "enable_cuda_graph", False):
-            raise ConfigError(f"ENABLE_CUDA_GRAPH=1: the {MTP_NAME} draft has no CUDA-graph path (RTP captures the "
-                              "draft's decode and prefill graphs too); ENABLE_CUDA_GRAPH=0")
+        if getattr(getattr(self, "hw_kernel_config", None), "enable_cuda_graph", False) and not self.support_cuda_graph():
+            raise ConfigError(f"ENABLE_CUDA_GRAPH=1: {model_config.ckpt_path} is not block-FP8; the bf16 MTP layer's "
+                              f"MoE syncs with the host, so the {MTP_NAME} draft cannot be captured (ENABLE_CUDA_GRAPH=0)")
         dtype = compute_dtype(model_config)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.glm5 = Glm5ForCausalLM.from_pretrained(model_config.ckpt_path, dtype=dtype, device=device,
-                                                    progress=False, mtp=True)
+        # the MTP layer, the embedding and the lm_head only: the decoder stack is the target's (not read twice)
+        self.glm5 = Glm5MtpDraft.from_pretrained(model_config.ckpt_path, dtype=dtype, device=device, progress=False)
         self.graph = compile_mtp(self.glm5, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS),
                                  device=device).graph
         mtp = self.glm5.mtp

@@ -8,11 +8,19 @@ after the same tokens; the target's verify steps replay from RTP's
 target-verify graphs (k+1 tokens per request) with the eager step's tokens; bad input is refused by name.
 """
 
+import json
+import shutil
+import struct
+
 import pytest
 import torch
 
-from fxglm5.errors import ConfigError, InputError
-from fxglm5.model.tiny import make_tiny_checkpoint
+from fxglm5.errors import CheckpointError, ConfigError, InputError
+from fxglm5.model.checkpoint import CheckpointReader, save_checkpoint
+from fxglm5.model.layout import is_mtp_draft_tensor, mtp_prefix
+from fxglm5.model.modeling import Glm5ForCausalLM
+from fxglm5.model.st_files import INDEX
+from fxglm5.model.tiny import make_tiny_checkpoint, tiny_state
 from fxglm5.runtime.speculative import SpeculativeConfig
 from tests.frontdoors.test_rtpllm_plugin import (  # noqa: F401 - fixtures
     PLUGIN, RTP_TINY, _prompts, ckpt, engine, fp8_ckpt, rtp, runner)
@@ -80,12 +88,72 @@ def test_the_draft_takes_the_target_hidden_states_and_refuses_what_it_cannot_ser
                                          r"input token, expected \(3, 256\), got \(2, 64\)"):
         draft.forward(PyModelInputs(input_ids=inputs.input_ids, input_hiddens=torch.zeros(2, 64),
                                     attention_inputs=inputs.attention_inputs))
-    with pytest.raises(InputError, match="glm_5-mtp: the MTP draft runs eagerly"):
-        draft.prepare_fmha_impl(inputs, True)
+    with pytest.raises(InputError, match=r"glm_5-mtp: RTP's draft-prefill CUDA graph \(sp_prefill_draft_model_"):
+        draft.prepare_fmha_impl(inputs, True)  # what sp_prefill_draft_model_'s capture calls
     no_mtp = make_tiny_checkpoint(tmp_path / "no-mtp", fp8=False, config=RTP_TINY.replace(num_nextn_predict_layers=0))
     with pytest.raises(ConfigError, match=r"num_nextn_predict_layers=0; the checkpoint has no MTP layer to serve as "
                                           r"RTP's draft model 'glm_5-mtp'"):
         Fxglm5Glm5Mtp._create_config(no_mtp)  # what create_propose_model_config calls first
+
+
+def _draft_only_copy(ckpt, dst):
+    """A copy of the sharded ``ckpt`` where nothing but the draft's tensors can be read: a shard holding only
+    target tensors is emptied (0 bytes: not a safetensors file), and in the others every target tensor's bytes are
+    0xff (NaN in bf16, e4m3 and float32), which the loader's value check refuses wherever a tensor is read."""
+    shutil.copytree(ckpt, dst)
+    cfg = CheckpointReader(ckpt).config
+    shards = {}
+    for name, shard in json.loads((dst / INDEX).read_text())["weight_map"].items():
+        shards.setdefault(shard, []).append(name)
+    emptied = [s for s, names in shards.items() if not any(is_mtp_draft_tensor(n, cfg) for n in names)]
+    for shard, names in shards.items():
+        if shard in emptied:
+            (dst / shard).write_bytes(b"")
+            continue
+        with open(dst / shard, "r+b") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            for name in names:
+                if not is_mtp_draft_tensor(name, cfg):
+                    begin, end = header[name]["data_offsets"]
+                    f.seek(8 + n + begin)
+                    f.write(b"\xff" * (end - begin))
+    return dst, emptied
+
+
+def test_the_draft_reads_only_the_mtp_layer_the_embedding_and_the_lm_head(rtp, spec, mtp2, ckpt, tmp_path,
+                                                                           monkeypatch):
+    """At GLM-5's scale a draft reading the whole checkpoint would hold the target twice: it must read nothing
+    of decoder layers 0..N-1 (nor the final norm), open no shard holding only them, and draft as before."""
+    poisoned, emptied = _draft_only_copy(ckpt, tmp_path / "draft-only")
+    assert emptied  # the tiny checkpoint has a shard of decoder layers only
+    with pytest.raises(CheckpointError):
+        Glm5ForCausalLM.from_pretrained(poisoned, progress=False)  # the copy is unreadable as a whole model
+    read, get = [], CheckpointReader.get  # the tensors the draft reads (the target reads the intact checkpoint)
+    monkeypatch.setattr(CheckpointReader, "get", lambda self, name, *a, **k: (
+        self.dir == poisoned and read.append(name)) or get(self, name, *a, **k))
+    draft_only = spec.MtpEngine(ckpt, sp_model_type="glm_5-mtp", sp_checkpoint_path=poisoned, gen_num_per_cycle=2,
+                                **dict(external_model_packages=[PLUGIN], seq_size_per_block=16, num_blocks=40,
+                                       max_seq_len=64, act_type="FP32"))
+    cfg = draft_only.py_draft.glm5_config
+    draft_reads = [n for n in read if n.startswith(mtp_prefix(CheckpointReader(ckpt).config))]
+    assert sorted(set(read) - set(draft_reads)) == ["lm_head.weight", "model.embed_tokens.weight"]
+    assert len(draft_reads) == len(set(draft_reads)) > cfg.n_routed_experts * 3  # each of the layer's tensors once
+    prompts = _prompts(PROMPTS_LENGTHS)
+    before = len(mtp2.proposals)
+    assert draft_only.generate(prompts, NEW) == mtp2.generate(prompts, NEW)
+    assert draft_only.proposals == mtp2.proposals[before:]
+
+
+def test_a_checkpoint_without_its_mtp_layer_is_refused_naming_the_missing_tensors(rtp, spec, ckpt, tmp_path):
+    cfg = CheckpointReader(ckpt).config  # num_nextn_predict_layers = 1, but no layer 4 in the files
+    bare = tmp_path / "no-mtp-layer"
+    save_checkpoint(tiny_state(cfg), bare, config=cfg)
+    with pytest.raises(CheckpointError, match=r"no complete MTP layer \(model\.layers\.4\.\*\) for the MTP draft "
+                                              r"model: missing (\d+) of its \1 tensors: 'model\.layers\.4\.enorm\.weight'"):
+        spec.MtpEngine(ckpt, sp_model_type="glm_5-mtp", sp_checkpoint_path=bare, gen_num_per_cycle=1,
+                       **dict(external_model_packages=[PLUGIN], seq_size_per_block=16, num_blocks=40, max_seq_len=64,
+                              act_type="FP32"))
 
 
 def test_verify_steps_replay_from_target_verify_graphs(rtp, spec, fp8_ckpt):
@@ -124,3 +192,22 @@ def test_verify_steps_replay_from_target_verify_graphs(rtp, spec, fp8_ckpt):
     prefill = t._prefill_inputs([[1, 2]], [0], [reqs[0].blocks])
     with pytest.raises(InputError, match="prefill batch without is_target_verify"):
         t.py_model.prepare_fmha_impl(prefill, True)
+
+
+def test_draft_decode_steps_replay_from_the_drafts_decode_graphs(rtp, spec, fp8_ckpt, ckpt):
+    """k = 3 on the block-FP8 checkpoint: each verify step's two chained draft decode steps replay from the draft's
+    decode graphs (a batch of 3 in the size-4 graph: a padding request), ``input_hiddens`` through the graph's
+    static buffer and the carried rows through each graph's own; tokens and every proposal are the eager draft's."""
+    kw = dict(sp_model_type="glm_5-mtp", sp_checkpoint_path=fp8_ckpt, gen_num_per_cycle=3, external_model_packages=[PLUGIN],
+              seq_size_per_block=16, num_blocks=40, max_seq_len=64)
+    prompts = _prompts((5, 12, 7), seed=1)
+    eager = spec.MtpEngine(fp8_ckpt, **kw)
+    graphs = spec.MtpEngine(fp8_ckpt, enable_cuda_graph=True, decode_capture_batch_sizes=(1, 2, 4), **kw)
+    assert graphs.draft_graph.captured_sizes == [4, 2, 1]
+    assert graphs.generate(prompts, NEW) == eager.generate(prompts, NEW)
+    assert graphs.proposals == eager.proposals
+    assert graphs.draft_graph_replays == 2 * graphs.verify_steps and eager.draft_graph is None
+    assert graphs.draft_graph.replays_by_size[4] >= 2 and graphs.target.graph_runner.replays_by_size
+    with pytest.raises(ConfigError, match=r"is not block-FP8; the bf16 MTP layer's MoE syncs with the host, so the "
+                                          r"glm_5-mtp draft cannot be captured"):
+        spec.MtpEngine(fp8_ckpt, enable_cuda_graph=True, decode_capture_batch_sizes=(1,), **dict(kw, sp_checkpoint_path=ckpt))

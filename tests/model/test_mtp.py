@@ -16,7 +16,7 @@ from fxglm5.model.config import Glm5Config
 from fxglm5.model.generate import greedy_generate, speculative_greedy_generate
 from fxglm5.model.layers import Linear, rope_cos_sin
 from fxglm5.model.layout import MtpLayout
-from fxglm5.model.modeling import Glm5ForCausalLM
+from fxglm5.model.modeling import Glm5ForCausalLM, Glm5MtpDraft
 from fxglm5.model.quantize import quantize_fp8_block
 from fxglm5.model.st_files import INDEX, SINGLE
 from fxglm5.model.tiny import make_tiny_checkpoint, tiny_state
@@ -184,5 +184,9 @@ def test_mtp_layout_variants_round_trip(ckpt, tmp_path):
     ids = torch.tensor([[3, 9, 27, 81, 243]])
     _, hidden = src(ids, return_hidden=True)
     args = (ids, torch.arange(5)[None], hidden)
-    for a, b in zip(src.mtp(*args), back.mtp(*args)):
+    # the draft alone (the MTP layer and the embedding only: with a head of its own the lm_head is not loaded)
+    draft = Glm5MtpDraft.from_pretrained(tmp_path / "v", dtype=torch.float32, progress=False)
+    assert draft.lm_head is None and draft.mtp.layout == back.mtp.layout
+    for a, b, c in zip(src.mtp(*args), back.mtp(*args), draft.mtp(*args)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=0, atol=0)

@@ -25,6 +25,12 @@ not a fallback), copies the live ``input_lengths`` / ``prefix_lengths`` / ``cu_s
 the padding rows' ``input_lengths`` and ``prefix_lengths`` (host and device, lines 588-600) and every host
 ``sequence_lengths`` entry (the live inputs carry none, lines 519-527), and returns ``hidden[:batch * q]``.
 
+Every graph also has a static ``input_hiddens`` buffer, ``[max_bs * num_tokens_per_bs, hidden_size]`` in the
+model's dtype (``cuda_graph_runner.cc:1075-1082``; the width is ``hidden_size * hc_mult``, ``PyWrappedModel.h:282``,
+hc_mult 1 here), sliced per size as the other inputs (line 1222); a replay copies the live rows into its head
+after RTP's checks (rank 2, the row width, no more rows than captured, the dtype: ``prepareInputData``, lines
+193-229). An MTP draft model's decode graph (``draft_model_``, one token per request) reads it.
+
 A CUDA graph cannot be captured on a CPU: there step 3's capture call and every replay run
 ``forward(static, impl)`` eagerly on the prepared static buffers, which keeps everything around the replay
 (the Python calls, their order, the buffers and their refresh).
@@ -102,7 +108,9 @@ class CudaGraphRunner:
         cu[1:] = torch.cumsum(a.input_lengths, 0)
         a.cu_seqlens, a.cu_seqlens_device = self._host(cu), cu.to(dev)
         a.cu_kv_seqlens_device = torch.zeros(n + 1, dtype=_I32, device=dev)
-        return PyModelInputs(input_ids=torch.zeros(n * q, dtype=_I32, device=dev), attention_inputs=a)
+        hiddens = torch.zeros((n * q, self.hidden_size), dtype=self.dtype, device=dev)
+        return PyModelInputs(input_ids=torch.zeros(n * q, dtype=_I32, device=dev), input_hiddens=hiddens,
+                             attention_inputs=a)
 
     def _slice(self, full, bs):
         f, a = full.attention_inputs, PyAttentionInputs()
@@ -118,7 +126,21 @@ class CudaGraphRunner:
             a.prefix_lengths, a.prefix_lengths_device = f.prefix_lengths[:bs], f.prefix_lengths_device[:bs]
         else:
             a.prefix_lengths = f.prefix_lengths
-        return PyModelInputs(input_ids=full.input_ids[:bs * self.q], attention_inputs=a)
+        return PyModelInputs(input_ids=full.input_ids[:bs * self.q], input_hiddens=full.input_hiddens[:bs * self.q],
+                             attention_inputs=a)
+
+    @staticmethod
+    def _copy_hiddens(inst, live):
+        """``prepareInputData``: the live ``input_hiddens`` rows into the static buffer's head (checked first)."""
+        src, dst = live.input_hiddens, inst.inputs.input_hiddens
+        if src is None or src.numel() == 0:
+            return
+        if not src.is_contiguous() or src.dim() != 2:
+            raise RuntimeError(f"input_hiddens must be a contiguous rank-2 tensor, got {tuple(src.shape)}")
+        if src.shape[1] != dst.shape[1] or src.shape[0] > dst.shape[0] or src.dtype != dst.dtype:
+            raise RuntimeError(f"input_hiddens {src.dtype} {tuple(src.shape)} does not fit the graph's "
+                               f"{dst.dtype} {tuple(dst.shape)}")
+        dst[:src.shape[0]].copy_(src)
 
     def _forward(self, inst):
         return self.py_model.forward(inst.inputs, inst.impl).hidden_states
@@ -167,6 +189,7 @@ class CudaGraphRunner:
         inst = self.instances[key]
         s = inst.inputs.attention_inputs
         inst.inputs.input_ids[:live.input_ids.shape[0]].copy_(live.input_ids)
+        self._copy_hiddens(inst, live)
         s.kv_cache_kernel_block_id_device.zero_()
         src = la.kv_cache_kernel_block_id_device
         s.kv_cache_kernel_block_id_device[:src.shape[0], :src.shape[1]].copy_(src)
@@ -197,6 +220,7 @@ class CudaGraphRunner:
         inst = self.instances[key]
         s = inst.inputs.attention_inputs
         inst.inputs.input_ids[:bs * q].copy_(live.input_ids)
+        self._copy_hiddens(inst, live)
         s.kv_cache_kernel_block_id_device.zero_()
         src = la.kv_cache_kernel_block_id_device
         s.kv_cache_kernel_block_id_device[:src.shape[0], :src.shape[1]].copy_(src)

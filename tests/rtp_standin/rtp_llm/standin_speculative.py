@@ -1,8 +1,7 @@
 """Test stand-in of RTP-LLM's MTP speculative decoding around a plugin target and draft model. NOT RTP-LLM code.
 
 Written from rtp-llm 4b8d39cd5 (``cpp/normal_engine/speculative/MtpExecutor.cc``, ``MtpBatchStreamProcessor.cc``,
-``model_factory.py``); what a plugin sees, greedily, on one device (eager drafts, the target's verify steps eager
-or from its target-verify graphs):
+``model_factory.py``); what a plugin sees, greedily, on one device (eager, or with the CUDA graphs below):
 
 - the draft model: ``create_propose_model_config`` (``model_factory.py:404-482``): sp_type "mtp" (else
   ValueError), a draft checkpoint (none: no draft model at all, so no speculation: ValueError here),
@@ -23,6 +22,12 @@ or from its target-verify graphs):
   draft extend (``updateDecodePostDraftModelInput``, lines 1014-1106, the host path): a prefill behind the same
   prefix of each request's accepted tokens (the target's samples at its rows 0..a) with the target's hidden
   rows 0..a, its last row giving the next d1.
+With CUDA graphs (the target's ``enable_cuda_graph``): the target's verify steps replay from its target-verify
+graphs, and the draft chain's decode steps from the draft's decode graphs (``draft_model_``, a
+``PyWrappedModel`` of the draft with ``num_tokens_per_bs`` 1, ``MtpExecutor.cc:716-731``,
+``PyWrappedModel.h:305-331``), at the target's capture sizes; the draft's prefill and extend steps stay eager.
+RTP also builds ``sp_prefill_draft_model_`` then (lines 732-744), whose prefill-graph capture the plugin draft
+refuses: the stand-in does not build it (so its graph mode runs what real RTP cannot start yet).
 A draft model's ``get_mtp_target_hidden_states(rows)``, where it has one, replaces its returned rows as the hidden
 state carried to the next draft step (``maybeOverrideLastHiddenWithMtpBuffer``, ``MtpExecutor.cc:241-254``;
 ``PyWrappedModel.cc:111-121``).
@@ -35,6 +40,7 @@ from rtp_llm.models_py.model_desc.module_base import GptModelBase
 from rtp_llm.ops.compute_ops import init_resources
 from rtp_llm.standin_cache import allocate_kv_cache
 from rtp_llm.standin_engine import Engine, _Request
+from rtp_llm.standin_graph import CudaGraphRunner
 
 
 def verify_step(target, reqs, cached, drafts, *, graphs=True):
@@ -57,7 +63,7 @@ def verify_step(target, reqs, cached, drafts, *, graphs=True):
 class MtpEngine:
     """A target :class:`Engine` and its draft model. For tests: ``verify_steps``, ``drafted``, ``accepted`` (drafts
     the target kept), ``proposals``: (the request's tokens so far, the drafts verified after them) per request and
-    verify step."""
+    verify step; ``draft_graph`` (the draft's decode graphs, None when eager) and ``draft_graph_replays``."""
 
     def __init__(self, ckpt_path, *, sp_model_type, sp_checkpoint_path=None, sp_type="mtp", gen_num_per_cycle=1,
                  **engine_kwargs):
@@ -87,7 +93,14 @@ class MtpEngine:
         self.draft_cache, _ = allocate_kv_cache(config, t.num_blocks, t.block_size, kbs, t.device)
         if self.py_draft.initialize(init_resources(self.draft_cache)) is not True:
             raise RuntimeError("draft py_model.initialize() did not return True")
-        self.verify_steps = self.drafted = self.accepted = 0
+        self.draft_graph = None
+        if t.hw_kernel_config.enable_cuda_graph:
+            self.draft_graph = CudaGraphRunner(
+                self.py_draft, max_bs=t.max_generate_batch_size, capture_sizes=t.hw_kernel_config.decode_capture_batch_sizes,
+                max_seq_len=t.max_seq_len, block_size=t.block_size, kernel_block_size=t.kernel_block_size,
+                hidden_size=config.hidden_size, dtype=t.dtype, device=t.device)
+            self.draft_graph.capture()
+        self.verify_steps = self.drafted = self.accepted = self.draft_graph_replays = 0
         self.proposals = []
 
     # --- the draft model ---------------------------------------------------------------------------------
@@ -95,8 +108,14 @@ class MtpEngine:
         """The draft's returned rows (its lm_head makes their logits) and the hidden rows carried to the next draft
         step."""
         inputs.input_hiddens = hidden
-        impl = self.py_draft.prepare_fmha_impl(inputs, False)
-        out = self.target._check_hidden(self.py_draft.forward(inputs, impl).hidden_states, inputs.input_ids.shape[0])
+        rows = inputs.input_ids.shape[0]
+        a = inputs.attention_inputs
+        if self.draft_graph is not None and not a.is_prefill and self.draft_graph.can_run(rows):
+            out = self.target._check_hidden(self.draft_graph.forward(inputs), rows)
+            self.draft_graph_replays += 1
+        else:
+            impl = self.py_draft.prepare_fmha_impl(inputs, False)
+            out = self.target._check_hidden(self.py_draft.forward(inputs, impl).hidden_states, rows)
         carried = out
         if hasattr(self.py_draft, "get_mtp_target_hidden_states"):
             buffered = self.py_draft.get_mtp_target_hidden_states(out.shape[0])
