@@ -45,3 +45,23 @@ def test_a_bf16_checkpoint_is_refused_graphs_and_decodes_eagerly(rtp, tmp_path):
         engine(rtp, ckpt, enable_cuda_graph=True, **kw)
     batch = _prompts([5, 20, 70])
     assert_runtime_tokens(engine(rtp, ckpt, **kw).generate(batch, 8), _runner(ckpt, "bf16", torch.float32), batch, 8)
+
+
+def test_mtp_draft_decode_graphs_replay_on_the_gpu(rtp, tmp_path):  # noqa: F811
+    """RTP's MTP cycle on the GPU, k = 3, block-FP8 checkpoint: the target's verify graphs and the draft's decode
+    graphs are really captured (no host sync inside the compiled MTP layer) and replayed, with the eager engine's
+    tokens and proposals."""
+    from rtp_llm import standin_speculative as spec
+
+    from tests.frontdoors.test_rtpllm_plugin import PLUGIN
+
+    ckpt = make_tiny_checkpoint(tmp_path, fp8=True, config=RTP_TINY)
+    kw = dict(sp_model_type="glm_5-mtp", sp_checkpoint_path=ckpt, gen_num_per_cycle=3, external_model_packages=[PLUGIN],
+              device="cuda", seq_size_per_block=64, kernel_seq_size_per_block=32, max_seq_len=256)
+    prompts = _prompts((5, 70, 12), seed=3)
+    eager = spec.MtpEngine(ckpt, **kw)
+    graphs = spec.MtpEngine(ckpt, enable_cuda_graph=True, decode_capture_batch_sizes=(1, 4), **kw)
+    assert graphs.generate(prompts, 8) == eager.generate(prompts, 8)
+    assert graphs.proposals == eager.proposals
+    assert graphs.draft_graph_replays == 2 * graphs.verify_steps > 0
+    assert graphs.draft_graph.replays_by_size[4] >= 2 and graphs.target.graph_runner.replays_by_size
