@@ -57,7 +57,7 @@ def test_mtp_draft_decode_graphs_replay_on_the_gpu(rtp, tmp_path):  # noqa: F811
 
     ckpt = make_tiny_checkpoint(tmp_path, fp8=True, config=RTP_TINY)
     kw = dict(sp_model_type="glm_5-mtp", sp_checkpoint_path=ckpt, gen_num_per_cycle=3, external_model_packages=[PLUGIN],
-              device="cuda", seq_size_per_block=64, kernel_seq_size_per_block=32, max_seq_len=256)
+              device="cuda", act_type="FP32", seq_size_per_block=64, kernel_seq_size_per_block=32, max_seq_len=256)
     prompts = _prompts((5, 70, 12), seed=3)
     eager = spec.MtpEngine(ckpt, **kw)
     graphs = spec.MtpEngine(ckpt, enable_cuda_graph=True, decode_capture_batch_sizes=(1, 4), **kw)
