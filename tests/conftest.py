@@ -76,15 +76,19 @@ SLOW_FILES_FIRST = (  # the longest single tests (a 40 s hang timeout, multi-pro
 
 
 # Directories whose files fill one process-wide cache that costs seconds per entry and that most of their files read:
-# the pass template's pipelines (tests/passes/template.py: ~5 s per tiny model, every pass file reads the same
-# four) and the paged runtime's compiled models (tests/paged_helpers.py: six runtime files serve "exact"). Each is
-# one work unit of the whole-suite run, so one worker fills the cache instead of both; handed out right after the
-# slow files, so that a unit this long (about a minute) does not start last and end the run alone.
-SHARED_CACHE_DIRS = ("tests/passes/", "tests/runtime/")
+# the run's export cache (tests/export_cache.py: the front doors serve the same tiny checkpoints, ~5 s an export),
+# the pass template's pipelines (tests/passes/template.py: ~4 s per tiny model, every pass file reads the same four)
+# and the paged runtime's compiled models (tests/paged_helpers.py: six runtime files serve "exact"). Each is one work
+# unit of the whole-suite run (a file of SLOW_FILES_FIRST stays its own), so one worker fills its caches instead of
+# both; handed out right after the slow files, largest first, so that a unit this long (1-2 minutes) does not start
+# last and end the run alone.
+SHARED_CACHE_DIRS = ("tests/frontdoors/", "tests/passes/", "tests/runtime/")
 
 
 def _work_unit(nodeid: str) -> str:
     path = nodeid.split("::")[0]
+    if path in SLOW_FILES_FIRST:
+        return path
     return next((d for d in SHARED_CACHE_DIRS if path.startswith(d)), path)
 
 
