@@ -4,11 +4,12 @@ The export cache (tests/export_cache.py) makes each distinct tiny model's torch.
 ``FXGLM5_TEST_EXPORT_CACHE=0`` turns it off (every export traced, as before it existed).
 
 Workers (pytest-xdist, in the test extra): the whole suite (``python -m pytest -q``, no paths: what .ci/run runs)
-on a CPU host runs one worker per core, each test file's tests in one worker (its module fixtures built once), the
-files of SLOW_FILES_FIRST handed out first (xdist's own order, by descending test count, started the longest file
-last); a run that names its tests (``pytest tests/x.py -k y``), a run on a CUDA host (the GPU tests share one
-device and time it) and a run without pytest-xdist installed stay in this one process. ``-n N`` / ``-n 0``
-choose explicitly.
+on a CPU host runs one worker per core, each test file's tests in one worker (its module fixtures built once) and
+each directory of SHARED_CACHE_DIRS in one worker (its process-wide caches filled once), the files of
+SLOW_FILES_FIRST handed out first and those directories next (xdist's own order, by descending test count, started
+the longest file last); a run that names its tests (``pytest tests/x.py -k y``), a run on a CUDA host (the GPU
+tests share one device and time it) and a run without pytest-xdist installed stay in this one process. ``-n N`` /
+``-n 0`` choose explicitly.
 
 Profiles: ``ci`` (derandomized, few examples: the default, what .ci/run uses) and ``local`` (random,
 many examples). Pick one with ``HYPOTHESIS_PROFILE=local pytest``.
@@ -74,9 +75,41 @@ SLOW_FILES_FIRST = (  # the longest single tests (a 40 s hang timeout, multi-pro
 )
 
 
+# Directories whose files fill one process-wide cache that costs seconds per entry and that most of their files read:
+# the run's export cache (tests/export_cache.py: the front doors serve the same tiny checkpoints, ~5 s an export) and
+# the pass template's pipelines (tests/passes/template.py: ~4 s per tiny model, every pass file reads the same four).
+# Each is one work unit of the whole-suite run (a file of SLOW_FILES_FIRST stays its own), so one worker fills its
+# caches instead of both (measured: the front doors' tests took 154 s over two workers, 139 s in one process; the
+# pass files 74 s in two processes, 61 s in one, a start-up of ~3 s included); handed out right after the slow
+# files, largest first, so that a unit this long (1-2 minutes) does not start last and end the run alone.
+# (tests/runtime gained nothing this way: 60 s in two processes, 57 s in one.)
+SHARED_CACHE_DIRS = ("tests/frontdoors/", "tests/passes/")
+
+
+def _work_unit(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    if path in SLOW_FILES_FIRST:
+        return path
+    return next((d for d in SHARED_CACHE_DIRS if path.startswith(d)), path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """The whole-suite run's work units: a file each (xdist's loadfile), a directory of SHARED_CACHE_DIRS each."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedCacheScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return SharedCacheScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(SLOW_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: others keep their order
+    rank = {path: i for i, path in enumerate((*SLOW_FILES_FIRST, *SHARED_CACHE_DIRS))}
+    items.sort(key=lambda item: rank.get(_work_unit(item.nodeid), len(rank)))  # stable: others keep their order
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

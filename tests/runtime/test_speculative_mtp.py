@@ -33,6 +33,18 @@ def graphs(model):
     return r.graph, r.drafter.graph
 
 
+@functools.lru_cache(maxsize=None)
+def greedy(model, prompt: tuple[int, ...]) -> list[int]:
+    """Full recompute's greedy tokens for ``prompt``: the same for every k and step size, so computed once."""
+    return greedy_generate(model, list(prompt), NEW)
+
+
+@functools.lru_cache(maxsize=None)
+def speculative(model, prompt: tuple[int, ...], k: int) -> tuple[list[int], list[int]]:
+    """The eager reference's tokens and acceptance lengths for ``prompt`` at k drafts (shared by both step sizes)."""
+    return speculative_greedy_generate(model, list(prompt), NEW, k)
+
+
 # max_step_tokens 5 and 7 split the 15 prompt tokens into chunked prefill steps (5+5+2|3 and 7|5+2|1): the
 # draft prefill runs per chunk and must leave the MTP cache the rows of one unchunked step
 @pytest.mark.parametrize("k, max_step_tokens", [(1, 16384), (2, 16384), (3, 16384), (4, 16384), (2, 5), (3, 7)])
@@ -56,8 +68,8 @@ def test_mtp_drafts_give_greedy_tokens_and_the_reference_acceptance(model, k, ma
     seqs = r.run(PROMPTS, NEW)
     assert len(checked) == r.acceptance.steps and max(checked) == k  # every step's drafts, chains of k checked
     for seq, prompt in zip(seqs, PROMPTS):
-        tokens, acceptance = speculative_greedy_generate(model, prompt, NEW, k)
-        assert seq.output == tokens == greedy_generate(model, prompt, NEW)
+        tokens, acceptance = speculative(model, tuple(prompt), k)
+        assert seq.output == tokens == greedy(model, tuple(prompt))
         assert seq.acceptance == acceptance
     assert r.acceptance.mean_length == sum(map(sum, (s.acceptance for s in seqs))) / r.acceptance.steps
 
@@ -71,5 +83,5 @@ def test_prefix_reuse_and_static_verify_steps(model):
     first = r.run(PROMPTS[:1], NEW)
     again = r.run([PROMPTS[0][:9] + [2, 3]], NEW)
     assert again[0].prefix_reused == 8 and r.decode_graphs.steps > 0
-    assert first[0].output == greedy_generate(model, PROMPTS[0], NEW)
+    assert first[0].output == greedy(model, tuple(PROMPTS[0]))
     assert again[0].output == greedy_generate(model, PROMPTS[0][:9] + [2, 3], NEW)
