@@ -80,8 +80,7 @@ def with_graphs(B: int, ctx: int, steps: int = 20) -> None:
     t0 = time.perf_counter()
     # the graphs the timed loops replay: batch B's bucket, the width buckets from ctx to its last step (warming every
     # smaller batch and width too, as Runner.warm_up does for serving, takes minutes at GLM-5 widths)
-    c = runner.cache
-    widths = [-(-tokens // c.block_size) * c.ratio for tokens in (ctx + 1, ctx + 4 * steps + 8)]
+    widths = [runner.cache.kernel_blocks(tokens) for tokens in (ctx + 1, ctx + 4 * steps + 8)]
     first = graphs.key(B, widths[0])
     warmed = graphs.warm([k for k in graphs.keys(B, widths[1]) if k[0] == first[0] and k[1] >= first[1] and k[2] == 1])
     warm_s = time.perf_counter() - t0

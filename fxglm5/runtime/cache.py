@@ -114,6 +114,10 @@ class PagedCache:
             return torch.zeros(self.num_blocks, self.block_size, fp8_bytes, dtype=torch.uint8, device=device)
         return torch.zeros(self.num_blocks, self.block_size, width, dtype=self.dtype, device=device)
 
+    def kernel_blocks(self, tokens: int) -> int:
+        """The kernel blocks a block table spans for ``tokens`` tokens (whole blocks of ``block_size``)."""
+        return -(-tokens // self.block_size) * self.ratio
+
     def kernel_view(self, name: str) -> torch.Tensor:
         t = self.tensors[name]
         return t.view(self.num_blocks * self.ratio, self.kernel_block_size, t.shape[-1])

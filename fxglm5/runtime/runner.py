@@ -217,7 +217,7 @@ class Runner:
         graphs = self.decode_graphs
         if graphs is None:
             return 0
-        width = graphs.widths[-1] if max_tokens is None else -(-max_tokens // self.cache.block_size) * self.cache.ratio
+        width = graphs.widths[-1] if max_tokens is None else self.cache.kernel_blocks(max_tokens)
         return graphs.warm(graphs.keys(max_batch or graphs.max_batch, width))
 
     def _agree(self, *request) -> None:
