@@ -261,39 +261,102 @@ def _geomean(vals):
     return statistics.geometric_mean(vals) if vals else 0.0
 
 
+GEMM_SWEEP = {  # regime -> (token counts, shapes, configs); the first config is the committed default
+    "decode": ((1, 16), [("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144), ("dense down", 6144, 12288)],
+               [dict(BLOCK_N=bn, CTAS_PER_SM=c, num_stages=st, num_warps=w) for bn, c, st, w in (
+                   (128, 4, 3, 4), (128, 4, 4, 4), (128, 2, 4, 4), (128, 2, 6, 4), (128, 1, 8, 4), (128, 3, 5, 4),
+                   (64, 4, 4, 4), (64, 8, 3, 4), (128, 4, 3, 8))]),
+    "prefill": ((4096,), [("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144), ("q_b", 16384, 2048),
+                          ("q_a", 2048, 6144), ("kv_a", 576, 6144)],
+                [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in (
+                    (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3),
+                    (128, 64, 4, 4), (128, 128, 4, 3))]),
+}
+MOE_SWEEP = {  # regime -> (token counts, configs); the first config is the committed default
+    "decode": ((1, 64), [dict(), dict(SPLIT1=1), dict(CTAS_PER_SM1=8), dict(num_stages=4), dict(BLOCK_N1=64),
+                         dict(SPLIT2=4), dict(num_stages=4, CTAS_PER_SM1=8)]),
+    "prefill": ((2048,), [dict(BLOCK_M=bm, BLOCK_N1=n1, BLOCK_N2=n2, num_warps=w, num_stages=st)
+                          for bm, n1, n2, w, st in ((64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (128, 64, 128, 8, 3),
+                                                    (128, 128, 128, 8, 3), (64, 128, 128, 4, 4),
+                                                    (128, 128, 128, 8, 4))]),
+}
+
+
+def _apply_winner(res, section_name, regime, scores, defaults):
+    """Record every config's geometric-mean speed over the swept shapes, apply the fastest to ``defaults`` (the
+    sections after this one in the same process run with it) and record it as the ``applied`` row."""
+    for key, (score, _) in scores.items():
+        res.add(section=section_name, shape=f"{regime} geomean", cfg=key, score_per_ms=1e3 * score)
+    best = max(scores.values(), key=lambda v: v[0])[1]
+    defaults.update(best)
+    res.add(section=section_name, shape=f"{regime} applied", cfg=str(best))
+
+
 @section("sweep")
 def bench_sweep(res: Results, args):
-    """Config sweep of the regime defaults on the big shapes (this version: the decode GEMM).
+    """Config sweep of the block-FP8 GEMM's decode and prefill regimes (``GEMM_SWEEP``).
 
-    The winner of each regime (geometric mean over the swept shapes) is applied to the module defaults
-    for the sections that run after it in the same process, and recorded as an ``applied`` row; the
-    committed defaults in fp8_gemm.py / moe.py are copied from those rows.
+    Each config is timed on every swept shape and token count as in the ``gemm`` section (cold weights at decode);
+    the winner of each regime (geometric mean) is applied to the module defaults for the sections that run after
+    it in the same process and recorded as an ``applied`` row; the committed defaults in fp8_gemm.py are copied
+    from those rows.
     """
     from fxglm5.lowering.triton import fp8_gemm
     from fxglm5.lowering.triton.fp8_gemm import fp8_linear
 
-    shapes = [("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144), ("dense down", 6144, 12288)]
-    regimes = {  # v2 sweep (docs/perf/fp8_gemm_moe.md) chose the rest; this one adds the fixup
-        16: [dict(BLOCK_N=bn, CTAS_PER_SM=c, num_stages=st, FIXUP=fx) for bn, c, st, fx in (
-            (128, 4, 3, False), (128, 4, 3, True), (128, 8, 3, True), (128, 2, 3, True), (256, 2, 3, True))],
-    }
-    for m, cfgs in regimes.items():
-        score = {}
+    for regime, (ms, shapes, cfgs) in GEMM_SWEEP.items():
+        scores = {}
         for cfg in cfgs:
             vals = []
-            for name, n, k in shapes:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                us = _try(lambda: _timed(lambda w, s: fp8_linear(x, w, s, None, True, config=cfg),
-                                         lambda i: _weights(n, k), n * k, m <= 64))
-                if us:
-                    res.add(section="sweep", shape=f"{name} {n}x{k}", M=m, cfg=str(cfg), us=us,
-                            pct_copy=100 * n * k / us / 1e3 / res.copy_gbs, TFLOPS=2 * m * n * k / us / 1e6)
-                vals.append(1 / us if us else None)
-            score[str(cfg)] = (_geomean(vals) if all(vals) else 0.0, cfg)
-        best = max(score.values(), key=lambda v: v[0])[1]
-        (fp8_gemm.DECODE if m <= 64 else fp8_gemm.PREFILL).update(best)
-        res.add(section="sweep", shape="applied", M=m, cfg=str(best))
+            for m in ms:
+                for name, n, k in shapes:
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    us = _try(lambda: _timed(lambda w, s: fp8_linear(x, w, s, None, True, config=cfg),
+                                             lambda i: _weights(n, k), n * k, m <= 64))
+                    if us:
+                        res.add(section="sweep", shape=f"{name} {n}x{k}", M=m, cfg=str(cfg), us=us,
+                                pct_copy=100 * n * k / us / 1e3 / res.copy_gbs, TFLOPS=2 * m * n * k / us / 1e6)
+                    vals.append(1 / us if us else None)
+            scores[str(cfg)] = (_geomean(vals) if all(vals) else 0.0, cfg)
+        _apply_winner(res, "sweep", regime, scores, fp8_gemm.DECODE if regime == "decode" else fp8_gemm.PREFILL)
         torch.cuda.empty_cache()
+
+
+@section("moe_sweep")
+def bench_moe_sweep(res: Results, args):
+    """Config sweep of the fused MoE's decode and prefill regimes (``MOE_SWEEP``), routed experts only, timed as
+    in the ``moe`` section; winners applied and recorded as in ``sweep``."""
+    from fxglm5.lowering.triton import moe
+    from fxglm5.lowering.triton.moe import moe_fp8, moe_route
+
+    e, h, inter, k = 256, 6144, 2048, 8
+    w13, s13, w2, s2 = _moe_weights(e, h, inter)
+    gate = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) * 0.02
+    bias = torch.randn(e, device="cuda") * 0.01
+    for regime, (ts, cfgs) in MOE_SWEEP.items():
+        scores = {}
+        for cfg in cfgs:
+            vals = []
+            for t in ts:
+                n_copies = 8 if t <= 64 else 1
+                xs = [torch.randn(t, h, device="cuda", dtype=torch.bfloat16) for _ in range(n_copies)]
+                routes = [moe_route((x @ gate.T).float(), bias, k, 1, 1, True, 2.5) for x in xs]
+                state = {"i": 0}
+
+                def routed():
+                    i = state["i"] % n_copies
+                    state["i"] += 1
+                    return moe_fp8(xs[i], routes[i][1], routes[i][0], w13, s13, w2, s2, True, config=cfg)
+
+                us = _try(lambda: time_graph_us(routed, calls_per_graph=n_copies))
+                if us:
+                    res.add(section="moe_sweep", shape=f"E{e} top{k} H{h} I{inter}", M=t, cfg=str(cfg), us=us,
+                            TFLOPS=2 * 3 * t * k * h * inter / us / 1e6)
+                vals.append(1 / us if us else None)
+            scores[str(cfg)] = (_geomean(vals) if all(vals) else 0.0, cfg)
+        _apply_winner(res, "moe_sweep", regime, scores, moe.MOE_DECODE if regime == "decode" else moe.MOE_PREFILL)
+        torch.cuda.empty_cache()
+    del w13, w2
 
 
 def main():

@@ -245,24 +245,26 @@ def _moe_case(t, e, k, inter, h, seed, pad_ids=True):
 
 @given(t=st.integers(1, 24), e=st.integers(4, 16), k=st.integers(1, 4), inter=st.sampled_from([128, 256]),
        act_quant=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), fused_quant=st.booleans(),
-       split2=st.integers(1, 2), seed=st.integers(0, 2**16))
-def test_moe_fp8_matches_reference(t, e, k, inter, act_quant, dtype, fused_quant, split2, seed):
+       split2=st.integers(1, 2), split1=st.integers(1, 2), seed=st.integers(0, 2**16))
+def test_moe_fp8_matches_reference(t, e, k, inter, act_quant, dtype, fused_quant, split2, split1, seed):
     ids, tw, w13, s13, w2, s2 = _moe_case(t, e, k, inter, 256, seed)
     x = torch.randn(t, 256, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
-    out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=dict(fused_quant=fused_quant, SPLIT2=split2))
+    cfg = dict(fused_quant=fused_quant, SPLIT2=split2, SPLIT1=split1)
+    out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=cfg)
     assert out.shape == (t, 256) and out.dtype == dtype
     assert _rel(out, ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant)) < _tol(dtype, act_quant)
 
 
 @given(t=st.integers(1, 24), e=st.integers(4, 16), k=st.integers(1, 4), inter=PARTIAL, h=PARTIAL,
        act_quant=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), fused_quant=st.booleans(),
-       split2=st.integers(1, 3), seed=st.integers(0, 2**16))
-def test_moe_fp8_partial_blocks(t, e, k, inter, h, act_quant, dtype, fused_quant, split2, seed):
+       split2=st.integers(1, 3), split1=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_moe_fp8_partial_blocks(t, e, k, inter, h, act_quant, dtype, fused_quant, split2, split1, seed):
     """I and H tails: gate and up halves with short blocks of their own, K tails of both GEMMs (the
     intermediate's last 1x128 group cut short), an N tail of the down projection."""
     ids, tw, w13, s13, w2, s2 = _moe_case(t, e, k, inter, h, seed)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
-    out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=dict(fused_quant=fused_quant, SPLIT2=split2))
+    cfg = dict(fused_quant=fused_quant, SPLIT2=split2, SPLIT1=split1)
+    out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=cfg)
     assert out.shape == (t, h)
     assert _rel(out, ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant)) < _tol(dtype, act_quant)
 

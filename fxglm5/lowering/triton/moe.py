@@ -13,7 +13,8 @@ the same output columns side by side and writes ``silu(g) * u`` (fp32, in sorted
 hold the gate half's ceil(I/128) block rows, then the up half's, so a tile of either half meets one block
 per K step whatever I is); the down projection reads those rows back and writes each entry's expert
 output to its own (token, slot) row, optionally split over K (``SPLIT2``: more CTAs when only a few
-experts are touched); a combine kernel sums the splits and the k slots with the routing weights in a
+experts are touched). The gated GEMM can be split over K too (``SPLIT1``, decode): its splits write fp32
+gate|up partials and a small kernel sums them in a fixed order and applies the gate; a combine kernel sums the splits and the k slots with the routing weights in a
 fixed order (deterministic, no atomics; ids of -1, expert-parallel padding, are skipped). The A/B scaling scheme is the one of
 :mod:`fxglm5.lowering.triton.fp8_gemm` (BLOCK_K = 128, one scale pair per K step), and so is the choice
 to load padding rows (a real row, never stored) instead of masking them; only a K tail (H or I not a
@@ -31,6 +32,7 @@ import triton.language as tl
 
 from fxglm5 import settings
 from fxglm5.lowering.reference import fp8 as ref
+from fxglm5.lowering.triton.device import num_sms
 from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, _dot, _quant_rows, quantize_act_1x128, row_chunk
 
 
@@ -164,12 +166,14 @@ def _moe_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, c_ptr,
     n_entries, N, K, KG, TOP_K, UP_SB,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs,
-    GATED: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
-    K_PER_SPLIT: tl.constexpr, NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GATED: tl.constexpr, GATE_PARTIAL: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr,
+    INTERPRET: tl.constexpr, K_PER_SPLIT: tl.constexpr, NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """GATED: c[row] = silu(A W_g^T) * (A W_u^T) with A rows gathered from x (token = entry // TOP_K),
-    c in sorted row order. Not GATED: c[split, entry] = partial A W^T over this split's K groups, A in
-    sorted row order (the GATED output); the combine kernel sums the splits."""
+    c in sorted row order; with GATE_PARTIAL, c[split, row] = this split's partial [A W_g^T | A W_u^T] instead
+    (``_activate_kernel`` sums the splits and applies the gate). Not GATED: c[split, entry] = partial A W^T over
+    this split's K groups, A in sorted row order (the GATED output); the combine kernel sums the splits."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -227,6 +231,12 @@ def _moe_gemm_kernel(
             acc += _dot(q, tl.trans(b), INTERPRET) * _ab_scale(s_a, s_b, SCALAR_SB)
             if GATED:
                 acc_u += _dot(q, tl.trans(bu), INTERPRET) * _ab_scale(s_a, s_u, SCALAR_SB)
+    if GATE_PARTIAL:
+        c_ptrs = c_ptr + pid_k * stride_cs + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        c_mask = valid[:, None] & n_mask[None, :]
+        tl.store(c_ptrs, acc, mask=c_mask)
+        tl.store(c_ptrs + N, acc_u, mask=c_mask)
+        return
     if GATED:
         out = acc / (1.0 + tl.exp(-acc)) * acc_u
         c_rows = rows
@@ -235,6 +245,29 @@ def _moe_gemm_kernel(
         c_rows = entry
     c_ptrs = c_ptr + pid_k * stride_cs + c_rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _activate_kernel(g_ptr, sorted_ptr, block_expert_ptr, h_ptr, n_entries, N, stride_gs, stride_gm, stride_hm,
+                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """h[row] = silu(sum_s g[s, row, :N]) * sum_s g[s, row, N:], splits summed in a fixed order
+    (deterministic); rows of unused blocks and padding rows are skipped, as the GEMM skipped them."""
+    pid_b = tl.program_id(0)
+    if tl.load(block_expert_ptr + pid_b) < 0:
+        return
+    rows = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = tl.load(sorted_ptr + rows) < n_entries
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = valid[:, None] & (offs_n < N)[None, :]
+    ptrs = g_ptr + rows.to(tl.int64)[:, None] * stride_gm + offs_n[None, :]
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for sp in tl.static_range(SPLIT):
+        gate += tl.load(ptrs + sp * stride_gs, mask=mask, other=0.0)
+        up += tl.load(ptrs + sp * stride_gs + N, mask=mask, other=0.0)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], out.to(h_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -256,9 +289,13 @@ def _combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, TOP_K: tl.cons
 
 
 # Regime defaults (decode: H200 sweep in docs/perf/fp8_gemm_moe.md, kernels_gemm_moe_v2; prefill untuned);
-# moe_fp8(config=...) overrides keys.
-MOE_DECODE = dict(BLOCK_M=16, BLOCK_N1=128, BLOCK_N2=128, SPLIT2=2, num_warps=4, num_stages=3, fused_quant=True)
-MOE_PREFILL = dict(BLOCK_M=64, BLOCK_N1=64, BLOCK_N2=128, SPLIT2=1, num_warps=4, num_stages=3, fused_quant=False)
+# moe_fp8(config=...) overrides keys. The gate|up GEMM's K split is derived (``SPLIT1`` overrides it): enough
+# splits for CTAS_PER_SM1 CTAs per SM over the blocks that can exist (batch 1 touches 8 experts: 8 blocks x
+# 16 column tiles would leave one CTA per SM, each streaming 48 K steps).
+MOE_DECODE = dict(BLOCK_M=16, BLOCK_N1=128, BLOCK_N2=128, SPLIT2=2, CTAS_PER_SM1=4, num_warps=4, num_stages=3,
+                  fused_quant=True)
+MOE_PREFILL = dict(BLOCK_M=64, BLOCK_N1=64, BLOCK_N2=128, SPLIT2=1, SPLIT1=1, num_warps=4, num_stages=3,
+                   fused_quant=False)
 
 
 def pick_moe_config(t: int, k: int, e: int, config: dict | None = None) -> dict:
@@ -270,6 +307,7 @@ def pick_moe_config(t: int, k: int, e: int, config: dict | None = None) -> dict:
 
 
 def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k, gated, cfg, dot_f32, split=1):
+    """One grouped GEMM launch; a gated launch with ``split > 1`` writes its [split, rows, 2I] partials to c."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     kdim = w.shape[2]
     kg = triton.cdiv(kdim, 128)
@@ -282,7 +320,8 @@ def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k
         n_entries, n, kdim, kg, top_k, triton.cdiv(n, 128),
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
         c.stride(-2), c.stride(0) if c.dim() == 3 else 0,
-        GATED=gated, A_MODE=mode, DOT_F32=dot_f32, INTERPRET=settings.triton_interpret(), K_PER_SPLIT=k_per_split,
+        GATED=gated, GATE_PARTIAL=gated and split > 1, A_MODE=mode, DOT_F32=dot_f32,
+        INTERPRET=settings.triton_interpret(), K_PER_SPLIT=k_per_split,
         NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -290,16 +329,31 @@ def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k
     return split
 
 
+def _splits(kg: int, want: int) -> int:
+    """The number of K splits of ``kg`` groups closest to ``want`` that tiles them without an empty split."""
+    return triton.cdiv(kg, triton.cdiv(kg, max(1, min(kg, want))))
+
+
 def _split2(inter: int, cfg: dict) -> int:
     """The down GEMM's K splits (each writes its own [T*k, H] fp32 partial)."""
-    kg2 = triton.cdiv(inter, 128)
-    return triton.cdiv(kg2, triton.cdiv(kg2, max(1, cfg["SPLIT2"])))
+    return _splits(triton.cdiv(inter, 128), cfg["SPLIT2"])
+
+
+def _split1(num_blocks: int, h: int, inter: int, cfg: dict, sms: int) -> int:
+    """The gate|up GEMM's K splits: ``SPLIT1`` if given, else CTAS_PER_SM1 CTAs per SM over the ``num_blocks``
+    row blocks that can exist (an upper bound known without a host sync)."""
+    want = cfg.get("SPLIT1")
+    if want is None:
+        want = round(cfg["CTAS_PER_SM1"] * sms / (num_blocks * triton.cdiv(inter, cfg["BLOCK_N1"])))
+    return _splits(triton.cdiv(h, 128), want)
 
 
 def _moe_elements(t: int, k: int, e: int, h: int, inter: int, config) -> int:
     """The most elements a tensor of ``moe_fp8`` over ``t`` tokens holds: the gated GEMM's padded sorted rows x 2I
     (its gate|up weight rows), or the down GEMM's split partials [SPLIT2, T*k, H] (GLM-5: k=8, H=6144, 2I=4096,
-    so the partials pass 2^31 from 43691 tokens on)."""
+    so the partials pass 2^31 from 43691 tokens on). The gate|up GEMM's K-split partials [SPLIT1, rows, 2I] are never
+    the largest: SPLIT1 > 1 only where few blocks exist, and it is sized for CTAS_PER_SM1 CTAs per SM, so they hold
+    about 2 * CTAS_PER_SM1 * SMs * BLOCK_M * BLOCK_N1 elements (a few million) plus at most rows * I."""
     cfg = pick_moe_config(t, k, e, config)
     rows = align_capacity(t * k, e, cfg["BLOCK_M"]) * cfg["BLOCK_M"]
     return max(rows * 2 * inter, _split2(inter, cfg) * t * k * h)
@@ -328,15 +382,25 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     h_dtype = torch.float32 if (act_quant or x.dtype == torch.float32) else x.dtype
     hmid = torch.empty(rows, inter, dtype=h_dtype, device=x.device)
     split = _split2(inter, cfg)
+    split1 = _split1(block_expert.numel(), h, inter, cfg, num_sms(x.device))
     y = torch.empty(split, t * k, h, dtype=torch.float32, device=x.device)
     if act_quant and not cfg["fused_quant"]:
-        xq, xs = quantize_act_1x128(x)
-        _grouped(xq, xs, 0, w13, w13_scale, sorted_ids, block_expert, hmid, t * k, k, True, cfg, dot_f32)
+        a, a_s, mode = *quantize_act_1x128(x), 0
+    else:
+        a, a_s, mode = x, x, (1 if act_quant else 2)
+    if split1 > 1:
+        g = torch.empty(split1, rows, 2 * inter, dtype=torch.float32, device=x.device)
+        _grouped(a, a_s, mode, w13, w13_scale, sorted_ids, block_expert, g, t * k, k, True, cfg, dot_f32, split1)
+        block_n = 128
+        _activate_kernel[(block_expert.numel(), triton.cdiv(inter, block_n))](
+            g, sorted_ids, block_expert, hmid, t * k, inter, g.stride(0), g.stride(1), hmid.stride(0), SPLIT=split1,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n)
+    else:
+        _grouped(a, a_s, mode, w13, w13_scale, sorted_ids, block_expert, hmid, t * k, k, True, cfg, dot_f32)
+    if mode == 0:
         hq, hs = quantize_act_1x128(hmid)
         _grouped(hq, hs, 0, w2, w2_scale, sorted_ids, block_expert, y, t * k, k, False, cfg, dot_f32, split)
     else:
-        mode = 1 if act_quant else 2
-        _grouped(x, x, mode, w13, w13_scale, sorted_ids, block_expert, hmid, t * k, k, True, cfg, dot_f32)
         _grouped(hmid, hmid, mode, w2, w2_scale, sorted_ids, block_expert, y, t * k, k, False, cfg,
                  dot_f32 or h_dtype == torch.float32, split)
     block_h = 1024
