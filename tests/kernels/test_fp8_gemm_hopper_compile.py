@@ -42,9 +42,9 @@ def _compile(cfg: dict, out: str, bias: bool):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["BLOCK_M"] // 16})
 
 
-# the configs pick_config launches (wide and narrow N), each with bf16 / fp16 output, with / without bias
+# the configs pick_config launches (wide, narrow and small N), each with bf16 / fp16 output, with / without bias
 VARIANTS = [("WIDE", "bf16", False), ("WIDE", "bf16", True), ("WIDE", "fp16", False), ("NARROW", "bf16", True),
-            ("NARROW", "fp16", False)]
+            ("NARROW", "fp16", False), ("SMALL", "bf16", True)]
 
 
 def _report(name: str, out: str, bias: bool) -> dict:
@@ -99,6 +99,7 @@ def test_kernel_compiles_without_spills_or_serialized_mmas(variant):
 
 def test_pick_config_by_width_and_overrides():
     assert hop.pick_config(4096, 576) == hop.NARROW
+    assert hop.pick_config(4096, 128) == hop.SMALL
     assert hop.pick_config(4096, 6144) == hop.WIDE
     assert hop.pick_config(4096, 6144, {"STAGES": 3, "kernel": "gluon"})["STAGES"] == 3
     with pytest.raises(ValueError, match="64 or 128"):

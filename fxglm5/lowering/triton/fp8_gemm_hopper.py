@@ -55,15 +55,18 @@ __all__ = ["supported", "launch", "pick_config", "MIN_M"]
 
 MIN_M = 512  # prefill only: at fewer rows the Triton kernel's split-K / smaller tiles serve better
 BLOCK_K = 128
-# Defaults per N (tiles, ring depth, group size, K steps per loop trip): 128 x 128 tiles, 4 stages of 32 KB each
-# plus the 32 KB output tile (5 would not fit); UNROLL=4 (2 exposes every other promotion at the loop's back edge); narrow outputs (N <= 1024, e.g. kv_a 576 and the indexer's 128) use 64-row tiles for twice the programs.
+# Defaults per N (tiles, ring depth, group size, K steps per loop trip): 128 x 128 tiles, 4 stages of 32 KB
+# each plus the 32 KB output tile (5 would not fit); UNROLL=4 (2 exposes every other promotion at the loop's
+# back edge); narrow outputs (N <= 1024, e.g. kv_a's 576) use 64-row tiles for twice the programs.
 WIDE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, GROUP_M=8, UNROLL=4)
 NARROW = dict(BLOCK_M=64, BLOCK_N=128, STAGES=6, GROUP_M=8, UNROLL=4)
+# N <= 256 (the indexer's wk, 128): 64 x 64 tiles, else 4096 rows give 64 programs for 132 SMs
+SMALL = dict(BLOCK_M=64, BLOCK_N=64, STAGES=8, GROUP_M=8, UNROLL=4)
 
 
 def pick_config(m: int, n: int, config: Optional[dict] = None) -> dict:
     """Tile shape and ring depth of a launch; ``config`` overrides any key (benchmark sweeps)."""
-    cfg = dict(NARROW if n <= 1024 else WIDE)
+    cfg = dict(SMALL if n <= 256 else NARROW if n <= 1024 else WIDE)
     cfg.update({k: v for k, v in (config or {}).items() if k in WIDE})
     if cfg["BLOCK_M"] not in (64, 128) or cfg["BLOCK_N"] not in (64, 128) or cfg["UNROLL"] not in (2, 4):
         raise ValueError(f"fp8_gemm_hopper: BLOCK_M and BLOCK_N must be 64 or 128, UNROLL 2 or 4, got {cfg}")
