@@ -48,7 +48,8 @@ def _rand_fp8(*shape, device="cuda"):
 
 
 def _cfg_str(cfg):
-    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_N1", "BLOCK_N2", "SPLIT_K", "SPLIT2", "FIXUP", "num_warps", "num_stages")
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_N1", "BLOCK_N2", "SPLIT_K", "SPLIT2", "FIXUP", "num_warps", "num_stages", "STAGES",
+            "UNROLL")
     return " ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
 
 
@@ -79,6 +80,7 @@ def _try(fn):
 
 @section("gemm")
 def bench_gemm(res: Results, args):
+    from fxglm5.lowering.triton import fp8_gemm_hopper
     from fxglm5.lowering.triton.fp8_gemm import fp8_linear, pick_config
 
     ms = [int(m) for m in args.gemm_m.split(",")]
@@ -95,12 +97,20 @@ def bench_gemm(res: Results, args):
             xq = x.to(FP8)
             us_fp8 = _try(lambda: _timed(lambda w: torch._scaled_mm(xq, w.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
                                          lambda i: (_rand_fp8(n, k),), n * k, cold))
+            # where fp8_linear takes the Gluon Hopper kernel, the Triton kernel of the same call, measured in the
+            # same run (the baseline the Gluon kernel must beat)
+            gluon = fp8_gemm_hopper.supported(x, torch.empty(n, k, dtype=FP8, device="cuda"), True)
+            us_triton = (_timed(lambda w, s: fp8_linear(x, w, s, None, True, config={"kernel": "triton"}),
+                                lambda i: _weights(n, k), wbytes, cold) if gluon else None)
             nbytes = wbytes + m * k * 2 + m * n * 2
             row = dict(section="gemm", shape=f"{name} {n}x{k}", M=m, us=us, TBps=nbytes / us / 1e6,
                        pct_copy=100 * nbytes / us / 1e3 / res.copy_gbs, TFLOPS=2 * m * n * k / us / 1e6,
+                       kernel="gluon" if gluon else "triton", triton_us=us_triton,
+                       x_vs_triton=(us_triton / us) if us_triton else None,
                        bf16_us=us_bf16, fp8_tensorwise_us=us_fp8,
                        x_vs_bf16=(us_bf16 / us) if us_bf16 else None, x_vs_fp8tw=(us_fp8 / us) if us_fp8 else None,
-                       cfg=_cfg_str(pick_config(m, n, k, True, torch.cuda.get_device_properties(0).multi_processor_count)))
+                       cfg=_cfg_str(fp8_gemm_hopper.pick_config(m, n) if gluon else
+                                    pick_config(m, n, k, True, torch.cuda.get_device_properties(0).multi_processor_count)))
             res.add(**row)
             del x
         torch.cuda.empty_cache()

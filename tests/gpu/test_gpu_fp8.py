@@ -122,6 +122,53 @@ def test_fp8_linear_past_int32_offsets(gen):
         assert _rel(out[rows], ref(x[rows].float(), w, s, None, True)) < 1e-2, rows
 
 
+GLUON_SHAPES = ["o_proj", "dense_gate_up", "dense_down", "q_b", "q_a", "kv_a", "idx_wk", "kv_b"]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m", [4096, 777])
+@pytest.mark.parametrize("name", GLUON_SHAPES)
+def test_gluon_hopper_gemm_glm5_shapes(name, m, bias, gen):
+    """The Gluon Hopper prefill GEMM (what fp8_linear takes at M > 512 on an H200) against the reference op and
+    the Triton kernel of the same call, at full GLM-5 shapes, ragged M (777: a partial 128-row tile) and narrow
+    ragged N (kv_a 576, the indexer's 128), with and without bias; fp16 activations at one shape."""
+    from fxglm5.lowering.reference.fp8 import fp8_linear as ref
+    from fxglm5.lowering.triton import fp8_gemm_hopper
+    from fxglm5.lowering.triton.fp8_gemm import fp8_linear
+
+    n, k = SHAPES[name]
+    w, s = _weight(n, k, gen)
+    for dtype in (torch.bfloat16, torch.float16) if name == "kv_a" else (torch.bfloat16,):
+        x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+        b = torch.randn(n, device="cuda", generator=gen).to(dtype) if bias else None
+        assert fp8_gemm_hopper.supported(x, w, True)
+        out = fp8_linear(x, w, s, b, True, config={"kernel": "gluon"})
+        assert out.shape == (m, n) and out.dtype == dtype
+        tri = fp8_linear(x, w, s, b, True, config={"kernel": "triton"})
+        want = ref(x.float(), w, s, None if b is None else b.float(), True)
+        assert _rel(out, want) < 1e-2, (name, m, dtype, _rel(out, want))
+        assert _rel(out, tri) < 1e-2, (name, m, dtype, _rel(out, tri))
+        assert torch.equal(fp8_linear(x, w, s, b, True), out)  # the default takes it, deterministically
+
+
+def test_gluon_hopper_gemm_is_not_taken_where_it_does_not_apply(gen):
+    """Decode / medium M, the W8A16 path, fp32 activations and a K that is not a multiple of 512 take the Triton
+    kernel; forcing the Gluon kernel there is a clear error."""
+    from fxglm5.lowering.triton import fp8_gemm_hopper
+    from fxglm5.lowering.triton.fp8_gemm import fp8_linear
+
+    w, s = _weight(*SHAPES["q_a"], gen)
+    x = torch.randn(4096, 6144, device="cuda", generator=gen).bfloat16()
+    assert fp8_gemm_hopper.supported(x, w, True)
+    assert not fp8_gemm_hopper.supported(x[:512], w, True)
+    assert not fp8_gemm_hopper.supported(x, w, False)
+    assert not fp8_gemm_hopper.supported(x.float(), w, True)
+    w2, s2 = _weight(*PARTIAL_SHAPES["partial_k"], gen)
+    assert not fp8_gemm_hopper.supported(torch.zeros(4096, w2.shape[1], device="cuda").bfloat16(), w2, True)
+    with pytest.raises(ValueError, match="does not serve these inputs"):
+        fp8_linear(x[:64], w, s, None, True, config={"kernel": "gluon"})
+
+
 @pytest.fixture(scope="module", params=[(6144, 2048), (6144 + 64, 2048 - 64)], ids=["glm5", "partial"])
 def experts(request):
     """256 experts of hidden H, intermediate I; w13's scales: the gate half's ceil(I/128) block rows, then

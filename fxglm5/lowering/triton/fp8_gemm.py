@@ -20,6 +20,9 @@ CTAs per SM; the fp32 partials are summed in a fixed order by a second small ker
 with ``FIXUP``, by the last CTA to finish each tile. Prefill uses 64x128 tiles in grouped (L2-friendly)
 launch order. Tiles carry no row masks: rows past M or N re-read the last row (cheap, never stored), so
 partial tiles (kv_a N=576, M=1) stream like full ones; only a K tail (K % 128 != 0) is masked.
+On Hopper, prefill (M > 512, W8A8, bf16/fp16) runs :mod:`fxglm5.lowering.triton.fp8_gemm_hopper` instead, a
+Gluon kernel that overlaps each K step's promotion with the next step's asynchronous MMA (which Triton cannot
+express); this kernel is the CPU-tested path and the fallback everywhere else.
 Loop trip counts are compile-time constants: the Triton 3.6 interpreter (with numpy >= 2.4) cannot run
 loops with runtime bounds, and CI runs these kernels interpreted.
 """
@@ -35,6 +38,7 @@ import triton.language as tl
 from fxglm5 import settings
 from fxglm5.contracts import FP8_BLOCK
 from fxglm5.lowering.reference import fp8 as ref
+from fxglm5.lowering.triton import fp8_gemm_hopper
 from fxglm5.lowering.triton.device import num_sms
 
 BLOCK_K = FP8_BLOCK  # one weight-scale column and one activation-scale group per K step
@@ -288,7 +292,11 @@ def fp8_linear(
     *,
     config: Optional[dict] = None,
 ) -> torch.Tensor:
-    """Block-FP8 linear (see module doc); ``config`` overrides :func:`pick_config` (benchmark sweeps)."""
+    """Block-FP8 linear (see module doc); ``config`` overrides :func:`pick_config` (benchmark sweeps).
+
+    The Gluon Hopper kernel runs where :func:`fp8_gemm_hopper.supported` says it applies (its own keys of
+    ``config`` override :func:`fp8_gemm_hopper.pick_config`); ``config={"kernel": "triton"}`` forces this Triton
+    kernel, ``{"kernel": "gluon"}`` the Gluon one (a ValueError where it does not apply)."""
     ref.check_linear_inputs(x, weight, weight_scale_inv, bias)
     n, k = weight.shape
     lead = x.shape[:-1]
@@ -306,6 +314,18 @@ def fp8_linear(
         return out.view(*lead, n)
     weight = weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
+    kernel = (config or {}).get("kernel")
+    if kernel not in (None, "triton", "gluon"):
+        raise ValueError(f"fp8_linear: config kernel must be 'triton' or 'gluon', got {kernel!r}")
+    gluon_ok = kernel != "triton" and fp8_gemm_hopper.supported(x2, weight, act_quant)
+    if kernel == "gluon" and not gluon_ok:
+        raise ValueError(f"fp8_linear: the Gluon Hopper kernel does not serve these inputs (x {tuple(x2.shape)} "
+                         f"{x2.dtype} on {x2.device}, weight {tuple(weight.shape)}, act_quant={act_quant})")
+    if gluon_ok:
+        a, a_s = quantize_act_1x128(x2)
+        fp8_gemm_hopper.launch(a, a_s, weight, weight_scale_inv, None if bias is None else bias.contiguous(), out,
+                               config)
+        return out.view(*lead, n)
     kg = triton.cdiv(k, 128)
     sms = num_sms(x.device)
     cfg = pick_config(m, n, k, act_quant, sms, config)

@@ -1,0 +1,127 @@
+"""The Gluon Hopper block-FP8 GEMM, compiled for sm_90 without a GPU (Triton's bundled ptxas).
+
+Gluon kernels do not run under TRITON_INTERPRET=1, so CI cannot check their numbers (tests/gpu/test_gpu_fp8.py
+does, on an H200). What CI checks is what the kernel's speed rests on and what breaks silently when it is
+edited: every launched variant compiles for sm_90, fits shared memory, does not spill, ptxas does not serialize
+its asynchronous MMAs (warning C7515: a register move of an in-flight accumulator), and the MMAs are the
+m64 x BLOCK_N x 32 e4m3 instructions with one kept in flight while the other's result is promoted.
+"""
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from fxglm5.lowering.triton import fp8_gemm_hopper as hop  # noqa: E402
+
+SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
+_POINTERS = ("a_ptr", "as_ptr", "b_ptr", "bs_ptr", "bias_ptr", "c_ptr")
+
+
+def _compile(cfg: dict, out: str, bias: bool):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "bias_ptr": f"*{out}",
+           "c_ptr": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_asm": "i32",
+           "stride_bn": "i32", "stride_bsn": "i32", "stride_cm": "i32", "HAS_BIAS": "constexpr",
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr", "GROUP_M": "constexpr", "UNROLL": "constexpr"}
+    const = dict(HAS_BIAS=bias, **cfg)
+    names = list(sig)
+    # what the launcher's JIT specializes: 16-byte aligned pointers and strides (torch allocations, K % 256 == 0)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]]
+             for n in _POINTERS + ("K", "stride_am", "stride_bn", "stride_cm")}
+    src = GluonASTSource(hop._fp8_gemm_hopper_kernel, sig, const, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["BLOCK_M"] // 16})
+
+
+# the configs pick_config launches (wide, narrow and small N), each with bf16 / fp16 output, with / without bias
+VARIANTS = [("WIDE", "bf16", False), ("WIDE", "bf16", True), ("WIDE", "fp16", False), ("NARROW", "bf16", True),
+            ("NARROW", "fp16", False), ("SMALL", "bf16", True)]
+
+
+def _report(name: str, out: str, bias: bool) -> dict:
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    k = _compile(getattr(hop, name), out, bias)
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/k.ptx", "w") as f:
+            f.write(k.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                             capture_output=True, text=True, check=True).stderr
+    return dict(shared=k.metadata.shared, ptxas=log, ptx=k.asm["ptx"])
+
+
+def _reports_of_every_variant() -> dict[str, dict]:
+    out = {}
+    for v in VARIANTS:
+        try:
+            out[repr(v)] = _report(*v)
+        except Exception as err:  # noqa: BLE001 - reported to the variant's own test
+            out[repr(v)] = dict(error=f"{type(err).__name__}: {err}")
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _reports() -> dict[str, dict]:
+    """Every variant's report from one process where Triton does not interpret (importing triton under
+    TRITON_INTERPRET=1 turns its library functions into interpreted ones)."""
+    code = ("import json, sys; from tests.kernels.test_fp8_gemm_hopper_compile import _reports_of_every_variant; "
+            "json.dump(_reports_of_every_variant(), sys.stdout)")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                     env=env, cwd=root).stdout)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_kernel_compiles_without_spills_or_serialized_mmas(variant):
+    r = _reports()[repr(variant)]
+    assert "error" not in r, r.get("error")
+    assert r["shared"] <= SMEM_LIMIT, r["shared"]
+    assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], r["ptxas"]
+    assert "C7514" not in r["ptxas"] and "C7515" not in r["ptxas"], r["ptxas"]  # wgmma serialized
+    bn = getattr(hop, variant[0])["BLOCK_N"]
+    mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", r["ptx"]))
+    assert mmas == {f"m64n{bn}k32"}, mmas
+    # the promotion overlaps the next step's MMA: a wait that leaves one group in flight
+    assert "wgmma.wait_group.sync.aligned 1;" in r["ptx"]
+
+
+def test_pick_config_by_width_and_overrides():
+    assert hop.pick_config(4096, 576) == hop.NARROW
+    assert hop.pick_config(4096, 128) == hop.SMALL
+    assert hop.pick_config(4096, 6144) == hop.WIDE
+    assert hop.pick_config(4096, 6144, {"STAGES": 3, "kernel": "gluon"})["STAGES"] == 3
+    with pytest.raises(ValueError, match="64 or 128"):
+        hop.pick_config(4096, 6144, {"BLOCK_N": 256})
+    with pytest.raises(ValueError, match="UNROLL 2 or 4"):
+        hop.pick_config(4096, 6144, {"UNROLL": 3})
+
+
+def test_supported_only_on_hopper_cuda():
+    x = torch.zeros(1024, 256, dtype=torch.bfloat16)
+    w = torch.zeros(128, 256, dtype=torch.float8_e4m3fn)
+    assert not hop.supported(x, w, True)  # CPU tensors
+
+
+@pytest.mark.parametrize("kernel", ["gluon", "cutlass"])
+def test_fp8_linear_kernel_choice_errors(kernel):
+    """config={"kernel": "gluon"} where the Gluon kernel does not apply (CPU tensors here) and an unknown kernel
+    name are one clear ValueError each, not a launch with a stray argument."""
+    from fxglm5.lowering.triton.fp8_gemm import fp8_linear
+
+    x = torch.zeros(1024, 512, dtype=torch.bfloat16)
+    w = torch.zeros(128, 512, dtype=torch.float8_e4m3fn)
+    s = torch.ones(1, 4)
+    with pytest.raises(ValueError, match="does not serve these inputs" if kernel == "gluon" else "must be 'triton'"):
+        fp8_linear(x, w, s, None, True, config={"kernel": kernel})
