@@ -272,23 +272,21 @@ def _geomean(vals):
 
 
 GEMM_SWEEP = {  # regime -> (token counts, shapes, configs); the first config is the committed default
-    "decode": ((1, 16), [("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144), ("dense down", 6144, 12288)],
+    "decode": ((16,), [("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144), ("dense down", 6144, 12288)],
                [dict(BLOCK_N=bn, CTAS_PER_SM=c, num_stages=st, num_warps=w) for bn, c, st, w in (
-                   (128, 4, 3, 4), (128, 4, 4, 4), (128, 2, 4, 4), (128, 2, 6, 4), (128, 1, 8, 4), (128, 3, 5, 4),
-                   (64, 4, 4, 4), (64, 8, 3, 4), (128, 4, 3, 8))]),
-    "prefill": ((4096,), [("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144), ("q_b", 16384, 2048),
-                          ("q_a", 2048, 6144), ("kv_a", 576, 6144)],
-                [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in (
-                    (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3),
-                    (128, 64, 4, 4), (128, 128, 4, 3))]),
+                   (128, 4, 3, 4), (128, 4, 4, 4), (128, 2, 6, 4), (128, 1, 8, 4), (64, 8, 3, 4), (128, 4, 3, 8))]),
+    "prefill": ((4096,), [("o_proj", 6144, 16384), ("q_b", 16384, 2048), ("kv_a", 576, 6144)],
+                [dict(kernel="triton", BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in (
+                    (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3))]),
+    "gluon": ((4096,), [("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144), ("q_b", 16384, 2048)],
+              [dict(kernel="gluon", **c) for c in (
+                  dict(), dict(STAGES=3), dict(GROUP_M=16), dict(BLOCK_M=64, STAGES=6))]),
 }
 MOE_SWEEP = {  # regime -> (token counts, configs); the first config is the committed default
-    "decode": ((1, 64), [dict(), dict(SPLIT1=1), dict(CTAS_PER_SM1=8), dict(num_stages=4), dict(BLOCK_N1=64),
-                         dict(SPLIT2=4), dict(num_stages=4, CTAS_PER_SM1=8)]),
+    "decode": ((1, 64), [dict(), dict(SPLIT1=1), dict(CTAS_PER_SM1=8), dict(num_stages=4), dict(SPLIT2=4)]),
     "prefill": ((2048,), [dict(BLOCK_M=bm, BLOCK_N1=n1, BLOCK_N2=n2, num_warps=w, num_stages=st)
                           for bm, n1, n2, w, st in ((64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (128, 64, 128, 8, 3),
-                                                    (128, 128, 128, 8, 3), (64, 128, 128, 4, 4),
-                                                    (128, 128, 128, 8, 4))]),
+                                                    (128, 128, 128, 8, 3), (64, 128, 128, 4, 4))]),
 }
 
 
@@ -298,22 +296,24 @@ def _apply_winner(res, section_name, regime, scores, defaults):
     for key, (score, _) in scores.items():
         res.add(section=section_name, shape=f"{regime} geomean", cfg=key, score_per_ms=1e3 * score)
     best = max(scores.values(), key=lambda v: v[0])[1]
-    defaults.update(best)
+    defaults.update({key: v for key, v in best.items() if key != "kernel"})  # "kernel" is a call's choice
     res.add(section=section_name, shape=f"{regime} applied", cfg=str(best))
 
 
 @section("sweep")
 def bench_sweep(res: Results, args):
-    """Config sweep of the block-FP8 GEMM's decode and prefill regimes (``GEMM_SWEEP``).
+    """Config sweep of the block-FP8 GEMM's regimes (``GEMM_SWEEP``): the Triton kernel's decode and prefill
+    configs, and the Gluon Hopper kernel's wide-tile config.
 
     Each config is timed on every swept shape and token count as in the ``gemm`` section (cold weights at decode);
     the winner of each regime (geometric mean) is applied to the module defaults for the sections that run after
     it in the same process and recorded as an ``applied`` row; the committed defaults in fp8_gemm.py are copied
     from those rows.
     """
-    from fxglm5.lowering.triton import fp8_gemm
+    from fxglm5.lowering.triton import fp8_gemm, fp8_gemm_hopper
     from fxglm5.lowering.triton.fp8_gemm import fp8_linear
 
+    defaults = dict(decode=fp8_gemm.DECODE, prefill=fp8_gemm.PREFILL, gluon=fp8_gemm_hopper.WIDE)
     for regime, (ms, shapes, cfgs) in GEMM_SWEEP.items():
         scores = {}
         for cfg in cfgs:
@@ -328,7 +328,7 @@ def bench_sweep(res: Results, args):
                                 pct_copy=100 * n * k / us / 1e3 / res.copy_gbs, TFLOPS=2 * m * n * k / us / 1e6)
                     vals.append(1 / us if us else None)
             scores[str(cfg)] = (_geomean(vals) if all(vals) else 0.0, cfg)
-        _apply_winner(res, "sweep", regime, scores, fp8_gemm.DECODE if regime == "decode" else fp8_gemm.PREFILL)
+        _apply_winner(res, "sweep", regime, scores, defaults[regime])
         torch.cuda.empty_cache()
 
 
