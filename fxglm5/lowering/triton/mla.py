@@ -369,8 +369,16 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     BLOCK_H = (cfg or {}).get("BLOCK_H") or _pick_block_h(H)
     n_hb = triton.cdiv(H, BLOCK_H)
     max_len = pos_or_topk.shape[1] if sparse else block_table.shape[1] * cache.shape[1]
+    force_hopper = cfg is not None and cfg.get("kernel") in ("hopper", "hopper64")
+    hopper_ok = not settings.triton_interpret() and mla_hopper.supported(q, cache, sparse=sparse)
+    keys_as_rows = False if force_hopper and cfg["kernel"] == "hopper64" else None
+    hopper = (cfg is None or force_hopper) and hopper_ok
     if num_splits is None:
-        num_splits = pick_num_splits(T * n_hb, max_len, num_sms(q.device))
+        # A dense keys-as-rows Hopper program is one warpgroup and two are resident per SM, so a wave holds 2 x SMs
+        # programs (B=64 / 32k / 8 heads, bf16 cache: 623 us with the 1 x SMs pick of 2 splits, 552 us with 4;
+        # bench/results/session19). Sparse rows measured slower with the larger split count, so they keep 1 x SMs.
+        dense_pairs = hopper and not sparse and mla_hopper.rows_for(H, keys_as_rows)[1]
+        num_splits = pick_num_splits(T * n_hb, max_len, num_sms(q.device) * (2 if dense_pairs else 1))
     split_len = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), 64) * 64
     num_splits = max(1, triton.cdiv(max(max_len, 1), split_len))
     if sparse and max_len == 0:
@@ -382,14 +390,11 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     else:
         po = torch.empty(T, num_splits, H, R, dtype=torch.float32, device=q.device)
         plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
-    force_hopper = cfg is not None and cfg.get("kernel") in ("hopper", "hopper64")
-    hopper_ok = not settings.triton_interpret() and mla_hopper.supported(q, cache, sparse=sparse)
     if force_hopper and not hopper_ok:
         raise ValueError(f"launch_mla: cfg={cfg} asks for the Hopper kernel, which does not serve these inputs "
                          f"(q {tuple(q.shape)} {q.dtype} on {q.device}, cache {cache.dtype})")
-    if (cfg is None or force_hopper) and hopper_ok:
+    if hopper:
         _LAST["impl"] = "hopper"
-        keys_as_rows = False if force_hopper and cfg["kernel"] == "hopper64" else None
         _LAST["rows"] = mla_hopper.rows_for(H, keys_as_rows)
         ensure_tma_allocator()
         mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len, num_splits,

@@ -288,13 +288,14 @@ def _combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, TOP_K: tl.cons
     tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Regime defaults (decode: H200 sweep in docs/perf/fp8_gemm_moe.md, kernels_gemm_moe_v2; prefill untuned);
+# Regime defaults, the winners of the H200 sweeps (decode: docs/perf/fp8_gemm_moe.md, kernels_gemm_moe_v2; both:
+# bench/results/session19/kernels_moe_s19, moe_sweep rows);
 # moe_fp8(config=...) overrides keys. The gate|up GEMM's K split is derived (``SPLIT1`` overrides it): enough
 # splits for CTAS_PER_SM1 CTAs per SM over the blocks that can exist (batch 1 touches 8 experts: 8 blocks x
 # 16 column tiles would leave one CTA per SM, each streaming 48 K steps).
 MOE_DECODE = dict(BLOCK_M=16, BLOCK_N1=128, BLOCK_N2=128, SPLIT2=2, CTAS_PER_SM1=4, num_warps=4, num_stages=3,
                   fused_quant=True)
-MOE_PREFILL = dict(BLOCK_M=64, BLOCK_N1=64, BLOCK_N2=128, SPLIT2=1, SPLIT1=1, num_warps=4, num_stages=3,
+MOE_PREFILL = dict(BLOCK_M=64, BLOCK_N1=128, BLOCK_N2=128, SPLIT2=1, SPLIT1=1, num_warps=4, num_stages=4,
                    fused_quant=False)
 
 
