@@ -372,9 +372,6 @@ def _fp8_gemm_hopper_ws_kernel(
     ], [4, 1], [MMA_REGS, LOAD_REGS])
 
 
-
-
-
 def launch(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
            bias: Optional[torch.Tensor], out: torch.Tensor, config: Optional[dict] = None) -> torch.Tensor:
     """``out [M, N] = (a * a_s) @ (weight * weight_scale_inv).T (+ bias)`` for inputs :func:`supported` accepts:
