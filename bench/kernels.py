@@ -49,7 +49,7 @@ def _rand_fp8(*shape, device="cuda"):
 
 def _cfg_str(cfg):
     keys = ("BLOCK_M", "BLOCK_N", "BLOCK_N1", "BLOCK_N2", "SPLIT_K", "SPLIT2", "FIXUP", "num_warps", "num_stages", "STAGES",
-            "UNROLL")
+            "UNROLL", "WS")
     return " ".join(f"{k}={cfg[k]}" for k in keys if k in cfg)
 
 
@@ -280,7 +280,8 @@ GEMM_SWEEP = {  # regime -> (token counts, shapes, configs); the first config is
                     (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3))]),
     "gluon": ((4096,), [("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144), ("q_b", 16384, 2048)],
               [dict(kernel="gluon", **c) for c in (
-                  dict(), dict(STAGES=3), dict(GROUP_M=16), dict(BLOCK_M=64, STAGES=6))]),
+                  dict(), dict(STAGES=3), dict(GROUP_M=16), dict(BLOCK_M=64, STAGES=6), dict(WS=True),
+                  dict(WS=True, STAGES=5), dict(WS=True, GROUP_M=16))]),
 }
 MOE_SWEEP = {  # regime -> (token counts, configs); the first config is the committed default
     "decode": ((1, 64), [dict(), dict(SPLIT1=1), dict(CTAS_PER_SM1=8), dict(num_stages=4), dict(SPLIT2=4)]),

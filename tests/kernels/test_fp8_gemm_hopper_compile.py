@@ -3,8 +3,9 @@
 Gluon kernels do not run under TRITON_INTERPRET=1, so CI cannot check their numbers (tests/gpu/test_gpu_fp8.py
 does, on an H200). What CI checks is what the kernel's speed rests on and what breaks silently when it is
 edited: every launched variant compiles for sm_90, fits shared memory, does not spill, ptxas does not serialize
-its asynchronous MMAs (warning C7515: a register move of an in-flight accumulator), and the MMAs are the
-m64 x BLOCK_N x 32 e4m3 instructions with one kept in flight while the other's result is promoted.
+its asynchronous MMAs (warning C7515: a register move of an in-flight accumulator; C7512: too few registers), and
+the MMAs are the m64 x BLOCK_N x 32 e4m3 instructions with one kept in flight while the other's result is
+promoted. The warp-specialized kernel (WS=True) also gets its setmaxnreg split and no CTA-wide barrier.
 """
 
 import functools
@@ -26,25 +27,46 @@ _POINTERS = ("a_ptr", "as_ptr", "b_ptr", "bs_ptr", "bias_ptr", "c_ptr")
 
 
 def _compile(cfg: dict, out: str, bias: bool):
+    """Compile the kernel ``launch`` would take for ``cfg`` (the WS kernel at ``WS=True``) with its constexprs."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "bias_ptr": f"*{out}",
            "c_ptr": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_asm": "i32",
-           "stride_bn": "i32", "stride_bsn": "i32", "stride_cm": "i32", "HAS_BIAS": "constexpr",
-           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "STAGES": "constexpr", "GROUP_M": "constexpr", "UNROLL": "constexpr"}
-    const = dict(HAS_BIAS=bias, **cfg)
+           "stride_bn": "i32", "stride_bsn": "i32", "stride_cm": "i32"}
+    keys = ("BLOCK_N", "STAGES", "GROUP_M", "UNROLL")
+    if cfg["WS"]:
+        kernel, const, warps = hop._fp8_gemm_hopper_ws_kernel, dict(MMA_REGS=hop.MMA_REGS, LOAD_REGS=hop.LOAD_REGS), 4
+    else:
+        kernel, const, warps = hop._fp8_gemm_hopper_kernel, dict(BLOCK_M=cfg["BLOCK_M"]), cfg["BLOCK_M"] // 16
+    const = dict(HAS_BIAS=bias, **const, **{k: cfg[k] for k in keys})
+    sig.update({k: "constexpr" for k in const})
     names = list(sig)
     # what the launcher's JIT specializes: 16-byte aligned pointers and strides (torch allocations, K % 256 == 0)
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
              for n in _POINTERS + ("K", "stride_am", "stride_bn", "stride_cm")}
-    src = GluonASTSource(hop._fp8_gemm_hopper_kernel, sig, const, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["BLOCK_M"] // 16})
+    src = GluonASTSource(kernel, sig, const, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-# the configs pick_config launches (wide, narrow and small N), each with bf16 / fp16 output, with / without bias
+# the configs pick_config launches (wide, narrow and small N), each with bf16 / fp16 output, with / without bias;
+# the warp-specialized kernel (WS=True) at the wide config, its 5-stage ring, and at the narrow and small
+# configs with 128-row tiles (what tests/gpu/test_gpu_fp8.py runs it at)
 VARIANTS = [("WIDE", "bf16", False), ("WIDE", "bf16", True), ("WIDE", "fp16", False), ("NARROW", "bf16", True),
-            ("NARROW", "fp16", False), ("SMALL", "bf16", True)]
+            ("NARROW", "fp16", False), ("SMALL", "bf16", True),
+            ("WIDE+WS", "bf16", False), ("WIDE+WS", "bf16", True), ("WIDE+WS", "fp16", True),
+            ("WIDE+WS+STAGES=5", "bf16", True), ("NARROW+WS+BLOCK_M=128", "bf16", True),
+            ("SMALL+WS+BLOCK_M=128", "bf16", False)]
+
+
+def _config(name: str) -> dict:
+    """A variant's config: a default of the module, then ``+WS`` / ``+KEY=value`` overrides through pick_config."""
+    base, *extra = name.split("+")
+    over = {}
+    for e in extra:
+        key, _, val = e.partition("=")
+        over[key] = int(val) if val else True
+    return hop.pick_config(4096, {"WIDE": 6144, "NARROW": 576, "SMALL": 128}[base], over)
 
 
 def _report(name: str, out: str, bias: bool) -> dict:
@@ -52,7 +74,7 @@ def _report(name: str, out: str, bias: bool) -> dict:
 
     from triton.backends.nvidia.compiler import get_ptxas
 
-    k = _compile(getattr(hop, name), out, bias)
+    k = _compile(_config(name), out, bias)
     with tempfile.TemporaryDirectory() as d:
         with open(f"{d}/k.ptx", "w") as f:
             f.write(k.asm["ptx"])
@@ -89,12 +111,20 @@ def test_kernel_compiles_without_spills_or_serialized_mmas(variant):
     assert "error" not in r, r.get("error")
     assert r["shared"] <= SMEM_LIMIT, r["shared"]
     assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], r["ptxas"]
-    assert "C7514" not in r["ptxas"] and "C7515" not in r["ptxas"], r["ptxas"]  # wgmma serialized
-    bn = getattr(hop, variant[0])["BLOCK_N"]
+    assert not re.search(r"C751[0-9]", r["ptxas"]), r["ptxas"]  # wgmma serialized (C7514/C7515 moves, C7512 registers)
+    cfg = _config(variant[0])
+    bn = cfg["BLOCK_N"]
     mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.e4m3\.e4m3", r["ptx"]))
     assert mmas == {f"m64n{bn}k32"}, mmas
     # the promotion overlaps the next step's MMA: a wait that leaves one group in flight
     assert "wgmma.wait_group.sync.aligned 1;" in r["ptx"]
+    if cfg["WS"]:
+        # the register split: MMA warpgroups raised to MMA_REGS, the load warp lowered to LOAD_REGS; one
+        # mbarrier arrival (the stage release) and no CTA-wide barrier (bar.sync 0 of every thread) in the K loop
+        assert f"setmaxnreg.inc.sync.aligned.u32 \t{hop.MMA_REGS};" in r["ptx"]
+        assert f"setmaxnreg.dec.sync.aligned.u32 \t{hop.LOAD_REGS};" in r["ptx"]
+        assert "mbarrier.arrive.shared::cta.b64" in r["ptx"]
+        assert not re.search(r"\bbar\.sync\s+0;", r["ptx"]), "a barrier of the whole CTA in the WS kernel"
 
 
 def test_pick_config_by_width_and_overrides():
@@ -106,6 +136,9 @@ def test_pick_config_by_width_and_overrides():
         hop.pick_config(4096, 6144, {"BLOCK_N": 256})
     with pytest.raises(ValueError, match="UNROLL 2 or 4"):
         hop.pick_config(4096, 6144, {"UNROLL": 3})
+    assert not hop.pick_config(4096, 6144)["WS"] and hop.pick_config(4096, 6144, {"WS": True})["WS"]
+    with pytest.raises(ValueError, match="WS=True needs BLOCK_M=128"):
+        hop.pick_config(4096, 576, {"WS": True})
 
 
 def test_supported_only_on_hopper_cuda():
