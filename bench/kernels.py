@@ -280,8 +280,7 @@ GEMM_SWEEP = {  # regime -> (token counts, shapes, configs); the first config is
                     (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3))]),
     "gluon": ((4096,), [("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144), ("q_b", 16384, 2048)],
               [dict(kernel="gluon", **c) for c in (
-                  dict(), dict(STAGES=3), dict(GROUP_M=16), dict(BLOCK_M=64, STAGES=6), dict(WS=True),
-                  dict(WS=True, STAGES=5), dict(WS=True, GROUP_M=16))]),
+                  dict(), dict(WS=True), dict(WS=True, STAGES=5), dict(WS=True, STAGES=3))]),
 }
 MOE_SWEEP = {  # regime -> (token counts, configs); the first config is the committed default
     "decode": ((1, 64), [dict(), dict(SPLIT1=1), dict(CTAS_PER_SM1=8), dict(num_stages=4), dict(SPLIT2=4)]),
@@ -316,6 +315,8 @@ def bench_sweep(res: Results, args):
 
     defaults = dict(decode=fp8_gemm.DECODE, prefill=fp8_gemm.PREFILL, gluon=fp8_gemm_hopper.WIDE)
     for regime, (ms, shapes, cfgs) in GEMM_SWEEP.items():
+        if args.regimes and regime not in args.regimes.split(","):
+            continue
         scores = {}
         for cfg in cfgs:
             vals = []
@@ -376,6 +377,8 @@ def main():
     p.add_argument("--gemm-m", default="1,4,16,4096")
     p.add_argument("--moe-t", default="1,64,2048")
     p.add_argument("--fused-m", default="1,16,64,4096", help="token counts of the fused-GEMM section")
+    p.add_argument("--regimes", default=None, help="sweep only these regimes (comma-separated): "
+                   + ",".join(GEMM_SWEEP))
     p.add_argument("--name", default=None, help="results name (default kernels_<sections>)")
     args = p.parse_args()
     only = [s for s in args.only.split(",") if s]
