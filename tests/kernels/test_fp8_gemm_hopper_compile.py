@@ -9,11 +9,8 @@ promoted. The warp-specialized kernel (WS=True) also gets its setmaxnreg split a
 """
 
 import functools
-import json
-import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +18,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from fxglm5.lowering.triton import fp8_gemm_hopper as hop  # noqa: E402
+from tests.kernels.sm90_reports import reports_from_subprocess  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
 _POINTERS = ("a_ptr", "as_ptr", "b_ptr", "bs_ptr", "bias_ptr", "c_ptr")
@@ -95,14 +93,8 @@ def _reports_of_every_variant() -> dict[str, dict]:
 
 @functools.lru_cache(maxsize=None)
 def _reports() -> dict[str, dict]:
-    """Every variant's report from one process where Triton does not interpret (importing triton under
-    TRITON_INTERPRET=1 turns its library functions into interpreted ones)."""
-    code = ("import json, sys; from tests.kernels.test_fp8_gemm_hopper_compile import _reports_of_every_variant; "
-            "json.dump(_reports_of_every_variant(), sys.stdout)")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                     env=env, cwd=root).stdout)
+    """Every variant's report (:mod:`tests.kernels.sm90_reports`)."""
+    return reports_from_subprocess("tests.kernels.test_fp8_gemm_hopper_compile")
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))

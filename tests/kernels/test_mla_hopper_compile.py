@@ -7,11 +7,8 @@ serialize its asynchronous MMAs (the C7515 warning, which a register move of an 
 """
 
 import functools
-import json
-import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from fxglm5.lowering.triton import mla_hopper  # noqa: E402
+from tests.kernels.sm90_reports import reports_from_subprocess  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
 
@@ -81,14 +79,8 @@ def _reports_of_every_variant() -> dict[str, dict]:
 
 @functools.lru_cache(maxsize=None)
 def _reports() -> dict[str, dict]:
-    """Every variant's report, from one process where Triton does not interpret: a process per variant spent
-    about as long starting (torch, Triton, fxglm5 imported) as compiling."""
-    code = ("import json, sys; from tests.kernels.test_mla_hopper_compile import _reports_of_every_variant; "
-            "json.dump(_reports_of_every_variant(), sys.stdout)")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                     env=env, cwd=root).stdout)
+    """Every variant's report (:mod:`tests.kernels.sm90_reports`)."""
+    return reports_from_subprocess("tests.kernels.test_mla_hopper_compile")
 
 
 def _fits(variant: tuple) -> dict:
