@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,3 +22,30 @@ def reports_from_subprocess(module: str, function: str = "_reports_of_every_vari
     env = dict(os.environ, TRITON_INTERPRET="0")
     return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                      env=env, cwd=ROOT).stdout)
+
+
+def report_each(variants: Iterable[tuple], report: Callable[..., dict]) -> dict[str, dict]:
+    """``report(*variant)`` of each variant by ``repr(variant)``, or the error that stopped it (reported to the
+    variant's own test rather than failing every variant's)."""
+    out = {}
+    for variant in variants:
+        try:
+            out[repr(variant)] = report(*variant)
+        except Exception as err:  # noqa: BLE001 - reported to the variant's own test
+            out[repr(variant)] = dict(error=f"{type(err).__name__}: {err}")
+    return out
+
+
+def ptxas_report(kernel) -> dict:
+    """A compiled kernel's shared memory, ``ptxas -v`` log for sm_90a (registers, spills, serialization warnings)
+    and PTX. Only in a process where Triton does not interpret."""
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/k.ptx", "w") as f:
+            f.write(kernel.asm["ptx"])
+        log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                             capture_output=True, text=True, check=True).stderr
+    return dict(shared=kernel.metadata.shared, ptxas=log, ptx=kernel.asm["ptx"])

@@ -10,7 +10,6 @@ promoted. The warp-specialized kernel (WS=True) also gets its setmaxnreg split a
 
 import functools
 import re
-import subprocess
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from fxglm5.lowering.triton import fp8_gemm_hopper as hop  # noqa: E402
-from tests.kernels.sm90_reports import reports_from_subprocess  # noqa: E402
+from tests.kernels.sm90_reports import ptxas_report, report_each, reports_from_subprocess  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
 _POINTERS = ("a_ptr", "as_ptr", "b_ptr", "bs_ptr", "bias_ptr", "c_ptr")
@@ -68,27 +67,11 @@ def _config(name: str) -> dict:
 
 
 def _report(name: str, out: str, bias: bool) -> dict:
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    k = _compile(_config(name), out, bias)
-    with tempfile.TemporaryDirectory() as d:
-        with open(f"{d}/k.ptx", "w") as f:
-            f.write(k.asm["ptx"])
-        log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
-                             capture_output=True, text=True, check=True).stderr
-    return dict(shared=k.metadata.shared, ptxas=log, ptx=k.asm["ptx"])
+    return ptxas_report(_compile(_config(name), out, bias))
 
 
 def _reports_of_every_variant() -> dict[str, dict]:
-    out = {}
-    for v in VARIANTS:
-        try:
-            out[repr(v)] = _report(*v)
-        except Exception as err:  # noqa: BLE001 - reported to the variant's own test
-            out[repr(v)] = dict(error=f"{type(err).__name__}: {err}")
-    return out
+    return report_each(VARIANTS, _report)
 
 
 @functools.lru_cache(maxsize=None)

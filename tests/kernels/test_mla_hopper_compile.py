@@ -8,7 +8,6 @@ serialize its asynchronous MMAs (the C7515 warning, which a register move of an 
 
 import functools
 import re
-import subprocess
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from fxglm5.lowering.triton import mla_hopper  # noqa: E402
-from tests.kernels.sm90_reports import reports_from_subprocess  # noqa: E402
+from tests.kernels.sm90_reports import ptxas_report, report_each, reports_from_subprocess  # noqa: E402
 
 SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
 
@@ -47,17 +46,7 @@ def _compile(sparse: bool, fp8: bool, direct: bool, heads: int = 64):
 def _report(sparse: bool, fp8: bool, direct: bool, heads: int = 64) -> dict:
     """Compile one variant and run ptxas -v on it (in a process where Triton does not interpret: importing
     triton under TRITON_INTERPRET=1 turns its library functions into interpreted ones)."""
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    k = _compile(sparse, fp8, direct, heads)
-    with tempfile.TemporaryDirectory() as d:
-        with open(f"{d}/k.ptx", "w") as f:
-            f.write(k.asm["ptx"])
-        log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
-                             capture_output=True, text=True, check=True).stderr
-    return dict(shared=k.metadata.shared, ptxas=log, ptx=k.asm["ptx"])
+    return ptxas_report(_compile(sparse, fp8, direct, heads))
 
 
 # (sparse, fp8, direct, heads): the 64-head kernel's variants, then the few-heads kernel's
@@ -67,14 +56,8 @@ FEW_HEADS = [(False, True, False, 8), (True, True, False, 8), (False, False, Fal
 
 
 def _reports_of_every_variant() -> dict[str, dict]:
-    """:func:`_report` of each variant of WIDE and FEW_HEADS by ``repr(variant)``, or the error that stopped it."""
-    out = {}
-    for variant in WIDE + FEW_HEADS:
-        try:
-            out[repr(variant)] = _report(*variant)
-        except Exception as err:  # noqa: BLE001 - reported to the variant's own test
-            out[repr(variant)] = dict(error=f"{type(err).__name__}: {err}")
-    return out
+    """:func:`_report` of each variant of WIDE and FEW_HEADS by ``repr(variant)``."""
+    return report_each(WIDE + FEW_HEADS, _report)
 
 
 @functools.lru_cache(maxsize=None)
