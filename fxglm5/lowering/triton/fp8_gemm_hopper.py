@@ -92,8 +92,8 @@ def pick_config(m: int, n: int, config: Optional[dict] = None) -> dict:
 def supported(x: torch.Tensor, weight: torch.Tensor, act_quant: bool) -> bool:
     """Inputs the Hopper kernel serves (everything else takes the Triton kernel): an sm_90 CUDA device outside
     the interpreter, the W8A8 path, bf16/fp16 activations of more than MIN_M rows, K a multiple of 512 (the K loop
-    takes UNROLL=4 steps of 128 a trip; every GLM-5 K is), N a multiple of 8 (the output's TMA row stride is 16 bytes aligned), a 16-byte aligned weight (a TMA
-    descriptor's base; the activations and output are fresh allocations)."""
+    takes UNROLL=4 steps of 128 a trip; every GLM-5 K is), N a multiple of 8 (the output's TMA row stride is 16
+    bytes aligned), a 16-byte aligned weight (a TMA descriptor's base; the activations and output are fresh allocations)."""
     if settings.triton_interpret() or not (x.is_cuda and weight.is_cuda) or capability(x.device) != (9, 0):
         return False
     n, k = weight.shape
@@ -382,7 +382,8 @@ def launch(a: torch.Tensor, a_s: torch.Tensor, weight: torch.Tensor, weight_scal
     n = weight.shape[0]
     cfg = pick_config(m, n, config)
     if k % (BLOCK_K * cfg["UNROLL"]):
-        raise ValueError(f"fp8_gemm_hopper: K={k} is not a multiple of {BLOCK_K * cfg['UNROLL']} (UNROLL={cfg['UNROLL']})")
+        raise ValueError(f"fp8_gemm_hopper: K={k} is not a multiple of {BLOCK_K * cfg['UNROLL']} "
+                         f"(UNROLL={cfg['UNROLL']})")
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tiles = -(-m // bm) * -(-n // bn)
     ensure_tma_allocator()

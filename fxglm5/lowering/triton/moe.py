@@ -14,8 +14,8 @@ hold the gate half's ceil(I/128) block rows, then the up half's, so a tile of ei
 per K step whatever I is); the down projection reads those rows back and writes each entry's expert
 output to its own (token, slot) row, optionally split over K (``SPLIT2``: more CTAs when only a few
 experts are touched). The gated GEMM can be split over K too (``SPLIT1``, decode): its splits write fp32
-gate|up partials and a small kernel sums them in a fixed order and applies the gate; a combine kernel sums the splits and the k slots with the routing weights in a
-fixed order (deterministic, no atomics; ids of -1, expert-parallel padding, are skipped). The A/B scaling scheme is the one of
+gate|up partials and a small kernel sums them in a fixed order and applies the gate; a combine kernel sums
+the splits and the k slots with the routing weights in a fixed order (deterministic, no atomics; ids of -1, expert-parallel padding, are skipped). The A/B scaling scheme is the one of
 :mod:`fxglm5.lowering.triton.fp8_gemm` (BLOCK_K = 128, one scale pair per K step), and so is the choice
 to load padding rows (a real row, never stored) instead of masking them; only a K tail (H or I not a
 multiple of 128) is masked, and only where it exists (``NO_K_MASK``). Decode (few tokens) is bound
@@ -352,12 +352,14 @@ def _split1(num_blocks: int, h: int, inter: int, cfg: dict, sms: int) -> int:
 def _moe_elements(t: int, k: int, e: int, h: int, inter: int, config) -> int:
     """The most elements a tensor of ``moe_fp8`` over ``t`` tokens holds: the gated GEMM's padded sorted rows x 2I
     (its gate|up weight rows), or the down GEMM's split partials [SPLIT2, T*k, H] (GLM-5: k=8, H=6144, 2I=4096,
-    so the partials pass 2^31 from 43691 tokens on). The gate|up GEMM's K-split partials [SPLIT1, rows, 2I] are never
-    the largest: SPLIT1 > 1 only where few blocks exist, and it is sized for CTAS_PER_SM1 CTAs per SM, so they hold
-    about 2 * CTAS_PER_SM1 * SMs * BLOCK_M * BLOCK_N1 elements (a few million) plus at most rows * I."""
+    so the partials pass 2^31 from 43691 tokens on), or the gate|up GEMM's K-split partials [SPLIT1, rows, 2I]
+    where ``SPLIT1`` is given. A derived SPLIT1 is never the largest: it exceeds 1 only where few blocks exist and
+    is sized for CTAS_PER_SM1 CTAs per SM, so those partials hold about 2 * CTAS_PER_SM1 * SMs * BLOCK_M *
+    BLOCK_N1 elements (a few million) plus at most rows * I."""
     cfg = pick_moe_config(t, k, e, config)
     rows = align_capacity(t * k, e, cfg["BLOCK_M"]) * cfg["BLOCK_M"]
-    return max(rows * 2 * inter, _split2(inter, cfg) * t * k * h)
+    split1 = _splits(triton.cdiv(h, 128), cfg["SPLIT1"]) if cfg.get("SPLIT1") else 1
+    return max(rows * 2 * inter * split1, _split2(inter, cfg) * t * k * h)
 
 
 def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None):
