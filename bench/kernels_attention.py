@@ -76,6 +76,20 @@ def indexer_inputs(B, ctx):
     return kc, bt, q, w, pos, req, logits, top
 
 
+def sparse_prefill_inputs(T, heads, cdt):
+    """One request's prefill of T tokens at ``heads`` heads: each token attends to TOPK random rows of its causal
+    window (all of it, -1 padded, when shorter). Returns the paged cache, block table, queries, request ids,
+    top-k positions and the output buffer."""
+    cache, bt = _paged(1, T, 656 if cdt == torch.uint8 else 576, cdt)
+    q = torch.randn(T, heads, D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(T, device="cuda")
+    sc = torch.rand(T, T, device="cuda").masked_fill(torch.arange(T, device="cuda")[None, :] > pos[:, None], -1)
+    top = sc.topk(TOPK, dim=1)
+    topk = torch.where(top.values >= 0, top.indices, torch.full_like(top.indices, -1)).int()
+    req = torch.zeros(T, device="cuda", dtype=torch.int32)
+    return cache, bt, q, req, topk, torch.empty(T, heads, R, device="cuda", dtype=torch.bfloat16)
+
+
 def _paged(B, ctx, width, dtype, seed=0):
     """B requests of ``ctx`` tokens each, own blocks in random order; cache filled with random bytes/values."""
     nblk = -(-ctx // BS)
@@ -268,17 +282,8 @@ def bench_sparse_mla(results):
     # prefill: 8k tokens of one request, each attends to 2048 of its causal window (all of it when shorter)
     T = 8192
     for cdt in (torch.bfloat16, torch.uint8):
-        width = 656 if cdt == torch.uint8 else 576
         tag = "fp8" if cdt == torch.uint8 else "bf16"
-        cache, bt = _paged(1, T, width, cdt)
-        q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
-        pos = torch.arange(T, device="cuda")
-        sc = torch.rand(T, T, device="cuda").masked_fill(torch.arange(T, device="cuda")[None, :] > pos[:, None], -1)
-        top = sc.topk(TOPK, dim=1)
-        topk = torch.where(top.values >= 0, top.indices, torch.full_like(top.indices, -1)).int()
-        del sc, top
-        req = torch.zeros(T, device="cuda", dtype=torch.int32)
-        out = torch.empty(T, H, R, device="cuda", dtype=torch.bfloat16)
+        cache, bt, q, req, topk, out = sparse_prefill_inputs(T, H, cdt)
         nvalid = int((topk >= 0).sum())
         flops = 2 * H * nvalid * (D + R)
         shape = f"T={T} H={H} topk={TOPK}"

@@ -4,6 +4,7 @@ At 8 heads (a TP8 rank of GLM-5's 64) the Hopper kernel with the heads as its 64
 only form before session 16) does the 64-head MMA work for an eighth of the useful output; the default launch
 makes the 64 keys of a tile the MMA rows and the heads, padded to 8 or 16, the N (``mla_hopper.rows_for``).
 This times both in one run at B=64 (dense 32k context, sparse top-2048 of 32k), bf16 and FP8 (656-byte) caches,
+and the sparse prefill of one 8k-token request (each token's 2048 gathered rows are its bytes),
 the default at a few split counts, and, with ``--triton``, the generic Triton kernel at explicit launches
 (session 16's first run: slower than both at every shape, ``bench/results/session16/``). Every output is compared
 with the ``hopper64`` one (max abs difference in the note).
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
 from bench.harness import Results, copy_bandwidth_gbs, time_graph_us  # noqa: E402
-from bench.kernels_attention import BS, D, R, SCALE, TOPK, _paged, _row  # noqa: E402
+from bench.kernels_attention import BS, D, R, SCALE, TOPK, _paged, _row, sparse_prefill_inputs  # noqa: E402
 
 HEADS = int(sys.argv[sys.argv.index("--heads") + 1]) if "--heads" in sys.argv else 8
 HOPPER64 = {"kernel": "hopper64"}
@@ -45,6 +46,24 @@ def _sweep(results, name, shape, run, bytes_, flops, sparse):
                  note=f"{'default' if cfg is None else cfg}: {mla.tuned_config()}; max|d| vs hopper64 {diff:.2e}")
         except Exception as e:  # noqa: BLE001 - a launch that fails is reported, the others still run
             print("launch failed", cfg, ns, type(e).__name__, str(e)[:300], flush=True)
+
+
+def _sparse_prefill(results, cdt, tag, T=8192):
+    """Sparse MLA prefill of one 8k-token request at HEADS heads, beside the floor of its gathered rows."""
+    from fxglm5.lowering.triton import mla, sparse_mla
+
+    cache, bt, q, req, topk, out = sparse_prefill_inputs(T, HEADS, cdt)
+    nvalid = int((topk >= 0).sum())
+    for cfg in (None, HOPPER64):
+        try:
+            us = time_graph_us(lambda: sparse_mla.sparse_mla_prefill_paged(q, cache, bt, req, topk, SCALE,
+                                                                           validate=False, out=out, cfg=cfg))
+            _row(results, f"sparse_mla_prefill[{tag}]", f"T={T} H={HEADS} topk={TOPK}", us,
+                 bytes_=nvalid * cache.shape[-1] * cache.element_size(), flops=2 * HEADS * nvalid * (D + R),
+                 note=f"{'default' if cfg is None else cfg}: {mla.tuned_config()}; bytes = the gathered rows")
+        except Exception as e:  # noqa: BLE001 - a launch that fails is reported, the others still run
+            print("launch failed", cfg, type(e).__name__, str(e)[:300], flush=True)
+    torch.cuda.empty_cache()
 
 
 def main():
@@ -79,6 +98,7 @@ def main():
                B * TOPK * width * cache.element_size(), 2 * B * HEADS * TOPK * (D + R), True)
         del cache, bt
         torch.cuda.empty_cache()
+        _sparse_prefill(results, cdt, tag)
     print("saved", results.save(f"mla_heads_h{HEADS}"), flush=True)
 
 

@@ -39,6 +39,14 @@ def _mla(cdt, heads, sparse, B=64, ctx=32768):
     return lambda: mla.mla_decode_paged(q, cache, bt, req, pos, SCALE, validate=False, out=out)
 
 
+def _sparse_prefill(cdt, heads, T=8192):
+    from bench.kernels_attention import SCALE, sparse_prefill_inputs
+    from fxglm5.lowering.triton import sparse_mla
+
+    cache, bt, q, req, topk, out = sparse_prefill_inputs(T, heads, cdt)
+    return lambda: sparse_mla.sparse_mla_prefill_paged(q, cache, bt, req, topk, SCALE, validate=False, out=out)
+
+
 def _gemm(n, k, m):
     from bench.kernels import _weights
     from fxglm5.lowering.triton.fp8_gemm import fp8_linear
@@ -74,10 +82,16 @@ ROWS = {  # name -> builder of a zero-argument call (issue 24's rows at their sh
     "mla_decode_fp8_h8": lambda: _mla(torch.uint8, 8, False),
     "sparse_mla_decode_bf16_h64": lambda: _mla(torch.bfloat16, 64, True),
     "sparse_mla_decode_fp8_h64": lambda: _mla(torch.uint8, 64, True),
+    "sparse_mla_decode_bf16_h8": lambda: _mla(torch.bfloat16, 8, True),
     "sparse_mla_decode_fp8_h8": lambda: _mla(torch.uint8, 8, True),
+    "sparse_mla_prefill_bf16_h64": lambda: _sparse_prefill(torch.bfloat16, 64),
+    "sparse_mla_prefill_fp8_h64": lambda: _sparse_prefill(torch.uint8, 64),
+    "sparse_mla_prefill_fp8_h8": lambda: _sparse_prefill(torch.uint8, 8),
     "gemm_decode_o_proj_m1": lambda: _gemm(6144, 16384, 1),
+    "gemm_decode_gate_up_m16": lambda: _gemm(24576, 6144, 16),
     "gemm_prefill_o_proj_m4096": lambda: _gemm(6144, 16384, 4096),
     "moe_decode_b1": lambda: _moe(1),
+    "moe_decode_b64": lambda: _moe(64),
     "moe_prefill_t2048": lambda: _moe(2048),
     "indexer_topk_b64": _indexer,
 }
