@@ -280,7 +280,12 @@ GEMM_SWEEP = {  # regime -> (token counts, shapes, configs); the first config is
                     (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3))]),
     "gluon": ((4096,), [("o_proj", 6144, 16384), ("dense gate_up", 24576, 6144), ("q_b", 16384, 2048)],
               [dict(kernel="gluon", **c) for c in (
-                  dict(), dict(WS=True), dict(WS=True, STAGES=5), dict(WS=True, STAGES=3))]),
+                  dict(), dict(WS=False), dict(WS=True, STAGES=5), dict(WS=True, STAGES=3))]),
+    "gluon_narrow": ((4096,), [("kv_a", 576, 6144)],
+                     [dict(kernel="gluon", **c) for c in (dict(), dict(WS=True, BLOCK_M=128))]),
+    "gluon_small": ((4096,), [("idx wk", 128, 6144)],
+                    [dict(kernel="gluon", **c) for c in (dict(), dict(WS=True, BLOCK_M=128),
+                                                         dict(WS=True, BLOCK_M=128, BLOCK_N=64))]),
 }
 MOE_SWEEP = {  # regime -> (token counts, configs); the first config is the committed default
     "decode": ((1, 64), [dict(), dict(SPLIT1=1), dict(CTAS_PER_SM1=8), dict(num_stages=4), dict(SPLIT2=4)]),
@@ -303,7 +308,7 @@ def _apply_winner(res, section_name, regime, scores, defaults):
 @section("sweep")
 def bench_sweep(res: Results, args):
     """Config sweep of the block-FP8 GEMM's regimes (``GEMM_SWEEP``): the Triton kernel's decode and prefill
-    configs, and the Gluon Hopper kernel's wide-tile config.
+    configs, and the Gluon Hopper kernel's wide, narrow (N <= 1024) and small (N <= 256) configs.
 
     Each config is timed on every swept shape and token count as in the ``gemm`` section (cold weights at decode);
     the winner of each regime (geometric mean) is applied to the module defaults for the sections that run after
@@ -313,7 +318,8 @@ def bench_sweep(res: Results, args):
     from fxglm5.lowering.triton import fp8_gemm, fp8_gemm_hopper
     from fxglm5.lowering.triton.fp8_gemm import fp8_linear
 
-    defaults = dict(decode=fp8_gemm.DECODE, prefill=fp8_gemm.PREFILL, gluon=fp8_gemm_hopper.WIDE)
+    defaults = dict(decode=fp8_gemm.DECODE, prefill=fp8_gemm.PREFILL, gluon=fp8_gemm_hopper.WIDE,
+                    gluon_narrow=fp8_gemm_hopper.NARROW, gluon_small=fp8_gemm_hopper.SMALL)
     for regime, (ms, shapes, cfgs) in GEMM_SWEEP.items():
         if args.regimes and regime not in args.regimes.split(","):
             continue

@@ -125,8 +125,8 @@ def test_fp8_linear_past_int32_offsets(gen):
 GLUON_SHAPES = ["o_proj", "dense_gate_up", "dense_down", "q_b", "q_a", "kv_a", "idx_wk", "kv_b"]
 
 
-@pytest.mark.parametrize("ws", [{}, dict(WS=True, BLOCK_M=128), dict(WS=True, BLOCK_M=128, STAGES=5)],
-                         ids=["nows", "ws", "ws5"])
+@pytest.mark.parametrize("ws", [{}, dict(WS=False), dict(WS=True, BLOCK_M=128), dict(WS=True, BLOCK_M=128, STAGES=5)],
+                         ids=["default", "nows", "ws", "ws5"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("m", [4096, 777])
 @pytest.mark.parametrize("name", GLUON_SHAPES)
@@ -134,8 +134,9 @@ def test_gluon_hopper_gemm_glm5_shapes(name, m, bias, ws, gen):
     """The Gluon Hopper prefill GEMM (what fp8_linear takes at M > 512 on an H200) against the reference op and
     the Triton kernel of the same call, at full GLM-5 shapes, ragged M (777: a partial 128-row tile) and narrow
     ragged N (kv_a 576, the indexer's 128), with and without bias; fp16 activations at one shape. ``ws``: the
-    default kernel, or the warp-specialized one (WS=True, 128-row tiles at every width, so the narrow shapes check
-    its ragged N; 4 and 5 stages)."""
+    default config (warp-specialized above N = 1024), the kernel without warp specialization, or the
+    warp-specialized one at every width (WS=True, 128-row tiles, so the narrow shapes check its ragged N; 4 and 5
+    stages)."""
     from fxglm5.lowering.reference.fp8 import fp8_linear as ref
     from fxglm5.lowering.triton import fp8_gemm_hopper
     from fxglm5.lowering.triton.fp8_gemm import fp8_linear

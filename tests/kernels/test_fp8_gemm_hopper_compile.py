@@ -111,7 +111,8 @@ def test_pick_config_by_width_and_overrides():
         hop.pick_config(4096, 6144, {"BLOCK_N": 256})
     with pytest.raises(ValueError, match="UNROLL 2 or 4"):
         hop.pick_config(4096, 6144, {"UNROLL": 3})
-    assert not hop.pick_config(4096, 6144)["WS"] and hop.pick_config(4096, 6144, {"WS": True})["WS"]
+    assert hop.pick_config(4096, 6144)["WS"] and not hop.pick_config(4096, 6144, {"WS": False})["WS"]
+    assert not hop.pick_config(4096, 576)["WS"] and not hop.pick_config(4096, 128)["WS"]
     with pytest.raises(ValueError, match="WS=True needs BLOCK_M=128"):
         hop.pick_config(4096, 576, {"WS": True})
 
