@@ -282,10 +282,9 @@ GEMM_SWEEP = {  # regime -> (token counts, shapes, configs); the first config is
               [dict(kernel="gluon", **c) for c in (
                   dict(), dict(WS=False), dict(WS=True, STAGES=5), dict(WS=True, STAGES=3))]),
     "gluon_narrow": ((4096,), [("kv_a", 576, 6144)],
-                     [dict(kernel="gluon", **c) for c in (dict(), dict(WS=True, BLOCK_M=128))]),
+                     [dict(kernel="gluon", **c) for c in (dict(), dict(WS=False, BLOCK_M=64))]),
     "gluon_small": ((4096,), [("idx wk", 128, 6144)],
-                    [dict(kernel="gluon", **c) for c in (dict(), dict(WS=True, BLOCK_M=128),
-                                                         dict(WS=True, BLOCK_M=128, BLOCK_N=64))]),
+                    [dict(kernel="gluon", **c) for c in (dict(), dict(WS=False, BLOCK_M=64), dict(BLOCK_N=128))]),
 }
 MOE_SWEEP = {  # regime -> (token counts, configs); the first config is the committed default
     "decode": ((1, 64), [dict(), dict(SPLIT1=1), dict(CTAS_PER_SM1=8), dict(num_stages=4), dict(SPLIT2=4)]),

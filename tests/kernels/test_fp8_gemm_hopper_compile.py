@@ -46,23 +46,22 @@ def _compile(cfg: dict, out: str, bias: bool):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
-# the configs pick_config launches (wide, narrow and small N), each with bf16 / fp16 output, with / without bias;
-# the warp-specialized kernel (WS=True) at the wide config, its 5-stage ring, and at the narrow and small
-# configs with 128-row tiles (what tests/gpu/test_gpu_fp8.py runs it at)
-VARIANTS = [("WIDE", "bf16", False), ("WIDE", "bf16", True), ("WIDE", "fp16", False), ("NARROW", "bf16", True),
-            ("NARROW", "fp16", False), ("SMALL", "bf16", True),
-            ("WIDE+WS", "bf16", False), ("WIDE+WS", "bf16", True), ("WIDE+WS", "fp16", True),
-            ("WIDE+WS+STAGES=5", "bf16", True), ("NARROW+WS+BLOCK_M=128", "bf16", True),
-            ("SMALL+WS+BLOCK_M=128", "bf16", False)]
+# the configs pick_config launches (wide, narrow and small N: all warp-specialized), each with bf16 / fp16 output,
+# with / without bias; the wide config's 5-stage ring; and the kernel without warp specialization (WS=0) at the
+# wide config and with 64-row tiles at the narrow and small ones (what tests/gpu/test_gpu_fp8.py runs it at)
+VARIANTS = [("WIDE", "bf16", False), ("WIDE", "bf16", True), ("WIDE", "fp16", True), ("NARROW", "bf16", True),
+            ("NARROW", "fp16", False), ("SMALL", "bf16", True), ("WIDE+STAGES=5", "bf16", True),
+            ("WIDE+WS=0", "bf16", False), ("WIDE+WS=0", "bf16", True), ("WIDE+WS=0", "fp16", False),
+            ("NARROW+WS=0+BLOCK_M=64", "bf16", True), ("SMALL+WS=0+BLOCK_M=64", "bf16", False)]
 
 
 def _config(name: str) -> dict:
-    """A variant's config: a default of the module, then ``+WS`` / ``+KEY=value`` overrides through pick_config."""
+    """A variant's config: a default of the module, then ``+KEY=value`` overrides through pick_config."""
     base, *extra = name.split("+")
     over = {}
     for e in extra:
         key, _, val = e.partition("=")
-        over[key] = int(val) if val else True
+        over[key] = bool(int(val)) if key == "WS" else int(val)
     return hop.pick_config(4096, {"WIDE": 6144, "NARROW": 576, "SMALL": 128}[base], over)
 
 
@@ -111,10 +110,10 @@ def test_pick_config_by_width_and_overrides():
         hop.pick_config(4096, 6144, {"BLOCK_N": 256})
     with pytest.raises(ValueError, match="UNROLL 2 or 4"):
         hop.pick_config(4096, 6144, {"UNROLL": 3})
-    assert hop.pick_config(4096, 6144)["WS"] and not hop.pick_config(4096, 6144, {"WS": False})["WS"]
-    assert not hop.pick_config(4096, 576)["WS"] and not hop.pick_config(4096, 128)["WS"]
+    assert all(hop.pick_config(4096, n)["WS"] for n in (128, 576, 6144))
+    assert not hop.pick_config(4096, 6144, {"WS": False})["WS"]
     with pytest.raises(ValueError, match="WS=True needs BLOCK_M=128"):
-        hop.pick_config(4096, 576, {"WS": True})
+        hop.pick_config(4096, 576, {"BLOCK_M": 64})
 
 
 def test_supported_only_on_hopper_cuda():

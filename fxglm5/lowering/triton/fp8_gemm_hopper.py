@@ -12,12 +12,12 @@ every promotion. Here the MMAs are asynchronous and the promotion of step i over
   serializes the MMAs then: warnings C7514 / C7515, checked by tests/kernels/test_fp8_gemm_hopper_compile.py),
   and no MMA is in flight across the loop's back edge (that too serialized all of them): a trip runs UNROLL=4
   K steps, so K must be a multiple of 512 (:func:`supported`); every GLM-5 K is.
-- **Without warp specialization** (the narrow and small defaults, and ``WS=False``). All warps issue loads and MMAs: a TMA copy is one instruction of one
+- **Without warp specialization** (``WS=False``, and the only form of 64-row tiles). All warps issue loads and MMAs: a TMA copy is one instruction of one
   thread and the ring keeps up to ``STAGES`` K steps in flight. The tile is 128 x BLOCK_N over two warpgroups,
   64 rows each (``warps_per_cta=[8, 1]``); a 64-row tile runs on one. The cost: both warpgroups meet a CTA
   barrier at every K step before a stage is refilled, so the faster one waits for the slower.
-- **Warp-specialized variant** (config ``WS=True``, 128-row tiles, the default for N > 1024;
-  :func:`_fp8_gemm_hopper_ws_kernel`: 1.55x faster than the variant above on o_proj at M=4096). One
+- **Warp-specialized variant** (config ``WS=True``, 128-row tiles, the default at every width;
+  :func:`_fp8_gemm_hopper_ws_kernel`: 1.55x faster than the form above on o_proj at M=4096). One
   load warp runs the ring alone: it waits on a stage's ``empty`` mbarrier, issues the A and W copies, which land
   on its ``ready`` mbarrier. Each 64-row half of the tile is its own MMA warpgroup (the default partition and a
   4-warp worker) running the same two-temporary schedule and releasing a stage with one arrival on ``empty``
@@ -63,16 +63,16 @@ __all__ = ["supported", "launch", "pick_config", "MIN_M"]
 
 MIN_M = 512  # prefill only: at fewer rows the Triton kernel's split-K / smaller tiles serve better
 BLOCK_K = 128
-# Defaults per N (tiles, ring depth, group size, K steps per loop trip, warp specialization): 128 x 128 tiles,
-# 4 stages of 32 KB each plus the 32 KB output tile (5 would not fit); UNROLL=4 (2 exposes every other promotion
-# at the loop's back edge); narrow outputs (N <= 1024, e.g. kv_a's 576) use 64-row tiles for twice the programs.
-# WS=True takes the warp-specialized kernel (128-row tiles only; 5 stages fit it, 197 KB): the wide default since
-# the H200 sweep of session 20 (bench/results/session20/kernels_gluon_ws_s20.md: o_proj 698 against 1084 us,
-# dense gate_up 967 against 1527 us at M=4096; 5 stages were no faster, 3 slower).
+# Defaults per N (tiles, ring depth, group size, K steps per loop trip, warp specialization), from the H200 sweeps
+# of session 20 (bench/results/session20/kernels_gluon_ws_s20.md, kernels_gemm_s20.md). Every width takes the
+# warp-specialized kernel (WS=True, 128-row tiles): at M=4096 it ran o_proj in 698 against 1084 us, dense gate_up
+# in 967 against 1527 us, kv_a (N=576) in 72 against 108 us and the indexer's wk (N=128) in 45 against 53 us of
+# the kernel without it (64-row tiles at the narrow widths). 4 stages of 32 KB plus the 32 KB output tile at
+# 128 x 128 (5 were no faster, 3 slower); deeper rings where the tiles are narrower. UNROLL=4 (2 exposes every
+# other promotion at the loop's back edge).
 WIDE = dict(BLOCK_M=128, BLOCK_N=128, STAGES=4, GROUP_M=8, UNROLL=4, WS=True)
-NARROW = dict(BLOCK_M=64, BLOCK_N=128, STAGES=6, GROUP_M=8, UNROLL=4, WS=False)
-# N <= 256 (the indexer's wk, 128): 64 x 64 tiles, else 4096 rows give 64 programs for 132 SMs
-SMALL = dict(BLOCK_M=64, BLOCK_N=64, STAGES=8, GROUP_M=8, UNROLL=4, WS=False)
+NARROW = dict(BLOCK_M=128, BLOCK_N=128, STAGES=6, GROUP_M=8, UNROLL=4, WS=True)  # N <= 1024 (kv_a's 576)
+SMALL = dict(BLOCK_M=128, BLOCK_N=64, STAGES=8, GROUP_M=8, UNROLL=4, WS=True)  # N <= 256 (the indexer's wk, 128)
 # The WS kernel's register split (setmaxnreg): 12 warps (the default MMA warpgroup, the worker MMA warpgroup, the
 # load warp padded to a warpgroup) share 64K registers; each MMA thread holds acc, tmp0 and tmp1 (192 of them),
 # the load warp only scalars. The default partition gets what is left (also 240).
