@@ -37,10 +37,14 @@ def report_each(variants: Iterable[tuple], report: Callable[..., dict]) -> dict[
 
 
 def ptxas_report(kernel) -> dict:
-    """A compiled kernel's shared memory, ``ptxas -v`` log for sm_90a (registers, spills, serialization warnings)
-    and PTX. Only in a process where Triton does not interpret."""
+    """A compiled kernel's shared memory, ``ptxas -v`` log for sm_90a (registers, spills, serialization warnings),
+    PTX, and how often each SASS opcode occurs in its cubin (``nvdisasm``, Triton's own copy). Only in a process
+    where Triton does not interpret."""
+    import re
     import tempfile
+    from collections import Counter
 
+    from triton import knobs
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as d:
@@ -48,4 +52,7 @@ def ptxas_report(kernel) -> dict:
             f.write(kernel.asm["ptx"])
         log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
                              capture_output=True, text=True, check=True).stderr
-    return dict(shared=kernel.metadata.shared, ptxas=log, ptx=kernel.asm["ptx"])
+        sass = subprocess.run([knobs.nvidia.nvdisasm.path, "-c", f"{d}/k.cubin"], capture_output=True, text=True,
+                              check=True).stdout
+    opcodes = Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M))
+    return dict(shared=kernel.metadata.shared, ptxas=log, ptx=kernel.asm["ptx"], sass_opcodes=dict(opcodes))

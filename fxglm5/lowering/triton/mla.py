@@ -85,7 +85,7 @@ def _dequant_half(u8, sa, sb, dt: tl.constexpr):
     power-of-two scales the cache writer stores)."""
     cols = tl.arange(0, 256)
     s = tl.where(cols[None, :] < 128, sa.to(dt)[:, None], sb.to(dt)[:, None])
-    return u8.to(tl.float8e4nv, bitcast=True).to(dt) * s
+    return u8.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(dt) * s  # through fp32: see mla_hopper._dequant
 
 
 @triton.jit

@@ -250,7 +250,10 @@ def _dequant(src, sc, G0: gl.constexpr, NW: gl.constexpr):
     sb = gl.convert_layout(gl.sum(gl.where(g[None, :] == G0 + 1, scales, 0.0), 1), gl.SliceLayout(1, lay))
     cols = gl.arange(0, 256, layout=gl.SliceLayout(0, lay))
     s2 = gl.where(cols[None, :] < 128, sa[:, None], sb[:, None])
-    return x.to(gl.bfloat16) * s2.to(gl.bfloat16)
+    # e4m3 -> fp32 -> bf16, both exact: a direct e4m3 -> bf16 cast goes through f16 and F2F.BF16.F16, a
+    # quarter-rate conversion that bound the FP8 loop (256 of them a thread per tile); this is full-rate
+    # (F2FP.F16.E4M3 unpack, HADD2.F32, F2FP.BF16.F32 pack; tests/kernels/test_mla_hopper_compile.py checks)
+    return x.to(gl.float32).to(gl.bfloat16) * s2.to(gl.bfloat16)
 
 
 @gluon.jit
