@@ -99,7 +99,7 @@ def main():
     out_dir = harness.out_dir()
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, name + ".json"), "w") as f:  # the device and commit are the profiled run's
-        json.dump(dict(command=harness.command_line(), source=os.path.abspath(args[0]), rows=table), f, indent=1)
+        json.dump(dict(command=harness.command_line(), source=args[0], rows=table), f, indent=1)
     with open(os.path.join(out_dir, name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
