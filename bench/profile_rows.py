@@ -90,6 +90,8 @@ ROWS = {  # name -> builder of a zero-argument call (issue 24's rows at their sh
     "gemm_decode_o_proj_m1": lambda: _gemm(6144, 16384, 1),
     "gemm_decode_gate_up_m16": lambda: _gemm(24576, 6144, 16),
     "gemm_prefill_o_proj_m4096": lambda: _gemm(6144, 16384, 4096),
+    "gemm_prefill_kv_a_m4096": lambda: _gemm(576, 6144, 4096),
+    "gemm_prefill_qkv_a_m4096": lambda: _gemm(2048 + 576 + 128, 6144, 4096),  # q_a | kv_a | wk, fused
     "moe_decode_b1": lambda: _moe(1),
     "moe_decode_b64": lambda: _moe(64),
     "moe_prefill_t2048": lambda: _moe(2048),
