@@ -35,7 +35,7 @@ def _sweep(results, name, shape, run, bytes_, flops, sparse):
     from fxglm5.lowering.triton import mla
 
     out_ref = run(HOPPER64, None).clone()
-    launches = [(None, None), (None, 4), (None, 8), (HOPPER64, None)]
+    launches = [(None, None), (None, 4), (None, 8), (HOPPER64, None), (None, None)]  # the default first and last
     if "--triton" in sys.argv:
         launches += [(c, None) for c in TRITON_CFGS[sparse]]
     for cfg, ns in launches:

@@ -313,7 +313,8 @@ def tuned_config(kernel=None):
     if kernel is None and _LAST.get("impl") == "hopper":
         rows, keys_as_rows = _LAST["rows"]
         return dict(kernel="hopper-gluon", BLOCK_N=mla_hopper.BLOCK_N, stages=mla_hopper.STAGES,
-                    num_warps=4 if keys_as_rows else 8, mma_rows="keys" if keys_as_rows else "heads", heads=rows)
+                    num_warps=4 if keys_as_rows else 8, mma_rows="keys" if keys_as_rows else "heads", heads=rows,
+                    splits=_LAST["splits"])
     bc = getattr(kernel or _LAST.get("tuner"), "best_config", None)
     return None if bc is None else dict(bc.kwargs, num_warps=bc.num_warps, num_stages=bc.num_stages)
 
@@ -398,6 +399,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     if hopper:
         _LAST["impl"] = "hopper"
         _LAST["rows"] = mla_hopper.rows_for(H, keys_as_rows)
+        _LAST["splits"] = num_splits
         ensure_tma_allocator()
         mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len, num_splits,
                           out, po, plse, sparse=sparse, keys_as_rows=keys_as_rows)
