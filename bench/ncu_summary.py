@@ -1,11 +1,14 @@
 """Nsight Compute CSVs of ``bench/profile_rows.py`` -> one table: per kernel of each row, the figures that say what
 bounds it (DRAM and SM throughput, occupancy and what limits it, issue rate, the top stall the rules name).
 
-    python bench/ncu_summary.py DIR [--name ncu_summary]   # reads DIR/ncu_<row>.csv, saves <name>.{json,md}
+    FXGLM5_BENCH_COMMIT=<profiled commit> python bench/ncu_summary.py DIR [--name ncu_summary]
+        # reads DIR/ncu_<row>.csv, saves <name>.{json,md}
 
 The CSVs come from ``ncu ... --csv --page details python bench/profile_rows.py ROW`` with the sections
 SpeedOfLight, Occupancy, LaunchStats, MemoryWorkloadAnalysis, ComputeWorkloadAnalysis and WarpStateStats
-(the device command is in profile_rows.py's docstring). Output goes to $OUT when set, else bench/results.
+(the device command is in profile_rows.py's docstring). Output goes to $OUT when set, else bench/results. The
+record's device is the machine that summarized; the profiled one is named by the CSVs (compute capability) and by
+the results folder's README, and the commit should be the profiled one, hence ``FXGLM5_BENCH_COMMIT``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import csv
 import glob
 import io
-import json
 import os
 import sys
 
@@ -36,6 +38,8 @@ METRICS = {  # column -> ncu metric name
     "cpi": "Warp Cycles Per Issued Instruction",
 }
 LIMITS = ("Registers", "Shared Mem", "Warps", "SM")  # "Block Limit <x>": blocks per SM each resource allows
+COLUMNS = ["us", "dram_pct", "sm_pct", "l1_pct", "l2_pct", "occ_pct", "warps_sm", "ipc", "cpi", "regs", "smem_kb",
+           "blocks_sm", "limited_by"]
 
 
 def _number(text: str) -> float | None:
@@ -84,25 +88,13 @@ def main():
     name = sys.argv[sys.argv.index("--name") + 1] if "--name" in sys.argv else "ncu_summary"
     if not args or not os.path.isdir(args[0]):
         raise SystemExit("ncu_summary: give the folder that holds the ncu_<row>.csv files")
-    table = {}
+    res = harness.Results()
     for path in sorted(glob.glob(os.path.join(args[0], "ncu_*.csv"))):
-        table[os.path.basename(path)[4:-4]] = summarize(path)
-    cols = ["us", "dram_pct", "sm_pct", "l1_pct", "l2_pct", "occ_pct", "warps_sm", "ipc", "cpi", "regs", "smem_kb",
-            "blocks_sm", "limited_by"]
-    lines = ["| row | kernel | grid x block | " + " | ".join(cols) + " | top stall |",
-             "|" + "---|" * (len(cols) + 4)]
-    for row, kernels in table.items():
-        for k in kernels:
-            cells = [f"{k[c]:.4g}" if isinstance(k.get(c), float) else str(k.get(c, "")) for c in cols]
-            lines.append(f"| {row} | {k['kernel'][:40]} | {k['grid']} x {k['block']} | " + " | ".join(cells)
-                         + f" | {k['stall'][:140]} |")
-    out_dir = harness.out_dir()
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, name + ".json"), "w") as f:  # the device and commit are the profiled run's
-        json.dump(dict(command=harness.command_line(), source=args[0], rows=table), f, indent=1)
-    with open(os.path.join(out_dir, name + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        for k in summarize(path):
+            stall = k.pop("stall")
+            res.add(row=os.path.basename(path)[4:-4], **{c: k.get(c) for c in ["kernel", "grid", "block"] + COLUMNS},
+                    top_stall=stall[:140])
+    print("saved", res.save(name))
 
 
 if __name__ == "__main__":
