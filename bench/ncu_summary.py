@@ -38,7 +38,7 @@ METRICS = {  # column -> ncu metric name
     "cpi": "Warp Cycles Per Issued Instruction",
 }
 LIMITS = ("Registers", "Shared Mem", "Warps", "SM")  # "Block Limit <x>": blocks per SM each resource allows
-COLUMNS = ["us", "dram_pct", "sm_pct", "l1_pct", "l2_pct", "occ_pct", "warps_sm", "ipc", "cpi", "regs", "smem_kb",
+COLUMNS = ["us", "dram_pct", "sm_pct", "l1_pct", "l2_pct", "l2_hit_pct", "occ_pct", "warps_sm", "ipc", "cpi", "regs", "smem_kb",
            "blocks_sm", "limited_by"]
 
 
@@ -51,7 +51,8 @@ def _number(text: str) -> float | None:
 
 def _rows(path: str) -> list[dict]:
     """The CSV's records (ncu prints its own notes before the header line)."""
-    text = open(path).read()
+    with open(path) as f:
+        text = f.read()
     start = text.find('"ID"')
     return list(csv.DictReader(io.StringIO(text[start:]))) if start >= 0 else []
 

@@ -140,7 +140,7 @@ def test_gluon_hopper_gemm_glm5_shapes(name, m, bias, ws, gen):
     from fxglm5.lowering.triton.fp8_gemm import fp8_linear
 
     n, k = SHAPES[name]
-    if ws.get("WS") is False and n <= 1024:  # 64-row tiles: a 128-row one would not fit the narrow ring
+    if ws.get("WS") is False and n <= 1024:  # the non-WS kernel's 64-row tiles (the WS default covers 128 rows)
         ws = {**ws, "BLOCK_M": 64}
     w, s = _weight(n, k, gen)
     for dtype in (torch.bfloat16, torch.float16) if name == "kv_a" else (torch.bfloat16,):
