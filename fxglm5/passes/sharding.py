@@ -10,8 +10,10 @@ units; a split that does not fall on a block edge is a PassError (``Mapping.chec
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 from torch import fx
+from torch._dispatch.python import enable_python_dispatcher
 
 from fxglm5.capture.by_kind import MATCH_ANCHOR
 from fxglm5.errors import PassError
@@ -142,7 +144,12 @@ def mark(node: fx.Node) -> fx.Node:
 def refresh(gm: fx.GraphModule) -> None:
     """Recompute the example value (``meta["val"]``, export's symbolic shapes) of the nodes a shard pass marked and
     of every node downstream whose value they change (the chain from a split weight to the collective that makes
-    the value whole again)."""
+    the value whole again).
+
+    The nodes run under the Python dispatcher, as export ran them: a composite op (``aten.linear`` over the bf16
+    lm_head) then decomposes through the SymInt-aware Python decompositions (``aten.matmul``'s), where torch 2.11's
+    C++ ``matmul`` calls ``numel()`` on the symbolic token dim and raises "Cannot call numel() on tensor with
+    symbolic sizes/strides" (torch 2.13's does not)."""
     mode = _fake_mode(gm)
     dirty = {n for n in gm.graph.nodes if n.meta.pop(_DIRTY, False)}
     changed = set()
@@ -159,7 +166,7 @@ def refresh(gm: fx.GraphModule) -> None:
             continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: fake(a.meta.get("val")))
         old = node.meta.get("val")
-        with mode:
+        with mode, enable_python_dispatcher():
             node.meta["val"] = node.target(*args, **kwargs)
         if node in dirty or _signature(old) != _signature(node.meta["val"]):
             changed.add(node)
