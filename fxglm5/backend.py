@@ -34,7 +34,8 @@ from fxglm5.passes.pipeline import Stage
 
 log = logging.getLogger(__name__)
 OPTIONS = ("config", "act_quant", "strict", "backend", "disabled_passes", "dump_dir")
-STAGES = (Stage.MATCH, Stage.FUSE, Stage.LOWER)  # no cache stage: Dynamo's graph has no paged caches to run on
+# no cache stage: Dynamo's graph has no paged caches to run on
+STAGES = (Stage.MATCH, Stage.FUSE, Stage.FUSE_KERNELS, Stage.LOWER)
 
 
 def compile_options(options: dict, device: str) -> dict:

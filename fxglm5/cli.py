@@ -333,7 +333,8 @@ def _inspect(args: argparse.Namespace) -> int:
                              dump_dir=args.dump_dir)
     lowered = None
     if args.device:  # lowered for the device without running it: what would run where
-        *before_lower, lowered = compile_graph(compiled.graph, model.config, stages=(Stage.LOWER,), device=args.device)
+        *before_lower, lowered = compile_graph(compiled.graph, model.config, stages=(Stage.FUSE_KERNELS, Stage.LOWER),
+                                               device=args.device)
         compiled = compiled._replace(results=compiled.results + before_lower)
     print(pipeline_report(*compiled, lowered=lowered, device=args.device))
     return 0

@@ -30,7 +30,7 @@ MAX_STEP_TOKENS = 1 << 20  # flat tokens of one step when nothing bounds them (R
 # the flat tokens one prefill forward runs at most (the Runner's default chunk, the RTP plugin's): GLM-5's
 # [tokens, 64 heads, 576] attention tensors stay inside the kernels' int32 offsets
 PREFILL_STEP_TOKENS = 16384
-DEVICE_STAGES = (Stage.CACHE, Stage.LOWER)  # what a graph still needs for the device it serves on
+DEVICE_STAGES = (Stage.CACHE, Stage.FUSE_KERNELS, Stage.LOWER)  # what a graph still needs for its device
 KIND_STAGES = (Stage.MATCH, Stage.FUSE, Stage.SHARD)  # what runs once per decoder-layer kind (on the captured prefix)
 
 
@@ -130,6 +130,7 @@ def compile_graph(graph: fx.GraphModule, config, *, stages=STAGES, device=None, 
         extras["device"] = torch.device(device).type
     if head is not None:
         extras["head"] = head
+    extras.setdefault("paged", Stage.CACHE in stages or "paged_cache" in graph.meta)  # rows selected before the head
     ctx = PassContext(config=config, act_quant=act_quant, strict=strict, backend=backend, disabled=tuple(disabled_passes),
                       mapping=mapping, extras=extras)
     if Stage.SHARD in stages and config is not None:

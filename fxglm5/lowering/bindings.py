@@ -188,3 +188,42 @@ def _rtp_mla_triton(*args):
     from fxglm5.lowering.triton import paged_ops
 
     return mla_step(paged_ops, *args)
+
+
+# ---- Triton: the fused ops of the fuse_kernels stage (fxglm5.ops.fused) ---------------------------------------
+@register("add_rms_norm", "triton", lambda x, residual, weight, eps: _norm_supported(x, weight, eps)
+          or _norm_supported(residual, weight, eps))
+def _add_rms_norm_triton(x, residual, weight, eps):
+    from fxglm5.lowering.triton.norm_rope import add_rms_norm
+
+    return add_rms_norm(x, residual, weight, eps)
+
+
+def _f32_linear_supported(x, weight, scales):
+    from fxglm5.lowering.triton.f32_linear import MAX_SCALES
+
+    if weight.dtype != torch.float32:
+        return f"weight is {weight.dtype}"
+    return f"{len(scales)} scales, the kernel applies at most {MAX_SCALES}" if len(scales) > MAX_SCALES else None
+
+
+@register("f32_linear", "triton", _f32_linear_supported)
+def _f32_linear_triton(x, weight, scales):
+    from fxglm5.lowering.triton.f32_linear import f32_linear
+
+    return f32_linear(x, weight, scales)
+
+
+@register("moe_route_local", "triton")
+def _moe_route_local_triton(logits, bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset, num_local):
+    from fxglm5.lowering.triton.moe import moe_route
+
+    return moe_route(logits, bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset, num_local)
+
+
+@register("silu_mul_fp8_linear", "triton",
+          lambda gate, up, weight, scale, bias, act_quant: _fp8_linear_supported(gate, weight, scale, bias, act_quant))
+def _silu_mul_fp8_linear_triton(gate, up, weight, scale, bias, act_quant):
+    from fxglm5.lowering.triton.fp8_gemm import fp8_linear
+
+    return fp8_linear(gate, weight, scale, bias, act_quant, up=up)

@@ -9,6 +9,9 @@ Recognised, from the expert sum outward:
 with W13 / W2 either block-FP8 dequantizations (checked by probe, see dequant.py; W13's halves each blocked
 on their own) or plain weights.
 Group-limited routing (n_group > 1) is not matched: it stays generic (correct, not fused).
+The expert sum is float32 and the model casts it back to x's dtype; ``moe_fp8`` returns exactly that cast (its
+reference rounds its own float32 sum once), so those casts read ``moe_fp8`` directly: no float32 round trip of the
+routed output is left for the device to copy twice.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch import fx
 
 from fxglm5.passes.dequant import match_dequant, plain_weight
 from fxglm5.passes.graph_utils import (
-    aten, const_float, fake_call, getitem_of, insert_call, is_op, op_args, through, through_casts,
+    aten, const_float, fake_call, getitem_of, insert_call, is_cast, is_op, op_args, through, through_casts,
 )
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
@@ -134,8 +137,10 @@ def fuse_fp8_moe(gm: fx.GraphModule, ctx) -> PassOutcome:
         weights.meta["val"], ids.meta["val"] = route.meta["val"]
         moe_args = (through(x), ids, weights, w13, s13, w2, s2, bool(ctx.act_quant))
         fused = insert_call(gm, node, moe_op, moe_args, fake_call(moe_op, *moe_args))
-        out_dtype = node.meta["val"].dtype
-        if fused.meta["val"].dtype != out_dtype:
+        out_dtype, fused_dtype = node.meta["val"].dtype, fused.meta["val"].dtype
+        if fused_dtype != out_dtype:
+            for cast in [u for u in node.users if is_cast(u) and u.meta["val"].dtype == fused_dtype]:
+                cast.replace_all_uses_with(fused)
             fused = insert_call(gm, node, aten.to.dtype, (fused, out_dtype), fake_call(aten.to.dtype, fused, out_dtype))
         node.replace_all_uses_with(fused)
         matches += 1

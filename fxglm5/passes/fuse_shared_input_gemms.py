@@ -19,7 +19,7 @@ needs no padding. Every output column is then the same dot product over the same
 over the same 1x128-quantized activation) as before: the values are equal up to the GEMM's own reduction
 order, which may depend on N (tests/passes/test_fuse_shared_input_gemms.py checks it).
 
-Why in the lower stage, before ``lower``: the shard stage (between fuse and cache) splits the per-layer
+Why in the fuse_kernels stage, after shard and cache: the shard stage (between fuse and cache) splits the per-layer
 canonical GEMMs by their weights' rows and columns and must still see each projection as its own node; the
 cache-stage passes assert counts of the canonical GEMMs' consumers and are unaffected (this pass only changes
 what produces the values they read: a column slice, rows strided, which every kernel reading them takes).
@@ -107,7 +107,7 @@ def _fuse(gm: fx.GraphModule, members: list[fx.Node]) -> None:
         start += padded
 
 
-@register_pass("lower", expected=expected_groups)
+@register_pass("fuse_kernels", expected=expected_groups)
 def fuse_shared_input_gemms(gm: fx.GraphModule, ctx) -> PassOutcome:
     groups: dict[tuple, list[fx.Node]] = {}
     for node in gm.graph.nodes:

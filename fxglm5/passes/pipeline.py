@@ -10,6 +10,11 @@ another stage, is an error, and so is running a stage whose declared pass is not
 A stage's name is its string value, so ``"match"`` and ``Stage.MATCH`` are the same key. The shard stage (the
 rank's tensor / expert-parallel part of the fused graph, ``PassContext.mapping``; a no-op at world size 1) is the
 first load-time stage: an exported artifact stores match + fuse only, so it stays rank-agnostic.
+
+The fuse_kernels stage is the decode step's kernel count: each of its passes turns a chain that ran as several
+small kernels (an add and a norm, a cast and a float32 GEMV and two scalar multiplies, five ops of expert-id glue,
+a silu and a multiply before a GEMM) into one op of ``fxglm5.ops.fused`` whose reference is that chain. It runs on
+the device graph only (after shard and cache), where the chains are final; the lower stage then binds kernels.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class Stage(str, enum.Enum):
     FUSE = "fuse"  # FP8 dequantization folded into the GEMMs and the MoE
     SHARD = "shard"  # the rank's slices of heads / experts / vocabulary + the collectives (fxglm5.parallel)
     CACHE = "cache"  # canonical attention -> paged RTP ops over the caches
+    FUSE_KERNELS = "fuse_kernels"  # chains of small ops -> one kernel each (fxglm5.ops.fused), shared-input GEMMs
     LOWER = "lower"  # fxglm5 ops -> the backend kernels of the device
 
     def __str__(self) -> str:
@@ -37,8 +43,12 @@ PIPELINE: dict[Stage, tuple[str, ...]] = {
     Stage.SHARD: ("shard_attention", "shard_mlp", "shard_moe_experts", "shard_lm_head"),
     # both rewrite what insert_paged_cache made: the row selection at the output, the cached ops' inputs
     Stage.CACHE: ("insert_paged_cache", "select_sampled_rows", "fuse_norm_rope_into_cache_writes"),
-    # horizontal fusion after the shard and cache stages, which still need each projection's own GEMM
-    Stage.LOWER: ("fuse_shared_input_gemms", "lower"),
+    # after the shard and cache stages, which still need each projection's own GEMM and the canonical norms and
+    # routers: the router's ids made local before any GEMM is stacked, the gate folded into the down GEMM once gate
+    # and up are slices of one stacked GEMM, the residual adds last (what they read no longer changes)
+    Stage.FUSE_KERNELS: ("fuse_f32_linear", "fuse_local_experts_into_route", "fuse_shared_input_gemms",
+                         "fuse_silu_mul_into_down", "fuse_add_rms_norm"),
+    Stage.LOWER: ("lower",),
 }
 
 DECLARED: dict[str, Stage] = {name: stage for stage, names in PIPELINE.items() for name in names}

@@ -432,6 +432,50 @@ def _assert_exact_topk(o, scores, pos):
     return rows
 
 
+@pytest.mark.parametrize("method", ["segments", "multi"])
+def test_indexer_rows_that_fit_in_topk_in_a_cuda_graph(method):
+    """Rows whose window fits in the top-2048 (n = 1, 2047, 2048) beside rows past it (2049, long) in one CUDA graph
+    whose positions change between replays (the skip is decided per row on the device): the rows that fit get
+    0..n-1 and their logits scratch is left unwritten; the others their logits as the standalone call writes them
+    and the exact top-k of those."""
+    from fxglm5.lowering.triton import indexer
+
+    lens = [6000, 2048, 2049, 3000]
+    bt, nb = _mk_table(lens, seed=7)
+    kc = torch.zeros(nb, BS, 132, dtype=torch.uint8, device="cuda")
+    _fill(kc, bt, lens, kind="index", seed=7)
+    req = torch.tensor([0, 0, 1, 2, 3, 3], device="cuda", dtype=torch.int32)
+    steps = [[5999, 0, 2047, 2048, 2046, 2999], [100, 5999, 2046, 2047, 2999, 2048]]
+    pos = torch.tensor(steps[0], device="cuda", dtype=torch.int32)
+    q = torch.randn(6, HI, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(6, HI, device="cuda") * HI ** -0.5 * 128 ** -0.5
+    logits = torch.empty(6, bt.shape[1] * BS, device="cuda")
+    out = torch.empty(6, TOPK, dtype=torch.int32, device="cuda")
+
+    def step():
+        if method == "segments":  # the composed op (segments at this length)
+            indexer.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK, validate=False, logits_buf=logits, out=out)
+        else:
+            indexer.indexer_logits_paged(q, w, kc, bt, req, pos, out=logits, validate=False, skip_len=TOPK)
+            indexer.topk_from_logits(logits, pos, TOPK, out=out, method="multi", validate=False)
+
+    step()  # compiles and autotunes outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for p in steps:
+        pos.copy_(torch.tensor(p, device="cuda", dtype=torch.int32))
+        logits.fill_(float("nan"))
+        g.replay()
+        full = indexer.indexer_logits_paged(q, w, kc, bt, req, pos)
+        fits = pos + 1 <= TOPK
+        assert logits[fits].isnan().all() and torch.equal(logits[~fits], full[~fits])
+        for t in torch.nonzero(fits).flatten().tolist():
+            n = p[t] + 1
+            assert out[t].tolist() == list(range(n)) + [-1] * (TOPK - n), t
+        _assert_exact_topk(out, full, pos)
+
+
 @pytest.mark.parametrize("method, L", [("multi", 200_000), ("multi", 131_072), ("multi", 65_536), ("segments", 200_000),
                                        ("segments", 131_072), ("segments", 32_768), ("segments", 5_000)])
 def test_radix_topk_long_rows(method, L):

@@ -36,11 +36,12 @@ def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 def sharded(gm: fx.GraphModule, config, mapping: Mapping, head: str = "logits", lower: bool = True):
     """A copy of the matched + fused ``gm`` through the shard stage for ``mapping`` (strict) and, with ``lower``,
-    the lower stage; returns (graph, results)."""
+    the fuse_kernels and lower stages; returns (graph, results)."""
     new = graph_copy(gm)
     results = compile_graph(new, config, stages=(Stage.SHARD,), strict=True, mapping=mapping, head=head)
     if lower:
-        results += compile_graph(new, config, stages=(Stage.LOWER,), device="cpu")
+        results += compile_graph(new, config, stages=(Stage.FUSE_KERNELS, Stage.LOWER), device="cpu", strict=True,
+                                 mapping=mapping, head=head)
     return new, results
 
 

@@ -5,16 +5,15 @@ all_gather (row-wise: it gathers along the vocabulary), so a sharded prefill pro
 import torch
 from tests.parallel.ranks import sharded
 
-from fxglm5.compiler import compile_graph
+from fxglm5.compiler import DEVICE_STAGES, compile_graph
 from fxglm5.parallel import Mapping
-from fxglm5.passes.pipeline import Stage
 
 
 def test_sampled_rows_move_above_the_gathered_lm_head(tiny_tp):
     model, graph, _ = tiny_tp
     gm, _ = sharded(graph, model.config, Mapping(tp=2, rank=1, ep=2), lower=False)
-    results = {r.name: r for r in compile_graph(gm, model.config, stages=(Stage.CACHE, Stage.LOWER), device="cpu",
-                                                strict=True)}
+    results = {r.name: r for r in compile_graph(gm, model.config, stages=DEVICE_STAGES, device="cpu", strict=True,
+                                                mapping=Mapping(tp=2, rank=1, ep=2))}
     assert results["select_sampled_rows"].num_matches == 1
     assert results["select_sampled_rows"].details["ops_moved"] >= 3  # the gather, the lm_head, the final norm
     gather = next(n for n in gm.graph.nodes if getattr(n.target, "op", None) == "all_gather")

@@ -21,11 +21,14 @@ from fxglm5.capture import capture, export_graph
 from fxglm5.lowering.reference.paged import slots_from_positions
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layers import Linear
-from fxglm5.passes import REGISTRY, PassContext, PassManager, op_histogram, run_pipeline
+from fxglm5.passes import PIPELINE, REGISTRY, PassContext, PassManager, Stage, op_histogram, run_pipeline
 from tests.helpers import random_model, randomize_
 
 PASS = "fuse_shared_input_gemms"
 FP8_LINEAR = "fxglm5.fp8_linear"
+# the stage's other fusions, off: this file compares the graph with and without this one
+OTHERS = tuple(name for name in PIPELINE[Stage.FUSE_KERNELS] if name != PASS)
+STAGES = ("fuse_kernels", "lower")
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +59,10 @@ def _step_inputs(cfg, lengths=(11, 4, 7), block=4):
 def test_tiny_model_counts_and_bitwise_outputs(tiny_cached, act_quant):
     cfg, cached = tiny_cached
     unfused, fused = copy.deepcopy(cached), copy.deepcopy(cached)
-    run_pipeline(unfused, PassContext(config=cfg, strict=True, act_quant=act_quant, disabled=(PASS,)), stages=("lower",))
-    result, lowered = run_pipeline(fused, PassContext(config=cfg, strict=True, act_quant=act_quant), stages=("lower",))
+    run_pipeline(unfused, PassContext(config=cfg, strict=True, act_quant=act_quant, disabled=(PASS, *OTHERS)),
+                 stages=STAGES)
+    result, lowered = run_pipeline(fused, PassContext(config=cfg, strict=True, act_quant=act_quant, disabled=OTHERS),
+                                   stages=STAGES)
     # per layer: q_a + kv_a + wk, q_b + wq_b, gate + up: 3 groups of 7 GEMMs, 4 layers
     assert (result.name, result.num_matches, result.expected, result.details) == (PASS, 12, 12, {"gemms": 28})
     assert op_histogram(unfused)[FP8_LINEAR] == 36 and op_histogram(fused)[FP8_LINEAR] == 36 - 28 + 12
@@ -86,7 +91,7 @@ def test_strict_mode_counts_a_missing_group(tiny_cached):
     node = next(group for group in readers.values() if len(group) == 2)[0]  # a gate / up pair
     node.args = (*node.args[:3], node.args[0], node.args[4])  # any tensor as a bias: the pass must skip it
     with pytest.raises(Exception, match="fuse_shared_input_gemms: found 11 matches, the model needs 12"):
-        run_pipeline(gm, PassContext(config=cfg, strict=True), stages=("lower",))
+        run_pipeline(gm, PassContext(config=cfg, strict=True, disabled=OTHERS), stages=STAGES)
 
 
 class AttentionInput(nn.Module):
@@ -106,7 +111,7 @@ def _fused_graph(module, x, act_quant=False):
     gm = export_graph(module, (torch.zeros(2, 3, x.shape[-1]),), ({0: Dim("b", max=64), 1: Dim("s", max=4096)},))
     run_pipeline(gm, PassContext(act_quant=act_quant), stages=("fuse",))
     unfused = copy.deepcopy(gm)
-    result = PassManager(PassContext(act_quant=act_quant), stages=("lower",)).run_one(gm, REGISTRY[PASS])
+    result = PassManager(PassContext(act_quant=act_quant), stages=("fuse_kernels",)).run_one(gm, REGISTRY[PASS])
     return unfused, gm, result
 
 

@@ -18,18 +18,18 @@ from tests.passes.template import PassTemplate, pipeline
 
 CFG = Glm5Config.preset("tiny")
 # what the tiny FP8 model holds after match + fuse: op -> node count
-# fp8_linear: 36 GEMMs, 28 of them in 12 shared-input groups (fuse_shared_input_gemms runs first)
-COUNTS = {"rms_norm": 17, "fp8_linear": 20, "rope_interleaved": 16, "indexer_topk": 4, "sparse_mla": 4,
+COUNTS = {"rms_norm": 17, "fp8_linear": 36, "rope_interleaved": 16, "indexer_topk": 4, "sparse_mla": 4,
           "moe_route": 3, "moe_fp8": 3}
 TRITON = {"rms_norm", "fp8_linear", "rope_interleaved", "moe_route", "moe_fp8"}  # the ops with a Triton kernel
 
 
 class TestLower(PassTemplate):
     name = "lower"
-    # every fxglm5 node left by the cache stage: 13 norms, the FP8 linears as fuse_shared_input_gemms (before lower
-    # in its stage) leaves them (36 -> 20, the shared-indexer model's 32 -> 20), the indexer query RoPEs (of the
-    # layers with an indexer), the 4 attention ops, the indexers, 3 routers and 3 MoE
-    matches = {"fp8": 13 + 20 + 4 + 4 + 4 + 3 + 3, "shared": 13 + 20 + 2 + 2 + 4 + 3 + 3, "bf16": 51}
+    # every fxglm5 node left by the cache and fuse_kernels stages: 13 norms (7 of them now add_rms_norm), the FP8
+    # linears as fuse_shared_input_gemms leaves them (36 -> 20, the shared-indexer model's 32 -> 20; 4 of them
+    # silu_mul_fp8_linear), the indexer query RoPEs (of the layers with an indexer), the f32_linears (3 routers + the
+    # indexers' head weights), the 4 attention ops, the indexers, 3 routers and 3 MoE
+    matches = {"fp8": 13 + 20 + 4 + 7 + 4 + 4 + 3 + 3, "shared": 13 + 20 + 2 + 5 + 2 + 4 + 3 + 3, "bf16": 58}
     ops = {"fp8": {}, "shared": {}}  # the nodes keep their ops (a bound op counts as the op it implements)
     near_misses = ("aten_rms_norm",)
 
@@ -103,8 +103,9 @@ def test_inspect_prints_what_runs_where(capsys):
     assert main(["inspect", "--preset", "tiny", "--device", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "lowered for cuda (backends tried in order triton/reference):" in out
-    assert "lower fuse_shared_input_gemms matches=12 (expected 12)" in out
-    assert "  fp8_linear: triton x20\n" in out and "  sparse_mla: reference x4\n" in out
+    assert "fuse_kernels fuse_shared_input_gemms matches=12 (expected 12)" in out
+    assert "  fp8_linear: triton x16\n" in out and "  sparse_mla: reference x4\n" in out
+    assert "  silu_mul_fp8_linear: triton x4\n" in out and "  add_rms_norm: triton x8\n" in out
     assert "  moe_fp8: triton x3\n" in out
 
 
@@ -136,4 +137,5 @@ def test_in_the_paged_graph_only_the_cache_reading_indexer_is_left_to_each_call(
     graph = compile_model(Glm5ForCausalLM(CFG, dtype=torch.bfloat16, device="meta"), device="cuda", max_tokens=4096).graph
     per_call = {op for (op, backend) in placement(graph) if backend == "runtime"}
     assert per_call == {"rtp_indexer"}
-    assert placement(graph)[("rms_norm", "triton")] == 13  # 17 matched, 4 folded into the cache writes
+    # 17 matched, 4 folded into the cache writes, 7 into add_rms_norm
+    assert placement(graph)[("rms_norm", "triton")] == 6 and placement(graph)[("add_rms_norm", "triton")] == 7

@@ -138,7 +138,8 @@ def test_registry_and_declaration_agree():
     assert len(declared) == len(set(declared)) == len(DECLARED)  # each pass declared once
     assert set(registry.REGISTRY) == set(declared)  # declared <=> registered
     assert all(registry.REGISTRY[name].stage is DECLARED[name] for name in declared)
-    assert list(PIPELINE) == list(STAGES) == [Stage.MATCH, Stage.FUSE, Stage.SHARD, Stage.CACHE, Stage.LOWER]
+    assert list(PIPELINE) == list(STAGES) == [Stage.MATCH, Stage.FUSE, Stage.SHARD, Stage.CACHE, Stage.FUSE_KERNELS,
+                                              Stage.LOWER]
     assert [spec.name for spec in registry.passes_for(("lower", "match"))] == [*PIPELINE[Stage.MATCH], *PIPELINE[Stage.LOWER]]
 
 
@@ -228,4 +229,5 @@ def test_backend_dump_dir_option(tmp_path):
     x = torch.ones(2, 4)
     assert torch.allclose(compiled(x), module(x))
     summary = (tmp_path / "summary.txt").read_text().splitlines()
-    assert [line.split()[1] for line in summary] == [*PIPELINE[Stage.MATCH], *PIPELINE[Stage.FUSE], *PIPELINE[Stage.LOWER]]
+    assert [line.split()[1] for line in summary] == [*PIPELINE[Stage.MATCH], *PIPELINE[Stage.FUSE],
+                                                     *PIPELINE[Stage.FUSE_KERNELS], *PIPELINE[Stage.LOWER]]

@@ -37,9 +37,11 @@ import triton.language as tl
 
 from fxglm5 import settings
 from fxglm5.contracts import FP8_BLOCK
+from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.triton import fp8_gemm_hopper
 from fxglm5.lowering.triton.device import num_sms
+from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, round_to
 
 BLOCK_K = FP8_BLOCK  # one weight-scale column and one activation-scale group per K step
 # The kernels index their tensors with int32 offsets: no tensor a launch touches may reach 2^31 elements (a
@@ -138,10 +140,10 @@ def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr,
+    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr,
     M, N, K, KG, KG_PER_SPLIT: tl.constexpr,
-    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs,
-    A_MODE: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, stride_um,
+    A_MODE: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     FIXUP: tl.constexpr,
     NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -166,6 +168,7 @@ def _gemm_kernel(
     rows_a = tl.minimum(offs_m, M - 1)
     rows_b = tl.minimum(offs_n, N - 1)
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
+    u_ptrs = up_ptr + rows_a[:, None] * stride_um + offs_k[None, :]
     b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]
     if SCALAR_SB:
         bs_ptrs = bs_ptr + (pid_n * BLOCK_N // 128) * stride_bsn
@@ -177,11 +180,15 @@ def _gemm_kernel(
         kg = pid_k * KG_PER_SPLIT + i
         if NO_K_MASK:  # K % 128 == 0 and the splits tile KG exactly
             a = tl.load(a_ptrs + kg * 128)
+            if GATED_A:
+                a = _silu_mul(a, tl.load(u_ptrs + kg * 128), DT)
             b = tl.load(b_ptrs + kg * 128)
             s_b = tl.load(bs_ptrs + kg)
         else:  # K tail, or steps past KG in a ragged last split (fully masked: no traffic)
             k_mask = offs_k < K - kg * 128
             a = tl.load(a_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
+            if GATED_A:  # silu(0) * 0 = 0 past K
+                a = _silu_mul(a, tl.load(u_ptrs + kg * 128, mask=k_mask[None, :], other=0.0), DT)
             b = tl.load(b_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
             s_b = tl.load(bs_ptrs + kg, mask=kg < KG, other=0.0)
         if A_MODE == 0:
@@ -221,6 +228,36 @@ def _gemm_kernel(
 
 
 @triton.jit
+def _silu_mul(gate, up, DT: tl.constexpr):
+    """``silu(gate) * up`` at the unfused graph's rounding points (silu rounded to the dtype, then the product),
+    in gate's dtype; DT is its code for ``round_to``."""
+    g = gate.to(tl.float32)
+    act = round_to(g / (1.0 + tl.exp(-g)), DT)
+    return round_to(act * up.to(tl.float32), DT).to(gate.dtype)
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, DT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    g = tl.load(g_ptr + row * stride_g + offs, mask=mask, other=0.0)
+    u = tl.load(u_ptr + row * stride_u + offs, mask=mask, other=0.0)
+    tl.store(h_ptr + row * N + offs, _silu_mul(g, u, DT), mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of two [M, N] row-strided tensors (the halves of a gate|up GEMM's output), one kernel."""
+    m, n = gate.shape
+    out = torch.empty(m, n, dtype=gate.dtype, device=gate.device)
+    if m:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_mul_kernel[(m, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=block,
+                                                     DT=DTYPE_CODES[gate.dtype])
+    return out
+
+
+@triton.jit
 def _splitk_reduce_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """Deterministic sum of the split-K partials (fixed order), + bias, cast to the output dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -243,7 +280,7 @@ PREFILL = dict(BLOCK_M=64, BLOCK_N=128, SPLIT_K=1, GROUP_M=8, num_warps=4, num_s
 _COUNTERS: dict = {}
 
 
-def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
+def tile_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 arrival counters for the split-K fixup, one per output tile, kept per device.
 
     Every tile's last CTA resets its counter, so the buffer stays zero between calls and graph replays
@@ -283,6 +320,9 @@ def row_chunk(m: int, elements, align: int = 1) -> int:
     return rows
 
 
+GATED_ROWS = 64  # up to this many rows the gate of a gated input is applied as the decode kernel loads its A tile
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -291,18 +331,23 @@ def fp8_linear(
     act_quant: bool = True,
     *,
     config: Optional[dict] = None,
+    up: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Block-FP8 linear (see module doc); ``config`` overrides :func:`pick_config` (benchmark sweeps).
 
     The Gluon Hopper kernel runs where :func:`fp8_gemm_hopper.supported` says it applies (its own keys of
     ``config`` override :func:`fp8_gemm_hopper.pick_config`); ``config={"kernel": "triton"}`` forces this Triton
-    kernel, ``{"kernel": "gluon"}`` the Gluon one (a ValueError where it does not apply)."""
+    kernel, ``{"kernel": "gluon"}`` the Gluon one (a ValueError where it does not apply).
+
+    ``up``: ``x`` is a gated MLP's gate and the GEMM's input is ``silu(x) * up`` (``fxglm5::silu_mul_fp8_linear``),
+    applied as the kernel loads each A tile for up to GATED_ROWS rows (decode: the activation is a few rows, the
+    weights are the cost), else by one elementwise kernel before the GEMM."""
     ref.check_linear_inputs(x, weight, weight_scale_inv, bias)
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
+        raise InputError(f"up: {up.dtype} {tuple(up.shape)} does not match the gate's {x.dtype} {tuple(x.shape)}")
     n, k = weight.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2, u2 = (None if t is None else _rows(t, k) for t in (x, up))
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
@@ -310,7 +355,8 @@ def fp8_linear(
     rows = row_chunk(m, lambda r: r * max(n, k), align=128)  # 128: a multiple of every BLOCK_M
     if rows < m:
         for i in range(0, m, rows):
-            out[i:i + rows] = fp8_linear(x2[i:i + rows], weight, weight_scale_inv, bias, act_quant, config=config)
+            out[i:i + rows] = fp8_linear(x2[i:i + rows], weight, weight_scale_inv, bias, act_quant, config=config,
+                                         up=None if u2 is None else u2[i:i + rows])
         return out.view(*lead, n)
     weight = weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
@@ -321,14 +367,29 @@ def fp8_linear(
     if kernel == "gluon" and not gluon_ok:
         raise ValueError(f"fp8_linear: the Gluon Hopper kernel does not serve these inputs (x {tuple(x2.shape)} "
                          f"{x2.dtype} on {x2.device}, weight {tuple(weight.shape)}, act_quant={act_quant})")
+    sms = num_sms(x.device)
+    cfg = pick_config(m, n, k, act_quant, sms, config)
+    if u2 is not None and (gluon_ok or m > GATED_ROWS or (act_quant and not cfg["fused_quant"])):
+        x2, u2 = silu_mul(x2, u2), None
     if gluon_ok:
         a, a_s = quantize_act_1x128(x2)
         fp8_gemm_hopper.launch(a, a_s, weight, weight_scale_inv, None if bias is None else bias.contiguous(), out,
                                config)
         return out.view(*lead, n)
+    _launch(x2, u2, weight, weight_scale_inv, bias, act_quant, cfg, out)
+    return out.view(*lead, n)
+
+
+def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``t`` as [rows, k] with unit column stride (a row-strided view where it already is one)."""
+    rows = t.reshape(-1, k)
+    return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
+def _launch(x2, u2, weight, weight_scale_inv, bias, act_quant, cfg, out) -> None:
+    """The Triton kernel (and, split over K without FIXUP, the reduce kernel) into ``out`` [m, n]."""
+    (m, k), n = x2.shape, weight.shape[0]
     kg = triton.cdiv(k, 128)
-    sms = num_sms(x.device)
-    cfg = pick_config(m, n, k, act_quant, sms, config)
     if act_quant and not cfg["fused_quant"]:
         a, a_s, mode = *quantize_act_1x128(x2), 0
     else:
@@ -336,15 +397,17 @@ def fp8_linear(
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     kg_per_split = triton.cdiv(kg, cfg["SPLIT_K"])
     split = triton.cdiv(kg, kg_per_split)
-    c = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    c = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     fixup = bool(cfg.get("FIXUP", False)) and split > 1
-    cnt = _tile_counters(x.device, grid[0]) if fixup else c
+    cnt = tile_counters(x2.device, grid[0]) if fixup else c
     _gemm_kernel[grid](
-        a, a_s, weight, weight_scale_inv, bias if bias is not None else out, c, out, cnt,
+        a, a_s, weight, weight_scale_inv, bias if bias is not None else out, c, out, cnt, a if u2 is None else u2,
         m, n, k, kg, kg_per_split,
         a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), n, m * n,
-        A_MODE=mode, DOT_F32=x.dtype == torch.float32 or settings.triton_interpret(), INTERPRET=settings.triton_interpret(),
+        a.stride(0) if u2 is None else u2.stride(0),
+        A_MODE=mode, GATED_A=u2 is not None, DT=DTYPE_CODES[x2.dtype],
+        DOT_F32=x2.dtype == torch.float32 or settings.triton_interpret(), INTERPRET=settings.triton_interpret(),
         HAS_BIAS=bias is not None, SPLIT_K=split, FIXUP=fixup, NO_K_MASK=k % 128 == 0 and split * kg_per_split == kg,
         SCALAR_SB=bn <= 128, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -354,4 +417,3 @@ def fp8_linear(
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             c, bias if bias is not None else out, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block
         )
-    return out.view(*lead, n)

@@ -32,15 +32,17 @@ import triton.language as tl
 
 from fxglm5 import settings
 from fxglm5.lowering.reference import fp8 as ref
+from fxglm5.lowering.reference import fused as ref_fused
 from fxglm5.lowering.triton.device import num_sms
 from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, _dot, _quant_rows, quantize_act_1x128, row_chunk
 
 
 # ----------------------------------------------------------------------------------------- routing
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, scaling, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr, RENORM: tl.constexpr):
-    """One token per program: sigmoid, + correction bias, top-k by repeated argmax, unbiased weights."""
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, offset_ptr, E, num_local, scaling, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr):
+    """One token per program: sigmoid, + correction bias, top-k by repeated argmax, unbiased weights; with LOCAL the
+    ids are written local to the experts [offset, offset + num_local) of this rank, -1 for the others."""
     t = tl.program_id(0)
     eo = tl.arange(0, BLOCK_E)
     emask = eo < E
@@ -61,23 +63,32 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, scaling, TOP_K: tl.co
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
     kmask = ko < TOP_K
     tl.store(w_ptr + t * TOP_K + ko, ws * scaling, mask=kmask)
+    if LOCAL:
+        ids = ids - tl.load(offset_ptr)
+        ids = tl.where((ids >= 0) & (ids < num_local), ids, -1)
     tl.store(ids_ptr + t * TOP_K + ko, ids, mask=kmask)
 
 
-def moe_route(router_logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling_factor):
-    """GLM-5 router (see the reference); n_group > 1 (group-limited selection) uses the reference."""
+def moe_route(router_logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling_factor,
+              expert_offset=None, num_local=0):
+    """GLM-5 router (see the reference); n_group > 1 (group-limited selection) uses the reference. With
+    ``expert_offset`` (an int32 scalar tensor) the ids come out local to experts [offset, offset + num_local)
+    (``fxglm5::moe_route_local``)."""
     ref.check_route_inputs(router_logits, correction_bias, top_k, n_group, topk_group)
+    local = expert_offset is not None
     if n_group > 1:
-        return ref.moe_route(router_logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling_factor)
+        weights, ids = ref.moe_route(router_logits, correction_bias, top_k, n_group, topk_group, renormalize,
+                                     scaling_factor)
+        return (weights, ref_fused.local_expert_ids(ids, expert_offset, num_local)) if local else (weights, ids)
     t, e = router_logits.shape
     ref._check(e <= 1024, f"router_logits: {e} experts, the Triton router handles at most 1024")
     logits = router_logits.contiguous()
     w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
     if t:
-        _route_kernel[(t,)](logits, correction_bias.contiguous(), w, ids, e, float(scaling_factor), TOP_K=top_k,
-                            BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
-                            RENORM=bool(renormalize))
+        _route_kernel[(t,)](logits, correction_bias.contiguous(), w, ids, expert_offset if local else ids, e,
+                            int(num_local), float(scaling_factor), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
+                            BLOCK_K=triton.next_power_of_2(top_k), RENORM=bool(renormalize), LOCAL=local)
     return w, ids
 
 

@@ -12,13 +12,14 @@ import triton
 import triton.language as tl
 
 from fxglm5.lowering.reference import norm_rope as ref
+from fxglm5.lowering.reference.fused import validate_add_rms_norm
 from fxglm5.lowering.triton.device import interpreter_compat
 
 interpreter_compat()
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-__all__ = ["DTYPE_CODES", "rms_norm", "rope_interleaved", "round_to", "rms_normalize", "rotate_pairs"]
+__all__ = ["DTYPE_CODES", "add_rms_norm", "rms_norm", "rope_interleaved", "round_to", "rms_normalize", "rotate_pairs"]
 
 
 @triton.jit
@@ -58,6 +59,21 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BLOCK: tl.constexp
 
 
 @triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, D, eps, BLOCK: tl.constexpr,
+                         DT: tl.constexpr):
+    """One row: the sum x + r rounded to the sum's dtype (as the add rounds it), stored, then normalized."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    total = round_to(x + r, DT)
+    tl.store(sum_ptr + row * D + offs, total.to(sum_ptr.dtype.element_ty), mask=mask)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + offs, rms_normalize(total, w, eps, D, DT).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_c, H, HALF, D,
                  BH: tl.constexpr, BP: tl.constexpr, DT: tl.constexpr):
     # program (token, head block): pairs p < HALF rotate, the rest of the D features pass through
@@ -91,6 +107,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, validate: boo
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), D, float(eps), BLOCK=block,
                                            DT=DTYPE_CODES[x.dtype], num_warps=max(1, min(16, block // 512)))
     return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of x + residual, x + residual), one kernel (see ``fxglm5::add_rms_norm``); both contiguous."""
+    if validate:
+        validate_add_rms_norm(x, residual, weight, eps)
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    D = x.shape[-1]
+    xs, rs = _rows(x), _rows(residual)
+    out, total = (torch.empty(x.shape, dtype=dtype, device=x.device) for _ in range(2))
+    if xs.shape[0]:
+        block = triton.next_power_of_2(D)
+        _add_rms_norm_kernel[(xs.shape[0],)](xs, rs, weight, out, total, xs.stride(0), rs.stride(0), D, float(eps),
+                                             BLOCK=block, DT=DTYPE_CODES[dtype], num_warps=max(1, min(16, block // 512)))
+    return out, total
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, validate: bool = True) -> torch.Tensor:

@@ -6,6 +6,10 @@ scores the lower index wins, i.e. the selected set is that of
 :func:`fxglm5.lowering.reference.attention.topk_lowest_index_ties`; the order within it differs (below). No host
 sync, no data-dependent shapes: every buffer is sized by the arguments.
 
+A row whose causal window fits in the top-k (``min(positions[t] + 1, L) <= topk``) has nothing to select: both
+methods write ``0 .. n-1`` then -1 for it without reading its scores, which the indexer then need not compute
+(:func:`fxglm5.lowering.triton.indexer.indexer_topk_paged`). The test is per row, on the device.
+
 - Rows up to 32768 ("segments"): a tournament. Each round cuts every row's list (the scores row, then the
   candidates the previous round kept, indices and keys side by side) into segments of 16384 entries; one CTA
   per segment narrows the bin holding its k-th largest key two bits at a time (CTA-wide reductions of three
@@ -198,6 +202,13 @@ def _pad(orow, okrow, n_out, width, KEYS_OUT: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _window_slots(orow, j, n_valid, topk):
+    """Output slots ``j`` (those below ``topk``) of a row whose whole causal window is its selection: slot j holds
+    position j inside the window, -1 past it. No score is read."""
+    tl.store(orow + j, tl.where(j < n_valid, j, -1), mask=j < topk)
+
+
+@triton.jit
 def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr, o_ptr, ko_ptr, stride_ot, bin_ptr,
                          L, n_list, topk, C: tl.constexpr, GATHER: tl.constexpr, KEEP: tl.constexpr,
                          BIN_C: tl.constexpr):
@@ -218,11 +229,19 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
       (key, index) pairs to this CTA's ``bin_ptr`` scratch, and the remaining bits are resolved over those few.
       Output order: the keys above the bin in list order, then the bin's selected keys in list order. A decided
       bin (one key value, or exactly k keys at or above its lower end, however many) needs no fine steps: the
-      split pass writes its first ``topk - above`` keys straight to the output."""
+      split pass writes its first ``topk - above`` keys straight to the output.
+
+    A row whose window fits in ``topk`` reads nothing: its rounds that keep candidates write none, and the last
+    round writes the window's positions in order."""
     t = tl.program_id(0)
     sg = tl.program_id(1)
     t64 = t.to(tl.int64)
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
+    if n_valid <= topk:
+        if not KEEP:
+            for c0 in range(0, topk, C):
+                _window_slots(o_ptr + t64 * stride_ot, c0 + tl.arange(0, C), n_valid, topk)
+        return
     x_row = x_ptr + t64 * stride_xt
     ids_row = ids_ptr + t64 * stride_it
     keys_row = kin_ptr + t64 * stride_it
@@ -282,9 +301,8 @@ def _radix_hist_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, T, L, topk, PASS: tl
     t = tl.program_id(0)
     seg = tl.program_id(1)
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
-    if seg * SEG < n_valid:
-        k_eff = tl.minimum(topk, n_valid)
-        prefix, k_rem = _radix_replay(hist_ptr, t, T, k_eff, PASS)
+    if (seg * SEG < n_valid) & (n_valid > topk):  # a window that fits in topk is selected whole: no histogram
+        prefix, k_rem = _radix_replay(hist_ptr, t, T, topk, PASS)
         offs = seg * SEG + tl.arange(0, SEG)
         m = offs < n_valid
         key = _float_key(tl.load(x_ptr + t.to(tl.int64) * stride_xt + offs, mask=m, other=0.0))
@@ -298,12 +316,13 @@ def _radix_hist_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, T, L, topk, PASS: tl
 
 @triton.jit
 def _radix_count_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, T, L, topk, NSEG, SEG: tl.constexpr):
-    """Per segment: how many keys are above the threshold and how many equal it."""
+    """Per segment: how many keys are above the threshold and how many equal it (rows longer than topk only)."""
     t = tl.program_id(0)
     seg = tl.program_id(1)
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
-    k_eff = tl.minimum(topk, n_valid)
-    thr, k_rem = _radix_replay(hist_ptr, t, T, k_eff, 4)
+    if n_valid <= topk:
+        return
+    thr, k_rem = _radix_replay(hist_ptr, t, T, topk, 4)
     offs = seg * SEG + tl.arange(0, SEG)
     m = offs < n_valid
     key = _float_key(tl.load(x_ptr + t.to(tl.int64) * stride_xt + offs, mask=m, other=0.0))
@@ -317,13 +336,18 @@ def _radix_count_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, T, L, topk
 def _radix_write_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, o_ptr, stride_ot, T, L, topk, NSEG,
                         SEG: tl.constexpr, NSEG_PAD: tl.constexpr):
     """Write the selected indices: keys above the threshold, then the lowest-index keys equal to it; every
-    segment's output offsets are exclusive prefix sums of the per-segment counts (deterministic)."""
+    segment's output offsets are exclusive prefix sums of the per-segment counts (deterministic). A row longer
+    than topk fills all topk slots; a row whose window fits in topk (no histogram, no counts) gets its window's
+    positions, segment s writing slots ``s*SEG .. (s+1)*SEG`` (the segments cover the topk slots)."""
     t = tl.program_id(0)
     seg = tl.program_id(1)
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
-    k_eff = tl.minimum(topk, n_valid)
-    thr, k_rem = _radix_replay(hist_ptr, t, T, k_eff, 4)
-    n_gt = k_eff - k_rem
+    orow = o_ptr + t.to(tl.int64) * stride_ot
+    if n_valid <= topk:
+        _window_slots(orow, seg * SEG + tl.arange(0, SEG), n_valid, topk)
+        return
+    thr, k_rem = _radix_replay(hist_ptr, t, T, topk, 4)
+    n_gt = topk - k_rem
     sidx = tl.arange(0, NSEG_PAD)
     before = sidx < seg
     cg = tl.load(cnt_ptr + (t * NSEG + sidx) * 2, mask=before, other=0)
@@ -335,13 +359,9 @@ def _radix_write_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, o_ptr, str
     key = _float_key(tl.load(x_ptr + t.to(tl.int64) * stride_xt + offs, mask=m, other=0.0))
     gt = m & (key > thr)
     eq = m & (key == thr)
-    orow = o_ptr + t.to(tl.int64) * stride_ot
     tl.store(orow + base_gt + tl.cumsum(gt.to(tl.int32), 0) - 1, offs, mask=gt)
     rank_eq = base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
     tl.store(orow + n_gt + rank_eq, offs, mask=eq & (rank_eq < k_rem))
-    # -1 padding of the slots past k_eff (segment s pads [k_eff + s*SEG, k_eff + (s+1)*SEG) ∩ [.., topk))
-    pads = k_eff + seg * SEG + tl.arange(0, SEG)
-    tl.store(orow + pads, tl.full([SEG], -1, tl.int32), mask=pads < topk)
 
 
 SEGMENT_MAX = 32768  # longest segment one CTA holds in registers (four chunks of at most 8192 keys)
@@ -438,7 +458,8 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     4 histogram passes (global atomics into a [4, T, 256] histogram) + a count pass + a write pass with
     deterministic prefix sums: 6 launches. ``workspace`` may hold preallocated ``hist`` ([4, T, 256] int32) and
     ``cnt``.
-    No host sync in either (CUDA-graph safe); ``num_warps`` overrides the launch width.
+    No host sync in either (CUDA-graph safe); ``num_warps`` overrides the launch width. Rows whose window fits in
+    ``topk`` get ``0 .. positions[t]`` in order; their scores are never read (they may be garbage).
     """
     if validate:
         ref.validate_topk_from_logits(logits, positions, topk, out)

@@ -1,0 +1,82 @@
+"""Torch references of the fused ops (``fxglm5.ops.fused``): each is the composition of the ops it replaces, in
+the same order and at the same rounding points, so a graph after a fusion pass computes on the reference backend
+exactly what it computed before, and every kernel of a fused op is checked against this composition.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fxglm5.errors import InputError
+from fxglm5.lowering.reference import fp8 as ref_fp8
+from fxglm5.lowering.reference import norm_rope as ref_norm_rope
+
+
+def validate_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    if not isinstance(residual, Tensor) or residual.shape != getattr(x, "shape", None):
+        raise InputError(f"add_rms_norm residual: shape {tuple(getattr(residual, 'shape', ()))} does not match x's "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    ref_norm_rope.validate_norm(x, weight, eps, what="add_rms_norm")
+    ref_norm_rope.validate_norm(residual, weight, eps, what="add_rms_norm")
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual stream's add and the next block's RMSNorm."""
+    validate_add_rms_norm(x, residual, weight, eps)
+    total = x + residual
+    return ref_norm_rope.rms_norm(total, weight, eps), total
+
+
+def validate_f32_linear(x: Tensor, weight: Tensor, scales: Sequence[float], max_scales: int | None = None) -> None:
+    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 1:
+        raise InputError(f"f32_linear x: expected a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    if not isinstance(weight, Tensor) or weight.dtype != torch.float32 or weight.dim() != 2 \
+            or x.shape[-1] != weight.shape[1]:
+        raise InputError(f"f32_linear weight: expected float32 [N, {x.shape[-1]}], got "
+                         f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}")
+    if weight.device != x.device:
+        raise InputError(f"f32_linear weight: on {weight.device}, x on {x.device}")
+    if max_scales is not None and len(scales) > max_scales:
+        raise InputError(f"f32_linear scales: {len(scales)} given, the kernel applies at most {max_scales}")
+
+
+def f32_linear(x: Tensor, weight: Tensor, scales: Sequence[float]) -> Tensor:
+    """``x.float() @ weight.T`` in float32, then times each of ``scales`` in turn (one rounding each, as the chain
+    of scalar multiplies it replaces): the MoE router's logits and the indexer's head weights."""
+    validate_f32_linear(x, weight, scales)
+    y = F.linear(x.float(), weight)
+    for s in scales:
+        y = y * s
+    return y
+
+
+def local_expert_ids(ids: Tensor, expert_offset: Tensor, num_local: int) -> Tensor:
+    """Global expert ids -> this rank's ids 0..num_local-1 (experts [offset, offset + num_local)), -1 elsewhere."""
+    local = ids - expert_offset
+    return torch.where((local >= 0) & (local < num_local), local, -1)
+
+
+def moe_route_local(logits: Tensor, correction_bias: Tensor, top_k: int, n_group: int, topk_group: int,
+                    renormalize: bool, scaling: float, expert_offset: Tensor, num_local: int) -> tuple[Tensor, Tensor]:
+    """``moe_route``, its ids then made local to the rank's experts (expert parallelism): the router runs whole on
+    every rank, each rank computes only the experts it holds."""
+    weights, ids = ref_fp8.moe_route(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling)
+    return weights, local_expert_ids(ids, expert_offset, num_local)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` as the unfused graph computes it: silu rounded to gate's dtype, then the product."""
+    return F.silu(gate) * up
+
+
+def silu_mul_fp8_linear(gate: Tensor, up: Tensor, weight: Tensor, weight_scale_inv: Tensor, bias: Optional[Tensor],
+                        act_quant: bool) -> Tensor:
+    """The gated MLP's down projection with its gate folded in: ``fp8_linear(silu(gate) * up, weight, ...)``."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise InputError(f"silu_mul_fp8_linear up: {up.dtype} {tuple(up.shape)} does not match gate's "
+                         f"{gate.dtype} {tuple(gate.shape)}")
+    return ref_fp8.fp8_linear(silu_mul(gate, up), weight, weight_scale_inv, bias, act_quant)

@@ -1,0 +1,71 @@
+"""The fused op vocabulary: what the ``fuse_kernels`` stage's passes produce from canonical, cached and ATen ops.
+
+Each op stands for a short chain the decode step ran as several kernels; its reference (``fxglm5.lowering.reference
+.fused``) is that chain, so the rewrite changes no value on the reference backend, and a kernel of the op is checked
+against it. Signatures:
+
+- ``add_rms_norm(x [..., D], residual [..., D], weight [D], eps) -> (normed [..., D], x + residual)``: the residual
+  add and the RMSNorm that reads it (both outputs: the sum is the next residual).
+- ``f32_linear(x [..., K], weight f32 [N, K], scales: float[]) -> f32 [..., N]``: ``x.float() @ weight.T`` times each
+  scale in turn (the MoE router's logits; the DSA indexer's head weights, ``weights_proj(x.float()) * a * b``).
+- ``moe_route_local(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset int32
+  [], num_local) -> (weights f32 [T, k], ids int32 [T, k])``: ``moe_route`` with its ids local to the experts
+  ``[offset, offset + num_local)`` a rank holds, -1 for the others (expert parallelism).
+- ``silu_mul_fp8_linear(gate [..., I], up [..., I], weight e4m3 [N, I], weight_scale_inv, bias?, act_quant) ->
+  [..., N]``: ``fp8_linear(silu(gate) * up, ...)``, the gated MLP's down projection with its activation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fxglm5.lowering.reference import fused as ref
+
+
+@torch.library.custom_op("fxglm5::add_rms_norm", mutates_args=())
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    normed, total = ref.add_rms_norm(x, residual, weight, eps)
+    return normed.contiguous(), total.contiguous()
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    total = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    return torch.empty_like(total), total
+
+
+@torch.library.custom_op("fxglm5::f32_linear", mutates_args=())
+def f32_linear(x: Tensor, weight: Tensor, scales: list[float]) -> Tensor:
+    return ref.f32_linear(x, weight, scales)
+
+
+@f32_linear.register_fake
+def _(x, weight, scales):
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("fxglm5::moe_route_local", mutates_args=())
+def moe_route_local(logits: Tensor, correction_bias: Tensor, top_k: int, n_group: int, topk_group: int,
+                    renormalize: bool, scaling: float, expert_offset: Tensor, num_local: int) -> tuple[Tensor, Tensor]:
+    return ref.moe_route_local(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling,
+                               expert_offset, num_local)
+
+
+@moe_route_local.register_fake
+def _(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset, num_local):
+    t = logits.shape[0]
+    return logits.new_empty(t, top_k, dtype=torch.float32), logits.new_empty(t, top_k, dtype=torch.int32)
+
+
+@torch.library.custom_op("fxglm5::silu_mul_fp8_linear", mutates_args=())
+def silu_mul_fp8_linear(gate: Tensor, up: Tensor, weight: Tensor, weight_scale_inv: Tensor, bias: Optional[Tensor],
+                        act_quant: bool) -> Tensor:
+    return ref.silu_mul_fp8_linear(gate, up, weight, weight_scale_inv, bias, act_quant).contiguous()
+
+
+@silu_mul_fp8_linear.register_fake
+def _(gate, up, weight, weight_scale_inv, bias, act_quant):
+    return gate.new_empty(*gate.shape[:-1], weight.shape[0])

@@ -1,0 +1,75 @@
+"""The fuse_kernels stage's Triton kernels at GLM-5's per-rank shapes (TP8 / EP8) on the GPU, against the torch
+references: add_rms_norm at 6144, the router's and the indexer head weights' f32_linear, moe_route_local over a
+rank's 32 of 256 experts, and the gated down GEMMs (dense MLP 1536, shared expert 256 intermediate features per
+rank) on the decode path and the prefill path, also replayed from a CUDA graph (the split-K counters reset)."""
+
+import pytest
+import torch
+
+from fxglm5.lowering.reference import fused as ref
+from fxglm5.lowering.triton import f32_linear, fp8_gemm, moe, norm_rope
+
+pytestmark = pytest.mark.gpu
+ROWS = [1, 8, 64, 4096]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_add_rms_norm(rows):
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x, r = (torch.randn(rows, 6144, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(6144, device="cuda", generator=g)).to(torch.bfloat16)
+    (normed, total), (want_normed, want_total) = norm_rope.add_rms_norm(x, r, w, 1e-5), ref.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(total, want_total)
+    assert _rel(normed, want_normed) < 5e-3
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, scales", [(256, []), (32, [32 ** -0.5, 128 ** -0.5])], ids=["router", "index_weights"])
+def test_f32_linear(rows, n, scales):
+    g = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = torch.randn(rows, 6144, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(n, 6144, device="cuda", generator=g) / 6144 ** 0.5
+    assert _rel(f32_linear.f32_linear(x, w, scales), ref.f32_linear(x, w, scales)) < 1e-5
+
+
+def test_f32_linear_replays_from_a_cuda_graph():
+    x, w = torch.randn(1, 6144, device="cuda"), torch.randn(256, 6144, device="cuda")
+    out = f32_linear.f32_linear(x, w, [0.5])  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f32_linear.f32_linear(x, w, [0.5])
+    for seed in range(3):
+        x.copy_(torch.randn(1, 6144, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        assert _rel(out, ref.f32_linear(x, w, [0.5])) < 1e-5
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+@pytest.mark.parametrize("rank", [0, 7])
+def test_moe_route_local(tokens, rank):
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    logits, bias = torch.randn(tokens, 256, device="cuda", generator=g), 0.01 * torch.randn(256, device="cuda", generator=g)
+    offset = torch.tensor(32 * rank, dtype=torch.int32, device="cuda")
+    weights, ids = moe.moe_route(logits, bias, 8, 1, 1, True, 2.5, offset, 32)
+    want_weights, want_ids = ref.moe_route_local(logits, bias, 8, 1, 1, True, 2.5, offset, 32)
+    assert torch.equal(ids, want_ids) and torch.allclose(weights, want_weights, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64, 65, 2048])
+@pytest.mark.parametrize("inter", [1536, 256], ids=["dense_down", "shared_down"])
+@pytest.mark.parametrize("fixup", [False, True])
+def test_silu_mul_fp8_linear(rows, inter, fixup):
+    g = torch.Generator(device="cuda").manual_seed(rows + inter)
+    both = torch.randn(rows, 2 * inter, device="cuda", generator=g).to(torch.bfloat16)
+    gate, up = both[:, :inter], both[:, inter:]
+    w = (torch.randn(6144, inter, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    s = torch.rand(48, -(-inter // 128), device="cuda", generator=g) * 0.02 + 0.005
+    config = {"FIXUP": fixup}
+    fused = fp8_gemm.fp8_linear(gate, w, s, None, False, up=up, config=config)
+    unfused = fp8_gemm.fp8_linear(ref.silu_mul(gate, up), w, s, None, False, config=config)
+    assert torch.equal(fused, unfused)
+    assert _rel(fused, ref.silu_mul_fp8_linear(gate, up, w, s, None, False)) < 1e-2

@@ -1,0 +1,115 @@
+"""The fuse_kernels stage's ops (fxglm5.ops.fused) in Triton, interpreted on the CPU, against their references (the
+chains they replace): add_rms_norm, f32_linear (split-K fix-up, scales in turn), moe_route_local, and the gated
+down GEMM silu_mul_fp8_linear on the decode path (the gate applied as A tiles load) and past it (one elementwise
+kernel first); bad inputs name the argument. Small shapes: CI runs it on 2 cores."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # CPU CI: interpret; set before triton is imported in this process
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fxglm5.errors import InputError  # noqa: E402
+from fxglm5.lowering.reference import fused as ref  # noqa: E402
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CPU-tensor kernel tests run interpreted (TRITON_INTERPRET=1); on a GPU host "
+                "tests/gpu/test_gpu_fused.py covers the kernels", allow_module_level=True)
+
+from fxglm5.lowering.triton import f32_linear, fp8_gemm, moe, norm_rope  # noqa: E402
+
+DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+@given(rows=st.integers(1, 9), d=st.sampled_from([64, 200, 256]), dtype=DTYPES, seed=st.integers(0, 2**16))
+def test_add_rms_norm_is_the_add_then_the_norm(rows, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(rows, 3, d, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    normed, total = norm_rope.add_rms_norm(x, r, w, 1e-6)
+    want_normed, want_total = ref.add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(total, want_total)  # the sum is rounded once, as the add rounds it
+    assert _rel(normed, want_normed) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_add_rms_norm_reads_strided_rows():
+    base = torch.randn(4, 2 * 64)
+    x, r = base[:, :64], base[:, 64:]
+    w = torch.rand(64)
+    (normed, total), (want_normed, want_total) = norm_rope.add_rms_norm(x, r, w, 1e-5), ref.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(total, want_total) and _rel(normed, want_normed) < 1e-6
+
+
+@given(m=st.integers(1, 70), n=st.sampled_from([16, 64, 72, 256]), k=st.sampled_from([64, 300, 1024]), dtype=DTYPES,
+       scales=st.lists(st.sampled_from([0.5, 0.125, 0.0883883476, 3.0]), max_size=4), seed=st.integers(0, 2**16))
+def test_f32_linear_matches_reference(m, n, k, dtype, scales, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g)
+    out = f32_linear.f32_linear(x, w, scales)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert _rel(out, ref.f32_linear(x, w, scales)) < 1e-6  # exact float32 products; only the sum's order differs
+
+
+def test_f32_linear_splits_k_and_leaves_the_counters_zero():
+    x, w = torch.randn(1, 6144), torch.randn(256, 6144)
+    cfg = f32_linear.pick_config(1, 256, 6144, 132)
+    assert cfg["SPLIT"] > 1  # the decode GEMV streams its weights over many CTAs
+    torch.testing.assert_close(f32_linear.f32_linear(x, w, [0.5]), ref.f32_linear(x, w, [0.5]), rtol=1e-5, atol=1e-4)
+    assert not fp8_gemm.tile_counters(x.device, 1).any()  # every tile's last CTA reset its counter
+
+
+@pytest.mark.parametrize("offset, count", [(0, 4), (4, 4), (12, 4), (0, 16)])
+def test_moe_route_local_matches_reference(offset, count):
+    g = torch.Generator().manual_seed(offset)
+    logits, bias = torch.randn(7, 16, generator=g), 0.1 * torch.randn(16, generator=g)
+    off = torch.tensor(offset, dtype=torch.int32)
+    weights, ids = moe.moe_route(logits, bias, 4, 1, 1, True, 2.5, off, count)
+    want_weights, want_ids = ref.moe_route_local(logits, bias, 4, 1, 1, True, 2.5, off, count)
+    assert torch.equal(ids, want_ids) and torch.allclose(weights, want_weights)
+    assert ((ids == -1) | ((ids >= 0) & (ids < count))).all()
+
+
+def _fp8_weight(n, k, g):
+    w = (torch.randn(n, k, generator=g) * 0.5).to(torch.float8_e4m3fn)
+    return w, torch.rand(-(-n // 128), -(-k // 128), generator=g) * 0.02 + 0.005
+
+
+@given(m=st.sampled_from([1, 5, 64, 65, 130]), inter=st.sampled_from([128, 200, 256]), act_quant=st.booleans(),
+       dtype=DTYPES, seed=st.integers(0, 2**16))
+def test_silu_mul_fp8_linear_is_the_unfused_chain(m, inter, act_quant, dtype, seed):
+    """Gate and up are the halves of one [m, 2I] tensor (a stacked gate|up GEMM's output): decode rows (<= 64) fold
+    the gate into the GEMM's A loads, more rows run the elementwise kernel first; both give what silu, multiply and
+    fp8_linear give on the same kernel (bitwise in bf16, where silu rounds to the dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    both = torch.randn(m, 2 * inter, generator=g).to(dtype)
+    gate, up = both[:, :inter], both[:, inter:]
+    w, s = _fp8_weight(192, inter, g)
+    fused = fp8_gemm.fp8_linear(gate, w, s, None, act_quant, up=up)
+    unfused = fp8_gemm.fp8_linear(ref.silu_mul(gate, up), w, s, None, act_quant)
+    if dtype == torch.bfloat16:
+        assert torch.equal(fused, unfused)
+    else:
+        assert _rel(fused, unfused) < 1e-5
+    assert _rel(fused, ref.silu_mul_fp8_linear(gate, up, w, s, None, act_quant)) < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: norm_rope.add_rms_norm(torch.ones(2, 8), torch.ones(2, 4), torch.ones(8), 1e-6), "add_rms_norm residual"),
+    (lambda: f32_linear.f32_linear(torch.ones(2, 8), torch.ones(4, 8, dtype=torch.bfloat16), []), "f32_linear weight"),
+    (lambda: f32_linear.f32_linear(torch.ones(2, 8), torch.ones(4, 8), [1.0] * 5), "f32_linear scales"),
+    (lambda: fp8_gemm.fp8_linear(torch.ones(2, 128), *_fp8_weight(128, 128, torch.Generator()), None, False,
+                                 up=torch.ones(2, 64)), "up:"),
+])
+def test_bad_inputs_name_the_argument(call, message):
+    with pytest.raises(InputError, match=message):
+        call()
