@@ -9,6 +9,8 @@ call is obeyed and importing a kernel module has no hidden dependence on the env
 - ``FXGLM5_BACKEND=aiter|triton|reference``: the backend the ``lower`` pass puts first (checked by
   ``fxglm5.lowering.registry.preferred_backend``); the ``backend`` option of each front door wins over it.
 - ``FXGLM5_CACHE``: where ``fxglm5 demo`` keeps its tiny checkpoint (default ``~/.cache/fxglm5``).
+- ``FXGLM5_PDL=1|0``: launch the decode path's Triton kernels with programmatic dependent launch on Hopper and
+  later (``fxglm5.lowering.triton.device.pdl``; default 0).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ def triton_interpret() -> bool:
 
 def no_autotune() -> bool:
     return _flag("FXGLM5_NO_AUTOTUNE")
+
+
+def pdl() -> bool:
+    return _flag("FXGLM5_PDL")
 
 
 def backend() -> Optional[str]:

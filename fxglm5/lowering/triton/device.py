@@ -7,6 +7,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
 from fxglm5 import settings
 
@@ -73,3 +74,25 @@ def ensure_tma_allocator() -> None:
 
     if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
         triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """The first statement of a kernel that may be launched with programmatic dependent launch (PDL): wait until the
+    kernel before it in the stream has completed and its writes are visible, then let the next kernel launch (its
+    CTAs take the SMs this grid leaves free and wait in their own prologue). Nothing before it may read or write
+    memory another kernel touches, and no program may return before it: a grid whose programs all left early would
+    complete before its predecessor, and the kernel after it would read unfinished data."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl(device: torch.device) -> dict:
+    """The launch keywords of a kernel that starts with :func:`pdl_prologue`: ``PDL`` for its prologue and Triton's
+    ``launch_pdl`` where the launch can overlap its predecessor's tail (CUDA on sm_90 and later, ``FXGLM5_PDL=1``;
+    a CUDA-graph capture keeps the launch attribute as a programmatic edge). Why: a decode step is thousands of
+    kernels of a few microseconds, and each launch's start-up otherwise waits for the previous grid to drain."""
+    cap = capability(device)
+    on = settings.pdl() and not settings.triton_interpret() and cap is not None and cap[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

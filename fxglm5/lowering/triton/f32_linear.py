@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from fxglm5.lowering.reference import fused as ref
-from fxglm5.lowering.triton.device import num_sms
+from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_gemm import tile_counters
 
 MAX_SCALES = 4
@@ -42,7 +42,8 @@ def _scaled(acc, s0, s1, s2, s3, NUM_SCALES: tl.constexpr):
 @triton.jit
 def _f32_linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, s0, s1, s2, s3,
                        NUM_SCALES: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     num_n = tl.cdiv(N, BLOCK_N)
     offs_m = (pid // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -101,5 +102,5 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, scales: Sequence[float], *
         counters = tile_counters(x.device, grid[0]) if cfg["SPLIT"] > 1 else out
         padded = [float(s) for s in scales] + [1.0] * (MAX_SCALES - len(scales))
         _f32_linear_kernel[grid](rows, weight, ws, out, counters, m, n, k, rows.stride(0), weight.stride(0), *padded,
-                                 NUM_SCALES=len(scales), BLOCK_K=BLOCK_K, num_warps=4, **cfg)
+                                 NUM_SCALES=len(scales), BLOCK_K=BLOCK_K, num_warps=4, **cfg, **pdl(x.device))
     return out.view(*x.shape[:-1], n)

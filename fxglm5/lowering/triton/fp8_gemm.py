@@ -40,7 +40,7 @@ from fxglm5.contracts import FP8_BLOCK
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.triton import fp8_gemm_hopper
-from fxglm5.lowering.triton.device import num_sms
+from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, round_to
 
 BLOCK_K = FP8_BLOCK  # one weight-scale column and one activation-scale group per K step
@@ -146,7 +146,9 @@ def _gemm_kernel(
     A_MODE: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     FIXUP: tl.constexpr,
     NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -237,7 +239,8 @@ def _silu_mul(gate, up, DT: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, DT: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -253,13 +256,14 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if m:
         block = min(1024, triton.next_power_of_2(n))
         _silu_mul_kernel[(m, triton.cdiv(n, block))](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=block,
-                                                     DT=DTYPE_CODES[gate.dtype])
+                                                     DT=DTYPE_CODES[gate.dtype], **pdl(gate.device))
     return out
 
 
 @triton.jit
-def _splitk_reduce_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_reduce_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Deterministic sum of the split-K partials (fixed order), + bias, cast to the output dtype."""
+    pdl_prologue(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -410,10 +414,10 @@ def _launch(x2, u2, weight, weight_scale_inv, bias, act_quant, cfg, out) -> None
         DOT_F32=x2.dtype == torch.float32 or settings.triton_interpret(), INTERPRET=settings.triton_interpret(),
         HAS_BIAS=bias is not None, SPLIT_K=split, FIXUP=fixup, NO_K_MASK=k % 128 == 0 and split * kg_per_split == kg,
         SCALAR_SB=bn <= 128, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(x2.device),
     )
     if split > 1 and not fixup:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            c, bias if bias is not None else out, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block
+            c, bias if bias is not None else out, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, **pdl(x2.device)
         )

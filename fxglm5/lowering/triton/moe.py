@@ -33,16 +33,17 @@ import triton.language as tl
 from fxglm5 import settings
 from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.reference import fused as ref_fused
-from fxglm5.lowering.triton.device import num_sms
+from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, _dot, _quant_rows, quantize_act_1x128, row_chunk
 
 
 # ----------------------------------------------------------------------------------------- routing
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, offset_ptr, E, num_local, scaling, TOP_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
     """One token per program: sigmoid, + correction bias, top-k by repeated argmax, unbiased weights; with LOCAL the
     ids are written local to the experts [offset, offset + num_local) of this rank, -1 for the others."""
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     eo = tl.arange(0, BLOCK_E)
     emask = eo < E
@@ -88,7 +89,7 @@ def moe_route(router_logits, correction_bias, top_k, n_group, topk_group, renorm
     if t:
         _route_kernel[(t,)](logits, correction_bias.contiguous(), w, ids, expert_offset if local else ids, e,
                             int(num_local), float(scaling_factor), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
-                            BLOCK_K=triton.next_power_of_2(top_k), RENORM=bool(renormalize), LOCAL=local)
+                            BLOCK_K=triton.next_power_of_2(top_k), RENORM=bool(renormalize), LOCAL=local, **pdl(logits.device))
     return w, ids
 
 
@@ -101,11 +102,12 @@ def align_capacity(n: int, e: int, block_m: int) -> int:
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, scratch_ptr, n, E, num_blocks,
                   BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, MAX_BLOCKS: tl.constexpr,
-                  BLOCK_B: tl.constexpr):
+                  BLOCK_B: tl.constexpr, PDL: tl.constexpr):
     """Single CTA: histogram, padded prefix sums, stable sort by (expert, entry), scatter, block map.
 
     Compile-time bounds depend only on the power-of-two bucket of n, so varying T reuses the binary.
     """
+    pdl_prologue(PDL)
     offs = tl.arange(0, BLOCK_N)
     ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
     key = tl.where(ids >= 0, ids, E)  # -1 and padding lanes -> bucket E, dropped
@@ -167,7 +169,7 @@ def align_by_expert(topk_ids: torch.Tensor, e: int, block_m: int, use_triton: bo
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
     scratch = torch.empty(2 * block_e, dtype=torch.int32, device=flat.device)
     _align_kernel[(1,)](flat, sorted_ids, block_expert, scratch, n, e, num_blocks, BM=block_m, BLOCK_N=block_n,
-                        BLOCK_E=block_e, MAX_BLOCKS=max_blocks, BLOCK_B=16, num_warps=8)
+                        BLOCK_E=block_e, MAX_BLOCKS=max_blocks, BLOCK_B=16, num_warps=8, **pdl(flat.device))
     return sorted_ids, block_expert
 
 
@@ -180,11 +182,13 @@ def _moe_gemm_kernel(
     GATED: tl.constexpr, GATE_PARTIAL: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr,
     INTERPRET: tl.constexpr, K_PER_SPLIT: tl.constexpr, NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """GATED: c[row] = silu(A W_g^T) * (A W_u^T) with A rows gathered from x (token = entry // TOP_K),
     c in sorted row order; with GATE_PARTIAL, c[split, row] = this split's partial [A W_g^T | A W_u^T] instead
     (``_activate_kernel`` sums the splits and applies the gate). Not GATED: c[split, entry] = partial A W^T over
     this split's K groups, A in sorted row order (the GATED output); the combine kernel sums the splits."""
+    pdl_prologue(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -260,9 +264,10 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _activate_kernel(g_ptr, sorted_ptr, block_expert_ptr, h_ptr, n_entries, N, stride_gs, stride_gm, stride_hm,
-                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """h[row] = silu(sum_s g[s, row, :N]) * sum_s g[s, row, N:], splits summed in a fixed order
     (deterministic); rows of unused blocks and padding rows are skipped, as the GEMM skipped them."""
+    pdl_prologue(PDL)
     pid_b = tl.program_id(0)
     if tl.load(block_expert_ptr + pid_b) < 0:
         return
@@ -283,8 +288,9 @@ def _activate_kernel(g_ptr, sorted_ptr, block_expert_ptr, h_ptr, n_entries, N, s
 
 @triton.jit
 def _combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+                    BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum_j w[t, j] * sum_s y[s, t*k + j] over slots with id >= 0, fixed order (deterministic)."""
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -336,7 +342,7 @@ def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k
         INTERPRET=settings.triton_interpret(), K_PER_SPLIT=k_per_split,
         NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(a.device),
     )
     return split
 
@@ -408,7 +414,7 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
         block_n = 128
         _activate_kernel[(block_expert.numel(), triton.cdiv(inter, block_n))](
             g, sorted_ids, block_expert, hmid, t * k, inter, g.stride(0), g.stride(1), hmid.stride(0), SPLIT=split1,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n)
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, **pdl(x.device))
     else:
         _grouped(a, a_s, mode, w13, w13_scale, sorted_ids, block_expert, hmid, t * k, k, True, cfg, dot_f32)
     if mode == 0:
@@ -419,5 +425,5 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
                  dot_f32 or h_dtype == torch.float32, split)
     block_h = 1024
     _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, topk_weights.contiguous(), out, h, y.stride(0), TOP_K=k,
-                                                  SPLIT=split, BLOCK_H=block_h)
+                                                  SPLIT=split, BLOCK_H=block_h, **pdl(x.device))
     return out

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from fxglm5.lowering.reference import norm_rope as ref
 from fxglm5.lowering.reference.fused import validate_add_rms_norm
-from fxglm5.lowering.triton.device import interpreter_compat
+from fxglm5.lowering.triton.device import interpreter_compat, pdl, pdl_prologue
 
 interpreter_compat()
 
@@ -48,7 +48,8 @@ def rotate_pairs(even, odd, c, s, DT: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BLOCK: tl.constexpr, DT: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -60,8 +61,9 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BLOCK: tl.constexp
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, D, eps, BLOCK: tl.constexpr,
-                         DT: tl.constexpr):
+                         DT: tl.constexpr, PDL: tl.constexpr):
     """One row: the sum x + r rounded to the sum's dtype (as the add rounds it), stored, then normalized."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -75,7 +77,8 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_c, H, HALF, D,
-                 BH: tl.constexpr, BP: tl.constexpr, DT: tl.constexpr):
+                 BH: tl.constexpr, BP: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     # program (token, head block): pairs p < HALF rotate, the rest of the D features pass through
     t = tl.program_id(0).to(tl.int64)
     oh = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -105,7 +108,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, validate: boo
     if rows.shape[0]:
         block = triton.next_power_of_2(D)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), D, float(eps), BLOCK=block,
-                                           DT=DTYPE_CODES[x.dtype], num_warps=max(1, min(16, block // 512)))
+                                           DT=DTYPE_CODES[x.dtype], num_warps=max(1, min(16, block // 512)), **pdl(x.device))
     return out
 
 
@@ -126,7 +129,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if xs.shape[0]:
         block = triton.next_power_of_2(D)
         _add_rms_norm_kernel[(xs.shape[0],)](xs, rs, weight, out, total, xs.stride(0), rs.stride(0), D, float(eps),
-                                             BLOCK=block, DT=DTYPE_CODES[dtype], num_warps=max(1, min(16, block // 512)))
+                                             BLOCK=block, DT=DTYPE_CODES[dtype], num_warps=max(1, min(16, block // 512)), **pdl(x.device))
     return out, total
 
 
@@ -143,5 +146,5 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, v
         bh = min(triton.next_power_of_2(H), 16)
         _rope_kernel[(T, triton.cdiv(H, bh))](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), H,
                                               cos.shape[1], D, BH=bh, BP=triton.next_power_of_2(D // 2),
-                                              DT=DTYPE_CODES[x.dtype], num_warps=4)
+                                              DT=DTYPE_CODES[x.dtype], num_warps=4, **pdl(x.device))
     return out
