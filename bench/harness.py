@@ -258,9 +258,9 @@ class Results:
             lines.append("| " + " | ".join(_fmt(r.get(c, "")).replace("|", "\\|") for c in cols) + " |")
         return "\n".join(lines) + "\n"
 
-    def save(self, name: str, directory: str | None = None) -> tuple[str, str]:
+    def save(self, name: str, directory: str | None = None, notes: str = "") -> tuple[str, str]:
         """Write ``name``.json (provenance, copy bandwidth, rows) and ``name``.md under ``directory``
-        (default :func:`out_dir`)."""
+        (default :func:`out_dir`), ``notes`` (markdown) after its table."""
         directory = directory or out_dir()
         jpath = os.path.join(directory, f"{name}.json")
         mpath = os.path.join(directory, f"{name}.md")
@@ -271,7 +271,7 @@ class Results:
                     f"- commit: {rec['commit']}\n")
             if self.copy_gbs is not None:
                 f.write(f"- measured copy bandwidth: {self.copy_gbs:.0f} GB/s (read+write)\n")
-            f.write("\n" + self.markdown())
+            f.write("\n" + self.markdown() + notes)
         return jpath, mpath
 
 

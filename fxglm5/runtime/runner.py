@@ -135,7 +135,9 @@ class Runner:
         ``tp`` > 1: this process is one of ``tp`` ranks of the process group registered as "tp"
         (``fxglm5.runtime.distributed``); ``model`` must then be a checkpoint directory, of which this rank reads
         only its slices (``load_report``), with its experts split over ``ep`` ranks (default ``tp``; 1: every
-        expert split along its intermediate dim). Every rank gets the same logits and so the same tokens.
+        expert split along its intermediate dim), or a reader with CheckpointReader's ``config``, ``param`` and
+        ``bytes_read`` (``fxglm5.model.random_reader.RandomReader``: random weights drawn on the device, to measure
+        one rank without the checkpoint). Every rank gets the same logits and so the same tokens.
         ``speculative``: a SpeculativeConfig; its drafts come from ``drafter`` (any
         ``fxglm5.runtime.speculative.Drafter``), by default the model's MTP layer (InputError without one);
         ``acceptance`` then holds the last ``run``'s verify statistics. The MTP drafter needs the target's hidden
@@ -562,17 +564,20 @@ class _Launched:
 
 
 def sharded_model(model, tp: int, ep: int | None, dtype):
-    """This rank's meta model, the checked checkpoint it reads its slices from, and its Mapping (rank from the
-    "tp" process group). Every layout rule is checked (Mapping.check) before any weight is read."""
+    """This rank's meta model, the reader it reads its slices from (the checked checkpoint of a directory, or
+    ``model`` itself when it is a reader), and its Mapping (rank from the "tp" process group). Every layout rule
+    is checked (Mapping.check) before any weight is read."""
     import torch.distributed as dist
 
     from fxglm5.model.checkpoint import CheckpointReader, resolve_dtype
+    from fxglm5.model.config import Glm5Config
     from fxglm5.model.modeling import Glm5ForCausalLM
     from fxglm5.parallel import Mapping, resolve_group
 
     if not isinstance(tp, int) or tp < 1:
         raise InputError(f"tp: must be a positive integer, got {tp!r}")
-    if not isinstance(model, (str, Path)):
+    is_reader = callable(getattr(model, "param", None)) and isinstance(getattr(model, "config", None), Glm5Config)
+    if not isinstance(model, (str, Path)) and not is_reader:
         raise InputError(f"tp={tp}: a rank reads its own slices of a checkpoint directory; give its path, not a "
                          f"loaded {type(model).__name__}")
     if not dist.is_initialized():
@@ -581,7 +586,7 @@ def sharded_model(model, tp: int, ep: int | None, dtype):
     group = resolve_group("tp")
     if dist.get_world_size(group) != tp:
         raise InputError(f"tp={tp}: the process group 'tp' has {dist.get_world_size(group)} ranks")
-    reader = CheckpointReader(model)
+    reader = model if is_reader else CheckpointReader(model)
     mapping = Mapping(tp=tp, rank=dist.get_rank(group), ep=tp if ep is None else ep)
     mapping.check(reader.config)
     return Glm5ForCausalLM(reader.config, dtype=resolve_dtype(dtype), device="meta"), reader, mapping

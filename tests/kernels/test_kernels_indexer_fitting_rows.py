@@ -1,6 +1,5 @@
-"""Rows whose causal window fits in the top-k (n = positions[t] + 1 <= topk) select their whole window: the DSA
-indexer skips their logits and both top-k methods write 0..n-1 (then -1) without reading their scores, decided per
-row on the device. Mixed batches (n < topk, n == topk, n == topk + 1, long) against the reference, on CPU
+"""Rows whose causal window fits in the top-k (n = positions[t] + 1 <= topk) select their whole window: both top-k
+methods write 0..n-1 (then -1) without reading their scores, decided per row on the device. Mixed batches (n < topk, n == topk, n == topk + 1, long) against the reference, on CPU
 (TRITON_INTERPRET=1)."""
 
 import os
@@ -73,31 +72,6 @@ def test_indexer_topk_paged_mixed_rows_match_reference(chunked):
         n = int(pos[t]) + 1
         if n <= K:
             assert got[t].tolist() == _window(n, K), t
-
-
-def test_indexer_topk_paged_skips_logits_of_rows_that_fit():
-    """Through indexer_topk_paged the logits kernel leaves the rows that fit untouched (their scratch stays NaN) and
-    writes the others as the standalone call does, which still writes every row."""
-    q, w, kc, bt, req, pos = _paged_step(seed=1)
-    full = tindexer.indexer_logits_paged(q, w, kc, bt, req, pos)
-    assert not full.isnan().any()
-    buf = torch.full_like(full, float("nan"))
-    tindexer.indexer_topk_paged(q, w, kc, bt, req, pos, K, logits_buf=buf)
-    fits = pos + 1 <= K
-    assert buf[fits].isnan().all()
-    assert torch.equal(buf[~fits], full[~fits])
-
-
-@pytest.mark.parametrize("bs, cfg", [(BS, None), (32, dict(BLOCK_N=16, TILES=2, USE_TMA=True))])
-def test_indexer_logits_skip_len(bs, cfg):
-    """``skip_len`` skips exactly the rows whose window is at most it (gather and TMA launches alike)."""
-    q, w, kc, bt, req, pos = _paged_step(seed=2, bs=bs)
-    full = tindexer.indexer_logits_paged(q, w, kc, bt, req, pos, cfg=cfg)
-    skipped = tindexer.indexer_logits_paged(q, w, kc, bt, req, pos, cfg=cfg, skip_len=K,
-                                            out=torch.full_like(full, float("nan")))
-    fits = pos + 1 <= K
-    assert skipped[fits].isnan().all()
-    assert torch.equal(skipped[~fits], full[~fits])
 
 
 @pytest.mark.parametrize("method", ["segments", "multi"])

@@ -1,12 +1,14 @@
-"""``fxglm5::f32_linear`` in Triton: ``x.float() @ W.T`` (W float32) times a few scalars, one launch.
+"""``fxglm5::f32_linear`` on the GPU: ``x.float() @ W.T`` (W float32) times a few scalars.
 
-The MoE router (W [256, 6144]) and the DSA indexer's head weights (W [64, 6144]) at decode are a few rows against a
-few MB of float32 weights: bandwidth work that a cuBLAS SGEMV spread over too few CTAs and a SIMT SGEMM at batch 64
-(bench profile: 117 us per 8 layers) did slowly, with a cast kernel before and a multiply kernel per scale after.
-Here x is read in its own dtype and widened in registers, the products are exact float32 (an IEEE dot: FMAs, no TF32
-rounding of the weights), K is split over enough CTAs to stream the weights, and the last CTA of each output tile
-sums the partials in a fixed order (deterministic), applies the scales one by one as the reference does, and writes
-the tile (the split-K fix-up of :mod:`fxglm5.lowering.triton.fp8_gemm`, one launch).
+The MoE router (W [256, 6144]) and the DSA indexer's head weights (W [32, 6144]) read a few MB of float32 weights.
+At batch 1 (a single row) they are a GEMV, and one Triton kernel does all of it: x read in its own dtype and widened
+in registers, exact float32 products summed row by row (no tensor-core rounding of the weights), K split over
+enough CTAs to stream the weights, and the last CTA of each column tile summing the partials in a fixed order
+(deterministic), applying the scales one by one as the reference does and writing the tile (the split-K fix-up of
+:mod:`fxglm5.lowering.triton.fp8_gemm`): one launch where the unfused graph ran a cast, a cuBLAS GEMV and a kernel
+per scale. More rows are a GEMM, which cuBLAS's float32 kernels do well: there the op runs as its reference does.
+(A first version ran every row count through a Triton IEEE float32 ``tl.dot``: on an H200 it took 23 us a call at
+batch 1 and 300 us at 2048 rows, against 5.6 / 68 us for cuBLAS: bench/results/rank_at_depth/README.md.)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -22,7 +25,7 @@ from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_gemm import tile_counters
 
 MAX_SCALES = 4
-BLOCK_K = 64
+BLOCK_N, BLOCK_K = 16, 128
 CTAS_PER_SM = 2
 
 
@@ -40,48 +43,40 @@ def _scaled(acc, s0, s1, s2, s3, NUM_SCALES: tl.constexpr):
 
 
 @triton.jit
-def _f32_linear_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, s0, s1, s2, s3,
-                       NUM_SCALES: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _f32_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, cnt_ptr, N, K, stride_wn, s0, s1, s2, s3,
+                     NUM_SCALES: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One column tile x one K split: partial[n] = sum_k w[n, k] * x[k]; the tile's last split sums them."""
     pdl_prologue(PDL)
-    pid, pid_k = tl.program_id(0), tl.program_id(1)
-    num_n = tl.cdiv(N, BLOCK_N)
-    offs_m = (pid // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # rows past M / N re-read the last row (never stored): no row masks in the loop
-    a_ptrs = x_ptr + tl.minimum(offs_m, M - 1).to(tl.int64)[:, None] * stride_xm
-    b_ptrs = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn  # rows past N re-read the last
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for i in range(0, STEPS):
         offs_k = (pid_k * STEPS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = (offs_k < K)[None, :]
-        a = tl.load(a_ptrs + offs_k[None, :], mask=k_mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptrs + offs_k[None, :], mask=k_mask, other=0.0)
-        acc += tl.dot(a, tl.trans(b), input_precision="ieee")
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tile = offs_m[:, None] * N + offs_n[None, :]
+        k_mask = offs_k < K
+        x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
+        acc += tl.sum(w * x[None, :], axis=1)
     if SPLIT == 1:
-        tl.store(out_ptr + tile, _scaled(acc, s0, s1, s2, s3, NUM_SCALES), mask=mask)
+        tl.store(out_ptr + offs_n, _scaled(acc, s0, s1, s2, s3, NUM_SCALES), mask=n_mask)
     else:
-        tl.store(ws_ptr + pid_k * M * N + tile, acc, mask=mask)
-        # the last split of this tile to arrive sums every split's partial, in split order (see fp8_gemm's FIXUP)
-        tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        tl.store(ws_ptr + pid_k * N + offs_n, acc, mask=n_mask)
+        tl.debug_barrier()  # the CTA's partial stored before its arrival is published (see fp8_gemm's FIXUP)
+        if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for sp in range(0, SPLIT):
-                total += tl.load(ws_ptr + sp * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + tile, _scaled(total, s0, s1, s2, s3, NUM_SCALES), mask=mask)
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+                total += tl.load(ws_ptr + sp * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_n, _scaled(total, s0, s1, s2, s3, NUM_SCALES), mask=n_mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
-def pick_config(m: int, n: int, k: int, sms: int) -> dict:
-    """Row / column tiles for ``m`` rows, and the K split that gives about CTAS_PER_SM CTAs per SM."""
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    k_steps = triton.cdiv(k, BLOCK_K)
+def gemv_config(n: int, k: int, sms: int) -> dict:
+    """The K split that gives about CTAS_PER_SM CTAs per SM over the column tiles (and its steps per CTA)."""
+    tiles, k_steps = triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K)
     steps = triton.cdiv(k_steps, max(1, min(k_steps, round(CTAS_PER_SM * sms / tiles))))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, STEPS=steps, SPLIT=triton.cdiv(k_steps, steps))
+    return dict(STEPS=steps, SPLIT=triton.cdiv(k_steps, steps))
 
 
 def f32_linear(x: torch.Tensor, weight: torch.Tensor, scales: Sequence[float], *, validate: bool = True) -> torch.Tensor:
@@ -89,18 +84,20 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, scales: Sequence[float], *
     if validate:
         ref.validate_f32_linear(x, weight, scales, MAX_SCALES)
     n, k = weight.shape
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    if x.numel() != k:  # more than one row: cuBLAS's float32 GEMM, the scales in place after it
+        y = F.linear(x.float(), weight)
+        for s in scales:
+            y.mul_(s)
+        return y
     weight = weight.contiguous()
-    m = rows.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    if m:
-        cfg = pick_config(m, n, k, num_sms(x.device))
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT"])
-        ws = torch.empty(cfg["SPLIT"], m, n, dtype=torch.float32, device=x.device) if cfg["SPLIT"] > 1 else out
-        counters = tile_counters(x.device, grid[0]) if cfg["SPLIT"] > 1 else out
-        padded = [float(s) for s in scales] + [1.0] * (MAX_SCALES - len(scales))
-        _f32_linear_kernel[grid](rows, weight, ws, out, counters, m, n, k, rows.stride(0), weight.stride(0), *padded,
-                                 NUM_SCALES=len(scales), BLOCK_K=BLOCK_K, num_warps=4, **cfg, **pdl(x.device))
+    out = torch.empty(n, dtype=torch.float32, device=x.device)
+    cfg = gemv_config(n, k, num_sms(x.device))
+    tiles = triton.cdiv(n, BLOCK_N)
+    split = cfg["SPLIT"] > 1
+    ws = torch.empty(cfg["SPLIT"], n, dtype=torch.float32, device=x.device) if split else out
+    counters = tile_counters(x.device, tiles) if split else out
+    padded = [float(s) for s in scales] + [1.0] * (MAX_SCALES - len(scales))
+    _f32_gemv_kernel[(tiles, cfg["SPLIT"])](x.reshape(k).contiguous(), weight, ws, out, counters, n, k,
+                                             weight.stride(0), *padded, NUM_SCALES=len(scales), BLOCK_N=BLOCK_N,
+                                             BLOCK_K=BLOCK_K, num_warps=4, **cfg, **pdl(x.device))
     return out.view(*x.shape[:-1], n)

@@ -14,12 +14,6 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
 2. ``topk_from_logits`` (:mod:`fxglm5.lowering.triton.topk`): the exact top-k of those rows.
    Output slots past ``min(topk, positions[t] + 1)`` are -1. No host sync, no data-dependent shapes: every
    buffer is sized by the arguments, so the kernels can be captured in a CUDA graph.
-
-A row whose causal window fits in the top-k (``positions[t] + 1 <= topk``: every decode step below 2048 tokens
-of context at GLM-5's top-2048) selects its whole window, so ``indexer_topk_paged`` has the logits kernel return
-at once for it and the top-k write ``0 .. positions[t]`` without reading its scores: an H200 decode profile spent
-5.4 us a layer on such rows' logits and 10 us on their top-k. The test is per row, on the device (a batch mixes
-short and long rows).
 """
 
 from __future__ import annotations
@@ -58,13 +52,12 @@ def _tile_logits(k8, q8, w, ksc, valid, F32DOT: tl.constexpr, PROMOTE: tl.conste
     return tl.where(valid, tl.sum(s, axis=1) * ksc, float("-inf"))
 
 
-# T_BUCKET is an autotune key only, skip_len a per-call setting (0 or the top-k): no recompiles per value
-@triton.jit(do_not_specialize=["T_BUCKET", "skip_len"])
+@triton.jit(do_not_specialize=["T_BUCKET"])  # an autotune key only: no recompiles per value
 def _indexer_logits_kernel(
     q_ptr, stride_qt, stride_qh, w_ptr, stride_wt,
     kc_ptr, ks_ptr, n_key_rows,
     bt_ptr, stride_bt, req_ptr, pos_ptr,
-    o_ptr, stride_ot, HI, max_len, T_BUCKET, skip_len,
+    o_ptr, stride_ot, HI, max_len, T_BUCKET,
     BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     F32DOT: tl.constexpr, PROMOTE: tl.constexpr = 128, USE_TMA: tl.constexpr = False,
 ):
@@ -73,10 +66,8 @@ def _indexer_logits_kernel(
     t = tl.program_id(0)
     pb = tl.program_id(1)
     t64 = t.to(tl.int64)
-    n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
-    if n_valid <= skip_len:  # the top-k takes this whole window without reading its scores
-        return
     req = tl.load(req_ptr + t).to(tl.int64)
+    n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
     n_first = pb * (BLOCK_N * TILES)
     o_row = o_ptr + t64 * stride_ot
     # cache hints: the logits (a few MB) are re-read by the top-k right after, the streamed keys (hundreds of MB)
@@ -169,13 +160,8 @@ def tuned_config():
 
 
 def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, max_len: int | None = None, *,
-                         out: torch.Tensor | None = None, validate: bool = True, cfg: dict | None = None,
-                         skip_len: int = 0):
-    """float32 [T, max_len] FP8 indexer scores (-inf beyond the causal window).
-
-    Rows whose causal window ``positions[t] + 1`` is at most ``skip_len`` are left unwritten:
-    :func:`indexer_topk_paged` passes its top-k, since such a row's selection is its whole window (decided on the
-    device, per row: no host sync). The default 0 writes every row."""
+                         out: torch.Tensor | None = None, validate: bool = True, cfg: dict | None = None):
+    """float32 [T, max_len] FP8 indexer scores (-inf beyond the causal window)."""
     if validate:
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, 1)
     T, HI, _ = q.shape
@@ -192,7 +178,7 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     BLOCK_HI = max(16, triton.next_power_of_2(HI))
     args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache, k_cache.view(torch.float32),
             k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, out, out.stride(0), HI,
-            max_len, triton.next_power_of_2(T), skip_len)
+            max_len, triton.next_power_of_2(T))
     if not interp and not cfg and not settings.no_autotune():
         grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
         ensure_tma_allocator()
@@ -244,8 +230,7 @@ LOGITS_BYTES_PER_ELEMENT = 4
 
 def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk: int, *, validate: bool = True,
                        logits_buf: torch.Tensor | None = None, out: torch.Tensor | None = None):
-    """DSA lightning indexer -> int32 [T, topk] positions (any order), -1 padded. ``logits_buf`` (scratch for the
-    scores) holds no scores for the rows whose window fits in ``topk`` afterwards (the module docstring)."""
+    """DSA lightning indexer -> int32 [T, topk] positions (any order), -1 padded."""
     if validate:
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk)
     T, max_len = q.shape[0], block_table.shape[1] * k_cache.shape[1]
@@ -258,5 +243,5 @@ def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, top
                                validate=False, out=out[s:e])
         return out
     logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
-                                  validate=False, skip_len=topk)
+                                  validate=False)
     return topk_from_logits(logits, positions, topk, out=out, validate=False)

@@ -1,0 +1,542 @@
+"""One rank of a TP x EP deployment of GLM-5-FP8 at full depth (78 layers) on one GPU: TTFT and TPOT with, beside each
+point, its roofline, collectives, kernels and memory (an earlier measurement's method, which patched the project
+from outside, made part of it; results: bench/results/rank_at_depth/).
+
+Why one rank on one GPU: a rank of TP8 / EP8 holds 97 GB of weights and runs every layer; what it computes per step
+is what each of the eight GPUs computes, less the communication. The process group is torch's fake one
+(``torch.testing._internal.distributed.fake_pg``): its collectives return at once without communicating (all_reduce
+leaves its input, all_gather repeats it), eagerly and inside CUDA-graph capture, which a probe checks first. So the
+figures leave out the all-reduces' time; their count and message sizes are reported beside each point. Weights are
+random (``fxglm5.model.random_reader.RandomReader``, drawn on the GPU at the shard plan's shapes): uniform routing,
+which is optimistic for MoE.
+
+Points: TTFT of one prompt of 2k / 8k / 32k tokens (after one warm-up prefill of that length, which compiles and
+autotunes); TPOT, the median of 8 ``Runner.decode()`` steps after 2 warm-ups (the first captures the decode CUDA
+graph), at B = 1, 8, 64 with 2k context and B = 1, 8 with 32k. The decode context is synthetic: each request's
+blocks hold valid random rows in every layer's latent and index caches, written by the cache-write kernels, its
+state as after a prefill (no 256k tokens of prefill to measure a step). A point whose cache does not fit beside
+the weights is skipped with the reason. Beside each point: the bytes the step must read over this run's copy
+bandwidth (roofline), the kernels per step and their device time (torch.profiler over 3 more steps, or the one
+prefill), the collectives per step and their message sizes, and the memory. One runner serves every point.
+
+    python bench/rank_at_depth.py [--points ttft2k,tpot1x2k,...] [--layers N] [--without pass,pass] [--tiny]
+                                  [--variants fixup_off,pdl,...] [--variant-points tpot1x2k,...]
+
+``--without``: after the run, a baseline over the same points with those compiler passes disabled (a second
+runner, built after the first is freed). ``--variants``: kernel settings (VARIANTS: an environment setting, or
+launch configurations of the kernel modules) measured again at ``--variant-points`` on the same runner, its decode
+graphs captured anew under each, so that a setting is judged by the whole step beside the default in one run. ``--tiny``: the whole flow on the CPU with a tiny config that splits over 8
+ranks and contexts / 256 (a smoke run: its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import itertools
+import math
+import os
+import re
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import harness  # noqa: E402
+from fxglm5.contracts import FP8_ROW_BYTES, INDEX_ROW_BYTES  # noqa: E402
+from fxglm5.model.config import Glm5Config  # noqa: E402
+from fxglm5.model.random_reader import RandomReader  # noqa: E402
+from fxglm5.runtime.cache import available_memory  # noqa: E402
+from fxglm5.runtime.runner import Runner, Sequence  # noqa: E402
+
+TP = EP = 8
+BLOCK = 64
+POINTS = {  # name -> (kind, batch, context)
+    "ttft2k": ("ttft", 1, 2048), "ttft8k": ("ttft", 1, 8192), "ttft32k": ("ttft", 1, 32768),
+    "tpot1x2k": ("tpot", 1, 2048), "tpot8x2k": ("tpot", 8, 2048), "tpot64x2k": ("tpot", 64, 2048),
+    "tpot1x32k": ("tpot", 1, 32768), "tpot8x32k": ("tpot", 8, 32768),
+}
+TINY_SCALE = 256  # --tiny divides the contexts by this
+WARM, TIMED = 2, 8  # decode steps per TPOT point, then profiled_steps more
+# GPU memory left free beside the cache for a step's activations (a 16k-token prefill chunk's, the decode graphs'
+# pools); a point whose cache needs more than the rest is skipped
+ACTIVATION_RESERVE = 12 * 2**30
+_IDS = itertools.count(1 << 40)  # request ids of the synthetic contexts (the runner's own count from 0)
+# name -> (environment, {module.DICT: keys}): kernel settings a decode step is measured again under
+VARIANTS = {
+    "fixup_off": ({}, {"fp8_gemm.DECODE": {"FIXUP": False}}),  # the split-K GEMMs' separate reduce kernel
+    "pdl": ({"FXGLM5_PDL": "1"}, {}),  # programmatic dependent launch (fxglm5.lowering.triton.device.pdl)
+    "moe_split": ({}, {"moe.MOE_DECODE": {"CTAS_PER_SM1": 16, "SPLIT2": 4}}),  # more K splits, for few experts
+}
+
+
+class TimedReader(RandomReader):
+    """RandomReader that adds up the wall time spent inside its ``with`` blocks (the load), device work included."""
+
+    seconds = 0.0
+
+    def __enter__(self):
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - self._start
+
+
+def bench_config(layers: int | None, tiny: bool) -> Glm5Config:
+    """GLM-5 (78 layers, or ``layers``) without its MTP layer; ``tiny``: widths that split over 8 ranks into whole
+    128-blocks (16 heads: 2 per rank; dense / shared-expert widths 1024; 16 experts, 2 per rank)."""
+    if tiny:
+        cfg = Glm5Config.preset("tiny-tp").replace(
+            num_attention_heads=16, num_key_value_heads=16, intermediate_size=1024, moe_intermediate_size=1024,
+            n_routed_experts=16)
+    else:
+        cfg = Glm5Config.preset("glm5")
+    depth = {} if layers is None else dict(num_hidden_layers=layers, mlp_layer_types=None, indexer_types=None)
+    return cfg.replace(num_nextn_predict_layers=0, **depth)
+
+
+def init_fake_group() -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=TP)
+
+
+def probe_collectives(device: torch.device) -> dict:
+    """Each implementation of fxglm5::all_reduce / all_gather (the custom op and what ``lower`` binds) returns, with
+    the fake group's values, eagerly and (on a GPU) inside a CUDA graph that is replayed on a new input."""
+    from fxglm5.lowering.bindings import implementations
+
+    x = torch.randn(4, 256, device=device, dtype=torch.bfloat16)
+    report = {}
+    for op, extra, expect in (("all_reduce", (), lambda t: t), ("all_gather", (-1,), lambda t: t.repeat(1, TP))):
+        fns = {"fxglm5::" + op: getattr(torch.ops.fxglm5, op).default,
+               **{f"{op} ({backend})": impl.fn for backend, impl in implementations(op).items()}}
+        for name, fn in fns.items():
+            def call(t, fn=fn, extra=extra):
+                return fn(t, *extra, "tp", TP)
+
+            report[name] = dict(eager=torch.equal(call(x), expect(x)),
+                                cuda_graph=_probe_capture(call, x, expect) if device.type == "cuda" else None)
+    bad = [n for n, r in report.items() if not r["eager"] or r["cuda_graph"] is False]
+    if bad:
+        raise RuntimeError(f"fake process group: {bad} did not return the expected values: {report}")
+    return report
+
+
+def _probe_capture(call, x, expect) -> bool:
+    static = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(static)
+    new = torch.randn_like(x)
+    static.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    return torch.equal(out, expect(new))
+
+
+def weight_bytes(graph) -> dict[str, int]:
+    """Bytes of the weights the rank's graph holds, by category (derived constants under their layer's module)."""
+    dense = re.compile(r"model\.layers\.\d+\.mlp\.(?!experts\.|shared_experts\.|gate\.)")
+    rules = (("routed experts", ".mlp.experts."), ("shared experts", ".mlp.shared_experts."), ("router", ".mlp.gate."),
+             ("attention + indexer", ".self_attn."), ("embedding", "embed_tokens"), ("lm_head shard", "lm_head"))
+    out: dict[str, int] = collections.Counter()
+    for name, t in itertools.chain(graph.named_parameters(), graph.named_buffers()):
+        kind = next((k for k, s in rules if s in name), "dense MLPs" if dense.match(name) else "norms")
+        out[kind] += t.numel() * t.element_size()
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def collectives(graph) -> list[dict]:
+    """The graph's collectives (each runs once per step): op, count, message bytes per token row."""
+    found = collections.Counter()
+    for node in graph.graph.nodes:
+        op = getattr(node.target, "op", None)
+        if op in ("all_reduce", "all_gather"):
+            val = node.args[0].meta["val"]
+            row = math.prod(int(d) for d in val.shape if isinstance(d, int)) * val.element_size()
+            found[(op, row)] += 1
+    return [dict(op=op, count=n, bytes_per_row=row) for (op, row), n in sorted(found.items())]
+
+
+def expected_local_experts(cfg: Glm5Config, batch: int) -> float:
+    """Distinct local experts that ``batch`` tokens route to under uniform top-k routing (EP over TP ranks)."""
+    return cfg.n_routed_experts / EP * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
+
+
+def step_bytes(cfg: Glm5Config, weights: dict[str, int], batch: int, ctx: int) -> int:
+    """Bytes one decode step must read on the rank: its weights (the routed experts only as many as the batch
+    routes to, the embedding only the batch's rows) and, per layer and request, the latent rows sparse attention
+    gathers (top-k) and the index rows the indexer scores (the whole context)."""
+    local = cfg.n_routed_experts / EP
+    fixed = sum(v for k, v in weights.items() if k not in ("routed experts", "embedding"))
+    experts = weights.get("routed experts", 0) * expected_local_experts(cfg, batch) / local
+    embedding = weights.get("embedding", 0) * batch / cfg.vocab_size
+    kv = sum(min(ctx, cfg.index_topk) * FP8_ROW_BYTES + ctx * INDEX_ROW_BYTES * cfg.has_indexer(i)
+             for i in range(cfg.num_hidden_layers)) * batch
+    return int(fixed + experts + embedding + kv)
+
+
+def cache_writers(device: torch.device):
+    """The cache-write kernels the graph's own steps use: Triton on a GPU, the torch reference on a CPU."""
+    if device.type == "cuda":
+        from fxglm5.lowering.triton.paged_cache import write_indexer_cache, write_latent_cache
+    else:
+        from fxglm5.lowering.reference.paged import write_indexer_cache, write_latent_cache
+    return write_latent_cache, write_indexer_cache
+
+
+def synthetic_context(runner: Runner, batch: int, ctx: int, gen: torch.Generator) -> list[Sequence]:
+    """``batch`` requests of ``ctx`` cached tokens, as after their prefill: blocks allocated, valid random rows
+    written at their slots in every layer's latent and index caches, one output token; appended to
+    ``runner.active``."""
+    cfg, cache, device = runner.config, runner.cache, torch.device(runner.device)
+    seqs = [Sequence(next(_IDS), torch.randint(cfg.vocab_size, (ctx,), generator=gen).tolist()) for _ in range(batch)]
+    for seq in seqs:
+        if runner.blocks.allocate(seq.id, seq.prompt):
+            raise RuntimeError("a synthetic context reused a cached prefix")
+    pos = torch.arange(ctx)
+    slots = torch.cat([torch.tensor(runner.blocks.tables[s.id])[pos // cache.block_size] * cache.block_size
+                       + pos % cache.block_size for s in seqs]).to(device)
+    rows = dict(device=device, dtype=cache.dtype)
+    kv_c = torch.randn(len(slots), cfg.kv_lora_rank, **rows)
+    k_pe = torch.randn(len(slots), cfg.qk_rope_head_dim, **rows)
+    keys = torch.randn(len(slots), cfg.index_head_dim, **rows)
+    write_latent, write_index = cache_writers(device)
+    for kv_name, index_name in cache.signature.layers:
+        write_latent(cache.kernel_view(kv_name), kv_c, k_pe, slots, validate=False)
+        if index_name is not None:
+            write_index(cache.kernel_view(index_name), keys, slots, validate=False)
+    for seq in seqs:
+        seq.cached, seq.output = ctx, [int(torch.randint(cfg.vocab_size, (1,), generator=gen))]
+    runner.active.extend(seqs)
+    return seqs
+
+
+def profile(fn, steps: int, device: torch.device, layers: int, wall_ms: float) -> dict:
+    """``fn`` run ``steps`` times under torch.profiler: per step, the kernels and their device time, the top kernels,
+    and the unprofiled wall time ``wall_ms`` over the kernel time. On a CPU the "kernels" are the top-level ops."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda"
+                                                    else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+            sync(device)
+    if device.type == "cuda":
+        events = [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not e.name.startswith(("Memcpy", "Memset"))]
+    else:
+        events = [(e.name, e.cpu_time_total) for e in prof.events() if e.cpu_parent is None]
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for name, us in events:
+        per[name[:90]][0] += 1
+        per[name[:90]][1] += us
+    count, us = sum(c for c, _ in per.values()) / steps, sum(t for _, t in per.values()) / steps
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:12]
+    return dict(source="cuda kernels" if device.type == "cuda" else "top-level cpu ops (no GPU)",
+                kernels_per_step=round(count, 1), kernels_per_layer=round(count / layers, 1),
+                kernel_ms_per_step=round(us / 1e3, 3), wall_over_kernel=round(wall_ms / (us / 1e3), 2) if us else None,
+                top=[dict(kernel=name, calls_per_step=round(c / steps, 1), us_per_step=round(t / steps, 1))
+                     for name, (c, t) in top])
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def memory(device: torch.device) -> dict:
+    """The GPU's peak allocation since the point began and its free memory (nothing on a CPU)."""
+    if device.type != "cuda":
+        return {}
+    return dict(peak_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                free_gib=round(torch.cuda.mem_get_info()[0] / 2**30, 2))
+
+
+def measure_ttft(runner: Runner, ctx: int, gen: torch.Generator, device: torch.device) -> dict:
+    """One prompt's prefill: a warm-up (compile, autotune), then timed, then profiled; fresh random tokens each
+    time (no prefix reuse)."""
+    vocab, layers = runner.config.vocab_size, runner.config.num_hidden_layers
+
+    def prefill():
+        seq, = runner.prefill([torch.randint(vocab, (ctx,), generator=gen).tolist()])
+        if seq.error is not None or seq.prefix_reused:
+            raise RuntimeError(f"prefill of {ctx} tokens: {seq.error or 'reused a prefix'}")
+        runner.release(seq)
+
+    prefill()
+    sync(device)
+    start = time.perf_counter()
+    prefill()
+    sync(device)
+    ms = (time.perf_counter() - start) * 1e3
+    return dict(measured_ms=round(ms, 2), profile=profile(prefill, 1, device, layers, ms))
+
+
+def measure_tpot(runner: Runner, batch: int, ctx: int, gen: torch.Generator, device: torch.device) -> dict:
+    """Median decode step over a synthetic context (``synthetic_context``), then ``profiled_steps`` profiled."""
+    seqs = synthetic_context(runner, batch, ctx, gen)
+    try:
+        for _ in range(WARM):
+            runner.decode()
+        times = []
+        for _ in range(TIMED):
+            sync(device)
+            start = time.perf_counter()
+            if len(runner.decode()) != batch:
+                raise RuntimeError(f"a request left the batch: {[s.error for s in seqs]}")
+            sync(device)
+            times.append((time.perf_counter() - start) * 1e3)
+        ms = statistics.median(times)
+        graphs = runner.decode_graphs
+        return dict(measured_ms=round(ms, 3), steps_ms=[round(t, 3) for t in times],
+                    cuda_graphs=bool(graphs is not None and graphs.graphs and graphs.disabled is None),
+                    profile=profile(runner.decode, profiled_steps(device), device, runner.config.num_hidden_layers, ms))
+    finally:
+        for seq in seqs:
+            runner.release(seq)
+
+
+def profiled_steps(device: torch.device) -> int:
+    """Decode steps under the profiler: 3, or 1 on a CPU (where it parses every op's events in Python, slowly)."""
+    return 3 if device.type == "cuda" else 1
+
+
+def blocks_for(kind: str, batch: int, ctx: int, device: torch.device) -> int:
+    """Cache blocks a point needs (a TPOT point's requests grow by every decode step)."""
+    steps = WARM + TIMED + profiled_steps(device) if kind == "tpot" else 0
+    return batch * -(-(ctx + steps) // BLOCK)
+
+
+def build_runner(reader, device, num_blocks: int, graph=None, disabled=()) -> Runner:
+    return Runner(reader, tp=TP, ep=EP, kv_cache="fp8", index_cache="fp8", block_size=BLOCK, dtype=torch.bfloat16,
+                  device=device, max_decode_batch=64, num_blocks=num_blocks, graph=graph, disabled_passes=disabled)
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure_point(runner: Runner, run: dict, kind: str, batch: int, ctx: int, copy_gbs, gen, device) -> dict:
+    """One point's figures: the time and profile, the memory, the collectives' bytes and (TPOT) the roofline."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if kind == "ttft":
+        measure = measure_ttft(runner, ctx, gen, device)
+    else:
+        measure = measure_tpot(runner, batch, ctx, gen, device)
+    rows = {"all_reduce": ctx if kind == "ttft" else batch, "all_gather": batch}  # the lm_head's: sampled rows only
+    measure.update(memory(device), collective_bytes_per_step={
+        c["op"]: c["count"] * c["bytes_per_row"] * rows[c["op"]] for c in run["collectives_per_step"]})
+    if kind == "tpot":
+        need = step_bytes(runner.config, run["weight_bytes"], batch, ctx)
+        roof = need / (copy_gbs * 1e9) * 1e3 if copy_gbs else None
+        measure.update(step_bytes=need, roofline_ms=roof and round(roof, 3),
+                       ratio=roof and round(measure["measured_ms"] / roof, 2))
+    return measure
+
+
+class variant:
+    """Context manager: the decode step under VARIANTS[name] (environment set, module dicts patched, the runner's
+    decode graphs dropped so that they are captured under it), everything put back after."""
+
+    def __init__(self, runner: Runner, name: str):
+        self.runner, (self.env, self.patches) = runner, VARIANTS[name]
+
+    def __enter__(self):
+        import importlib
+
+        self.saved_env = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        self.saved = []
+        for target, keys in self.patches.items():
+            module, attr = target.rsplit(".", 1)
+            table = getattr(importlib.import_module("fxglm5.lowering.triton." + module), attr)
+            self.saved.append((table, {k: table.get(k) for k in keys}))
+            table.update(keys)
+        self._drop_graphs()
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        for table, old in self.saved:
+            for k, v in old.items():
+                table.pop(k, None) if v is None else table.__setitem__(k, v)
+        self._drop_graphs()
+
+    def _drop_graphs(self):
+        graphs = self.runner.decode_graphs
+        if graphs is not None:
+            graphs.graphs.clear()
+            sync(torch.device(self.runner.device))
+
+
+def run_variants(runner: Runner, run: dict, names, points: dict, copy_gbs, table: harness.Results, save, gen,
+                 device) -> None:
+    """Each of ``names`` measured at ``points`` (TPOT) on ``runner``; a variant that fails is recorded as such."""
+    for name in names:
+        for point, (kind, batch, ctx) in points.items():
+            row = dict(point=point, passes_disabled=run["disabled_passes"], variant=name, batch=batch, ctx=ctx)
+            try:
+                with variant(runner, name):
+                    m = measure_point(runner, run, kind, batch, ctx, copy_gbs, gen, device)
+            except Exception as err:  # noqa: BLE001 - one setting failing leaves the run's other figures standing
+                run.setdefault("variants", {}).setdefault(name, {})[point] = dict(failed=repr(err)[:400])
+                table.add(**row, status=f"failed: {type(err).__name__}: {str(err)[:200]}")
+                save()
+                continue
+            run.setdefault("variants", {}).setdefault(name, {})[point] = m
+            table.add(**row, status="measured", ms=m["measured_ms"], roofline_ms=m.get("roofline_ms"),
+                      ratio=m.get("ratio"), kernels_per_step=m["profile"]["kernels_per_step"],
+                      kernel_ms_per_step=m["profile"]["kernel_ms_per_step"],
+                      wall_over_kernel=m["profile"]["wall_over_kernel"])
+            save()
+
+
+def run_points(reader, device, points: dict, disabled, copy_gbs, record: dict, table: harness.Results, save,
+               variants=(), variant_points=None) -> None:
+    """Compile and load a runner with a 2-block cache, then rebuild it over the same graph with the cache sized for
+    the points that fit beside the weights, and measure each point into ``record`` and ``table``."""
+    label = ",".join(disabled) or None
+    start = time.perf_counter()
+    first = build_runner(reader, device, 2, disabled=disabled)
+    built_s = time.perf_counter() - start
+    per_token = nbytes(first.cache.tensors.values()) // (2 * BLOCK)
+    free = available_memory(device) + nbytes(first.cache.tensors.values())
+    reserve = ACTIVATION_RESERVE if device.type == "cuda" else 0
+    need = {name: blocks_for(*spec, device) for name, spec in points.items()}
+    fit = [n for n in points if need[n] <= (free - reserve) // (per_token * BLOCK) - 1]
+    graph = first.graph
+    del first
+    gc.collect()
+    runner = build_runner(reader, device, max((need[n] for n in fit), default=1) + 1, graph=graph)
+    weights = weight_bytes(graph)
+    run = dict(disabled_passes=label, compile_s=round(built_s - reader.seconds, 2), load_s=round(reader.seconds, 2),
+               weight_bytes=weights, weights_gb={k: round(v / 1e9, 3) for k, v in weights.items()},
+               weights_total_gb=round(sum(weights.values()) / 1e9, 2), kv_bytes_per_token=per_token,
+               free_after_load_gib=round(free / 2**30, 2),
+               cache_gib=round(nbytes(runner.cache.tensors.values()) / 2**30, 2),
+               collectives_per_step=collectives(graph), points={})
+    record.setdefault("runs", []).append(run)
+    print(f"== passes disabled: {label}: compile {run['compile_s']} s, load {run['load_s']} s, weights "
+          f"{run['weights_total_gb']} GB {run['weights_gb']}, free after load {run['free_after_load_gib']} GiB",
+          flush=True)
+    gen = torch.Generator().manual_seed(1)
+    for name, (kind, batch, ctx) in points.items():
+        row = dict(point=name, passes_disabled=label, batch=batch, ctx=ctx)
+        if name in fit:
+            m = run["points"][name] = measure_point(runner, run, kind, batch, ctx, copy_gbs, gen, device)
+            table.add(**row, status="measured", ms=m["measured_ms"], roofline_ms=m.get("roofline_ms"),
+                      ratio=m.get("ratio"), step_gb=round(m["step_bytes"] / 1e9, 2) if "step_bytes" in m else None,
+                      kernels_per_step=m["profile"]["kernels_per_step"],
+                      kernel_ms_per_step=m["profile"]["kernel_ms_per_step"],
+                      wall_over_kernel=m["profile"]["wall_over_kernel"], peak_gib=m.get("peak_allocated_gib"))
+        else:
+            reason = (f"its cache needs {need[name] * BLOCK * per_token / 2**30:.3g} GiB, "
+                      f"{(free - reserve) / 2**30:.3g} GiB free after the weights and {reserve / 2**30:.3g} GiB "
+                      "kept for activations")
+            print(f"skip {name}: {reason}", flush=True)
+            run["points"][name] = dict(skipped=reason)
+            table.add(**row, status="skipped: " + reason)
+        save()
+    run_variants(runner, run, variants, {n: p for n, p in (variant_points or {}).items() if n in fit}, copy_gbs, table,
+                 save, gen, device)
+    del runner, graph
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def notes(record: dict) -> str:
+    """The markdown under the table: how it was measured, and per run what the rank holds and sends."""
+    lines = ["", *(f"- {k}: {record[k]}" for k in ("setup", "context", "timing", "roofline"))]
+    for run in record.get("runs", []):
+        lines += ["", f"## Passes disabled: {run['disabled_passes']}", "",
+                  f"- compile {run['compile_s']} s, load (random weights drawn on the device) {run['load_s']} s",
+                  f"- weights {run['weights_total_gb']} GB: "
+                  + ", ".join(f"{k} {v}" for k, v in run["weights_gb"].items()),
+                  f"- free after load {run['free_after_load_gib']} GiB; cache {run['cache_gib']} GiB, "
+                  f"{run['kv_bytes_per_token']} B per token",
+                  "- collectives per step: " + ", ".join(f"{c['count']} {c['op']} of {c['bytes_per_row']} B per row"
+                                                         for c in run["collectives_per_step"])]
+        for point, m in run["points"].items():
+            if "profile" in m:
+                top = "; ".join(f"{k['kernel'][:60]} {k['calls_per_step']} x, {k['us_per_step']} us"
+                                for k in m["profile"]["top"][:6])
+                lines.append(f"- {point}: per step {top}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--points", default=",".join(POINTS), help=f"a subset of {','.join(POINTS)}, measured in "
+                        "the order given")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the config's, 78)")
+    parser.add_argument("--without", default="", help="also run a baseline with these passes disabled")
+    parser.add_argument("--tiny", action="store_true", help="a tiny config on the CPU, contexts / 256 (smoke run)")
+    parser.add_argument("--variants", default="", help=f"kernel settings measured again: of {','.join(VARIANTS)}")
+    parser.add_argument("--variant-points", default="tpot1x2k,tpot64x2k", help="the TPOT points of the variants")
+    args = parser.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    for option, names, known in (("--points", args.points.split(","), POINTS), ("--variants", variants, VARIANTS),
+                                 ("--variant-points", args.variant_points.split(","), POINTS)):
+        unknown = sorted(set(names) - set(known))
+        if unknown:
+            parser.error(f"{option}: unknown {unknown}; choose from {','.join(known)}")
+    if any(POINTS[n][0] != "tpot" for n in args.variant_points.split(",")):
+        parser.error("--variant-points: TPOT points only (the variants are decode settings)")
+
+    def scaled(names):
+        return {n: (POINTS[n][0], POINTS[n][1], POINTS[n][2] // TINY_SCALE if args.tiny else POINTS[n][2])
+                for n in names.split(",")}  # measured in the order given
+
+    points = scaled(args.points)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    torch.manual_seed(0)
+    init_fake_group()
+    cfg = bench_config(args.layers, args.tiny)
+    copy_gbs = harness.copy_bandwidth_gbs() if device.type == "cuda" else None
+    name = "rank_at_depth_tiny" if args.tiny else "rank_at_depth"
+    table = harness.Results(copy_gbs)
+    record = dict(
+        setup=f"one rank (0) of TP{TP} / EP{EP}, fake process group (collectives return without communicating); "
+              f"{cfg.num_hidden_layers} layers, random block-FP8 weights drawn on the device (uniform routing); bf16 "
+              f"compute, FP8 latent + index caches, {BLOCK}-token blocks; decode CUDA graphs on a GPU",
+        context="TPOT contexts are synthetic: random valid rows written by the cache-write kernels into every "
+                "layer's caches, each request's state as after its prefill",
+        timing=f"TTFT: one prefill after one warm-up of that length; TPOT: median of {TIMED} Runner.decode() steps "
+               f"after {WARM} warm-ups, synchronised around each; profiles: torch.profiler over 1 prefill / "
+               f"{profiled_steps(device)} decode steps",
+        roofline="bytes a decode step must read on the rank (weights with the routed experts the batch's tokens "
+                 "choose under uniform routing and the batch's embedding rows, + top-k latent rows and all index "
+                 "rows per layer and request) over the copy bandwidth measured in this run",
+        copy_bandwidth_gbs=copy_gbs, collective_probe=probe_collectives(device))
+    print("collective probe:", record["collective_probe"], flush=True)
+
+    def save() -> None:
+        harness.write_record(os.path.join(harness.out_dir(), f"{name}_detail.json"), record, echo=False)
+        table.save(name, notes=notes(record))
+
+    for disabled in [()] + ([tuple(args.without.split(","))] if args.without else []):
+        run_points(TimedReader(cfg), device, points, disabled, copy_gbs, record, table, save,
+                   variants=variants if not disabled else (), variant_points=scaled(args.variant_points))
+    print("\n" + table.markdown(), flush=True)
+    print("saved under", harness.out_dir())
+
+
+if __name__ == "__main__":
+    main()

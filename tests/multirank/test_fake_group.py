@@ -1,0 +1,128 @@
+"""One rank of a TP8 / EP8 deployment in one process, the way bench/rank_at_depth.py measures one: torch's fake
+process group at world 8 (its collectives return without communicating) and random weights from RandomReader,
+on a tiny config whose widths split over 8 ranks into whole 128-blocks (16 heads, dense and shared-expert widths
+1024, 16 experts: 2 per rank).
+
+- RandomReader gives each attribute the sharded graph reads exactly its plan part's shape and dtype, with values a
+  model can run on (finite, positive block scales), the same for the same seed; a ``like`` of another shape than
+  the part, a part outside the parameter and a name the config has not are refused.
+- ``Runner(reader, tp=8, ep=8)`` on the CPU compiles, loads and generates tokens in the vocabulary, the same tokens
+  for the same seed (the weights are drawn anew by each runner's reader); a loaded model is still refused.
+- ``bench/rank_at_depth.py --tiny`` runs its whole flow (collective probe, TTFT, synthetic-context TPOT, profiles)
+  and writes its results with their provenance.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fxglm5.errors import CheckpointError, InputError
+from fxglm5.model.config import Glm5Config
+from fxglm5.model.modeling import Glm5ForCausalLM
+from fxglm5.model.random_reader import RandomReader
+from fxglm5.parallel import Slice
+from fxglm5.runtime.runner import Runner
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = Glm5Config.preset("tiny-tp").replace(
+    num_attention_heads=16, num_key_value_heads=16, intermediate_size=1024, moe_intermediate_size=1024,
+    n_routed_experts=16, num_nextn_predict_layers=0)
+PROMPTS = [[5, 9, 2, 33, 7, 1, 8, 21], [3, 4]]
+OPTIONS = dict(tp=8, ep=8, kv_cache="fp8", block_size=16, max_cache_tokens=256, keep_logits=True)
+
+
+@pytest.fixture(scope="module")
+def fake_group():
+    """Rank 0 of a fake world of 8, torn down after this file so that later tests in the worker see no group."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def served(fake_group):
+    runner = Runner(RandomReader(CONFIG, seed=0), **OPTIONS)
+    return runner, runner.run(PROMPTS, 4)
+
+
+def test_runner_generates_in_vocabulary_tokens_the_same_for_a_seed(served):
+    runner, seqs = served
+    assert [len(s.output) for s in seqs] == [4, 4]
+    assert all(0 <= t < CONFIG.vocab_size for s in seqs for t in s.output)
+    assert all(torch.isfinite(torch.stack(s.logits)).all() for s in seqs)
+    assert runner.load_report.bytes_read == sum(runner.load_report.tensors.values()) > 0
+    again = Runner(RandomReader(CONFIG, seed=0), **OPTIONS).run(PROMPTS, 4)
+    assert [s.output for s in again] == [s.output for s in seqs]
+    for a, b in zip(again, seqs):
+        assert torch.equal(torch.stack(a.logits), torch.stack(b.logits))
+
+
+def test_reader_gives_each_part_of_the_plan_its_shape_and_dtype(served):
+    runner, _ = served
+    plan = runner.graph.meta["shard_plan"]
+    assert any(part.dim == 0 and ".mlp.experts." in name for name, part in plan.items())  # EP: experts by rank
+    meta = dict(Glm5ForCausalLM(CONFIG, dtype=torch.bfloat16, device="meta").named_parameters())
+    reader, other = RandomReader(CONFIG, seed=0), RandomReader(CONFIG, seed=1)
+    expected = 0
+    for name, full in meta.items():
+        part = plan.get(name)
+        like = full if part is None else part.apply(full)
+        got = reader.param(name, like, "cpu", part)
+        assert got.shape == like.shape and got.dtype == like.dtype and got.device.type == "cpu", name
+        values = got.float()  # (e4m3 has no torch.equal on the CPU)
+        assert torch.isfinite(values).all(), name
+        if name.endswith("_scale_inv"):
+            assert (values > 0).all() and values.max() <= 1, name
+        assert torch.equal(values, reader.param(name, like, "cpu", part).float()), name  # (seed, name, part)
+        assert not torch.equal(values, other.param(name, like, "cpu", part).float()), name
+        expected += 2 * like.numel() * like.element_size()  # ``reader`` drew it twice
+    assert sum(reader.bytes_read.values()) == expected
+
+
+def test_reader_refuses_a_shape_a_part_or_a_name_the_config_does_not_give():
+    reader = RandomReader(CONFIG)
+    name = "model.layers.1.mlp.experts.down_proj"  # [16, 256, 1024] e4m3
+    full = torch.empty(16, 256, 1024, dtype=torch.float8_e4m3fn, device="meta")
+    assert reader.param(name, full[2:4], "cpu", Slice(0, 2, 4)).shape == (2, 256, 1024)
+    with pytest.raises(CheckpointError, match=r"part Slice\(dim=0, start=2, stop=4.* has shape \[2, 256, 1024\], "
+                                              r"the model expects \[3, 256, 1024\]"):
+        reader.param(name, full[2:5], "cpu", Slice(0, 2, 4))
+    with pytest.raises(CheckpointError, match="has shape"):
+        reader.param(name, full[2:4], "cpu")  # the whole parameter is asked for
+    with pytest.raises(CheckpointError, match="has no part"):
+        reader.param(name, full[2:4], "cpu", Slice(3, 0, 2))
+    with pytest.raises(CheckpointError, match="not a parameter of GLM-5 with this config"):
+        reader.param("model.layers.4.mlp.gate.weight", full, "cpu")
+
+
+def test_runner_still_refuses_a_loaded_model_at_tp_8():
+    with pytest.raises(InputError, match="tp=8: a rank reads its own slices of a checkpoint directory; give its path"):
+        Runner(Glm5ForCausalLM(CONFIG, device="meta"), tp=8)
+
+
+def test_bench_rank_at_depth_tiny_runs_its_whole_flow(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    run = subprocess.run([sys.executable, os.path.join(REPO, "bench", "rank_at_depth.py"), "--tiny"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(tmp_path / "rank_at_depth_tiny.json") as f:
+        table = json.load(f)
+    with open(tmp_path / "rank_at_depth_tiny_detail.json") as f:
+        detail = json.load(f)
+    assert table["command"].endswith("python bench/rank_at_depth.py --tiny") and table["commit"] and table["device"]
+    assert [r["point"] for r in table["rows"]] == ["ttft2k", "ttft8k", "ttft32k", "tpot1x2k", "tpot8x2k",
+                                                    "tpot64x2k", "tpot1x32k", "tpot8x32k"]
+    assert all(r["status"] == "measured" and r["ms"] > 0 and r["kernels_per_step"] > 0 for r in table["rows"])
+    assert all(probe["eager"] for probe in detail["collective_probe"].values())
+    run0 = detail["runs"][0]
+    assert {c["op"]: c["count"] for c in run0["collectives_per_step"]} == {"all_reduce": 8, "all_gather": 1}
+    assert run0["weights_gb"] and run0["kv_bytes_per_token"] == 4 * (656 + 132)
+    tpot = run0["points"]["tpot8x32k"]
+    assert len(tpot["steps_ms"]) == 8 and tpot["step_bytes"] > 0
+    assert "synthetic" in detail["context"] and "rank_at_depth_tiny" in (tmp_path / "rank_at_depth_tiny.md").read_text()
