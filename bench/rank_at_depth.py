@@ -379,10 +379,9 @@ class variant:
         self._drop_graphs()
 
     def _drop_graphs(self):
-        graphs = self.runner.decode_graphs
-        if graphs is not None:
-            graphs.graphs.clear()
+        if self.runner.decode_graphs is not None:
             sync(torch.device(self.runner.device))
+            self.runner.decode_graphs.reset()
 
 
 def run_variants(runner: Runner, run: dict, names, points: dict, copy_gbs, table: harness.Results, save, gen,

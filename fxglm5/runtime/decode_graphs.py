@@ -127,6 +127,13 @@ class DecodeGraphs:
             done += 1
         return done
 
+    def reset(self) -> None:
+        """Drop every captured graph, their memory pool and a failed capture's verdict: the next step of each key
+        captures anew (after a kernel setting changed; capturing into the pool of graphs already freed fails in
+        torch's allocator)."""
+        self.graphs.clear()
+        self._pool, self.disabled = None, None
+
     def run(self, input_ids: torch.Tensor, ctx: ForwardContext, per_request: int = 1) -> Optional[torch.Tensor]:
         """float32 logits [B * per_request, V] of a validated ``ctx`` (host or device tensors) in which every request
         computes ``per_request`` tokens (a decode step: 1), or None: run it eagerly. ``input_ids`` on the buffers'

@@ -277,8 +277,8 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, SPLIT_K: tl.constexpr,
 # Regime defaults, the winners of the H200 sweeps (rows "sweep" in bench/results/kernels_gemm_moe*.json);
 # ``fp8_linear(config=...)`` overrides any key. Decode split-K is derived: CTAS_PER_SM CTAs per SM.
 # FIXUP (last CTA reduces in-kernel, one launch) measured equal to the reduce kernel timed alone; in a whole decode
-# step the reduce kernels are 390 more launches of 3 us each (bench/results/rank_at_depth: 1.18 ms of a 16 ms step
-# at batch 1), so decode reduces in the GEMM.
+# step (bench/results/session21) it saves 390 launches at batch 1 for the same kernel time, but at batch 64 (64-row
+# tiles) the last CTAs' serial sums cost 3 ms of kernel time a step: decode reduces in the GEMM up to 16 rows.
 DECODE = dict(BLOCK_N=128, CTAS_PER_SM=4, GROUP_M=1, num_warps=4, num_stages=3, fused_quant=True, FIXUP=True)
 MEDIUM = dict(BLOCK_M=64, BLOCK_N=128, CTAS_PER_SM=2, GROUP_M=8, num_warps=4, num_stages=3, fused_quant=False, FIXUP=False)
 PREFILL = dict(BLOCK_M=64, BLOCK_N=128, SPLIT_K=1, GROUP_M=8, num_warps=4, num_stages=3, fused_quant=False, FIXUP=False)
@@ -304,6 +304,7 @@ def pick_config(m: int, n: int, k: int, act_quant: bool, num_sms: int = 132, con
     kg = triton.cdiv(k, 128)
     if m <= 64:
         cfg = dict(DECODE, BLOCK_M=16 if m <= 16 else (32 if m <= 32 else 64))
+        cfg["FIXUP"] = cfg["FIXUP"] and cfg["BLOCK_M"] == 16
     elif m <= 512:
         cfg = dict(MEDIUM)
     else:
