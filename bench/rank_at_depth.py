@@ -25,8 +25,9 @@ prefill), the collectives per step and their message sizes, and the memory. One 
 ``--without``: after the run, a baseline over the same points with those compiler passes disabled (a second
 runner, built after the first is freed). ``--variants``: kernel settings (VARIANTS: an environment setting, or
 launch configurations of the kernel modules) measured again at ``--variant-points`` on the same runner, its decode
-graphs captured anew under each, so that a setting is judged by the whole step beside the default in one run. ``--tiny``: the whole flow on the CPU with a tiny config that splits over 8
-ranks and contexts / 256 (a smoke run: its times mean nothing).
+graphs captured anew under each, so that a setting is judged by the whole step beside the default in one run.
+``--tiny``: the whole flow on the CPU with a tiny config that splits over 8 ranks and contexts / 256 (a smoke run:
+its times mean nothing).
 """
 
 from __future__ import annotations

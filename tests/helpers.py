@@ -1,9 +1,11 @@
 """Test helpers: random weights for small GLM-5 models and modules (no checkpoint needed), latent rows with
 distinct FP8 group scales, and an independent block-FP8 quantizer."""
 
+import contextlib
 import struct
 
 import torch
+import torch.distributed as dist
 
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.modeling import Glm5ForCausalLM
@@ -116,3 +118,17 @@ def assert_saturates(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, bloc
             assert qb.abs().max().item() == 448.0 and qb.flatten()[xb.abs().argmax()].abs().item() == 448.0
             if amax == 448.0:
                 assert sc == 1.0
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world: int):
+    """torch.distributed's fake backend (``torch.testing._internal.distributed.fake_pg``) as ``rank`` of ``world``:
+    its collectives run, eagerly and in CUDA-graph capture, and return without communicating (an all_reduce leaves
+    its input). Torn down after, so that later tests in the worker see no process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

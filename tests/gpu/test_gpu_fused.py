@@ -52,7 +52,8 @@ def test_f32_linear_replays_from_a_cuda_graph():
 @pytest.mark.parametrize("rank", [0, 7])
 def test_moe_route_local(tokens, rank):
     g = torch.Generator(device="cuda").manual_seed(tokens)
-    logits, bias = torch.randn(tokens, 256, device="cuda", generator=g), 0.01 * torch.randn(256, device="cuda", generator=g)
+    logits = torch.randn(tokens, 256, device="cuda", generator=g)
+    bias = 0.01 * torch.randn(256, device="cuda", generator=g)
     offset = torch.tensor(32 * rank, dtype=torch.int32, device="cuda")
     weights, ids = moe.moe_route(logits, bias, 8, 1, 1, True, 2.5, offset, 32)
     want_weights, want_ids = ref.moe_route_local(logits, bias, 8, 1, 1, True, 2.5, offset, 32)

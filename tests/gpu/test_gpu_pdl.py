@@ -19,7 +19,8 @@ def test_pdl_is_on_only_where_asked(monkeypatch):
     monkeypatch.setenv("FXGLM5_PDL", "0")
     assert device.pdl(cuda) == {"PDL": False}
     monkeypatch.setenv("FXGLM5_PDL", "1")
-    assert device.pdl(cuda) == ({"PDL": True, "launch_pdl": True} if device.capability(cuda)[0] >= 9 else {"PDL": False})
+    hopper = device.capability(cuda)[0] >= 9
+    assert device.pdl(cuda) == ({"PDL": True, "launch_pdl": True} if hopper else {"PDL": False})
     assert device.pdl(torch.device("cpu")) == {"PDL": False}
 
 

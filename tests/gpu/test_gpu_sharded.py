@@ -10,11 +10,11 @@ argmax cannot make the two runs diverge)."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.random_reader import RandomReader
 from fxglm5.runtime.runner import Runner
+from tests.helpers import fake_process_group
 
 pytestmark = pytest.mark.gpu
 CONFIG = Glm5Config.preset("glm5").replace(num_hidden_layers=4, mlp_layer_types=None, indexer_types=None,
@@ -29,12 +29,9 @@ OPTIONS = dict(tp=8, ep=8, device="cuda", dtype=torch.bfloat16, kv_cache="fp8", 
 def fake_group():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     torch.cuda.set_device(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    yield
-    dist.destroy_process_group()
+    with fake_process_group(0, 8):
+        yield
 
 
 def teacher_forced(runner):

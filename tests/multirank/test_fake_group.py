@@ -19,8 +19,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fxglm5.errors import CheckpointError, InputError
 from fxglm5.model.config import Glm5Config
@@ -28,6 +26,7 @@ from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.random_reader import RandomReader
 from fxglm5.parallel import Slice
 from fxglm5.runtime.runner import Runner
+from tests.helpers import fake_process_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = Glm5Config.preset("tiny-tp").replace(
@@ -39,10 +38,9 @@ OPTIONS = dict(tp=8, ep=8, kv_cache="fp8", block_size=16, max_cache_tokens=256, 
 
 @pytest.fixture(scope="module")
 def fake_group():
-    """Rank 0 of a fake world of 8, torn down after this file so that later tests in the worker see no group."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    yield
-    dist.destroy_process_group()
+    """Rank 0 of a fake world of 8 for this file."""
+    with fake_process_group(0, 8):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from tests.parallel.ranks import sharded
 
 from fxglm5.parallel import Mapping
 from fxglm5.passes import REGISTRY, PassContext, PassManager
 from fxglm5.passes.manager import cleanup
+from tests.helpers import fake_process_group
 from tests.passes.template import ops_changed
 
 PASS = "fuse_local_experts_into_route"
@@ -25,12 +25,9 @@ def _run(gm, config, mapping):
 
 @pytest.fixture(scope="module")
 def fake_group():
-    """torch.distributed's fake backend at world 2: the rank's collectives run and return their input."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
-    yield
-    dist.destroy_process_group()
+    """Rank 1 of a fake world of 2: the rank's collectives run and return their input."""
+    with fake_process_group(1, 2):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +55,8 @@ def test_no_glue_without_expert_parallelism(tiny_tp):
 
 @pytest.mark.parametrize("variant", ["fill", "lower_bound", "ids_read_twice"])
 def test_near_misses_are_left_alone(rank1, variant):
-    """Other experts filled with 0 instead of -1, local ids from 1 instead of 0, or global ids read by something else too (here
-    ``minimum(local, ids)``): not the router's local ids (every variant keeps ids the MoE kernels accept)."""
+    """Other experts filled with 0 instead of -1, local ids from 1 instead of 0, or global ids read by something else
+    too (here ``minimum(local, ids)``): not the router's local ids (every variant keeps ids the MoE kernels accept)."""
     model, before, example, _ = rank1
     gm = copy.deepcopy(before)
     where = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.where.ScalarOther)

@@ -52,4 +52,5 @@ class TestFuseF32Linear(PassTemplate):
 
     def reexport(self):
         example = (_x(dtype=torch.bfloat16),)
-        return export_small(randomize_(Router()), example), example, small_dims(example), (_x(3, 7, torch.bfloat16),), None
+        other = (_x(3, 7, torch.bfloat16),)
+        return export_small(randomize_(Router()), example), example, small_dims(example), other, None

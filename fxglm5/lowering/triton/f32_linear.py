@@ -79,7 +79,8 @@ def gemv_config(n: int, k: int, sms: int) -> dict:
     return dict(STEPS=steps, SPLIT=triton.cdiv(k_steps, steps))
 
 
-def f32_linear(x: torch.Tensor, weight: torch.Tensor, scales: Sequence[float], *, validate: bool = True) -> torch.Tensor:
+def f32_linear(x: torch.Tensor, weight: torch.Tensor, scales: Sequence[float], *,
+               validate: bool = True) -> torch.Tensor:
     """float32 ``x @ weight.T`` times each of ``scales`` (at most MAX_SCALES) in turn; x of any float dtype."""
     if validate:
         ref.validate_f32_linear(x, weight, scales, MAX_SCALES)

@@ -143,7 +143,8 @@ def _gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr,
     M, N, K, KG, KG_PER_SPLIT: tl.constexpr,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, stride_um,
-    A_MODE: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    A_MODE: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     FIXUP: tl.constexpr,
     NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr,
@@ -239,7 +240,8 @@ def _silu_mul(gate, up, DT: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, DT: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -261,7 +263,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _splitk_reduce_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _splitk_reduce_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Deterministic sum of the split-K partials (fixed order), + bias, cast to the output dtype."""
     pdl_prologue(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -422,5 +425,6 @@ def _launch(x2, u2, weight, weight_scale_inv, bias, act_quant, cfg, out) -> None
     if split > 1 and not fixup:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            c, bias if bias is not None else out, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, **pdl(x2.device)
+            c, bias if bias is not None else out, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block,
+            **pdl(x2.device)
         )

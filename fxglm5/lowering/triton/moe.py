@@ -40,7 +40,8 @@ from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, _dot, _quant_ro
 # ----------------------------------------------------------------------------------------- routing
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, offset_ptr, E, num_local, scaling, TOP_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr,
+                  PDL: tl.constexpr):
     """One token per program: sigmoid, + correction bias, top-k by repeated argmax, unbiased weights; with LOCAL the
     ids are written local to the experts [offset, offset + num_local) of this rank, -1 for the others."""
     pdl_prologue(PDL)
@@ -89,7 +90,8 @@ def moe_route(router_logits, correction_bias, top_k, n_group, topk_group, renorm
     if t:
         _route_kernel[(t,)](logits, correction_bias.contiguous(), w, ids, expert_offset if local else ids, e,
                             int(num_local), float(scaling_factor), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
-                            BLOCK_K=triton.next_power_of_2(top_k), RENORM=bool(renormalize), LOCAL=local, **pdl(logits.device))
+                            BLOCK_K=triton.next_power_of_2(top_k), RENORM=bool(renormalize), LOCAL=local,
+                            **pdl(logits.device))
     return w, ids
 
 

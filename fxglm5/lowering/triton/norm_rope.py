@@ -108,7 +108,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, validate: boo
     if rows.shape[0]:
         block = triton.next_power_of_2(D)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), D, float(eps), BLOCK=block,
-                                           DT=DTYPE_CODES[x.dtype], num_warps=max(1, min(16, block // 512)), **pdl(x.device))
+                                           DT=DTYPE_CODES[x.dtype], num_warps=max(1, min(16, block // 512)),
+                                           **pdl(x.device))
     return out
 
 
@@ -129,7 +130,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if xs.shape[0]:
         block = triton.next_power_of_2(D)
         _add_rms_norm_kernel[(xs.shape[0],)](xs, rs, weight, out, total, xs.stride(0), rs.stride(0), D, float(eps),
-                                             BLOCK=block, DT=DTYPE_CODES[dtype], num_warps=max(1, min(16, block // 512)), **pdl(x.device))
+                                             BLOCK=block, DT=DTYPE_CODES[dtype], num_warps=max(1, min(16, block // 512)),
+                                             **pdl(x.device))
     return out, total
 
 
