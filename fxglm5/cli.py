@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import shutil
 import sys
 import tempfile
@@ -30,17 +31,28 @@ class Subcommand:
 
 
 def parse_token_ids(text: str, vocab_size: int) -> list[int]:
-    """'1,2,3' -> [1, 2, 3], each checked against the vocabulary."""
+    """'1,2,3' (or '1 2 3', '1, 2, 3': commas and / or spaces between the ids) -> [1, 2, 3], each checked against the
+    vocabulary. Spaces separate ids: '1 2 3' is three tokens, never the one token 123."""
     try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+        ids = [int(part) for part in re.split(r"[,\s]+", text.strip()) if part]
     except ValueError:
-        raise InputError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+        raise InputError(f"--prompt-ids must be integers separated by commas or spaces, got {text!r}") from None
     if not ids:
         raise InputError("--prompt-ids is empty")
     for tok in ids:
         if not 0 <= tok < vocab_size:
             raise InputError(f"--prompt-ids: token id {tok} is out of range [0, {vocab_size}) (vocab_size)")
     return ids
+
+
+def check_device(device: str) -> None:
+    """``--device cuda`` on a torch without CUDA is refused before any weight is read (it failed with an
+    AssertionError from deep inside torch, half-way through the load)."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: this torch has no CUDA device (torch.cuda.is_available() is False; "
+                         f"torch {torch.__version__})")
 
 
 def _pass_options(p: argparse.ArgumentParser, dump: bool = True) -> None:
@@ -105,7 +117,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-ids", required=True, action="append",
                    help="comma-separated token ids, e.g. 1,2,3; repeat for a batch (one output line per prompt)")
     p.add_argument("--max-new-tokens", type=int, required=True)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute dtype (default: float32 for a checkpoint directory, the artifact's own for a .pt2)")
     p.add_argument("--backend", choices=["paged", "reference"], default="paged",
                    help="paged: compiled graph over a paged KV cache (fxglm5.runtime); reference: full recompute")
     p.add_argument("--kv-cache", choices=["bf16", "fp8"], default="bf16",
@@ -138,11 +151,19 @@ def _generate_cmd(args: argparse.Namespace) -> int:
         artifact = load_artifact(args.model)
         if artifact.head != "logits":
             raise InputError(f"--model {args.model}: exported with head={artifact.head!r}; generation needs logits")
+        exported = str(artifact.dtype).removeprefix("torch.")
+        if args.dtype not in (None, exported):
+            raise InputError(f"--dtype {args.dtype}: {args.model} was exported in {exported} and its program computes in "
+                             f"it; omit --dtype, or export the checkpoint again with --dtype {args.dtype}")
+        args.dtype = exported
+        print(f"fxglm5: {args.model} runs in {exported}, the dtype it was exported in", file=sys.stderr)
         config = artifact.config
     else:
         config = Glm5Config.from_json(Path(args.model) / "config.json")
+        args.dtype = args.dtype or "float32"
     prompts = [parse_token_ids(text, config.vocab_size) for text in args.prompt_ids]
     disabled = disabled_passes(args.disable_passes)
+    check_device(args.device)
     if args.max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be a non-negative integer, got {args.max_new_tokens}")
     from fxglm5.runtime.runner import Runner, check_lengths
@@ -272,6 +293,9 @@ def _demo(args: argparse.Namespace) -> int:
     target = demo_dir()
     made = not (target / "config.json").is_file()
     if made:  # build next to the target and rename, so an interrupted run leaves no half checkpoint
+        from fxglm5.model.st_files import check_output_dir
+
+        check_output_dir(target)  # FXGLM5_CACHE naming a file, a home that cannot be written: said before the work
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-fp8-", dir=target.parent))
         try:
@@ -361,18 +385,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """``--prompt-ids -1,2`` as ``--prompt-ids=-1,2``: argparse takes a value that starts with '-' (and is no plain
+    number) for an option and ends in its usage text; attached, the id check names the bad id."""
+    out = []
+    for arg in argv:
+        if out and out[-1] == "--prompt-ids" and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"--prompt-ids={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. From the console (argv None) this exits with its code; else it returns it."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
     try:
         code = args._run(args)
     except Fxglm5Error as err:
-        message = " ".join(str(err).split())
-        print(f"fxglm5: error: {message}", file=sys.stderr)
-        code = 2
+        code = _fail(str(err))
+    except OSError as err:  # the machine's: a file that cannot be read or written, a directory under a file
+        code = _fail(f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err))
+    except KeyboardInterrupt:  # what was being written is removed as it unwinds (fxglm5.model.st_files)
+        print("fxglm5: interrupted", file=sys.stderr)
+        code = 130
     if argv is None:
         sys.exit(code)
     return code
+
+
+def _fail(message: str) -> int:
+    print(f"fxglm5: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

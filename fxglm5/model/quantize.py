@@ -20,7 +20,7 @@ from fxglm5.contracts import FP8_BLOCK, FP8_MAX
 from fxglm5.errors import CheckpointError
 from fxglm5.model.checkpoint import CheckpointReader
 from fxglm5.model.layout import FP8, SCALE_SUFFIX, check_fp8_layout, expected_tensors, mtp_tensors
-from fxglm5.model.st_files import INDEX, PlannedTensor, check_output_dir, write_shards
+from fxglm5.model.st_files import INDEX, PlannedTensor, check_output_dir, new_output_dir, write_shards
 
 AMAX_FLOOR = 1e-12
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -78,10 +78,10 @@ def quantize_checkpoint(in_dir: str | Path, out_dir: str | Path, max_shard_bytes
         else:
             size = reader.tensors[name].dtype.itemsize
             planned.append(PlannedTensor(name, numel * size, lambda n=name: reader.get(n)))
-    with reader:
-        files = write_shards(out_dir, planned, max_shard_bytes)
-    cfg.save(out_dir)
-    for extra in in_dir.iterdir():
-        if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", INDEX):
-            shutil.copy2(extra, out_dir / extra.name)
+    with reader, new_output_dir(out_dir) as tmp:
+        files = write_shards(tmp, planned, max_shard_bytes)
+        cfg.save(tmp)
+        for extra in in_dir.iterdir():
+            if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", INDEX):
+                shutil.copy2(extra, tmp / extra.name)
     return files

@@ -7,13 +7,16 @@ it, and to check the index against the shards. Tensor data is read later, lazily
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import shutil
 import struct
+import tempfile
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -168,13 +171,56 @@ def _scan_sharded(index_path: Path, wanted: Callable[[str], bool] | None) -> dic
 
 
 def check_output_dir(directory: Path, empty: bool = False) -> None:
-    """Refuse (CheckpointError) an output directory that exists as a file or, with ``empty``, holds anything:
-    a newly made checkpoint written there would overwrite or mix with what is stored."""
+    """Refuse (CheckpointError) an output directory that exists as a file, lies under a file, or, with ``empty``,
+    holds anything (a newly made checkpoint written there would overwrite or mix with what is stored); checked
+    before the work starts, so a refusal costs nothing."""
+    directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(f"{directory}: exists and is not a directory; the output must be a directory")
+    above = next((p for p in directory.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise CheckpointError(f"{directory}: {above} is a file, so no directory can be made under it")
+    if above is not None and not directory.exists() and not os.access(above, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{directory}: {above} is not writable, so the output directory cannot be made there")
     if empty and directory.is_dir() and any(directory.iterdir()):
         raise CheckpointError(f"{directory}: exists and is not empty; a new checkpoint is written only into a new "
                               "or empty directory, so that nothing stored there is overwritten")
+
+
+@contextlib.contextmanager
+def new_output_dir(directory: Path) -> Iterator[Path]:
+    """A temporary directory beside ``directory`` (a new or empty one, checked first) to write a checkpoint into,
+    renamed into place when the block ends without error, removed when it raises or is interrupted: a reader, a
+    rerun or a concurrent run never sees a half-written checkpoint. The rename is atomic and does not replace a
+    directory that holds anything, so of two runs into one new directory the second fails, naming it (both used
+    to report success with only one checkpoint there)."""
+    directory = Path(directory)
+    check_output_dir(directory, empty=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o777 & ~_umask())
+        try:
+            os.rename(tmp, directory)
+        except OSError as err:
+            raise CheckpointError(f"{directory}: filled by another writer while this checkpoint was written "
+                                  f"({err.strerror}); nothing of this run was kept") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_readable(path: Path, write: Callable[[str], None]) -> None:
+    """``write(path)`` and make the file readable as ordinary files are (0666 less the umask; safetensors' writer
+    leaves 0600, unlike the config.json beside it)."""
+    write(str(path))
+    os.chmod(path, 0o666 & ~_umask())
 
 
 @dataclasses.dataclass
@@ -212,7 +258,7 @@ def write_shards(directory: Path, tensors: Iterable[PlannedTensor], max_shard_by
     weight_map, total = {}, 0
     for fname, group in zip(names, groups):
         data = {t.name: t.make().contiguous() for t in group}
-        save_file(data, str(directory / fname), metadata={"format": "pt"})
+        write_readable(directory / fname, lambda path: save_file(data, path, metadata={"format": "pt"}))
         for t in group:
             weight_map[t.name] = fname
             total += t.nbytes

@@ -20,7 +20,7 @@ from fxglm5.model.config import Glm5Config
 from fxglm5.model.layout import MTP_MODULE
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.quantize import quantize_checkpoint
-from fxglm5.model.st_files import check_output_dir
+from fxglm5.model.st_files import check_output_dir, new_output_dir
 
 
 # Sublayer output projections are drawn smaller, as in trained pre-norm models whose residual stream
@@ -69,13 +69,14 @@ def deep_tiny_config(layers: int) -> Glm5Config:
 def make_tiny_checkpoint(out_dir: str | Path, fp8: bool = True, seed: int = 0, config: Glm5Config | None = None) -> Path:
     """Write a random tiny GLM-5 checkpoint (default ``Glm5Config.preset('tiny')``) to ``out_dir``, a new or
     empty directory."""
+    out_dir = Path(out_dir)
+    check_output_dir(out_dir, empty=True)  # before the work: a refusal costs nothing
     cfg = (config or Glm5Config.preset("tiny")).replace(quantization_config=None)
     state = tiny_state(cfg, seed, mtp=cfg.num_nextn_predict_layers > 0)
     total = sum(t.numel() * t.element_size() for t in state.values())
-    out_dir = Path(out_dir)
-    check_output_dir(out_dir, empty=True)
     if not fp8:
-        save_checkpoint(state, out_dir, max_shard_bytes=total // 3, config=cfg)
+        with new_output_dir(out_dir) as tmp:
+            save_checkpoint(state, tmp, max_shard_bytes=total // 3, config=cfg)
         return out_dir
     with tempfile.TemporaryDirectory(prefix="fxglm5-tiny-bf16-") as tmp:
         save_checkpoint(state, tmp, max_shard_bytes=total // 3, config=cfg)

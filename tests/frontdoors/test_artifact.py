@@ -294,6 +294,19 @@ def test_cli_exports_and_generates_from_the_artifact(ckpt, tmp_path, capsys):
     assert "not an artifact" in capsys.readouterr().err
 
 
+def test_generate_says_the_artifacts_dtype_and_refuses_another(ckpt, artifact_path, tmp_path, capsys):
+    """An artifact computes in the dtype it was exported in: generate says so, and refuses a --dtype it cannot honour
+    (the flag was silently ignored: a bfloat16 .pt2 gave other tokens than its float32 checkpoint)."""
+    common = ["--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--block-size", "16"]
+    assert main(["generate", "--model", str(artifact_path), *common]) == 0
+    assert f"fxglm5: {artifact_path} runs in float32, the dtype it was exported in" in capsys.readouterr().err
+    assert main(["generate", "--model", str(artifact_path), "--dtype", "float32", *common]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(artifact_path), "--dtype", "bfloat16", *common]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fxglm5: error: --dtype bfloat16: ") and "exported in float32" in err and err.count("\n") == 1
+
+
 def test_loading_for_another_device_moves_every_tensor_and_device_argument(artifact_path):
     """Export records the device it ran on (``torch.arange(..., device=cpu)``); serving elsewhere must not
     keep it (the GPU run of an unmoved program failed with a device mismatch). Checked with the meta device."""

@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from fxglm5.cli import main
+from fxglm5.cli import main, parse_token_ids
 from fxglm5.errors import CheckpointError, ConfigError, InputError
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.config import Glm5Config
@@ -193,8 +193,19 @@ def test_out_of_range_token_id_in_cli(source, capsys):
     assert err == "fxglm5: error: --prompt-ids: token id 999 is out of range [0, 512) (vocab_size)\n"
 
 
+def test_prompt_ids_split_at_spaces_and_commas():
+    """'1 2 3' is three tokens (it was read as the one token 123), and so are '1, 2, 3' and '1 2,3'."""
+    assert [parse_token_ids(text, 512) for text in ("1 2 3", " 1, 2, 3 ", "1 2,3", "123")] == [[1, 2, 3]] * 3 + [[123]]
+
+
+def test_negative_prompt_id_is_named(source, capsys):
+    """``--prompt-ids -1,2`` ended in argparse's usage text; the id check now names the id."""
+    assert main(["generate", "--model", str(source), "--prompt-ids", "-1,2", "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err == "fxglm5: error: --prompt-ids: token id -1 is out of range [0, 512) (vocab_size)\n"
+
+
 @pytest.mark.parametrize("args, expected", [
-    (["--prompt-ids", "1,x", "--max-new-tokens", "2"], "comma-separated integers"),
+    (["--prompt-ids", "1,x", "--max-new-tokens", "2"], "separated by commas or spaces"),
     (["--prompt-ids", "1,2", "--max-new-tokens", "-3"], "max_new_tokens"),
 ])
 def test_bad_generate_arguments(source, capsys, args, expected):
