@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 
 import torch
 from torch import fx
@@ -19,6 +20,11 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.export import Dim
 
 _METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
+
+# torch 2.13 deprecates ``isinstance(treespec, LeafSpec)`` inside its own pytree code, and every copy of an exported
+# graph (the passes copy per layer kind) reaches it: the warning told users of every compiling command about torch's
+# internals. Only that message is filtered.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
 
 
 HEADS = ("logits", "hidden", "logits+hidden")

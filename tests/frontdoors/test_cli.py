@@ -68,3 +68,18 @@ def test_demo_uses_and_reuses_its_cache(tmp_path, capsys, monkeypatch):
     with torch.no_grad():  # the first generated token is the model's argmax after the prompt
         assert ids[0] == int(model(torch.tensor([DEMO_PROMPT]))[0, -1].argmax())
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-fp8"]  # no temporary folder left behind
+
+
+def test_demo_in_bfloat16_says_why_it_does_not_compare_and_passes(tmp_path, capfd, monkeypatch):
+    """``demo --dtype bfloat16`` said "same tokens ...: NO" and exited 1 (a broken install, to a reader): bf16 rounds
+    the paged and the recompute paths differently, so the comparison is made in float32 only. The stages are shown
+    on stderr as they pass, the weights are said to be random, and torch's pytree FutureWarning is not printed."""
+    monkeypatch.setenv("FXGLM5_CACHE", str(tmp_path))
+    assert main(["demo", "--dtype", "bfloat16"]) == 0
+    out, err = capfd.readouterr()
+    lines = out.strip().splitlines()
+    assert "the weights are random" in lines[0] and "compared with the full-recompute model in float32 only" in lines[2]
+    assert [line.split(" ...")[0] for line in err.strip().splitlines()] == [
+        f"fxglm5 demo: making the random tiny GLM-5-FP8 checkpoint at {tmp_path / 'tiny-fp8'}",
+        "fxglm5 demo: loading it and compiling the model (bfloat16)", "fxglm5 demo: generating"]
+    assert "FutureWarning" not in err

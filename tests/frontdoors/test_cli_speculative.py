@@ -20,7 +20,10 @@ def test_speculative_generate_prints_plain_tokens_and_acceptance(tiny_fp8, capsy
     spec = lines(capsys, *common, "--speculative", "mtp", "--num-speculative-tokens", "3")
     assert spec[:2] == plain and len(spec) == 3
     assert spec[2].startswith("mean acceptance length: ")
-    assert 1.0 <= float(spec[2].split()[3]) <= 4.0
+    mean = float(spec[2].split()[3])
+    assert 1.0 <= mean <= 4.0
+    # the tiny checkpoint's MTP layer is random: when it is accepted nowhere, the line says why
+    assert spec[2].endswith("predicts nothing)") == (mean < 1.005)
 
 
 @pytest.mark.parametrize("extra,match", [
