@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import shutil
 import sys
@@ -18,7 +19,7 @@ from typing import Callable
 
 from fxglm5.errors import Fxglm5Error, InputError
 
-DEMO_PROMPT = [1, 17, 42, 7, 99, 3, 250, 11]
+DEMO_TEXT = "The capital of France is"
 DEMO_TOKENS = 16
 
 
@@ -116,8 +117,16 @@ def _quantize(args: argparse.Namespace) -> int:
 # ---- generate -----------------------------------------------------------------------------------
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory, or an artifact file (fxglm5 export)")
-    p.add_argument("--prompt-ids", required=True, action="append",
-                   help="comma-separated token ids, e.g. 1,2,3; repeat for a batch (one output line per prompt)")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("--prompt", action="append",
+                       help="text, encoded with the checkpoint's tokenizer.json; repeat for a batch. The output is "
+                            "text, ending at the checkpoint's EOS ids: streamed for one prompt, one JSON string a "
+                            "line for several")
+    given.add_argument("--prompt-ids", action="append",
+                       help="token ids separated by commas or spaces, e.g. 1,2,3; repeat for a batch (one output line "
+                            "per prompt)")
+    p.add_argument("--chat", action="store_true", help="--prompt as a user message under the checkpoint's chat template")
+    p.add_argument("--ids", action="store_true", help="with --prompt: print the token ids, not the text")
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="compute dtype (default: float32 for a checkpoint directory, the artifact's own for a .pt2)")
@@ -163,7 +172,11 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     else:
         config = Glm5Config.from_json(Path(args.model) / "config.json")
         args.dtype = args.dtype or "float32"
-    prompts = [parse_token_ids(text, config.vocab_size) for text in args.prompt_ids]
+    tokenizer = _tokenizer(args, artifact, config)
+    if tokenizer is None:
+        prompts = [parse_token_ids(text, config.vocab_size) for text in args.prompt_ids]
+    else:
+        prompts = [tokenizer.chat(text) if args.chat else tokenizer.encode(text) for text in args.prompt]
     disabled = disabled_passes(args.disable_passes)
     check_device(args.device)
     if args.max_new_tokens < 0:
@@ -172,12 +185,16 @@ def _generate_cmd(args: argparse.Namespace) -> int:
 
     check_lengths(prompts, args.max_new_tokens, config.max_position_embeddings)  # before a cache is sized from them
     speculative = _speculative(args, artifact)
+    # text ends at the checkpoint's EOS ids (a verify step emits several tokens at once: not with --speculative)
+    stop = tokenizer.eos_ids if tokenizer is not None and speculative is None else frozenset()
     if args.tp != 1:
-        return _generate_sharded(args, artifact, prompts, disabled)
+        return _generate_sharded(args, artifact, prompts, disabled, tokenizer, stop)
     if args.ep not in (None, 1):
         raise InputError(f"--ep {args.ep}: experts are split over the --tp ranks; give --tp {args.ep} too")
+    printer = None  # one prompt's text is printed as it is generated (the paged runtime streams)
     if artifact is None and (args.backend == "reference" or args.max_new_tokens == 0):
-        outputs = [_generate(args.model, prompt, args.max_new_tokens, args.dtype) for prompt in prompts]
+        outputs = [_until_stop(_generate(args.model, prompt, args.max_new_tokens, args.dtype), stop)
+                   for prompt in prompts]
     elif args.backend == "reference":
         raise InputError("--backend reference runs the model code on a checkpoint directory, not an artifact")
     elif args.max_new_tokens == 0:
@@ -186,17 +203,56 @@ def _generate_cmd(args: argparse.Namespace) -> int:
         options = _paged_options(args, prompts, disabled)
         runner = artifact.runner(device=args.device, **options) if artifact else Runner(
             args.model, dtype=args.dtype, device=args.device, speculative=speculative, **options)
-        outputs = runner.generate(prompts, args.max_new_tokens)
+        if tokenizer is not None and not args.ids and len(prompts) == 1:
+            printer = _Printer(tokenizer)
+        outputs = runner.generate(prompts, args.max_new_tokens, stop, on_token=printer)
         if speculative is not None:
-            _print_outputs(outputs)
+            _print_outputs(outputs, None if args.ids else tokenizer, printer)
             mean = runner.acceptance.mean_length
             why = " (no draft was accepted: an MTP layer with random weights, as make-tiny writes, predicts " \
                   "nothing)" if mean < 1.005 else ""
             print(f"mean acceptance length: {mean:.2f} tokens per verify step "
                   f"({runner.acceptance.steps} steps, {speculative.num_tokens} drafts each at most){why}")
             return 0
-    _print_outputs(outputs)
+    _print_outputs(outputs, None if args.ids else tokenizer, printer)
     return 0
+
+
+def _tokenizer(args: argparse.Namespace, artifact, config):
+    """The checkpoint's tokenizer where the prompts are text (None for --prompt-ids); refused for an artifact, which
+    carries no tokenizer, and --chat / --ids without text."""
+    if args.prompt is None:
+        if args.chat or args.ids:
+            raise InputError(f"{'--chat' if args.chat else '--ids'}: only with --prompt (text)")
+        return None
+    if artifact is not None:
+        raise InputError(f"--prompt: {args.model} is an artifact, which holds no tokenizer; give --prompt-ids, or "
+                         "generate from its checkpoint directory")
+    from fxglm5.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_checkpoint(args.model, config)
+
+
+def _until_stop(tokens: list[int], stop: frozenset) -> list[int]:
+    """``tokens`` up to and with the first stop token (the reference path generates past it)."""
+    end = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+    return tokens[:end]
+
+
+class _Printer:
+    """``Runner.run``'s on_token for one request: its text printed as it becomes complete; ``finish`` prints the rest
+    and ends the line."""
+
+    def __init__(self, tokenizer):
+        from fxglm5.model.tokenizer import TextStream
+
+        self.stream = TextStream(tokenizer)
+
+    def __call__(self, seq, token: int) -> None:
+        print(self.stream.push(token), end="", flush=True)
+
+    def finish(self) -> None:
+        print(self.stream.rest())
 
 
 def _speculative(args: argparse.Namespace, artifact):
@@ -216,9 +272,15 @@ def _speculative(args: argparse.Namespace, artifact):
     return SpeculativeConfig(args.speculative, args.num_speculative_tokens)
 
 
-def _print_outputs(outputs: list[list[int]]) -> None:
+def _print_outputs(outputs: list[list[int]], tokenizer=None, streamed: "_Printer | None" = None) -> None:
+    """One line per prompt: its ids, or with ``tokenizer`` its text as a JSON string (generated text holds newlines);
+    one prompt's text is printed as it came (``streamed``)."""
+    if streamed is not None:
+        streamed.finish()
+        return
     for tokens in outputs:
-        print(" ".join(map(str, tokens)))
+        print(" ".join(map(str, tokens)) if tokenizer is None else json.dumps(tokenizer.decode(tokens),
+                                                                               ensure_ascii=False))
 
 
 def _paged_options(args: argparse.Namespace, prompts: list[list[int]], disabled: tuple[str, ...]) -> dict:
@@ -228,9 +290,10 @@ def _paged_options(args: argparse.Namespace, prompts: list[list[int]], disabled:
                 disabled_passes=disabled, max_step_tokens=args.max_step_tokens)
 
 
-def _generate_sharded(args: argparse.Namespace, artifact, prompts: list[list[int]], disabled: tuple[str, ...]) -> int:
+def _generate_sharded(args: argparse.Namespace, artifact, prompts: list[list[int]], disabled: tuple[str, ...],
+                      tokenizer, stop: frozenset) -> int:
     """``generate --tp N``: N ranks (started here, or joined under torchrun) each run the sharded Runner on the
-    same request; rank 0 prints the tokens, which every rank computed alike."""
+    same request; rank 0 prints the tokens (or their text), which every rank computed alike."""
     from fxglm5.runtime.distributed import launch
 
     if artifact is not None:
@@ -248,18 +311,19 @@ def _generate_sharded(args: argparse.Namespace, artifact, prompts: list[list[int
         _print_outputs([[] for _ in prompts])
         return 0
     options = dict(_paged_options(args, prompts, disabled), dtype=args.dtype, ep=args.ep)
-    rank, outputs = launch(generate_on_rank, args.tp, args.model, prompts, args.max_new_tokens, options,
+    rank, outputs = launch(generate_on_rank, args.tp, args.model, prompts, args.max_new_tokens, options, sorted(stop),
                            device=args.device)
     if rank == 0:
-        _print_outputs(outputs)
+        _print_outputs(outputs, None if args.ids else tokenizer)
     return 0
 
 
-def generate_on_rank(rank, model: str, prompts: list[list[int]], max_new_tokens: int, options: dict) -> list[list[int]]:
+def generate_on_rank(rank, model: str, prompts: list[list[int]], max_new_tokens: int, options: dict,
+                     stop_tokens=()) -> list[list[int]]:
     """One rank of ``generate --tp``: its sharded Runner's greedy tokens."""
     from fxglm5.runtime.runner import Runner
 
-    return Runner(model, tp=rank.world, device=rank.device, **options).generate(prompts, max_new_tokens)
+    return Runner(model, tp=rank.world, device=rank.device, **options).generate(prompts, max_new_tokens, stop_tokens)
 
 
 # ---- export -------------------------------------------------------------------------------------
@@ -324,11 +388,16 @@ def _demo(args: argparse.Namespace) -> int:
     _stage(f"loading it and compiling the model ({args.dtype})")
     model = Glm5ForCausalLM.from_pretrained(target, dtype=args.dtype, device="cpu", progress=False)
     runner = Runner(model, kv_cache="bf16", block_size=16, dtype=model.dtype, max_cache_tokens=256)
+    from fxglm5.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_checkpoint(target, model.config)
+    prompt = tokenizer.encode(DEMO_TEXT)
     _stage("generating")
-    tokens = runner.generate([DEMO_PROMPT], DEMO_TOKENS)[0]
-    print(f"fxglm5 demo: {'made' if made else 'cached'} random tiny GLM-5-FP8 checkpoint at {target}; "
-          f"greedy {DEMO_TOKENS} tokens after prompt {','.join(map(str, DEMO_PROMPT))} (the weights are random, "
-          "so the tokens mean nothing):")
+    tokens = runner.generate([prompt], DEMO_TOKENS)[0]
+    print(f"fxglm5 demo: {'made' if made else 'cached'} random tiny GLM-5-FP8 checkpoint at {target}; greedy "
+          f"{DEMO_TOKENS} tokens after the prompt {DEMO_TEXT!r}, then their ids (the weights are random, so the text "
+          "means nothing):")
+    print(json.dumps(DEMO_TEXT + tokenizer.decode(tokens), ensure_ascii=False))
     print(" ".join(map(str, tokens)))
     passes = ", ".join(f"{r.name} {r.num_matches}" for r in runner.pass_results)
     if model.dtype != torch.float32:
@@ -336,7 +405,7 @@ def _demo(args: argparse.Namespace) -> int:
               "only (fxglm5 demo without --dtype): in bfloat16 the two round differently")
         return 0
     _stage("checking against the full-recompute model")
-    reference = greedy_generate(model, DEMO_PROMPT, DEMO_TOKENS)
+    reference = greedy_generate(model, prompt, DEMO_TOKENS)
     print(f"compiled graph over a paged KV cache ({passes}); same tokens as the full-recompute model: "
           f"{'yes' if tokens == reference else 'NO'}")
     return 0 if tokens == reference else 1

@@ -10,6 +10,7 @@ stores it: layer ``num_hidden_layers``, eh_proj in bf16, no ``shared_head.head``
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -77,8 +78,47 @@ def make_tiny_checkpoint(out_dir: str | Path, fp8: bool = True, seed: int = 0, c
     if not fp8:
         with new_output_dir(out_dir) as tmp:
             save_checkpoint(state, tmp, max_shard_bytes=total // 3, config=cfg)
+            write_tiny_tokenizer(Path(tmp), cfg)
         return out_dir
     with tempfile.TemporaryDirectory(prefix="fxglm5-tiny-bf16-") as tmp:
         save_checkpoint(state, tmp, max_shard_bytes=total // 3, config=cfg)
+        write_tiny_tokenizer(Path(tmp), cfg)  # quantize copies it, as it copies a real checkpoint's
         quantize_checkpoint(tmp, out_dir, max_shard_bytes=total // 6)
     return out_dir
+
+
+# The tiny tokenizer's special tokens, first in its vocabulary: [gMASK] is the config's bos (0), <|endoftext|> its
+# eos (1); GLM's chat turns also end at the next <|user|>, which generation_config.json lists as an eos too.
+SPECIAL_TOKENS = ["[gMASK]", "<|endoftext|>", "<sop>", "<|system|>", "<|user|>", "<|assistant|>"]
+# GLM's chat template in miniature: [gMASK]<sop>, then each turn as <|role|>\n content, then the assistant's turn
+CHAT_TEMPLATE = ("[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+_CORPUS = """GLM-5 is a mixture-of-experts language model with multi-head latent attention and sparse attention.
+The indexer picks the top tokens of the cache for every query, and the experts are chosen by a router.
+Weights are stored in eight-bit floating point with one scale per block of one hundred and twenty-eight.
+A compiler captures the model once, rewrites the graph with passes, and lowers every op to a kernel.
+Hello, world! How are you today? The quick brown fox jumps over the lazy dog. Tell me a story about a cat.
+What is the capital of France? Paris is the capital of France. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.
+"""
+
+
+def write_tiny_tokenizer(directory: Path, config: Glm5Config) -> None:
+    """A byte-level BPE tokenizer of ``config.vocab_size`` tokens (every text encodes: the 256 bytes are in it),
+    trained with Hugging Face ``tokenizers`` on a few lines, with GLM's special tokens and a chat template: the
+    files GLM-5-FP8 ships (tokenizer.json, tokenizer_config.json, generation_config.json), so the demo and the tests
+    take the text path the real checkpoint takes. The same config gives the same files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=config.vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_CORPUS.splitlines(), trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    bos, eos = SPECIAL_TOKENS[config.bos_token_id], SPECIAL_TOKENS[1]
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        dict(bos_token=bos, eos_token=eos, chat_template=CHAT_TEMPLATE, model_max_length=config.max_position_embeddings),
+        indent=2) + "\n")
+    (directory / "generation_config.json").write_text(json.dumps(
+        dict(bos_token_id=config.bos_token_id, eos_token_id=[1, SPECIAL_TOKENS.index("<|user|>")]), indent=2) + "\n")

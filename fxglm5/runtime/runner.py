@@ -209,6 +209,7 @@ class Runner:
                                       disabled_passes=disabled_passes)
         # the last step's hidden rows [rows, H] where the graph returns them (head "logits+hidden"), else None
         self.hidden = None
+        self._on_token = None  # run's streaming callback, while a run is in progress
 
     def warm_up(self, max_batch: int | None = None, max_tokens: int | None = None) -> int:
         """Capture before serving every decode graph (with ``speculative``, every verify graph too) that a step of up
@@ -261,7 +262,7 @@ class Runner:
             seq.cached = len(seq.tokens)
             self.blocks.commit(seq.id, seq.tokens)
         for i, (seq, token) in enumerate(zip(seqs, next_tokens.tolist())):  # the step's one device -> host read
-            seq.output.append(token)
+            self._emit(seq, [token])
             if self.keep_logits:
                 seq.logits.append(logits[i])
 
@@ -402,7 +403,7 @@ class Runner:
             if seq.stopped:
                 continue
             self.blocks.commit(seq.id, seq.tokens)  # the rows before this token: the plain loop commits them now too
-            seq.output.append(token)
+            self._emit(seq, [token])
             if self.keep_logits:
                 seq.logits.append(flight.logits[i])
             live.append(seq)
@@ -442,10 +443,10 @@ class Runner:
         accepted, start = [], 0
         for seq, d, targets in zip(running, drafts, verify_rows(logits, counts)):
             a = len(d) if self.speculative.accept_all else accepted_length(d, targets)
-            seq.output.extend(d[:a])  # the accepted drafts' rows are now cached: commit them, then the target's token
+            self._emit(seq, d[:a])  # the accepted drafts' rows are now cached: commit them, then the target's token
             seq.cached = len(seq.tokens)
             self.blocks.commit(seq.id, seq.tokens)
-            seq.output.append(targets[a])
+            self._emit(seq, [targets[a]])
             if self.keep_logits:
                 seq.logits.extend(logits[start:start + a + 1])
             start += len(d) + 1
@@ -492,9 +493,18 @@ class Runner:
         if seq in self.active:
             self.active.remove(seq)
 
-    def run(self, prompts: list[list[int]], max_new_tokens: int, stop_tokens=()) -> list[Sequence]:
+    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
+        """``tokens`` join the request's output, and the ``run``'s ``on_token`` hears of each."""
+        seq.output.extend(tokens)
+        if self._on_token is not None:
+            for token in tokens:
+                self._on_token(seq, token)
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int, stop_tokens=(), on_token=None) -> list[Sequence]:
         """Greedy generation for a batch; rejected requests carry ``error`` and the rest are unaffected. A request
-        that emits one of ``stop_tokens`` (e.g. the config's eos ids) ends there, the stop token its last."""
+        that emits one of ``stop_tokens`` (e.g. the config's eos ids) ends there, the stop token its last.
+        ``on_token(seq, token)`` is called for every token as the host learns it (streaming), each request's in
+        order; ``seq`` is the request's Sequence, ``run``'s result in the order of ``prompts``."""
         self._agree("run", prompts, max_new_tokens, sorted(stop_tokens))
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
@@ -503,20 +513,25 @@ class Runner:
             raise InputError("stop_tokens: not with speculative decoding (a verify step emits several tokens)")
         check_lengths(prompts, max_new_tokens, self.config.max_position_embeddings)
         self.acceptance = Acceptance()
-        seqs = self._prefill(prompts)
-        if self.speculative is None:
-            self._stop(list(self.active), stop)  # a first token may already be a stop token
-            self.decode_steps(max_new_tokens, stop)
-        else:
-            while self.speculate(max_new_tokens):
-                pass
+        self._on_token = on_token
+        try:
+            seqs = self._prefill(prompts)
+            if self.speculative is None:
+                self._stop(list(self.active), stop)  # a first token may already be a stop token
+                self.decode_steps(max_new_tokens, stop)
+            else:
+                while self.speculate(max_new_tokens):
+                    pass
+        finally:
+            self._on_token = None
         for seq in seqs:
             self.release(seq)
         return seqs
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_tokens=()) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_tokens=(),
+                 on_token=None) -> list[list[int]]:
         """Greedy tokens per prompt; raises the first CacheFullError (``run`` returns partial results instead)."""
-        seqs = self.run(prompts, max_new_tokens, stop_tokens)
+        seqs = self.run(prompts, max_new_tokens, stop_tokens, on_token)
         for seq in seqs:
             if seq.error is not None:
                 raise seq.error

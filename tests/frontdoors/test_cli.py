@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from fxglm5.cli import DEMO_PROMPT, main
+from fxglm5.cli import DEMO_TEXT, main
+from fxglm5.model.tokenizer import Tokenizer
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.generate import greedy_generate
 
@@ -56,17 +57,19 @@ def test_demo_uses_and_reuses_its_cache(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FXGLM5_CACHE", str(tmp_path))
     first = run(capsys, "demo")
     target = tmp_path / "tiny-fp8"
-    assert (target / "config.json").is_file() and len(first) == 3
-    assert "match_sparse_mla 4" in first[2] and first[2].endswith("same tokens as the full-recompute model: yes")
+    assert (target / "config.json").is_file() and len(first) == 4
+    assert "match_sparse_mla 4" in first[3] and first[3].endswith("same tokens as the full-recompute model: yes")
     assert first[0].startswith("fxglm5 demo: made") and str(target) in first[0]
-    ids = ids_line(first[1], 16)
+    ids = ids_line(first[2], 16)
+    model = Glm5ForCausalLM.from_pretrained(target, dtype=torch.float32, progress=False)
+    tokenizer = Tokenizer.from_checkpoint(target, model.config)
+    assert json.loads(first[1]) == DEMO_TEXT + tokenizer.decode(ids)  # the text: the prompt and what followed it
     stamp = (target / "config.json").stat().st_mtime_ns
     second = run(capsys, "demo")
-    assert second[0].startswith("fxglm5 demo: cached") and second[1] == first[1]
+    assert second[0].startswith("fxglm5 demo: cached") and second[1:3] == first[1:3]
     assert (target / "config.json").stat().st_mtime_ns == stamp
-    model = Glm5ForCausalLM.from_pretrained(target, dtype=torch.float32, progress=False)
     with torch.no_grad():  # the first generated token is the model's argmax after the prompt
-        assert ids[0] == int(model(torch.tensor([DEMO_PROMPT]))[0, -1].argmax())
+        assert ids[0] == int(model(torch.tensor([tokenizer.encode(DEMO_TEXT)]))[0, -1].argmax())
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-fp8"]  # no temporary folder left behind
 
 
@@ -78,7 +81,7 @@ def test_demo_in_bfloat16_says_why_it_does_not_compare_and_passes(tmp_path, capf
     assert main(["demo", "--dtype", "bfloat16"]) == 0
     out, err = capfd.readouterr()
     lines = out.strip().splitlines()
-    assert "the weights are random" in lines[0] and "compared with the full-recompute model in float32 only" in lines[2]
+    assert "the weights are random" in lines[0] and "compared with the full-recompute model in float32 only" in lines[3]
     assert [line.split(" ...")[0] for line in err.strip().splitlines()] == [
         f"fxglm5 demo: making the random tiny GLM-5-FP8 checkpoint at {tmp_path / 'tiny-fp8'}",
         "fxglm5 demo: loading it and compiling the model (bfloat16)", "fxglm5 demo: generating"]

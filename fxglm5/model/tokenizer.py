@@ -1,0 +1,108 @@
+"""A checkpoint's text side, as GLM-5-FP8 ships it: ``tokenizer.json`` (Hugging Face ``tokenizers``), the chat
+template of ``tokenizer_config.json`` (rendered with jinja2 in a sandbox, as transformers renders it) and the end
+of sequence ids of ``generation_config.json`` (else config.json's ``eos_token_id``).
+
+Nothing is tokenized by hand: the tokenizer file defines the vocabulary, the pre-tokenizer and the decoder, and
+the chat template is the checkpoint's own jinja text. :class:`TextStream` turns the tokens of one request into text
+as they come, holding back the bytes of a character whose tokens have not all arrived (a byte-level vocabulary
+splits one UTF-8 character over tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fxglm5.errors import CheckpointError, InputError
+
+TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG = "tokenizer.json", "tokenizer_config.json", "generation_config.json"
+
+
+class Tokenizer:
+    """Text <-> token ids of a checkpoint (``from_checkpoint``), checked against the model's vocabulary."""
+
+    def __init__(self, backend, vocab_size: int, eos_ids: frozenset[int], chat_template: str | None,
+                 special: dict[str, str], where: str):
+        self.backend, self.vocab_size, self.eos_ids = backend, vocab_size, eos_ids
+        self.chat_template, self.special, self.where = chat_template, special, where
+
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, config) -> "Tokenizer":
+        """The tokenizer of checkpoint ``directory`` (its ``config``: the vocabulary size, the fallback EOS ids);
+        CheckpointError naming the file that is missing or unreadable."""
+        from tokenizers import Tokenizer as HfTokenizer
+
+        directory = Path(directory)
+        path = directory / TOKENIZER
+        if not path.is_file():
+            raise CheckpointError(f"{path}: not found; text in and out needs the checkpoint's tokenizer (give token "
+                                  "ids with --prompt-ids and print them with --ids without it)")
+        try:
+            backend = HfTokenizer.from_file(str(path))
+        except Exception as err:  # noqa: BLE001 - the library's parse errors name no file
+            raise CheckpointError(f"{path}: not a tokenizers file: {err}") from None
+        settings = _json(directory / TOKENIZER_CONFIG)
+        generation = _json(directory / GENERATION_CONFIG)
+        eos = generation.get("eos_token_id", config.eos_token_id)
+        eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        special = {k: _token_text(settings.get(k)) for k in ("bos_token", "eos_token") if settings.get(k)}
+        return cls(backend, config.vocab_size, eos_ids, settings.get("chat_template"), special, str(directory))
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of ``text`` as written (special tokens spelled in it are recognised; none is added)."""
+        if not isinstance(text, str) or not text:
+            raise InputError(f"prompt: expected non-empty text, got {text!r}")
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise CheckpointError(f"{self.where}/{TOKENIZER}: token id {bad[0]} is outside the model's vocabulary "
+                                  f"[0, {self.vocab_size})")
+        return ids
+
+    def chat(self, text: str) -> list[int]:
+        """``text`` as the user's message under the checkpoint's chat template, the assistant's turn opened."""
+        if not self.chat_template:
+            raise CheckpointError(f"{self.where}/{TOKENIZER_CONFIG}: no chat_template for --chat")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        rendered = env.from_string(self.chat_template).render(
+            messages=[{"role": "user", "content": text}], add_generation_prompt=True, **self.special)
+        return self.encode(rendered)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=True)
+
+
+class TextStream:
+    """One request's generated text as its tokens arrive: ``push(token)`` returns the text that is complete now."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # a character whose bytes are still coming
+            return ""
+        return self.rest()
+
+    def rest(self) -> str:
+        """The text not returned yet (at the end: also bytes that never became a whole character)."""
+        text = self.tokenizer.decode(self.ids)
+        new, self.shown = text[len(self.shown):], text
+        return new
+
+
+def _json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: not readable JSON: {err}") from None
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json gives it: a string, or a dict with its ``content``."""
+    return value.get("content") if isinstance(value, dict) else value
