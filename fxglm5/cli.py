@@ -371,12 +371,12 @@ def _demo(args: argparse.Namespace) -> int:
     from fxglm5.model.tiny import make_tiny_checkpoint
 
     target = demo_dir()
-    made = not (target / "config.json").is_file()
+    made = not all((target / name).is_file() for name in ("config.json", "tokenizer.json"))
     if made:  # built beside the target and renamed into place: an interrupted run leaves no half checkpoint
         from fxglm5.model.st_files import check_output_dir
 
         check_output_dir(target)  # FXGLM5_CACHE naming a file, a home that cannot be written: said before the work
-        shutil.rmtree(target, ignore_errors=True)  # a directory without config.json is no checkpoint of ours
+        shutil.rmtree(target, ignore_errors=True)  # incomplete: an interrupted one, or an older fxglm5's (no tokenizer)
         _stage(f"making the random tiny GLM-5-FP8 checkpoint at {target}")
         make_tiny_checkpoint(target, fp8=True, seed=0)
     from fxglm5.model.generate import greedy_generate

@@ -2,7 +2,7 @@
 the shard plan), the process groups by name, and the plan hash the ranks compare at start-up.
 
 Phase 1 layout (every rank sees the same tokens): attention heads, the dense MLPs, the shared expert and the
-vocabulary split over ``tp`` ranks; the routed experts split either by expert (``ep == tp``) or, with ``ep == 1``,
+vocabulary (padded with zero rows to a multiple of ``tp``) split over ``tp`` ranks; the routed experts split either by expert (``ep == tp``) or, with ``ep == 1``,
 each expert along its intermediate dim. :meth:`Mapping.check` refuses, by config field, whatever does not split
 into whole pieces (and, for block-FP8 weights, whole 128x128 blocks) before any weight is read. The shard stage
 (``fxglm5.passes``, ``Stage.SHARD``) records in ``graph.meta[PLAN]`` which part of each attribute the rank holds,
@@ -29,19 +29,38 @@ BLOCK = 128  # FP8 weight block (GLM-5-FP8's weight_block_size)
 @dataclasses.dataclass(frozen=True)
 class Slice:
     """This attribute is ``full.narrow(dim, start, stop - start)``. ``halves``: the dim is two equal halves
-    (a stacked gate|up weight, or its scales) and each half is narrowed to ``[start, stop)`` of its own."""
+    (a stacked gate|up weight, or its scales) and each half is narrowed to ``[start, stop)`` of its own.
+    ``padded``: rows past the end of ``full`` (``stop`` beyond its size: the last ranks' part of a vocabulary that tp
+    does not divide) are zeros; any other part must lie inside ``full``."""
 
     dim: int
     start: int
     stop: int
     halves: bool = False
+    padded: bool = False
 
     def apply(self, full: torch.Tensor) -> torch.Tensor:
         """The rank's part of ``full`` (a copy on real devices, so the whole tensor can be freed; meta stays meta)."""
         if self.halves:
             pair = full.unflatten(self.dim, (2, full.shape[self.dim] // 2))
             return pair.narrow(self.dim + 1, self.start, self.stop - self.start).flatten(self.dim, self.dim + 1).clone()
-        return full.narrow(self.dim, self.start, self.stop - self.start).clone()
+        if not self.padded:
+            return full.narrow(self.dim, self.start, self.stop - self.start).clone()
+        return pad_rows(full.narrow(self.dim, min(self.start, full.shape[self.dim]), self.real(full.shape[self.dim])),
+                        self.dim, self.stop - self.start)
+
+    def real(self, size: int) -> int:
+        """How many of the part's rows a dim of ``size`` holds (the rest are padding)."""
+        return max(0, min(self.stop, size) - self.start)
+
+
+def pad_rows(t: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended along ``dim`` up to ``rows`` (a copy either way)."""
+    missing = rows - t.shape[dim]
+    if missing <= 0:
+        return t.clone()
+    zeros = torch.zeros(*t.shape[:dim], missing, *t.shape[dim + 1:], dtype=t.dtype, device=t.device)
+    return torch.cat([t, zeros], dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +80,12 @@ class Mapping:
     def part(self, size: int) -> tuple[int, int]:
         """[start, stop) of this rank's equal share of ``size`` (split over tp)."""
         share = size // self.tp
+        return self.rank * share, (self.rank + 1) * share
+
+    def vocab_part(self, vocab: int) -> tuple[int, int]:
+        """[start, stop) of this rank's vocabulary rows: ceil(vocab / tp) each, so a vocabulary that tp does not
+        divide gives the last ranks rows past its end (zeros: ``Slice.apply``), cut off after the gather."""
+        share = -(-vocab // self.tp)
         return self.rank * share, (self.rank + 1) * share
 
     def expert_part(self, experts: int) -> tuple[int, int]:
@@ -125,8 +150,7 @@ def _split_problems(cfg, m: Mapping) -> list[str]:
             split("moe_intermediate_size (every expert split along it, ep=1)", cfg.moe_intermediate_size)
         elif cfg.n_routed_experts % m.ep:
             problems.append(f"n_routed_experts = {cfg.n_routed_experts} is not divisible by ep={m.ep}")
-    split("vocab_size", cfg.vocab_size, blocked=False)
-    return problems
+    return problems  # the vocabulary: padded to a multiple of tp (Mapping.vocab_part)
 
 
 # ---- process groups by name ---------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ def _rows_input(node) -> fx.Node | None:
     ops = torch.ops.fxglm5
     if is_op(node, ops.all_gather.default) and op_args(node)["dim"] not in (0, 1):  # a sharded lm_head's logits
         return op_args(node)["x"]
+    if is_op(node, aten.slice.Tensor) and op_args(node)["dim"] in (-1, len(node.meta["val"].shape) - 1):
+        return op_args(node)["self"]  # a column range (a padded vocabulary's logits cut back to the vocabulary)
     rows = {aten.linear.default: "input", ops.fp8_linear.default: "x", ops.rms_norm.default: "x"}
     return op_args(node)[rows[node.target]] if is_op(node, *rows) else None
 

@@ -4,16 +4,20 @@ the vocabulary (last) dim, so every rank returns the whole logits (the Runner sa
 Only a graph whose output is the lm_head's linear matches (head "logits"); a hidden-state graph (head "hidden",
 the RTP plugin's) has no lm_head: the engine applies its own vocabulary shard. The all_gather works row by row,
 so select_sampled_rows (cache stage) still moves the sampled-row selection above it and the lm_head.
+
+A vocabulary that tp does not divide is padded (as vLLM and SGLang pad theirs): each rank holds ceil(V / tp) rows,
+the last ranks' past V are zeros (``fxglm5.parallel.Mapping.vocab_part``), and the gathered logits are cut back to
+V columns, so the padded logits never reach the sampler.
 """
 
 from __future__ import annotations
 
 from torch import fx
 
-from fxglm5.passes.graph_utils import get_attr_tensor
+from fxglm5.passes.graph_utils import aten, get_attr_tensor
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
-from fxglm5.passes.sharding import gather_after, linear, shard_each, shard_linear
+from fxglm5.passes.sharding import gather_after, insert_after, linear, shard_each, shard_linear
 
 
 def expected_lm_head(ctx):
@@ -30,9 +34,13 @@ def _shard_one(gm: fx.GraphModule, node: fx.Node, mapping) -> bool:
     lin = linear(node.all_input_nodes[0])
     if lin is None or len(lin.node.users) != 1:
         return False
-    start, stop = mapping.part(get_attr_tensor(gm, lin.weight).shape[0])
-    shard_linear(gm, lin, 0, start, stop)
-    gather_after(gm, lin.node, -1, mapping, "shard_lm_head")
+    vocab = get_attr_tensor(gm, lin.weight).shape[0]
+    start, stop = mapping.vocab_part(vocab)
+    shard_linear(gm, lin, 0, start, stop, padded=stop > vocab)
+    gathered = gather_after(gm, lin.node, -1, mapping, "shard_lm_head")
+    if (stop - start) * mapping.world != vocab:  # the padded columns are dropped before anything reads the logits
+        cut = insert_after(gm, gathered, aten.slice.Tensor, (gathered, -1, 0, vocab))
+        gathered.replace_all_uses_with(cut, delete_user_cb=lambda user: user is not cut)
     return True
 
 

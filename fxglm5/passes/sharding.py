@@ -85,10 +85,11 @@ def block_part(part: Slice, size: int, what: str) -> Slice:
     return Slice(part.dim, part.start // BLOCK, -(-part.stop // BLOCK), part.halves)
 
 
-def shard_linear(gm: fx.GraphModule, lin: Linear, dim: int, start: int, stop: int, halves: bool = False) -> None:
+def shard_linear(gm: fx.GraphModule, lin: Linear, dim: int, start: int, stop: int, halves: bool = False,
+                 padded: bool = False) -> None:
     """Keep rows (``dim`` 0: output features) or columns (``dim`` 1: input features) [start, stop) of the linear's
-    weight, its block scales with it."""
-    part = Slice(dim, start, stop, halves)
+    weight, its block scales with it (``padded``: rows past the weight's end are zeros, see ``Slice``)."""
+    part = Slice(dim, start, stop, halves, padded)
     size = get_attr_tensor(gm, lin.weight).shape[dim]
     if lin.scale is not None:
         shard_attr(gm, lin.scale, block_part(part, size // 2 if halves else size, lin.weight.target))

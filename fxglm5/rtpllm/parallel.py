@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import torch
 
-from fxglm5.errors import ConfigError
+from fxglm5.errors import ConfigError, InputError
 from fxglm5.model.config import Glm5Config
 from fxglm5.parallel import Mapping, Slice, register_group
 
@@ -102,6 +102,9 @@ def load_rank(ckpt_path, mapping: Mapping, dtype: torch.dtype, device):
 
     model, reader, mapping = sharded_model(str(ckpt_path), mapping.tp, mapping.ep, dtype)
     cfg = model.config
+    if cfg.vocab_size % mapping.tp:  # fxglm5's own runtime pads the shard; RTP gathers equal shards of V / tp
+        raise InputError(f"vocab_size = {cfg.vocab_size} is not divisible by tp={mapping.tp}: RTP-LLM all-gathers the "
+                         "logits as equal vocabulary shards")
     graph, results, _ = compile_model(model, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS),
                                       device=device, head="hidden", mapping=mapping)
     failure = lm_head = None

@@ -21,6 +21,7 @@ from torch import fx
 
 from fxglm5.errors import CheckpointError
 from fxglm5.model.checkpoint import CheckpointReader
+from fxglm5.parallel import Slice, pad_rows
 from fxglm5.passes.graph_utils import drop_unread_attributes, on_device
 
 PLAN, DERIVED = "shard_plan", "derived_constants"
@@ -48,7 +49,7 @@ def load_sharded(graph: fx.GraphModule, reader: CheckpointReader, model: torch.n
 
     def load(target: str, like: torch.Tensor) -> torch.Tensor:
         if target not in loaded:
-            loaded[target] = reader.param(target, like, device, plan.get(target))
+            loaded[target] = _read(reader, target, like, device, plan.get(target), params)
         return loaded[target]
 
     start = dict(reader.bytes_read)
@@ -76,6 +77,20 @@ def load_sharded(graph: fx.GraphModule, reader: CheckpointReader, model: torch.n
     on_device(graph, device)  # the device arguments the meta capture recorded (torch.arange(..., device=meta))
     tensors = {k: v - start.get(k, 0) for k, v in reader.bytes_read.items() if v != start.get(k, 0)}
     return LoadReport(sum(tensors.values()), tensors)
+
+
+def _read(reader, target: str, like: torch.Tensor, device, part, params: dict) -> torch.Tensor:
+    """The rank's part of ``target``; a part that runs past the parameter's end (a padded vocabulary shard) is read
+    as far as the parameter goes and padded with zero rows."""
+    size = params[target].shape[part.dim] if part is not None and part.padded and target in params else None
+    if size is None or part.stop <= size:
+        return reader.param(target, like, device, part)
+    rows = part.real(size)
+    if rows == 0:
+        return torch.zeros(like.shape, dtype=like.dtype, device=device)
+    clipped = Slice(part.dim, part.start, part.start + rows)
+    head = reader.param(target, like.narrow(part.dim, 0, rows), device, clipped)
+    return pad_rows(head, part.dim, like.shape[part.dim])
 
 
 def _local_like(params: dict, name: str, part) -> torch.Tensor:

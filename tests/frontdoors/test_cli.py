@@ -86,3 +86,12 @@ def test_demo_in_bfloat16_says_why_it_does_not_compare_and_passes(tmp_path, capf
         f"fxglm5 demo: making the random tiny GLM-5-FP8 checkpoint at {tmp_path / 'tiny-fp8'}",
         "fxglm5 demo: loading it and compiling the model (bfloat16)", "fxglm5 demo: generating"]
     assert "FutureWarning" not in err
+
+
+def test_demo_remakes_a_cached_checkpoint_without_a_tokenizer(tmp_path, capsys, monkeypatch):
+    """An older fxglm5 cached its demo checkpoint without tokenizer files: the demo makes it again instead of failing
+    on the missing tokenizer.json."""
+    monkeypatch.setenv("FXGLM5_CACHE", str(tmp_path))
+    run(capsys, "demo")
+    (tmp_path / "tiny-fp8" / "tokenizer.json").unlink()
+    assert run(capsys, "demo")[0].startswith("fxglm5 demo: made")

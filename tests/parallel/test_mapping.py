@@ -26,7 +26,7 @@ def test_glm5_splits_over_one_host_and_two(tp):
 
 
 @pytest.mark.parametrize("mapping, config, named", [
-    (Mapping(tp=3), GLM5, ["num_attention_heads = 64 is not divisible by tp=3", "vocab_size = 154880",
+    (Mapping(tp=3), GLM5, ["num_attention_heads = 64 is not divisible by tp=3",
                            "moe_intermediate_size x n_shared_experts"]),
     (Mapping(tp=3, ep=3), GLM5, ["n_routed_experts = 256 is not divisible by ep=3"]),
     (Mapping(tp=64, ep=64), GLM5, ["kv_b_proj rows: x qk_nope_head_dim + v_head_dim) = 64 gives each rank 448",
@@ -88,3 +88,13 @@ def test_groups_resolve_by_name():
     finally:
         register_group("rtp_tp", None)
     assert resolve_group("rtp_tp") is None
+
+
+def test_a_vocabulary_tp_does_not_divide_is_padded():
+    """510 tokens over 4 ranks: 128 rows each, the last rank's 126 real rows and 2 of zeros (cut after the gather)."""
+    Mapping(tp=4, ep=4).check(Glm5Config.preset("tiny-tp").replace(vocab_size=510))
+    parts = [Mapping(tp=4, rank=r).vocab_part(510) for r in range(4)]
+    assert parts == [(0, 128), (128, 256), (256, 384), (384, 512)]
+    full = torch.arange(510.0)[:, None]
+    last = Slice(0, 384, 512, padded=True).apply(full)
+    assert last.shape == (128, 1) and torch.equal(last[:126, 0], torch.arange(384.0, 510.0)) and not last[126:].any()

@@ -72,3 +72,26 @@ def test_two_and_four_gloo_ranks_give_the_single_rank_logits(tiny_tp, tmp_path):
     assert all(e <= bf16_noise for name, e in named.items() if name == "bf16 rel-rmse"), errors
     assert all(e > 100 * FP32_ATOL for name, e in named.items() if name == "sabotage"), errors
     assert torch.equal(outs[0]["ep2"], outs[1]["ep2"])  # every rank returns the same gathered logits
+
+
+def test_a_vocabulary_tp_does_not_divide_is_padded_and_cut(tmp_path):
+    """510 tokens over 4 gloo ranks: each rank's lm_head shard is 128 rows (the last one's past 510 zeros), the
+    gathered 512 logits are cut back to 510, and they equal the single-rank logits; with the cut removed the padded
+    columns would be there (shape 512)."""
+    from fxglm5.model.config import Glm5Config
+    from tests.helpers import random_model
+
+    model = random_model(Glm5Config.preset("tiny-tp").replace(vocab_size=510), torch.float32)
+    graph = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), strict=True).graph
+    ids = torch.randint(0, 510, (1, 12), generator=torch.Generator().manual_seed(3))
+    inputs = (ids, torch.arange(12)[None])
+    with torch.no_grad():
+        single = graph(*inputs)
+    ranks = [sharded(graph, model.config, Mapping(tp=4, rank=rank, ep=4))[0] for rank in range(4)]
+    last = ranks[3].get_parameter("lm_head.weight")
+    assert last.shape == (128, model.config.hidden_size) and not last[126:].any()
+    assert torch.equal(last[:126], model.lm_head.weight[384:])
+    outs = run_ranks([{"tp4": gm} for gm in ranks], inputs, tmp_path, deadline_s=120)
+    for out in outs:
+        assert out["tp4"].shape == single.shape == (1, 12, 510)
+        assert (out["tp4"] - single).abs().max().item() <= FP32_ATOL
