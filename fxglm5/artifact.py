@@ -7,8 +7,8 @@ into fxglm5's canonical ops (``fxglm5::sparse_mla``, ``fp8_linear``, ``moe_fp8``
 dynamic [batch, seq], the map of which of those layers each of the model's layers copies, and every layer's
 weights as they were loaded (block-FP8 stays FP8) with the constants the passes derived from them; the format,
 and what loading it trusts, are :mod:`fxglm5.artifact_format`'s. Loading stitches the program to the whole
-model from the file's tensors (the stitcher of the compile) and runs the device-specific half, the cache and
-lower stages, for the device it serves on. The caches are not in the file: the paged graph takes
+model from the file's tensors (the stitcher of the compile) and runs the device-specific half, the cache,
+fuse_kernels and lower stages, for the device it serves on. The caches are not in the file: the paged graph takes
 them as inputs (``insert_paged_cache``). The cache stage is not exported because its ops write the caches in
 place, which ``torch.export`` would functionalize into a copy of every cache per step.
 

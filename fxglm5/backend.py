@@ -3,7 +3,7 @@
 Dynamo hands over a torch-level FX graph whose parameters arrive as graph inputs. The backend freezes
 those inputs back into constants (so weights are ``get_attr`` nodes, as the passes expect), exports the
 graph to ATen with torch.export (dynamic where Dynamo's graph is: one export serves every size Dynamo's
-guards let through), runs the match, fuse and lower stages for the device of the inputs and returns the
+guards let through), runs the match, fuse, fuse_kernels and lower stages for the device of the inputs and returns the
 lowered graph. Registered through the ``torch_dynamo_backends`` entry point, so ``"fxglm5"`` is listed
 after install.
 
@@ -121,7 +121,8 @@ def _device(tensors) -> str:
 
 
 def fxglm5_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_):
-    """Compile ``gm``: export to ATen, run the fxglm5 match, fuse and lower stages for the inputs' device.
+    """Compile ``gm``: export to ATen, run the fxglm5 match, fuse, fuse_kernels and lower stages for the inputs'
+    device.
     ``options``: ``config`` (a Glm5Config: expected scales and strict counts), ``act_quant``, ``strict``,
     ``backend`` (the kernel backend tried first), ``disabled_passes`` (pass names to skip) and ``dump_dir``
     (each pass's graph before and after, written there).
