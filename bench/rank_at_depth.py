@@ -350,7 +350,7 @@ def measure_point(runner: Runner, run: dict, kind: str, batch: int, ctx: int, co
     return measure
 
 
-class variant:
+class Variant:
     """Context manager: the decode step under VARIANTS[name] (environment set, module dicts patched, the runner's
     decode graphs dropped so that they are captured under it), everything put back after."""
 
@@ -392,7 +392,7 @@ def run_variants(runner: Runner, run: dict, names, points: dict, copy_gbs, table
         for point, (kind, batch, ctx) in points.items():
             row = dict(point=point, passes_disabled=run["disabled_passes"], variant=name, batch=batch, ctx=ctx)
             try:
-                with variant(runner, name):
+                with Variant(runner, name):
                     m = measure_point(runner, run, kind, batch, ctx, copy_gbs, gen, device)
             except Exception as err:  # noqa: BLE001 - one setting failing leaves the run's other figures standing
                 run.setdefault("variants", {}).setdefault(name, {})[point] = dict(failed=repr(err)[:400])

@@ -34,8 +34,8 @@ def expected_linears(ctx) -> int:
 
 
 def _read_by_router_or_indexer(node: fx.Node) -> bool:
-    targets = [getattr(u.target, "_opname", None) for u in node.users]
-    return bool(targets) and all(t in READERS and u.target.namespace == "fxglm5" for t, u in zip(targets, node.users))
+    readers = [getattr(torch.ops.fxglm5, name).default for name in READERS]
+    return bool(node.users) and all(is_op(user, *readers) for user in node.users)
 
 
 def _scales(linear: fx.Node) -> tuple[fx.Node, list[float]]:
