@@ -120,10 +120,13 @@ def test_layers_that_differ_are_other_kinds():
     bigger = layers[5].post_attention_layernorm
     bigger.weight = torch.nn.Parameter(torch.empty(bigger.weight.shape[0] + 1, device="meta"), requires_grad=False)
     assert layer_key(layers[3], "a") != layer_key(layers[5], "b")
-    layers[4].self_attn.scale = 0.5  # a plain attribute (the softmax scale)
-    assert layer_key(layers[4], "a") != layer_key(Glm5ForCausalLM(_config(6), device="meta").model.layers[4], "b")
     plan = model_plan(model)
     assert plan.kinds[5] not in plan.kinds[:5] and plan.source[5] == 5
+    # A plain attribute (the softmax scale) is compared by value: two layers of one model, which hold the very same
+    # config (layers of two model instances hold two configs, and differ by identity whatever the value).
+    layers = Glm5ForCausalLM(_config(6), device="meta").model.layers
+    layers[5].self_attn.scale = layers[3].self_attn.scale * 0.5
+    assert layer_key(layers[3], "a") != layer_key(layers[5], "b")
 
 
 def test_inspect_config_file_on_meta(tmp_path, capsys):
