@@ -113,7 +113,7 @@ def init_fake_group() -> None:
 def probe_collectives(device: torch.device) -> dict:
     """Each implementation of fxglm5::all_reduce / all_gather (the custom op and what ``lower`` binds) returns, with
     the fake group's values, eagerly and (on a GPU) inside a CUDA graph that is replayed on a new input."""
-    from fxglm5.lowering.bindings import implementations
+    from fxglm5.lowering.implementations import implementations
 
     x = torch.randn(4, 256, device=device, dtype=torch.bfloat16)
     report = {}
@@ -217,7 +217,7 @@ def synthetic_context(runner: Runner, batch: int, ctx: int, gen: torch.Generator
     k_pe = torch.randn(len(slots), cfg.qk_rope_head_dim, **rows)
     keys = torch.randn(len(slots), cfg.index_head_dim, **rows)
     write_latent, write_index = cache_writers(device)
-    for kv_name, index_name in cache.signature.layers:
+    for kv_name, index_name in cache.spec.signature.layers:
         write_latent(cache.kernel_view(kv_name), kv_c, k_pe, slots, validate=False)
         if index_name is not None:
             write_index(cache.kernel_view(index_name), keys, slots, validate=False)
@@ -322,9 +322,9 @@ def blocks_for(kind: str, batch: int, ctx: int, device: torch.device) -> int:
     return batch * -(-(ctx + steps) // BLOCK)
 
 
-def build_runner(reader, device, num_blocks: int, graph=None, disabled=()) -> Runner:
+def build_runner(reader, device, num_blocks: int, program=None, disabled=()) -> Runner:
     return Runner(reader, tp=TP, ep=EP, kv_cache="fp8", index_cache="fp8", block_size=BLOCK, dtype=torch.bfloat16,
-                  device=device, max_decode_batch=64, num_blocks=num_blocks, graph=graph, disabled_passes=disabled)
+                  device=device, max_decode_batch=64, num_blocks=num_blocks, program=program, disabled_passes=disabled)
 
 
 def nbytes(tensors) -> int:
@@ -420,17 +420,17 @@ def run_points(reader, device, points: dict, disabled, copy_gbs, record: dict, t
     reserve = ACTIVATION_RESERVE if device.type == "cuda" else 0
     need = {name: blocks_for(*spec, device) for name, spec in points.items()}
     fit = [n for n in points if need[n] <= (free - reserve) // (per_token * BLOCK) - 1]
-    graph = first.graph
+    program = first.program
     del first
     gc.collect()
-    runner = build_runner(reader, device, max((need[n] for n in fit), default=1) + 1, graph=graph)
-    weights = weight_bytes(graph)
+    runner = build_runner(reader, device, max((need[n] for n in fit), default=1) + 1, program=program)
+    weights = weight_bytes(program.graph)
     run = dict(disabled_passes=label, compile_s=round(built_s - reader.seconds, 2), load_s=round(reader.seconds, 2),
                weight_bytes=weights, weights_gb={k: round(v / 1e9, 3) for k, v in weights.items()},
                weights_total_gb=round(sum(weights.values()) / 1e9, 2), kv_bytes_per_token=per_token,
                free_after_load_gib=round(free / 2**30, 2),
                cache_gib=round(nbytes(runner.cache.tensors.values()) / 2**30, 2),
-               collectives_per_step=collectives(graph), points={})
+               collectives_per_step=collectives(program.graph), points={})
     record.setdefault("runs", []).append(run)
     print(f"== passes disabled: {label}: compile {run['compile_s']} s, load {run['load_s']} s, weights "
           f"{run['weights_total_gb']} GB {run['weights_gb']}, free after load {run['free_after_load_gib']} GiB",
@@ -455,7 +455,7 @@ def run_points(reader, device, points: dict, disabled, copy_gbs, record: dict, t
         save()
     run_variants(runner, run, variants, {n: p for n, p in (variant_points or {}).items() if n in fit}, copy_gbs, table,
                  save, gen, device)
-    del runner, graph
+    del runner, program
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "rtp_standin"))
 from bench.harness import save_run  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.tiny import make_tiny_checkpoint  # noqa: E402
+from fxglm5.program import CacheSpec  # noqa: E402
 from fxglm5.runtime.cache import check_cache_size  # noqa: E402
 
 BLOCK, MIB = 64, 2**20
@@ -52,8 +53,8 @@ def model_config(tiny: bool, layers: int) -> Glm5Config:
 def old_scratch_bytes(cfg: Glm5Config, n: int) -> int:
     """COMPUTED: the scratch the plugin allocated for an n-token warm-up before (1 + ceil(n / 64) blocks of 64
     tokens, FP8 rows, every attention layer); the meta device allocates and checks nothing."""
-    indexed = [cfg.has_indexer(i) for i in range(cfg.num_hidden_layers)]
-    return check_cache_size(1 + -(-n // BLOCK), BLOCK, indexed, "fp8", "fp8", torch.bfloat16, "meta")
+    spec = CacheSpec.for_config(cfg, "fp8", "fp8", torch.bfloat16)
+    return check_cache_size(1 + -(-n // BLOCK), BLOCK, spec, "meta")
 
 
 def timed(device, fn) -> tuple[object, dict]:

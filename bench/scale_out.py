@@ -75,20 +75,20 @@ def step_bytes(cfg: Glm5Config, batch: int, ctx: int, tp: int, ep: int) -> int:
 def runner_points(rank, model_or_dir, cfg, batches, contexts, tp, ep, device):
     """TTFT (prefill of one chunk of requests) and TPOT (median decode step) at every (batch, context)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    points, graph = [], None
+    points, program = [], None
     for ctx in contexts:
         for batch in batches:
             prompts = torch.randint(0, cfg.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(1)).tolist()
             t0 = time.perf_counter()
             runner = Runner(model_or_dir, kv_cache="fp8", index_cache="fp8", block_size=64, dtype=torch.bfloat16,
-                            max_cache_tokens=batch * (ctx + 64 + STEPS), device=device, tp=tp, ep=ep, graph=graph)
+                            max_cache_tokens=batch * (ctx + 64 + STEPS), device=device, tp=tp, ep=ep, program=program)
             build_s = time.perf_counter() - t0  # the first point's includes capture + passes (+ loading)
             if tp == 1:
-                graph = runner.graph  # holds no cache: the next points reuse it
+                program = runner.program  # holds no cache: the next points reuse it
             # a throwaway runner over the same graph compiles / autotunes the prefill kernels at this length (not part
             # of a TTFT), without leaving a request in the measured runner's decode batch
             warm = Runner(model_or_dir, kv_cache="fp8", index_cache="fp8", block_size=64, dtype=torch.bfloat16,
-                          max_cache_tokens=ctx + 64, device=device, tp=tp, ep=ep, graph=runner.graph)
+                          max_cache_tokens=ctx + 64, device=device, tp=tp, ep=ep, program=runner.program)
             warm.prefill(torch.randint(0, cfg.vocab_size, (1, ctx), generator=torch.Generator().manual_seed(2)).tolist())
             del warm
             ttft = []

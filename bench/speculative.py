@@ -92,9 +92,9 @@ def verify_steps(new):
     return run
 
 
-def measure(model, graph, prompts, k, new, dev, sync) -> dict:
+def measure(model, program, prompts, k, new, dev, sync) -> dict:
     B, ctx = len(prompts), len(prompts[0])
-    opts = dict(kv_cache="fp8", index_cache="fp8", block_size=64, dtype=model.dtype, graph=graph, device=dev,
+    opts = dict(kv_cache="fp8", index_cache="fp8", block_size=64, dtype=model.dtype, program=program, device=dev,
                 max_cache_tokens=2 * B * (ctx + new + 2 * 64), max_decode_batch=max(64, B),
                 backend=None if dev == "cuda" else "reference")
     plain = Runner(model, **opts)
@@ -166,14 +166,14 @@ def main():
     cfg = two_layer_config(a.tiny)
     model = random_model(cfg, dev)
     t0 = time.time()
-    graph = Runner(model, block_size=64, dtype=model.dtype, device=dev, max_cache_tokens=max(batches) * (ctx + new + 128),
-                   decode_graphs=False, backend=None if dev == "cuda" else "reference").graph
+    program = Runner(model, block_size=64, dtype=model.dtype, device=dev, max_cache_tokens=max(batches) * (ctx + new + 128),
+                   decode_graphs=False, backend=None if dev == "cuda" else "reference").program
     print(f"compiled in {time.time() - t0:.1f} s", flush=True)
     gen = torch.Generator().manual_seed(1)
     runs = []
     for B in batches:
         prompts = torch.randint(0, cfg.vocab_size, (B, ctx), generator=gen).tolist()
-        runs.append(measure(model, graph, prompts, a.k, new, dev, sync))
+        runs.append(measure(model, program, prompts, a.k, new, dev, sync))
         print(runs[-1], flush=True)  # saved after every batch: a run cut short keeps what it measured
         path = save_run(f"speculative_k{a.k}_ctx{ctx}{'_tiny' if a.tiny else ''}.json", k=a.k, ctx=ctx,
                         new_tokens=new, layers="tiny" if a.tiny else "1 dense + 1 MoE (GLM-5 widths)", runs=runs)

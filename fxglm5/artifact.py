@@ -30,11 +30,10 @@ from fxglm5 import artifact_format
 from fxglm5.artifact_format import CONSTANTS, FORMAT, MEMBERS, PROGRAM, RECORD, WEIGHTS
 from fxglm5.capture.by_kind import PREFIX, context_depth, layer_copies, stitch
 from fxglm5.capture.layer_kinds import KindPlan, Unprovable, plan_kinds
-from fxglm5.compiler import MAX_STEP_TOKENS, compile_model, lower_for_device
+from fxglm5.compiler import (MAX_STEP_TOKENS, Compiled, Stage, compile_model, lower_for_device, pass_source_hashes,
+                             place_loaded_graph)
 from fxglm5.errors import CheckpointError
 from fxglm5.model.config import Glm5Config
-from fxglm5.passes.graph_utils import drop_unread_attributes, on_device
-from fxglm5.passes.pipeline import Stage
 
 __all__ = ["Artifact", "export_artifact", "load_artifact", "check_out_path",
            "FORMAT", "MEMBERS", "RECORD", "PROGRAM", "WEIGHTS", "CONSTANTS"]
@@ -69,20 +68,21 @@ class Artifact:
         except Unprovable as why:
             raise CheckpointError(f"{path}: {PROGRAM} cannot be stitched as {RECORD} layers says ({why})") from None
 
-    def paged_graph(self, device="cpu", backend: str | None = None, disabled_passes=()) -> tuple[fx.GraphModule, list]:
-        """A fresh paged graph for ``device``: the canonical whole-model graph with the cache and lower stages
-        run (without ``disabled_passes``)."""
-
-        graph = on_device(self.graph(), torch.device(device))
-        return graph, lower_for_device(graph, self.config, device=device, backend=backend, disabled_passes=disabled_passes)
+    def compile(self, device="cpu", backend: str | None = None, disabled_passes=(),
+                inputs_validated: bool = True) -> Compiled:
+        """A fresh paged program for ``device`` (``Compiled.program``): the canonical whole-model graph with the
+        cache, fuse_kernels and lower stages run (without ``disabled_passes``); ``inputs_validated``: its caller
+        validates each step's context (the Runner does)."""
+        return lower_for_device(self.graph(), self.config, device=device, backend=backend, head=self.head,
+                                disabled_passes=disabled_passes, inputs_validated=inputs_validated)
 
     def runner(self, *, device="cpu", backend: str | None = None, disabled_passes=(), **runner_options):
         """A :class:`~fxglm5.runtime.runner.Runner` serving this artifact (options as the Runner's)."""
         from fxglm5.runtime.runner import Runner
 
-        graph, results = self.paged_graph(device, backend, disabled_passes)
-        runner = Runner(self, graph=graph, device=device, backend=backend, **runner_options)
-        runner.pass_results = results
+        compiled = self.compile(device, backend, disabled_passes)
+        runner = Runner(self, program=compiled.program, device=device, backend=backend, **runner_options)
+        runner.pass_results = compiled.results
         return runner
 
 
@@ -93,18 +93,18 @@ def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_p
     ``path``. ``head``: "logits", or "hidden" (final-norm hidden states, for engines that apply the lm_head
     themselves). A ``path`` whose directory is missing is refused before any of the work."""
     from fxglm5.capture.export import token_inputs
-    from fxglm5.passes.registry import passes_for
 
     path = check_out_path(path)
-    graph, results, _ = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), head=head, max_tokens=MAX_STEP_TOKENS,
-                                      strict=True, disabled_passes=disabled_passes, dump_dir=dump_dir)
+    graph, results = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), head=head, max_tokens=MAX_STEP_TOKENS,
+                                   strict=True, disabled_passes=disabled_passes, dump_dir=dump_dir)[:2]
     layers = model.config.num_hidden_layers
     prefix, plan = graph.meta.get(PREFIX) or (graph, plan_kinds(list(range(layers)), 0))  # whole: identity map
-    drop_unread_attributes(prefix)  # kv_b_proj once absorbed: export would take it, the file store it
-    example, dims = token_inputs(next(model.parameters()).device, 1024, MAX_STEP_TOKENS)
+    device = next(model.parameters()).device
+    place_loaded_graph(prefix, device)  # kv_b_proj once absorbed is dropped: export would take it, the file store it
+    example, dims = token_inputs(device, 1024, MAX_STEP_TOKENS)
     with torch.no_grad():
         program = torch.export.export(prefix, example, dynamic_shapes=(dims, dims), strict=False)
-    hashes = {spec.name: spec.source_hash for spec in passes_for((Stage.MATCH, Stage.FUSE))}
+    hashes = pass_source_hashes((Stage.MATCH, Stage.FUSE))
     record = dict(format=FORMAT, config=model.config.to_dict(), dtype=str(model.dtype).removeprefix("torch."),
                   head=head, layers=artifact_format.plan_record(plan),
                   passes={r.name: dict(matches=r.num_matches, source_hash=hashes.get(r.name)) for r in results},

@@ -26,11 +26,10 @@ from torch import fx, nn
 from torch.export import Dim
 
 from fxglm5.capture import export_graph
-from fxglm5.compiler import compile_graph
+from fxglm5.compiler import Stage, compile_graph
 from fxglm5.errors import ConfigError, InputError
-from fxglm5.lowering.registry import BACKENDS
+from fxglm5.lowering.backend_choice import BACKENDS
 from fxglm5.model.config import Glm5Config
-from fxglm5.passes.pipeline import Stage
 
 log = logging.getLogger(__name__)
 OPTIONS = ("config", "act_quant", "strict", "backend", "disabled_passes", "dump_dir")

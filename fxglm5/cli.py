@@ -65,12 +65,12 @@ def _pass_options(p: argparse.ArgumentParser, dump: bool = True) -> None:
 
 def disabled_passes(text: str) -> tuple[str, ...]:
     """'a,b' -> ('a', 'b'), each a declared pass (checked before a checkpoint is loaded)."""
-    from fxglm5.passes.pipeline import DECLARED
+    from fxglm5.compiler import PASS_NAMES
 
     names = tuple(name for name in text.replace(" ", "").split(",") if name)
-    unknown = [name for name in names if name not in DECLARED]
+    unknown = [name for name in names if name not in PASS_NAMES]
     if unknown:
-        raise InputError(f"--disable-passes: no pass named {unknown[0]!r}; passes are {', '.join(DECLARED)}")
+        raise InputError(f"--disable-passes: no pass named {unknown[0]!r}; passes are {', '.join(PASS_NAMES)}")
     return names
 
 
@@ -433,10 +433,8 @@ def _inspect_config(args: argparse.Namespace):
 def _inspect(args: argparse.Namespace) -> int:
     import torch
 
-    from fxglm5.compiler import compile_graph, compile_model
+    from fxglm5.compiler import Stage, compile_graph, compile_model, report
     from fxglm5.model.modeling import Glm5ForCausalLM
-    from fxglm5.passes.pipeline import Stage
-    from fxglm5.passes.report import pipeline_report
 
     disabled = disabled_passes(args.disable_passes)
     if args.model:
@@ -450,7 +448,7 @@ def _inspect(args: argparse.Namespace) -> int:
         *before_lower, lowered = compile_graph(compiled.graph, model.config, stages=(Stage.FUSE_KERNELS, Stage.LOWER),
                                                device=args.device)
         compiled = compiled._replace(results=compiled.results + before_lower)
-    print(pipeline_report(*compiled, lowered=lowered, device=args.device))
+    print(report(compiled, lowered=lowered, device=args.device))
     return 0
 
 

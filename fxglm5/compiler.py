@@ -6,6 +6,16 @@ loaded (:func:`lower_for_device`); the torch.compile backend runs the stages on 
 and ``fxglm5 inspect`` reports what the match and fuse stages did (:func:`compile_graph`). One place builds the
 :class:`~fxglm5.passes.PassContext` from the options, so a pass sees the same context whoever compiles.
 
+A compile that runs the cache stage returns the graph as a :class:`~fxglm5.program.PagedProgram` too
+(``Compiled.program``): the one way to call it. ``inputs_validated`` says that the program's caller validates each
+step's forward context itself (the Runner, the RTP plugin), so the lower stage binds the cached ops without their own
+checks; the choice is made here, at compile time, not by a switch at run time.
+
+The front doors reach the passes only through this module: the stage names (:class:`Stage`), the pass names
+(:data:`PASS_NAMES`), their source hashes (:func:`pass_source_hashes`) and the compile report (:func:`report`).
+:func:`place_loaded_graph` readies a graph whose weights were filled after capture (a rank's slices, an artifact's
+tensors) for its device.
+
 ``mapping`` (``fxglm5.parallel.Mapping``) makes the shard stage give this rank's part of the model; it is checked
 against the config before anything is captured or read, and the sharded graph is checked once it is whole
 (``fxglm5.passes.shard_check``). An artifact stores match + fuse only, so it stays rank-agnostic.
@@ -23,8 +33,14 @@ from torch import fx
 from fxglm5.errors import InputError
 from fxglm5.parallel import Mapping
 from fxglm5.passes import PassContext, PassResult, run_pipeline
+from fxglm5.passes.graph_utils import drop_unread_attributes, on_device
+from fxglm5.passes.pipeline import DECLARED, STAGES, Stage, stages_of
+from fxglm5.passes.registry import passes_for
+from fxglm5.passes.report import pipeline_report
 from fxglm5.passes.shard_check import check_sharded
-from fxglm5.passes.pipeline import STAGES, Stage, stages_of
+from fxglm5.program import PagedProgram
+
+PASS_NAMES = tuple(DECLARED)  # every declared pass, in pipeline order
 
 MAX_STEP_TOKENS = 1 << 20  # flat tokens of one step when nothing bounds them (RTP's batches, artifacts)
 # the flat tokens one prefill forward runs at most (the Runner's default chunk, the RTP plugin's): GLM-5's
@@ -38,11 +54,37 @@ class Compiled(NamedTuple):
     graph: fx.GraphModule
     results: list[PassResult]
     capture_seconds: float = 0.0
+    program: PagedProgram | None = None  # the graph's call, where the cache stage ran
+
+
+def _compiled(graph: fx.GraphModule, results: list[PassResult], seconds: float, inputs_validated: bool) -> Compiled:
+    paged = "paged_cache" in graph.meta
+    return Compiled(graph, results, seconds, PagedProgram(graph, inputs_validated=inputs_validated) if paged else None)
+
+
+def pass_source_hashes(stages) -> dict[str, str]:
+    """Each pass of ``stages``: the hash of its module's source (what an artifact records it was made with)."""
+    return {spec.name: spec.source_hash for spec in passes_for(stages)}
+
+
+def report(compiled: Compiled, lowered: PassResult | None = None, device: str | None = None) -> str:
+    """What the compile did, pass by pass (``fxglm5 inspect``)."""
+    return pipeline_report(compiled.graph, compiled.results, compiled.capture_seconds, lowered=lowered, device=device)
+
+
+def place_loaded_graph(graph: fx.GraphModule, device) -> fx.GraphModule:
+    """A graph whose weights were filled after capture made ready for ``device``: the attributes no node reads are
+    dropped (an absorbed ``kv_b_proj``: nothing to load or store), and the device arguments the capture recorded
+    (``torch.arange(..., device=meta)``) name ``device``."""
+    drop_unread_attributes(graph)
+    on_device(graph, torch.device(device))
+    return graph
 
 
 def compile_model(model, *, stages=STAGES, head: str = "logits", max_tokens: int | None = None, device=None,
                   backend: str | None = None, strict: bool = False, act_quant: bool = False,
-                  disabled_passes=(), dump_dir: str | Path | None = None, mapping: Mapping = Mapping()) -> Compiled:
+                  disabled_passes=(), dump_dir: str | Path | None = None, mapping: Mapping = Mapping(),
+                  inputs_validated: bool = False) -> Compiled:
     """Capture ``model`` (a Glm5ForCausalLM; steps of up to ``max_tokens`` flat tokens, default its
     max_position_embeddings; ``head``: "logits", "hidden" for the hidden states after the final norm, or
     "logits+hidden" for both, (logits, hidden), the target of speculative decoding whose hidden feeds
@@ -62,13 +104,13 @@ def compile_model(model, *, stages=STAGES, head: str = "logits", max_tokens: int
         check_sharded(graph, model.config, mapping, head, strict)
     results += compile_graph(graph, model.config, stages=stages[len(kind_stages):], device=device, backend=backend,
                              strict=strict, act_quant=act_quant, disabled_passes=disabled_passes, dump_dir=dump_dir,
-                             mapping=mapping, head=head)
-    return Compiled(graph, results, seconds)
+                             mapping=mapping, head=head, inputs_validated=inputs_validated)
+    return _compiled(graph, results, seconds, inputs_validated)
 
 
 def compile_mtp(model, *, stages=STAGES, max_tokens: int | None = None, device=None, backend: str | None = None,
                 strict: bool = False, act_quant: bool = False, disabled_passes=(), dump_dir: str | Path | None = None,
-                mapping: Mapping = Mapping()) -> Compiled:
+                mapping: Mapping = Mapping(), inputs_validated: bool = False) -> Compiled:
     """The MTP layer's graph (``model.mtp``, a Glm5MTP; options as :func:`compile_model`'s): the decoder layer
     through the same passes as the target's layers (sparse_mla, its fp8_linears, moe: strict counts for one
     indexed MoE layer), the rest (enorm, hnorm, eh_proj, the concat, shared_head.norm, the head) plain graph ops
@@ -89,8 +131,9 @@ def compile_mtp(model, *, stages=STAGES, max_tokens: int | None = None, device=N
     seconds = time.perf_counter() - start
     results = compile_graph(graph, mtp_graph_config(model.config), stages=stages, device=device, backend=backend,
                             strict=strict, act_quant=act_quant, disabled_passes=disabled_passes, dump_dir=dump_dir,
-                            mapping=mapping, head=MTP_HEAD, extras={"eh_proj_fp8": model.mtp.eh_proj.fp8})
-    return Compiled(graph, results, seconds)
+                            mapping=mapping, head=MTP_HEAD, extras={"eh_proj_fp8": model.mtp.eh_proj.fp8},
+                            inputs_validated=inputs_validated)
+    return _compiled(graph, results, seconds, inputs_validated)
 
 
 def mtp_graph_config(config):
@@ -115,7 +158,8 @@ def _capture(model, *, max_tokens: int | None, head: str, rewrite: dict | None) 
 def compile_graph(graph: fx.GraphModule, config, *, stages=STAGES, device=None, backend: str | None = None,
                   strict: bool = False, act_quant: bool = False, disabled_passes=(),
                   dump_dir: str | Path | None = None, mapping: Mapping = Mapping(),
-                  head: str | None = None, extras: dict | None = None) -> list[PassResult]:
+                  head: str | None = None, extras: dict | None = None,
+                  inputs_validated: bool = False) -> list[PassResult]:
     """Run ``stages`` (in pipeline order) on ``graph`` in place. ``config``: the Glm5Config (expected scales and
     match counts; None for an arbitrary module). ``device``: where the lowered graph runs (default: where its
     weights are); ``backend``: the kernel backend the lower stage puts first. ``strict``: a pass with another
@@ -130,6 +174,7 @@ def compile_graph(graph: fx.GraphModule, config, *, stages=STAGES, device=None, 
         extras["device"] = torch.device(device).type
     if head is not None:
         extras["head"] = head
+    extras["inputs_validated"] = bool(inputs_validated)
     extras.setdefault("paged", Stage.CACHE in stages or "paged_cache" in graph.meta)  # rows selected before the head
     ctx = PassContext(config=config, act_quant=act_quant, strict=strict, backend=backend, disabled=tuple(disabled_passes),
                       mapping=mapping, extras=extras)
@@ -143,7 +188,12 @@ def compile_graph(graph: fx.GraphModule, config, *, stages=STAGES, device=None, 
     return results
 
 
-def lower_for_device(graph: fx.GraphModule, config, *, device="cpu", **options) -> list[PassResult]:
-    """The device-specific half on a matched and fused graph (in place): the cache and lower stages, which an
-    exported artifact (``fxglm5.artifact``) still needs when it is loaded. Options as :func:`compile_graph`'s."""
-    return compile_graph(graph, config, stages=DEVICE_STAGES, device=device, **options)
+def lower_for_device(graph: fx.GraphModule, config, *, device="cpu", inputs_validated: bool = False,
+                     **options) -> Compiled:
+    """The device-specific half on a matched and fused graph (in place, placed on ``device`` first): the cache,
+    fuse_kernels and lower stages, which an exported artifact (``fxglm5.artifact``) still needs when it is loaded.
+    Options as :func:`compile_graph`'s."""
+    place_loaded_graph(graph, device)
+    results = compile_graph(graph, config, stages=DEVICE_STAGES, device=device, inputs_validated=inputs_validated,
+                            **options)
+    return _compiled(graph, results, 0.0, inputs_validated)

@@ -11,6 +11,7 @@ numbers from one place instead of keeping copies that could drift apart.
   scales at ``FP8_SCALE_OFFSET`` (512), 64 bf16 k_pe at ``FP8_ROPE_OFFSET`` (528).
 - Indexer cache: ``INDEX_ROW_BYTES`` (132) bytes per token, ``INDEX_DIM`` (128) e4m3 key bytes + one float32
   scale, block-major inside a block (see ``fxglm5.lowering.reference.paged``).
+- ``COMPUTE_DTYPES``: the dtypes a model computes in, and so the dtypes of the caches that are not FP8.
 - Paging: :func:`slots` (position ``p`` of request ``r`` lives at ``block_table[r, p // bs] * bs + p % bs``).
 - Top-k: :func:`topk_lowest_index_ties` (among equal scores the lower index wins), for every indexer path.
 """
@@ -29,6 +30,7 @@ FP8_ROPE_OFFSET = FP8_SCALE_OFFSET + 4 * (KV_LORA_RANK // FP8_BLOCK)  # 528: 64 
 FP8_ROW_BYTES = FP8_ROPE_OFFSET + 2 * ROPE_DIM  # 656
 INDEX_DIM = 128
 INDEX_ROW_BYTES = INDEX_DIM + 4  # 132: e4m3 key + float32 scale
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what a model computes in (and plain caches hold)
 
 
 def _cdiv(a: int, b: int) -> int:

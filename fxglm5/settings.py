@@ -7,7 +7,7 @@ call is obeyed and importing a kernel module has no hidden dependence on the env
   itself reads it too; fxglm5 uses it to allow its Triton backend on CPU and to pick interpreter-safe code.
 - ``FXGLM5_NO_AUTOTUNE=1``: the Triton kernels use their fixed default configs (no tuning compiles).
 - ``FXGLM5_BACKEND=aiter|triton|reference``: the backend the ``lower`` pass puts first (checked by
-  ``fxglm5.lowering.registry.preferred_backend``); the ``backend`` option of each front door wins over it.
+  ``fxglm5.lowering.backend_choice.preferred_backend``); the ``backend`` option of each front door wins over it.
 - ``FXGLM5_CACHE``: where ``fxglm5 demo`` keeps its tiny checkpoint (default ``~/.cache/fxglm5``).
 - ``FXGLM5_PDL=1|0``: launch the decode path's Triton kernels with programmatic dependent launch on Hopper and
   later (``fxglm5.lowering.triton.device.pdl``; default 0).

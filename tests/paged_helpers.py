@@ -47,13 +47,13 @@ def model_and_graph(name: str):
     model.load_state_dict(tiny_state(cfg, seed=0), strict=True)
     model.eval()
     runner = Runner(model, block_size=4, max_cache_tokens=64)
-    return model, runner.graph
+    return model, runner.program
 
 
 def runner(name: str, **kwargs) -> Runner:
     model, graph = model_and_graph(name)
     kwargs.setdefault("keep_logits", True)
-    return Runner(model, graph=graph, **kwargs)
+    return Runner(model, program=graph, **kwargs)
 
 
 @torch.no_grad()

@@ -6,9 +6,13 @@ dependency order of the compiler's data flow (model -> capture -> passes -> lowe
 doors) with what each step needs placed under it: the passes emit the ops and the ``lower`` pass asks the
 lowering registry, so ``kernels`` (the torch references and Triton kernels, plain functions), ``ops`` (the
 op schemas, whose default implementations are those references) and ``lowering`` (the backend table and
-choice) sit below ``passes``. ``compiler`` (capture + the declared stages, the one compile of every caller) sits
-between the passes and the runtime that runs its graph. ``base`` holds the shared contracts, settings and error
-types.
+choice) sit below ``passes``. ``compiler`` (capture + the declared stages, the one compile of every caller, and
+``program``, the one way to run what it compiled) sits between the passes and the runtime that runs its programs.
+``base`` holds the shared contracts, settings and error types.
+
+Above the compiler, nothing reaches past it: the runtime and the front doors never import ``fxglm5.passes`` (the
+compiler re-exports the stage and pass names they need) nor the kernels' torch references
+(``fxglm5.lowering.reference``: what validates a step, and its switch, is the lowering's business).
 
 At the root of tests/: it checks the whole fxglm5 package, no one folder of it.
 """
@@ -28,7 +32,7 @@ LAYERS = [
     ("ops", ["fxglm5.ops"]),
     ("lowering", ["fxglm5.lowering"]),
     ("passes", ["fxglm5.passes"]),
-    ("compiler", ["fxglm5.compiler"]),
+    ("compiler", ["fxglm5.compiler", "fxglm5.program"]),
     ("runtime", ["fxglm5.runtime"]),
     ("front doors", ["fxglm5", "fxglm5.cli", "fxglm5.backend", "fxglm5.artifact", "fxglm5.artifact_format",
                      "fxglm5.rtpllm"]),
@@ -130,6 +134,17 @@ def test_no_import_reaches_a_higher_layer():
     upward = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
               for a, deps in sorted(import_graph().items()) for b in sorted(deps) if layer_of(b) > layer_of(a)]
     assert upward == []
+
+
+ABOVE_THE_COMPILER = ("runtime", "front doors")
+BEHIND_THE_COMPILER = ("fxglm5.passes", "fxglm5.lowering.reference")
+
+
+def test_runtime_and_front_doors_never_reach_past_the_compiler():
+    above = {i for i, (name, _) in enumerate(LAYERS) if name in ABOVE_THE_COMPILER}
+    reached = [f"{a} imports {b}" for a, deps in sorted(import_graph().items()) if layer_of(a) in above
+               for b in sorted(deps) if any(b == p or b.startswith(p + ".") for p in BEHIND_THE_COMPILER)]
+    assert reached == []
 
 
 def test_the_checks_see_function_level_imports_and_cycles(tmp_path):

@@ -42,15 +42,37 @@ CONTEXT_INPUTS = ("slot_mapping", "block_table", "req_idx", "logits_indices")
 _UNBOUNDED = 2**62
 
 
+TOKEN_INPUTS = ("input_ids", "position_ids")
+HEAD_OUTPUTS = {"logits": ("logits",), "hidden": ("hidden",), "logits+hidden": ("logits", "hidden"),
+                MTP_HEAD: ("logits", "hidden")}
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedSignature:
-    """The cache inputs of a rewritten graph, in order after input_ids, position_ids and CONTEXT_INPUTS."""
+    """What the cache stage made the graph take and return, in order: TOKEN_INPUTS, ``hidden`` (the MTP graph's),
+    CONTEXT_INPUTS, then each attention layer's caches; ``outputs`` names the results (the head's)."""
 
     layers: tuple[tuple[str, str | None], ...]  # per attention layer: (kv cache name, index cache name | None)
+    outputs: tuple[str, ...] = ("logits",)
+    hidden_input: bool = False
+
+    @classmethod
+    def for_layers(cls, indexed, outputs: tuple[str, ...] = ("logits",), hidden_input: bool = False):
+        """The signature of attention layers whose ``indexed[i]`` says layer i runs its own indexer."""
+        return cls(tuple((f"kv_cache_{i}", f"index_cache_{i}" if own else None) for i, own in enumerate(indexed)),
+                   outputs, hidden_input)
 
     @property
     def cache_names(self) -> list[str]:
         return [name for pair in self.layers for name in pair if name is not None]
+
+    @property
+    def index_names(self) -> frozenset[str]:
+        return frozenset(index for _, index in self.layers if index is not None)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return (*TOKEN_INPUTS, *(("hidden",) if self.hidden_input else ()), *CONTEXT_INPUTS, *self.cache_names)
 
 
 def expected_attention_layers(ctx) -> int:
@@ -93,9 +115,13 @@ def insert_paged_cache(gm: fx.GraphModule, ctx) -> PassOutcome:
     if len(owner) != len(indexers):
         return PassOutcome(0, {"skipped": "an indexer_topk feeds no attention op"})
 
-    names: list[tuple[str, str | None]] = []
-    for layer in range(len(attention)):
-        names.append((f"kv_cache_{layer}", f"index_cache_{layer}" if layer in owner.values() else None))
+    results = _results(gm)
+    head = getattr(ctx, "extras", {}).get("head")
+    outputs = HEAD_OUTPUTS.get(head) or ("logits", "hidden")[:len(results)]
+    if len(outputs) != len(results):
+        return PassOutcome(0, {"skipped": f"head {head!r} names {len(outputs)} outputs, the graph has {len(results)}"})
+    signature = PagedSignature.for_layers([layer in owner.values() for layer in range(len(attention))], outputs, mtp)
+    names = signature.layers
     last = placeholders[-1]
     inputs = {}
     for name in [*CONTEXT_INPUTS, *[n for pair in names for n in pair if n is not None]]:
@@ -121,7 +147,7 @@ def insert_paged_cache(gm: fx.GraphModule, ctx) -> PassOutcome:
 
     output = next(n for n in gm.graph.nodes if n.op == "output")
     _drop_pytree_signature(gm, output)
-    results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    results = _results(gm)
     index = fake_index(results[0])
     if index is not None:  # the rows kept are known at run time only; their dtype and width are known now
         inputs["logits_indices"].meta["val"] = index
@@ -133,8 +159,13 @@ def insert_paged_cache(gm: fx.GraphModule, ctx) -> PassOutcome:
             rows.meta["val"] = fake_call(aten.index_select.default, result, 1, inputs["logits_indices"])
         kept.append(rows)
     output.args = (kept[0] if len(kept) == 1 else tuple(kept),)
-    gm.meta["paged_cache"] = PagedSignature(tuple(names))
+    gm.meta["paged_cache"] = signature
     return PassOutcome(len(attention), {"indexers": len(indexers)})
+
+
+def _results(gm: fx.GraphModule) -> tuple:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
 
 
 def _replace(gm: fx.GraphModule, node: fx.Node, target, args: tuple) -> fx.Node:

@@ -3,9 +3,11 @@
 For each ``torch.ops.fxglm5.*`` call the backend is chosen once, from the node's metadata (the fake tensors
 of its arguments: dtypes, shapes, optional arguments given or not), the target device
 (``ctx.extras['device']``, default: where the graph's weights live) and what is importable, in the preference
-order with ``ctx.backend`` or ``FXGLM5_BACKEND`` first (``fxglm5.lowering.registry``). The node's target
+order with ``ctx.backend`` or ``FXGLM5_BACKEND`` first (``fxglm5.lowering.backend_choice``). The node's target
 becomes that implementation and ``node.meta['fxglm5_backend']`` records the choice (``runtime`` where it
 reads an argument known only at run time, such as the paged index cache's dtype: that node checks per call).
+Where the program's caller validates every step's forward context (``ctx.extras["inputs_validated"]``, the
+compile's ``inputs_validated``), the cached ops get the bodies without their own checks, which sync with the host.
 Lowering only rewrites targets, so a meta-device graph lowers too (``fxglm5 inspect --device``). The summary
 gives the order tried and what runs where (``ops=fp8_linear:triton x36,moe_fp8:triton x3,...``).
 """
@@ -17,7 +19,7 @@ import collections
 import torch
 from torch import fx
 
-from fxglm5.lowering.registry import backend_order, bind
+from fxglm5.lowering.backend_choice import backend_order, bind
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -41,12 +43,13 @@ def placement(gm: fx.GraphModule) -> dict[tuple[str, str], int]:
 def lower(gm: fx.GraphModule, ctx) -> PassOutcome:
     device = ctx.extras.get("device") or _graph_device(gm)
     order = backend_order(device, ctx.backend)
+    validated = bool(ctx.extras.get("inputs_validated"))
     matches = 0
     for node in gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != "fxglm5":
             continue
-        node.target = bind(node, target._opname, order, device)
+        node.target = bind(node, target._opname, order, device, validated)
         node.meta["fxglm5_backend"] = node.target.backend
         matches += 1
     where = ",".join(f"{op}:{backend} x{n}" for (op, backend), n in placement(gm).items())

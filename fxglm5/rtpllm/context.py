@@ -2,7 +2,7 @@
 
 - :func:`bind_caches`: the per-layer caches RTP allocated for its one cache group (``kv_cache_base``: latent
   rows, the compute dtype or RTP's ``float8_e4m3fn`` ds_mla rows; ``kv_scale_base``: the indexer's 132-byte
-  rows), checked against what the graph takes, in its input order.
+  rows), checked against the program's :class:`~fxglm5.program.CacheSpec`, in its input order.
 - :class:`StepMetadata`: positions, slots, request of every token and the kernel block table of one step,
   from a ``PyAttentionInputs`` (tensors RTP leaves unset are None). Host fields are read, so an eager step
   validates with :meth:`ForwardContext.validate` (errors name the field) before any kernel runs.
@@ -23,7 +23,8 @@ import dataclasses
 import torch
 
 from fxglm5.errors import InputError
-from fxglm5.lowering.reference import paged
+from fxglm5.model.decoder import check_input_ids
+from fxglm5.program import CacheSpec, StepInputs
 from fxglm5.runtime.cache import PagedCache
 from fxglm5.runtime.forward_context import ForwardContext
 
@@ -36,23 +37,10 @@ class CacheLayout:
     max_position_embeddings: int
 
 
-FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # RTP's typed view of ds_mla rows; uint8 = the same bytes
-
-
-def _check_cache(name: str, t, kernel_blocks: int, kbs: int, dtypes: tuple, widths: tuple) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != 3:
-        raise InputError(f"{name}: expected a [kernel_blocks, kernel_block_size, row] tensor, got "
-                         f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
-    if t.dtype not in dtypes or t.shape[2] != widths[dtypes.index(t.dtype)] or tuple(t.shape[:2]) != (kernel_blocks, kbs):
-        want = " or ".join(f"{dt} [{kernel_blocks}, {kbs}, {w}]" for dt, w in zip(dtypes, widths))
-        raise InputError(f"{name}: expected {want}, got {t.dtype} {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise InputError(f"{name}: must be contiguous")
-
-
-def bind_caches(kv_cache, signature, dtype: torch.dtype, max_position_embeddings: int):
-    """RTP's ``KVCache`` -> (graph cache inputs in order, :class:`CacheLayout`); InputError naming the layer.
-    RTP's cache methods take the group's tag; GLM-5's MLA layers are one group."""
+def bind_caches(kv_cache, spec: CacheSpec, max_position_embeddings: int):
+    """RTP's ``KVCache`` -> (the program's cache inputs in order, :class:`CacheLayout`); InputError naming the layer
+    and RTP's field. RTP's cache methods take the group's tag; GLM-5's MLA layers are one group. FP8 latent rows come
+    as RTP's ``float8_e4m3fn`` view of the bytes the program reads as uint8."""
     tags = list(kv_cache.group_tags)
     if len(tags) != 1:
         raise InputError(f"kv_cache: cache groups {tags}; GLM-5's MLA layers form one group")
@@ -62,21 +50,21 @@ def bind_caches(kv_cache, signature, dtype: torch.dtype, max_position_embeddings
     if kbs < 1 or block_size % kbs:
         raise InputError(f"kv_cache: kernel block size {kbs} does not divide the block size {block_size}")
     layers = int(kv_cache.layer_count)
-    if layers < len(signature.layers):
-        raise InputError(f"kv_cache: {layers} layers, the model has {len(signature.layers)} attention layers")
-    inputs, kernel_blocks = [], None
-    dtypes = (dtype,) + FP8_CACHE_DTYPES
-    for layer, (kv_name, index_name) in enumerate(signature.layers):
+    if layers < len(spec.signature.layers):
+        raise InputError(f"kv_cache: {layers} layers, the model has {len(spec.signature.layers)} attention layers")
+    inputs, where = [], []
+    for layer, (_, index_name) in enumerate(spec.signature.layers):
         lc = kv_cache.get_layer_cache(layer, tag)
         kv = lc.kv_cache_base
-        kernel_blocks = kernel_blocks or (kv.shape[0] if isinstance(kv, torch.Tensor) and kv.dim() == 3 else 0)
-        _check_cache(f"kv_cache layer {layer} kv_cache_base", kv, kernel_blocks, kbs, dtypes,
-                     (paged.LATENT_DIM, paged.FP8_ROW_BYTES, paged.FP8_ROW_BYTES))
-        inputs.append(kv.view(torch.uint8) if kv.dtype == torch.float8_e4m3fn else kv)
+        fp8_view = isinstance(kv, torch.Tensor) and kv.dtype == torch.float8_e4m3fn
+        inputs.append(kv.view(torch.uint8) if fp8_view else kv)
+        where.append(f"kv_cache layer {layer} kv_cache_base")
         if index_name is not None:
-            _check_cache(f"kv_cache layer {layer} kv_scale_base (indexer keys)", lc.kv_scale_base, kernel_blocks, kbs,
-                         (torch.uint8,), (paged.INDEX_ROW_BYTES,))
             inputs.append(lc.kv_scale_base)
+            where.append(f"kv_cache layer {layer} kv_scale_base (indexer keys)")
+    first = inputs[0] if inputs else None
+    kernel_blocks = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() == 3 else 0
+    spec.check(inputs, kernel_blocks, kbs, where=where.__getitem__)
     ratio = block_size // kbs
     if kernel_blocks % ratio or kernel_blocks // ratio < 2:
         raise InputError(f"kv_cache: {kernel_blocks} kernel blocks is not a whole number (>= 2) of physical blocks "
@@ -199,6 +187,15 @@ class StepMetadata:
         self.block_table = given if given is not None else table.to(device)
         self.logits_indices = torch.arange(self.positions.shape[0], device=device)
 
+    def inputs(self, rows: slice | None = None) -> StepInputs:
+        """The step as the program takes it; ``rows``: a run of its token rows (a chunk of a long prefill), which
+        keeps the returned rows among them."""
+        if rows is None:
+            return StepInputs(self.positions, self.slot_mapping, self.block_table, self.req_idx, self.logits_indices)
+        li = self.logits_indices
+        return StepInputs(self.positions[rows], self.slot_mapping[rows], self.block_table, self.req_idx[rows],
+                          li[(li >= rows.start) & (li < rows.stop)] - rows.start)
+
     def prepare_cuda_graph(self, attn) -> None:
         """Refill the static buffers from RTP's static inputs before a replay (outside the graph)."""
         if self.layout is None:
@@ -211,8 +208,7 @@ class StepMetadata:
 SCRATCH_BLOCKS = 2  # the warm-up's private cache: block 0 (reserved) and block 1, which every table entry names
 
 
-def scratch_step(attn, signature, kv_cache: str, dtype: torch.dtype, device, max_position_embeddings: int,
-                 block_size: int = 64):
+def scratch_step(attn, spec: CacheSpec, device, max_position_embeddings: int, block_size: int = 64):
     """A step before RTP hands over its cache (its no-cache prefill warm-up): (context, caches) on a private
     cache of :data:`SCRATCH_BLOCKS` blocks whatever the step's length, so that RTP's cache is never written.
 
@@ -241,5 +237,22 @@ def scratch_step(attn, signature, kv_cache: str, dtype: torch.dtype, device, max
     table = (ctx.block_table != 0).to(ctx.block_table.dtype)
     ctx = dataclasses.replace(ctx, block_table=table, kernel_block_table=table, num_blocks=SCRATCH_BLOCKS,
                               slot_mapping=torch.full_like(ctx.slot_mapping, -1))
-    cache = PagedCache(signature, SCRATCH_BLOCKS, block_size, None, kv_cache, "fp8", dtype, device)
-    return ctx, cache.graph_inputs()
+    return ctx, PagedCache(spec, SCRATCH_BLOCKS, block_size, None, device).graph_inputs()
+
+
+def step_prologue(model, inputs, fmha_impl):
+    """What every forward of a plugin model does first: its step metadata (prepared now unless RTP gives it), the
+    input ids checked against it (their values too, unless a CUDA graph replays the step: its ids come from RTP's
+    sampler and reading them would sync), and the caches the step runs on (RTP's, or the warm-up's scratch).
+    ``model``: a plugin ``GptModelBase`` with ``prepare_fmha_impl``, ``glm5_config`` and the bound ``caches``."""
+    impl = fmha_impl if fmha_impl is not None else model.prepare_fmha_impl(inputs)
+    ids = inputs.input_ids
+    rows = impl.positions.shape[0]
+    if ids.dim() != 1 or ids.shape[0] != rows:
+        raise InputError(f"input_ids: expected {rows} tokens, got {tuple(ids.shape)}")
+    if not impl.static:
+        check_input_ids(ids[None], model.glm5_config.vocab_size)
+    caches = impl.caches if impl.caches is not None else model.caches
+    if caches is None:
+        raise InputError("kv_cache: this step was prepared for RTP's cache, but initialize() holds none now")
+    return impl, ids.long(), caches

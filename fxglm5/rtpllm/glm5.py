@@ -20,15 +20,14 @@ from pathlib import Path
 import torch
 
 from fxglm5.compiler import MAX_STEP_TOKENS, PREFILL_STEP_TOKENS, compile_model
-from fxglm5.errors import ConfigError, InputError
+from fxglm5.errors import ConfigError
 from fxglm5.model.config import Glm5Config
-from fxglm5.model.decoder import check_input_ids
-from fxglm5.lowering.reference.paged_steps import validation
+from fxglm5.program import PagedProgram
 from fxglm5.rtpllm.config import compute_dtype, fill_model_config, no_weight_info_cls
 from fxglm5.rtpllm.config import fp8_kv_cache as _fp8_kv_cache, rtp_symbol as _rtp_symbol
-from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step
+from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step, step_prologue
 from fxglm5.rtpllm import speculative
-from fxglm5.rtpllm.parallel import join_rtp_tp_group, load_rank, replicated, rtp_mapping
+from fxglm5.rtpllm.parallel import join_rtp_tp_group, load_rtp_rank, replicated, rtp_mapping
 from rtp_llm.models.base_model import BaseModel
 from rtp_llm.models_py.model_desc.module_base import GptModelBase
 
@@ -43,18 +42,22 @@ class Fxglm5PyModel(GptModelBase):
                  py_hw_kernel_config=None, device_resource_config=None, *, model, kv_cache: str = "bf16",
                  compiled=None):
         """``model``: the loaded Glm5ForCausalLM, compiled here; or, with ``compiled`` (a rank's sharded
-        ``(graph, pass_results)``, already filled with its slices), the meta model it was compiled from."""
+        ``(program, pass_results)``, already filled with its slices), the meta model it was compiled from."""
         super().__init__(config, parallelism_config, weight, max_generate_batch_size, fmha_config, py_hw_kernel_config,
                          device_resource_config)
         self.glm5_config: Glm5Config = model.config
-        self.dtype, self.kv_cache_kind = model.dtype, kv_cache
-        self.device = next((compiled[0] if compiled is not None else model).parameters()).device
+        self.dtype = model.dtype
         if compiled is None:
-            compiled = compile_model(model, max_tokens=max(model.config.max_position_embeddings, MAX_STEP_TOKENS),
-                                     device=self.device, head="hidden")[:2]
-        self.graph, self.pass_results = compiled
+            device = next(model.parameters()).device
+            done = compile_model(model, max_tokens=max(model.config.max_position_embeddings, MAX_STEP_TOKENS),
+                                 device=device, head="hidden", inputs_validated=True)
+            compiled = done.program, done.results
+        self.program: PagedProgram = compiled[0]
+        self.pass_results = compiled[1]
+        self.device = next(self.program.graph.parameters()).device
         self.max_step_tokens = PREFILL_STEP_TOKENS
-        self.signature = self.graph.meta["paged_cache"]
+        # RTP's layout: latent rows as FP8_KV_CACHE says, indexer keys always FP8 (kv_scale_base)
+        self.cache_spec = self.program.cache_spec(kv_cache, "fp8", self.dtype)
         self.caches, self.layout = None, None
 
     def initialize(self, init_resource) -> bool:
@@ -63,8 +66,7 @@ class Fxglm5PyModel(GptModelBase):
         if kv is None:
             self.caches, self.layout = None, None
         else:
-            self.caches, self.layout = bind_caches(kv, self.signature, self.dtype,
-                                                   self.glm5_config.max_position_embeddings)
+            self.caches, self.layout = bind_caches(kv, self.cache_spec, self.glm5_config.max_position_embeddings)
         return True
 
     def prepare_fmha_impl(self, inputs, is_cuda_graph: bool = False) -> StepMetadata:
@@ -74,29 +76,16 @@ class Fxglm5PyModel(GptModelBase):
                 return speculative.verify_step(attn, self.layout, self.device)
             return StepMetadata(attn, self.layout, self.device, static=True)
         return StepMetadata(attn, self.layout, self.device, scratch=lambda a: scratch_step(
-            a, self.signature, self.kv_cache_kind, self.dtype, self.device, self.glm5_config.max_position_embeddings))
+            a, self.cache_spec, self.device, self.glm5_config.max_position_embeddings))
 
     def forward(self, inputs, fmha_impl: StepMetadata | None = None):
-        impl = fmha_impl if fmha_impl is not None else self.prepare_fmha_impl(inputs)
-        ids = inputs.input_ids
-        if ids.dim() != 1 or ids.shape[0] != impl.positions.shape[0]:
-            raise InputError(f"input_ids: expected {impl.positions.shape[0]} tokens, got {tuple(ids.shape)}")
-        if not impl.static:  # a CUDA-graph step's ids come from RTP's sampler; checking them would sync
-            check_input_ids(ids[None], self.glm5_config.vocab_size)
-        caches = impl.caches if impl.caches is not None else self.caches
-        if caches is None:
-            raise InputError("kv_cache: this step was prepared for RTP's cache, but initialize() holds none now")
-        with torch.no_grad(), validation(False):
+        impl, ids, caches = step_prologue(self, inputs, fmha_impl)
+        with torch.no_grad():
             chunks = self._step_chunks(impl)
             if len(chunks) == 1:
-                hidden = self.graph(ids.long()[None], impl.positions[None], impl.slot_mapping, impl.block_table,
-                                    impl.req_idx, impl.logits_indices, *caches)[0]
+                hidden = self.program(impl.inputs(), ids, caches).hidden
             else:
-                li = impl.logits_indices
-                hidden = torch.cat([self.graph(ids[rows].long()[None], impl.positions[rows][None],
-                                               impl.slot_mapping[rows], impl.block_table, impl.req_idx[rows],
-                                               li[(li >= rows.start) & (li < rows.stop)] - rows.start, *caches)[0]
-                                    for rows in chunks])
+                hidden = torch.cat([self.program(impl.inputs(rows), ids[rows], caches).hidden for rows in chunks])
         return _rtp_symbol("rtp_llm.ops.compute_ops:PyModelOutputs", "rtp_llm.ops:PyModelOutputs")(hidden)
 
     def _step_chunks(self, impl: StepMetadata) -> list[slice]:
@@ -155,9 +144,10 @@ class Fxglm5Glm5(BaseModel):
                                         self.glm5.model.norm.weight)
         else:  # the compile is the load: the rank's graph holds its slices (and the replicated embedding, norm)
             join_rtp_tp_group(self.mapping)
-            graph, results, self.glm5, lm_head = load_rank(model_config.ckpt_path, self.mapping, dtype, device)
-            self.compiled = (graph, results)
-            embedding, norm = replicated(graph, "model.embed_tokens.weight"), replicated(graph, "model.norm.weight")
+            program, results, self.glm5, lm_head = load_rtp_rank(model_config.ckpt_path, self.mapping, dtype, device)
+            self.compiled = (program, results)
+            embedding = replicated(program.graph, "model.embed_tokens.weight")
+            norm = replicated(program.graph, "model.norm.weight")
         weights = _rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelWeights",
                               "rtp_llm.utils.model_weight:ModelWeights")(cfg.num_hidden_layers, device, dtype)
         weights.set_global_weight("lm_head", lm_head)  # at tp > 1 the rank's vocab rows: RTP gathers the logits

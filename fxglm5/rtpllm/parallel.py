@@ -13,8 +13,8 @@ fxglm5's ``"tp"`` group, and one rank's slices of the checkpoint (rtp-llm 4b8d39
   it builds the model; the plugin never does. :func:`join_rtp_tp_group` takes RTP's TP group
   (``collective_torch._get_group(Group.TP)``: WORLD when world == tp) and registers it as ``"tp"``, which the
   shard stage's collectives resolve when they run.
-- :func:`load_rank` reads this rank's slices as the Runner does at tp > 1 (``runtime.runner.sharded_model`` /
-  ``load_rank``: plan-hash agreement, then ``shard_loader``), and the lm_head's vocabulary rows
+- :func:`load_rtp_rank` reads this rank's slices as the Runner does at tp > 1 (``runtime.shard_loader``'s
+  ``sharded_model`` and ``load_rank``: plan-hash agreement, then the slices), and the lm_head's vocabulary rows
   ``[V/tp * r, V/tp * (r + 1))``: RTP's post-layers multiply the hidden states by the published ``lm_head`` and
   all-gather the logits along the vocabulary in rank order (``PyWrappedModel::tpSyncEmbeddingOrLogits``).
 """
@@ -94,22 +94,22 @@ def join_rtp_tp_group(mapping: Mapping) -> None:
     register_group(mapping.group, group)
 
 
-def load_rank(ckpt_path, mapping: Mapping, dtype: torch.dtype, device):
-    """This rank's compiled hidden-state graph, filled with its slices, and its lm_head vocabulary shard:
-    ``(graph, pass_results, meta model, lm_head [V/tp, H])``."""
+def load_rtp_rank(ckpt_path, mapping: Mapping, dtype: torch.dtype, device):
+    """This rank's compiled hidden-state program, filled with its slices, and its lm_head vocabulary shard:
+    ``(program, pass_results, meta model, lm_head [V/tp, H])``."""
     from fxglm5.compiler import MAX_STEP_TOKENS, compile_model
-    from fxglm5.runtime.runner import load_rank as fill_rank, sharded_model
+    from fxglm5.runtime.shard_loader import load_rank, sharded_model
 
     model, reader, mapping = sharded_model(str(ckpt_path), mapping.tp, mapping.ep, dtype)
     cfg = model.config
     if cfg.vocab_size % mapping.tp:  # fxglm5's own runtime pads the shard; RTP gathers equal shards of V / tp
         raise InputError(f"vocab_size = {cfg.vocab_size} is not divisible by tp={mapping.tp}: RTP-LLM all-gathers the "
                          "logits as equal vocabulary shards")
-    graph, results, _ = compile_model(model, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS),
-                                      device=device, head="hidden", mapping=mapping)
+    compiled = compile_model(model, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS), device=device,
+                             head="hidden", mapping=mapping, inputs_validated=True)
     failure = lm_head = None
     try:
-        fill_rank(graph, mapping, reader, model, device)
+        load_rank(compiled.graph, mapping, reader, model, device)
         start, stop = mapping.part(cfg.vocab_size)
         like = torch.empty((stop - start, cfg.hidden_size), dtype=model.dtype, device="meta")
         with reader:
@@ -117,7 +117,7 @@ def load_rank(ckpt_path, mapping: Mapping, dtype: torch.dtype, device):
     except Exception as err:  # noqa: BLE001 - raised again below, on this rank and (named) on every other
         failure = err
     loaded_everywhere(failure, mapping)
-    return graph, results, model, lm_head
+    return compiled.program, compiled.results, model, lm_head
 
 
 def loaded_everywhere(failure: Exception | None, mapping: Mapping) -> None:

@@ -33,11 +33,9 @@ from pathlib import Path
 import torch
 
 from fxglm5.errors import ConfigError, InputError
-from fxglm5.lowering.reference.paged_steps import validation
 from fxglm5.model.config import Glm5Config
-from fxglm5.model.decoder import check_input_ids
 from fxglm5.rtpllm.config import compute_dtype, fill_model_config, fp8_kv_cache, no_weight_info_cls, rtp_symbol
-from fxglm5.rtpllm.context import StepMetadata, _context, _host, _tables, bind_caches, scratch_step
+from fxglm5.rtpllm.context import StepMetadata, _context, _host, _tables, bind_caches, scratch_step, step_prologue
 from fxglm5.rtpllm.parallel import rtp_mapping
 from fxglm5.runtime.decode_graphs import request_rows
 from rtp_llm.models.base_model import BaseModel
@@ -46,7 +44,7 @@ from rtp_llm.models_py.model_desc.module_base import GptModelBase
 MTP_NAME, MTP_ALIAS = "glm_5-mtp", "fxglm5_glm5_mtp"  # RTP's pattern: deepseek-v3-mtp, qwen_3_moe-mtp
 
 
-class VerifyStepMetadata:
+class VerifyStepMetadata(StepMetadata):
     """The graph's step inputs for a target-verify CUDA graph of ``input_lengths[0]`` (= k+1) tokens per request:
     static buffers, refilled by :meth:`prepare_cuda_graph` before each replay."""
 
@@ -132,20 +130,20 @@ class Fxglm5MtpPyModel(GptModelBase):
     """The compiled MTP layer on RTP's draft cache; ``forward`` returns ``shared_head_norm(y)`` for every row."""
 
     def __init__(self, config, parallelism_config, weight, max_generate_batch_size, fmha_config=None,
-                 py_hw_kernel_config=None, device_resource_config=None, *, model, graph, kv_cache: str = "bf16"):
+                 py_hw_kernel_config=None, device_resource_config=None, *, model, program, kv_cache: str = "bf16"):
         super().__init__(config, parallelism_config, weight, max_generate_batch_size, fmha_config, py_hw_kernel_config,
                          device_resource_config)
         self.glm5_config: Glm5Config = model.config
-        self.dtype, self.kv_cache_kind, self.graph = model.dtype, kv_cache, graph
+        self.dtype, self.program = model.dtype, program
         self.shared_head_norm = model.mtp.shared_head_norm
         self.device = next(model.mtp.parameters()).device
-        self.signature = graph.meta["paged_cache"]
+        self.cache_spec = program.cache_spec(kv_cache, "fp8", self.dtype)  # RTP's layout, as the target's
         self.caches, self.layout, self.mtp_hidden = None, None, None
 
     def initialize(self, init_resource) -> bool:
         kv = getattr(init_resource, "kv_cache", None)
         self.caches, self.layout = (None, None) if kv is None else bind_caches(
-            kv, self.signature, self.dtype, self.glm5_config.max_position_embeddings)
+            kv, self.cache_spec, self.glm5_config.max_position_embeddings)
         return True
 
     def prepare_fmha_impl(self, inputs, is_cuda_graph: bool = False) -> StepMetadata:
@@ -157,32 +155,23 @@ class Fxglm5MtpPyModel(GptModelBase):
                                  "ENABLE_CUDA_GRAPH=1, so serve the MTP draft with ENABLE_CUDA_GRAPH=0")
             return DraftDecodeGraphStep(inputs.attention_inputs, self.layout, self.device, self)
         return StepMetadata(inputs.attention_inputs, self.layout, self.device, scratch=lambda a: scratch_step(
-            a, self.signature, self.kv_cache_kind, self.dtype, self.device, self.glm5_config.max_position_embeddings))
+            a, self.cache_spec, self.device, self.glm5_config.max_position_embeddings))
 
     def forward(self, inputs, fmha_impl: StepMetadata | None = None):
-        impl = fmha_impl if fmha_impl is not None else self.prepare_fmha_impl(inputs)
-        ids, hidden = inputs.input_ids, inputs.input_hiddens
-        rows = impl.positions.shape[0]
-        if ids.dim() != 1 or ids.shape[0] != rows:
-            raise InputError(f"input_ids: expected {rows} tokens, got {tuple(ids.shape)}")
-        want = (rows, self.glm5_config.hidden_size)
+        impl, ids, caches = step_prologue(self, inputs, fmha_impl)
+        hidden = inputs.input_hiddens
+        want = (ids.shape[0], self.glm5_config.hidden_size)
         if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape) != want:
             got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
             raise InputError(f"input_hiddens: the MTP draft needs the target's hidden state of every input token, "
                              f"expected {want}, got {got}")
-        if not impl.static:  # a CUDA-graph step's ids come from RTP's sampler; checking them would sync
-            check_input_ids(ids[None], self.glm5_config.vocab_size)
-        caches = impl.caches if impl.caches is not None else self.caches
-        if caches is None:
-            raise InputError("kv_cache: this step was prepared for RTP's cache, but initialize() holds none now")
-        with torch.no_grad(), validation(False):
-            _, y = self.graph(ids.long()[None], impl.positions[None], hidden[None].to(self.dtype), impl.slot_mapping,
-                              impl.block_table, impl.req_idx, impl.logits_indices, *caches)
+        with torch.no_grad():
+            y = self.program(impl.inputs(), ids, caches, hidden=hidden.to(self.dtype)).hidden
             if impl.static:  # the graph's static buffer; its prepare_cuda_graph points mtp_hidden at it
-                impl.mtp_hidden.copy_(y[0])
+                impl.mtp_hidden.copy_(y)
             else:
-                self.mtp_hidden = y[0]
-            out = self.shared_head_norm(y[0])
+                self.mtp_hidden = y
+            out = self.shared_head_norm(y)
         return rtp_symbol("rtp_llm.ops.compute_ops:PyModelOutputs", "rtp_llm.ops:PyModelOutputs")(out)
 
     def get_mtp_target_hidden_states(self, num_tokens: int):
@@ -235,8 +224,8 @@ class Fxglm5Glm5Mtp(BaseModel):
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         # the MTP layer, the embedding and the lm_head only: the decoder stack is the target's (not read twice)
         self.glm5 = Glm5MtpDraft.from_pretrained(model_config.ckpt_path, dtype=dtype, device=device, progress=False)
-        self.graph = compile_mtp(self.glm5, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS),
-                                 device=device).graph
+        self.program = compile_mtp(self.glm5, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS),
+                                   device=device, inputs_validated=True).program
         mtp = self.glm5.mtp
         weights = rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelWeights",
                                    "rtp_llm.utils.model_weight:ModelWeights")(1, device, dtype)
@@ -248,7 +237,7 @@ class Fxglm5Glm5Mtp(BaseModel):
             self.py_model = Fxglm5MtpPyModel(
                 model_config, getattr(self, "parallelism_config", None), weights,
                 getattr(self, "max_generate_batch_size", 1), fmha_config=getattr(self, "fmha_config", None),
-                py_hw_kernel_config=getattr(self, "hw_kernel_config", None), model=self.glm5, graph=self.graph,
+                py_hw_kernel_config=getattr(self, "hw_kernel_config", None), model=self.glm5, program=self.program,
                 kv_cache="fp8" if fp8_kv_cache(model_config) else "bf16")
 
 

@@ -1,4 +1,5 @@
-"""Per-layer paged caches in RTP's layouts, allocated for exactly the inputs a rewritten graph takes.
+"""Per-layer paged caches in RTP's layouts, allocated for exactly the inputs a program takes (its
+:class:`~fxglm5.program.CacheSpec`: which inputs, their kinds, dtypes and rows).
 
 Layouts (``fxglm5.lowering.reference.paged``), physical shape ``[num_blocks, block_size, row]``:
 - latent, ``kv_cache="bf16"``: 576 values per token in the compute dtype ("bf16" names RTP's non-FP8
@@ -24,11 +25,8 @@ import os
 
 import torch
 
-from fxglm5 import contracts
 from fxglm5.errors import InputError
-from fxglm5.lowering.reference import paged
-
-CACHE_KINDS = ("bf16", "fp8")
+from fxglm5.program import CACHE_KINDS, CacheSpec
 
 
 def kernel_block_table(block_table: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -70,49 +68,43 @@ def available_memory(device) -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_cache_size(num_blocks: int, block_size: int, indexed: list[bool], kv_cache: str, index_cache: str,
-                     dtype: torch.dtype, device) -> int:
-    """The bytes of the caches of ``len(indexed)`` attention layers (``indexed[i]``: layer i has an indexer cache);
-    InputError, before anything is allocated, when they exceed the memory available on ``device``."""
-    item = torch.empty((), dtype=dtype).element_size()
-    kv_row = contracts.FP8_ROW_BYTES if kv_cache == "fp8" else contracts.LATENT_DIM * item
-    index_row = contracts.INDEX_ROW_BYTES if index_cache == "fp8" else contracts.INDEX_DIM * item
-    need = num_blocks * block_size * (len(indexed) * kv_row + sum(indexed) * index_row)
+def check_cache_size(num_blocks: int, block_size: int, spec: CacheSpec, device) -> int:
+    """The bytes of ``spec``'s caches of ``num_blocks`` blocks of ``block_size`` tokens; InputError, before anything
+    is allocated, when they exceed the memory available on ``device``."""
+    need = num_blocks * block_size * spec.token_bytes()
     free = available_memory(device)
     if free is not None and need > free:
         raise InputError(
-            f"paged cache: {num_blocks} blocks of block_size {block_size} tokens for {len(indexed)} layers need "
-            f"{need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB available on {torch.device(device)}; "
-            "lower block_size, num_blocks or max_cache_tokens (fewer prompts or new tokens)")
+            f"paged cache: {num_blocks} blocks of block_size {block_size} tokens for {len(spec.signature.layers)} "
+            f"layers need {need / 2**30:.1f} GiB, more than the {free / 2**30:.1f} GiB available on "
+            f"{torch.device(device)}; lower block_size, num_blocks or max_cache_tokens (fewer prompts or new tokens)")
     return need
 
 
 class PagedCache:
-    """The caches of every attention layer; ``graph_inputs()`` lists them in the graph's input order."""
+    """The caches of every attention layer; ``graph_inputs()`` lists them in the program's input order."""
 
-    def __init__(self, signature, num_blocks: int, block_size: int = 64, kernel_block_size: int | None = None,
-                 kv_cache: str = "bf16", index_cache: str | None = None, dtype: torch.dtype = torch.bfloat16,
+    def __init__(self, spec: CacheSpec, num_blocks: int, block_size: int = 64, kernel_block_size: int | None = None,
                  device="cpu"):
-        index_cache, kernel_block_size = check_options(block_size, kernel_block_size, kv_cache, index_cache)
+        _, kernel_block_size = check_options(block_size, kernel_block_size, spec.kv_cache, spec.index_cache)
         if num_blocks < 2:
             raise InputError(f"num_blocks: need at least 2 (block 0 is reserved), got {num_blocks}")
-        if dtype not in paged.COMPUTE_DTYPES:
-            raise InputError(f"dtype: {dtype} is not a compute dtype {paged.COMPUTE_DTYPES}")
-        check_cache_size(num_blocks, block_size, [index is not None for _, index in signature.layers], kv_cache,
-                         index_cache, dtype, device)
-        self.signature, self.num_blocks, self.block_size = signature, num_blocks, block_size
+        check_cache_size(num_blocks, block_size, spec, device)
+        self.spec, self.num_blocks, self.block_size = spec, num_blocks, block_size
         self.kernel_block_size, self.ratio = kernel_block_size, block_size // kernel_block_size
-        self.kv_cache, self.index_cache, self.dtype = kv_cache, index_cache, dtype
-        self.tensors: dict[str, torch.Tensor] = {}
-        for kv_name, index_name in signature.layers:
-            self.tensors[kv_name] = self._alloc(kv_cache, contracts.FP8_ROW_BYTES, contracts.LATENT_DIM, device)
-            if index_name is not None:
-                self.tensors[index_name] = self._alloc(index_cache, contracts.INDEX_ROW_BYTES, contracts.INDEX_DIM, device)
+        self.tensors: dict[str, torch.Tensor] = spec.allocate(num_blocks, block_size, device)
 
-    def _alloc(self, kind: str, fp8_bytes: int, width: int, device) -> torch.Tensor:
-        if kind == "fp8":
-            return torch.zeros(self.num_blocks, self.block_size, fp8_bytes, dtype=torch.uint8, device=device)
-        return torch.zeros(self.num_blocks, self.block_size, width, dtype=self.dtype, device=device)
+    @property
+    def kv_cache(self) -> str:
+        return self.spec.kv_cache
+
+    @property
+    def index_cache(self) -> str:
+        return self.spec.index_cache
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
 
     def kernel_blocks(self, tokens: int) -> int:
         """The kernel blocks a block table spans for ``tokens`` tokens (whole blocks of ``block_size``)."""
@@ -123,5 +115,5 @@ class PagedCache:
         return t.view(self.num_blocks * self.ratio, self.kernel_block_size, t.shape[-1])
 
     def graph_inputs(self) -> list[torch.Tensor]:
-        """Kernel-granularity views, in the order the rewritten graph takes them."""
-        return [self.kernel_view(name) for name in self.signature.cache_names]
+        """Kernel-granularity views, in the order the program takes them."""
+        return [self.kernel_view(name) for name in self.spec.names]

@@ -1,6 +1,6 @@
 """Decode steps replayed from CUDA graphs, one per (batch, block-table width) bucket.
 
-Why: the runner calls the lowered FX graph eagerly, and a decode step is then host-bound: on two GLM-5-width
+Why: the runner calls the compiled program eagerly, and a decode step is then host-bound: on two GLM-5-width
 layers at batch 64 it spends several times its device work in Python (the graph's interpreter, the ops'
 dispatch, a few hundred launches; figures: docs/perf/runtime_decode.md), and the gap grows with every layer.
 A replayed graph costs one launch.
@@ -24,8 +24,8 @@ bucketed by (batch, width, tokens per request) alike (a step whose requests comp
 runs eagerly). A bucket is captured at its first use, or ahead of serving by ``warm``: the step first runs eagerly on
 the same buffers (kernel compilation and autotuning happen there, never inside capture; its result is that step's
 answer, as capture itself computes nothing), then the graph is captured. ``warm`` runs a step of padding tokens
-only (slot -1: nothing is written to the caches). The op-level validation is off throughout (it syncs with the
-host); the runner validated the context.
+only (slot -1: nothing is written to the caches). The op-level validation is never bound (it syncs with the
+host); the runner validated the context, and its program was compiled without them (``inputs_validated``).
 
 A step larger than the largest batch bucket, a table wider than the cache's longest sequence, or a graph that
 cannot be captured (an op that syncs with the host, as the exact-mode indexer cache's reference top-k does)
@@ -36,11 +36,11 @@ runs eagerly; the last case is logged once and switches capture off for the runn
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from fxglm5.lowering.reference.paged_steps import validation
+from fxglm5.program import PagedProgram, StepInputs
 from fxglm5.runtime.forward_context import ForwardContext
 
 log = logging.getLogger(__name__)
@@ -60,10 +60,10 @@ def pow2_buckets(limit: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, graph: Callable, caches: list[torch.Tensor], *, max_batch: int, table_width: int, device,
+    def __init__(self, program: PagedProgram, caches: list[torch.Tensor], *, max_batch: int, table_width: int, device,
                  capture: bool = True, tokens_per_request: int = 1):
         """``tokens_per_request``: the most tokens one request computes in a step (1; k+1 with k drafts)."""
-        self.graph, self.caches, self.capture = graph, caches, capture
+        self.program, self.caches, self.capture = program, caches, capture
         self.max_batch = max_batch
         self.buckets, self.widths = pow2_buckets(max_batch), pow2_buckets(table_width)
         self.device = device
@@ -155,11 +155,10 @@ class DecodeGraphs:
 
     def _outputs(self, out, T: int) -> torch.Tensor:
         """float32 logits of the live rows (a copy: the static output is overwritten by the next replay); the
-        hidden rows of a (logits, hidden) graph (head "logits+hidden") go to ``self.hidden``, copied too."""
-        if isinstance(out, (tuple, list)):
-            out, hidden = out
-            self.hidden = hidden[0, :T].clone()
-        return out[0, :T].to(torch.float32, copy=True)
+        hidden rows of a (logits, hidden) program (head "logits+hidden") go to ``self.hidden``, copied too."""
+        if out.hidden is not None:
+            self.hidden = out.hidden[:T].clone()
+        return out.logits[:T].to(torch.float32, copy=True)
 
     def _table(self, width: int) -> None:
         if width not in self.tables:
@@ -207,9 +206,8 @@ class DecodeGraphs:
     def _forward(self, bucket: int, width: int, q: int = 1) -> torch.Tensor:
         T = bucket * q
         req, rows = self._rows[q]  # q = 1: token b is request b's and its logits' row
-        with validation(False):
-            return self.graph(self.input_ids[:, :T], self.positions[:, :T], self.slot_mapping[:T],
-                              self.tables[width][:bucket], req[:T], rows[:T], *self.caches)
+        step = StepInputs(self.positions[0, :T], self.slot_mapping[:T], self.tables[width][:bucket], req[:T], rows[:T])
+        return self.program(step, self.input_ids[0, :T], self.caches)
 
     def _warm_up_and_capture(self, key: tuple[int, int]) -> torch.Tensor:
         bucket = key[0]

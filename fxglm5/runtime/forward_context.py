@@ -28,6 +28,7 @@ from torch import Tensor
 
 from fxglm5 import contracts
 from fxglm5.errors import InputError
+from fxglm5.program import StepInputs
 from fxglm5.runtime.cache import kernel_block_table
 
 _INT = (torch.int32, torch.int64)
@@ -74,9 +75,13 @@ class ForwardContext:
         """Tokens computed this step per request: input_lengths (prefill) or 1 (decode)."""
         return self.input_lengths if self.is_prefill else torch.ones_like(self.sequence_lengths)
 
-    def graph_args(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(slot_mapping, kernel block table, req_idx) as the rewritten graph takes them."""
-        return self.slot_mapping, self.kernel_block_table, self.req_idx
+    def step_inputs(self, logits_indices: Tensor | None = None) -> StepInputs:
+        """The validated context as a program takes it, keeping the output rows ``logits_indices`` (default: each
+        request's last token)."""
+        if self.positions is None:
+            raise InputError("forward context: validate() it before it is run")
+        rows = self.cu_seqlens[1:].long() - 1 if logits_indices is None else logits_indices
+        return StepInputs(self.positions, self.slot_mapping, self.kernel_block_table, self.req_idx, rows)
 
     def validate(self) -> "ForwardContext":
         # The checks run on Python lists of the per-request fields and of the block table (B and B x width

@@ -24,23 +24,22 @@ from __future__ import annotations
 
 import torch
 
-from fxglm5.lowering.reference.paged_steps import validation
 from fxglm5.runtime.cache import PagedCache
 from fxglm5.runtime.forward_context import ForwardContext
 
 
 class MtpDrafter:
-    def __init__(self, runner, model, graph=None, *, max_tokens: int, backend=None, disabled_passes=()):
-        """``graph``: another MtpDrafter's (reused: it holds no cache), else ``compile_mtp(model)``."""
-        if graph is None:
+    def __init__(self, runner, model, program=None, *, max_tokens: int, backend=None, disabled_passes=()):
+        """``program``: another MtpDrafter's (reused: it holds no cache), else ``compile_mtp(model)``'s."""
+        if program is None:
             from fxglm5.compiler import compile_mtp
 
-            graph = compile_mtp(model, max_tokens=max_tokens, device=runner.device, backend=backend,
-                                disabled_passes=disabled_passes).graph
+            program = compile_mtp(model, max_tokens=max_tokens, device=runner.device, backend=backend,
+                                  disabled_passes=disabled_passes, inputs_validated=True).program
         c = runner.cache
-        self.graph, self.runner = graph, runner
-        self.cache = PagedCache(graph.meta["paged_cache"], c.num_blocks, c.block_size, c.kernel_block_size,
-                                c.kv_cache, c.index_cache, c.dtype, runner.device)
+        self.program, self.runner = program, runner
+        self.cache = PagedCache(program.cache_spec(c.kv_cache, c.index_cache, c.dtype), c.num_blocks, c.block_size,
+                                c.kernel_block_size, runner.device)
         self.next: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (d1, the MTP's hidden output for it)
 
     def _forward(self, seqs, tokens: list[list[int]], starts: list[int], hidden: torch.Tensor):
@@ -52,11 +51,8 @@ class MtpDrafter:
                                    num_blocks=c.num_blocks, max_position_embeddings=r.config.max_position_embeddings,
                                    device=r.device).validate()
         ids = torch.tensor([t for row in tokens for t in row], device=r.device)
-        last = ctx.cu_seqlens[1:].long() - 1
-        with validation(False):
-            logits, out = self.graph(ids[None], ctx.positions[None], hidden[None].to(r.cache.dtype),
-                                     *ctx.graph_args(), last, *c.graph_inputs())
-        return logits[0].float().argmax(-1).tolist(), out[0]
+        out = self.program(ctx.step_inputs(), ids, c.graph_inputs(), hidden=hidden)
+        return out.logits.float().argmax(-1).tolist(), out.hidden
 
     def _update(self, seqs, tokens, starts, hidden) -> None:
         drafts, out = self._forward(seqs, tokens, starts, hidden)

@@ -1,11 +1,12 @@
-"""Runner: prefill / decode / greedy generate over the compiled graph and the paged cache.
+"""Runner: prefill / decode / greedy generate over the compiled program and the paged cache.
 
 Built once from a checkpoint directory or a ``Glm5ForCausalLM``: capture, then the match, fuse and cache
-stages (``insert_paged_cache`` makes the caches and the forward context graph inputs). Each step builds an
-RTP-shaped :class:`ForwardContext`, validates it (nothing runs on a bad one), and calls the graph on the
-flat tokens of the whole batch. The ops' own validation is then redundant and is switched off, as it
-is inside a CUDA graph. On a CUDA device decode steps replay CUDA graphs captured per batch bucket
-(:mod:`fxglm5.runtime.decode_graphs`); prefill runs the graph eagerly.
+stages (``insert_paged_cache`` makes the caches and the forward context graph inputs), into a
+:class:`~fxglm5.program.PagedProgram`. Each step builds an RTP-shaped :class:`ForwardContext`, validates it (nothing
+runs on a bad one), and runs the program on the flat tokens of the whole batch. The program is compiled with
+``inputs_validated``: the ops' own checks would repeat that validation, and could not run inside a CUDA graph. On a
+CUDA device decode steps replay CUDA graphs captured per batch bucket (:mod:`fxglm5.runtime.decode_graphs`); prefill
+runs the program eagerly.
 
 Requests are admitted one by one: one that does not fit the cache (at prefill or when a decode step
 needs a new block) gets a :class:`CacheFullError` in ``Sequence.error`` and its blocks are released; the
@@ -40,14 +41,15 @@ from pathlib import Path
 import torch
 
 from fxglm5.errors import CacheFullError, InputError
-from fxglm5.lowering.reference.paged_steps import validation
-from fxglm5.lowering.registry import preferred_backend
+from fxglm5.compiler import PREFILL_STEP_TOKENS, compile_model
+from fxglm5.lowering.backend_choice import preferred_backend
+from fxglm5.program import CacheSpec, PagedProgram
 from fxglm5.runtime.block_manager import BlockManager
 from fxglm5.runtime.cache import PagedCache, check_cache_size, check_options
-from fxglm5.compiler import PREFILL_STEP_TOKENS, compile_model
 from fxglm5.runtime.decode_graphs import DecodeGraphs
 from fxglm5.runtime.distributed import agree, digest
 from fxglm5.runtime.forward_context import ForwardContext
+from fxglm5.runtime.shard_loader import load_rank, sharded_model
 from fxglm5.runtime.speculative import Acceptance, SpeculativeConfig, accepted_length, check_drafts, verify_rows
 
 
@@ -60,15 +62,13 @@ def check_lengths(prompts: list[list[int]], max_new_tokens: int, limit: int) -> 
                              f"max_position_embeddings ({limit})")
 
 
-def check_sizes(config, num_blocks: int, block_size: int, kv_cache: str, index_cache: str, dtype: torch.dtype,
-                device) -> None:
+def check_sizes(config, num_blocks: int, block_size: int, spec: CacheSpec, device) -> None:
     """Refuse (InputError) a cache of blocks longer than any sequence, or larger than the memory available on
     ``device`` (fxglm5.runtime.cache.check_cache_size), before the slow capture and before any allocation."""
     if block_size > config.max_position_embeddings:
         raise InputError(f"block_size: {block_size} exceeds max_position_embeddings ({config.max_position_embeddings}): "
                          "a block longer than the longest sequence is never filled")
-    indexed = [config.has_indexer(i) for i in range(config.num_hidden_layers)]
-    check_cache_size(num_blocks, block_size, indexed, kv_cache, index_cache, dtype, device)
+    check_cache_size(num_blocks, block_size, spec, device)
 
 
 class Tokens(collections.abc.Sequence):
@@ -118,16 +118,16 @@ class Runner:
     def __init__(self, model, *, kv_cache: str = "bf16", index_cache: str | None = None, block_size: int = 64,
                  kernel_block_size: int | None = None, dtype: torch.dtype = torch.float32,
                  num_blocks: int | None = None, max_cache_tokens: int = 8192, device="cpu", keep_logits=False,
-                 graph=None, backend: str | None = None, decode_graphs: bool | None = None,
+                 program: PagedProgram | None = None, backend: str | None = None, decode_graphs: bool | None = None,
                  max_decode_batch: int = 64, disabled_passes=(), tp: int = 1, ep: int | None = None,
-                 speculative: SpeculativeConfig | None = None, drafter=None, mtp_graph=None,
+                 speculative: SpeculativeConfig | None = None, drafter=None, mtp_program: PagedProgram | None = None,
                  max_step_tokens: int = PREFILL_STEP_TOKENS, overlap: bool = True):
-        """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); with ``graph``, anything
+        """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); with ``program``, anything
         with the model's ``config`` and compute ``dtype`` (an exported artifact: ``fxglm5.artifact``). ``kv_cache``: "bf16"
         (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
         same kind (see fxglm5.runtime.cache). The cache holds ``num_blocks`` blocks of ``block_size`` tokens
-        (default: enough for ``max_cache_tokens``). ``graph``: the compiled graph of another Runner over the
-        same model, reused (it holds no cache) to skip capture. ``backend``: the kernels the ``lower`` stage
+        (default: enough for ``max_cache_tokens``). ``program``: the compiled program of another Runner over the
+        same model (``runner.program``), reused (it holds no cache) to skip capture. ``backend``: the kernels the ``lower`` stage
         prefers ("triton", "aiter", "reference"; default: the best for ``device``, FXGLM5_BACKEND overrides).
         ``decode_graphs``: replay decode steps of up to ``max_decode_batch`` requests from CUDA graphs (default:
         on a CUDA device unless ``backend`` is "reference", whose ops sync with the host; on a CPU, True runs the
@@ -141,8 +141,8 @@ class Runner:
         ``speculative``: a SpeculativeConfig; its drafts come from ``drafter`` (any
         ``fxglm5.runtime.speculative.Drafter``), by default the model's MTP layer (InputError without one);
         ``acceptance`` then holds the last ``run``'s verify statistics. The MTP drafter needs the target's hidden
-        states, so the target graph is then compiled with head "logits+hidden" (a given ``graph`` must be one) and
-        the MTP layer's own graph (``mtp_graph``: another such Runner's ``drafter.graph``, reused) with a second
+        states, so the target graph is then compiled with head "logits+hidden" (a given ``program`` must be one) and
+        the MTP layer's own program (``mtp_program``: another such Runner's ``drafter.program``, reused) with a second
         paged cache (fxglm5.runtime.mtp_drafter). ``max_step_tokens``: the most flat tokens one prefill step
         computes (chunked prefill, see ``_prefill``): the activations of a step grow with its tokens, and the
         FP8 GEMMs' int32 offsets overflow at 2^31 elements (131072 tokens x 16384 columns). ``overlap``: ``run``
@@ -174,21 +174,24 @@ class Runner:
                              "num_nextn_predict_layers = 0, or it was loaded without mtp=True)")
         self.config, self.device, self.keep_logits = model.config, device, keep_logits
         num_blocks = num_blocks or -(-max_cache_tokens // block_size) + 1
-        check_sizes(self.config, num_blocks, block_size, kv_cache, index_kind, model.dtype, device)  # before compiling
-        self.graph, self.pass_results = graph, []
+        spec = CacheSpec.for_config(self.config, kv_cache, index_kind, model.dtype)
+        check_sizes(self.config, num_blocks, block_size, spec, device)  # before compiling
+        self.program, self.pass_results = program, []
         self.with_hidden = speculative is not None and drafter is None  # the MTP drafter reads the target's hidden
         max_tokens = max(self.config.max_position_embeddings, num_blocks * block_size)
-        if graph is None:  # a step's flat token count is bounded by the cache, not by one sequence's length
-            self.graph, self.pass_results, _ = compile_model(
+        if program is None:  # a step's flat token count is bounded by the cache, not by one sequence's length
+            compiled = compile_model(
                 model, head="logits+hidden" if self.with_hidden else "logits", max_tokens=max_tokens, device=device,
-                backend=backend, disabled_passes=disabled_passes, **({} if self.mapping is None else
-                                                                    {"mapping": self.mapping}))
+                backend=backend, disabled_passes=disabled_passes, inputs_validated=True,
+                **({} if self.mapping is None else {"mapping": self.mapping}))
+            self.program, self.pass_results = compiled.program, compiled.results
+        if not isinstance(self.program, PagedProgram):
+            raise InputError(f"program: expected a PagedProgram (a paged compile's, runner.program), got "
+                             f"{type(self.program).__name__}")
         if self.mapping is not None:
-            self.load_report = load_rank(self.graph, self.mapping, reader, model, device)
-        if "paged_cache" not in self.graph.meta:
-            raise InputError("graph: not a paged graph (insert_paged_cache did not run on it)")
-        self.cache = PagedCache(self.graph.meta["paged_cache"], num_blocks, block_size, kernel_block_size, kv_cache,
-                                index_cache, model.dtype, device)
+            self.load_report = load_rank(self.program.graph, self.mapping, reader, model, device)
+        self.cache = PagedCache(self.program.cache_spec(kv_cache, index_kind, model.dtype), num_blocks, block_size,
+                                kernel_block_size, device)
         self.blocks = BlockManager(num_blocks, block_size)
         on_cuda = torch.device(device).type == "cuda"
         if decode_graphs is None:
@@ -196,7 +199,7 @@ class Runner:
         self.decode_graphs = None
         if decode_graphs:
             longest = min(-(-self.config.max_position_embeddings // block_size), num_blocks)
-            self.decode_graphs = DecodeGraphs(self.graph, self.cache.graph_inputs(), max_batch=max_decode_batch,
+            self.decode_graphs = DecodeGraphs(self.program, self.cache.graph_inputs(), max_batch=max_decode_batch,
                                               table_width=longest * self.cache.ratio, device=device, capture=on_cuda,
                                               tokens_per_request=1 + (speculative.num_tokens if speculative else 0))
         self.active: list[Sequence] = []
@@ -205,7 +208,7 @@ class Runner:
         if self.with_hidden:
             from fxglm5.runtime.mtp_drafter import MtpDrafter
 
-            self.drafter = MtpDrafter(self, model, mtp_graph, max_tokens=max_tokens, backend=backend,
+            self.drafter = MtpDrafter(self, model, mtp_program, max_tokens=max_tokens, backend=backend,
                                       disabled_passes=disabled_passes)
         # the last step's hidden rows [rows, H] where the graph returns them (head "logits+hidden"), else None
         self.hidden = None
@@ -247,14 +250,10 @@ class Runner:
         ctx.validate()
         if input_ids.shape != ctx.positions.shape:
             raise InputError(f"input_ids: expected {tuple(ctx.positions.shape)} tokens, got {tuple(input_ids.shape)}")
-        last = ctx.cu_seqlens[1:].long() - 1 if rows is None else rows  # default: the only logits decode samples
-        with validation(False):
-            logits = self.graph(input_ids[None], ctx.positions[None], *ctx.graph_args(), last,
-                                *self.cache.graph_inputs())
-        if isinstance(logits, (tuple, list)):  # head "logits+hidden" (speculative decoding with the MTP layer)
-            logits, hidden = logits
-            self.hidden = hidden[0]
-        return logits[0].float()
+        out = self.program(ctx.step_inputs(rows), input_ids, self.cache.graph_inputs())  # default rows: the last
+        if out.hidden is not None:  # head "logits+hidden" (speculative decoding with the MTP layer)
+            self.hidden = out.hidden
+        return out.logits.float()
 
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         next_tokens = logits.argmax(-1)  # one reduction for the batch, queued behind the step
@@ -576,45 +575,3 @@ class _Launched:
         if self.done is not None:
             self.done.synchronize()
         return self.host.tolist()
-
-
-def sharded_model(model, tp: int, ep: int | None, dtype):
-    """This rank's meta model, the reader it reads its slices from (the checked checkpoint of a directory, or
-    ``model`` itself when it is a reader), and its Mapping (rank from the "tp" process group). Every layout rule
-    is checked (Mapping.check) before any weight is read."""
-    import torch.distributed as dist
-
-    from fxglm5.model.checkpoint import CheckpointReader, resolve_dtype
-    from fxglm5.model.config import Glm5Config
-    from fxglm5.model.modeling import Glm5ForCausalLM
-    from fxglm5.parallel import Mapping, resolve_group
-
-    if not isinstance(tp, int) or tp < 1:
-        raise InputError(f"tp: must be a positive integer, got {tp!r}")
-    is_reader = callable(getattr(model, "param", None)) and isinstance(getattr(model, "config", None), Glm5Config)
-    if not isinstance(model, (str, Path)) and not is_reader:
-        raise InputError(f"tp={tp}: a rank reads its own slices of a checkpoint directory; give its path, not a "
-                         f"loaded {type(model).__name__}")
-    if not dist.is_initialized():
-        raise InputError(f"tp={tp}: no process group; start the ranks with fxglm5.runtime.distributed.launch "
-                         "(fxglm5 generate --tp) or torchrun")
-    group = resolve_group("tp")
-    if dist.get_world_size(group) != tp:
-        raise InputError(f"tp={tp}: the process group 'tp' has {dist.get_world_size(group)} ranks")
-    reader = model if is_reader else CheckpointReader(model)
-    mapping = Mapping(tp=tp, rank=dist.get_rank(group), ep=tp if ep is None else ep)
-    mapping.check(reader.config)
-    return Glm5ForCausalLM(reader.config, dtype=resolve_dtype(dtype), device="meta"), reader, mapping
-
-
-def load_rank(graph, mapping, reader, model, device):
-    """Refuse to run unless every rank compiled the same program and plan (one all-gather of plan_hash), then
-    fill this rank's graph from the checkpoint (``shard_loader``); returns what it read. A graph given already
-    filled (another Runner's) is not read again."""
-    from fxglm5.parallel import plan_hash
-    from fxglm5.runtime.shard_loader import load_sharded
-
-    agree(plan_hash(graph, mapping), "the sharded graph and its plan (fxglm5.parallel.plan_hash)", mapping.group)
-    if not any(t.is_meta for t in itertools.chain(graph.parameters(), graph.buffers())):
-        return None
-    return load_sharded(graph, reader, model, device)

@@ -1,4 +1,6 @@
-"""Fill one rank's sharded graph, captured on the meta device, from the unchanged HF checkpoint directory.
+"""One rank's model: its meta model and checkpoint reader (:func:`sharded_model`), and its sharded graph, captured on
+the meta device, filled from the unchanged HF checkpoint directory (:func:`load_rank`, :func:`load_sharded`). Both
+front doors that run ranks (the Runner at ``tp > 1``, the RTP plugin) load them so.
 
 The shard stage leaves ``graph.meta["shard_plan"]`` (attribute target -> ``Slice(dim, start, stop)``: the rank's
 attribute is the full parameter narrowed so) and rank-local meta tensors. For every attribute the graph reads,
@@ -7,22 +9,25 @@ entry: replicated) with :meth:`CheckpointReader.param`, so a rank reads only its
 expert it does not own (experts are per-expert tensors in the checkpoint); values are checked as the whole-model
 loader checks them (NaN / Inf / bounds, naming the file and tensor). Then every constant a pass derived from
 weights (``graph.meta["derived_constants"]``: target -> (sources, fn), the absorbed MLA W_UK / W_UV) is derived
-again from the rank's slices of its sources, which the graph itself does not read. Last, the device arguments the
-meta capture recorded are set to the rank's device.
+again from the rank's slices of its sources, which the graph itself does not read. Last, the compiler places the
+filled graph on the rank's device (``fxglm5.compiler.place_loaded_graph``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
+from pathlib import Path
 
 import torch
 from torch import fx
 
-from fxglm5.errors import CheckpointError
+from fxglm5.compiler import place_loaded_graph
+from fxglm5.errors import CheckpointError, InputError
 from fxglm5.model.checkpoint import CheckpointReader
 from fxglm5.parallel import Slice, pad_rows
-from fxglm5.passes.graph_utils import drop_unread_attributes, on_device
+from fxglm5.runtime.distributed import agree
 
 PLAN, DERIVED = "shard_plan", "derived_constants"
 
@@ -73,8 +78,7 @@ def load_sharded(graph: fx.GraphModule, reader: CheckpointReader, model: torch.n
     left = [t for t in targets if operator.attrgetter(t)(graph).is_meta]
     if left:
         raise CheckpointError(f"graph attribute {left[0]!r}: no data for it after loading")
-    drop_unread_attributes(graph)  # no node reads them (the absorbed kv_b_proj's sources): nothing to load
-    on_device(graph, device)  # the device arguments the meta capture recorded (torch.arange(..., device=meta))
+    place_loaded_graph(graph, device)
     tensors = {k: v - start.get(k, 0) for k, v in reader.bytes_read.items() if v != start.get(k, 0)}
     return LoadReport(sum(tensors.values()), tensors)
 
@@ -111,3 +115,44 @@ def _assign(graph: fx.GraphModule, target: str, value: torch.Tensor) -> None:
         owner._buffers[name] = value
     else:
         setattr(owner, name, value)
+
+
+def sharded_model(model, tp: int, ep: int | None, dtype):
+    """This rank's meta model, the reader it reads its slices from (the checked checkpoint of a directory, or
+    ``model`` itself when it is a reader), and its Mapping (rank from the "tp" process group). Every layout rule
+    is checked (Mapping.check) before any weight is read."""
+    import torch.distributed as dist
+
+    from fxglm5.model.checkpoint import CheckpointReader, resolve_dtype
+    from fxglm5.model.config import Glm5Config
+    from fxglm5.model.modeling import Glm5ForCausalLM
+    from fxglm5.parallel import Mapping, resolve_group
+
+    if not isinstance(tp, int) or tp < 1:
+        raise InputError(f"tp: must be a positive integer, got {tp!r}")
+    is_reader = callable(getattr(model, "param", None)) and isinstance(getattr(model, "config", None), Glm5Config)
+    if not isinstance(model, (str, Path)) and not is_reader:
+        raise InputError(f"tp={tp}: a rank reads its own slices of a checkpoint directory; give its path, not a "
+                         f"loaded {type(model).__name__}")
+    if not dist.is_initialized():
+        raise InputError(f"tp={tp}: no process group; start the ranks with fxglm5.runtime.distributed.launch "
+                         "(fxglm5 generate --tp) or torchrun")
+    group = resolve_group("tp")
+    if dist.get_world_size(group) != tp:
+        raise InputError(f"tp={tp}: the process group 'tp' has {dist.get_world_size(group)} ranks")
+    reader = model if is_reader else CheckpointReader(model)
+    mapping = Mapping(tp=tp, rank=dist.get_rank(group), ep=tp if ep is None else ep)
+    mapping.check(reader.config)
+    return Glm5ForCausalLM(reader.config, dtype=resolve_dtype(dtype), device="meta"), reader, mapping
+
+
+def load_rank(graph, mapping, reader, model, device):
+    """Refuse to run unless every rank compiled the same program and plan (one all-gather of plan_hash), then
+    fill this rank's graph from the checkpoint (``shard_loader``); returns what it read. A graph given already
+    filled (another Runner's) is not read again."""
+    from fxglm5.parallel import plan_hash
+
+    agree(plan_hash(graph, mapping), "the sharded graph and its plan (fxglm5.parallel.plan_hash)", mapping.group)
+    if not any(t.is_meta for t in itertools.chain(graph.parameters(), graph.buffers())):
+        return None
+    return load_sharded(graph, reader, model, device)

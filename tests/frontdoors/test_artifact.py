@@ -102,13 +102,15 @@ def test_a_hidden_head_artifact_gives_the_decoder_output(model, tmp_path):
     from fxglm5.runtime.forward_context import ForwardContext
 
     art = load_artifact(export_artifact(model, tmp_path / "hidden.pt2", head="hidden"))
-    graph, _ = art.paged_graph()
+    program = art.compile().program
     ids = torch.tensor(PROMPTS[0])
     T = ids.shape[0]
-    cache = PagedCache(graph.meta["paged_cache"], 4, 16, dtype=torch.float32)
+    cache = PagedCache(program.cache_spec(dtype=torch.float32), 4, 16)
     ctx = ForwardContext.build(True, [T], [0], [[1]], block_size=16, kernel_block_size=16, num_blocks=4,
                                max_position_embeddings=model.config.max_position_embeddings).validate()
-    hidden = graph(ids[None], ctx.positions[None], *ctx.graph_args(), torch.arange(T), *cache.graph_inputs())
+    out = program(ctx.step_inputs(torch.arange(T)), ids, cache.graph_inputs())
+    assert out.logits is None
+    hidden = out.hidden[None]
     with torch.no_grad():
         ref = model.model(ids[None])
     assert hidden.shape == ref.shape == (1, T, model.config.hidden_size)

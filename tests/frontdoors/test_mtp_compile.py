@@ -29,11 +29,11 @@ def model(tmp_path_factory):
     return Glm5ForCausalLM.from_pretrained(path, dtype=torch.float32, progress=False, mtp=True)
 
 
-def run_paged(graph, model, ids, extra=None):
-    """The graph over a prefill of PREFILL tokens, then one decode step per further token: each step's output
+def run_paged(program, model, ids, extra=None):
+    """The program over a prefill of PREFILL tokens, then one decode step per further token: each step's output
     rows (all of a prefill's, the decode token's), concatenated along the tokens."""
     device = ids.device
-    cache = PagedCache(graph.meta["paged_cache"], 6, BLOCK, dtype=model.dtype, device=device)
+    cache = PagedCache(program.cache_spec(dtype=model.dtype), 6, BLOCK, device=device)
     table = [[1, 2, 3, 4]]
     steps = [(True, 0, PREFILL)] + [(False, p, p + 1) for p in range(PREFILL, ids.shape[1])]
     outs = []
@@ -41,9 +41,10 @@ def run_paged(graph, model, ids, extra=None):
         ctx = ForwardContext.build(prefill, [hi - lo], [lo], table, block_size=BLOCK, kernel_block_size=BLOCK,
                                    num_blocks=6, max_position_embeddings=model.config.max_position_embeddings,
                                    device=device).validate()
-        inputs = (ids[:, lo:hi], ctx.positions[None]) + (() if extra is None else (extra[:, lo:hi],))
         rows = torch.arange(hi - lo, device=device)
-        outs.append(graph(*inputs, *ctx.graph_args(), rows, *cache.graph_inputs()))
+        out = program(ctx.step_inputs(rows), ids[0, lo:hi], cache.graph_inputs(),
+                      hidden=None if extra is None else extra[0, lo:hi])
+        outs.append(tuple(t[None] for t in out if t is not None))
     return [torch.cat(parts, dim=1) for parts in zip(*outs)]
 
 
@@ -61,7 +62,7 @@ def test_paged_mtp_graph_equals_the_eager_mtp(model):
         _, hidden = model(ids, return_hidden=True)
         tokens, h = ids[:, 1:], hidden[:, :-1]  # position i: t_{i+1} and the target's h_i
         ref_logits, ref_hidden = model.mtp(tokens, torch.arange(tokens.shape[1])[None], h)
-        logits, out = run_paged(compiled.graph, model, tokens, h)
+        logits, out = run_paged(compiled.program, model, tokens, h)
     close(logits, ref_logits)
     close(out, ref_hidden)
 
@@ -74,7 +75,7 @@ def test_logits_and_hidden_head(model):
     ids = torch.tensor([IDS])
     with torch.no_grad():
         ref_logits, ref_hidden = model(ids, return_hidden=True)
-        logits, hidden = run_paged(compiled.graph, model, ids)
+        logits, hidden = run_paged(compiled.program, model, ids)
     close(logits, ref_logits)
     close(hidden, ref_hidden)
 

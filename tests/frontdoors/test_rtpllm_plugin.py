@@ -265,13 +265,15 @@ def test_a_prefill_longer_than_the_step_limit_runs_in_chunks_with_the_same_hidde
     model = eager.py_model
     hidden = _record(model, "forward", lambda args, out: out.hidden_states.clone())
     whole = eager.generate(batch, 3)
-    calls = _record(model, "graph", lambda args, out: args[0].shape[1])
+    program = model.program
+    calls = _record(model, "program", lambda args, out: args[1].shape[0])
     try:
         object.__setattr__(model, "max_step_tokens", 7)
         chunked = eager.generate(batch, 3)
     finally:
         object.__setattr__(model, "max_step_tokens", PREFILL_STEP_TOKENS)
-        model.__dict__.pop("forward"), model.__dict__.pop("graph")  # the wrappers; the registered graph stays
+        model.__dict__.pop("forward")  # the wrapper; the class's forward again
+        object.__setattr__(model, "program", program)
     assert calls == [7] * 9 + [2, 2]  # 63 prefill rows in 9 calls, then two decode steps of 2 rows
     assert chunked == whole
     assert hidden[3].shape == hidden[0].shape == (63, model.glm5_config.hidden_size)
@@ -344,7 +346,7 @@ def test_the_prefill_warm_up_takes_a_cache_of_one_size_and_writes_nothing(rtp, c
 
     def scratch_bytes(n):
         attn = eager._prefill_inputs([[1] * n], [0], None).attention_inputs
-        return sum(c.nbytes for c in scratch_step(attn, model.signature, "bf16", torch.float32, "cpu", 1 << 20)[1])
+        return sum(c.nbytes for c in scratch_step(attn, model.cache_spec, "cpu", 1 << 20)[1])
 
     assert scratch_bytes(4096) == scratch_bytes(64)
     hidden = eager._warm_up("PDFUSION", 0)  # initialize(None), then max_seq_len - 1 tokens, no block tables

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fxglm5.ops.collectives import all_gather_c10d, all_reduce_c10d
+from fxglm5.lowering.reference.collectives import all_gather_c10d, all_reduce_c10d
 
 pytestmark = pytest.mark.gpu
 

@@ -22,7 +22,7 @@ def test_paged_mtp_graph_on_the_gpu(tmp_path):
         _, hidden = model(ids, return_hidden=True)
         tokens, h = ids[:, 1:], hidden[:, :-1]
         ref_logits, ref_hidden = model.mtp(tokens, torch.arange(tokens.shape[1], device="cuda")[None], h)
-        logits, out = run_paged(compiled.graph, model, tokens, h)
+        logits, out = run_paged(compiled.program, model, tokens, h)
     for got, ref in ((logits, ref_logits), (out, ref_hidden)):
         cos = torch.nn.functional.cosine_similarity(got.float(), ref.float(), dim=-1)
         assert got.shape == ref.shape and cos.min() > 0.99, cos

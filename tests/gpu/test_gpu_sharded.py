@@ -56,7 +56,7 @@ def test_sharded_program_compiles_loads_and_replays_decode_graphs(fake_group):
     assert torch.isfinite(replayed).all()
     assert all(0 <= t < CONFIG.vocab_size for seq in seqs for t in seq.output)
 
-    eager = Runner(RandomReader(CONFIG, seed=0), graph=runner.graph, decode_graphs=False, **OPTIONS)
+    eager = Runner(RandomReader(CONFIG, seed=0), program=runner.program, decode_graphs=False, **OPTIONS)
     _, expected = teacher_forced(eager)
     assert eager.decode_graphs is None
     torch.testing.assert_close(replayed, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

@@ -38,10 +38,10 @@ def model():
 def test_forced_drafts_with_graphs_same_tokens(model, kv_cache, k):
     plain = Runner(model, **options(kv_cache))
     want = plain.generate(PROMPTS, NEW)
-    graph = plain.graph
+    graph = plain.program
     script = {tuple(p): w for p, w in zip(PROMPTS, want)}
     for drafter, length in ((ScriptedDrafter(script), k + 1), (Rejecting(script), 1)):
-        r = Runner(model, graph=graph, speculative=SpeculativeConfig(num_tokens=k), drafter=drafter,
+        r = Runner(model, program=graph, speculative=SpeculativeConfig(num_tokens=k), drafter=drafter,
                    **options(kv_cache))
         assert r.generate(PROMPTS, NEW) == want
         assert replayed_verify(r, k)
@@ -59,8 +59,8 @@ def test_mtp_drafts_with_graphs_same_tokens(mtp_model, kv_cache):
     want = Runner(mtp_model, **options(kv_cache)).generate(PROMPTS, NEW)
     graph = mtp_graph = None
     for k in (1, 2, 3, 4):
-        r = Runner(mtp_model, graph=graph, mtp_graph=mtp_graph, speculative=SpeculativeConfig(num_tokens=k),
+        r = Runner(mtp_model, program=graph, mtp_program=mtp_graph, speculative=SpeculativeConfig(num_tokens=k),
                    **options(kv_cache))
-        graph, mtp_graph = r.graph, r.drafter.graph
+        graph, mtp_graph = r.program, r.drafter.program
         assert r.generate(PROMPTS, NEW) == want, k
         assert replayed_verify(r, k) and r.acceptance.steps > 0

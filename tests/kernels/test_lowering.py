@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fxglm5.capture import capture
-from fxglm5.lowering import bindings, registry
+from fxglm5.lowering import backend_choice, implementations
 from fxglm5.model.config import Glm5Config
 from fxglm5.passes import PassContext, run_pipeline
 from tests.helpers import random_model, rel_err
@@ -37,25 +37,25 @@ def test_lowered_tiny_matches_eager(backend):
 
 def test_backend_order_and_override(monkeypatch):
     monkeypatch.delenv("FXGLM5_BACKEND", raising=False)
-    monkeypatch.setattr(bindings, "aiter_available", lambda: False)
-    assert registry.backend_order("cuda") == ["triton", "reference"]
-    assert registry.backend_order("cpu") == ["reference"]
+    monkeypatch.setattr(implementations, "aiter_available", lambda: False)
+    assert backend_choice.backend_order("cuda") == ["triton", "reference"]
+    assert backend_choice.backend_order("cpu") == ["reference"]
     monkeypatch.setenv("FXGLM5_BACKEND", "triton")
-    assert registry.backend_order("cpu") == ["triton", "reference"]
+    assert backend_choice.backend_order("cpu") == ["triton", "reference"]
     monkeypatch.setenv("FXGLM5_BACKEND", "cutlass")
     with pytest.raises(ValueError, match="FXGLM5_BACKEND must be one of"):
-        registry.backend_order("cuda")
+        backend_choice.backend_order("cuda")
 
 
 def test_unsupported_call_falls_back_and_logs_once(caplog, monkeypatch):
     """The run-time Dispatch (left only for nodes without metadata) takes the same choice per call."""
-    monkeypatch.setattr(registry, "_warned", set())
-    dispatch = registry.Dispatch("moe_fp8", ["triton", "reference"], "cpu")
+    monkeypatch.setattr(backend_choice, "_warned", set())
+    dispatch = backend_choice.Dispatch("moe_fp8", ["triton", "reference"], "cpu")
     x, ids, w = torch.randn(3, 128), torch.zeros(3, 2, dtype=torch.int32), torch.rand(3, 2)
     w13, w2 = torch.randn(2, 256, 128) * 0.05, torch.randn(2, 128, 128) * 0.05
     args = (x, ids, w, w13, None, w2, None, False)
-    assert registry.choose("moe_fp8", ["triton", "reference"], "cpu", args).backend == "reference"
-    with caplog.at_level(logging.WARNING, logger="fxglm5.lowering.registry"):
+    assert backend_choice.choose("moe_fp8", ["triton", "reference"], "cpu", args).backend == "reference"
+    with caplog.at_level(logging.WARNING, logger="fxglm5.lowering.backend_choice"):
         first = dispatch(*args)
         second = dispatch(*args)
     torch.testing.assert_close(first, second)
@@ -75,18 +75,18 @@ def test_aiter_is_selected_where_importable(monkeypatch):
     for name in ("aiter", "aiter.ops", "aiter.ops.triton"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "aiter.ops.triton.gemm_a8w8_blockscale", fake)
-    monkeypatch.setattr(bindings, "aiter_available", lambda: True)
+    monkeypatch.setattr(implementations, "aiter_available", lambda: True)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU hosts run the Triton quantizer interpreted
-    order = registry.backend_order("cuda")
+    order = backend_choice.backend_order("cuda")
     assert order[0] == "aiter"
     x = torch.randn(2, 5, 256, device=device)
     w, s = (torch.randn(128, 256, device=device) * 0.1).to(torch.float8_e4m3fn), torch.ones(1, 2, device=device)
-    choice = registry.choose("fp8_linear", order, "cuda", (x, w, s, None, True))
+    choice = backend_choice.choose("fp8_linear", order, "cuda", (x, w, s, None, True))
     assert choice.backend == "aiter"
     assert choice.impl.fn(x, w, s, None, True).shape == (2, 5, 128)
     assert calls == [(torch.float8_e4m3fn, torch.float8_e4m3fn, (10, 2), (1, 2))]
     bias = torch.zeros(128, device=device)
-    assert registry.choose("fp8_linear", order, "cuda", (x, w, s, bias, True)).backend == "triton"  # aiter refuses a bias
+    assert backend_choice.choose("fp8_linear", order, "cuda", (x, w, s, bias, True)).backend == "triton"  # aiter refuses a bias
 
 
 def test_rocm_gpus_get_no_nvidia_capability(monkeypatch):

@@ -63,7 +63,7 @@ def test_runner_generates_in_vocabulary_tokens_the_same_for_a_seed(served):
 
 def test_reader_gives_each_part_of_the_plan_its_shape_and_dtype(served):
     runner, _ = served
-    plan = runner.graph.meta["shard_plan"]
+    plan = runner.program.graph.meta["shard_plan"]
     assert any(part.dim == 0 and ".mlp.experts." in name for name, part in plan.items())  # EP: experts by rank
     meta = dict(Glm5ForCausalLM(CONFIG, dtype=torch.bfloat16, device="meta").named_parameters())
     reader, other = RandomReader(CONFIG, seed=0), RandomReader(CONFIG, seed=1)

@@ -50,13 +50,13 @@ def serve(runner):
 
 
 def all_reduces(runner):
-    return [n for n in runner.graph.graph.nodes if getattr(n.target, "op", None) == "all_reduce"]
+    return [n for n in runner.program.graph.graph.nodes if getattr(n.target, "op", None) == "all_reduce"]
 
 
 def remove(runner, node):
     node.replace_all_uses_with(node.args[0])
-    runner.graph.graph.erase_node(node)
-    runner.graph.recompile()
+    runner.program.graph.graph.erase_node(node)
+    runner.program.graph.recompile()
 
 
 def tp4_job(rank, ckpt):
@@ -73,11 +73,11 @@ def tp4_job(rank, ckpt):
     except RankMismatchError as err:
         out["differing"] = str(err)
     remove(runner, all_reduces(runner)[0])  # on every rank alike: the hashes agree, the tokens must not
-    out["without_all_reduce"] = Runner(ckpt, tp=rank.world, graph=runner.graph, **OPTIONS).generate(REQUESTS[0], NEW)
+    out["without_all_reduce"] = Runner(ckpt, tp=rank.world, program=runner.program, **OPTIONS).generate(REQUESTS[0], NEW)
     if rank.rank == 1:
         remove(runner, all_reduces(runner)[0])
     try:
-        Runner(ckpt, tp=rank.world, graph=runner.graph, **OPTIONS)
+        Runner(ckpt, tp=rank.world, program=runner.program, **OPTIONS)
     except RankMismatchError as err:
         out["altered_on_one_rank"] = str(err)
     return out

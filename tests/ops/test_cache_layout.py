@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import fxglm5.ops.cached  # noqa: F401  (registers the ops)
 from fxglm5.passes.insert_paged_cache import PagedSignature
+from fxglm5.program import CacheSpec
 from fxglm5.runtime.cache import PagedCache, kernel_block_table
 from fxglm5.runtime.forward_context import ForwardContext
 from tests.helpers import latent_values
@@ -157,8 +158,7 @@ def test_smaller_model_widths_are_zero_padded_rows():
 @pytest.mark.parametrize("kv,index", [("bf16", "fp8"), ("fp8", "fp8"), ("bf16", "bf16")])
 def test_runtime_allocation_layouts(kv, index):
     sig = PagedSignature((("kv_cache_0", "index_cache_0"), ("kv_cache_1", None)))
-    cache = PagedCache(sig, num_blocks=5, block_size=8, kernel_block_size=2, kv_cache=kv, index_cache=index,
-                       dtype=torch.bfloat16)
+    cache = PagedCache(CacheSpec(sig, kv, index, torch.bfloat16), num_blocks=5, block_size=8, kernel_block_size=2)
     kv_shape = (5, 8, 656) if kv == "fp8" else (5, 8, 576)
     index_shape = (5, 8, 132) if index == "fp8" else (5, 8, 128)
     assert tuple(cache.tensors["kv_cache_0"].shape) == kv_shape

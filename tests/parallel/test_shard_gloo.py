@@ -15,7 +15,7 @@ from tests.helpers import copy_to_dtype
 from tests.parallel.ranks import graph_copy, run_ranks, sharded
 
 from fxglm5.compiler import compile_model
-from fxglm5.ops.collectives import all_reduce_c10d
+from fxglm5.lowering.reference.collectives import all_reduce_c10d
 from fxglm5.parallel import Mapping
 from fxglm5.passes.pipeline import Stage
 

@@ -9,7 +9,7 @@ import torch
 
 from fxglm5.capture import capture
 from fxglm5.cli import main
-from fxglm5.lowering import registry
+from fxglm5.lowering import backend_choice
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.passes import PassContext, run_pipeline
@@ -50,7 +50,7 @@ def test_every_fxglm5_node_is_bound_and_recorded():
     gm = pipeline("fp8").after["lower"]
     lowered = [n for n in gm.graph.nodes if n.op == "call_function" and "fxglm5_backend" in n.meta]
     assert len(lowered) == TestLower.matches["fp8"]
-    assert all(isinstance(n.target, registry.Bound) and n.target.backend == "reference" for n in lowered)
+    assert all(isinstance(n.target, backend_choice.Bound) and n.target.backend == "reference" for n in lowered)
     assert not any(isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "fxglm5" for n in gm.graph.nodes)
 
 
@@ -68,7 +68,7 @@ def _lower(fused, device, backend=None):
     recorded = {}
     for node in gm.graph.nodes:
         if "fxglm5_backend" in node.meta:
-            assert isinstance(node.target, registry.Bound)  # chosen now: no per-call Dispatch left
+            assert isinstance(node.target, backend_choice.Bound)  # chosen now: no per-call Dispatch left
             assert node.target.backend == node.meta["fxglm5_backend"]
             recorded.setdefault(node.target.op, set()).add(node.meta["fxglm5_backend"])
     return result[-1], recorded
@@ -118,12 +118,12 @@ def test_a_choice_reading_a_run_time_input_is_left_to_each_call(monkeypatch):
     q, k, w, cache, slots, table, req, pos = (graph.placeholder(n) for n in
                                               ("q", "k", "w", "cache", "slots", "table", "req", "pos"))
     call = graph.call_function(torch.ops.fxglm5.rtp_indexer.default, (q, k, w, 8, cache, slots, table, req, pos, 64))
-    order = registry.backend_order("cpu", "triton")
-    assert isinstance(registry.bind(call, "rtp_indexer", order, "cpu"), registry.Dispatch)
+    order = backend_choice.backend_order("cpu", "triton")
+    assert isinstance(backend_choice.bind(call, "rtp_indexer", order, "cpu"), backend_choice.Dispatch)
     for dtype, backend in ((torch.uint8, "triton"), (torch.float32, "reference")):
         cache.meta["val"] = torch.empty(4, 16, 132 if dtype == torch.uint8 else 128, dtype=dtype, device="meta")
-        bound = registry.bind(call, "rtp_indexer", order, "cpu")
-        assert isinstance(bound, registry.Bound) and bound.backend == backend
+        bound = backend_choice.bind(call, "rtp_indexer", order, "cpu")
+        assert isinstance(bound, backend_choice.Bound) and bound.backend == backend
 
 
 def test_in_the_paged_graph_only_the_cache_reading_indexer_is_left_to_each_call():

@@ -137,7 +137,7 @@ def committed_rows_match_their_prefix(runner: Runner, model, requests) -> int:
         if key not in by_key:  # a block of generated tokens: its prefix is not a prompt's
             continue
         prefix = by_key[key]
-        fresh = Runner(model, block_size=BLOCK, num_blocks=len(prefix) // BLOCK + 3, graph=runner.graph)
+        fresh = Runner(model, block_size=BLOCK, num_blocks=len(prefix) // BLOCK + 3, program=runner.program)
         fresh.run([prefix + [1]], 1)
         fresh_block = fresh.blocks._block_of[key]
         for name, tensor in runner.cache.tensors.items():

@@ -89,4 +89,4 @@ def test_speculative_with_chunked_prefill(k, step_sizes):
 def test_bad_max_step_tokens_is_refused(bad):
     model, graph = model_and_graph("exact")
     with pytest.raises(InputError, match="max_step_tokens"):
-        Runner(model, graph=graph, block_size=4, max_step_tokens=bad)
+        Runner(model, program=graph, block_size=4, max_step_tokens=bad)

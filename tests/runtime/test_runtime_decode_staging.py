@@ -1,10 +1,11 @@
 """The decode graphs' host side: each step is written into host staging buffers allocated once and copied into
 the static device buffers in one copy per buffer (pinned and asynchronous on a GPU: tests/gpu/
 test_gpu_decode_host.py), with the padding rows of a smaller batch rewritten. Checked on a CPU against the
-inputs built by hand from the step's fields, with a stub in place of the model graph."""
+inputs built by hand from the step's fields, with a stub in place of the model's program."""
 
 import torch
 
+from fxglm5.program import Outputs
 from fxglm5.runtime.decode_graphs import DecodeGraphs
 from fxglm5.runtime.forward_context import ForwardContext
 
@@ -12,14 +13,15 @@ BLOCK, NUM_BLOCKS = 4, 40
 
 
 class Recorder:
-    """Stands in for the lowered graph: keeps a copy of the inputs of each call, returns zero logits."""
+    """Stands in for the compiled program: keeps a copy of the inputs of each call, returns zero logits."""
 
     def __init__(self):
-        self.calls, self.logits = [], torch.zeros(1, 4, 8)
+        self.calls, self.logits = [], torch.zeros(4, 8)
 
-    def __call__(self, input_ids, positions, slots, table, req, logits_rows, *caches):
-        self.calls.append([t.clone() for t in (input_ids, positions, slots, table, req)])
-        return self.logits[:, :input_ids.shape[1]]
+    def __call__(self, step, input_ids, caches, hidden=None):
+        self.calls.append([t.clone() for t in (input_ids[None], step.positions[None], step.slot_mapping,
+                                               step.block_table, step.req_idx)])
+        return Outputs(self.logits[:input_ids.shape[0]], None)
 
 
 def decode_context(lengths, tables):

@@ -5,6 +5,7 @@ field, before any kernel runs (the caches keep their contents).
 """
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fxglm5.errors import CacheFullError, InputError
-from fxglm5.lowering.reference.paged_steps import validation, validation_enabled
+from fxglm5.compiler import compile_model
+from fxglm5.program import StepInputs
 from fxglm5.runtime.forward_context import ForwardContext
 from fxglm5.runtime import cache
 from fxglm5.runtime import runner as runner_module
@@ -74,17 +76,18 @@ def _no_compile(*args, **kwargs):
 
 def test_cache_larger_than_the_available_memory_is_refused_before_compiling(monkeypatch):
     model, graph = model_and_graph("exact")
-    small = Runner(model, graph=graph, block_size=4, num_blocks=5)
+    small = Runner(model, program=graph, block_size=4, num_blocks=5)
     allocated = sum(t.numel() * t.element_size() for t in small.cache.tensors.values())
-    assert cache.check_cache_size(5, 4, [True, False, True], "bf16", "bf16", torch.float32, "cpu") == allocated
+    spec = graph.cache_spec("bf16", "bf16", torch.float32)  # layers: indexed, shared, indexed
+    assert cache.check_cache_size(5, 4, spec, "cpu") == allocated
     monkeypatch.setattr(cache, "available_memory", lambda device: allocated - 1)
     monkeypatch.setattr(runner_module, "compile_model", _no_compile)
     with pytest.raises(InputError, match=r"paged cache: 5 blocks of block_size 4 tokens for 3 layers need .* GiB, "
                                          r"more than .* available on cpu"):
         Runner(model, block_size=4, num_blocks=5)
     with pytest.raises(InputError, match="paged cache"):  # the caches' own check (RTP's scratch steps use it)
-        PagedCache(graph.meta["paged_cache"], 5, 4, dtype=torch.float32)
-    Runner(model, graph=graph, block_size=4, num_blocks=4)  # one block fewer fits
+        PagedCache(spec, 5, 4)
+    Runner(model, program=graph, block_size=4, num_blocks=4)  # one block fewer fits
 
 
 def test_block_longer_than_any_sequence_is_refused_before_compiling(monkeypatch):
@@ -154,11 +157,19 @@ def test_malformed_contexts_are_rejected_before_any_write():
     r.step(base_context(r), torch.zeros(6, dtype=torch.long))  # the unmodified context runs
 
 
+@functools.lru_cache(maxsize=None)
+def validating_program(name: str):
+    """The model's program compiled for a caller that does not validate its steps: the ops check them."""
+    model, _ = model_and_graph(name)
+    return compile_model(model, max_tokens=64, inputs_validated=False).program
+
+
 def graph_call(r, block_table, positions, slots=None):
+    """A step of ``r``'s model straight into a program that validates, on ``r``'s caches (no runtime in front)."""
     T = positions.shape[0]
     slots = slots if slots is not None else torch.arange(T) + 4  # blocks [1, 2] of 4
-    return r.graph(torch.zeros(1, T, dtype=torch.long), positions[None], slots, block_table, torch.zeros(T, dtype=torch.long),
-                   torch.arange(T), *r.cache.graph_inputs())
+    step = StepInputs(positions, slots, block_table, torch.zeros(T, dtype=torch.long), torch.arange(T))
+    return validating_program("short")(step, torch.zeros(T, dtype=torch.long), r.cache.graph_inputs())
 
 
 @pytest.mark.parametrize("case", ["block id", "position", "slot", "padding block"])
@@ -184,12 +195,17 @@ def test_cached_ops_validate_before_writing(case):
     graph_call(r, table, pos)  # valid inputs go through
 
 
-def test_validation_switch():
-    assert validation_enabled()
-    with validation(False):
-        assert not validation_enabled()
-    assert validation_enabled()
-    model_and_graph("short")  # the shared graph exists for the other tests
+def test_validation_is_decided_when_the_program_is_compiled():
+    """The Runner's program (its steps validated by the Runner) binds the cached ops' bodies without their checks; a
+    program for callers that do not validate binds the checking ones. No switch is consulted at run time."""
+    def cached(program):
+        return [n.target for n in program.graph.graph.nodes
+                if "fxglm5_backend" in n.meta and n.target.op.startswith("rtp_")]
+
+    checked, unchecked = cached(validating_program("short")), cached(runner("short", block_size=4).program)
+    assert len(checked) == len(unchecked) == 2  # the one layer's rtp_indexer and rtp_sparse_mla
+    assert all(getattr(t.fn, "keywords", {}).get("validate") is False for t in unchecked)
+    assert not any(getattr(t.fn, "keywords", {}).get("validate") is False for t in checked)
 
 
 def test_block_manager_rejection_changes_nothing_and_prefixes_are_refcounted():

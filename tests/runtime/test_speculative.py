@@ -87,7 +87,7 @@ def test_unknown_method():
 def test_speculative_on_a_model_without_mtp_layer():
     model, graph = model_and_graph("exact")
     with pytest.raises(InputError, match="no MTP layer"):
-        Runner(model, graph=graph, speculative=SpeculativeConfig(num_tokens=2))
+        Runner(model, program=graph, speculative=SpeculativeConfig(num_tokens=2))
 
 
 def test_bad_drafts_are_refused():

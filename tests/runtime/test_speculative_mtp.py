@@ -30,7 +30,7 @@ def model(tmp_path_factory):
 @functools.lru_cache(maxsize=None)
 def graphs(model):
     r = Runner(model, block_size=4, max_cache_tokens=128, speculative=SpeculativeConfig(num_tokens=1))
-    return r.graph, r.drafter.graph
+    return r.program, r.drafter.program
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,7 +51,7 @@ def speculative(model, prompt: tuple[int, ...], k: int) -> tuple[list[int], list
 def test_mtp_drafts_give_greedy_tokens_and_the_reference_acceptance(model, k, max_step_tokens):
     graph, mtp_graph = graphs(model)
     r = Runner(model, block_size=4, max_cache_tokens=128, speculative=SpeculativeConfig(num_tokens=k),
-               graph=graph, mtp_graph=mtp_graph, max_step_tokens=max_step_tokens)
+               program=graph, mtp_program=mtp_graph, max_step_tokens=max_step_tokens)
     propose, checked = r.drafter.propose, []
 
     def check(seqs, counts):
@@ -79,7 +79,7 @@ def test_prefix_reuse_and_static_verify_steps(model):
     padded static buffers (decode_graphs=True on a CPU): greedy tokens."""
     graph, mtp_graph = graphs(model)
     r = Runner(model, block_size=4, max_cache_tokens=128, speculative=SpeculativeConfig(num_tokens=2),
-               graph=graph, mtp_graph=mtp_graph, decode_graphs=True, max_decode_batch=2)
+               program=graph, mtp_program=mtp_graph, decode_graphs=True, max_decode_batch=2)
     first = r.run(PROMPTS[:1], NEW)
     again = r.run([PROMPTS[0][:9] + [2, 3]], NEW)
     assert again[0].prefix_reused == 8 and r.decode_graphs.steps > 0

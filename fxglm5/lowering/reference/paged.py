@@ -33,14 +33,13 @@ from __future__ import annotations
 import torch
 
 from fxglm5 import contracts
-from fxglm5.contracts import (FP8_BLOCK, FP8_MAX, FP8_ROPE_OFFSET, FP8_ROW_BYTES, FP8_SCALE_OFFSET, INDEX_DIM,
-                              INDEX_ROW_BYTES, KV_LORA_RANK, LATENT_DIM, ROPE_DIM, topk_lowest_index_ties)
+from fxglm5.contracts import (COMPUTE_DTYPES, FP8_BLOCK, FP8_MAX, FP8_ROPE_OFFSET, FP8_ROW_BYTES, FP8_SCALE_OFFSET,
+                              INDEX_DIM, INDEX_ROW_BYTES, KV_LORA_RANK, LATENT_DIM, ROPE_DIM, topk_lowest_index_ties)
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import norm_rope
 
 FP8_GROUP = FP8_BLOCK
 AMAX_FLOOR = 1e-10
-COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 
 __all__ = [

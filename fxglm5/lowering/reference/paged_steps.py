@@ -6,15 +6,13 @@ pass), so both backends share one validation and one argument handling.
 
 Validation (shapes, dtypes, block ids, slots, positions < max_positions, causal top-k) runs before any
 cache write and raises :class:`fxglm5.errors.InputError` naming the field, so a bad step loses nothing
-stored. It syncs with the host; the runtime turns it off with ``validation(False)`` (a per-thread setting
-owned by this module, the layer that validates) where that is not allowed: inside CUDA-graph capture, and
-after it validated the forward context once.
+stored. It syncs with the host, so it cannot run inside CUDA-graph capture, and it repeats what a runtime that
+validated the step's forward context already checked: ``validate=False`` skips it. Whether it runs is decided
+when the graph is lowered (``PagedProgram.inputs_validated``: the lower stage binds these bodies with
+``validate=False`` for a caller that validates), never by a switch at run time.
 """
 
 from __future__ import annotations
-
-import contextlib
-import threading
 
 import torch
 from torch import Tensor
@@ -23,23 +21,7 @@ from fxglm5.contracts import topk_lowest_index_ties
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged
 
-_state = threading.local()
 _INT_DTYPES = (torch.int32, torch.int64)
-
-
-def validation_enabled() -> bool:
-    return getattr(_state, "validate", True)
-
-
-@contextlib.contextmanager
-def validation(enabled: bool):
-    """Turn the ops' input validation on or off within the block (per thread)."""
-    previous = validation_enabled()
-    _state.validate = bool(enabled)
-    try:
-        yield
-    finally:
-        _state.validate = previous
 
 
 def _pad(x: Tensor, width: int, name: str) -> Tensor:
@@ -129,7 +111,7 @@ def _rope(cos, sin) -> tuple[Tensor, Tensor] | None:
 
 
 def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions, max_positions,
-                 rope_cos=None, rope_sin=None, k_norm_weight=None, k_norm_bias=None, k_norm_eps=0.0):
+                 rope_cos=None, rope_sin=None, k_norm_weight=None, k_norm_bias=None, k_norm_eps=0.0, *, validate=True):
     """rtp_indexer's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
     qf = _pad(_flat(q, "q", 4), paged.INDEX_DIM, "q")
     kf = _flat(k, "k", 3)
@@ -137,7 +119,7 @@ def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_tab
     rope = _rope(rope_cos, rope_sin)
     norm = None if k_norm_weight is None else (k_norm_weight, k_norm_bias, k_norm_eps)
     fp8 = index_cache.dtype == torch.uint8
-    if validation_enabled():
+    if validate:
         _check_index_cache(index_cache)
         check_context(index_cache, slot_mapping, block_table, req_idx, positions, max_positions)
         if fp8:
@@ -172,15 +154,16 @@ def _absorbed_query(q_nope, w_uk) -> Tensor:
 
 
 def _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table, req_idx,
-                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps):
-    """Validate everything, then return the [T, H, 576] queries and ``write()``, which stores this step's rows.
+                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps, validate):
+    """Validate everything (unless ``validate`` is False), then return the [T, H, 576] queries and ``write()``,
+    which stores this step's rows.
 
     The write is deferred so that the caller validates its attention arguments (which need the queries)
     before anything already cached is touched."""
     rope = _rope(rope_cos, rope_sin)
     norm = None if kv_norm_weight is None else (kv_norm_weight, kv_norm_eps)
     kv, pe = _flat(kv_c, "kv_c", 3), _flat(k_pe, "k_pe", 3)
-    if validation_enabled():
+    if validate:
         for name, t, nd in (("q_nope", q_nope, 4), ("q_pe", q_pe, 4), ("w_uk", w_uk, 3), ("w_uv", w_uv, 3)):
             if not isinstance(t, Tensor) or t.dim() != nd:
                 raise InputError(f"{name}: expected {nd} dims, got {tuple(getattr(t, 'shape', ()))}")
@@ -215,12 +198,13 @@ def _project_out(o_lat: Tensor, w_uv: Tensor, like: Tensor) -> Tensor:
 
 def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping, block_table,
                     req_idx, positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None,
-                    kv_norm_eps=0.0):
+                    kv_norm_eps=0.0, *, validate=True):
     """rtp_sparse_mla's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
     q, write = _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
-                               req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps)
+                               req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps,
+                               validate)
     top = _flat(topk_pos, "topk_pos", 3)
-    if validation_enabled():
+    if validate:
         paged.validate_sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale)
         if top.numel() and bool((top.long() > positions.long()[:, None]).any()):
             raise InputError("topk_pos: a selected position lies after its query's position (not causal)")
@@ -230,11 +214,13 @@ def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale,
 
 
 def mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table, req_idx,
-             positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None, kv_norm_eps=0.0):
+             positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None, kv_norm_eps=0.0, *,
+             validate=True):
     """rtp_mla's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
     q, write = _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
-                               req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps)
-    if validation_enabled():
+                               req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps,
+                               validate)
+    if validate:
         paged.validate_mla_paged(q, kv_cache, block_table, req_idx, positions, scale)
     write()
     o_lat = kern.mla_paged(q, kv_cache, block_table, req_idx, positions, scale, validate=False)

@@ -17,7 +17,9 @@ from typing import Callable, Optional
 import torch
 
 from fxglm5 import settings
-from fxglm5.ops.collectives import all_gather_c10d, all_reduce_c10d
+import fxglm5.ops.cached  # noqa: F401  (the cached ops' reference bodies are the custom ops)
+from fxglm5.lowering.reference import paged, paged_steps
+from fxglm5.lowering.reference.collectives import all_gather_c10d, all_reduce_c10d
 
 BACKENDS = ("aiter", "triton", "reference")
 
@@ -26,18 +28,21 @@ BACKENDS = ("aiter", "triton", "reference")
 class Impl:
     fn: Callable
     supports: Optional[Callable[..., Optional[str]]] = None  # returns None if supported, else a reason
+    unchecked: Optional[Callable] = None  # the body without its input checks, for callers that validated them
 
 
 _IMPLS: dict[str, dict[str, Impl]] = {}
 
 
-def register(op: str, backend: str, supports: Optional[Callable[..., Optional[str]]] = None):
-    """Decorator: ``fn`` implements fxglm5 op ``op`` on ``backend``."""
+def register(op: str, backend: str, supports: Optional[Callable[..., Optional[str]]] = None,
+             unchecked: Optional[Callable] = None):
+    """Decorator: ``fn`` implements fxglm5 op ``op`` on ``backend`` (``unchecked``: the same without its input
+    checks)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; backends are {BACKENDS}")
 
     def wrap(fn):
-        _IMPLS.setdefault(op, {})[backend] = Impl(fn, supports)
+        _IMPLS.setdefault(op, {})[backend] = Impl(fn, supports, unchecked)
         return fn
 
     return wrap
@@ -166,28 +171,31 @@ def _indexer_supported(q, k, weights, topk, index_cache, *rest):
     return None
 
 
-@register("rtp_indexer", "triton", _indexer_supported)
-def _rtp_indexer_triton(*args):
-    from fxglm5.lowering.reference.paged_steps import indexer_step
-    from fxglm5.lowering.triton import paged_ops
+class _LazyKernels:
+    """A kernel module imported at its first use: Triton compiles nothing and is not imported until a call."""
 
-    return indexer_step(paged_ops, *args)
+    def __init__(self, module: str):
+        self.module = module
 
-
-@register("rtp_sparse_mla", "triton")
-def _rtp_sparse_mla_triton(*args):
-    from fxglm5.lowering.reference.paged_steps import sparse_mla_step
-    from fxglm5.lowering.triton import paged_ops
-
-    return sparse_mla_step(paged_ops, *args)
+    def __getattr__(self, name):
+        return getattr(importlib.import_module(self.module), name)
 
 
-@register("rtp_mla", "triton")
-def _rtp_mla_triton(*args):
-    from fxglm5.lowering.reference.paged_steps import mla_step
-    from fxglm5.lowering.triton import paged_ops
+_TRITON_PAGED = _LazyKernels("fxglm5.lowering.triton.paged_ops")
 
-    return mla_step(paged_ops, *args)
+
+def _register_cached_op(op: str, step: Callable, supports=None) -> None:
+    """A cached RTP op (``fxglm5.ops.cached``) on both backends: its step body over the Triton kernels and over the
+    torch references (the custom op itself), each with and without the step's own input validation."""
+    register(op, "triton", supports, unchecked=functools.partial(step, _TRITON_PAGED, validate=False))(
+        functools.partial(step, _TRITON_PAGED))
+    register(op, "reference", unchecked=functools.partial(step, paged, validate=False))(
+        getattr(torch.ops.fxglm5, op).default)
+
+
+_register_cached_op("rtp_indexer", paged_steps.indexer_step, _indexer_supported)
+_register_cached_op("rtp_sparse_mla", paged_steps.sparse_mla_step)
+_register_cached_op("rtp_mla", paged_steps.mla_step)
 
 
 # ---- Triton: the fused ops of the fuse_kernels stage (fxglm5.ops.fused) ---------------------------------------

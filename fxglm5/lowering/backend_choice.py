@@ -9,6 +9,10 @@ refuses (e.g. unquantized MoE weights). Only a node whose choice reads an argume
 choose per call at run time (:class:`Dispatch`, each fallback logged once per (op, backend, reason)): the paged
 caches are run-time inputs (one graph serves FP8 and exact index caches), so the Triton indexer's check on the
 index cache's dtype is made per call.
+
+``inputs_validated`` (the ``lower`` pass's ``ctx.extras["inputs_validated"]``, from the compile's option): the
+program's caller validates every step's forward context, so an implementation's ``unchecked`` body (the cached
+ops' bodies without their own host-syncing checks) is bound where it has one.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ import torch
 
 from fxglm5 import settings
 from fxglm5.errors import InputError
-from fxglm5.lowering import bindings
-from fxglm5.lowering.bindings import BACKENDS, Impl, implementations
+from fxglm5.lowering import implementations as table
+from fxglm5.lowering.implementations import BACKENDS, Impl, implementations
 
 log = logging.getLogger(__name__)
 _warned: set = set()
@@ -42,7 +46,7 @@ def backend_order(device_type: str, override: Optional[str] = None) -> list[str]
     """Backends to try, in order, for tensors on ``device_type``."""
     override = preferred_backend(override)
     if device_type == "cuda":
-        order = (["aiter"] if bindings.aiter_available() else []) + ["triton", "reference"]
+        order = (["aiter"] if table.aiter_available() else []) + ["triton", "reference"]
     else:
         order = ["reference"]  # Triton on CPU tensors only runs interpreted: opt in with FXGLM5_BACKEND=triton
     if override:
@@ -67,13 +71,17 @@ def choose(op: str, order: Sequence[str], device_type: str, args: Sequence) -> C
         if name not in impls:
             continue
         impl = impls[name]
-        reason = bindings.device_supports(name, device_type)
+        reason = table.device_supports(name, device_type)
         if reason is None and impl.supports is not None:
             reason = impl.supports(*args)
         if reason is None:
             return Choice(name, impl, tuple(refused))
         refused.append((name, reason))
     raise ValueError(f"no backend of {list(order)} supports this fxglm5::{op} call on {device_type}: {refused}")
+
+
+def _body(impl: Impl, inputs_validated: bool):
+    return impl.unchecked if inputs_validated and impl.unchecked is not None else impl.fn
 
 
 class Bound:
@@ -91,8 +99,8 @@ class Dispatch:
     """The run-time choice for a node whose choice reads a run-time input: each call takes the first supporting
     backend."""
 
-    def __init__(self, op: str, order: list[str], device_type: str):
-        self.op, self.order, self.device_type = op, order, device_type
+    def __init__(self, op: str, order: list[str], device_type: str, inputs_validated: bool = False):
+        self.op, self.order, self.device_type, self.inputs_validated = op, order, device_type, inputs_validated
         if not any(name in implementations(op) for name in order):
             raise ValueError(f"no implementation of fxglm5::{op} for backends {order}")
         self.backend = "runtime"
@@ -105,7 +113,7 @@ class Dispatch:
             if key not in _warned:
                 _warned.add(key)
                 log.warning("fxglm5: %s on %s falls back (%s)", self.op, name, reason)
-        return choice.impl.fn(*args)
+        return _body(choice.impl, self.inputs_validated)(*args)
 
 
 class Undecided(Exception):
@@ -129,11 +137,11 @@ def _meta_args(node: torch.fx.Node) -> tuple:
         node.args, lambda a: (a.meta["val"] if "val" in a.meta else _RunTimeValue(a)) if isinstance(a, torch.fx.Node) else a))
 
 
-def bind(node: torch.fx.Node, op: str, order: list[str], device_type: str):
+def bind(node: torch.fx.Node, op: str, order: list[str], device_type: str, inputs_validated: bool = False):
     """The graph target for ``node`` (an fxglm5 op call): a :class:`Bound` chosen from its metadata now, or a
     :class:`Dispatch` when the choice reads an argument known only at run time."""
     try:
         choice = choose(op, order, device_type, _meta_args(node))
     except Undecided:
-        return Dispatch(op, order, device_type)
-    return Bound(op, choice.backend, choice.impl.fn)
+        return Dispatch(op, order, device_type, inputs_validated)
+    return Bound(op, choice.backend, _body(choice.impl, inputs_validated))
