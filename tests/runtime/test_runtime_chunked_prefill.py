@@ -53,6 +53,36 @@ def test_prefill_steps_never_exceed_max_step_tokens(step_sizes):
     assert decode == [len(batch)] * (NEW - 1)  # decode steps unchanged
 
 
+@pytest.fixture
+def prefill_steps(monkeypatch):
+    """The uncached prompt tokens of every prefill step (Runner._prefill_step)."""
+    sizes, prefill_step = [], Runner._prefill_step
+
+    def spy(self, step):
+        sizes.append(sum(n for _, _, n in step))
+        return prefill_step(self, step)
+
+    monkeypatch.setattr(Runner, "_prefill_step", spy)
+    return sizes
+
+
+@pytest.mark.parametrize("max_step_tokens", [1, 2, 3, 4, 6, 10, 12, 35, 36, 64])
+def test_prefill_takes_the_fewest_steps(max_step_tokens, prefill_steps):
+    """Every prefill step but the last is full: ceil(T / max_step_tokens) steps for T uncached prompt tokens, also
+    where a request leaves one token of a step's room (6: the first prompt's 5 tokens, then 1 of the second's), and
+    with a reused prefix (only the uncached tokens count). The tokens are the unchunked run's."""
+    first = prompts(torch.Generator().manual_seed(5), LENGTHS)
+    second = [first[1][:17] + [3, 4], [9, 9, 9, 9, 9, 9, 9], first[2][:9] + [7]]  # 16 and 8 tokens reused
+    chunked = runner("exact", block_size=4, max_step_tokens=max_step_tokens)
+    plain = runner("exact", block_size=4)
+    for batch, uncached in ((first, sum(LENGTHS)), (second, 3 + 7 + 2)):
+        prefill_steps.clear()
+        seqs = chunked.run(batch, 2)
+        full, rest = divmod(uncached, max_step_tokens)
+        assert prefill_steps == [max_step_tokens] * full + ([rest] if rest else []), (batch, prefill_steps)
+        assert [s.output for s in seqs] == [s.output for s in plain.run(batch, 2)]
+
+
 def test_fp8_caches_with_chunked_prefill():
     model, _ = model_and_graph("fp8")
     batch = prompts(torch.Generator().manual_seed(3), [30, 7, 26, 12])
