@@ -54,6 +54,49 @@ def test_overlapped_tokens_equal_step_by_step_with_stops_and_prefix_reuse(static
         assert overlapped.decode_graphs.steps == plain.decode_graphs.steps > 0
 
 
+def cache_state(r, seqs):
+    """What the decode loop leaves in the cache bookkeeping: the free list in order, the evictable blocks in order,
+    the blocks the live requests hold and how many each holds, each request's cached length and whether it stopped.
+    (Which live request holds which of those blocks may differ: where the overlapped loop took a block for the
+    stopped request's wasted row in the step another request grew into a new block, that request took the next
+    one, and the stopped request's block went back to the front of the free list for the next request that grows.)"""
+    tables = r.blocks.tables
+    return dict(free=list(r.blocks._free), evictable=list(r.blocks._evictable),
+                held=sorted(b for t in tables.values() for b in t), blocks={i: len(t) for i, t in tables.items()},
+                cached=[s.cached for s in seqs], stopped=[s.stopped for s in seqs], outputs=[s.output for s in seqs])
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_mid_batch_stop_leaves_the_cache_as_the_plain_loop_does(static):
+    """One request stops while the others go on (the overlapped loop has already launched a step for it and taken
+    room for that step's row). Stops at four consecutive positions, so in one of them that row is the first of a
+    new block. After decode_steps, before the live requests are released: the same free list (in order), the same
+    blocks held and as many for each live request, the same cached length for every request (the stopped one's
+    ends before its stop token's row)."""
+    batch = prompts(torch.Generator().manual_seed(14), [5, 9, 6])
+    opts = dict(decode_graphs=True, max_decode_batch=4) if static else {}
+    free_run = runner("exact", block_size=4).run(batch, 10)
+    crossed = 0
+    for k in range(1, 5):
+        stop = {free_run[0].output[k]}
+        # only request 0 stops, at its (k+1)-th token
+        assert not stop & set(free_run[0].output[:k]) and not any(stop & set(s.output) for s in free_run[1:])
+        states = []
+        for r in pair(num_blocks=24, **opts):
+            seqs = r.prefill(batch)
+            r.decode_steps(10, stop)
+            states.append(cache_state(r, seqs))
+            for seq in seqs:
+                r.release(seq)
+        plain, overlapped = states
+        assert overlapped == plain, (k, plain, overlapped)
+        assert plain["stopped"] == [True, False, False] and len(plain["outputs"][0]) == k + 1
+        assert plain["cached"][0] == len(batch[0]) + k  # the stop token's row is not cached
+        assert len(plain["blocks"]) == 2  # the live requests' blocks, not yet released
+        crossed += plain["cached"][0] % 4 == 0  # the overlapped loop's wasted row took a new block
+    assert crossed == 1
+
+
 @pytest.mark.parametrize("max_new", [1, 2, 9])
 def test_max_new_tokens_and_a_first_token_stop(max_new):
     plain, overlapped = pair()
