@@ -1,12 +1,12 @@
 """MLA / sparse MLA decode at a tensor-parallel rank's head count: the Hopper kernel's two forms side by side.
 
 At 8 heads (a TP8 rank of GLM-5's 64) the Hopper kernel with the heads as its 64 MMA rows (``hopper64``, the
-only form before session 16) does the 64-head MMA work for an eighth of the useful output; the default launch
+form above 16 heads) does the 64-head MMA work for an eighth of the useful output; the default launch
 makes the 64 keys of a tile the MMA rows and the heads, padded to 8 or 16, the N (``mla_hopper.rows_for``).
 This times both in one run at B=64 (dense 32k context, sparse top-2048 of 32k), bf16 and FP8 (656-byte) caches,
 and the sparse prefill of one 8k-token request (each token's 2048 gathered rows are its bytes),
 the default at a few split counts, and, with ``--triton``, the generic Triton kernel at explicit launches
-(session 16's first run: slower than both at every shape, ``bench/results/session16/``). Every output is compared
+(slower than both at every shape measured: ``bench/results/session16/``). Every output is compared
 with the ``hopper64`` one (max abs difference in the note).
 
     python bench/mla_heads.py [--heads 8] [--triton]   # saves mla_heads_h<heads>.{json,md} under $OUT or bench/results

@@ -65,13 +65,13 @@ def _analogue_key(shape: tuple, out_dtype: torch.dtype, halves: bool) -> tuple |
     """Size-free structure of the model's own dequantize_weight (dequantize_gate_up), traced and
     probe-verified at a small shape with the same rank and the same divisibility by 128 as ``shape``
     (of each half's rows)."""
-    from fxglm5.model.layers import dequantize_gate_up, dequantize_weight
+    from fxglm5.model import layers  # the model's own dequantization (the probe's reference is the kernels')
 
     *lead, n, k = shape
     rows = n // 2 if halves else n
     small_rows = 128 if rows % 128 == 0 else 100
     small = (*[2] * len(lead), 2 * small_rows if halves else small_rows, 256 if k % 128 == 0 else 200)
-    dequantize = dequantize_gate_up if halves else dequantize_weight
+    dequantize = layers.dequantize_gate_up if halves else layers.dequantize_weight
 
     class Analogue(torch.nn.Module):
         def __init__(self):

@@ -36,7 +36,7 @@ def _forget_rtp() -> None:
     package = sys.modules.get("fxglm5.rtpllm")
     config = sys.modules.get("fxglm5.rtpllm.config")
     if config is not None:
-        config.rtp_symbol.cache_clear()  # its cached RTP classes (DataType, ModelConfig) are the old stand-in's
+        config.rtp_symbol.cache_clear()  # its cached RTP classes (DataType, ModelConfig) belong to the stand-in just replaced
     for name in list(sys.modules):
         if name == "rtp_llm" or name.startswith("rtp_llm.") or name in (PLUGIN, "fxglm5.rtpllm.glm5", "fxglm5.rtpllm.speculative"):
             del sys.modules[name]

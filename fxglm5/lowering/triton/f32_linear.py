@@ -7,8 +7,8 @@ enough CTAs to stream the weights, and the last CTA of each column tile summing 
 (deterministic), applying the scales one by one as the reference does and writing the tile (the split-K fix-up of
 :mod:`fxglm5.lowering.triton.fp8_gemm`): one launch where the unfused graph ran a cast, a cuBLAS GEMV and a kernel
 per scale. More rows are a GEMM, which cuBLAS's float32 kernels do well: there the op runs as its reference does.
-(A first version ran every row count through a Triton IEEE float32 ``tl.dot``: on an H200 it took 23 us a call at
-batch 1 and 300 us at 2048 rows, against 5.6 / 68 us for cuBLAS: bench/results/rank_at_depth/README.md.)
+(Why not a Triton IEEE float32 ``tl.dot`` for every row count: on an H200 it takes 23 us a call at batch 1 and
+300 us at 2048 rows, against 5.6 / 68 us for cuBLAS: bench/results/rank_at_depth/README.md.)
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Same semantics as :mod:`fxglm5.lowering.triton.mla` (the reference is
 tensor-parallel shard of them); :func:`supported` says when it applies and ``launch_mla`` picks it then. Above
 16 heads the heads are the 64 MMA rows (padded) as below; up to 16 (a TP4 / TP8 rank) the keys of a tile are the
 MMA rows and the heads, padded to 8 or 16, the MMAs' N (:func:`rows_for`): S^T = K Q^T, O^T = V^T P^T on one
-warpgroup, the same loop, so 8 heads no longer do the 64-head MMA work. It exists because of one layout decision Triton 3.6 makes for
+warpgroup, the same loop, so 8 heads do not pay for the 64-head MMA work. It exists because of one layout decision Triton 3.6 makes for
 the generic kernel (docs/perf/attention_notes.md, "Duplicated QK^T"): a QK^T whose result feeds
 P @ V in the same loop gets all 8 warps along its 64 rows, so both warpgroups issue the same QK^T MMAs. Gluon
 states the layouts:
