@@ -379,3 +379,41 @@ def test_launch_from_settings(rtp, ckpt):
     assert e.max_seq_len == 48 and e.block_manager.free == list(range(1, 16))
     assert "rtp_llm.models.deepseek_v2" in sys.modules
     assert e.generate([[1, 2, 3]], 3) == [reference(e.lm_head, [1, 2, 3], 3)]
+
+
+def test_server_arguments_and_the_propose_config_as_rtp_reads_them(rtp, ckpt, monkeypatch):
+    """``setup_args`` parses strictly (stock main has no ``--external_model_packages``; #1266 adds it, flag only);
+    ``create_propose_model_config`` gives no draft without a known SP_TYPE or without a draft checkpoint, refuses a
+    type the learned-draft engine does not run, and reads the draft's config with the target's max_seq_len;
+    an Engine started around a loaded model refuses settings the model was not built with."""
+    from rtp_llm.model_factory import ModelFactory
+    from rtp_llm.server.server_args.server_args import setup_args
+
+    monkeypatch.delenv("RTP_STANDIN_PR1266", raising=False)
+    base = ["--checkpoint_path", ckpt, "--model_type", "dummy_standin", "--act_type", "FP32"]
+    with pytest.raises(SystemExit) as exit_:
+        setup_args(base + ["--external_model_packages", "rtp_llm.models.deepseek_v2"])
+    assert exit_.value.code == 2
+    monkeypatch.setenv("EXTERNAL_MODEL_PACKAGES", "rtp_llm.models.deepseek_v2")  # #1266: enable_env=False
+    monkeypatch.setenv("RTP_STANDIN_PR1266", "1")
+    assert setup_args(base).args["external_model_packages"] is None
+    assert setup_args(base + ["--external_model_packages", "a.b,a.b"]).args["external_model_packages"] == ["a.b"]
+    monkeypatch.delenv("RTP_STANDIN_PR1266")
+
+    def propose(*extra):
+        configs = setup_args(base + list(extra))
+        _, target = ModelFactory.create_model_config(configs)
+        return target, ModelFactory.create_propose_model_config(configs, target)
+
+    assert propose()[1] is None
+    assert propose("--sp_type", "MTP", "--sp_model_type", "dummy_standin", "--sp_checkpoint_path", ckpt)[1] is None
+    assert propose("--sp_type", "mtp", "--sp_model_type", "dummy_standin")[1] is None  # no draft checkpoint
+    with pytest.raises(ValueError, match="only supports MTP, EAGLE and DSpARK, but got VANILLA"):
+        propose("--sp_type", "vanilla", "--sp_model_type", "dummy_standin", "--sp_checkpoint_path", ckpt)
+    target, (cls, draft) = propose("--sp_type", "mtp", "--sp_model_type", "dummy_standin", "--sp_checkpoint_path",
+                                   ckpt, "--max_seq_len", "40")
+    assert cls is rtp.Dummy and draft.max_seq_len == target.max_seq_len == 40 and draft.model_type == "dummy_standin"
+    model = rtp.create_model(rtp.Dummy, target, rtp.ParallelismConfig(), rtp.HWKernelConfig(False, (1,)), 4)
+    with pytest.raises(ValueError, match=r"\(enable_cuda_graph, seq_size_per_block\) = \(True, 64\): the model "
+                                         r"was built with \(False, 64\)"):
+        rtp.Engine(ckpt, model=model, enable_cuda_graph=True)

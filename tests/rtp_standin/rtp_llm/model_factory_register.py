@@ -9,8 +9,10 @@ else raises, as in RTP.
 """
 
 import importlib
+from collections import Counter
 
 _model_factory = {}
+_register_calls = Counter()  # stand-in only: register_model calls per name, for the launch tests
 _hf_architecture_2_ft = {}
 _hf_repo_2_ft = {}
 _lazy_modules = {}
@@ -23,6 +25,7 @@ def _bind(table, name, value):
 
 
 def register_model(name, model_type, support_architectures=None, support_hf_repos=None):
+    _register_calls[name] += 1
     _bind(_model_factory, name, model_type)
     for arch in support_architectures or ():
         _bind(_hf_architecture_2_ft, arch, name)

@@ -79,13 +79,33 @@ _SETTINGS = (  # (flag, env var or None for CLI only, type, default)
 )
 
 
-def parse_args(argv, env):
-    """Settings as a dict: a flag wins over its env var; argparse exits (SystemExit 2) on a bad value."""
+_SERVER_SETTINGS = (  # the server's own settings (rtp_llm/server/server_args/ at 4b8d39cd5)
+    ("tp_size", "TP_SIZE", int, 1),  # parallel_group_args.py:14-62
+    ("ep_size", "EP_SIZE", int, 0),
+    ("dp_size", "DP_SIZE", int, 1),
+    ("world_size", "WORLD_SIZE", int, 1),
+    ("world_rank", "WORLD_RANK", int, 0),
+    ("local_world_size", "LOCAL_WORLD_SIZE", int, 1),
+    ("sp_model_type", "SP_MODEL_TYPE", str, ""),  # speculative_decoding_group_args.py:9-84
+    ("sp_type", "SP_TYPE", str, ""),
+    ("sp_checkpoint_path", "SP_CHECKPOINT_PATH", str, None),
+    ("gen_num_per_cycle", "GEN_NUM_PER_CIRCLE", int, 1),
+)
+
+
+def parse_args(argv, env, *, pr1266=True, server=False):
+    """Settings as a dict: a flag wins over its env var; argparse exits (SystemExit 2) on a bad value or an
+    unknown flag. ``pr1266``: RTP with PR #1266, which declares ``--external_model_packages`` (stock main
+    4b8d39cd5 does not, so there the flag is an unknown one). ``server``: also the server's parallelism and
+    speculative-decoding settings (``rtp_llm.server.server_args.setup_args``)."""
     parser = argparse.ArgumentParser(prog="rtp_llm.start_server", allow_abbrev=False)
-    for flag, var, kind, default in _SETTINGS:
+    settings = tuple(s for s in _SETTINGS if pr1266 or s[0] != "external_model_packages")
+    for flag, var, kind, default in settings + (_SERVER_SETTINGS if server else ()):
         value = env.get(var) if var else None
         parser.add_argument("--" + flag, type=kind, default=kind(value) if value is not None else default)
-    return vars(parser.parse_args(list(argv)))
+    args = vars(parser.parse_args(list(argv)))
+    args.setdefault("external_model_packages", None)
+    return args
 
 
 def _read_hf_config(ckpt_path):
@@ -139,6 +159,31 @@ def _act_type(hf, act_type, config_dtype):
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(str(name).lower(), str(name).lower())
 
 
+def build_model_config(model_cls, ckpt_path, *, act_type=None, fp8_kv_cache=False, seq_size_per_block=64,
+                       max_seq_len=None):
+    """The model's ``_create_config``, then what RTP's ``build_model_config`` sets that a plugin reads (the
+    stand-in sets these fields by hand): ``ckpt_path``, the compute dtype (``init_precision_config``), the KV cache
+    dtype, ``tokens_per_block`` and ``max_seq_len`` (MAX_SEQ_LEN over the model's value, 8192 if neither)."""
+    config = model_cls._create_config(ckpt_path)
+    config.ckpt_path = ckpt_path
+    config.data_type = _act_type(_read_hf_config(ckpt_path), act_type, config.config_dtype)
+    config.attn_config.kv_cache_dtype = KvCacheDataType.FP8 if fp8_kv_cache else KvCacheDataType.BASE
+    config.attn_config.tokens_per_block = seq_size_per_block
+    if max_seq_len:
+        config.max_seq_len = max_seq_len
+    if not config.max_seq_len:
+        config.max_seq_len = DEFAULT_MAX_SEQ_LEN
+    return config
+
+
+def create_model(model_cls, config, parallelism_config, hw_kernel_config, max_generate_batch_size):
+    """``model_cls.from_config`` (which calls ``load``) with RTP's arguments in order, as
+    ``ModelFactory._create_model`` (``model_factory.py:94-110``) and ``get_sp_model`` (``:183-199``, the draft
+    with the target's ``parallelism_config``) call it; the stand-in passes None for the configs no plugin reads."""
+    return model_cls.from_config(config, parallelism_config, hw_kernel_config, None, None, None, None,
+                                 max_generate_batch_size, None, False, None)
+
+
 class HWKernelConfig:
     def __init__(self, enable_cuda_graph, decode_capture_batch_sizes):
         self.enable_cuda_graph = enable_cuda_graph
@@ -162,31 +207,34 @@ class Engine:
     def __init__(self, ckpt_path, *, external_model_packages=None, model_type=None, act_type=None,
                  fp8_kv_cache=False, seq_size_per_block=64, kernel_seq_size_per_block=0, enable_cuda_graph=False,
                  decode_capture_batch_sizes=None, max_generate_batch_size=None, num_blocks=64, max_seq_len=None,
-                 warm_up=True, role_type="PDFUSION", device="cpu", parallelism_config=None, gen_num_per_cycle=0):
+                 warm_up=True, role_type="PDFUSION", device="cpu", parallelism_config=None, gen_num_per_cycle=0,
+                 model=None):
         """``gen_num_per_cycle`` k > 0: the target of speculative decoding (``standin_speculative``), whose graphs
-        are target-verify graphs of k+1 tokens per request (``PyWrappedModel.h:317-341``)."""
+        are target-verify graphs of k+1 tokens per request (``PyWrappedModel.h:317-341``). ``model``: a model the
+        launch already built and loaded (``ModelFactory.from_model_configs``, ``rtp_llm.model_factory``); the
+        engine then starts around it, and the config arguments must be the ones it was built with."""
         self.device = torch.device(device)
         self.parallelism_config = parallelism_config or ParallelismConfig()
         sizes = tuple(decode_capture_batch_sizes or ())
         self.max_generate_batch_size = max_generate_batch_size or (max(sizes) if sizes else 32)
         sizes = sizes or tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= self.max_generate_batch_size)
-        # ModelFactory.create_model_config
-        load_external_model_packages(external_model_packages)
-        self.model_cls = resolve_model_class(ckpt_path, model_type)
-        self.config = config = self.model_cls._create_config(ckpt_path)
-        config.ckpt_path = ckpt_path
-        config.data_type = _act_type(_read_hf_config(ckpt_path), act_type, config.config_dtype)
-        config.attn_config.kv_cache_dtype = KvCacheDataType.FP8 if fp8_kv_cache else KvCacheDataType.BASE
-        config.attn_config.tokens_per_block = seq_size_per_block
-        if max_seq_len:
-            config.max_seq_len = max_seq_len
-        if not config.max_seq_len:
-            config.max_seq_len = DEFAULT_MAX_SEQ_LEN
+        if model is None:
+            # ModelFactory.create_model_config, then _create_model (from_config calls load)
+            load_external_model_packages(external_model_packages)
+            self.model_cls = resolve_model_class(ckpt_path, model_type)
+            config = build_model_config(self.model_cls, ckpt_path, act_type=act_type, fp8_kv_cache=fp8_kv_cache,
+                                        seq_size_per_block=seq_size_per_block, max_seq_len=max_seq_len)
+            model = create_model(self.model_cls, config, self.parallelism_config,
+                                 HWKernelConfig(enable_cuda_graph, sizes), self.max_generate_batch_size)
+        self.model_cls, self.model, self.config = type(model), model, model.model_config
+        config = self.config
         self.dtype, self.max_seq_len = config.compute_dtype, config.max_seq_len
-        self.hw_kernel_config = HWKernelConfig(enable_cuda_graph, sizes)
-        self.model = self.model_cls.from_config(
-            config, self.parallelism_config, self.hw_kernel_config, None, None, None, None,
-            self.max_generate_batch_size, None, False, None)
+        self.hw_kernel_config = model.hw_kernel_config
+        built = (self.hw_kernel_config.enable_cuda_graph, config.attn_config.tokens_per_block)
+        if built != (bool(enable_cuda_graph), seq_size_per_block):
+            raise ValueError(f"(enable_cuda_graph, seq_size_per_block) = {(bool(enable_cuda_graph), seq_size_per_block)}"
+                             f": the model was built with {built}")
+        sizes = tuple(self.hw_kernel_config.decode_capture_batch_sizes)
         self.py_model = self.model.py_model
         if not isinstance(self.py_model, GptModelBase):
             raise TypeError(f"model.py_model must be a GptModelBase, got {type(self.py_model).__name__}")
@@ -388,6 +436,11 @@ def launch(argv=(), env=None, **overrides):
     ckpt = overrides.pop("ckpt_path", None) or args["checkpoint_path"]
     if not ckpt:
         raise ValueError("CHECKPOINT_PATH is not set")
+    return Engine(ckpt, **engine_kwargs(args, **overrides))
+
+
+def engine_kwargs(args, **overrides):
+    """The Engine keyword arguments of launch settings (``parse_args``), ``overrides`` last."""
     sizes = tuple(int(x) for x in args["decode_capture_config"].split(",") if x.strip())
     kwargs = dict(external_model_packages=args["external_model_packages"], model_type=args["model_type"],
                   act_type=args["act_type"], fp8_kv_cache=args["fp8_kv_cache"],
@@ -398,7 +451,7 @@ def launch(argv=(), env=None, **overrides):
     if args["test_block_num"]:
         kwargs["num_blocks"] = args["test_block_num"]
     kwargs.update(overrides)
-    return Engine(ckpt, **kwargs)
+    return kwargs
 
 
 # --- several ranks: start_backend_server.multi_rank_start + BackendManager.start ------------------------------

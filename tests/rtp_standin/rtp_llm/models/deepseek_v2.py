@@ -10,7 +10,17 @@ from rtp_llm.models.base_model import BaseModel
 
 
 class DeepSeekV2(BaseModel):
-    """RTP's built-in model (``load`` is the base class's: no RTP weight loader in the stand-in)."""
+    """RTP's built-in model. The stand-in can neither build its config nor load it (``load`` is the base class's:
+    no RTP weight loader). Real RTP does both, and serves it, without a word: a launch that reaches
+    ``_create_config`` here is RTP serving its own model, and the error says so."""
+
+    @classmethod
+    def _create_config(cls, ckpt_path):
+        raise NotImplementedError(
+            f"RTP-LLM resolved this launch's model type to its own {cls.__module__}.{cls.__qualname__}, which real "
+            f"RTP would load and serve without a word (the stand-in cannot build it): no plugin took the type over "
+            f"in this process (on stock RTP-LLM: python -m fxglm5.rtpllm.serve; with PR #1266: "
+            f"--external_model_packages)")
 
     def support_cuda_graph(self):
         return True
