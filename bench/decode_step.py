@@ -30,17 +30,20 @@ from fxglm5.model.modeling import Glm5ForCausalLM  # noqa: E402
 from fxglm5.runtime.runner import Runner  # noqa: E402
 
 
-def two_layer_config(tiny: bool) -> Glm5Config:
-    """2 layers, 1 dense + 1 MoE (all 256 experts, top-8), at GLM-5's widths, or at the tiny preset's."""
+def two_layer_config(tiny: bool, mtp: bool = False) -> Glm5Config:
+    """2 layers, 1 dense + 1 MoE (all 256 experts, top-8), at GLM-5's widths (declaring
+    GLM-5's MTP layer only with ``mtp``), or at the tiny preset's (which declares one)."""
     if tiny:
         return Glm5Config.preset("tiny").replace(num_hidden_layers=2, mlp_layer_types=None, indexer_types=None)
     return Glm5Config.preset("glm5").replace(num_hidden_layers=2, first_k_dense_replace=1, mlp_layer_types=None,
-                                             indexer_types=None, num_nextn_predict_layers=0)
+                                             indexer_types=None, num_nextn_predict_layers=int(mtp))
 
 
-def random_model(cfg, dev):
+def random_model(cfg, dev, mtp: bool = False):
+    """The bf16 model of ``cfg`` on ``dev`` with random weights (FP8 block-scaled where the checkpoint is);
+    ``mtp``: with its MTP layer."""
     with torch.device(dev):
-        model = Glm5ForCausalLM(cfg, dtype=torch.bfloat16, device=dev)
+        model = Glm5ForCausalLM(cfg, dtype=torch.bfloat16, device=dev, mtp=mtp)
     g = torch.Generator(device=dev).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
