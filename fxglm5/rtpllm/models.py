@@ -1,6 +1,7 @@
-"""The module RTP-LLM imports (``--external_model_packages fxglm5.rtpllm.models`` on the command line: RTP-LLM
-PR #1266's flag; no environment variable is read): registers fxglm5's GLM-5 as ``glm_5`` (taking it over from
-RTP's own DeepSeekV2 class) and as ``fxglm5_glm5``. RTP imports it in its launcher and again in every rank process.
+"""The module that registers fxglm5's GLM-5 with RTP-LLM as ``glm_5`` (taking it over from RTP's own DeepSeekV2
+class) and as ``fxglm5_glm5``. Two launches import it in the launcher and in every process RTP spawns:
+``python -m fxglm5.rtpllm.serve <RTP's arguments>`` on stock RTP (``fxglm5.rtpllm.serve``; docs/rtp_launch.md), and
+``--external_model_packages fxglm5.rtpllm.models`` on RTP with PR #1266 (no environment variable is read).
 
 Without ``rtp_llm`` (unit tests, other engines) the import does nothing and loads nothing heavy. With it, a
 failure to register is an error: a plugin that silently did not load would leave RTP serving its own model.
