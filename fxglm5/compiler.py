@@ -119,11 +119,15 @@ def compile_mtp(model, *, stages=STAGES, max_tokens: int | None = None, device=N
         graph(input_ids [1, T], position_ids [1, T], hidden [1, T, H], slot_mapping, block_table, req_idx,
               logits_indices [R], kv_cache_0, index_cache_0) -> (logits [1, R, V], hidden_out [1, R, H])
 
-    with its own ``graph.meta["paged_cache"]`` (one indexed layer): a second PagedCache, beside the target's."""
+    with its own ``graph.meta["paged_cache"]`` (one indexed layer): a second PagedCache, beside the target's.
+
+    ``mapping``: the rank's part, by the target's shard passes (the layer's heads, its experts by ``ep`` or along
+    their intermediate dim, its shared expert, the head's vocabulary rows with the logits all-gathered; the
+    embedding, enorm / hnorm, eh_proj and the indexer stay whole). Compile ``model`` on the meta device then and
+    fill the graph with ``runtime.shard_loader.load_sharded`` (as the target's ranks do)."""
     if getattr(model, "mtp", None) is None:
         raise InputError("compile_mtp: the model has no MTP layer (load it with from_pretrained(..., mtp=True))")
-    if mapping.world != 1:
-        raise InputError(f"compile_mtp: the MTP graph is compiled for one rank only, got a mapping of world {mapping.world}")
+    mapping.check(mtp_graph_config(model.config))  # before the capture
     from fxglm5.capture.export import MTP_HEAD, capture_mtp
 
     start = time.perf_counter()
@@ -180,9 +184,13 @@ def compile_graph(graph: fx.GraphModule, config, *, stages=STAGES, device=None, 
                       mapping=mapping, extras=extras)
     if Stage.SHARD in stages and config is not None:
         mapping.check(config)
-    results = run_pipeline(graph, ctx, stages, dump_dir)
+    # the sharded graph is checked as the shard stage leaves it (the stages after it rewrite the ops it counts)
+    split = stages.index(Stage.SHARD) + 1 if Stage.SHARD in stages and mapping.world > 1 else len(stages)
+    results = run_pipeline(graph, ctx, stages[:split], dump_dir)
     if Stage.SHARD in stages:
         check_sharded(graph, config, mapping, head, strict)
+    if stages[split:]:
+        results += run_pipeline(graph, ctx, stages[split:], dump_dir)
     if Stage.CACHE in stages and "paged_cache" not in graph.meta:
         raise InputError("model: insert_paged_cache found no attention to put on the paged cache")
     return results

@@ -2,10 +2,11 @@
 kind): what the shard passes must have left, whichever of them ran, so that a rank never runs a program that
 mixes sharded and whole parts.
 
-- two ``all_reduce`` per decoder layer (after attention, after the MLP / MoE) and one ``all_gather`` for the
-  logits head (none for the hidden-state head);
+- two ``all_reduce`` per decoder layer (after attention, after the MLP / MoE) and one ``all_gather`` for a head
+  that makes logits (``shard_lm_head.LOGITS_HEADS``; none for the hidden-state head);
 - every ``fp8_linear`` either in the shard plan or one of the linears that stay whole by design (q_a / kv_a and
-  the DSA indexer's wq_b / wk: every rank computes the same latent and selects the same keys);
+  the DSA indexer's wq_b / wk: every rank computes the same latent and selects the same keys; the MTP layer's
+  eh_proj: every rank computes the same input to its decoder layer);
 - every ``moe_fp8``'s experts in the plan;
 - with ``strict``, every node runs again on fake tensors of the rank-local weights (a size left at its unsharded
   value, e.g. a literal head count in a view, fails there, naming the node).
@@ -23,12 +24,13 @@ from torch import fx
 from fxglm5.errors import PassError
 from fxglm5.parallel import PLAN, Mapping
 from fxglm5.passes.graph_utils import op_args
+from fxglm5.passes.shard_lm_head import LOGITS_HEADS
 from fxglm5.passes.sharding import check_shapes
 
 log = logging.getLogger(__name__)
 
 REPLICATED = ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.indexer.wq_b.weight",
-              "self_attn.indexer.wk.weight")
+              "self_attn.indexer.wk.weight", "mtp.eh_proj.weight")
 
 
 def sharding_problems(gm: fx.GraphModule, config, mapping: Mapping, head: str | None) -> list[str]:
@@ -41,7 +43,7 @@ def sharding_problems(gm: fx.GraphModule, config, mapping: Mapping, head: str | 
     if config is not None and counts[ops.all_reduce.default] != 2 * config.num_hidden_layers:
         problems.append(f"{counts[ops.all_reduce.default]} all_reduce for {config.num_hidden_layers} layers (needs 2 "
                         "per layer: after attention and after the MLP / MoE)")
-    if head is not None and counts[ops.all_gather.default] != (head == "logits"):
+    if head is not None and counts[ops.all_gather.default] != (head in LOGITS_HEADS):
         problems.append(f"{counts[ops.all_gather.default]} all_gather for the {head} head")
     for node in calls:
         if node.target is ops.fp8_linear.default:

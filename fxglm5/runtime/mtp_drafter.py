@@ -18,6 +18,9 @@ request with C tokens cached, and whatever a draft or a rejected token wrote pas
 
 A reused prefix's last MTP row (position R-1) was written by the earlier request, from its token R, which the
 new request may not share: it can only change drafts (so acceptance), never tokens.
+
+At tp > 1 every rank runs its shard of the MTP graph on the same tokens and hidden states (the target's are whole
+on every rank) and gets the same gathered logits, so the same drafts: no rank decides alone.
 """
 
 from __future__ import annotations
@@ -28,14 +31,33 @@ from fxglm5.runtime.cache import PagedCache
 from fxglm5.runtime.forward_context import ForwardContext
 
 
+# the MTP graph's attributes that are the target's (its embedding; its lm_head, unless the layer has a head of its own)
+SHARED_WITH_TARGET = {"mtp.embed_tokens.weight": "model.embed_tokens.weight", "mtp.head.weight": "lm_head.weight"}
+
+
 class MtpDrafter:
-    def __init__(self, runner, model, program=None, *, max_tokens: int, backend=None, disabled_passes=()):
-        """``program``: another MtpDrafter's (reused: it holds no cache), else ``compile_mtp(model)``'s."""
+    def __init__(self, runner, model, program=None, *, max_tokens: int, backend=None, disabled_passes=(),
+                 reader=None):
+        """``program``: another MtpDrafter's (reused: it holds no cache), else ``compile_mtp(model)``'s. With the
+        runner's ``mapping`` (tp > 1), ``model`` is the rank's meta model and the MTP graph is sharded as the
+        target's (``compile_mtp(mapping=...)``: the layer's heads, its experts, the head's vocabulary rows with the
+        logits gathered, so every rank drafts the same tokens) and filled like it (``shard_loader.load_rank`` from
+        ``reader``), its embedding and lm_head shard the target graph's tensors, not read again."""
+        mapping = runner.mapping
         if program is None:
             from fxglm5.compiler import compile_mtp
 
             program = compile_mtp(model, max_tokens=max_tokens, device=runner.device, backend=backend,
-                                  disabled_passes=disabled_passes, inputs_validated=True).program
+                                  disabled_passes=disabled_passes, inputs_validated=True,
+                                  **({} if mapping is None else {"mapping": mapping})).program
+        self.load_report = None
+        if mapping is not None:
+            from fxglm5.runtime.shard_loader import load_rank, shared_attributes
+
+            pairs = {k: v for k, v in SHARED_WITH_TARGET.items() if k != "mtp.head.weight" or model.mtp.head is
+                     model.lm_head}
+            given = shared_attributes(runner.program.graph, program.graph, pairs)
+            self.load_report = load_rank(program.graph, mapping, reader, model, runner.device, given)
         c = runner.cache
         self.program, self.runner = program, runner
         self.cache = PagedCache(program.cache_spec(c.kv_cache, c.index_cache, c.dtype), c.num_blocks, c.block_size,

@@ -143,7 +143,8 @@ class Runner:
         ``acceptance`` then holds the last ``run``'s verify statistics. The MTP drafter needs the target's hidden
         states, so the target graph is then compiled with head "logits+hidden" (a given ``program`` must be one) and
         the MTP layer's own program (``mtp_program``: another such Runner's ``drafter.program``, reused) with a second
-        paged cache (fxglm5.runtime.mtp_drafter). ``max_step_tokens``: the most flat tokens one prefill step
+        paged cache (fxglm5.runtime.mtp_drafter); at ``tp`` > 1 both are sharded, the MTP layer as the target's layers
+        (its rank reads only its slices of the MTP layer too), and every rank drafts and accepts the same tokens. ``max_step_tokens``: the most flat tokens one prefill step
         computes (chunked prefill, see ``_prefill``): the activations of a step grow with its tokens, and the
         FP8 GEMMs' int32 offsets overflow at 2^31 elements (131072 tokens x 16384 columns). ``overlap``: ``run``
         decodes with the overlapped loop (``decode_steps``; the same tokens); False: one ``decode`` at a time."""
@@ -153,15 +154,14 @@ class Runner:
         index_kind, _ = check_options(block_size, kernel_block_size, kv_cache, index_cache)  # before the slow part
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise InputError(f"speculative: expected a SpeculativeConfig or None, got {type(speculative).__name__}")
-        if speculative is not None and tp != 1:
-            raise InputError(f"speculative: not with tp={tp} (the drafts and their verify step run in one process)")
 
         preferred_backend(backend)
         if not isinstance(max_cache_tokens, int) or max_cache_tokens < 1:
             raise InputError(f"max_cache_tokens: must be a positive integer, got {max_cache_tokens!r}")
         self.mapping, self.load_report, reader = None, None, None
         if tp != 1:
-            model, reader, self.mapping = sharded_model(model, tp, ep, dtype)
+            model, reader, self.mapping = sharded_model(model, tp, ep, dtype,
+                                                        mtp=speculative is not None and drafter is None)
         elif ep not in (None, 1):
             raise InputError(f"ep={ep}: experts are split over the tp ranks; give tp={ep} too")
         elif isinstance(model, (str, Path)):
@@ -209,7 +209,7 @@ class Runner:
             from fxglm5.runtime.mtp_drafter import MtpDrafter
 
             self.drafter = MtpDrafter(self, model, mtp_program, max_tokens=max_tokens, backend=backend,
-                                      disabled_passes=disabled_passes)
+                                      disabled_passes=disabled_passes, reader=reader)
         # the last step's hidden rows [rows, H] where the graph returns them (head "logits+hidden"), else None
         self.hidden = None
         self._on_token = None  # run's streaming callback, while a run is in progress
