@@ -22,8 +22,20 @@ with file:line, is docs/rtp_speculative.md.
   are the MTP layer's, the embedding and the lm_head only (``Glm5MtpDraft``): the decoder stack is the target's.
 - :class:`DraftDecodeGraphStep`: the draft's decode CUDA graphs (``draft_model_``, one token per request,
   ``PyWrappedModel.h:305-331``): the target decode graph's static metadata, RTP's static ``input_hiddens``
-  buffer (``cuda_graph_runner.cc:193-229, 1075-1082``), and a static buffer for ``y`` per graph. The draft-prefill
-  graph (``sp_prefill_draft_model_``) is refused at its capture.
+  buffer (``cuda_graph_runner.cc:193-229, 1075-1082``), and a static buffer for ``y`` per graph.
+- :class:`DraftPrefillGraphStep`: the draft-prefill CUDA graphs (``sp_prefill_draft_model_``, built whenever
+  ``ENABLE_CUDA_GRAPH=1``: ``MtpExecutor.cc:734-744``; keyed by the total token count ``i * (k+1)``,
+  ``cuda_graph_prefill.cc:100-114``) that run the draft extend after every verify step: the accepted tokens of each
+  request packed, a count that varies per request inside one replay. Every token row's request, position and
+  cache slot is a static buffer rebuilt by ``prepare_cuda_graph`` from RTP's refilled host lengths and tables; the
+  rows past the live tokens are padding that writes nothing.
+- Tensor / expert parallel: RTP builds the draft with the target's ``parallelism_config``
+  (``model_factory.py:183-186``). The MTP layer is sharded as the target's layers (``compiler.compile_mtp`` with
+  the rank's Mapping: its heads, its experts by EP, its head's vocabulary rows) and filled from the rank's slices
+  (``runtime.shard_loader``); the draft publishes that vocabulary shard as ``lm_head``, which RTP's C++ multiplies
+  and all-gathers as the target's (``PyWrappedModel.cc:915-935, 1051-1053``). Where RTP aliases the target's
+  global weights (:meth:`Fxglm5Glm5Mtp.speculative_weight_alias_names`, ``model_factory.py:173-218``) the draft's
+  graph runs on the target's embedding and lm_head shard, which it neither reads nor holds twice.
 """
 
 from __future__ import annotations
@@ -36,12 +48,15 @@ from fxglm5.errors import ConfigError, InputError
 from fxglm5.model.config import Glm5Config
 from fxglm5.rtpllm.config import compute_dtype, fill_model_config, fp8_kv_cache, no_weight_info_cls, rtp_symbol
 from fxglm5.rtpllm.context import StepMetadata, _context, _host, _tables, bind_caches, scratch_step, step_prologue
-from fxglm5.rtpllm.parallel import rtp_mapping
+from fxglm5.rtpllm.parallel import join_rtp_tp_group, loaded_everywhere, rtp_mapping
 from fxglm5.runtime.decode_graphs import request_rows
 from rtp_llm.models.base_model import BaseModel
 from rtp_llm.models_py.model_desc.module_base import GptModelBase
 
 MTP_NAME, MTP_ALIAS = "glm_5-mtp", "fxglm5_glm5_mtp"  # RTP's pattern: deepseek-v3-mtp, qwen_3_moe-mtp
+# RTP's global weight names the draft publishes -> the MTP graph's attributes that hold them
+GRAPH_WEIGHTS = {"lm_head": "mtp.head.weight", "embedding": "mtp.embed_tokens.weight",
+                 "final_layernorm.gamma": "mtp.shared_head_norm.weight"}
 
 
 class VerifyStepMetadata(StepMetadata):
@@ -113,6 +128,67 @@ class DraftDecodeGraphStep(StepMetadata):
         self.model.mtp_hidden = self.mtp_hidden
 
 
+class DraftPrefillGraphStep(StepMetadata):
+    """The static step inputs of one draft-prefill CUDA graph (RTP's ``sp_prefill_draft_model_``), captured for a
+    total of ``tokens`` token rows (a multiple of k+1) over RTP's ``max_bs`` request rows.
+
+    RTP replays it for the draft extend after a verify step: each request's accepted tokens (1..k+1 of them, a
+    count that varies per request and per step) packed behind its verify prefix, the total rounded up to the next
+    captured count (``cuda_graph_runner.cc:717-737``); it copies the live ``input_lengths`` / ``prefix_lengths`` /
+    tables into the graph's static inputs, zeroes the padding requests' lengths but not their host table rows
+    (``:351-373, 505-517, 588-612``) and then calls :meth:`prepare_cuda_graph`. So nothing about a token row is
+    fixed at capture but its index: the rows' request ids, positions and cache slots are static device buffers
+    rebuilt here from the host lengths and tables. Request b's tokens are rows ``sum(input_lengths[:b])`` .. of the
+    packed input; a request is live where its input length is positive and its table starts with a real block
+    (padding requests and the capture's all-zero tables are not); every other row (past the live tokens, or a
+    request that is not live) is padding: position 0, slot -1 (written nowhere), request 0. Every row's hidden
+    state is returned (RTP selects the rows it samples, ``lm_output_indexes``), and the pre-norm ``y`` goes to
+    this graph's static buffer, which :meth:`prepare_cuda_graph` makes the model's ``get_mtp_target_hidden_states``
+    (RTP reads it right after the replay: ``runDraftPrefillForward``, ``MtpExecutor.cc:1960-1970``)."""
+
+    static, caches = True, None
+
+    def __init__(self, attn, layout, device, model: "Fxglm5MtpPyModel", tokens: int):
+        if tokens < 1:
+            raise InputError(f"input_ids: a draft-prefill graph of {tokens} token rows")
+        self.layout, self.device, self.model, self.tokens = layout, device, model, tokens
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.req_idx = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.logits_indices = torch.arange(tokens, device=device)
+        self.block_table = attn.kv_cache_kernel_block_id_device  # RTP's static buffer: its address is fixed
+        self.mtp_hidden = torch.zeros(tokens, model.glm5_config.hidden_size, dtype=model.dtype, device=device)
+        self.prepare_cuda_graph(attn)
+
+    def prepare_cuda_graph(self, attn) -> None:
+        """Each live request's tokens at their packed rows (validated as an eager prefill's); padding elsewhere."""
+        if self.layout is None:
+            raise InputError("CUDA-graph draft prefill before initialize() was given RTP's KV cache")
+        lengths = _host(attn, "input_lengths")
+        if lengths is None or lengths.dim() != 1:
+            raise InputError("input_lengths: unset in a draft-prefill graph step")
+        lengths = lengths.long()
+        if int(lengths.min()) < 0 or int(lengths.sum()) > self.tokens:
+            raise InputError(f"input_lengths: {lengths.tolist()} pack {int(lengths.sum())} tokens; this draft-prefill "
+                             f"graph was captured for {self.tokens}")
+        kernel = _tables(attn, self.layout)[1]
+        first = kernel[:, 0] if kernel.shape[1] else torch.zeros_like(lengths)
+        live = torch.nonzero((lengths > 0) & (first != 0)).flatten()
+        positions = torch.zeros(self.tokens, dtype=torch.int64)
+        slots = torch.full((self.tokens,), -1, dtype=torch.int64)
+        requests = torch.zeros(self.tokens, dtype=torch.int64)
+        if live.numel():
+            ctx = _context(attn, live, self.layout)
+            offsets = torch.cumsum(lengths, 0) - lengths
+            rows = torch.cat([torch.arange(int(offsets[b]), int(offsets[b] + lengths[b])) for b in live])
+            positions[rows], slots[rows] = ctx.positions.cpu().long(), ctx.slot_mapping.cpu().long()
+            requests[rows] = live.repeat_interleave(lengths[live])
+        self.positions.copy_(positions)
+        self.slot_mapping.copy_(slots)
+        self.req_idx.copy_(requests)
+        self.model.mtp_hidden = self.mtp_hidden
+
+
 def mtp_model_config(ckpt_path) -> Glm5Config:
     """The checkpoint's config as the draft model sees it (one MoE layer with its indexer); ConfigError for a
     checkpoint without an MTP layer."""
@@ -131,12 +207,17 @@ class Fxglm5MtpPyModel(GptModelBase):
 
     def __init__(self, config, parallelism_config, weight, max_generate_batch_size, fmha_config=None,
                  py_hw_kernel_config=None, device_resource_config=None, *, model, program, kv_cache: str = "bf16"):
+        """``model``: the (meta) Glm5MtpDraft ``program`` was compiled from; the weights are the program's."""
         super().__init__(config, parallelism_config, weight, max_generate_batch_size, fmha_config, py_hw_kernel_config,
                          device_resource_config)
+        from fxglm5.model.layers import RMSNorm
+
         self.glm5_config: Glm5Config = model.config
         self.dtype, self.program = model.dtype, program
-        self.shared_head_norm = model.mtp.shared_head_norm
-        self.device = next(model.mtp.parameters()).device
+        gamma = graph_weight(program.graph, GRAPH_WEIGHTS["final_layernorm.gamma"])
+        self.device = gamma.device
+        self.shared_head_norm = RMSNorm(gamma.shape[0], model.config.rms_norm_eps, gamma.dtype, "meta")
+        self.shared_head_norm.weight = torch.nn.Parameter(gamma, requires_grad=False)
         self.cache_spec = program.cache_spec(kv_cache, "fp8", self.dtype)  # RTP's layout, as the target's
         self.caches, self.layout, self.mtp_hidden = None, None, None
 
@@ -148,12 +229,13 @@ class Fxglm5MtpPyModel(GptModelBase):
 
     def prepare_fmha_impl(self, inputs, is_cuda_graph: bool = False) -> StepMetadata:
         if is_cuda_graph:
-            if bool(inputs.attention_inputs.is_prefill):
-                raise InputError(f"{MTP_NAME}: RTP's draft-prefill CUDA graph (sp_prefill_draft_model_: each "
-                                 "request's accepted tokens behind its prefix, a variable count per request) is not "
-                                 "supported, only the draft's decode graphs are; RTP captures both with "
-                                 "ENABLE_CUDA_GRAPH=1, so serve the MTP draft with ENABLE_CUDA_GRAPH=0")
-            return DraftDecodeGraphStep(inputs.attention_inputs, self.layout, self.device, self)
+            attn = inputs.attention_inputs
+            if bool(attn.is_prefill):  # sp_prefill_draft_model_: a draft is never target-verify
+                if bool(getattr(attn, "is_target_verify", False)):
+                    raise InputError(f"attention_inputs: {MTP_NAME} is a draft model; RTP builds target-verify graphs "
+                                     "for the target only")
+                return DraftPrefillGraphStep(attn, self.layout, self.device, self, int(inputs.input_ids.shape[0]))
+            return DraftDecodeGraphStep(attn, self.layout, self.device, self)
         return StepMetadata(inputs.attention_inputs, self.layout, self.device, scratch=lambda a: scratch_step(
             a, self.cache_spec, self.device, self.glm5_config.max_position_embeddings))
 
@@ -176,8 +258,8 @@ class Fxglm5MtpPyModel(GptModelBase):
 
     def get_mtp_target_hidden_states(self, num_tokens: int):
         """The last step's pre-norm MTP outputs ``y`` (its first ``num_tokens`` rows; all for a negative count; a
-        graph step's: its static buffer's, padding rows included): what a chained draft step takes as the hidden
-        state of the position before it."""
+        graph step's: the replayed graph's static buffer, padding rows included): what a chained draft step takes as
+        the hidden state of the position before it."""
         if self.mtp_hidden is None:
             return None
         n = self.mtp_hidden.shape[0] if num_tokens < 0 else int(num_tokens)
@@ -203,35 +285,57 @@ class Fxglm5Glm5Mtp(BaseModel):
     def get_weight_cls():
         return no_weight_info_cls()
 
+    @classmethod
+    def speculative_weight_alias_names(cls, target_model, draft_model_config) -> tuple[str, ...]:
+        """RTP's opt-in to global weights a draft borrows from its target (``BaseModel.speculative_weight_alias_names``,
+        ``models/base_model.py:276-287``; ``get_sp_model`` hands the draft ``weight_alias_owner = target`` and then
+        requires each name's tensor to be the owner's own, ``model_factory.py:173-218``): ``embedding`` and, unless
+        the MTP layer has a head of its own, ``lm_head``, from an fxglm5 GLM-5 target serving the same checkpoint
+        directory in the same compute dtype. Those are then the tensors the draft would read: the embedding whole, and
+        at every tp the same vocabulary rows of ``lm_head.weight`` (the target's published shard
+        ``[V/tp * r, V/tp * (r+1))`` is the draft head's part at rank r). Any other target: none (the draft reads
+        its own)."""
+        from fxglm5.model.checkpoint import CheckpointReader
+        from fxglm5.rtpllm.glm5 import Fxglm5Glm5
+
+        target_config = getattr(target_model, "model_config", None)
+        if not isinstance(target_model, Fxglm5Glm5) or target_config is None:
+            return ()
+        same = Path(target_config.ckpt_path).resolve() == Path(draft_model_config.ckpt_path).resolve()
+        if not same or compute_dtype(target_config) != compute_dtype(draft_model_config):
+            return ()
+        layout = CheckpointReader(draft_model_config.ckpt_path, mtp_only=True).mtp_layout
+        return ("embedding",) if layout.own_head else ("embedding", "lm_head")
+
     def support_cuda_graph(self) -> bool:
         """As the target's (``Fxglm5Glm5.support_cuda_graph``): block-FP8 checkpoints only, the bf16 MoE syncs with
-        the host. The graphs are the draft decode graphs; the draft-prefill graph is refused at its capture
-        (``Fxglm5MtpPyModel.prepare_fmha_impl``)."""
+        the host. The graphs are the draft decode graphs and the draft-prefill graphs."""
         return Glm5Config.from_json(Path(self.model_config.ckpt_path) / "config.json").is_fp8
 
     def load(self, skip_python_model: bool = False):
-        from fxglm5.compiler import MAX_STEP_TOKENS, compile_mtp
-        from fxglm5.model.modeling import Glm5MtpDraft
-
         model_config = self.model_config
         cfg = mtp_model_config(model_config.ckpt_path)
-        if rtp_mapping(getattr(self, "parallelism_config", None), cfg).tp != 1:
-            raise ConfigError(f"{MTP_NAME}: the MTP graph is compiled for one rank only (tp_size=1)")
+        # every check reads only the config, the same on every rank: all ranks refuse before any collective
+        self.mapping = rtp_mapping(getattr(self, "parallelism_config", None), cfg)
         if getattr(getattr(self, "hw_kernel_config", None), "enable_cuda_graph", False) and not self.support_cuda_graph():
             raise ConfigError(f"ENABLE_CUDA_GRAPH=1: {model_config.ckpt_path} is not block-FP8; the bf16 MTP layer's "
                               f"MoE syncs with the host, so the {MTP_NAME} draft cannot be captured (ENABLE_CUDA_GRAPH=0)")
+        if self.mapping.tp > 1 and cfg.vocab_size % self.mapping.tp:
+            raise InputError(f"vocab_size = {cfg.vocab_size} is not divisible by tp={self.mapping.tp}: RTP-LLM "
+                             "all-gathers the draft's logits as equal vocabulary shards")
         dtype = compute_dtype(model_config)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        # the MTP layer, the embedding and the lm_head only: the decoder stack is the target's (not read twice)
-        self.glm5 = Glm5MtpDraft.from_pretrained(model_config.ckpt_path, dtype=dtype, device=device, progress=False)
-        self.program = compile_mtp(self.glm5, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS),
-                                   device=device, inputs_validated=True).program
-        mtp = self.glm5.mtp
+        if self.mapping.tp > 1:
+            join_rtp_tp_group(self.mapping)
+        owner = getattr(self, "_weight_alias_owner", None)
+        aliases = {name: owner.weight.get_global_weight(name) for name in getattr(self, "_weight_alias_names", ())}
+        self.program, self.glm5, self.load_report = load_draft_rank(model_config.ckpt_path, self.mapping, dtype, device,
+                                                                    aliases)
         weights = rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelWeights",
-                                   "rtp_llm.utils.model_weight:ModelWeights")(1, device, dtype)
-        weights.set_global_weight("lm_head", mtp.head.weight)  # RTP's lm_head turns the draft's rows into logits
-        weights.set_global_weight("embedding", mtp.embed_tokens.weight)
-        weights.set_global_weight("final_layernorm.gamma", mtp.shared_head_norm.weight)
+                             "rtp_llm.utils.model_weight:ModelWeights")(1, device, dtype)
+        for name, target in GRAPH_WEIGHTS.items():  # lm_head: at tp > 1 the rank's vocabulary rows, RTP gathers them
+            weights.set_global_weight(name, aliases[name] if name in aliases else graph_weight(self.program.graph,
+                                                                                                target))
         self.weight, self.weight_manager, self.py_eplb, self.model_weights_loader = weights, None, None, None
         if not skip_python_model:
             self.py_model = Fxglm5MtpPyModel(
@@ -239,6 +343,50 @@ class Fxglm5Glm5Mtp(BaseModel):
                 getattr(self, "max_generate_batch_size", 1), fmha_config=getattr(self, "fmha_config", None),
                 py_hw_kernel_config=getattr(self, "hw_kernel_config", None), model=self.glm5, program=self.program,
                 kv_cache="fp8" if fp8_kv_cache(model_config) else "bf16")
+
+
+def load_draft_rank(ckpt_path, mapping, dtype: torch.dtype, device, aliases: dict):
+    """This rank's compiled MTP program, filled with its slices: ``(program, meta Glm5MtpDraft, LoadReport)``.
+
+    The draft reads the MTP layer and the model tensors it shares only (``CheckpointReader(mtp_only=True)``), is
+    compiled on the meta device with the rank's Mapping (``compile_mtp``; at tp 1 nothing is sharded) and filled by
+    ``shard_loader`` (at tp > 1 after the ranks agree on the plan, and with every rank's outcome exchanged, as the
+    target's ``load_rtp_rank``). ``aliases``: RTP global weight name -> the target's tensor, which the graph takes
+    instead of reading it (:meth:`Fxglm5Glm5Mtp.speculative_weight_alias_names`)."""
+    from fxglm5.compiler import MAX_STEP_TOKENS, compile_mtp
+    from fxglm5.model.checkpoint import CheckpointReader
+    from fxglm5.model.modeling import Glm5MtpDraft
+    from fxglm5.runtime.shard_loader import load_rank, load_sharded
+
+    reader = CheckpointReader(ckpt_path, mtp_only=True)
+    cfg = reader.config
+    model = Glm5MtpDraft(cfg, dtype, "meta", reader.mtp_layout)
+    compiled = compile_mtp(model, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS), device=device,
+                           mapping=mapping, inputs_validated=True)
+    given = {GRAPH_WEIGHTS[name]: tensor for name, tensor in aliases.items()}
+    failure = report = None
+    try:
+        if mapping.tp > 1:
+            report = load_rank(compiled.graph, mapping, reader, model, device, given)
+        else:
+            report = load_sharded(compiled.graph, reader, model, device, given)
+    except Exception as err:  # noqa: BLE001 - raised again below, on this rank and (named) on every other
+        failure = err
+    if mapping.tp > 1:
+        loaded_everywhere(failure, mapping)
+    elif failure is not None:
+        raise failure
+    return compiled.program, model, report
+
+
+def graph_weight(graph, target: str) -> torch.Tensor:
+    """The compiled MTP graph's attribute ``target`` (a weight RTP is given: the head, the embedding, the norm)."""
+    owner = graph
+    for part in target.split("."):
+        owner = getattr(owner, part, None)
+    if not torch.is_tensor(owner):
+        raise ConfigError(f"compiled MTP graph: no attribute {target!r} to publish to RTP")
+    return owner
 
 
 def register(factory) -> None:

@@ -88,8 +88,16 @@ def test_the_draft_takes_the_target_hidden_states_and_refuses_what_it_cannot_ser
                                          r"input token, expected \(3, 256\), got \(2, 64\)"):
         draft.forward(PyModelInputs(input_ids=inputs.input_ids, input_hiddens=torch.zeros(2, 64),
                                     attention_inputs=inputs.attention_inputs))
-    with pytest.raises(InputError, match=r"glm_5-mtp: RTP's draft-prefill CUDA graph \(sp_prefill_draft_model_"):
-        draft.prepare_fmha_impl(inputs, True)  # what sp_prefill_draft_model_'s capture calls
+    verify = t._prefill_inputs([[1, 2, 3]], [0], [[1]])
+    verify.attention_inputs.is_target_verify = True
+    with pytest.raises(InputError, match=r"glm_5-mtp is a draft model; RTP builds target-verify graphs for the target "
+                                         r"only"):
+        draft.prepare_fmha_impl(verify, True)
+    step = draft.prepare_fmha_impl(inputs, True)  # what sp_prefill_draft_model_'s capture calls: a 3-row graph
+    inputs.attention_inputs.input_lengths[0] = 4
+    with pytest.raises(InputError, match=r"input_lengths: \[4\] pack 4 tokens; this draft-prefill graph was captured "
+                                         r"for 3"):
+        step.prepare_cuda_graph(inputs.attention_inputs)
     no_mtp = make_tiny_checkpoint(tmp_path / "no-mtp", fp8=False, config=RTP_TINY.replace(num_nextn_predict_layers=0))
     with pytest.raises(ConfigError, match=r"num_nextn_predict_layers=0; the checkpoint has no MTP layer to serve as "
                                           r"RTP's draft model 'glm_5-mtp'"):

@@ -23,14 +23,24 @@ Written from rtp-llm 4b8d39cd5 (``cpp/normal_engine/speculative/MtpExecutor.cc``
   prefix of each request's accepted tokens (the target's samples at its rows 0..a) with the target's hidden
   rows 0..a, its last row giving the next d1.
 With CUDA graphs (the target's ``enable_cuda_graph``): the target's verify steps replay from its target-verify
-graphs, and the draft chain's decode steps from the draft's decode graphs (``draft_model_``, a
-``PyWrappedModel`` of the draft with ``num_tokens_per_bs`` 1, ``MtpExecutor.cc:716-731``,
-``PyWrappedModel.h:305-331``), at the target's capture sizes; the draft's prefill and extend steps stay eager.
-RTP also builds ``sp_prefill_draft_model_`` then (lines 732-744), whose prefill-graph capture the plugin draft
-refuses: the stand-in does not build it (so its graph mode runs what real RTP cannot start yet).
+graphs, the draft chain's decode steps from the draft's decode graphs (``draft_model_``, a ``PyWrappedModel`` of
+the draft with ``num_tokens_per_bs`` 1, ``MtpExecutor.cc:716-731``, ``PyWrappedModel.h:305-331``), at the target's
+capture sizes, and the draft extend after each verify from the draft-prefill graphs (``sp_prefill_draft_model_``,
+``MtpExecutor.cc:732-744``, used by ``runDraftPrefillForward``, lines 1960-1970: ``standin_graph.
+DraftPrefillGraphRunner``); the draft prefill after the target's prefill stays eager (``draft_model_``, whose
+decode graphs do not run a prefill: ``prefillStep``, lines 945-951). Each wrapper is a ``PyWrappedModel``:
+``initialize`` once, and with graphs once more before its capture (``PyWrappedModel.h:237-241, 366-376``).
 A draft model's ``get_mtp_target_hidden_states(rows)``, where it has one, replaces its returned rows as the hidden
 state carried to the next draft step (``maybeOverrideLastHiddenWithMtpBuffer``, ``MtpExecutor.cc:241-254``;
 ``PyWrappedModel.cc:111-121``).
+
+Ranks: the draft gets the target's ``parallelism_config`` (``model_factory.py:183-186``); its logits are each
+rank's lm_head shard's, all-gathered along the vocabulary as the target's (``Engine._tp_sync_logits``);
+:func:`mtp_generate_on_rank` runs an MtpEngine on each rank of ``standin_engine.multi_rank_start``.
+Shared weights (``get_sp_model``, ``model_factory.py:173-218``): the draft class's
+``speculative_weight_alias_names(target, draft_config)`` names the target's global weights it borrows; the draft is
+built with ``weight_alias_owner`` = the target and those names, and each name's tensor must then be the owner's
+own (RuntimeError otherwise, as RTP's identity check).
 """
 
 import torch
@@ -39,8 +49,8 @@ from rtp_llm.model_factory_register import ensure_model_registered
 from rtp_llm.models_py.model_desc.module_base import GptModelBase
 from rtp_llm.ops.compute_ops import init_resources
 from rtp_llm.standin_cache import allocate_kv_cache
-from rtp_llm.standin_engine import Engine, _Request
-from rtp_llm.standin_graph import CudaGraphRunner
+from rtp_llm.standin_engine import Engine, _Request, rank_parallelism_config
+from rtp_llm.standin_graph import CudaGraphRunner, DraftPrefillGraphRunner
 
 
 def verify_step(target, reqs, cached, drafts, *, graphs=True):
@@ -62,11 +72,17 @@ def verify_step(target, reqs, cached, drafts, *, graphs=True):
 
 class MtpEngine:
     """A target :class:`Engine` and its draft model. For tests: ``verify_steps``, ``drafted``, ``accepted`` (drafts
-    the target kept), ``proposals``: (the request's tokens so far, the drafts verified after them) per request and
-    verify step; ``draft_graph`` (the draft's decode graphs, None when eager) and ``draft_graph_replays``."""
+    the target kept), ``proposals``: (the request's tokens so far, the draft model's proposals after them) per
+    request and verify step; ``draft_graph`` (the draft's decode graphs, None when eager) and
+    ``draft_graph_replays``; ``draft_prefill_graph`` (its draft-prefill graphs) and ``draft_prefill_replays``;
+    ``extend_lengths``: each draft extend's ``input_lengths``; ``alias_names``: the weights the draft borrowed.
+
+    ``forced_drafts`` (tests only; RTP has no such thing): prompt (a tuple) -> a continuation; a request with one
+    verifies ``continuation[done:done + k]`` in place of the draft model's proposals (which are still computed and
+    recorded), so that the accepted counts, and the extend's per-request lengths, vary as the test chooses."""
 
     def __init__(self, ckpt_path, *, sp_model_type, sp_checkpoint_path=None, sp_type="mtp", gen_num_per_cycle=1,
-                 **engine_kwargs):
+                 forced_drafts=None, **engine_kwargs):
         if sp_type != "mtp":
             raise ValueError(f"Speculative engine only supports MTP, EAGLE and DSpARK, but got {sp_type}")
         if not sp_checkpoint_path:
@@ -82,8 +98,16 @@ class MtpEngine:
         config.attn_config.kv_cache_dtype = t.config.attn_config.kv_cache_dtype
         config.attn_config.tokens_per_block = t.block_size
         self.draft_config = config
+        # get_sp_model (model_factory.py:173-218): the draft class's alias names, the target as their owner
+        self.alias_names = tuple(cls.speculative_weight_alias_names(t.model, config))
         self.draft = cls.from_config(config, t.parallelism_config, t.hw_kernel_config, None, None, None, None,
-                                     t.max_generate_batch_size, None, False, None)
+                                     t.max_generate_batch_size, None, False, None,
+                                     weight_alias_owner=t.model if self.alias_names else None,
+                                     weight_alias_names=self.alias_names)
+        for name in self.alias_names:
+            owner, alias = t.model.weight.get_global_weight(name), self.draft.weight.get_global_weight(name)
+            if alias is not owner or alias.data_ptr() != owner.data_ptr():
+                raise RuntimeError(f"speculative global weight alias {name!r} did not preserve storage identity")
         self.py_draft = self.draft.py_model
         if not isinstance(self.py_draft, GptModelBase):
             raise TypeError(f"draft model.py_model must be a GptModelBase, got {type(self.py_draft).__name__}")
@@ -91,28 +115,42 @@ class MtpEngine:
         self._draft_lm_head_fp32 = self.draft_lm_head.float()  # held from the load on, as the target's (Engine)
         kbs = t.kernel_block_size if t.kernel_block_size != t.block_size else 0
         self.draft_cache, _ = allocate_kv_cache(config, t.num_blocks, t.block_size, kbs, t.device)
+        self._initialize_draft()  # draft_model_'s PyWrappedModel
+        self.draft_graph = self.draft_prefill_graph = None
+        if t.hw_kernel_config.enable_cuda_graph:
+            graph = dict(max_bs=t.max_generate_batch_size, max_seq_len=t.max_seq_len, block_size=t.block_size,
+                         kernel_block_size=t.kernel_block_size, hidden_size=config.hidden_size, dtype=t.dtype,
+                         device=t.device)
+            self._initialize_draft()
+            self.draft_graph = CudaGraphRunner(self.py_draft, capture_sizes=t.hw_kernel_config.decode_capture_batch_sizes,
+                                               **graph)
+            self.draft_graph.capture()
+            self._initialize_draft()  # sp_prefill_draft_model_: another PyWrappedModel of the same Python model
+            self._initialize_draft()
+            self.draft_prefill_graph = DraftPrefillGraphRunner(self.py_draft, num_tokens_per_bs=self.k + 1, **graph)
+            self.draft_prefill_graph.capture()
+        self.forced_drafts = {tuple(p): list(c) for p, c in (forced_drafts or {}).items()}
+        self.verify_steps = self.drafted = self.accepted = self.draft_graph_replays = self.draft_prefill_replays = 0
+        self.proposals, self.extend_lengths = [], []
+
+    def _initialize_draft(self):
         if self.py_draft.initialize(init_resources(self.draft_cache)) is not True:
             raise RuntimeError("draft py_model.initialize() did not return True")
-        self.draft_graph = None
-        if t.hw_kernel_config.enable_cuda_graph:
-            self.draft_graph = CudaGraphRunner(
-                self.py_draft, max_bs=t.max_generate_batch_size, capture_sizes=t.hw_kernel_config.decode_capture_batch_sizes,
-                max_seq_len=t.max_seq_len, block_size=t.block_size, kernel_block_size=t.kernel_block_size,
-                hidden_size=config.hidden_size, dtype=t.dtype, device=t.device)
-            self.draft_graph.capture()
-        self.verify_steps = self.drafted = self.accepted = self.draft_graph_replays = 0
-        self.proposals = []
 
     # --- the draft model ---------------------------------------------------------------------------------
-    def _draft(self, inputs, hidden):
+    def _draft(self, inputs, hidden, extend=False):
         """The draft's returned rows (its lm_head makes their logits) and the hidden rows carried to the next draft
-        step."""
+        step. ``extend``: the draft extend after a verify step (``runDraftPrefillForward``: sp_prefill_draft_model_
+        where graphs are on)."""
         inputs.input_hiddens = hidden
         rows = inputs.input_ids.shape[0]
         a = inputs.attention_inputs
         if self.draft_graph is not None and not a.is_prefill and self.draft_graph.can_run(rows):
             out = self.target._check_hidden(self.draft_graph.forward(inputs), rows)
             self.draft_graph_replays += 1
+        elif extend and self.draft_prefill_graph is not None and self.draft_prefill_graph.can_run(inputs):
+            out = self.target._check_hidden(self.draft_prefill_graph.forward(inputs), rows)
+            self.draft_prefill_replays += 1
         else:
             impl = self.py_draft.prepare_fmha_impl(inputs, False)
             out = self.target._check_hidden(self.py_draft.forward(inputs, impl).hidden_states, rows)
@@ -124,7 +162,9 @@ class MtpEngine:
         return out, carried
 
     def _draft_tokens(self, rows):
-        return (rows.float() @ self._draft_lm_head_fp32.t()).argmax(dim=-1).tolist()
+        """The draft's post-layers: fp32 logits from its lm_head (at tp > 1 the rank's vocabulary shard, gathered as
+        the target's), argmax."""
+        return self.target._tp_sync_logits(rows.float() @ self._draft_lm_head_fp32.t()).argmax(dim=-1).tolist()
 
     # --- steps ---------------------------------------------------------------------------------------
     def _prefill(self, reqs):
@@ -159,10 +199,18 @@ class MtpEngine:
         t, q = self.target, self.k + 1
         rows = torch.tensor([b * q + j for b, e in enumerate(emitted) for j in range(len(e))])
         inputs = t._prefill_inputs(emitted, cached, [r.blocks for r in reqs])
-        out, carried = self._draft(inputs, hidden[rows.to(hidden.device)])
+        self.extend_lengths.append([len(e) for e in emitted])
+        out, carried = self._draft(inputs, hidden[rows.to(hidden.device)], extend=True)
         last = (inputs.attention_inputs.cu_seqlens[1:] - 1).long()
         for r, d, h in zip(reqs, self._draft_tokens(out[last]), carried[last]):
             r.next_draft, r.draft_hidden = d, h
+
+    def _forced(self, req, drafts):
+        script = self.forced_drafts.get(tuple(req.prompt))
+        if script is None:
+            return drafts
+        done = len(req.tokens) - len(req.prompt)
+        return (script[done:done + self.k] + [0] * self.k)[:self.k]
 
     def generate(self, prompts, max_new_tokens):
         """Greedy speculative decoding of every prompt; the new tokens of each."""
@@ -185,6 +233,7 @@ class MtpEngine:
                     t._grow(r, c + self.k + 1)
                 drafts = self._chain(live, cached) if self.k > 1 else [[r.next_draft] for r in live]
                 self.proposals.extend((list(r.tokens), d) for r, d in zip(live, drafts))
+                drafts = [self._forced(r, d) for r, d in zip(live, drafts)]
                 hidden, scored = verify_step(t, live, cached, drafts)
                 self.verify_steps += 1
                 emitted = []
@@ -200,3 +249,28 @@ class MtpEngine:
                 t.block_manager.release(r.blocks, [])
         return [r.tokens[len(r.prompt):] for r in reqs]
 
+
+
+def mtp_generate_on_rank(world_rank, tp_size, dp_size, ckpt_path, runs):
+    """One rank (``standin_engine.multi_rank_start``) of each run in turn: ``dict(engine={Engine kwargs}, sp={MtpEngine
+    kwargs}, prompts=[...], new=n)`` (no ``sp``: plain decoding); per run the tokens and, speculative, what the
+    draft did (``proposals``, the graphs' keys and replays, the extend lengths, the lm_head shard, the aliases)."""
+    out = []
+    for run in runs:
+        pc = rank_parallelism_config(world_rank, tp_size, dp_size, run.get("ep_size", 0))
+        if "sp" not in run:
+            engine = Engine(ckpt_path, parallelism_config=pc, **run["engine"])
+            out.append(dict(tokens=engine.generate(run["prompts"], run["new"])))
+            continue
+        mtp = MtpEngine(ckpt_path, parallelism_config=pc, **run["sp"], **run["engine"])
+        tokens = mtp.generate(run["prompts"], run["new"])
+        graphs = {name: None if g is None else dict(captured=g.captured_sizes, replays=g.replays_by_size)
+                  for name, g in (("verify", mtp.target.graph_runner), ("decode", mtp.draft_graph),
+                                  ("prefill", mtp.draft_prefill_graph))}
+        out.append(dict(tokens=tokens, proposals=mtp.proposals, accepted=mtp.accepted, graphs=graphs,
+                        extend_lengths=mtp.extend_lengths, draft_replays=mtp.draft_graph_replays,
+                        prefill_replays=mtp.draft_prefill_replays, verify_steps=mtp.verify_steps,
+                        lm_head=mtp.draft_lm_head.detach().clone(), alias_names=mtp.alias_names,
+                        prefill_batches=None if mtp.draft_prefill_graph is None else
+                        mtp.draft_prefill_graph.replayed_batches))
+    return out

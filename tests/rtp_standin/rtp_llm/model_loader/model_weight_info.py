@@ -18,6 +18,9 @@ class ModelWeights:
     def set_global_weight(self, name, tensor):
         self.global_weights[name] = tensor
 
+    def get_global_weight(self, name):  # model_weight_info.py:859 (what get_sp_model's alias check reads)
+        return self.global_weights[name]
+
     def set_layer_weight(self, layer, name, tensor):
         self.weights[layer][name] = tensor
 
