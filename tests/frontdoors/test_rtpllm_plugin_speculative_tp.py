@@ -125,9 +125,15 @@ def test_without_rebuilt_rows_the_draft_prefill_graph_proposes_otherwise(rtp, ck
 
     plain, (eager, _), _, kw = tp1
     original = DraftPrefillGraphStep.prepare_cuda_graph
-    monkeypatch.setattr(DraftPrefillGraphStep, "prepare_cuda_graph",
-                        lambda self, attn: setattr(self.model, "mtp_hidden", self.mtp_hidden)
-                        if getattr(self, "prepared", False) else (original(self, attn), setattr(self, "prepared", True)))
+
+    def capture_rows_only(self, attn):  # the rows of the step's capture, kept through every replay
+        if getattr(self, "prepared", False):
+            self.model.mtp_hidden = self.mtp_hidden
+        else:
+            original(self, attn)
+            self.prepared = True
+
+    monkeypatch.setattr(DraftPrefillGraphStep, "prepare_cuda_graph", capture_rows_only)
     stale = spec.MtpEngine(ckpt, **GRAPHS, **kw)
     assert stale.generate(prompts, NEW) == plain
     assert stale.draft_prefill_replays > 0 and stale.proposals != eager.proposals

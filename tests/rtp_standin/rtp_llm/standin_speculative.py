@@ -122,8 +122,8 @@ class MtpEngine:
                          kernel_block_size=t.kernel_block_size, hidden_size=config.hidden_size, dtype=t.dtype,
                          device=t.device)
             self._initialize_draft()
-            self.draft_graph = CudaGraphRunner(self.py_draft, capture_sizes=t.hw_kernel_config.decode_capture_batch_sizes,
-                                               **graph)
+            sizes = t.hw_kernel_config.decode_capture_batch_sizes
+            self.draft_graph = CudaGraphRunner(self.py_draft, capture_sizes=sizes, **graph)
             self.draft_graph.capture()
             self._initialize_draft()  # sp_prefill_draft_model_: another PyWrappedModel of the same Python model
             self._initialize_draft()
@@ -270,7 +270,7 @@ def mtp_generate_on_rank(world_rank, tp_size, dp_size, ckpt_path, runs):
         out.append(dict(tokens=tokens, proposals=mtp.proposals, accepted=mtp.accepted, graphs=graphs,
                         extend_lengths=mtp.extend_lengths, draft_replays=mtp.draft_graph_replays,
                         prefill_replays=mtp.draft_prefill_replays, verify_steps=mtp.verify_steps,
-                        lm_head=mtp.draft_lm_head.detach().clone(), alias_names=mtp.alias_names,
+                        lm_head=mtp.draft_lm_head.detach().cpu(), alias_names=mtp.alias_names,
                         prefill_batches=None if mtp.draft_prefill_graph is None else
                         mtp.draft_prefill_graph.replayed_batches))
     return out
