@@ -98,12 +98,13 @@ class MtpEngine:
         config.attn_config.kv_cache_dtype = t.config.attn_config.kv_cache_dtype
         config.attn_config.tokens_per_block = t.block_size
         self.draft_config = config
-        # get_sp_model (model_factory.py:173-218): the draft class's alias names, the target as their owner
-        self.alias_names = tuple(cls.speculative_weight_alias_names(t.model, config))
+        # get_sp_model (model_factory.py:173-218): the draft class's alias names, the target as their owner (a draft
+        # the server launch loaded already, model_factory._LoadedDraft, has none to ask)
+        names = getattr(cls, "speculative_weight_alias_names", None)
+        self.alias_names = tuple(names(t.model, config)) if names is not None else ()
+        alias = dict(weight_alias_owner=t.model, weight_alias_names=self.alias_names) if self.alias_names else {}
         self.draft = cls.from_config(config, t.parallelism_config, t.hw_kernel_config, None, None, None, None,
-                                     t.max_generate_batch_size, None, False, None,
-                                     weight_alias_owner=t.model if self.alias_names else None,
-                                     weight_alias_names=self.alias_names)
+                                     t.max_generate_batch_size, None, False, None, **alias)
         for name in self.alias_names:
             owner, alias = t.model.weight.get_global_weight(name), self.draft.weight.get_global_weight(name)
             if alias is not owner or alias.data_ptr() != owner.data_ptr():
