@@ -188,7 +188,7 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     # text ends at the checkpoint's EOS ids (a verify step emits several tokens at once: not with --speculative)
     stop = tokenizer.eos_ids if tokenizer is not None and speculative is None else frozenset()
     if args.tp != 1:
-        return _generate_sharded(args, artifact, prompts, disabled, tokenizer, stop)
+        return _generate_sharded(args, artifact, prompts, disabled, tokenizer, stop, speculative)
     if args.ep not in (None, 1):
         raise InputError(f"--ep {args.ep}: experts are split over the --tp ranks; give --tp {args.ep} too")
     printer = None  # one prompt's text is printed as it is generated (the paged runtime streams)
@@ -208,14 +208,17 @@ def _generate_cmd(args: argparse.Namespace) -> int:
         outputs = runner.generate(prompts, args.max_new_tokens, stop, on_token=printer)
         if speculative is not None:
             _print_outputs(outputs, None if args.ids else tokenizer, printer)
-            mean = runner.acceptance.mean_length
-            why = " (no draft was accepted: an MTP layer with random weights, as make-tiny writes, predicts " \
-                  "nothing)" if mean < 1.005 else ""
-            print(f"mean acceptance length: {mean:.2f} tokens per verify step "
-                  f"({runner.acceptance.steps} steps, {speculative.num_tokens} drafts each at most){why}")
+            _print_acceptance(runner.acceptance.mean_length, runner.acceptance.steps, speculative)
             return 0
     _print_outputs(outputs, None if args.ids else tokenizer, printer)
     return 0
+
+
+def _print_acceptance(mean: float, steps: int, speculative) -> None:
+    why = " (no draft was accepted: an MTP layer with random weights, as make-tiny writes, predicts " \
+          "nothing)" if mean < 1.005 else ""
+    print(f"mean acceptance length: {mean:.2f} tokens per verify step "
+          f"({steps} steps, {speculative.num_tokens} drafts each at most){why}")
 
 
 def _tokenizer(args: argparse.Namespace, artifact, config):
@@ -256,8 +259,9 @@ class _Printer:
 
 
 def _speculative(args: argparse.Namespace, artifact):
-    """``--speculative`` / ``--num-speculative-tokens`` as a SpeculativeConfig (None without them); only the
-    single-process paged runtime on a checkpoint directory speculates."""
+    """``--speculative`` / ``--num-speculative-tokens`` as a SpeculativeConfig (None without them); only the paged
+    runtime on a checkpoint directory speculates (one process, or ``--tp`` ranks: the MTP layer sharded as the
+    target)."""
     from fxglm5.runtime.speculative import SpeculativeConfig
 
     if args.speculative is None:
@@ -266,9 +270,9 @@ def _speculative(args: argparse.Namespace, artifact):
         return None
     if args.num_speculative_tokens is None:
         raise InputError("--speculative: give --num-speculative-tokens K (1..4)")
-    if args.backend != "paged" or artifact is not None or args.tp != 1:
-        raise InputError("--speculative: runs on the paged backend, one process, from a checkpoint directory "
-                         "(not --backend reference, an artifact or --tp)")
+    if args.backend != "paged" or artifact is not None:
+        raise InputError("--speculative: runs on the paged backend from a checkpoint directory "
+                         "(not --backend reference or an artifact)")
     return SpeculativeConfig(args.speculative, args.num_speculative_tokens)
 
 
@@ -291,7 +295,7 @@ def _paged_options(args: argparse.Namespace, prompts: list[list[int]], disabled:
 
 
 def _generate_sharded(args: argparse.Namespace, artifact, prompts: list[list[int]], disabled: tuple[str, ...],
-                      tokenizer, stop: frozenset) -> int:
+                      tokenizer, stop: frozenset, speculative=None) -> int:
     """``generate --tp N``: N ranks (started here, or joined under torchrun) each run the sharded Runner on the
     same request; rank 0 prints the tokens (or their text), which every rank computed alike."""
     from fxglm5.runtime.distributed import launch
@@ -310,20 +314,25 @@ def _generate_sharded(args: argparse.Namespace, artifact, prompts: list[list[int
     if args.max_new_tokens == 0:
         _print_outputs([[] for _ in prompts])
         return 0
-    options = dict(_paged_options(args, prompts, disabled), dtype=args.dtype, ep=args.ep)
-    rank, outputs = launch(generate_on_rank, args.tp, args.model, prompts, args.max_new_tokens, options, sorted(stop),
-                           device=args.device)
+    options = dict(_paged_options(args, prompts, disabled), dtype=args.dtype, ep=args.ep, speculative=speculative)
+    rank, (outputs, acceptance) = launch(generate_on_rank, args.tp, args.model, prompts, args.max_new_tokens, options,
+                                         sorted(stop), device=args.device)
     if rank == 0:
         _print_outputs(outputs, None if args.ids else tokenizer)
+        if speculative is not None:
+            _print_acceptance(*acceptance, speculative)
     return 0
 
 
 def generate_on_rank(rank, model: str, prompts: list[list[int]], max_new_tokens: int, options: dict,
-                     stop_tokens=()) -> list[list[int]]:
-    """One rank of ``generate --tp``: its sharded Runner's greedy tokens."""
+                     stop_tokens=()) -> tuple[list[list[int]], tuple[float, int]]:
+    """One rank of ``generate --tp``: its sharded Runner's greedy tokens, and the mean acceptance length and verify
+    steps of a speculative run (every rank verifies alike)."""
     from fxglm5.runtime.runner import Runner
 
-    return Runner(model, tp=rank.world, device=rank.device, **options).generate(prompts, max_new_tokens, stop_tokens)
+    runner = Runner(model, tp=rank.world, device=rank.device, **options)
+    outputs = runner.generate(prompts, max_new_tokens, stop_tokens)
+    return outputs, (runner.acceptance.mean_length, runner.acceptance.steps)
 
 
 # ---- export -------------------------------------------------------------------------------------
