@@ -27,7 +27,7 @@ from fxglm5.rtpllm.config import compute_dtype, fill_model_config, no_weight_inf
 from fxglm5.rtpllm.config import fp8_kv_cache as _fp8_kv_cache, rtp_symbol as _rtp_symbol
 from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step, step_prologue
 from fxglm5.rtpllm import speculative
-from fxglm5.rtpllm.parallel import join_rtp_tp_group, load_rtp_rank, replicated, rtp_mapping
+from fxglm5.rtpllm.parallel import join_rtp_tp_group, graph_weight, load_rtp_rank, rtp_mapping
 from rtp_llm.models.base_model import BaseModel
 from rtp_llm.models_py.model_desc.module_base import GptModelBase
 
@@ -146,8 +146,8 @@ class Fxglm5Glm5(BaseModel):
             join_rtp_tp_group(self.mapping)
             program, results, self.glm5, lm_head = load_rtp_rank(model_config.ckpt_path, self.mapping, dtype, device)
             self.compiled = (program, results)
-            embedding = replicated(program.graph, "model.embed_tokens.weight")
-            norm = replicated(program.graph, "model.norm.weight")
+            embedding = graph_weight(program.graph, "model.embed_tokens.weight", "sharded graph")
+            norm = graph_weight(program.graph, "model.norm.weight", "sharded graph")
         weights = _rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelWeights",
                               "rtp_llm.utils.model_weight:ModelWeights")(cfg.num_hidden_layers, device, dtype)
         weights.set_global_weight("lm_head", lm_head)  # at tp > 1 the rank's vocab rows: RTP gathers the logits

@@ -139,11 +139,11 @@ def loaded_everywhere(failure: Exception | None, mapping: Mapping) -> None:
         raise CheckpointError(f"rank {failed[0][0]} could not load its slices ({failed[0][1]}); every rank stops")
 
 
-def replicated(graph, name: str) -> torch.Tensor:
-    """The graph's whole (replicated) attribute ``name`` (a model parameter): the embedding, the final norm."""
+def graph_weight(graph, name: str, what: str = "compiled graph") -> torch.Tensor:
+    """The compiled graph's attribute ``name``, a weight published to RTP (the embedding, a norm, the MTP head)."""
     owner = graph
     for part in name.split("."):
         owner = getattr(owner, part, None)
     if not torch.is_tensor(owner):
-        raise ConfigError(f"sharded graph: no attribute {name!r} to publish to RTP")
+        raise ConfigError(f"{what}: no attribute {name!r} to publish to RTP")
     return owner

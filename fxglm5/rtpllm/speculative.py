@@ -48,7 +48,7 @@ from fxglm5.errors import ConfigError, InputError
 from fxglm5.model.config import Glm5Config
 from fxglm5.rtpllm.config import compute_dtype, fill_model_config, fp8_kv_cache, no_weight_info_cls, rtp_symbol
 from fxglm5.rtpllm.context import StepMetadata, _context, _host, _tables, bind_caches, scratch_step, step_prologue
-from fxglm5.rtpllm.parallel import join_rtp_tp_group, loaded_everywhere, rtp_mapping
+from fxglm5.rtpllm.parallel import graph_weight, join_rtp_tp_group, loaded_everywhere, rtp_mapping
 from fxglm5.runtime.decode_graphs import request_rows
 from rtp_llm.models.base_model import BaseModel
 from rtp_llm.models_py.model_desc.module_base import GptModelBase
@@ -214,7 +214,7 @@ class Fxglm5MtpPyModel(GptModelBase):
 
         self.glm5_config: Glm5Config = model.config
         self.dtype, self.program = model.dtype, program
-        gamma = graph_weight(program.graph, GRAPH_WEIGHTS["final_layernorm.gamma"])
+        gamma = graph_weight(program.graph, GRAPH_WEIGHTS["final_layernorm.gamma"], "compiled MTP graph")
         self.device = gamma.device
         self.shared_head_norm = RMSNorm(gamma.shape[0], model.config.rms_norm_eps, gamma.dtype, "meta")
         self.shared_head_norm.weight = torch.nn.Parameter(gamma, requires_grad=False)
@@ -334,8 +334,8 @@ class Fxglm5Glm5Mtp(BaseModel):
         weights = rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelWeights",
                              "rtp_llm.utils.model_weight:ModelWeights")(1, device, dtype)
         for name, target in GRAPH_WEIGHTS.items():  # lm_head: at tp > 1 the rank's vocabulary rows, RTP gathers them
-            weights.set_global_weight(name, aliases[name] if name in aliases else graph_weight(self.program.graph,
-                                                                                                target))
+            weights.set_global_weight(name, aliases[name] if name in aliases else graph_weight(
+                self.program.graph, target, "compiled MTP graph"))
         self.weight, self.weight_manager, self.py_eplb, self.model_weights_loader = weights, None, None, None
         if not skip_python_model:
             self.py_model = Fxglm5MtpPyModel(
@@ -377,16 +377,6 @@ def load_draft_rank(ckpt_path, mapping, dtype: torch.dtype, device, aliases: dic
     elif failure is not None:
         raise failure
     return compiled.program, model, report
-
-
-def graph_weight(graph, target: str) -> torch.Tensor:
-    """The compiled MTP graph's attribute ``target`` (a weight RTP is given: the head, the embedding, the norm)."""
-    owner = graph
-    for part in target.split("."):
-        owner = getattr(owner, part, None)
-    if not torch.is_tensor(owner):
-        raise ConfigError(f"compiled MTP graph: no attribute {target!r} to publish to RTP")
-    return owner
 
 
 def register(factory) -> None:
