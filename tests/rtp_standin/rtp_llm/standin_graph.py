@@ -159,9 +159,9 @@ class CudaGraphRunner:
             self.py_model.forward(full, impl)
         hidden = torch.zeros((self.max_bs * self.q, self.hidden_size), dtype=self.dtype, device=self.device)
         pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        for bs in reversed(self.sizes):
-            inputs = self._slice(full, bs)
-            inst = _Instance(inputs, self.py_model.prepare_fmha_impl(inputs, True), hidden[:bs * self.q])
+        for key in reversed(self.sizes):
+            inputs = self._capture_inputs(full, key)
+            inst = _Instance(inputs, self.py_model.prepare_fmha_impl(inputs, True), hidden[:self._rows(key)])
             self._forward(inst)
             self._forward(inst)
             if self.cuda:
@@ -171,9 +171,17 @@ class CudaGraphRunner:
                     inst.hidden.copy_(self._forward(inst))
             else:  # the capture's forward call, run eagerly
                 inst.hidden.copy_(self._forward(inst))
-            self.instances[bs] = inst
+            self.instances[key] = inst
             self._replay(inst)  # replayAndSyncCheck
-            self.captured_sizes.append(bs)
+            self.captured_sizes.append(key)
+
+    def _capture_inputs(self, full, key):
+        """The inputs of the graph of ``key`` (a batch size in decode mode), views of the max-size ones."""
+        return self._slice(full, key)
+
+    def _rows(self, key) -> int:
+        """The token rows of the graph of ``key``."""
+        return key * self.q
 
     def _replay(self, inst):
         if inst.graph is not None:
@@ -295,7 +303,7 @@ class DraftPrefillGraphRunner(CudaGraphRunner):
         return PyModelInputs(input_ids=torch.zeros(n * q, dtype=_I32, device=dev), input_hiddens=hiddens,
                              attention_inputs=a)
 
-    def _key_inputs(self, full, key):
+    def _capture_inputs(self, full, key):
         """``prepareCaptureInputs(inputs, max_bs, key)`` (``cuda_graph_runner.cc:1212-1297``): every per-request field
         is the max_bs buffer itself (one storage for all keys), the token rows its first ``key``; then the capture's
         lengths (``cuda_graph_prefill.cc:36-71``): ``ceil(key / (k+1))`` requests of k+1 tokens, the others none,
@@ -324,31 +332,10 @@ class DraftPrefillGraphRunner(CudaGraphRunner):
         a.context_total_kv_length = key
         return inputs
 
-    def capture(self):
-        """``initCapture`` (``cuda_graph_runner.cc:1056-1133``): the max-size inputs' ``prepare_fmha_impl`` and one
-        forward under ``RTP_LLM_CUDA_GRAPH_WARMUP_FORWARD=1``; then ``capturePrefill`` (``cuda_graph_prefill.cc:6-98``),
-        largest key first: its inputs, ``prepare_fmha_impl``, two forwards, the capture, one replay."""
-        full = self._static_inputs()
-        impl = self.py_model.prepare_fmha_impl(full, True)
-        with _env_flag("RTP_LLM_CUDA_GRAPH_WARMUP_FORWARD", "1"):
-            self.py_model.forward(full, impl)
-        hidden = torch.zeros((self.max_bs * self.q, self.hidden_size), dtype=self.dtype, device=self.device)
-        pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        for key in reversed(self.sizes):
-            inputs = self._key_inputs(full, key)
-            inst = _Instance(inputs, self.py_model.prepare_fmha_impl(inputs, True), hidden[:key])
-            self._forward(inst)
-            self._forward(inst)
-            if self.cuda:
-                torch.cuda.synchronize()
-                inst.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(inst.graph, pool=pool):
-                    inst.hidden.copy_(self._forward(inst))
-            else:  # the capture's forward call, run eagerly
-                inst.hidden.copy_(self._forward(inst))
-            self.instances[key] = inst
-            self._replay(inst)  # replayAndSyncCheck
-            self.captured_sizes.append(key)
+    def _rows(self, key) -> int:
+        """A prefill graph's key is its token count (``capturePrefill``, ``cuda_graph_prefill.cc:6-98``: largest key
+        first, its inputs, ``prepare_fmha_impl``, two forwards, the capture, one replay)."""
+        return key
 
     def can_run(self, live):
         """``canRun`` in prefill mode (``cuda_graph_runner.cc:811-870``): a prefill whose total token count is within
