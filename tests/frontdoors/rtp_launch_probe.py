@@ -5,6 +5,11 @@
 experts it holds, which ones (the ``expert_offset`` constant the EP shard pass adds; none when it holds them all),
 their widths, and a checksum of each held expert's gate/up and down weights, which the test recomputes from the
 checkpoint for the layout ``EP_SIZE`` asks for.
+
+:func:`mtp_draft` adds, for an MTP launch, what the started draft holds of RTP's aliased global weights (``embedding``
+and ``lm_head``, ``get_sp_model``'s alias, ``model_factory.py:173-218`` at 4b8d39cd5): whether each is the target's
+tensor itself and on its storage, its shape, and a checksum that the test recomputes from the checkpoint (at
+tp > 1 the rank's vocabulary rows of ``lm_head``).
 """
 
 from __future__ import annotations
@@ -33,3 +38,16 @@ def expert_shards(engine) -> dict:
             down_sums=[float(down[e].double().sum()) for e in range(down.shape[0])])
     mapping = model.mapping
     return dict(mapping=[mapping.tp, mapping.rank, mapping.ep], layers=layers)
+
+
+def mtp_draft(engine) -> dict:
+    """:func:`expert_shards` and ``draft``: per RTP global weight name the draft publishes (``embedding``,
+    ``lm_head``): ``aliased`` (the draft's tensor is the target's object), ``same_storage`` (same ``data_ptr``),
+    ``shape`` and ``sum`` (float64); ``alias_names``: what MtpEngine's alias step was given."""
+    target, draft = engine.target.model, engine.draft
+    weights = {}
+    for name in ("embedding", "lm_head"):
+        mine, owner = draft.weight.get_global_weight(name), target.weight.get_global_weight(name)
+        weights[name] = dict(aliased=mine is owner, same_storage=mine.data_ptr() == owner.data_ptr(),
+                             shape=list(mine.shape), sum=float(mine.double().sum()))
+    return dict(expert_shards(engine), draft=weights, alias_names=list(engine.alias_names))

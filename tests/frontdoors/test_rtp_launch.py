@@ -18,6 +18,12 @@ run the TP test's requests on gloo and write what they resolved, did and generat
   Both layouts give the same tokens, so only this tells a plugin that ignores ``ep_size`` apart.
 - With MTP (``--sp_type mtp --sp_model_type glm_5-mtp``, tp=1): the rank reads the draft's config before the
   target loads, loads the draft after the target and before the engine, and gives the plain greedy tokens.
+- With MTP k=2 and every graph RTP captures (``ENABLE_CUDA_GRAPH=1``: the target's verify graphs, the draft's decode
+  graphs and its draft-prefill graphs), at tp=2 by RTP's variables and at tp=1 by its flags, on a block-FP8
+  checkpoint: every rank gives exactly the plain greedy tokens and the eager draft's proposals, in that order, and
+  the stand-in's counts show each graph captured and replayed. The launched draft borrows the target's embedding and
+  lm_head shard through RTP's weight alias (``get_sp_model``, ``model_factory.py:173-218``): the same tensors, on
+  the same storage.
 - With #1266, the flag alone works, and the flag beside the launcher registers once per process.
 - Without the launcher, stock RTP resolves ``glm_5`` to its own DeepSeekV2 in every process. Real RTP would serve
   it silently; the stand-in stops with a message saying so. The environment variable changes nothing, and the flag
@@ -35,7 +41,13 @@ import pytest
 from safetensors import safe_open
 
 from fxglm5.model.config import Glm5Config
-from tests.frontdoors.test_rtpllm_plugin import PLUGIN, ROOT, STANDIN, ckpt, rtp  # noqa: F401 - fixtures
+from fxglm5.model.tiny import make_tiny_checkpoint
+from tests.frontdoors.test_rtpllm_plugin import PLUGIN, ROOT, STANDIN, _prompts, ckpt, rtp  # noqa: F401 - fixtures
+from tests.frontdoors.test_rtpllm_plugin_speculative_tp import ENGINE as SP_ENGINE
+from tests.frontdoors.test_rtpllm_plugin_speculative_tp import NEW as SP_NEW
+from tests.frontdoors.test_rtpllm_plugin_speculative_tp import RTP_TINY_TP
+from tests.frontdoors.test_rtpllm_plugin_speculative_tp import K as SP_K
+from tests.frontdoors.test_rtpllm_plugin_speculative_tp import forced
 from tests.frontdoors.test_rtpllm_plugin_tp import ENGINE, REQUESTS
 
 FXGLM5 = "fxglm5.rtpllm.glm5.Fxglm5Glm5"
@@ -46,6 +58,10 @@ ARGS = ["--act_type", "FP32", "--max_seq_len", "64", "--seq_size_per_block", "16
 PROBE = "tests.frontdoors.rtp_launch_probe:expert_shards"
 TIMEOUT = 900  # seconds for one launch (ranks compile on shared cores)
 PLAIN_STEPS = [["create_model_config", "glm_5"], ["load", "glm_5"], ["create_engine", "glm_5"]]
+# a rank's order with a draft (model_factory.py:231-301): the draft's config before any load, the draft loaded after
+# the target and before the engine (its warm-up, cache and graphs)
+MTP_STEPS = [["create_model_config", "glm_5"], ["create_propose_model_config", "glm_5-mtp"], ["load", "glm_5"],
+             ["load", "glm_5-mtp"], ["create_engine", "glm_5"]]
 
 
 def launch(tmp_path_factory, module, argv, *, env=(), standin=True):
@@ -182,9 +198,162 @@ def test_with_mtp_the_draft_config_comes_first_and_the_draft_loads_after_the_tar
     code, err, records = launch(tmp_path_factory, LAUNCHER, argv, env={"RTP_STANDIN_REQUESTS": json.dumps(requests)})
     assert code == 0, err[-3000:]
     assert_served_by_fxglm5(records, LAUNCHER, 1, expected)
-    assert records["rank0"]["events"] == [
-        ["create_model_config", "glm_5"], ["create_propose_model_config", "glm_5-mtp"], ["load", "glm_5"],
-        ["load", "glm_5-mtp"], ["create_engine", "glm_5"]]
+    assert records["rank0"]["events"] == MTP_STEPS
+
+
+# MTP with every graph RTP captures (issue 39): a block-FP8 checkpoint (RTP captures those only) whose widths split
+# over 2 ranks, the speculative TP test's (its requests give the plain greedy tokens at tp 1 and tp 2)
+SP_ARGS = ["--max_seq_len", "64", "--seq_size_per_block", "16", "--test_block_num", "40"]
+SP_PROBE = "tests.frontdoors.rtp_launch_probe:mtp_draft"
+SP_LAUNCHES = {
+    # RTP's flags
+    "tp1": (1, ["--sp_type", "mtp", "--sp_model_type", "glm_5-mtp", "--gen_num_per_cycle", str(SP_K),
+                "--enable_cuda_graph", "1", "--decode_capture_config", "1,2,4"], {}),
+    # RTP's environment variables (GEN_NUM_PER_CIRCLE: RTP's spelling)
+    "tp2": (2, [], {"TP_SIZE": "2", "WORLD_SIZE": "2", "SP_TYPE": "mtp", "SP_MODEL_TYPE": "glm_5-mtp",
+                    "GEN_NUM_PER_CIRCLE": str(SP_K), "ENABLE_CUDA_GRAPH": "1", "DECODE_CAPTURE_CONFIG": "1,2,4"}),
+}
+
+
+@pytest.fixture(scope="module")
+def sp_ckpt(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("rtp-tiny-tp"), config=RTP_TINY_TP, seed=1)
+
+
+@pytest.fixture(scope="module")
+def sp_prompts():
+    return _prompts((5, 12, 7), seed=0)
+
+
+@pytest.fixture(scope="module")
+def sp_reference(rtp, sp_ckpt, sp_prompts):
+    """In process, at tp 1, eager: plain greedy decoding's tokens (as the launch's requests: one batch), the forced
+    drafts (request 0 verifies its plain continuation, request 2 one with every third token wrong, request 1 the
+    draft model's own proposals: accepted counts of 0 to k that differ inside one step), and the eager MTP engine's
+    proposals and accepted count under them."""
+    from rtp_llm.standin_speculative import MtpEngine
+
+    plain = rtp.Engine(str(sp_ckpt), **SP_ENGINE).generate(sp_prompts, SP_NEW)
+    drafts = forced(sp_prompts, plain)
+    eager = MtpEngine(str(sp_ckpt), sp_model_type="glm_5-mtp", sp_checkpoint_path=str(sp_ckpt), gen_num_per_cycle=SP_K,
+                      forced_drafts=drafts, **SP_ENGINE)
+    assert eager.generate(sp_prompts, SP_NEW) == plain
+    return dict(tokens=[plain], forced=[[list(p), c] for p, c in drafts.items()],
+                proposals=json.loads(json.dumps(eager.proposals)), accepted=eager.accepted)
+
+
+@pytest.fixture(scope="module")
+def sp_launched(sp_ckpt, sp_prompts, sp_reference, tmp_path_factory):
+    done = {}
+
+    def get(name):
+        if name not in done:
+            tp, argv, env = SP_LAUNCHES[name]
+            env = dict(env, RTP_STANDIN_REQUESTS=json.dumps([[sp_prompts, SP_NEW, False]]),
+                       RTP_STANDIN_FORCED_DRAFTS=json.dumps(sp_reference["forced"]), RTP_STANDIN_INSPECT=SP_PROBE,
+                       SP_CHECKPOINT_PATH=str(sp_ckpt))
+            done[name] = (tp, *launch(tmp_path_factory, LAUNCHER, ["--checkpoint_path", str(sp_ckpt), *SP_ARGS, *argv],
+                                      env=env))
+        return done[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(SP_LAUNCHES))
+def test_mtp_with_every_graph_through_the_launcher_gives_the_plain_greedy_tokens(name, sp_launched, sp_reference):
+    """TP_SIZE=2 (and 1), SP_TYPE=mtp, GEN_NUM_PER_CIRCLE=2, ENABLE_CUDA_GRAPH=1, through ``fxglm5.rtpllm.serve``:
+    every rank gives exactly the plain greedy tokens and the eager draft's proposals, in RTP's order (the draft's
+    config before the target loads, the draft loaded after the target and before the engine), and every graph RTP
+    captures was captured (emulated on the CPU) and replayed: the target's verify graphs, the draft's decode graphs
+    and its draft-prefill graphs, these with per-request accepted counts that differ inside one replay."""
+    tp, code, err, records = sp_launched(name)
+    assert code == 0, err[-3000:]
+    assert_served_by_fxglm5(records, LAUNCHER, tp, sp_reference["tokens"])
+    assert len({t for seq in sp_reference["tokens"][0] for t in seq}) > 6  # tokens that can tell shards apart
+    for r in range(tp):
+        rank = records[f"rank{r}"]
+        assert rank["events"] == MTP_STEPS, (r, rank["events"])
+        s = rank["served"]
+        assert s["proposals"] == sp_reference["proposals"], r  # the draft model's own, eager at tp 1
+        assert s["accepted"] == sp_reference["accepted"] > 0, (r, s["accepted"])
+        assert s["k"] == SP_K and s["verify_steps"] > 0 and s["drafted"] == SP_K * sum(
+            len(lengths) for lengths in s["extend_lengths"]), (r, s)
+        # extends of requests with different accepted counts, packed totals off the keys (padding tokens)
+        assert any(len(set(n)) > 1 and sum(n) % (SP_K + 1) for n in s["extend_lengths"]), (r, s["extend_lengths"])
+        g = s["graphs"]
+        assert g["target"]["captured"] == g["draft_decode"]["captured"] == [4, 2, 1], (r, g)
+        assert g["draft_prefill"]["captured"] == [12, 9, 6, 3], (r, g)  # keys i*(k+1), largest first
+        assert all(graph["emulated"] for graph in g.values()), (r, g)
+        # every verify step replayed a target-verify graph; the k-1 draft decode steps and the draft extend after it
+        # replayed the draft's graphs; only the prefills ran eagerly
+        assert s["graph_replays"] == sum(g["target"]["replays"].values()) == s["verify_steps"], (r, s)
+        assert s["draft_decode_replays"] == sum(g["draft_decode"]["replays"].values()) == \
+            (SP_K - 1) * s["verify_steps"], (r, s)
+        assert s["draft_prefill_replays"] == sum(g["draft_prefill"]["replays"].values()) == s["verify_steps"], (r, s)
+        assert len(g["draft_prefill"]["replays"]) > 1 and len(g["target"]["replays"]) > 1, (r, g)  # several keys
+        assert s["eager_decode_steps"] == 0 and s["prefill_steps"] == 1, (r, s)
+    # the ranks ran the same steps (TP rank 0's tokens broadcast, the logits gathered)
+    assert len({json.dumps(records[f"rank{r}"]["served"], sort_keys=True) for r in range(tp)}) == 1
+
+
+@pytest.mark.parametrize("name", list(SP_LAUNCHES))
+def test_the_launched_draft_shares_the_targets_embedding_and_lm_head_shard(name, sp_launched, sp_ckpt):
+    """RTP's weight alias (``get_sp_model``, ``model_factory.py:173-218``), applied where the launch creates the draft
+    after the target's load: the draft's ``embedding`` and ``lm_head`` are the target's tensors themselves (same
+    object, same storage), the lm_head the rank's vocabulary rows of the checkpoint's, the embedding whole."""
+    tp, code, err, records = sp_launched(name)
+    assert code == 0, err[-3000:]
+    index = json.loads((sp_ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+
+    def tensor(name):
+        with safe_open(str(sp_ckpt / index[name]), "pt") as f:
+            return f.get_tensor(name).double()
+
+    head, embedding = tensor("lm_head.weight"), tensor("model.embed_tokens.weight")
+    vocab = head.shape[0]
+    for r in range(tp):
+        probe = records[f"rank{r}"]["inspected"]
+        assert probe["alias_names"] == ["embedding", "lm_head"], (r, probe)
+        for weight in probe["draft"].values():
+            assert weight["aliased"] and weight["same_storage"], (r, probe["draft"])
+        rows = head[vocab // tp * r:vocab // tp * (r + 1)]
+        assert probe["draft"]["lm_head"]["shape"] == list(rows.shape), (r, probe["draft"])
+        assert probe["draft"]["lm_head"]["sum"] == pytest.approx(float(rows.sum()), rel=1e-9, abs=1e-9), r
+        assert probe["draft"]["embedding"]["shape"] == list(embedding.shape), (r, probe["draft"])
+        assert probe["draft"]["embedding"]["sum"] == pytest.approx(float(embedding.sum()), rel=1e-9, abs=1e-9), r
+
+
+def test_the_standin_launchs_alias_step_refuses_what_rtp_refuses(rtp):
+    """``get_sp_model``'s checks as the stand-in's launch runs them: alias names need a loaded owner, and each aliased
+    tensor must be the owner's object on its storage (a copy, or a view of the same storage, is RTP's RuntimeError)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rtp_llm import model_factory
+
+    class Weights:
+        def __init__(self, **tensors):
+            self.tensors = tensors
+
+        def get_global_weight(self, name):
+            return self.tensors[name]
+
+    class Draft:
+        @staticmethod
+        def speculative_weight_alias_names(target, config):
+            return ("lm_head",)
+
+    head = torch.ones(4, 2)
+    target = SimpleNamespace(weight=Weights(lm_head=head))
+    assert model_factory.weight_alias_names(Draft, target, None) == ("lm_head",)
+    assert model_factory.weight_alias_names(Draft, None, None) == ()
+    with pytest.raises(RuntimeError, match="speculative shared-weight owner is not loaded"):
+        model_factory.weight_alias_names(Draft, SimpleNamespace(weight=None), None)
+    model_factory.check_weight_aliases(target, SimpleNamespace(weight=Weights(lm_head=head)), ("lm_head",))
+    for other in (head.clone(), head.view(4, 2)):
+        with pytest.raises(RuntimeError, match="speculative global weight alias 'lm_head' did not preserve storage"):
+            model_factory.check_weight_aliases(target, SimpleNamespace(weight=Weights(lm_head=other)), ("lm_head",))
 
 
 @pytest.mark.parametrize("module", [LAUNCHER, "rtp_llm.start_server"])

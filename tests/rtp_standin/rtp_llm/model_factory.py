@@ -15,8 +15,10 @@ with the model classes, in RTP's order.
   the rank's ``create_model_config`` already did.
 - ``from_model_configs`` (``:231-301``): the target built and loaded (``_create_model``, ``:262-267``:
   ``from_config`` calls ``load``), then the draft built and loaded with the **target's** ``parallelism_config``
-  (``get_sp_model``, ``:280-285`` -> ``:183-199``), and only then the engine (``create_engine``, ``:292-299``),
-  whose warm-up, cache and CUDA graphs come after both loads.
+  (``get_sp_model``, ``:280-285`` -> ``:183-199``) and RTP's weight alias (``:173-218``: the draft class's
+  ``speculative_weight_alias_names(target, draft config)``, the draft built with ``weight_alias_owner`` = the loaded
+  target and those names, then each name's tensor required to be the target's own), and only then the engine
+  (``create_engine``, ``:292-299``), whose warm-up, cache and CUDA graphs come after both loads.
 
 ``events`` records each step, in order, for the stand-in's launch tests (no RTP counterpart).
 """
@@ -90,13 +92,35 @@ class ModelFactory:
         draft = None
         if propose is not None:
             draft_cls, draft_config = propose
-            draft = draft_cls, draft_config, create_model(draft_cls, draft_config, parallelism_config, hw,
-                                                          _max_batch(kw))
+            names = weight_alias_names(draft_cls, target, draft_config)
+            model = create_model(draft_cls, draft_config, parallelism_config, hw, _max_batch(kw),
+                                 weight_alias_owner=target if names else None, weight_alias_names=names)
+            check_weight_aliases(target, model, names)
+            draft = draft_cls, draft_config, model, names
             ModelFactory.events.append(("load", draft_config.model_type))
         ModelFactory.events.append(("create_engine", config.model_type))
         if draft is None:
             return Engine(args["checkpoint_path"], parallelism_config=parallelism_config, model=target, **kw)
         return _mtp_engine(args, parallelism_config, target, draft, kw)
+
+
+def weight_alias_names(draft_cls, target, draft_config):
+    """``get_sp_model``'s alias names (``model_factory.py:173-181``): the draft class's
+    ``speculative_weight_alias_names(target, draft config)``, asked only with a loaded target; a target without
+    weights cannot own them (RuntimeError)."""
+    names = tuple(draft_cls.speculative_weight_alias_names(target, draft_config)) if target is not None else ()
+    if names and target.weight is None:
+        raise RuntimeError("speculative shared-weight owner is not loaded")
+    return names
+
+
+def check_weight_aliases(target, draft, names):
+    """``get_sp_model``'s identity check (``model_factory.py:200-210``): each aliased global weight of the loaded
+    draft must be the owner's tensor itself, on the same storage."""
+    for name in names:
+        owner, alias = target.weight.get_global_weight(name), draft.weight.get_global_weight(name)
+        if alias is not owner or alias.data_ptr() != owner.data_ptr():
+            raise RuntimeError(f"speculative global weight alias {name!r} did not preserve storage identity")
 
 
 def _capture_sizes(kw):
@@ -114,17 +138,27 @@ def _max_batch(kw):
 class _LoadedDraft:
     """The draft the launch has already loaded, handed to ``standin_speculative.MtpEngine``, which builds its
     draft itself: its ``_create_config`` and ``from_config`` give back the built config and the loaded model
-    (a stand-in device; RTP's ``create_engine`` takes the loaded ``ProposeModel``)."""
+    (a stand-in device; RTP's ``create_engine`` takes the loaded ``ProposeModel``). The launch applied RTP's weight
+    alias when it loaded the draft; ``speculative_weight_alias_names`` gives MtpEngine those names (for the target
+    the draft was loaded against only), and ``from_config`` requires MtpEngine to ask for exactly them, so that
+    MtpEngine's identity check runs on the launched draft."""
 
-    def __init__(self, cls, config, model, parallelism_config):
+    def __init__(self, cls, config, model, parallelism_config, target, alias_names):
         self.cls, self.config, self.model, self.parallelism_config = cls, config, model, parallelism_config
+        self.target, self.alias_names = target, tuple(alias_names)
 
     def _create_config(self, ckpt_path):
         assert ckpt_path == self.config.ckpt_path, (ckpt_path, self.config.ckpt_path)
         return self.config
 
-    def from_config(self, config, parallelism_config, *args):
+    def speculative_weight_alias_names(self, target_model, draft_model_config):
+        assert target_model is self.target and draft_model_config is self.config
+        return self.alias_names
+
+    def from_config(self, config, parallelism_config, *args, weight_alias_owner=None, weight_alias_names=()):
         assert config is self.config and parallelism_config is self.parallelism_config
+        assert tuple(weight_alias_names) == self.alias_names, (weight_alias_names, self.alias_names)
+        assert weight_alias_owner is (self.target if self.alias_names else None)
         return self.model
 
 
@@ -132,14 +166,16 @@ _LOADED_DRAFT = "__standin_loaded_draft__"  # a private model type, bound only w
 
 
 def _mtp_engine(args, parallelism_config, target, draft, kw):
+    from rtp_llm import standin_report
     from rtp_llm.standin_speculative import MtpEngine
 
-    draft_cls, draft_config, draft_model = draft
-    _model_factory[_LOADED_DRAFT] = _LoadedDraft(draft_cls, draft_config, draft_model, parallelism_config)
+    draft_cls, draft_config, draft_model, alias_names = draft
+    _model_factory[_LOADED_DRAFT] = _LoadedDraft(draft_cls, draft_config, draft_model, parallelism_config, target,
+                                                 alias_names)
     try:
         return MtpEngine(args["checkpoint_path"], sp_model_type=_LOADED_DRAFT,
                          sp_checkpoint_path=args["sp_checkpoint_path"], sp_type=speculative_type(args["sp_type"]),
                          gen_num_per_cycle=args["gen_num_per_cycle"], parallelism_config=parallelism_config,
-                         model=target, **kw)
+                         model=target, forced_drafts=standin_report.forced_drafts(), **kw)
     finally:
         del _model_factory[_LOADED_DRAFT]

@@ -176,12 +176,15 @@ def build_model_config(model_cls, ckpt_path, *, act_type=None, fp8_kv_cache=Fals
     return config
 
 
-def create_model(model_cls, config, parallelism_config, hw_kernel_config, max_generate_batch_size):
+def create_model(model_cls, config, parallelism_config, hw_kernel_config, max_generate_batch_size, **alias):
     """``model_cls.from_config`` (which calls ``load``) with RTP's arguments in order, as
     ``ModelFactory._create_model`` (``model_factory.py:94-110``) and ``get_sp_model`` (``:183-199``, the draft
-    with the target's ``parallelism_config``) call it; the stand-in passes None for the configs no plugin reads."""
+    with the target's ``parallelism_config``, and ``alias``: its ``weight_alias_owner`` / ``weight_alias_names``,
+    passed only with names) call it; the stand-in passes None for the configs no plugin reads."""
+    if not alias.get("weight_alias_names"):
+        alias = {}
     return model_cls.from_config(config, parallelism_config, hw_kernel_config, None, None, None, None,
-                                 max_generate_batch_size, None, False, None)
+                                 max_generate_batch_size, None, False, None, **alias)
 
 
 class HWKernelConfig:

@@ -10,7 +10,13 @@ counterpart: real RTP serves HTTP). This is not RTP-LLM code.
   requests through its engine, then returns instead of serving.
 - ``RTP_STANDIN_INSPECT``: ``module:function``, called in each rank with its started engine; what it returns
   (JSON) is recorded as ``inspected``. Tests use it to read what the model holds on each rank (the plugin's
-  expert shards), which real RTP never looks at.
+  expert shards, the draft's aliased weights), which real RTP never looks at.
+- ``RTP_STANDIN_FORCED_DRAFTS``: JSON ``[[prompt, continuation], ...]``, handed to an MTP launch's
+  ``standin_speculative.MtpEngine`` as ``forced_drafts`` (tests only: a request with one verifies its continuation
+  in place of the draft model's proposals, so that the accepted counts vary).
+- After the requests, each rank records what its engine ran as ``served`` (:func:`served`): the graphs each
+  wrapper captured and how often each replayed, and for MTP the verify steps, the drafts proposed and accepted, and
+  the names of the weights the draft borrowed from the target.
 """
 
 import importlib
@@ -25,6 +31,10 @@ def requests():
     return json.loads(os.environ.get("RTP_STANDIN_REQUESTS", "[]"))
 
 
+def forced_drafts():
+    return {tuple(p): c for p, c in json.loads(os.environ.get("RTP_STANDIN_FORCED_DRAFTS", "[]"))}
+
+
 def inspect(engine):
     """``RTP_STANDIN_INSPECT``'s function applied to ``engine``, or None when it is unset."""
     target = os.environ.get("RTP_STANDIN_INSPECT")
@@ -32,6 +42,28 @@ def inspect(engine):
         return None
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)(engine)
+
+
+def _graph(runner):
+    if runner is None:
+        return None
+    return dict(captured=list(runner.captured_sizes), replays={str(k): v for k, v in runner.replays_by_size.items()},
+                emulated=all(i.graph is None for i in runner.instances.values()))  # a CPU captures no CUDA graph
+
+
+def served(engine):
+    """What ``engine`` (the stand-in's ``Engine``, or ``standin_speculative.MtpEngine``) ran: its graphs (None where
+    it has none) and, with a draft, its MTP counters."""
+    target = getattr(engine, "target", engine)
+    out = dict(prefill_steps=target.prefill_steps, eager_decode_steps=target.eager_decode_steps,
+               graph_replays=target.graph_replays, graphs=dict(target=_graph(target.graph_runner)))
+    if target is not engine:
+        out["graphs"].update(draft_decode=_graph(engine.draft_graph), draft_prefill=_graph(engine.draft_prefill_graph))
+        out.update(k=engine.k, verify_steps=engine.verify_steps, drafted=engine.drafted, accepted=engine.accepted,
+                   draft_decode_replays=engine.draft_graph_replays, draft_prefill_replays=engine.draft_prefill_replays,
+                   extend_lengths=engine.extend_lengths, proposals=engine.proposals,
+                   alias_names=list(engine.alias_names))
+    return out
 
 
 def qualname(cls):

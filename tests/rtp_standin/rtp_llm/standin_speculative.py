@@ -99,7 +99,7 @@ class MtpEngine:
         config.attn_config.tokens_per_block = t.block_size
         self.draft_config = config
         # get_sp_model (model_factory.py:173-218): the draft class's alias names, the target as their owner (a draft
-        # the server launch loaded already, model_factory._LoadedDraft, has none to ask)
+        # the server launch loaded already, model_factory._LoadedDraft, gives the names its load applied)
         names = getattr(cls, "speculative_weight_alias_names", None)
         self.alias_names = tuple(names(t.model, config)) if names is not None else ()
         alias = dict(weight_alias_owner=t.model, weight_alias_names=self.alias_names) if self.alias_names else {}

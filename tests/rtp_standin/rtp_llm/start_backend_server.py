@@ -17,7 +17,8 @@
   - ``ModelFactory.from_model_configs`` (``:138-145``): the target loaded, the draft loaded, then the engine
     (here the stand-in's ``Engine``, or ``standin_speculative.MtpEngine`` with a draft); see ``model_factory``.
   It then sends its status. Real RTP serves from then on; the stand-in records the launch's steps and
-  ``RTP_STANDIN_INSPECT``'s view of the engine, runs ``RTP_STANDIN_REQUESTS`` and returns (``standin_report``).
+  ``RTP_STANDIN_INSPECT``'s view of the engine, runs ``RTP_STANDIN_REQUESTS``, records what the engine ran (its
+  graphs' captures and replays) and returns (``standin_report``).
 
 Differs: RTP calls ``multi_rank_start`` only with more than one CUDA device (``:454-460``), and on a host without
 CUDA it runs rank 0 alone (``:433-434``). The stand-in acts as if each rank had a device of its own, and its
@@ -72,7 +73,7 @@ def local_rank_start(py_env_configs, world_rank=0, pipe_writer=None):
         standin_report.write(role, events=ModelFactory.events, inspected=standin_report.inspect(engine))
         tokens = [engine.generate(prompts, n, **({"reuse_prefix": True} if reuse else {}))  # MtpEngine: no reuse
                   for prompts, n, reuse in standin_report.requests()]
-        standin_report.write(role, tokens=tokens)
+        standin_report.write(role, tokens=tokens, served=standin_report.served(engine))
     except BaseException as err:
         standin_report.write(role, error=f"{type(err).__name__}: {err}", events=ModelFactory.events)
         _send_status(pipe_writer, "failed", f"start server error: {err}")
