@@ -26,8 +26,8 @@ from fxglm5.program import PagedProgram
 from fxglm5.rtpllm.config import compute_dtype, fill_model_config, no_weight_info_cls
 from fxglm5.rtpllm.config import fp8_kv_cache as _fp8_kv_cache, rtp_symbol as _rtp_symbol
 from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step, step_prologue
-from fxglm5.rtpllm import speculative
 from fxglm5.rtpllm.parallel import join_rtp_tp_group, graph_weight, load_rtp_rank, rtp_mapping
+from fxglm5.rtpllm.verify import verify_step
 from rtp_llm.models.base_model import BaseModel
 from rtp_llm.models_py.model_desc.module_base import GptModelBase
 
@@ -73,7 +73,7 @@ class Fxglm5PyModel(GptModelBase):
         attn = inputs.attention_inputs
         if is_cuda_graph:
             if bool(attn.is_prefill):  # RTP's target-verify graphs (speculative decoding) are prefills
-                return speculative.verify_step(attn, self.layout, self.device)
+                return verify_step(attn, self.layout, self.device)
             return StepMetadata(attn, self.layout, self.device, static=True)
         return StepMetadata(attn, self.layout, self.device, scratch=lambda a: scratch_step(
             a, self.cache_spec, self.device, self.glm5_config.max_position_embeddings))
@@ -168,9 +168,9 @@ class Fxglm5Glm5(BaseModel):
         return self.py_model
 
 
-def register() -> None:
-    """Take ``glm_5`` (and its HF architecture) over from RTP's DeepSeekV2, and register ``fxglm5_glm5`` and the
-    MTP draft types (``fxglm5.rtpllm.speculative``)."""
+def register():
+    """Take ``glm_5`` (and its HF architecture) over from RTP's DeepSeekV2, and register ``fxglm5_glm5``; returns
+    RTP's registry module (``fxglm5.rtpllm.models`` then registers the MTP draft types there)."""
     try:  # RTP's own glm_5 is registered on this import; ours must come after it
         importlib.import_module("rtp_llm.models.deepseek_v2")
     except ImportError as err:
@@ -179,4 +179,4 @@ def register() -> None:
     factory.register_model(ALIAS, Fxglm5Glm5)
     factory._model_factory[NAME] = Fxglm5Glm5
     factory._hf_architecture_2_ft[ARCHITECTURE] = NAME
-    speculative.register(factory)
+    return factory

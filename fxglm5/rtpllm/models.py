@@ -1,5 +1,6 @@
 """The module that registers fxglm5's GLM-5 with RTP-LLM as ``glm_5`` (taking it over from RTP's own DeepSeekV2
-class) and as ``fxglm5_glm5``. Two launches import it in the launcher and in every process RTP spawns:
+class) and as ``fxglm5_glm5``, and its MTP draft as ``glm_5-mtp``. Two launches import it in the launcher and in
+every process RTP spawns:
 ``python -m fxglm5.rtpllm.serve <RTP's arguments>`` on stock RTP (``fxglm5.rtpllm.serve``; docs/rtp_launch.md), and
 ``--external_model_packages fxglm5.rtpllm.models`` on RTP with PR #1266 (no environment variable is read).
 
@@ -12,6 +13,6 @@ from __future__ import annotations
 import importlib.util
 
 if importlib.util.find_spec("rtp_llm") is not None:
-    from fxglm5.rtpllm.glm5 import register
+    from fxglm5.rtpllm import glm5, speculative
 
-    register()
+    speculative.register(glm5.register())
