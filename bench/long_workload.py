@@ -109,10 +109,8 @@ def run_one(model, requests, a, dev, *, speculative: bool, stop: frozenset | Non
     runner = Runner(model, num_blocks=a.blocks, max_step_tokens=a.step_tokens, keep_logits=True,
                     speculative=SpeculativeConfig("mtp", 2) if speculative else None, **kw)
     compile_s = time.time() - t0
-    if stop is None:
-        stop = stop_tokens(runner, requests, a.wave)
-    else:  # the same untimed warm-up wave as the plain run's
-        stop_tokens(runner, requests, a.wave)
+    seen = stop_tokens(runner, requests, a.wave)  # every run's untimed warm-up wave; the plain run's stop tokens
+    stop = seen if stop is None else stop
     checks = checked_blocks(runner)
     tokens = TokenCheck(model, a.max_rel_err)
     served = serve(runner, requests, frozenset() if speculative else stop, a.wave, on_wave=tokens)

@@ -37,10 +37,16 @@ from fxglm5.passes.insert_paged_cache import PagedSignature
 CACHE_KINDS = ("bf16", "fp8")  # "bf16": rows in the compute dtype (RTP's non-FP8 mode); "fp8": RTP's byte rows
 
 
+def check_cache_kind(field: str, kind) -> str:
+    """``kind`` if it names a cache kind, else InputError naming ``field`` (the option or argument that gave it)."""
+    if kind not in CACHE_KINDS:
+        raise InputError(f"{field}: must be one of {CACHE_KINDS}, got {kind!r}")
+    return kind
+
+
 def cache_dtype(kind: str, compute_dtype: torch.dtype) -> torch.dtype:
     """The storage dtype of a cache of ``kind``: FP8 rows are bytes (uint8), the others the compute dtype."""
-    if kind not in CACHE_KINDS:
-        raise InputError(f"cache kind: must be one of {CACHE_KINDS}, got {kind!r}")
+    check_cache_kind("cache kind", kind)
     return torch.uint8 if kind == "fp8" else compute_dtype
 
 
@@ -79,8 +85,7 @@ class CacheSpec:
 
     def __post_init__(self):
         for name in ("kv_cache", "index_cache"):
-            if getattr(self, name) not in CACHE_KINDS:
-                raise InputError(f"{name}: must be one of {CACHE_KINDS}, got {getattr(self, name)!r}")
+            check_cache_kind(name, getattr(self, name))
         if self.dtype not in contracts.COMPUTE_DTYPES:
             raise InputError(f"dtype: {self.dtype} is not a compute dtype {contracts.COMPUTE_DTYPES}")
 
@@ -95,10 +100,13 @@ class CacheSpec:
     def names(self) -> list[str]:
         return self.signature.cache_names
 
+    def _role_kind(self, name: str) -> tuple[str, str]:
+        """("kv" or "index", its cache kind) of the cache input ``name``."""
+        return ("index", self.index_cache) if name in self.signature.index_names else ("kv", self.kv_cache)
+
     def storage(self, name: str) -> tuple[torch.dtype, int]:
         """(dtype, entries per token) of the cache input ``name``."""
-        role = "index" if name in self.signature.index_names else "kv"
-        kind = self.index_cache if role == "index" else self.kv_cache
+        role, kind = self._role_kind(name)
         return cache_dtype(kind, self.dtype), row_width(role, kind)
 
     def token_bytes(self) -> int:
@@ -129,8 +137,7 @@ class CacheSpec:
                 raise InputError(f"{label}: must be contiguous")
 
     def describe(self, name: str) -> str:
-        role = "index" if name in self.signature.index_names else "kv"
-        kind = self.index_cache if role == "index" else self.kv_cache
+        role, kind = self._role_kind(name)
         return f"{'indexer keys' if role == 'index' else 'latent rows'}, {kind}"
 
 

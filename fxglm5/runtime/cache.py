@@ -26,7 +26,7 @@ import os
 import torch
 
 from fxglm5.errors import InputError
-from fxglm5.program import CACHE_KINDS, CacheSpec
+from fxglm5.program import CacheSpec, check_cache_kind
 
 
 def kernel_block_table(block_table: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -40,9 +40,8 @@ def kernel_block_table(block_table: torch.Tensor, ratio: int) -> torch.Tensor:
 def check_options(block_size, kernel_block_size, kv_cache, index_cache) -> tuple[str, int]:
     """Reject bad cache options (InputError naming the option); returns (index_cache, kernel_block_size)."""
     index_cache = index_cache or kv_cache
-    for name, value in (("kv_cache", kv_cache), ("index_cache", index_cache)):
-        if value not in CACHE_KINDS:
-            raise InputError(f"{name}: must be one of {CACHE_KINDS}, got {value!r}")
+    check_cache_kind("kv_cache", kv_cache)
+    check_cache_kind("index_cache", index_cache)
     if not isinstance(block_size, int) or block_size < 1:
         raise InputError(f"block_size: must be a positive integer, got {block_size!r}")
     kernel_block_size = kernel_block_size or block_size
