@@ -1,7 +1,7 @@
 """GLM-5's MoE block: sigmoid router with correction bias, normalized and scaled top-k, routed experts
 stored stacked (as the compiler wants them), plus the shared expert.
 
-The routed experts are computed densely over all experts, weighted by a [tokens, experts] routing
+The routed experts are captured densely over all experts, weighted by a [tokens, experts] routing
 matrix that is zero outside each token's top-k: no data-dependent shapes, so torch.export captures it,
 and fuse_fp8_moe rewrites the whole thing into one ``fxglm5::moe_fp8`` over the selected experts only.
 """
@@ -54,21 +54,49 @@ class StackedExperts(nn.Module):
                 torch.empty(scale_shape((e, h, i)), dtype=torch.float32, device=device), requires_grad=False
             )
 
-    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def weights(self, dtype: torch.dtype, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate|up [.., 2I, H], down [.., H, I]) in ``dtype``: every expert's stacked, or one ``expert``'s."""
+        pick = (lambda t: t) if expert is None else (lambda t: t[expert])
         if self.fp8:
             return (
-                dequantize_gate_up(self.gate_up_proj, self.gate_up_proj_scale_inv, dtype),
-                dequantize_weight(self.down_proj, self.down_proj_scale_inv, dtype),
+                dequantize_gate_up(pick(self.gate_up_proj), pick(self.gate_up_proj_scale_inv), dtype),
+                dequantize_weight(pick(self.down_proj), pick(self.down_proj_scale_inv), dtype),
             )
-        return self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
+        return pick(self.gate_up_proj).to(dtype), pick(self.down_proj).to(dtype)
 
     def forward(self, x: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
-        """x [T, H], routing [T, E] (top-k weights, zero elsewhere) -> [T, H]."""
+        """x [T, H], routing [T, E] (top-k weights, zero elsewhere) -> [T, H].
+
+        Captured (torch.export, torch.compile) as the dense form the passes match; run eagerly expert by expert,
+        since the dense form's temporaries (every expert's dequantized weights, a [T, E, 2I] activation) reach
+        tens of GB at GLM-5's widths."""
+        if torch.compiler.is_compiling():
+            return self.dense(x, routing)
+        return self.by_expert(x, routing)
+
+    def dense(self, x: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, weighted by ``routing``: no data-dependent shapes, so it traces;
+        fuse_fp8_moe rewrites it into one ``fxglm5::moe_fp8`` over the selected experts only."""
         w13, w2 = self.weights(x.dtype)
         gate_up = torch.einsum("th,eih->tei", x, w13)
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         expert_out = torch.einsum("tei,ehi->teh", F.silu(gate) * up, w2)
         return (expert_out.float() * routing[..., None]).sum(dim=1).to(x.dtype)
+
+    def by_expert(self, x: torch.Tensor, routing: torch.Tensor) -> torch.Tensor:
+        """The dense form's math over the (token, expert) pairs with a nonzero weight, one expert's weights at a
+        time: the largest temporary is one expert's float32 dequantization (or the [T, H] float32 sum).
+        Each selected expert's output is the dense form's row for it (same GEMMs, same float32 weighting); only
+        the float32 sum's order over the selected experts may differ."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        tokens, experts = routing.nonzero(as_tuple=True)
+        for expert in experts.unique().tolist():
+            rows = tokens[experts == expert]
+            w13, w2 = self.weights(x.dtype, expert)
+            gate, up = F.linear(x[rows], w13).split([self.inter, self.inter], dim=-1)
+            expert_out = F.linear(F.silu(gate) * up, w2)
+            out.index_add_(0, rows, expert_out.float() * routing[rows, expert, None])
+        return out.to(x.dtype)
 
 
 class MoE(nn.Module):

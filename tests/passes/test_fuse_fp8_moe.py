@@ -61,9 +61,10 @@ class OnePieceGateUp(StackedExperts):
     """Near-miss: gate|up dequantized as one [2I, H] weight. With I = 200 its scales have the shape of the
     per-half ones (ceil(400/128) = 2 * ceil(200/128)), but the up half's first rows take the gate's last block."""
 
-    def weights(self, dtype):
-        return (dequantize_weight(self.gate_up_proj, self.gate_up_proj_scale_inv, dtype),
-                dequantize_weight(self.down_proj, self.down_proj_scale_inv, dtype))
+    def weights(self, dtype, expert=None):
+        pick = (lambda t: t) if expert is None else (lambda t: t[expert])
+        return (dequantize_weight(pick(self.gate_up_proj), pick(self.gate_up_proj_scale_inv), dtype),
+                dequantize_weight(pick(self.down_proj), pick(self.down_proj_scale_inv), dtype))
 
 
 def _x(p, tokens=None, batch=1):
