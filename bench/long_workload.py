@@ -52,12 +52,20 @@ class TokenCheck:
 
     def __init__(self, model, max_rel_err: float):
         self.model, self.max_rel_err = model, max_rel_err
-        self.argmax = self.near_ties = 0
+        self.argmax = self.near_ties = self.waves = 0
+        self.seconds = 0.0
         self.rel_errs: list[float] = []
         self.failures: list[str] = []
 
     @torch.no_grad()
     def __call__(self, prompts, seqs) -> None:
+        start = time.perf_counter()
+        self.each(prompts, seqs)
+        self.seconds += time.perf_counter() - start
+        self.waves += 1
+        progress(f"wave {self.waves}: {len(self.rel_errs)} tokens checked, {self.seconds:.1f} s in the checks")
+
+    def each(self, prompts, seqs) -> None:
         for prompt, seq in zip(prompts, seqs):
             if not seq.output:
                 continue
@@ -92,6 +100,14 @@ class TokenCheck:
                     failure_count=len(failures))
 
 
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """A timestamped line (seconds since the script started), so a run cut off by its time limit says where it was."""
+    print(f"[{time.perf_counter() - _START:7.1f} s] {message}", flush=True)
+
+
 def stop_tokens(runner, requests, wave: int, count: int = 4) -> frozenset:
     """The tokens most often generated before a request's last, in an untimed first wave (which also pays the
     compiles and autotuning the timed runs would otherwise meet): stop tokens met mid-batch."""
@@ -109,7 +125,9 @@ def run_one(model, requests, a, dev, *, speculative: bool, stop: frozenset | Non
     runner = Runner(model, num_blocks=a.blocks, max_step_tokens=a.step_tokens, keep_logits=True,
                     speculative=SpeculativeConfig("mtp", 2) if speculative else None, **kw)
     compile_s = time.time() - t0
-    seen = stop_tokens(runner, requests, a.wave)  # every run's untimed warm-up wave; the plain run's stop tokens
+    progress(f"{'mtp' if speculative else 'plain'}: runner built in {compile_s:.1f} s")
+    seen = stop_tokens(runner, requests, a.wave)
+    progress("warm-up wave done")  # every run's untimed warm-up wave; the plain run's stop tokens
     stop = seen if stop is None else stop
     checks = checked_blocks(runner)
     tokens = TokenCheck(model, a.max_rel_err)
@@ -125,12 +143,14 @@ def run_one(model, requests, a, dev, *, speculative: bool, stop: frozenset | Non
     def fresh(num_blocks):
         return Runner(model, num_blocks=num_blocks, program=runner.program, decode_graphs=False, **kw)
 
+    progress(f"served {len(served.tokens)} requests, {served.seconds:.1f} s in Runner.run")
     try:
         compared = committed_rows_match_their_prefix(runner, fresh, requests, a.block, rtol=2e-2, atol=2e-2,
                                                      limit=a.compare_blocks)
     except AssertionError as e:
         compared, failures = 0, failures + [str(e)[:500]]
-    summary = tokens.summary()
+    progress(f"{compared} committed blocks compared")
+    summary = dict(tokens.summary(), check_seconds=round(tokens.seconds, 1))
     stopped = sum(1 for i, (_, n) in enumerate(requests) if len(served.tokens.get(i, ())) < n)
     result = dict(mode="mtp k=2" if speculative else "plain", compile_s=round(compile_s, 1),
                   run_seconds=round(served.seconds, 2), tokens=served.generated,
@@ -164,12 +184,14 @@ def main():
     a.block = a.block or (4 if a.tiny else 64)
     a.blocks = a.blocks or (48 if a.tiny else 600)
     a.step_tokens = a.step_tokens or (24 if a.tiny else 2048)
+    a.wave = a.wave or (12 if a.tiny else 64)
     cfg = two_layer_config(a.tiny, mtp=True)
     topk = cfg.index_topk
-    workload = Workload(requests=a.requests or (24 if a.tiny else 1200), wave=a.wave or (12 if a.tiny else 64),
+    workload = Workload(requests=a.requests or (24 if a.tiny else 1200), wave=a.wave,
                         short=a.short or (40 if a.tiny else 512), prefix=3 * a.block if a.tiny else 4 * a.block,
                         max_new=8 if a.tiny else 16, long=(topk + 1, topk + 3 * a.block), long_every=10)
     model = random_model(cfg, dev, mtp=True)
+    progress("model built")
     requests = workload.draw(cfg.vocab_size)
     runs, stop = [], None
     if a.mode in ("plain", "both"):

@@ -102,6 +102,8 @@ def serve(runner: Runner, requests, stop, wave: int, on_wave: OnWave | None = No
     """The requests in waves of ``wave``, as a server drives the Runner: a request that gets CacheFullError (no room
     for its prompt, or for its next token) waits for a later wave and resumes from its prompt and the tokens it
     has. ``on_wave(prompts, seqs)`` sees each wave's prompts and sequences, outside the timed part."""
+    if not isinstance(wave, int) or wave < 1:  # (None would slice every request into every wave, each twice)
+        raise ValueError(f"serve: wave must be a positive number of requests, got {wave!r}")
     pending = [(i, []) for i in range(len(requests))]  # (request, the tokens it has)
     done, waits, seconds = {}, 0, 0.0
     while pending:
