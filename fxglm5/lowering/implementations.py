@@ -165,12 +165,6 @@ def _rope_triton(x, cos, sin):
 
 
 # ---- Triton: the cached RTP attention ops (paged caches) -------------------------------------------
-def _indexer_supported(q, k, weights, topk, index_cache, *rest):
-    if index_cache.dtype != torch.uint8:
-        return "the indexer cache holds compute-dtype keys (exact mode); the Triton indexer reads FP8 rows"
-    return None
-
-
 class _LazyKernels:
     """A kernel module imported at its first use: Triton compiles nothing and is not imported until a call."""
 
@@ -184,16 +178,16 @@ class _LazyKernels:
 _TRITON_PAGED = _LazyKernels("fxglm5.lowering.triton.paged_ops")
 
 
-def _register_cached_op(op: str, step: Callable, supports=None) -> None:
+def _register_cached_op(op: str, step: Callable) -> None:
     """A cached RTP op (``fxglm5.ops.cached``) on both backends: its step body over the Triton kernels and over the
     torch references (the custom op itself), each with and without the step's own input validation."""
-    register(op, "triton", supports, unchecked=functools.partial(step, _TRITON_PAGED, validate=False))(
+    register(op, "triton", unchecked=functools.partial(step, _TRITON_PAGED, validate=False))(
         functools.partial(step, _TRITON_PAGED))
     register(op, "reference", unchecked=functools.partial(step, paged, validate=False))(
         getattr(torch.ops.fxglm5, op).default)
 
 
-_register_cached_op("rtp_indexer", paged_steps.indexer_step, _indexer_supported)
+_register_cached_op("rtp_indexer", paged_steps.indexer_step)
 _register_cached_op("rtp_sparse_mla", paged_steps.sparse_mla_step)
 _register_cached_op("rtp_mla", paged_steps.mla_step)
 

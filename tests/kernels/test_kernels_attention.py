@@ -489,9 +489,13 @@ def test_indexer_logits_tma(s, HI, tiles):
 def test_indexer_logits_tma_needs_fitting_blocks():
     kc = torch.zeros(3, 16, 132, dtype=torch.uint8)
     one = torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(InputError, match="USE_TMA needs a block size"):
+    with pytest.raises(InputError, match="USE_TMA needs the FP8 cache and a block size"):
         tindexer.indexer_logits_paged(torch.zeros(1, 1, 128), torch.ones(1, 1), kc, torch.ones(1, 2, dtype=torch.int32),
                                       one, one, cfg=dict(BLOCK_N=16, TILES=1, USE_TMA=True))
+    exact = torch.zeros(3, 64, 128)  # a compute-dtype (exact mode) cache has no 128-byte FP8 rows to box
+    with pytest.raises(InputError, match="cache torch.float32, block size 64"):
+        tindexer.indexer_logits_paged(torch.zeros(1, 1, 128), torch.ones(1, 1), exact, torch.ones(1, 2, dtype=torch.int32),
+                                      one, one, validate=False, cfg=dict(BLOCK_N=64, TILES=1, USE_TMA=True))
 
 
 @pytest.mark.parametrize("bs, tma_kept", [(64, 4), (32, 0), (16, 0), (128, 4)])
@@ -504,6 +508,8 @@ def test_indexer_autotune_offers_tma_only_where_blocks_fit(bs, tma_kept):
     assert all(tindexer.tma_tiles_fit(bs, c.kwargs["BLOCK_N"]) for c in kept if c.kwargs.get("USE_TMA"))
     assert sum(not c.kwargs.get("USE_TMA") for c in kept) == sum(not c.kwargs.get("USE_TMA")
                                                                  for c in tindexer._LOGITS_CONFIGS)
+    exact = tindexer._fitting_configs(tindexer._LOGITS_CONFIGS, {}, BS=bs, EXACT=True)
+    assert exact and not any(c.kwargs.get("USE_TMA") for c in exact)  # the exact mode's cache: gathers only
     # the untuned launch (FXGLM5_NO_AUTOTUNE=1) follows the same rule; an explicit config gets TMA only if it
     # asks for it
     assert bool(tindexer._launch_config(bs, None, interp=False).get("USE_TMA")) == tindexer.tma_tiles_fit(bs, 64)

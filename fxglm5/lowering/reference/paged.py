@@ -55,6 +55,8 @@ __all__ = [
     "validate_write_latent_cache",
     "write_indexer_cache",
     "validate_write_indexer_cache",
+    "write_exact_index_keys",
+    "exact_indexer_topk_paged",
     "read_latent_rows",
     "read_indexer_rows",
     "indexer_cache_parts",
@@ -359,6 +361,32 @@ def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True, norm=N
     blk, off = slots // cache.shape[1], slots % cache.shape[1]
     keys[blk, off] = q.view(torch.uint8)
     scales[blk, off] = sc[:, 0]
+
+
+def write_exact_index_keys(cache, k, slot_mapping, *, norm=None, rope=None) -> None:
+    """Write indexer keys unquantized into a compute-dtype cache ``[blocks, bs, 128]`` (the exact mode) at
+    ``slot_mapping`` (negative slots write nothing), in place; ``norm`` / ``rope`` as in :func:`prepare_index_keys`.
+    The caller validated the cache and the keys (``paged_steps.indexer_step``)."""
+    k = prepare_index_keys(k, norm, rope)
+    keep = slot_mapping >= 0
+    cache.view(-1, INDEX_DIM)[slot_mapping[keep].long()] = k[keep].to(cache.dtype)
+
+
+def exact_indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk: int) -> torch.Tensor:
+    """The exact (unquantized) indexer over a compute-dtype key cache ``[blocks, bs, 128]`` -> int32 [T, topk]:
+    score[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s]) in float32 for s in 0..positions[t], the lower
+    position first among equal scores (the rule of every indexer path), -1 padded."""
+    T, bs = q.shape[0], cache.shape[1]
+    out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
+    for t in range(T):
+        n = int(positions[t]) + 1
+        slots = slots_from_positions(block_table, req_idx[t].expand(n), torch.arange(n, device=q.device), bs,
+                                     validate=False)
+        keys = cache.view(-1, cache.shape[-1])[slots].float()
+        score = (torch.relu(q[t].float() @ keys.t()) * weights[t].float()[:, None]).sum(0)
+        k = min(topk, n)
+        out[t, :k] = topk_lowest_index_ties(score, k)[1].to(torch.int32)
+    return out
 
 
 def validate_read_rows(cache, slots, kind: str = "latent"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fxglm5.contracts import topk_lowest_index_ties
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged
 
@@ -76,22 +75,6 @@ def check_context(cache: Tensor, slot_mapping, block_table, req_idx, positions, 
 # ---------------------------------------------------------------------------------------------------------
 # indexer
 # ---------------------------------------------------------------------------------------------------------
-def _compute_index_topk(q, weights, cache, block_table, req_idx, positions, topk):
-    """Exact (unquantized) indexer over a compute-dtype key cache [blocks, bs, 128] -> int32 [T, topk], the
-    lower position first among equal scores (the rule of every indexer path)."""
-    T, bs = q.shape[0], cache.shape[1]
-    out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
-    for t in range(T):
-        n = int(positions[t]) + 1
-        slots = paged.slots_from_positions(block_table, req_idx[t].expand(n), torch.arange(n, device=q.device),
-                                           bs, validate=False)
-        keys = cache.view(-1, cache.shape[-1])[slots].float()
-        score = (torch.relu(q[t].float() @ keys.t()) * weights[t].float()[:, None]).sum(0)
-        k = min(topk, n)
-        out[t, :k] = topk_lowest_index_ties(score, k)[1].to(torch.int32)
-    return out
-
-
 def _check_index_cache(cache: Tensor) -> None:
     if cache.dtype == torch.uint8:
         return  # paged.validate_write_indexer_cache checks the FP8 layout's shape
@@ -133,10 +116,8 @@ def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_tab
         kern.write_indexer_cache(index_cache, kf, slot_mapping, validate=False, norm=norm, rope=rope)
         out = kern.indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk, validate=False)
     else:
-        kf = paged.prepare_index_keys(kf, norm, rope)
-        keep = slot_mapping >= 0
-        index_cache.view(-1, paged.INDEX_DIM)[slot_mapping[keep].long()] = kf[keep].to(index_cache.dtype)
-        out = _compute_index_topk(qf, wf, index_cache, block_table, req_idx, positions, topk)
+        kern.write_exact_index_keys(index_cache, kf, slot_mapping, norm=norm, rope=rope)
+        out = kern.exact_indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk)
     return out.view(*q.shape[:2], topk)
 
 

@@ -33,16 +33,19 @@ from fxglm5.lowering.triton.topk import SEGMENT_MAX, topk_from_logits
 
 interpreter_compat()
 
-__all__ = ["indexer_logits_paged", "topk_from_logits", "indexer_topk_paged", "SEGMENT_MAX"]
+__all__ = ["indexer_logits_paged", "topk_from_logits", "indexer_topk_paged", "exact_indexer_topk_paged", "SEGMENT_MAX"]
 
 
 
 @triton.jit
-def _tile_logits(k8, q8, w, ksc, valid, F32DOT: tl.constexpr, PROMOTE: tl.constexpr):
+def _tile_logits(k8, q8, w, ksc, valid, F32DOT: tl.constexpr, PROMOTE: tl.constexpr, EXACT: tl.constexpr = False):
     """Logits of one tile: relu([BLOCK_N, 128] e4m3 keys x [128, HI] e4m3 queries) x (weights * q scale), summed
-    over the heads, x the key scale; -inf where not ``valid``."""
+    over the heads, x the key scale; -inf where not ``valid``. ``EXACT``: compute-dtype keys and queries, no
+    scales (products exact in the float32 accumulator; only the order of the sums differs from the reference)."""
     if F32DOT:
         s = tl.dot(k8.to(tl.float32), tl.trans(q8), input_precision="ieee")  # [BLOCK_N, BLOCK_HI]
+    elif EXACT:
+        s = tl.dot(k8, tl.trans(q8))  # bf16 / fp16 x the same: float32 accumulation
     else:
         # Hopper FP8 wgmma accumulates with reduced precision; PROMOTE products at a time are added into fp32.
         # 128 (default): one promotion per 128-wide key, no MMA waits inside the key
@@ -59,7 +62,7 @@ def _indexer_logits_kernel(
     bt_ptr, stride_bt, req_ptr, pos_ptr,
     o_ptr, stride_ot, HI, max_len, T_BUCKET,
     BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    F32DOT: tl.constexpr, PROMOTE: tl.constexpr = 128, USE_TMA: tl.constexpr = False,
+    F32DOT: tl.constexpr, PROMOTE: tl.constexpr = 128, USE_TMA: tl.constexpr = False, EXACT: tl.constexpr = False,
 ):
     D: tl.constexpr = 128
     KEY_ALIGN: tl.constexpr = 16 if BS % 4 == 0 else 4
@@ -77,15 +80,28 @@ def _indexer_logits_kernel(
         hs = tl.arange(0, BLOCK_HI)
         hmask = hs < HI
         dd = tl.arange(0, D)
-        q = tl.load(q_ptr + t64 * stride_qt + hs[:, None] * stride_qh + dd[None, :], mask=hmask[:, None],
-                    other=0.0).to(tl.float32)
-        qs = pow2_scale(tl.max(tl.abs(q), axis=1))  # [BLOCK_HI]
-        qb = e4m3_bits(tl.minimum(tl.maximum(q * (1.0 / qs)[:, None], -448.0), 448.0))
-        q8 = qb.to(tl.float8e4nv, bitcast=True)
+        q = tl.load(q_ptr + t64 * stride_qt + hs[:, None] * stride_qh + dd[None, :], mask=hmask[:, None], other=0.0)
+        w = tl.load(w_ptr + t64 * stride_wt + hs, mask=hmask, other=0.0)
+        if EXACT:  # the query as it is, the weights alone
+            q8 = q
+        else:
+            qs = pow2_scale(tl.max(tl.abs(q.to(tl.float32)), axis=1))  # [BLOCK_HI]
+            qb = e4m3_bits(tl.minimum(tl.maximum(q.to(tl.float32) * (1.0 / qs)[:, None], -448.0), 448.0))
+            q8 = qb.to(tl.float8e4nv, bitcast=True)
+            w = w * qs  # weights * q scale
         if F32DOT:
             q8 = q8.to(tl.float32)
-        w = tl.load(w_ptr + t64 * stride_wt + hs, mask=hmask, other=0.0) * qs  # weights * q scale
-        if USE_TMA:
+        if EXACT:
+            # a compute-dtype cache [blocks, BS, 128]: block b's keys are rows b * BS .. + BS
+            for i in tl.static_range(TILES):
+                offs_n = n_first + i * BLOCK_N + tl.arange(0, BLOCK_N)
+                valid = offs_n < n_valid
+                blk = tl.load(bt_ptr + req * stride_bt + offs_n // BS, mask=valid, other=0).to(tl.int64)
+                k = tl.load(kc_ptr + (blk * BS + offs_n % BS)[:, None] * D + dd[None, :], mask=valid[:, None],
+                            other=0.0, eviction_policy="evict_first")
+                logit = _tile_logits(k, q8, w, 1.0, valid, F32DOT, PROMOTE, EXACT)
+                tl.store(o_row + offs_n, logit, mask=offs_n < max_len, eviction_policy="evict_last")
+        elif USE_TMA:
             # the cache as rows of 128 bytes (BS % 32 == 0): block b's keys are rows b * ROWS .. + BS, so a tile
             # (BLOCK_N divides BS) is one TMA box; a runtime loop lets the pipeliner keep num_stages boxes in
             # flight. Rows past the window may hold stale bytes: their logits are replaced by -inf.
@@ -142,8 +158,10 @@ _LOGITS_CONFIGS = [
 
 
 def _fitting_configs(configs, named_args, **kwargs):
-    """Autotune only the TMA configurations the cache's block size allows."""
-    return [c for c in configs if not c.kwargs.get("USE_TMA") or tma_tiles_fit(kwargs["BS"], c.kwargs["BLOCK_N"])]
+    """Autotune only the TMA configurations the cache's block size allows (none over an exact-mode cache, whose
+    rows are not the FP8 layout's 128-byte boxes)."""
+    return [c for c in configs if not c.kwargs.get("USE_TMA")
+            or (not kwargs.get("EXACT") and tma_tiles_fit(kwargs["BS"], c.kwargs["BLOCK_N"]))]
 
 
 # T_BUCKET (the token count rounded up to a power of two) is only a key: the best program length depends on how
@@ -161,7 +179,8 @@ def tuned_config():
 
 def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, max_len: int | None = None, *,
                          out: torch.Tensor | None = None, validate: bool = True, cfg: dict | None = None):
-    """float32 [T, max_len] FP8 indexer scores (-inf beyond the causal window)."""
+    """float32 [T, max_len] indexer scores (-inf beyond the causal window), over the FP8 cache, or over a
+    compute-dtype cache ``[blocks, bs, 128]`` exactly (the exact mode: unquantized queries and keys)."""
     if validate:
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, 1)
     T, HI, _ = q.shape
@@ -175,25 +194,29 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     if q.stride(-1) != 1:
         q = q.contiguous()
     interp = settings.triton_interpret() or q.device.type != "cuda"
+    exact = k_cache.dtype != torch.uint8
+    # the exact mode multiplies on tensor cores where queries and keys share a 16-bit dtype, else in IEEE float32
+    f32dot = interp or (exact and not (q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float16)))
     BLOCK_HI = max(16, triton.next_power_of_2(HI))
-    args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache, k_cache.view(torch.float32),
+    args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache,
+            k_cache if exact else k_cache.view(torch.float32),
             k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, out, out.stride(0), HI,
             max_len, triton.next_power_of_2(T))
     if not interp and not cfg and not settings.no_autotune():
         grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
         ensure_tma_allocator()
-        _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=False)
+        _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=f32dot, EXACT=exact)
     else:
-        c = _launch_config(bs, cfg, interp)
+        c = _launch_config(bs, cfg, interp, exact)
         use_tma = bool(c.get("USE_TMA", False))
-        if use_tma and not tma_tiles_fit(bs, c["BLOCK_N"]):
-            raise InputError(f"indexer logits: USE_TMA needs a block size that is a multiple of 32 and of BLOCK_N "
-                             f"(block size {bs}, BLOCK_N {c['BLOCK_N']})")
+        if use_tma and (exact or not tma_tiles_fit(bs, c["BLOCK_N"])):
+            raise InputError(f"indexer logits: USE_TMA needs the FP8 cache and a block size that is a multiple of 32 "
+                             f"and of BLOCK_N (cache {k_cache.dtype}, block size {bs}, BLOCK_N {c['BLOCK_N']})")
         if use_tma:
             ensure_tma_allocator()
         grid = (T, triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]))
         _indexer_logits_kernel[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"],
-                                     F32DOT=interp, PROMOTE=c.get("PROMOTE", 128), USE_TMA=use_tma,
+                                     F32DOT=f32dot, PROMOTE=c.get("PROMOTE", 128), USE_TMA=use_tma, EXACT=exact,
                                      num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
 
@@ -202,14 +225,14 @@ def _config_dict(c: triton.Config) -> dict:
     return dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
 
 
-def _launch_config(block_size: int, cfg: dict | None, interp: bool) -> dict:
+def _launch_config(block_size: int, cfg: dict | None, interp: bool, exact: bool = False) -> dict:
     """The logits launch when not autotuning. An explicit ``cfg`` names every option it wants over the gather
     defaults (TMA only when it asks for it). Without one: small tiles under the interpreter; on the GPU
     (FXGLM5_NO_AUTOTUNE=1) TMA boxes where the blocks allow them (the fastest measured at 64 x 32k:
-    docs/perf/indexer_topk.md), else 16-byte gathers."""
+    docs/perf/indexer_topk.md), else (and over an exact-mode cache) gathers."""
     if interp:
         base = dict(BLOCK_N=16, TILES=2, num_warps=4, num_stages=1)
-    elif cfg or not tma_tiles_fit(block_size, _TMA_DEFAULT.kwargs["BLOCK_N"]):
+    elif cfg or exact or not tma_tiles_fit(block_size, _TMA_DEFAULT.kwargs["BLOCK_N"]):
         base = _config_dict(_GATHER_DEFAULT)
     else:
         base = _config_dict(_TMA_DEFAULT)
@@ -245,3 +268,10 @@ def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, top
     logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
                                   validate=False)
     return topk_from_logits(logits, positions, topk, out=out, validate=False)
+
+
+def exact_indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk: int) -> torch.Tensor:
+    """The exact mode's selection (``fxglm5.lowering.reference.paged.exact_indexer_topk_paged``): the same kernels
+    over a compute-dtype cache, with no host sync (the reference loops over the tokens on the host), so a decode
+    step with this cache can be captured in a CUDA graph. The caller validated (``paged_steps.indexer_step``)."""
+    return indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk, validate=False)

@@ -19,7 +19,7 @@ from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, rms_normalize, rotate_
 interpreter_compat()
 
 
-__all__ = ["write_latent_cache", "write_indexer_cache", "latent_query", "slots_from_positions", "pow2_scale", "e4m3_bits",
+__all__ = ["write_latent_cache", "write_indexer_cache", "write_exact_index_keys", "latent_query", "slots_from_positions", "pow2_scale", "e4m3_bits",
            "bf16_bits"]
 
 
@@ -129,8 +129,9 @@ def _write_latent_fp8_kernel(kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr,
 @triton.jit
 def _write_index_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, stride_k, stride_c, KD,
                         HALF, eps, D: tl.constexpr, BS: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-                        DT: tl.constexpr):
-    # block-major (reference.paged.indexer_cache_parts): a block is BS * 132 bytes, its BS keys (D bytes each)
+                        DT: tl.constexpr, EXACT: tl.constexpr = False, BF16: tl.constexpr = False):
+    # EXACT: c8 is a compute-dtype cache [blocks, BS, D] (an int16 view of its bits when BF16) that keeps the key unquantized.
+    # Otherwise block-major (reference.paged.indexer_cache_parts): a block is BS * 132 bytes, its BS keys (D bytes each)
     # then their BS float32 scales; c32 is the float32 view (BS * 33 floats per block). The key is held as a
     # [D // 2, 2] tile of (even, odd) pairs so that RoPE can rotate them in registers.
     t = tl.program_id(0)
@@ -154,12 +155,18 @@ def _write_index_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, w_ptr, b_ptr, cos_ptr,
             even, odd = rotate_pairs(tl.sum(tl.where(oc == 0, x, 0.0), axis=1), tl.sum(tl.where(oc == 1, x, 0.0), axis=1),
                                      c, s, DT)
             x = tl.where(oc == 0, even[:, None], odd[:, None])
-        sc = pow2_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-        y = tl.minimum(tl.maximum(x * (1.0 / sc), -448.0), 448.0)
-        blk = slot // BS
-        off = slot % BS
-        tl.store(c8_ptr + blk * (BS * 132) + off * D + idx, e4m3_bits(y))
-        tl.store(c32_ptr + blk * (BS * 33) + BS * 32 + off, sc)
+        if EXACT:
+            if BF16:
+                tl.store(c8_ptr + slot * D + idx, bf16_bits(x))
+            else:
+                tl.store(c8_ptr + slot * D + idx, x.to(c8_ptr.dtype.element_ty))
+        else:
+            sc = pow2_scale(tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+            y = tl.minimum(tl.maximum(x * (1.0 / sc), -448.0), 448.0)
+            blk = slot // BS
+            off = slot % BS
+            tl.store(c8_ptr + blk * (BS * 132) + off * D + idx, e4m3_bits(y))
+            tl.store(c32_ptr + blk * (BS * 33) + BS * 32 + off, sc)
 
 
 @triton.jit
@@ -227,15 +234,30 @@ def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True, norm=N
     (``norm`` = (weight, bias, eps)) and RoPE on the first features (``rope`` = (cos, sin)) in the same kernel."""
     if validate:
         ref.validate_write_indexer_cache(cache, k, slot_mapping, norm, rope)
+    _write_index_keys(cache, k, slot_mapping, norm, rope, exact=False)
+
+
+def write_exact_index_keys(cache, k, slot_mapping, *, norm=None, rope=None) -> None:
+    """The exact mode's write: keys unquantized into a compute-dtype cache ``[blocks, bs, 128]``, LayerNorm and RoPE
+    as :func:`write_indexer_cache` applies them (the caller validated; ``paged_steps.indexer_step``). One kernel and
+    no host sync, where the reference's masked index write needs one, so a decode step with this cache can be
+    captured in a CUDA graph."""
+    _write_index_keys(cache, k, slot_mapping, norm, rope, exact=True)
+
+
+def _write_index_keys(cache, k, slot_mapping, norm, rope, exact: bool) -> None:
     T = k.shape[0]
     if T == 0:
         return
     k = _contig_rows(k)
     weight, bias, eps = norm if norm is not None else (k, k, 0.0)
     cos, sin, stride_c, half = _rope_args(rope, k)
-    _write_index_kernel[(T,)](k, slot_mapping, cache, cache.view(torch.float32), weight, bias, cos, sin, k.stride(0),
+    bf16 = exact and cache.dtype == torch.bfloat16
+    keys, scales = (cache.view(torch.int16) if bf16 else cache, cache) if exact else (cache, cache.view(torch.float32))
+    _write_index_kernel[(T,)](k, slot_mapping, keys, scales, weight, bias, cos, sin, k.stride(0),
                               stride_c, k.shape[1], half, float(eps), D=ref.INDEX_DIM, BS=cache.shape[1],
-                              NORM=norm is not None, ROPE=rope is not None, DT=DTYPE_CODES[k.dtype], num_warps=1)
+                              NORM=norm is not None, ROPE=rope is not None, DT=DTYPE_CODES[k.dtype], EXACT=exact,
+                              BF16=bf16, num_warps=1)
 
 
 def latent_query(q_abs, q_pe, rope=None):
