@@ -1,21 +1,28 @@
-"""Runner: prefill / decode / greedy generate over the compiled program and the paged cache.
+"""Runner: the steps of serving (prefill, decode, verify) over the compiled program and the paged cache.
 
-Built once from a checkpoint directory or a ``Glm5ForCausalLM``: capture, then the match, fuse and cache
-stages (``insert_paged_cache`` makes the caches and the forward context graph inputs), into a
-:class:`~fxglm5.program.PagedProgram`. Each step builds an RTP-shaped :class:`ForwardContext`, validates it (nothing
-runs on a bad one), and runs the program on the flat tokens of the whole batch. The program is compiled with
-``inputs_validated``: the ops' own checks would repeat that validation, and could not run inside a CUDA graph. On a
-CUDA device decode steps replay CUDA graphs captured per batch bucket (:mod:`fxglm5.runtime.decode_graphs`); prefill
-runs the program eagerly.
+Built once from a checkpoint directory or a ``Glm5ForCausalLM`` and a :class:`~fxglm5.runtime.options.RunnerOptions`:
+capture, then the match, fuse and cache stages (``insert_paged_cache`` makes the caches and the forward context graph
+inputs), into a :class:`~fxglm5.program.PagedProgram`. Each step builds an RTP-shaped :class:`ForwardContext`,
+validates it (nothing runs on a bad one), and runs the program on the flat tokens of the whole batch. The program is
+compiled with ``inputs_validated``: the ops' own checks would repeat that validation, and could not run inside a
+CUDA graph. On a CUDA device decode steps replay CUDA graphs captured per batch bucket
+(:mod:`fxglm5.runtime.decode_graphs`); prefill runs the program eagerly.
 
-Requests are admitted one by one: one that does not fit the cache (at prefill or when a decode step
-needs a new block) gets a :class:`CacheFullError` in ``Sequence.error`` and its blocks are released; the
-other requests go on unchanged. Prefill runs the admitted prompts in steps of at most ``max_step_tokens`` flat
-tokens (chunked prefill): a prompt longer than a step's room goes on in the next step behind its cached rows.
+Requests as they come and go are the engine's (:mod:`fxglm5.runtime.engine`: ``add`` / ``step`` / ``abort``);
+``run`` and ``generate`` are short loops over it. The Runner holds what a step needs: the active requests
+(:class:`Sequence`: prompt, output, cached rows, :class:`~fxglm5.runtime.sampling.SamplingParams`), and the steps
+themselves, which the engine and the batch methods (``prefill``, ``decode``, ``decode_steps``, ``speculate``, the
+benches' way in) share. A request that does not fit the cache (at admission or when a step needs a new block)
+gets a :class:`CacheFullError` in ``Sequence.error`` and its blocks are released; the other requests go on
+unchanged. Prompts run in steps of at most ``max_step_tokens`` flat tokens (chunked prefill): a prompt longer than
+a step's room goes on in the next step behind its cached rows; a step may carry other requests' decode tokens beside
+its prompt chunks (``_mixed_step``: a decode token is a chunk of one behind its cached rows). Tokens are sampled on
+the device (:mod:`fxglm5.runtime.sampling`; greedy: ``argmax``, the tie rule of old).
 
 With ``speculative`` (:mod:`fxglm5.runtime.speculative`) a drafter proposes up to k tokens per request and each
-step verifies them in one forward (``speculate``); the tokens are plain greedy decoding's. Verify steps are
-synchronous: the next step's drafts and room depend on this step's acceptance, read on the host.
+step verifies them in one forward (``verify``); greedy requests get plain greedy decoding's tokens, sampled ones
+the target's distribution (speculative sampling). Verify steps are synchronous: the next step's drafts and room
+depend on this step's acceptance, read on the host.
 
 Decode overlaps the host with the device (``decode_steps``, the default of ``run``; SGLang's overlap scheduler,
 vLLM's async scheduling): the sampled tokens stay on the device and are the next step's input ids; the host builds
@@ -41,16 +48,18 @@ from pathlib import Path
 import torch
 
 from fxglm5.errors import CacheFullError, InputError
-from fxglm5.compiler import PREFILL_STEP_TOKENS, compile_model
-from fxglm5.lowering.backend_choice import preferred_backend
+from fxglm5.compiler import compile_model
 from fxglm5.program import CacheSpec, PagedProgram
 from fxglm5.runtime.block_manager import BlockManager
-from fxglm5.runtime.cache import PagedCache, check_cache_size, check_options
+from fxglm5.runtime.cache import PagedCache, check_cache_size
 from fxglm5.runtime.decode_graphs import DecodeGraphs
 from fxglm5.runtime.distributed import agree, digest
 from fxglm5.runtime.forward_context import ForwardContext
+from fxglm5.runtime.options import RunnerOptions
+from fxglm5.runtime.sampling import (GREEDY, Sampled, SamplingParams, generator_for, sample, unpack, verify_sampled,
+                                     with_logprobs)
 from fxglm5.runtime.shard_loader import load_rank, sharded_model
-from fxglm5.runtime.speculative import Acceptance, SpeculativeConfig, accepted_length, check_drafts, verify_rows
+from fxglm5.runtime.speculative import Acceptance, accepted_length, check_drafts, verify_rows
 
 
 def check_lengths(prompts: list[list[int]], max_new_tokens: int, limit: int) -> None:
@@ -107,74 +116,69 @@ class Sequence:
     cached: int = 0  # tokens whose KV rows are in the cache
     prefix_reused: int = 0  # prompt tokens taken from an earlier request's blocks
     acceptance: list[int] = dataclasses.field(default_factory=list)  # tokens emitted per verify step (speculative)
-    stopped: bool = False  # emitted one of the run's stop tokens (its last token) and left
+    stopped: bool = False  # emitted a stop (its last token; or a stop string in its text) and left
+    params: SamplingParams = GREEDY  # how it samples, and its max_tokens and stops
+    generator: torch.Generator | None = dataclasses.field(default=None, repr=False)  # a sampled request's stream
+    token_logprobs: list = dataclasses.field(default_factory=list)  # per generated token, where params.logprobs asks
+    text: object = dataclasses.field(default=None, repr=False)  # its text as it grows (fxglm5.runtime.text)
+    decoding: bool = False  # its prefill (and that of the requests admitted with it) is done: it decodes
+    finish_reason: str | None = None  # once it left: "stop", "length", "abort" or "error"
 
     @property
     def tokens(self) -> Tokens:
         return Tokens(self.prompt, self.output)
 
+    def hit_stop(self) -> bool:
+        """Whether its last token is one of its stop token ids, or its text met one of its stop strings."""
+        return bool(self.output) and (self.output[-1] in self.params.stop_token_ids or
+                                      (self.text is not None and self.text.stopped))
+
 
 class Runner:
-    def __init__(self, model, *, kv_cache: str = "bf16", index_cache: str | None = None, block_size: int = 64,
-                 kernel_block_size: int | None = None, dtype: torch.dtype = torch.float32,
-                 num_blocks: int | None = None, max_cache_tokens: int = 8192, device="cpu", keep_logits=False,
-                 program: PagedProgram | None = None, backend: str | None = None, decode_graphs: bool | None = None,
-                 max_decode_batch: int = 64, disabled_passes=(), tp: int = 1, ep: int | None = None,
-                 speculative: SpeculativeConfig | None = None, drafter=None, mtp_program: PagedProgram | None = None,
-                 max_step_tokens: int = PREFILL_STEP_TOKENS, overlap: bool = True):
-        """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``dtype``); with ``program``, anything
-        with the model's ``config`` and compute ``dtype`` (an exported artifact: ``fxglm5.artifact``). ``kv_cache``: "bf16"
-        (latent rows in the compute dtype) or "fp8" (656-byte ds_mla rows); ``index_cache`` defaults to the
-        same kind (see fxglm5.runtime.cache). The cache holds ``num_blocks`` blocks of ``block_size`` tokens
-        (default: enough for ``max_cache_tokens``). ``program``: the compiled program of another Runner over the
-        same model (``runner.program``), reused (it holds no cache) to skip capture. ``backend``: the kernels the ``lower`` stage
-        prefers ("triton", "aiter", "reference"; default: the best for ``device``, FXGLM5_BACKEND overrides).
-        ``decode_graphs``: replay decode steps of up to ``max_decode_batch`` requests from CUDA graphs (default:
-        on a CUDA device unless ``backend`` is "reference", whose ops sync with the host; on a CPU, True runs the
-        same padded static-buffer steps without capture). ``disabled_passes``: pass names the compile skips.
-        ``tp`` > 1: this process is one of ``tp`` ranks of the process group registered as "tp"
+    def __init__(self, model, options: RunnerOptions | None = None, *, program: PagedProgram | None = None,
+                 drafter=None, mtp_program: PagedProgram | None = None, **keywords):
+        """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``options.dtype``); with ``program``,
+        anything with the model's ``config`` and compute ``dtype`` (an exported artifact: ``fxglm5.artifact``).
+        ``options``: a :class:`~fxglm5.runtime.options.RunnerOptions` (what each setting does is said there), or its
+        fields given as keywords instead (the same object is made from them). ``program``: the compiled program of
+        another Runner over the same model (``runner.program``), reused (it holds no cache) to skip capture.
+        At ``options.tp`` > 1 this process is one of ``tp`` ranks of the process group registered as "tp"
         (``fxglm5.runtime.distributed``); ``model`` must then be a checkpoint directory, of which this rank reads
-        only its slices (``load_report``), with its experts split over ``ep`` ranks (default ``tp``; 1: every
-        expert split along its intermediate dim), or a reader with CheckpointReader's ``config``, ``param`` and
-        ``bytes_read`` (``fxglm5.model.random_reader.RandomReader``: random weights drawn on the device, to measure
-        one rank without the checkpoint). Every rank gets the same logits and so the same tokens.
-        ``speculative``: a SpeculativeConfig; its drafts come from ``drafter`` (any
-        ``fxglm5.runtime.speculative.Drafter``), by default the model's MTP layer (InputError without one);
+        only its slices (``load_report``), or a reader with CheckpointReader's ``config``, ``param`` and
+        ``bytes_read`` (``fxglm5.model.random_reader.RandomReader``: random weights drawn on the device). Every rank
+        gets the same logits and so the same tokens. With ``options.speculative`` the drafts come from ``drafter``
+        (any ``fxglm5.runtime.speculative.Drafter``), by default the model's MTP layer (InputError without one);
         ``acceptance`` then holds the last ``run``'s verify statistics. The MTP drafter needs the target's hidden
         states, so the target graph is then compiled with head "logits+hidden" (a given ``program`` must be one) and
-        the MTP layer's own program (``mtp_program``: another such Runner's ``drafter.program``, reused) with a second
-        paged cache (fxglm5.runtime.mtp_drafter); at ``tp`` > 1 both are sharded, the MTP layer as the target's layers
-        (its rank reads only its slices of the MTP layer too), and every rank drafts and accepts the same tokens. ``max_step_tokens``: the most flat tokens one prefill step
-        computes (chunked prefill, see ``_prefill``): the activations of a step grow with its tokens, and the
-        FP8 GEMMs' int32 offsets overflow at 2^31 elements (131072 tokens x 16384 columns). ``overlap``: ``run``
-        decodes with the overlapped loop (``decode_steps``; the same tokens); False: one ``decode`` at a time."""
-        if isinstance(max_step_tokens, bool) or not isinstance(max_step_tokens, int) or max_step_tokens < 1:
-            raise InputError(f"max_step_tokens: must be a positive integer, got {max_step_tokens!r}")
-        self.max_step_tokens, self.overlap = max_step_tokens, bool(overlap)
-        index_kind, _ = check_options(block_size, kernel_block_size, kv_cache, index_cache)  # before the slow part
-        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
-            raise InputError(f"speculative: expected a SpeculativeConfig or None, got {type(speculative).__name__}")
-
-        preferred_backend(backend)
-        if not isinstance(max_cache_tokens, int) or max_cache_tokens < 1:
-            raise InputError(f"max_cache_tokens: must be a positive integer, got {max_cache_tokens!r}")
+        the MTP layer's own program (``mtp_program``: another such Runner's ``drafter.program``, reused) with a
+        second paged cache (fxglm5.runtime.mtp_drafter); at ``tp`` > 1 both are sharded, the MTP layer as the
+        target's layers, and every rank drafts and accepts the same tokens."""
+        if options is None:
+            options = RunnerOptions(**keywords)
+        elif keywords:
+            raise InputError(f"Runner: give a RunnerOptions or its fields as keywords, not both (got {sorted(keywords)})")
+        elif not isinstance(options, RunnerOptions):
+            raise InputError(f"options: expected a RunnerOptions, got {type(options).__name__}")
+        self.options = o = options
+        self.max_step_tokens, self.overlap = o.max_step_tokens, o.overlap
+        speculative, device, block_size, backend = o.speculative, o.device, o.block_size, o.backend
         self.mapping, self.load_report, reader = None, None, None
-        if tp != 1:
-            model, reader, self.mapping = sharded_model(model, tp, ep, dtype,
+        if o.tp != 1:
+            model, reader, self.mapping = sharded_model(model, o.tp, o.ep, o.dtype,
                                                         mtp=speculative is not None and drafter is None)
-        elif ep not in (None, 1):
-            raise InputError(f"ep={ep}: experts are split over the tp ranks; give tp={ep} too")
+        elif o.ep not in (None, 1):
+            raise InputError(f"ep={o.ep}: experts are split over the tp ranks; give tp={o.ep} too")
         elif isinstance(model, (str, Path)):
             from fxglm5.model.modeling import Glm5ForCausalLM
 
-            model = Glm5ForCausalLM.from_pretrained(model, dtype=dtype, device=device, progress=False,
+            model = Glm5ForCausalLM.from_pretrained(model, dtype=o.dtype, device=device, progress=False,
                                                     mtp=speculative is not None and drafter is None)
         if speculative is not None and drafter is None and getattr(model, "mtp", None) is None:
             raise InputError(f"speculative method {speculative.method!r}: the model has no MTP layer (its config has "
                              "num_nextn_predict_layers = 0, or it was loaded without mtp=True)")
-        self.config, self.device, self.keep_logits = model.config, device, keep_logits
-        num_blocks = num_blocks or -(-max_cache_tokens // block_size) + 1
-        spec = CacheSpec.for_config(self.config, kv_cache, index_kind, model.dtype)
+        self.config, self.device, self.keep_logits = model.config, device, o.keep_logits
+        num_blocks = o.num_blocks or -(-o.max_cache_tokens // block_size) + 1
+        spec = CacheSpec.for_config(self.config, o.kv_cache, o.index_kind, model.dtype)
         check_sizes(self.config, num_blocks, block_size, spec, device)  # before compiling
         self.program, self.pass_results = program, []
         self.with_hidden = speculative is not None and drafter is None  # the MTP drafter reads the target's hidden
@@ -182,7 +186,7 @@ class Runner:
         if program is None:  # a step's flat token count is bounded by the cache, not by one sequence's length
             compiled = compile_model(
                 model, head="logits+hidden" if self.with_hidden else "logits", max_tokens=max_tokens, device=device,
-                backend=backend, disabled_passes=disabled_passes, inputs_validated=True,
+                backend=backend, disabled_passes=o.disabled_passes, inputs_validated=True,
                 **({} if self.mapping is None else {"mapping": self.mapping}))
             self.program, self.pass_results = compiled.program, compiled.results
         if not isinstance(self.program, PagedProgram):
@@ -190,16 +194,17 @@ class Runner:
                              f"{type(self.program).__name__}")
         if self.mapping is not None:
             self.load_report = load_rank(self.program.graph, self.mapping, reader, model, device)
-        self.cache = PagedCache(self.program.cache_spec(kv_cache, index_kind, model.dtype), num_blocks, block_size,
-                                kernel_block_size, device)
+        self.cache = PagedCache(self.program.cache_spec(o.kv_cache, o.index_kind, model.dtype), num_blocks, block_size,
+                                o.kernel_block_size, device)
         self.blocks = BlockManager(num_blocks, block_size)
         on_cuda = torch.device(device).type == "cuda"
+        decode_graphs = o.decode_graphs
         if decode_graphs is None:
             decode_graphs = on_cuda and backend != "reference"
         self.decode_graphs = None
         if decode_graphs:
             longest = min(-(-self.config.max_position_embeddings // block_size), num_blocks)
-            self.decode_graphs = DecodeGraphs(self.program, self.cache.graph_inputs(), max_batch=max_decode_batch,
+            self.decode_graphs = DecodeGraphs(self.program, self.cache.graph_inputs(), max_batch=o.max_decode_batch,
                                               table_width=longest * self.cache.ratio, device=device, capture=on_cuda,
                                               tokens_per_request=1 + (speculative.num_tokens if speculative else 0))
         self.active: list[Sequence] = []
@@ -209,10 +214,9 @@ class Runner:
             from fxglm5.runtime.mtp_drafter import MtpDrafter
 
             self.drafter = MtpDrafter(self, model, mtp_program, max_tokens=max_tokens, backend=backend,
-                                      disabled_passes=disabled_passes, reader=reader)
+                                      disabled_passes=o.disabled_passes, reader=reader)
         # the last step's hidden rows [rows, H] where the graph returns them (head "logits+hidden"), else None
         self.hidden = None
-        self._on_token = None  # run's streaming callback, while a run is in progress
 
     def warm_up(self, max_batch: int | None = None, max_tokens: int | None = None) -> int:
         """Capture before serving every decode graph (with ``speculative``, every verify graph too) that a step of up
@@ -255,13 +259,18 @@ class Runner:
             self.hidden = out.hidden
         return out.logits.float()
 
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> Sampled:
+        """The tokens of a step's logits rows, one per request, each by its own SamplingParams (on the device)."""
+        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+
     def _advance(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        next_tokens = logits.argmax(-1)  # one reduction for the batch, queued behind the step
+        sampled = self._sample(seqs, logits)  # queued behind the step
         for seq in seqs:  # the bookkeeping that needs no new token runs while the device computes the step
             seq.cached = len(seq.tokens)
             self.blocks.commit(seq.id, seq.tokens)
-        for i, (seq, token) in enumerate(zip(seqs, next_tokens.tolist())):  # the step's one device -> host read
-            self._emit(seq, [token])
+        tokens, logprobs = unpack(sampled.host(), [s.params for s in seqs])  # the step's one device -> host read
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            self._emit(seq, [token], [logprobs[i]])
             if self.keep_logits:
                 seq.logits.append(logits[i])
 
@@ -271,25 +280,38 @@ class Runner:
         self._agree("prefill", prompts)
         return self._prefill(prompts)
 
+    def new_sequence(self, prompt, params: SamplingParams = GREEDY, seed: int = 0) -> Sequence:
+        """A request for ``prompt`` (checked), not admitted yet; ``seed``: its random stream where ``params`` samples
+        without a seed of its own."""
+        return Sequence(next(self._ids), self._check_prompt(prompt), params=params,
+                        generator=generator_for(params, self.device, seed))
+
+    def admit(self, seq: Sequence) -> None:
+        """Give ``seq`` its prompt's blocks (the cached prefix reused) and make it active; CacheFullError, with
+        nothing changed, where they do not fit."""
+        seq.cached = seq.prefix_reused = self.blocks.allocate(seq.id, seq.prompt)
+        self.active.append(seq)
+
     def _prefill(self, prompts: list[list[int]]) -> list[Sequence]:
-        seqs = [Sequence(next(self._ids), self._check_prompt(p)) for p in prompts]
+        seqs = [self.new_sequence(p) for p in prompts]
         admitted = []
         for seq in seqs:
             try:
-                seq.cached = seq.prefix_reused = self.blocks.allocate(seq.id, seq.prompt)
+                self.admit(seq)
                 admitted.append(seq)
             except CacheFullError as err:
-                seq.error = err
+                seq.error, seq.finish_reason = err, "error"
         for step in self._chunks(admitted):
             self._prefill_step(step)
-        self.active.extend(admitted)
+        for seq in admitted:
+            seq.decoding = True
         return seqs
 
-    def _chunks(self, seqs: list[Sequence]) -> list[list[tuple[Sequence, int, int]]]:
-        """The prompts' uncached tokens packed in order into steps of at most ``max_step_tokens``: per step,
-        (request, first position, tokens). A request longer than a step's room is split; its next chunk runs in
-        the next step behind its cached rows, as a reused prefix does."""
-        steps, step, room = [], [], self.max_step_tokens
+    def _chunks(self, seqs: list[Sequence], room: int | None = None) -> list[list[tuple[Sequence, int, int]]]:
+        """The prompts' uncached tokens packed in order into steps of at most ``max_step_tokens`` (the first step:
+        ``room``): per step, (request, first position, tokens). A request longer than a step's room is split; its
+        next chunk runs in the next step behind its cached rows, as a reused prefix does."""
+        steps, step, room = [], [], self.max_step_tokens if room is None else room
         for seq in seqs:
             start = seq.cached
             while start < len(seq.prompt):
@@ -304,13 +326,23 @@ class Runner:
     def _prefill_step(self, step: list[tuple[Sequence, int, int]]) -> None:
         """One prefill step; the requests whose prompt it completes get their first token, the others only have
         their cached rows advanced."""
-        seqs = [seq for seq, _, _ in step]
-        ctx = self.context(seqs, [n for _, _, n in step], [a for _, a, _ in step])
-        ids = torch.tensor([t for seq, a, n in step for t in seq.prompt[a:a + n]], device=self.device)
-        ends = list(itertools.accumulate(n for _, _, n in step))
-        done = [b for b, (seq, a, n) in enumerate(step) if a + n == len(seq.prompt)]
-        # logits of the completed prompts' last rows; a step that completes none still asks for one row (unused),
-        # so that the head never runs on zero rows
+        self._mixed_step(step, [])
+
+    def _mixed_step(self, step: list[tuple[Sequence, int, int]], decodes: list[Sequence]) -> None:
+        """One step of prompt chunks (request, first position, tokens) beside one decode token of each of
+        ``decodes`` (their room taken): a prefill step behind each request's cached rows, a decode token being a
+        chunk of one. The decodes and the requests whose prompt it completes get a token; a request that emitted a
+        stop leaves."""
+        chunks = [(seq, seq.cached, 1) for seq in decodes] + step
+        seqs = [seq for seq, _, _ in chunks]
+        ctx = self.context(seqs, [n for _, _, n in chunks], [a for _, a, _ in chunks])
+        ids = torch.tensor([seq.tokens[-1] for seq in decodes] +
+                           [t for seq, a, n in step for t in seq.prompt[a:a + n]], device=self.device)
+        ends = list(itertools.accumulate(n for _, _, n in chunks))
+        done = list(range(len(decodes))) + [len(decodes) + b for b, (seq, a, n) in enumerate(step)
+                                            if a + n == len(seq.prompt)]
+        # logits of the decodes' and the completed prompts' last rows; a step that completes none still asks for one
+        # row (unused), so that the head never runs on zero rows
         last = torch.tensor([ends[b] - 1 for b in done] or [ends[-1] - 1], device=self.device)
         if not self.with_hidden:
             logits = self.step(ctx, ids, rows=last)
@@ -318,17 +350,25 @@ class Runner:
             logits = self.step(ctx, ids, rows=torch.arange(len(ids), device=self.device))[last]
         for seq, a, n in step:  # a prompt's full blocks are committed (hashed) with its first token, in _advance
             seq.cached = a + n
-        if done:
-            self._advance([seqs[b] for b in done], logits)
-        if self.drafter is not None:
+        emitting = [seqs[b] for b in done]
+        if emitting:
+            self._advance(emitting, logits)
+        if self.drafter is not None and step:
             self.drafter.start(step, self.hidden)
+        self._stop(emitting)
 
     def decode(self) -> list[Sequence]:
         """One decode step for every active request (a request without room gets CacheFullError and leaves); the
         new tokens are read before it returns."""
-        running = self._room_for_one()
+        return self.decode_once(list(self.active))
+
+    def decode_once(self, seqs: list[Sequence]) -> list[Sequence]:
+        """One decode step of ``seqs`` (each given room first, or CacheFullError), its tokens read; a request that
+        emitted a stop leaves. Returns the requests stepped."""
+        running = self._room_for_one(seqs)
         if running:
             self._advance(running, self._decode_step(running, torch.tensor([s.tokens[-1] for s in running])))
+            self._stop(running)
         return running
 
     def _room_for_one(self, seqs: list[Sequence] | None = None) -> list[Sequence]:
@@ -340,7 +380,7 @@ class Runner:
                 self.blocks.extend(seq.id, seq.cached + 1)
                 running.append(seq)
             except CacheFullError as err:
-                seq.error = err
+                seq.error, seq.finish_reason = err, "error"
                 self._leave(seq)
                 failed.add(seq.id)
         self.active = [seq for seq in self.active if seq.id not in failed]
@@ -351,34 +391,39 @@ class Runner:
         (it leaves: ``stopped``) or has no room; with ``overlap`` the host runs one step ahead of the device (see
         the module docstring), else one ``decode`` at a time. The tokens are the same either way."""
         stop = frozenset(stop_tokens)
+        for seq in self.active:
+            seq.params = seq.params.replace(max_tokens=max_new_tokens, stop_token_ids=stop)
         if not self.overlap:
-            while any(len(s.output) < max_new_tokens for s in self.active):
-                running = self._room_for_one([s for s in self.active if len(s.output) < max_new_tokens])
-                if not running:
-                    continue
-                self._advance(running, self._decode_step(running, torch.tensor([s.tokens[-1] for s in running])))
-                self._stop(running, stop)
-            return
-        flight = None  # the step on the device whose tokens the host has not read
-        while True:
-            ahead = set() if flight is None else {s.id for s in flight.seqs}
-            running = [s for s in self.active if len(s.output) + (s.id in ahead) < max_new_tokens]
-            if flight is not None and not (running and self.blocks.fits_unevicted(
-                    [(s.id, s.cached + 1) for s in running])):
-                flight = self._read(flight, stop)  # nothing left to launch, or room only as the plain loop takes it
-                continue
-            if not running:
-                return
-            running = self._room_for_one(running)
-            if not running:
-                continue
-            logits = self._decode_step(running, self._next_ids(running, flight))
-            for seq in running:  # its row is written on the device, in stream order before any reader
-                seq.cached += 1
-            launched = _Launched(running, logits.argmax(-1), logits if self.keep_logits else None)
-            if flight is not None:
-                self._read(flight, stop)
-            flight = launched
+            while True:
+                wanting = [s for s in self.active if len(s.output) < s.params.max_tokens]
+                if not wanting:
+                    return
+                self.decode_once(wanting)
+        flight, more = None, True
+        while more:
+            flight, more = self.overlap_round(flight)
+
+    def overlap_round(self, flight: "_Launched | None") -> tuple["_Launched | None", bool]:
+        """One turn of the overlapped decode loop (module docstring): launch the next decode step of the active
+        requests below their ``max_tokens`` (fed the step in flight's tokens on the device) and then read the step in
+        flight, or only read it where nothing can be launched ahead. Returns (the step now in flight, whether
+        anything was done)."""
+        ahead = set() if flight is None else {s.id for s in flight.seqs}
+        running = [s for s in self.active if s.decoding and len(s.output) + (s.id in ahead) < s.params.max_tokens]
+        if flight is not None and not (running and self.blocks.fits_unevicted([(s.id, s.cached + 1) for s in running])):
+            return self._read(flight), True  # nothing left to launch, or room only as the plain loop takes it
+        if not running:
+            return None, False
+        running = self._room_for_one(running)
+        if not running:
+            return flight, True
+        logits = self._decode_step(running, self._next_ids(running, flight))
+        for seq in running:  # its row is written on the device, in stream order before any reader
+            seq.cached += 1
+        launched = _Launched(running, self._sample(running, logits), logits if self.keep_logits else None)
+        if flight is not None:
+            self._read(flight)
+        return launched, True
 
     def _next_ids(self, seqs: list[Sequence], flight: "_Launched | None") -> torch.Tensor:
         """The input ids of the next step: the last tokens from the host after a read, else the step in flight's
@@ -393,28 +438,29 @@ class Runner:
             index = index.pin_memory().to(flight.tokens.device, non_blocking=True)
         return flight.tokens[index]
 
-    def _read(self, flight: "_Launched", stop: frozenset) -> None:
+    def _read(self, flight: "_Launched") -> None:
         """Wait for the step in flight's tokens (its one event) and apply them as ``_advance`` and ``_stop`` do; a
-        request that stopped before this step gets nothing from it. Returns None (no step in flight)."""
-        tokens = flight.wait()
+        request that left before this step (a stop, an abort) gets nothing from it. Returns None (no step in
+        flight)."""
+        tokens, logprobs = flight.wait()
         live = []
         for i, (seq, token) in enumerate(zip(flight.seqs, tokens)):
-            if seq.stopped:
+            if seq.finish_reason is not None:
                 continue
             self.blocks.commit(seq.id, seq.tokens)  # the rows before this token: the plain loop commits them now too
-            self._emit(seq, [token])
+            self._emit(seq, [token], [logprobs[i]])
             if self.keep_logits:
                 seq.logits.append(flight.logits[i])
             live.append(seq)
-        self._stop(live, stop)
+        self._stop(live)
         return None
 
-    def _stop(self, seqs: list[Sequence], stop: frozenset) -> None:
-        """Requests whose last token is a stop token leave; room taken for a step launched past it is given back
-        first, so the blocks are those the plain loop leaves."""
+    def _stop(self, seqs: list[Sequence]) -> None:
+        """Requests that emitted a stop (a stop token id, or a stop string in their text) leave; room taken for a
+        step launched past it is given back first, so the blocks are those the plain loop leaves."""
         for seq in seqs:
-            if seq.output[-1] in stop:
-                seq.stopped = True
+            if seq.hit_stop():
+                seq.stopped, seq.finish_reason = True, "stop"
                 if seq.cached > len(seq.tokens) - 1:
                     seq.cached = len(seq.tokens) - 1
                     self.blocks.truncate(seq.id, seq.cached)
@@ -422,40 +468,91 @@ class Runner:
 
     def speculate(self, max_new_tokens: int) -> list[Sequence]:
         """One verify step for every active request with fewer than ``max_new_tokens`` tokens (those done leave
-        ``active``); returns the requests stepped. Room is given as decode gives it (a request that cannot grow
-        by one token gets CacheFullError) before any draft is given room, and drafts never take a request past
-        ``max_new_tokens``: a request runs out of room only where its next token has none, as in decode (which
-        request that is can differ from plain decoding's, since requests move up to k+1 tokens a step)."""
-        k, bs = self.speculative.num_tokens, self.blocks.block_size
+        ``active``); returns the requests stepped. See :meth:`verify`."""
+        for seq in self.active:
+            seq.params = seq.params.replace(max_tokens=max_new_tokens)
         self.active = [seq for seq in self.active if len(seq.output) < max_new_tokens]
-        running = self._room_for_one()
+        return self.verify(list(self.active))
+
+    def verify(self, seqs: list[Sequence]) -> list[Sequence]:
+        """One verify step of ``seqs`` (each below its ``max_tokens``); returns the requests stepped. Room is given
+        as decode gives it (a request that cannot grow by one token gets CacheFullError) before any draft is given
+        room, and drafts never take a request past its ``max_tokens``: a request runs out of room only where its
+        next token has none, as in decode (which request that is can differ from plain decoding's, since requests
+        move up to k+1 tokens a step). Greedy requests accept the drafts their argmax confirms; sampled ones by
+        speculative sampling (fxglm5.runtime.sampling.verify_sampled). A request whose emitted tokens meet a stop
+        keeps them up to it and leaves."""
+        k, bs = self.speculative.num_tokens, self.blocks.block_size
+        running = self._room_for_one(seqs)
         if not running:
             return running
         counts = []
         for seq in running:  # the drafts that fit: the free blocks go to the requests in order
             room = (len(self.blocks.tables[seq.id]) + self.blocks.num_free) * bs - seq.cached - 1
-            counts.append(min(k, max_new_tokens - len(seq.output) - 1, room))
+            counts.append(min(k, seq.params.max_tokens - len(seq.output) - 1, room))
             self.blocks.extend(seq.id, seq.cached + 1 + counts[-1])
         drafts = check_drafts(self.drafter.propose(running, counts), counts, self.config.vocab_size)
         ids = [t for seq, d in zip(running, drafts) for t in (seq.tokens[-1], *d)]
         logits = self._verify_step(running, counts, ids)
-        accepted, start = [], 0
-        for seq, d, targets in zip(running, drafts, verify_rows(logits, counts)):
-            a = len(d) if self.speculative.accept_all else accepted_length(d, targets)
-            self._emit(seq, d[:a])  # the accepted drafts' rows are now cached: commit them, then the target's token
+        starts = list(itertools.accumulate((n + 1 for n in counts), initial=0))
+        verdicts = self._judge(running, drafts, logits, starts)
+        accepted, stopped = [], []
+        for seq, d, start, (a, token, logprobs) in zip(running, drafts, starts, verdicts):
+            emitted = 0
+            for draft in d[:a]:  # the accepted drafts' rows are now cached: commit them, then the target's token
+                self._emit(seq, [draft], logprobs[emitted:emitted + 1])
+                emitted += 1
+                if seq.hit_stop():
+                    break
             seq.cached = len(seq.tokens)
             self.blocks.commit(seq.id, seq.tokens)
-            self._emit(seq, [targets[a]])
+            if not seq.hit_stop():
+                self._emit(seq, [token], logprobs[emitted:emitted + 1])
+                emitted += 1
             if self.keep_logits:
-                seq.logits.extend(logits[start:start + a + 1])
-            start += len(d) + 1
+                seq.logits.extend(logits[start:start + emitted])
             seq.acceptance.append(a + 1)
             self.acceptance.add(len(d), a + 1)
             accepted.append(a)
+            stopped.append(seq.hit_stop())
         for seq in reversed(running):  # last first: the free list gets back the order plain decoding leaves it in
             self.blocks.truncate(seq.id, seq.cached)
-        self.drafter.accepted(running, counts, accepted, self.hidden)
+        self._stop([seq for seq, s in zip(running, stopped) if s])
+        going = [b for b, s in enumerate(stopped) if not s]
+        if len(going) == len(running):
+            self.drafter.accepted(running, counts, accepted, self.hidden)
+        elif going:
+            rows = [r for b in going for r in range(starts[b], starts[b] + counts[b] + 1)]
+            hidden = None if self.hidden is None else self.hidden[torch.tensor(rows, device=self.hidden.device)]
+            self.drafter.accepted([running[b] for b in going], [counts[b] for b in going],
+                                  [accepted[b] for b in going], hidden)
         return running
+
+    def _judge(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor,
+               starts: list[int]) -> list[tuple[int, int, list]]:
+        """Per request of a verify step: (drafts accepted a, the token after them, the log-probabilities of the a+1
+        emitted tokens where it asked for them, else Nones)."""
+        out: list = [None] * len(seqs)
+        sampled = [b for b, seq in enumerate(seqs) if not seq.params.greedy]
+        if len(sampled) < len(seqs):
+            for b, targets in enumerate(verify_rows(logits, [len(d) for d in drafts])):  # one device -> host read
+                if seqs[b].params.greedy:
+                    d = drafts[b]
+                    a = len(d) if self.speculative.accept_all else accepted_length(d, targets)
+                    out[b] = (a, targets[a])
+        if sampled:
+            verdicts = torch.stack([verify_sampled(logits[starts[b]:starts[b + 1]], drafts[b], seqs[b].params,
+                                                   seqs[b].generator) for b in sampled]).tolist()
+            for b, (a, token) in zip(sampled, verdicts):
+                out[b] = (a, token)
+        return [(a, token, self._verify_logprobs(seq, logits[start:start + a + 1], d[:a] + [token]))
+                for seq, d, start, (a, token) in zip(seqs, drafts, starts, out)]
+
+    def _verify_logprobs(self, seq: Sequence, rows: torch.Tensor, tokens: list[int]) -> list:
+        if seq.params.logprobs is None:
+            return [None] * len(tokens)
+        sampled = with_logprobs(torch.tensor(tokens, device=rows.device), rows, [seq.params] * len(tokens))
+        return unpack(sampled.host(), [seq.params] * len(tokens))[1]
 
     def _verify_step(self, seqs: list[Sequence], counts: list[int], ids: list[int]) -> torch.Tensor:
         """Logits [T, V] of every token of a verify step: from the static buffers (a CUDA graph on a GPU) when every
@@ -492,39 +589,38 @@ class Runner:
         if seq in self.active:
             self.active.remove(seq)
 
-    def _emit(self, seq: Sequence, tokens: list[int]) -> None:
-        """``tokens`` join the request's output, and the ``run``'s ``on_token`` hears of each."""
+    @staticmethod
+    def _emit(seq: Sequence, tokens: list[int], logprobs: list | None = None) -> None:
+        """``tokens`` join the request's output (their log-probabilities, where it asked, its ``token_logprobs``;
+        its text, where it has one, grows)."""
         seq.output.extend(tokens)
-        if self._on_token is not None:
+        if seq.params.logprobs is not None:
+            seq.token_logprobs.extend(logprobs)
+        if seq.text is not None:
             for token in tokens:
-                self._on_token(seq, token)
+                seq.text.push(token)
 
     def run(self, prompts: list[list[int]], max_new_tokens: int, stop_tokens=(), on_token=None) -> list[Sequence]:
-        """Greedy generation for a batch; rejected requests carry ``error`` and the rest are unaffected. A request
-        that emits one of ``stop_tokens`` (e.g. the config's eos ids) ends there, the stop token its last.
-        ``on_token(seq, token)`` is called for every token as the host learns it (streaming), each request's in
-        order; ``seq`` is the request's Sequence, ``run``'s result in the order of ``prompts``."""
+        """Greedy generation for a batch, through the request-level engine (fxglm5.runtime.engine: the prompts
+        added, then steps until every request is done); rejected requests carry ``error`` and the rest are
+        unaffected. A request that emits one of ``stop_tokens`` (e.g. the config's eos ids) ends there, the stop
+        token its last. ``on_token(seq, token)`` is called for every token as the host learns it (streaming), each
+        request's in order; ``seq`` is the request's Sequence, ``run``'s result in the order of ``prompts``."""
+        from fxglm5.runtime.engine import Engine
+
         self._agree("run", prompts, max_new_tokens, sorted(stop_tokens))
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
         stop = check_stop_tokens(stop_tokens, self.config.vocab_size)
-        if stop and self.speculative is not None:
-            raise InputError("stop_tokens: not with speculative decoding (a verify step emits several tokens)")
         check_lengths(prompts, max_new_tokens, self.config.max_position_embeddings)
         self.acceptance = Acceptance()
-        self._on_token = on_token
-        try:
-            seqs = self._prefill(prompts)
-            if self.speculative is None:
-                self._stop(list(self.active), stop)  # a first token may already be a stop token
-                self.decode_steps(max_new_tokens, stop)
-            else:
-                while self.speculate(max_new_tokens):
-                    pass
-        finally:
-            self._on_token = None
-        for seq in seqs:
-            self.release(seq)
+        engine = Engine(self, wait_for_room=False)
+        params = GREEDY.replace(max_tokens=max_new_tokens, stop_token_ids=stop)
+        seqs = [engine.request(engine.add(prompt, params)) for prompt in prompts]
+        while engine.has_work():
+            for out in engine.step():
+                for token in out.tokens if on_token is not None else ():
+                    on_token(out.sequence, token)
         return seqs
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_tokens=(),
@@ -560,18 +656,19 @@ def check_stop_tokens(stop_tokens, vocab: int) -> frozenset:
 
 class _Launched:
     """A decode step launched on the device: its requests, its sampled tokens there (the next step's input ids),
-    their copy into pinned host memory and the event after it (the loop's one wait on the device)."""
+    their copy (with any log-probabilities) into pinned host memory and the event after it (the loop's one wait on
+    the device)."""
 
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, logits: torch.Tensor | None):
-        self.seqs, self.tokens, self.logits, self.done = seqs, tokens, logits, None
-        self.host = tokens
-        if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
+    def __init__(self, seqs: list[Sequence], sampled: Sampled, logits: torch.Tensor | None):
+        self.seqs, self.tokens, self.logits, self.done = seqs, sampled.tokens, logits, None
+        self.host = sampled.host()
+        if self.tokens.is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                         for t in self.host]
             self.done = torch.cuda.Event()
             self.done.record()
 
-    def wait(self) -> list[int]:
+    def wait(self) -> tuple[list[int], list]:
         if self.done is not None:
             self.done.synchronize()
-        return self.host.tolist()
+        return unpack(self.host, [s.params for s in self.seqs])
