@@ -32,7 +32,7 @@ from fxglm5.capture.by_kind import PREFIX, context_depth, layer_copies, stitch
 from fxglm5.capture.layer_kinds import KindPlan, Unprovable, plan_kinds
 from fxglm5.compiler import (MAX_STEP_TOKENS, Compiled, Stage, compile_model, lower_for_device, pass_source_hashes,
                              place_loaded_graph)
-from fxglm5.errors import CheckpointError
+from fxglm5.errors import CheckpointError, InputError
 from fxglm5.model.config import Glm5Config
 
 __all__ = ["Artifact", "export_artifact", "load_artifact", "check_out_path",
@@ -76,12 +76,17 @@ class Artifact:
         return lower_for_device(self.graph(), self.config, device=device, backend=backend, head=self.head,
                                 disabled_passes=disabled_passes, inputs_validated=inputs_validated)
 
-    def runner(self, *, device="cpu", backend: str | None = None, disabled_passes=(), **runner_options):
-        """A :class:`~fxglm5.runtime.runner.Runner` serving this artifact (options as the Runner's)."""
+    def runner(self, options=None, **runner_options):
+        """A :class:`~fxglm5.runtime.runner.Runner` serving this artifact: ``options`` a
+        :class:`~fxglm5.runtime.options.RunnerOptions`, or its fields as keywords."""
+        from fxglm5.runtime.options import RunnerOptions
         from fxglm5.runtime.runner import Runner
 
-        compiled = self.compile(device, backend, disabled_passes)
-        runner = Runner(self, program=compiled.program, device=device, backend=backend, **runner_options)
+        if options is not None and runner_options:
+            raise InputError(f"runner: give a RunnerOptions or its fields as keywords, not both ({sorted(runner_options)})")
+        options = RunnerOptions(**runner_options) if options is None else options
+        compiled = self.compile(options.device, options.backend, options.disabled_passes)
+        runner = Runner(self, options, program=compiled.program)
         runner.pass_results = compiled.results
         return runner
 

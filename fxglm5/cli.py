@@ -181,7 +181,7 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     check_device(args.device)
     if args.max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be a non-negative integer, got {args.max_new_tokens}")
-    from fxglm5.runtime.runner import Runner, check_lengths
+    from fxglm5.runtime.runner import check_lengths
 
     check_lengths(prompts, args.max_new_tokens, config.max_position_embeddings)  # before a cache is sized from them
     speculative = _speculative(args, artifact)
@@ -200,9 +200,11 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     elif args.max_new_tokens == 0:
         outputs = [[] for _ in prompts]
     else:
-        options = _paged_options(args, prompts, disabled)
-        runner = artifact.runner(device=args.device, **options) if artifact else Runner(
-            args.model, dtype=args.dtype, device=args.device, speculative=speculative, **options)
+        from fxglm5.runtime.options import RunnerOptions
+        from fxglm5.serve.build import build_runner
+
+        runner = build_runner(artifact or args.model, RunnerOptions(
+            dtype=args.dtype, device=args.device, speculative=speculative, **_paged_options(args, prompts, disabled)))
         if tokenizer is not None and not args.ids and len(prompts) == 1:
             printer = _Printer(tokenizer)
         outputs = runner.generate(prompts, args.max_new_tokens, stop, on_token=printer)
@@ -298,8 +300,6 @@ def _generate_sharded(args: argparse.Namespace, artifact, prompts: list[list[int
                       tokenizer, stop: frozenset, speculative=None) -> int:
     """``generate --tp N``: N ranks (started here, or joined under torchrun) each run the sharded Runner on the
     same request; rank 0 prints the tokens (or their text), which every rank computed alike."""
-    from fxglm5.runtime.distributed import launch
-
     if artifact is not None:
         raise InputError(f"--tp {args.tp}: each rank reads its slices of a checkpoint directory; {args.model} is an "
                          "exported artifact")
@@ -314,25 +314,18 @@ def _generate_sharded(args: argparse.Namespace, artifact, prompts: list[list[int
     if args.max_new_tokens == 0:
         _print_outputs([[] for _ in prompts])
         return 0
-    options = dict(_paged_options(args, prompts, disabled), dtype=args.dtype, ep=args.ep, speculative=speculative)
-    rank, (outputs, acceptance) = launch(generate_on_rank, args.tp, args.model, prompts, args.max_new_tokens, options,
-                                         sorted(stop), device=args.device)
+    from fxglm5.runtime.options import RunnerOptions
+    from fxglm5.serve.build import generate_on_rank, on_ranks
+
+    options = RunnerOptions(dtype=args.dtype, ep=args.ep, speculative=speculative, tp=args.tp, device=args.device,
+                            **_paged_options(args, prompts, disabled))
+    rank, (outputs, acceptance) = on_ranks(generate_on_rank, args.model, options, prompts, args.max_new_tokens,
+                                           sorted(stop))
     if rank == 0:
         _print_outputs(outputs, None if args.ids else tokenizer)
         if speculative is not None:
             _print_acceptance(*acceptance, speculative)
     return 0
-
-
-def generate_on_rank(rank, model: str, prompts: list[list[int]], max_new_tokens: int, options: dict,
-                     stop_tokens=()) -> tuple[list[list[int]], tuple[float, int]]:
-    """One rank of ``generate --tp``: its sharded Runner's greedy tokens, and the mean acceptance length and verify
-    steps of a speculative run (every rank verifies alike)."""
-    from fxglm5.runtime.runner import Runner
-
-    runner = Runner(model, tp=rank.world, device=rank.device, **options)
-    outputs = runner.generate(prompts, max_new_tokens, stop_tokens)
-    return outputs, (runner.acceptance.mean_length, runner.acceptance.steps)
 
 
 # ---- export -------------------------------------------------------------------------------------
@@ -390,13 +383,14 @@ def _demo(args: argparse.Namespace) -> int:
         make_tiny_checkpoint(target, fp8=True, seed=0)
     from fxglm5.model.generate import greedy_generate
     from fxglm5.model.modeling import Glm5ForCausalLM
-    from fxglm5.runtime.runner import Runner
+    from fxglm5.runtime.options import RunnerOptions
+    from fxglm5.serve.build import build_runner
 
     import torch
 
     _stage(f"loading it and compiling the model ({args.dtype})")
     model = Glm5ForCausalLM.from_pretrained(target, dtype=args.dtype, device="cpu", progress=False)
-    runner = Runner(model, kv_cache="bf16", block_size=16, dtype=model.dtype, max_cache_tokens=256)
+    runner = build_runner(model, RunnerOptions(kv_cache="bf16", block_size=16, dtype=model.dtype, max_cache_tokens=256))
     from fxglm5.model.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_checkpoint(target, model.config)
@@ -418,6 +412,70 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"compiled graph over a paged KV cache ({passes}); same tokens as the full-recompute model: "
           f"{'yes' if tokens == reference else 'NO'}")
     return 0 if tokens == reference else 1
+
+
+# ---- serve -------------------------------------------------------------------------------------
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory, or an artifact file (fxglm5 export)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0: any free port, printed once "
+                                                          "listening (default: %(default)s)")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model name clients give (default: the --model argument as written)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute dtype (default: float32 for a checkpoint directory, the artifact's own for a .pt2)")
+    p.add_argument("--kv-cache", choices=["bf16", "fp8"], default="bf16",
+                   help="paged latent cache: the compute dtype (bf16) or FP8 ds_mla rows (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=64, help="paged cache block size in tokens (default: %(default)s)")
+    p.add_argument("--max-cache-tokens", type=int, default=8192,
+                   help="tokens the paged cache holds over all requests (default: %(default)s)")
+    p.add_argument("--max-step-tokens", type=int, default=16384,
+                   help="the most tokens one step computes: prompt chunks beside the decodes (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="unfinished requests at most; past it a request gets 429 (default: %(default)s)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks (gloo on cpu, NCCL on cuda): rank 0 serves HTTP, every rank runs each "
+                        "step (default: %(default)s)")
+    p.add_argument("--ep", type=int, metavar="N", help="expert-parallel ranks with --tp: N (default) or 1")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default: %(default)s)")
+    p.add_argument("--speculative", choices=["mtp"], help="speculative decoding with the checkpoint's MTP layer")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="drafts per step with --speculative (1..4)")
+    _pass_options(p, dump=False)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """``fxglm5 serve``: build the engine (every rank at --tp), then serve the OpenAI API until interrupted."""
+    from fxglm5.model.config import Glm5Config
+    from fxglm5.runtime.options import RunnerOptions
+    from fxglm5.serve.app import ServeSettings, serve
+    from fxglm5.serve.build import build_engine, load_source, on_ranks, serve_on_rank
+
+    check_device(args.device)
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port: {args.port} is not a port number (0..65535)")
+    if args.max_queue < 1:
+        raise InputError(f"--max-queue: must be a positive integer, got {args.max_queue}")
+    args.backend = "paged"
+    artifact = None if Path(args.model).is_dir() else load_source(args.model)
+    speculative = _speculative(args, artifact)
+    dtype = args.dtype or (str(artifact.dtype).removeprefix("torch.") if artifact is not None else "float32")
+    options = RunnerOptions(dtype=dtype, device=args.device, kv_cache=args.kv_cache, block_size=args.block_size,
+                            max_cache_tokens=args.max_cache_tokens, max_step_tokens=args.max_step_tokens,
+                            disabled_passes=disabled_passes(args.disable_passes), speculative=speculative, tp=args.tp,
+                            ep=args.ep)
+    settings = ServeSettings(args.host, args.port, args.served_model_name or args.model, args.max_queue)
+    if args.tp != 1:
+        if artifact is not None:
+            raise InputError(f"--tp {args.tp}: each rank reads its slices of a checkpoint directory; {args.model} "
+                             "is an exported artifact")
+        from fxglm5.parallel import Mapping
+
+        Mapping(tp=args.tp, ep=args.tp if args.ep is None else args.ep).check(
+            Glm5Config.from_json(Path(args.model) / "config.json"))
+        on_ranks(serve_on_rank, args.model, options, settings)
+        return 0
+    serve(build_engine(artifact or args.model, options), settings)
+    return 0
 
 
 # ---- inspect ------------------------------------------------------------------------------------
@@ -467,6 +525,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "generate": Subcommand("greedy generation from token ids (paged KV cache, or --backend reference)", _generate_args, _generate_cmd),
     "export": Subcommand("export a checkpoint as one artifact file (compiled program + safetensors weights)",
                          _export_args, _export),
+    "serve": Subcommand("serve the OpenAI API (completions, chat, streaming) over HTTP", _serve_args, _serve),
     "demo": Subcommand("make the tiny FP8 checkpoint (cached) and generate from it", _demo_args, _demo),
     "inspect": Subcommand("print the pass pipeline: matches and time per pass, op histogram before/after", _inspect_args, _inspect),
 }

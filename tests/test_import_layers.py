@@ -35,7 +35,7 @@ LAYERS = [
     ("compiler", ["fxglm5.compiler", "fxglm5.program"]),
     ("runtime", ["fxglm5.runtime"]),
     ("front doors", ["fxglm5", "fxglm5.cli", "fxglm5.backend", "fxglm5.artifact", "fxglm5.artifact_format",
-                     "fxglm5.rtpllm"]),
+                     "fxglm5.serve", "fxglm5.rtpllm"]),
 ]
 
 

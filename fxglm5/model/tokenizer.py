@@ -61,14 +61,18 @@ class Tokenizer:
 
     def chat(self, text: str) -> list[int]:
         """``text`` as the user's message under the checkpoint's chat template, the assistant's turn opened."""
+        return self.encode(self.render_chat([{"role": "user", "content": text}]))
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """``messages`` (each a dict with ``role`` and ``content``) under the checkpoint's chat template, the
+        assistant's turn opened: the text to encode."""
         if not self.chat_template:
             raise CheckpointError(f"{self.where}/{TOKENIZER_CONFIG}: no chat_template for --chat")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        rendered = env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": text}], add_generation_prompt=True, **self.special)
-        return self.encode(rendered)
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=True,
+                                                          **self.special)
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=True)
