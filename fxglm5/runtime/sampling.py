@@ -137,17 +137,26 @@ def unpack(host: list, params: list[SamplingParams]) -> tuple[list[int], list[Op
     return tokens, out
 
 
+def _column(values: list, device, dtype=torch.float32) -> Tensor:
+    """Per-row values on ``device`` without waiting for it: through pinned memory, non-blocking, on a GPU (a
+    pageable copy would wait for the step in flight and undo the overlapped loop)."""
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def probabilities(logits: Tensor, params: list[SamplingParams]) -> Tensor:
     """float32 [n, V]: each row's distribution after its temperature, top-k and top-p (rows of sampled requests)."""
-    x = logits.float() / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
-    V = x.shape[-1]
-    k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=x.device)
-    top_p = torch.tensor([p.top_p for p in params], device=x.device)
-    if bool((k < V).any()) or bool((top_p < 1).any()):
+    device, V = logits.device, logits.shape[-1]
+    x = logits.float() / _column([p.temperature for p in params], device)[:, None]
+    if any(0 < p.top_k < V or p.top_p < 1 for p in params):  # decided on the host: no read of the device
+        k = _column([p.top_k if 0 < p.top_k < V else V for p in params], device, torch.int64)
         ordered, order = x.sort(-1, descending=True)
-        keep = torch.arange(V, device=x.device)[None] < k[:, None]
+        keep = torch.arange(V, device=device)[None] < k[:, None]
         probs = ordered.masked_fill(~keep, -math.inf).softmax(-1)
-        keep &= probs.cumsum(-1) - probs < top_p[:, None]  # the smallest prefix whose mass reaches top_p
+        # the smallest prefix whose mass reaches top_p
+        keep &= probs.cumsum(-1) - probs < _column([p.top_p for p in params], device)[:, None]
         x = torch.full_like(x, -math.inf).scatter(1, order, ordered.masked_fill(~keep, -math.inf))
     return x.softmax(-1)
 
@@ -164,7 +173,7 @@ def sample(logits: Tensor, params: list[SamplingParams], generators: list) -> Sa
     tokens = logits.argmax(-1)  # greedy rows, and the whole step where no request samples
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        index = torch.tensor(rows, device=logits.device)
+        index = _column(rows, logits.device, torch.int64)
         chosen = race(probabilities(logits[index], [params[i] for i in rows]), [generators[i] for i in rows])
         tokens = tokens.index_copy(0, index, chosen)
     return with_logprobs(tokens, logits, params)
@@ -186,7 +195,7 @@ def verify_sampled(logits: Tensor, drafts: list[int], params: SamplingParams, ge
     V exponentials, from ``gen``; nothing is read to the host."""
     n = len(drafts)
     probs = probabilities(logits, [params] * (n + 1))
-    d = torch.tensor(drafts + [0], device=logits.device)
+    d = _column(drafts + [0], logits.device, torch.int64)
     u = torch.rand(n, device=logits.device, generator=gen)
     accept = u < probs[torch.arange(n, device=logits.device), d[:n]]
     a = accept.long().cumprod(0).sum() if n else torch.zeros((), dtype=torch.long, device=logits.device)
