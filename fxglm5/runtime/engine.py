@@ -9,9 +9,11 @@ runs the same steps.
 A step:
 
 1. **Admission.** The waiting requests are given their prompt's blocks (prefix reuse) in the order they came, and
-   become one *wave*. One that does not fit waits, with those behind it, while other requests hold blocks (they
-   will give them back); with ``wait_for_room=False`` (``run``'s batch semantics), or when nothing else holds
-   blocks, it fails at once with CacheFullError.
+   become one *wave*. With ``wait_for_room`` (the server's engine) a request is admitted only where the free blocks
+   cover what it and every admitted request need to reach their ``max_tokens``, so no request runs out of room
+   while decoding; otherwise it waits, with those behind it, for the running ones to give blocks back (alone, it
+   is admitted if its prompt fits). With ``wait_for_room=False`` (``run``'s batch semantics) a request whose prompt
+   does not fit fails at once with CacheFullError, and one that runs out of room while decoding fails then.
 2. **Prefill beside decode.** While some wave still has prompt tokens to compute, the step takes the requests that
    decode (those of waves already done) and packs prompt chunks of the pending waves, in order, into the rest of
    the ``max_step_tokens`` budget (``Runner._mixed_step``: one forward). A wave's requests start decoding together
@@ -183,17 +185,30 @@ class Engine:
         r, wave = self.runner, []
         while self._waiting:
             seq = self._waiting[0]
+            busy = bool(r.active) or self._flight is not None
+            if self.wait_for_room and busy and self._blocks_to_finish(seq) + self._reserved() > r.blocks.num_free:
+                break  # admitted, it could run the others out of room: it waits for them to give blocks back
             try:
                 r.admit(seq)
             except CacheFullError as err:
-                if self.wait_for_room and (r.active or self._flight is not None):
-                    break  # the requests running will give blocks back
+                if self.wait_for_room and busy:
+                    break
                 seq.error, seq.finish_reason = err, "error"
             self._waiting.popleft()
             if seq.finish_reason is None:
                 wave.append(seq)
         if wave:
             self._waves.append(wave)
+
+    def _blocks_to_finish(self, seq) -> int:
+        """The blocks ``seq`` holds once it has all its ``max_tokens`` (a cached prefix counted as new: an upper
+        bound)."""
+        return -(-(len(seq.prompt) + seq.params.max_tokens) // self.runner.blocks.block_size)
+
+    def _reserved(self) -> int:
+        """The blocks the admitted requests still need to finish."""
+        tables = self.runner.blocks.tables
+        return sum(max(self._blocks_to_finish(s) - len(tables.get(s.id, ())), 0) for s in self.runner.active)
 
     def _outputs(self) -> list[Output]:
         r, out = self.runner, []

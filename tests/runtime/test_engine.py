@@ -129,6 +129,18 @@ def test_a_request_that_does_not_fit_waits_for_room():
     assert [isinstance(s.error, CacheFullError) for s in failed] == [False, True, True]
 
 
+def test_admission_reserves_the_room_to_finish():
+    """Every prompt fits at once but not every request's growth: the waiting engine admits a request only with room
+    for it and the running ones to reach max_tokens, so none runs out of room; run's batch semantics admit them all
+    and one fails while decoding."""
+    batch = prompts(torch.Generator().manual_seed(9), [5, 6, 7])
+    r = runner("exact", block_size=4, num_blocks=9)  # 8 usable blocks; each request ends at 5 blocks (<= 19 tokens)
+    seqs, _ = drive(Engine(r), {0: batch}, greedy(12))
+    assert [s.error for s in seqs] == [None] * 3 and [s.output for s in seqs] == alone(batch, 12)
+    failed = runner("exact", block_size=4, num_blocks=9).run(batch, 12)
+    assert any(isinstance(s.error, CacheFullError) for s in failed) and all(s.prefix_reused == 0 for s in failed)
+
+
 class Letters:
     """A tokenizer stand-in: token t is the letter 'a' + t % 26 (so stop strings can be planted in the text)."""
 
