@@ -21,6 +21,14 @@ prefill), the collectives per step and their message sizes, and the memory. One 
 
     python bench/rank_at_depth.py [--points ttft2k,tpot1x2k,...] [--layers N] [--without pass,pass] [--tiny]
                                   [--variants fixup_off,pdl,...] [--variant-points tpot1x2k,...]
+                                  [--ep 1|2|8] [--load busiest|mean]
+
+``--ep``: the experts' layout over the 8 ranks (1: each expert split along its intermediate dim, so every rank reads
+the same bytes; 2: two groups of 128 experts, each expert split over its group's 4 ranks; 8: 32 whole experts a
+rank). ``--load busiest`` (the default): the measured rank routes as the busiest rank of a uniformly routed step, the
+one every other rank waits for (``bench/routing_load.py``: a simulation of top-8 routing; with ``--ep 1`` every rank
+is the average one); ``mean``: the random router's routing, an average rank. Beside each point, one decoder layer of
+each kind's kernels in order with their device times (``bench/layer_kernels.py``).
 
 ``--without``: after the run, a baseline over the same points with those compiler passes disabled (a second
 runner, built after the first is freed). ``--variants``: kernel settings (VARIANTS: an environment setting, or
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import itertools
 import math
@@ -48,13 +57,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
+from bench.layer_kernels import split_layers  # noqa: E402
+from bench.routing_load import SteeredRouting  # noqa: E402
 from fxglm5.contracts import FP8_ROW_BYTES, INDEX_ROW_BYTES  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.random_reader import RandomReader  # noqa: E402
 from fxglm5.runtime.cache import available_memory  # noqa: E402
+from fxglm5.runtime.decode_graphs import pow2_buckets  # noqa: E402
 from fxglm5.runtime.runner import Runner, Sequence  # noqa: E402
 
-TP = EP = 8
+TP = 8
+EP_LAYOUTS = (1, 2, 8)  # experts split along their intermediate dim (1), in groups (2), whole per rank (8)
+MAX_DECODE_BATCH = 64
 BLOCK = 64
 POINTS = {  # name -> (kind, batch, context)
     "ttft2k": ("ttft", 1, 2048), "ttft8k": ("ttft", 1, 8192), "ttft32k": ("ttft", 1, 32768),
@@ -173,18 +187,23 @@ def collectives(graph) -> list[dict]:
     return [dict(op=op, count=n, bytes_per_row=row) for (op, row), n in sorted(found.items())]
 
 
-def expected_local_experts(cfg: Glm5Config, batch: int) -> float:
-    """Distinct local experts that ``batch`` tokens route to under uniform top-k routing (EP over TP ranks)."""
-    return cfg.n_routed_experts / EP * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
+def expected_local_experts(cfg: Glm5Config, batch: int, ep: int) -> float:
+    """Distinct local experts that ``batch`` tokens route to on an average rank under uniform top-k routing (the
+    rank holds ``E / ep`` experts, or a slice of every expert with ``ep == 1``)."""
+    return cfg.n_routed_experts / ep * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
 
 
-def step_bytes(cfg: Glm5Config, weights: dict[str, int], batch: int, ctx: int) -> int:
+def step_bytes(cfg: Glm5Config, weights: dict[str, int], batch: int, ctx: int, ep: int,
+               local_experts: float | None = None) -> int:
     """Bytes one decode step must read on the rank: its weights (the routed experts only as many as the batch
-    routes to, the embedding only the batch's rows) and, per layer and request, the latent rows sparse attention
-    gathers (top-k) and the index rows the indexer scores (the whole context)."""
-    local = cfg.n_routed_experts / EP
+    routes to: ``local_experts`` distinct ones, default the average rank's, the embedding only the batch's rows) and,
+    per layer and request, the latent rows sparse attention gathers (top-k) and the index rows the indexer scores
+    (the whole context)."""
+    local = cfg.n_routed_experts / ep
     fixed = sum(v for k, v in weights.items() if k not in ("routed experts", "embedding"))
-    experts = weights.get("routed experts", 0) * expected_local_experts(cfg, batch) / local
+    if local_experts is None:
+        local_experts = expected_local_experts(cfg, batch, ep)
+    experts = weights.get("routed experts", 0) * local_experts / local
     embedding = weights.get("embedding", 0) * batch / cfg.vocab_size
     kv = sum(min(ctx, cfg.index_topk) * FP8_ROW_BYTES + ctx * INDEX_ROW_BYTES * cfg.has_indexer(i)
              for i in range(cfg.num_hidden_layers)) * batch
@@ -227,9 +246,11 @@ def synthetic_context(runner: Runner, batch: int, ctx: int, gen: torch.Generator
     return seqs
 
 
-def profile(fn, steps: int, device: torch.device, layers: int, wall_ms: float) -> dict:
+def profile(fn, steps: int, device: torch.device, cfg: Glm5Config, wall_ms: float) -> dict:
     """``fn`` run ``steps`` times under torch.profiler: per step, the kernels and their device time, the top kernels,
-    and the unprofiled wall time ``wall_ms`` over the kernel time. On a CPU the "kernels" are the top-level ops."""
+    the unprofiled wall time ``wall_ms`` over the kernel time, and one decoder layer of each kind's kernels in order
+    (``layer_kernels.split_layers`` on the first step). On a CPU the "kernels" are the top-level ops."""
+    layers = cfg.num_hidden_layers
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda"
                                                     else [])
     with torch.profiler.profile(activities=acts) as prof:
@@ -237,12 +258,15 @@ def profile(fn, steps: int, device: torch.device, layers: int, wall_ms: float) -
             fn()
             sync(device)
     if device.type == "cuda":
-        events = [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                  and not e.name.startswith(("Memcpy", "Memset"))]
+        events = [(e.name, e.device_time, e.time_range.start) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
     else:
-        events = [(e.name, e.cpu_time_total) for e in prof.events() if e.cpu_parent is None]
+        events = [(e.name, e.cpu_time_total, e.time_range.start) for e in prof.events() if e.cpu_parent is None]
+    events.sort(key=lambda e: e[2])
+    first = [(name, us) for name, us, _ in events[:len(events) // steps]]
+    moe = sum(cfg.is_moe_layer(i) for i in range(layers))
     per = collections.defaultdict(lambda: [0, 0.0])
-    for name, us in events:
+    for name, us, _ in events:
         per[name[:90]][0] += 1
         per[name[:90]][1] += us
     count, us = sum(c for c, _ in per.values()) / steps, sum(t for _, t in per.values()) / steps
@@ -251,7 +275,8 @@ def profile(fn, steps: int, device: torch.device, layers: int, wall_ms: float) -
                 kernels_per_step=round(count, 1), kernels_per_layer=round(count / layers, 1),
                 kernel_ms_per_step=round(us / 1e3, 3), wall_over_kernel=round(wall_ms / (us / 1e3), 2) if us else None,
                 top=[dict(kernel=name, calls_per_step=round(c / steps, 1), us_per_step=round(t / steps, 1))
-                     for name, (c, t) in top])
+                     for name, (c, t) in top],
+                layer_kernels=split_layers([(n[:90], us) for n, us in first], layers - moe, moe))
 
 
 def sync(device: torch.device) -> None:
@@ -284,7 +309,7 @@ def measure_ttft(runner: Runner, ctx: int, gen: torch.Generator, device: torch.d
     prefill()
     sync(device)
     ms = (time.perf_counter() - start) * 1e3
-    return dict(measured_ms=round(ms, 2), profile=profile(prefill, 1, device, layers, ms))
+    return dict(measured_ms=round(ms, 2), profile=profile(prefill, 1, device, runner.config, ms))
 
 
 def measure_tpot(runner: Runner, batch: int, ctx: int, gen: torch.Generator, device: torch.device) -> dict:
@@ -305,7 +330,7 @@ def measure_tpot(runner: Runner, batch: int, ctx: int, gen: torch.Generator, dev
         graphs = runner.decode_graphs
         return dict(measured_ms=round(ms, 3), steps_ms=[round(t, 3) for t in times],
                     cuda_graphs=bool(graphs is not None and graphs.graphs and graphs.disabled is None),
-                    profile=profile(runner.decode, profiled_steps(device), device, runner.config.num_hidden_layers, ms))
+                    profile=profile(runner.decode, profiled_steps(device), device, runner.config, ms))
     finally:
         for seq in seqs:
             runner.release(seq)
@@ -322,9 +347,9 @@ def blocks_for(kind: str, batch: int, ctx: int, device: torch.device) -> int:
     return batch * -(-(ctx + steps) // BLOCK)
 
 
-def build_runner(reader, device, num_blocks: int, program=None, disabled=()) -> Runner:
-    return Runner(reader, tp=TP, ep=EP, kv_cache="fp8", index_cache="fp8", block_size=BLOCK, dtype=torch.bfloat16,
-                  device=device, max_decode_batch=64, num_blocks=num_blocks, program=program, disabled_passes=disabled)
+def build_runner(reader, device, num_blocks: int, ep: int, program=None, disabled=()) -> Runner:
+    return Runner(reader, tp=TP, ep=ep, kv_cache="fp8", index_cache="fp8", block_size=BLOCK, dtype=torch.bfloat16,
+                  device=device, max_decode_batch=MAX_DECODE_BATCH, num_blocks=num_blocks, program=program, disabled_passes=disabled)
 
 
 def nbytes(tensors) -> int:
@@ -343,7 +368,9 @@ def measure_point(runner: Runner, run: dict, kind: str, batch: int, ctx: int, co
     measure.update(memory(device), collective_bytes_per_step={
         c["op"]: c["count"] * c["bytes_per_row"] * rows[c["op"]] for c in run["collectives_per_step"]})
     if kind == "tpot":
-        need = step_bytes(runner.config, run["weight_bytes"], batch, ctx)
+        busiest = run["routing"].get(batch)
+        need = step_bytes(runner.config, run["weight_bytes"], batch, ctx, run["ep"],
+                          busiest and busiest["steered_distinct_experts"])
         roof = need / (copy_gbs * 1e9) * 1e3 if copy_gbs else None
         measure.update(step_bytes=need, roofline_ms=roof and round(roof, 3),
                        ratio=roof and round(measure["measured_ms"] / roof, 2))
@@ -408,12 +435,26 @@ def run_variants(runner: Runner, run: dict, names, points: dict, copy_gbs, table
 
 
 def run_points(reader, device, points: dict, disabled, copy_gbs, record: dict, table: harness.Results, save,
-               variants=(), variant_points=None) -> None:
+               ep: int, load: str, variants=(), variant_points=None) -> None:
     """Compile and load a runner with a 2-block cache, then rebuild it over the same graph with the cache sized for
-    the points that fit beside the weights, and measure each point into ``record`` and ``table``."""
+    the points that fit beside the weights, and measure each point into ``record`` and ``table``. ``load``:
+    ``busiest`` steers the rank's router to the busiest rank's routing (``routing_load``) for the TPOT batches, where
+    ranks hold different experts (``ep > 1``); ``mean``: the router as the random weights make it."""
+    buckets = {batch: next(b for b in pow2_buckets(MAX_DECODE_BATCH) if b >= batch)
+               for kind, batch, _ in points.values() if kind == "tpot"}
+    steering, load_summary = contextlib.nullcontext(), {}
+    if load == "busiest" and ep > 1:
+        steering, load_summary = SteeredRouting.busiest(reader.config, ep, buckets, device)
+    with steering:
+        _run_points(reader, device, points, disabled, copy_gbs, record, table, save, ep,
+                    dict(load=load, routing=load_summary), variants, variant_points)
+
+
+def _run_points(reader, device, points, disabled, copy_gbs, record, table, save, ep, load, variants,
+                variant_points) -> None:
     label = ",".join(disabled) or None
     start = time.perf_counter()
-    first = build_runner(reader, device, 2, disabled=disabled)
+    first = build_runner(reader, device, 2, ep, disabled=disabled)
     built_s = time.perf_counter() - start
     per_token = nbytes(first.cache.tensors.values()) // (2 * BLOCK)
     free = available_memory(device) + nbytes(first.cache.tensors.values())
@@ -423,14 +464,15 @@ def run_points(reader, device, points: dict, disabled, copy_gbs, record: dict, t
     program = first.program
     del first
     gc.collect()
-    runner = build_runner(reader, device, max((need[n] for n in fit), default=1) + 1, program=program)
+    runner = build_runner(reader, device, max((need[n] for n in fit), default=1) + 1, ep, program=program)
     weights = weight_bytes(program.graph)
     run = dict(disabled_passes=label, compile_s=round(built_s - reader.seconds, 2), load_s=round(reader.seconds, 2),
                weight_bytes=weights, weights_gb={k: round(v / 1e9, 3) for k, v in weights.items()},
                weights_total_gb=round(sum(weights.values()) / 1e9, 2), kv_bytes_per_token=per_token,
                free_after_load_gib=round(free / 2**30, 2),
                cache_gib=round(nbytes(runner.cache.tensors.values()) / 2**30, 2),
-               collectives_per_step=collectives(program.graph), points={})
+               collectives_per_step=collectives(program.graph), ep=ep, load=load["load"],
+               routing=load["routing"], points={})
     record.setdefault("runs", []).append(run)
     print(f"== passes disabled: {label}: compile {run['compile_s']} s, load {run['load_s']} s, weights "
           f"{run['weights_total_gb']} GB {run['weights_gb']}, free after load {run['free_after_load_gib']} GiB",
@@ -473,7 +515,17 @@ def notes(record: dict) -> str:
                   f"{run['kv_bytes_per_token']} B per token",
                   "- collectives per step: " + ", ".join(f"{c['count']} {c['op']} of {c['bytes_per_row']} B per row"
                                                          for c in run["collectives_per_step"])]
+        for batch, sim in run["routing"].items():
+            lines.append(f"- busiest-rank routing at B={batch}: {sim['busiest_distinct_experts']} distinct local experts "
+                         f"expected over {sim['trials']} simulated steps (average rank {sim['mean_distinct_experts']}), "
+                         f"{sim['steered_distinct_experts']} over the {sim['layers']} steered MoE layers; "
+                         f"{sim['busiest_pairs']} token-expert pairs (average {sim['mean_pairs']})")
         for point, m in run["points"].items():
+            split = m.get("profile", {}).get("layer_kernels")
+            for kind in ("dense", "moe") if split else ():
+                lines.append(f"- {point}, one {kind} layer ({len(split[kind])} kernels, "
+                             f"{sum(k['us'] for k in split[kind]):.1f} us): "
+                             + ", ".join(f"{k['kernel'][:40]} {k['us']}" for k in split[kind]))
             if "profile" in m:
                 top = "; ".join(f"{k['kernel'][:60]} {k['calls_per_step']} x, {k['us_per_step']} us"
                                 for k in m["profile"]["top"][:6])
@@ -490,6 +542,14 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny config on the CPU, contexts / 256 (smoke run)")
     parser.add_argument("--variants", default="", help=f"kernel settings measured again: of {','.join(VARIANTS)}")
     parser.add_argument("--variant-points", default="tpot1x2k,tpot64x2k", help="the TPOT points of the variants")
+    parser.add_argument("--ep", type=int, default=8, choices=EP_LAYOUTS,
+                        help="expert layout over the 8 ranks: 1 = every expert split along its intermediate dim, "
+                             "2 = two groups of 128 experts, each split over 4 ranks, 8 = 32 whole experts a rank "
+                             "(default: %(default)s)")
+    parser.add_argument("--load", choices=("busiest", "mean"), default="busiest",
+                        help="busiest: the measured rank routes as the busiest rank of a uniformly routed step "
+                             "(simulated; bench/routing_load.py), the rank the others wait for; mean: the random "
+                             "router's own routing, an average rank (default: %(default)s)")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     for option, names, known in (("--points", args.points.split(","), POINTS), ("--variants", variants, VARIANTS),
@@ -510,10 +570,10 @@ def main() -> None:
     init_fake_group()
     cfg = bench_config(args.layers, args.tiny)
     copy_gbs = harness.copy_bandwidth_gbs() if device.type == "cuda" else None
-    name = "rank_at_depth_tiny" if args.tiny else "rank_at_depth"
+    name = ("rank_at_depth_tiny" if args.tiny else "rank_at_depth") + f"_ep{args.ep}_{args.load}"
     table = harness.Results(copy_gbs)
     record = dict(
-        setup=f"one rank (0) of TP{TP} / EP{EP}, fake process group (collectives return without communicating); "
+        setup=f"one rank (0) of TP{TP} / EP{args.ep}, {args.load} routed load, fake process group (collectives return without communicating); "
               f"{cfg.num_hidden_layers} layers, random block-FP8 weights drawn on the device (uniform routing); bf16 "
               f"compute, FP8 latent + index caches, {BLOCK}-token blocks; decode CUDA graphs on a GPU",
         context="TPOT contexts are synthetic: random valid rows written by the cache-write kernels into every "
@@ -522,7 +582,8 @@ def main() -> None:
                f"after {WARM} warm-ups, synchronised around each; profiles: torch.profiler over 1 prefill / "
                f"{profiled_steps(device)} decode steps",
         roofline="bytes a decode step must read on the rank (weights with the routed experts the batch's tokens "
-                 "choose under uniform routing and the batch's embedding rows, + top-k latent rows and all index "
+                 "choose on this rank under uniform routing: the busiest rank's simulated expectation with --load "
+                 "busiest, the average rank's with mean; and the batch's embedding rows, + top-k latent rows and all index "
                  "rows per layer and request) over the copy bandwidth measured in this run",
         copy_bandwidth_gbs=copy_gbs, collective_probe=probe_collectives(device))
     print("collective probe:", record["collective_probe"], flush=True)
@@ -532,7 +593,7 @@ def main() -> None:
         table.save(name, notes=notes(record))
 
     for disabled in [()] + ([tuple(args.without.split(","))] if args.without else []):
-        run_points(TimedReader(cfg), device, points, disabled, copy_gbs, record, table, save,
+        run_points(TimedReader(cfg), device, points, disabled, copy_gbs, record, table, save, args.ep, args.load,
                    variants=variants if not disabled else (), variant_points=scaled(args.variant_points))
     print("\n" + table.markdown(), flush=True)
     print("saved under", harness.out_dir())

@@ -109,9 +109,9 @@ def test_bench_rank_at_depth_tiny_runs_its_whole_flow(tmp_path):
     run = subprocess.run([sys.executable, os.path.join(REPO, "bench", "rank_at_depth.py"), "--tiny"], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    with open(tmp_path / "rank_at_depth_tiny.json") as f:
+    with open(tmp_path / "rank_at_depth_tiny_ep8_busiest.json") as f:
         table = json.load(f)
-    with open(tmp_path / "rank_at_depth_tiny_detail.json") as f:
+    with open(tmp_path / "rank_at_depth_tiny_ep8_busiest_detail.json") as f:
         detail = json.load(f)
     assert table["command"].endswith("python bench/rank_at_depth.py --tiny") and table["commit"] and table["device"]
     assert [r["point"] for r in table["rows"]] == ["ttft2k", "ttft8k", "ttft32k", "tpot1x2k", "tpot8x2k",
@@ -123,4 +123,8 @@ def test_bench_rank_at_depth_tiny_runs_its_whole_flow(tmp_path):
     assert run0["weights_gb"] and run0["kv_bytes_per_token"] == 4 * (656 + 132)
     tpot = run0["points"]["tpot8x32k"]
     assert len(tpot["steps_ms"]) == 8 and tpot["step_bytes"] > 0
-    assert "synthetic" in detail["context"] and "rank_at_depth_tiny" in (tmp_path / "rank_at_depth_tiny.md").read_text()
+    assert "synthetic" in detail["context"] and "rank_at_depth_tiny" in (
+        tmp_path / "rank_at_depth_tiny_ep8_busiest.md").read_text()
+    # the busiest rank's routing at each TPOT batch, its simulated figures beside the steered layers'
+    assert run0["ep"] == 8 and run0["load"] == "busiest" and sorted(run0["routing"], key=int) == ["1", "8", "64"]
+    assert all(r["busiest_distinct_experts"] >= r["mean_distinct_experts"] for r in run0["routing"].values())
