@@ -21,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("CPU-tensor kernel tests run interpreted (TRITON_INTERPRET=1); on a GPU host "
                 "tests/gpu/test_gpu_fp8.py covers the kernels", allow_module_level=True)
 
-from fxglm5.lowering.triton import fp8_gemm, moe  # noqa: E402
+from fxglm5.lowering.triton import fp8_gemm, fp8_parts, moe  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 # Padding rows of the MoE intermediate are never written (their results are never stored either); the
@@ -113,7 +113,7 @@ def test_fp8_linear_split_k(split, fixup):
     for act_quant in (False, True):
         out = fp8_gemm.fp8_linear(x, w, s, b, act_quant, config=dict(SPLIT_K=split, FIXUP=fixup, BLOCK_N=64))
         assert _rel(out, ref.fp8_linear(x, w, s, b, act_quant)) < 1e-4
-    counters = fp8_gemm._COUNTERS.get(("cpu", None))
+    counters = fp8_parts._COUNTERS.get(("cpu", None))
     assert counters is None or int(counters.abs().sum()) == 0  # fixup leaves its counters at zero
 
 

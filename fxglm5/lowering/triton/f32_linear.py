@@ -22,7 +22,7 @@ import triton.language as tl
 
 from fxglm5.lowering.reference import fused as ref
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
-from fxglm5.lowering.triton.fp8_gemm import tile_counters
+from fxglm5.lowering.triton.fp8_parts import tile_counters
 
 MAX_SCALES = 4
 BLOCK_N, BLOCK_K = 16, 128

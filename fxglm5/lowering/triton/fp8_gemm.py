@@ -39,48 +39,15 @@ from fxglm5 import settings
 from fxglm5.contracts import FP8_BLOCK
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fp8 as ref
-from fxglm5.lowering.triton import fp8_gemm_hopper
+from fxglm5.lowering.triton import fp8_gemm_hopper, fp8_gemv
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
-from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, round_to
+from fxglm5.lowering.triton.fp8_parts import _dot, _quant_rows, _silu_mul, tile_counters
+from fxglm5.lowering.triton.norm_rope import DTYPE_CODES
 
 BLOCK_K = FP8_BLOCK  # one weight-scale column and one activation-scale group per K step
 # The kernels index their tensors with int32 offsets: no tensor a launch touches may reach 2^31 elements (a
 # prefill step of 131072 tokens through the 16384-wide fused q_b GEMM does). Calls past it run in row chunks.
 INT32_ELEMENTS = 2**31
-
-
-@triton.jit
-def _round_e4m3(v):
-    """fp32 -> nearest-even e4m3 value, still fp32 (|v| <= 448). Only used under TRITON_INTERPRET: the
-    Triton 3.6 interpreter's fp32->e4m3 cast mis-rounds values that carry into the next binade (124.3
-    gives 64), so we round exactly first and the cast becomes exact."""
-    u = v.to(tl.uint32, bitcast=True)
-    sign = u & 0x80000000
-    mag = u & 0x7FFFFFFF
-    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-    y = tl.abs(v) * 512.0
-    sub = ((y + 12582912.0) - 12582912.0) / 512.0
-    r = tl.where(tl.abs(v) < 0.015625, sub, normal)
-    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _quant_rows(a, INTERPRET: tl.constexpr):
-    """1x128 quantization of an fp32 [rows, 128] tile: (e4m3 tile, fp32 scale per row).
-
-    a / s is computed as a * (1/s) plus one FMA correction step (correctly rounded but for rare
-    double-rounding cases): a per-element IEEE division costs a long instruction sequence with a slow
-    path that padding rows (all zeros, tiny s) hit, and this runs once per K step in the decode kernels.
-    """
-    amax = tl.max(tl.abs(a), axis=1)
-    s = tl.math.div_rn(tl.maximum(amax, 1e-10), tl.full(amax.shape, 448.0, tl.float32))
-    r = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s)
-    q0 = a * r[:, None]
-    q = tl.fma(tl.fma(-q0, s[:, None] + tl.zeros_like(a), a), r[:, None] + tl.zeros_like(a), q0)
-    q = tl.clamp(q, -448.0, 448.0)
-    if INTERPRET:
-        q = _round_e4m3(q)
-    return q.to(tl.float8e4nv), s
 
 
 @triton.jit
@@ -99,16 +66,6 @@ def _b_scale(s_b, SCALAR_SB: tl.constexpr):
         return s_b
     else:
         return s_b[None, :]
-
-
-@triton.jit
-def _dot(a, b_t, F32: tl.constexpr):
-    """MMA with fp32 accumulation; F32 widens both operands and uses an IEEE fp32 dot (fp32
-    activations, and the interpreter, whose bf16 dot is wrong in Triton 3.6)."""
-    if F32:
-        return tl.dot(a.to(tl.float32), b_t.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b_t)
 
 
 @triton.jit
@@ -231,15 +188,6 @@ def _gemm_kernel(
 
 
 @triton.jit
-def _silu_mul(gate, up, DT: tl.constexpr):
-    """``silu(gate) * up`` at the unfused graph's rounding points (silu rounded to the dtype, then the product),
-    in gate's dtype; DT is its code for ``round_to``."""
-    g = gate.to(tl.float32)
-    act = round_to(g / (1.0 + tl.exp(-g)), DT)
-    return round_to(act * up.to(tl.float32), DT).to(gate.dtype)
-
-
-@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, h_ptr, N, stride_g, stride_u, BLOCK: tl.constexpr, DT: tl.constexpr,
                      PDL: tl.constexpr):
     pdl_prologue(PDL)
@@ -286,22 +234,6 @@ DECODE = dict(BLOCK_N=128, CTAS_PER_SM=4, GROUP_M=1, num_warps=4, num_stages=3, 
 MEDIUM = dict(BLOCK_M=64, BLOCK_N=128, CTAS_PER_SM=2, GROUP_M=8, num_warps=4, num_stages=3, fused_quant=False, FIXUP=False)
 PREFILL = dict(BLOCK_M=64, BLOCK_N=128, SPLIT_K=1, GROUP_M=8, num_warps=4, num_stages=3, fused_quant=False, FIXUP=False)
 
-_COUNTERS: dict = {}
-
-
-def tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for the split-K fixup, one per output tile, kept per device.
-
-    Every tile's last CTA resets its counter, so the buffer stays zero between calls and graph replays
-    (kernels of one stream run one after another; concurrent streams would need their own buffers)."""
-    key = (device.type, device.index)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
 def pick_config(m: int, n: int, k: int, act_quant: bool, num_sms: int = 132, config: Optional[dict] = None) -> dict:
     """Tile/split/pipeline choice per regime: decode M<=64 (weight-bandwidth bound), medium, prefill."""
     kg = triton.cdiv(k, 128)
@@ -347,7 +279,9 @@ def fp8_linear(
 
     The Gluon Hopper kernel runs where :func:`fp8_gemm_hopper.supported` says it applies (its own keys of
     ``config`` override :func:`fp8_gemm_hopper.pick_config`); ``config={"kernel": "triton"}`` forces this Triton
-    kernel, ``{"kernel": "gluon"}`` the Gluon one (a ValueError where it does not apply).
+    kernel, ``{"kernel": "gluon"}`` the Gluon one (a ValueError where it does not apply). Up to
+    ``fp8_gemv.ROWS`` rows, the GEMV (:mod:`fp8_gemv`) runs where ``fp8_gemv.GEMV["enabled"]``, or with
+    ``{"kernel": "gemv"}`` (its other keys override ``fp8_gemv.GEMV``).
 
     ``up``: ``x`` is a gated MLP's gate and the GEMM's input is ``silu(x) * up`` (``fxglm5::silu_mul_fp8_linear``),
     applied as the kernel loads each A tile for up to GATED_ROWS rows (decode: the activation is a few rows, the
@@ -371,8 +305,15 @@ def fp8_linear(
     weight = weight.contiguous()
     weight_scale_inv = weight_scale_inv.contiguous()
     kernel = (config or {}).get("kernel")
-    if kernel not in (None, "triton", "gluon"):
-        raise ValueError(f"fp8_linear: config kernel must be 'triton' or 'gluon', got {kernel!r}")
+    if kernel not in (None, "triton", "gluon", "gemv"):
+        raise ValueError(f"fp8_linear: config kernel must be 'triton', 'gluon' or 'gemv', got {kernel!r}")
+    if kernel == "gemv" or (kernel is None and fp8_gemv.GEMV["enabled"] and m <= fp8_gemv.ROWS):
+        if m > fp8_gemv.ROWS:
+            raise ValueError(f"fp8_linear: the GEMV serves up to {fp8_gemv.ROWS} rows, got {m}")
+        gemv_config = {key: v for key, v in (config or {}).items() if key != "kernel"}
+        fp8_gemv.launch(x2, u2, weight.contiguous(), weight_scale_inv.contiguous(), bias, act_quant, out,
+                        num_sms(x.device), gemv_config)
+        return out.view(*lead, n)
     gluon_ok = kernel != "triton" and fp8_gemm_hopper.supported(x2, weight, act_quant)
     if kernel == "gluon" and not gluon_ok:
         raise ValueError(f"fp8_linear: the Gluon Hopper kernel does not serve these inputs (x {tuple(x2.shape)} "

@@ -34,7 +34,8 @@ from fxglm5 import settings
 from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.reference import fused as ref_fused
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
-from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, _dot, _quant_rows, quantize_act_1x128, row_chunk
+from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, quantize_act_1x128, row_chunk
+from fxglm5.lowering.triton.fp8_parts import _dot, _quant_rows
 
 
 # ----------------------------------------------------------------------------------------- routing
