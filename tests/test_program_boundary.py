@@ -6,7 +6,10 @@ convention (``input_ids, positions, [hidden], slot_mapping, block_table, req_idx
   logits_indices`` positionally, in that order; the cached ops take the first two among other arguments; this
   file's own direct call, which shows the refusal, aside);
 - at run time: a program's graph called directly raises, naming the program (a forward pre-hook), so a new caller
-  that reaches around the program fails its first test.
+  that reaches around the program fails its first test: before the program's first call, after it, and after a
+  program call that raised inside the graph;
+- a graph whose inputs are not the ones its paged signature declares is refused when it is made a program.
+  (The MTP program's required ``hidden``: tests/frontdoors/test_mtp_compile.py.)
 """
 
 import ast
@@ -81,3 +84,35 @@ def test_a_programs_graph_refuses_a_direct_call():
                         step.logits_indices, *r.cache.graph_inputs())
     out = r.program(step, ids, r.cache.graph_inputs())  # the same step through the program runs
     assert out.logits.shape == (T, r.config.vocab_size)
+    with pytest.raises(InputError, match="PagedProgram"):  # the program's call let it through once, not for good
+        r.program.graph(ids[None], step.positions[None], step.slot_mapping, step.block_table, step.req_idx,
+                        step.logits_indices, *r.cache.graph_inputs())
+    with pytest.raises(IndexError):  # a token id past the vocabulary: the embedding raises inside the graph
+        r.program(step, torch.tensor([2, 7, 10 ** 6]), r.cache.graph_inputs())
+    with pytest.raises(InputError, match="PagedProgram"):  # and after a call that raised inside the graph
+        r.program.graph(ids[None], step.positions[None], step.slot_mapping, step.block_table, step.req_idx,
+                        step.logits_indices, *r.cache.graph_inputs())
+
+
+def test_a_graph_with_other_inputs_than_its_signature_is_refused():
+    from fxglm5.program import PagedProgram
+    from tests.parallel.ranks import graph_copy as graph_module_copy
+
+    r = runner("short", block_size=4, num_blocks=12)
+    declared = list(r.program.signature.inputs)
+    extra = graph_module_copy(r.program.graph)
+    last = list(extra.graph.find_nodes(op="placeholder"))[-1]
+    with extra.graph.inserting_after(last):
+        extra.graph.placeholder("stray")
+    extra.recompile()
+    with pytest.raises(InputError, match=rf"graph: {len(declared) + 1} inputs, its paged signature declares "
+                                         rf"\['input_ids', 'position_ids'"):
+        PagedProgram(extra, inputs_validated=False)
+    fewer = graph_module_copy(r.program.graph)
+    stray = list(fewer.graph.find_nodes(op="placeholder"))[-1]  # the last cache, read by its layer's ops
+    stray.replace_all_uses_with(list(fewer.graph.find_nodes(op="placeholder"))[-2])
+    fewer.graph.erase_node(stray)
+    fewer.recompile()
+    with pytest.raises(InputError, match=rf"graph: {len(declared) - 1} inputs, its paged signature declares"):
+        PagedProgram(fewer, inputs_validated=False)
+    assert PagedProgram(graph_module_copy(r.program.graph), inputs_validated=False).inputs == tuple(declared)

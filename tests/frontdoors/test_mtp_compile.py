@@ -52,8 +52,13 @@ def close(a, b):
     assert a.shape == b.shape and (a - b).abs().max() <= 1e-4 * b.abs().max()
 
 
-def test_paged_mtp_graph_equals_the_eager_mtp(model):
-    compiled = compile_mtp(model, backend="reference", strict=True, max_tokens=64)
+@pytest.fixture(scope="module")
+def mtp_compiled(model):
+    return compile_mtp(model, backend="reference", strict=True, max_tokens=64)
+
+
+def test_paged_mtp_graph_equals_the_eager_mtp(model, mtp_compiled):
+    compiled = mtp_compiled
     counts = {r.name: r.num_matches for r in compiled.results if r.name in MTP_COUNTS}
     assert counts == MTP_COUNTS and all(r.num_matches == r.expected for r in compiled.results if r.expected is not None)
     assert [(kv, ix) for kv, ix in compiled.graph.meta["paged_cache"].layers] == [("kv_cache_0", "index_cache_0")]
@@ -67,8 +72,13 @@ def test_paged_mtp_graph_equals_the_eager_mtp(model):
     close(out, ref_hidden)
 
 
-def test_logits_and_hidden_head(model):
-    compiled = compile_model(model, head="logits+hidden", backend="reference", strict=True, max_tokens=64)
+@pytest.fixture(scope="module")
+def target_compiled(model):
+    return compile_model(model, head="logits+hidden", backend="reference", strict=True, max_tokens=64)
+
+
+def test_logits_and_hidden_head(model, target_compiled):
+    compiled = target_compiled
     select = next(r for r in compiled.results if r.name == "select_sampled_rows")
     # the logits' selection meets the hidden output's at the final norm's output, and both move above the norm
     assert select.num_matches == 1 and select.details["ops_moved"] == 2
@@ -78,6 +88,26 @@ def test_logits_and_hidden_head(model):
         logits, hidden = run_paged(compiled.program, model, ids)
     close(logits, ref_logits)
     close(hidden, ref_hidden)
+
+
+def test_the_mtp_program_requires_hidden_and_the_target_program_refuses_it(model, mtp_compiled, target_compiled):
+    """The program boundary's ``hidden`` rule: the MTP program takes the target's hidden states and refuses a call
+    without them; a target program (here the logits+hidden head's) refuses them, each naming ``hidden``."""
+    program = mtp_compiled.program
+    assert program.signature.hidden_input and program.inputs[2] == "hidden"
+    ctx = ForwardContext.build(True, [3], [0], [[1]], block_size=BLOCK, kernel_block_size=BLOCK, num_blocks=6,
+                               max_position_embeddings=model.config.max_position_embeddings).validate()
+    cache = PagedCache(program.cache_spec(dtype=model.dtype), 6, BLOCK)
+    ids, hidden = torch.tensor([5, 77, 300]), torch.randn(3, model.config.hidden_size)
+    with pytest.raises(InputError, match=r"hidden: the MTP program takes the target's hidden states \[T, H\]"):
+        program(ctx.step_inputs(), ids, cache.graph_inputs())
+    logits, out = program(ctx.step_inputs(), ids, cache.graph_inputs(), hidden=hidden)
+    assert logits.shape == (1, model.config.vocab_size) and out.shape == (1, model.config.hidden_size)  # the last row
+    target = target_compiled.program
+    assert not target.signature.hidden_input
+    target_cache = PagedCache(target.cache_spec(dtype=model.dtype), 6, BLOCK)
+    with pytest.raises(InputError, match="hidden: this program takes no hidden states"):
+        target(ctx.step_inputs(), ids, target_cache.graph_inputs(), hidden=hidden)
 
 
 def test_compile_mtp_bad_input(model, tmp_path):

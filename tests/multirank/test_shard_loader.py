@@ -172,3 +172,25 @@ def test_plan_and_graph_that_disagree_are_refused_by_name(ckpt):
     gm.meta["shard_plan"] = dict(PLAN, **{A0 + "o_proj.weight": Slice(1, 200, 328)})
     with pytest.raises(CheckpointError, match=r"o_proj\.weight' of shape \[256, 256\] has no part"):
         load_sharded(gm, reader, meta, "cpu")
+
+
+@pytest.mark.parametrize("start, real", [(384, 128), (448, 64), (512, 0)])
+def test_a_padded_vocabulary_part_reads_the_rows_it_has_and_zeros_past_them(ckpt, full, monkeypatch, start, real):
+    """``_read``'s padded branch on the real files: a part of lm_head [start, start + 128) of the 512-row vocabulary
+    holds the checkpoint's rows up to V, read and counted as only those, then zero rows; a part wholly past V (the
+    last ranks of a large tp over a small vocabulary) reads nothing."""
+    reader = CheckpointReader(ckpt)
+    meta = Glm5ForCausalLM(reader.config, dtype=torch.bfloat16, device="meta")
+    part = Slice(0, start, start + 128, padded=True)
+    local = {"lm_head.weight": part.apply(meta.lm_head.weight)}
+    graph = fx.Graph()
+    graph.output(graph.get_attr("lm_head.weight"))
+    gm = fx.GraphModule(local, graph)
+    gm.meta["shard_plan"] = {"lm_head.weight": part}
+    recorder = Recorder(monkeypatch)
+    report = load_sharded(gm, reader, meta, "cpu")
+    rows = operator.attrgetter("lm_head.weight")(gm)
+    assert rows.shape == (128, reader.config.hidden_size)
+    assert torch.equal(rows[:real], full.lm_head.weight[start:start + real])
+    assert not rows[real:].any()
+    assert recorder.reads.get("lm_head.weight", 0) == report.bytes_read == real * reader.config.hidden_size * 2

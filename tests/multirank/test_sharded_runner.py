@@ -1,10 +1,14 @@
 """The sharded Runner on gloo CPU ranks against the single-rank Runner, on a 2-layer tiny-tp FP8 checkpoint (one
-dense and one MoE layer, widths in whole 128-blocks over 2 and 4 ranks), through the paged runtime:
+dense and one MoE layer, widths in whole 128-blocks over 2 and 4 ranks) whose vocabulary of 509 neither 2 nor 4
+divides, through the paged runtime:
 
 - TP4 with EP4, float32: the same tokens as one rank (and logits within 1e-5) over two requests, the second
   reusing the first's block-aligned 16-token prefix; each rank reads exactly a quarter of the expert bytes and
   opens only its own two experts; a bad token id raises InputError on every rank and the ranks go on serving;
   ranks given different requests refuse on every rank.
+- The padded vocabulary, read by the real loader (``shard_loader._read``'s padded branch): each rank's lm_head
+  holds exactly the checkpoint's rows ``[r * ceil(V / tp), ...)`` and zero rows past V (TP4: 128 rows a rank, 3 of
+  rank 3's padding; TP2: 255 a rank, 1 of rank 1's), and the gathered logits are cut back to V = 509 columns.
 - Controls: with one all-reduce removed on every rank the tokens change (the comparison can fail); with a graph
   altered on one rank only, the plan-hash agreement refuses on every rank before anything runs.
 - TP2 in bfloat16: the prefill logits as close to the float32 ones as the single-rank bf16 run's (within 1.5x of
@@ -37,10 +41,34 @@ OPTIONS = dict(block_size=BLOCK, max_cache_tokens=256, keep_logits=True)
 TIMEOUT = 1200  # seconds a spawned job may take before it counts as a hang (4 ranks capture on 2 shared cores)
 
 
+VOCAB = 509  # a prime: every tp > 1 pads it
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    config = Glm5Config.preset("tiny-tp").replace(num_hidden_layers=2, mlp_layer_types=None, indexer_types=None)
+    config = Glm5Config.preset("tiny-tp").replace(num_hidden_layers=2, mlp_layer_types=None, indexer_types=None,
+                                                  vocab_size=VOCAB)
     return str(make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-tp") / "fp8", config=config, seed=1))
+
+
+def lm_head_rows(runner):
+    """The rank's lm_head attribute, as the loader filled it."""
+    return runner.program.graph.get_parameter("lm_head.weight").detach().clone()
+
+
+def checkpoint_lm_head(ckpt) -> torch.Tensor:
+    with CheckpointReader(ckpt) as reader:
+        return reader.get("lm_head.weight")
+
+
+def assert_vocabulary_shard(rows, full, rank, tp):
+    """``rows`` is rank ``rank``'s part of the padded vocabulary: the checkpoint's rows from r * ceil(V / tp) on,
+    zeros past V."""
+    share = -(-VOCAB // tp)
+    start, real = rank * share, max(0, min(VOCAB - rank * share, share))
+    assert rows.shape == (share, full.shape[1]), (rank, tuple(rows.shape))
+    assert torch.equal(rows[:real].float(), full[start:start + real].float()), f"rank {rank}: rows from {start}"
+    assert not rows[real:].any(), f"rank {rank}: padding rows past V are not zeros"
 
 
 def serve(runner):
@@ -62,7 +90,8 @@ def remove(runner, node):
 def tp4_job(rank, ckpt):
     """One rank of TP4 / EP4: serve, then the error, mismatch and control cases."""
     runner = Runner(ckpt, tp=rank.world, **OPTIONS)
-    out = dict(served=serve(runner), report=runner.load_report, collectives=len(all_reduces(runner)))
+    out = dict(served=serve(runner), report=runner.load_report, collectives=len(all_reduces(runner)),
+               lm_head=lm_head_rows(runner))
     try:
         runner.generate([[1, 2, 10 ** 6]], 2)
     except InputError as err:
@@ -84,7 +113,8 @@ def tp4_job(rank, ckpt):
 
 
 def bf16_job(rank, ckpt):
-    return serve(Runner(ckpt, tp=rank.world, dtype=torch.bfloat16, **OPTIONS))[:2]
+    runner = Runner(ckpt, tp=rank.world, dtype=torch.bfloat16, **OPTIONS)
+    return (*serve(runner)[:2], lm_head_rows(runner))
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +134,7 @@ def test_tp4_gives_the_single_rank_tokens_with_prefix_reuse(single, tp4):
         got_tokens, got_logits, got_reused = rank["served"]
         assert got_tokens == tokens and got_reused == reused
         for got, want in zip(got_logits, logits):
+            assert got.shape == want.shape and got.shape[-1] == VOCAB  # the padded columns cut off
             assert (got - want).abs().max() <= 1e-5 * want.abs().max()
         assert rank["collectives"] == 4  # two all-reduces per layer
         assert rank["after_bad"] == tokens[:1]
@@ -126,9 +157,16 @@ def test_tp4_rank_reads_a_quarter_of_the_expert_bytes_and_only_its_experts(ckpt,
               "expert bytes)")
 
 
+def test_tp4_ranks_hold_the_padded_vocabulary_rows_of_the_checkpoint(ckpt, tp4):
+    full = checkpoint_lm_head(ckpt)
+    assert full.shape[0] == VOCAB
+    for r, rank in enumerate(tp4):
+        assert_vocabulary_shard(rank["lm_head"], full, r, 4)
+
+
 def test_bad_or_differing_requests_raise_on_every_rank(tp4):
     for rank in tp4:
-        assert rank["bad"] == "prompt: token id 1000000 is out of range [0, 512) (vocab_size)"
+        assert rank["bad"] == f"prompt: token id 1000000 is out of range [0, {VOCAB}) (vocab_size)"
         assert rank["differing"].startswith("the request: rank 1 has ")
 
 
@@ -150,7 +188,10 @@ def test_tp2_bf16_within_bound(ckpt, single):
     exact = [logits[0] for logits in single[1]]
     want_tokens, want_logits = serve(Runner(ckpt, dtype=torch.bfloat16, **OPTIONS))[:2]
     base = max(rel_rms(w[0], e) for w, e in zip(want_logits, exact))
-    for got_tokens, got_logits in spawn(bf16_job, 2, ckpt, timeout=TIMEOUT):
+    full = checkpoint_lm_head(ckpt)
+    for r, (got_tokens, got_logits, rows) in enumerate(spawn(bf16_job, 2, ckpt, timeout=TIMEOUT)):
+        assert_vocabulary_shard(rows, full, r, 2)
+        assert all(g.shape[-1] == VOCAB for g in got_logits)
         err = max(rel_rms(g[0], e) for g, e in zip(got_logits, exact))
         between = max(rel_rms(g[0], w[0]) for g, w in zip(got_logits, want_logits))
         print(f"bf16 prefill logits, relative RMS error against float32: single rank {base:.4f}, TP2 {err:.4f}; "

@@ -12,7 +12,8 @@ from tests.parallel.ranks import graph_copy, sharded
 
 from fxglm5.compiler import compile_graph, compile_model
 from fxglm5.errors import PassError
-from fxglm5.parallel import PLAN, Mapping, plan_hash
+from fxglm5.model.config import Glm5Config
+from fxglm5.parallel import PLAN, Mapping, Slice, plan_hash
 from fxglm5.passes.pipeline import Stage
 from fxglm5.passes.shard_check import check_sharded, sharding_problems
 
@@ -135,3 +136,63 @@ def test_plan_hash_changes_with_one_plan_entry(whole_shard):
     # the mapping without the rank
     assert plan_hash(gm, dataclasses.replace(mapping, rank=1)) == base
     assert plan_hash(gm, dataclasses.replace(mapping, ep=1)) != base
+
+
+# ---- the MTP graph and the logits+hidden head at tp = 2, compiled strictly (issue 48 item 4) -------------------
+# Speculative decoding at tp > 1 compiles both; the Runner compiles without strict, where a broken invariant would
+# only be logged. Here every rank's graph is compiled strictly on the meta device (as the ranks compile it): it must
+# pass the shard check, and a shard pass left out must fail it, naming what is missing.
+
+def _mtp_model(layout):
+    from fxglm5.model.layout import MtpLayout
+    from fxglm5.model.modeling import Glm5ForCausalLM
+
+    config = Glm5Config.preset("tiny-tp").replace(num_hidden_layers=2, mlp_layer_types=None, indexer_types=None,
+                                                  vocab_size=509)  # tp 2 pads the head's vocabulary
+    return Glm5ForCausalLM(config, dtype=torch.float32, device="meta", mtp=MtpLayout(**layout))
+
+
+MTP_LAYOUTS = {"glm5": {}, "fp8_eh_proj_own_head": {"eh_proj_fp8": True, "own_head": True}}
+
+
+@pytest.mark.parametrize("layout", MTP_LAYOUTS)
+@pytest.mark.parametrize("ep", [2, 1])
+def test_the_mtp_graph_compiles_strictly_at_tp2(layout, ep):
+    from fxglm5.capture.export import MTP_HEAD
+    from fxglm5.compiler import compile_mtp, mtp_graph_config
+
+    model = _mtp_model(MTP_LAYOUTS[layout])
+    head = "mtp.head.weight"
+    for rank in (0, 1):
+        mapping = Mapping(tp=2, rank=rank, ep=ep)
+        compiled = compile_mtp(model, mapping=mapping, strict=True, stages=(Stage.MATCH, Stage.FUSE, Stage.SHARD))
+        gm = compiled.graph
+        assert sharding_problems(gm, mtp_graph_config(model.config), mapping, MTP_HEAD) == []
+        ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        assert ops.count(ALL_REDUCE) == 2 and ops.count(torch.ops.fxglm5.all_gather.default) == 1
+        plan = gm.meta[PLAN]
+        assert plan[head] == Slice(0, 255 * rank, 255 * (rank + 1), padded=rank == 1)  # its own head or the model's
+        assert "mtp.eh_proj.weight" not in plan  # every rank computes the same input to its decoder layer
+        assert any(name.startswith("mtp.layer.self_attn.q_b_proj") for name in plan)
+    with pytest.raises(PassError, match=r"shard stage \(tp=2, ep=%d\): 0 all_gather for the mtp head" % ep):
+        compile_mtp(model, mapping=Mapping(tp=2, rank=1, ep=ep), strict=True, disabled_passes=("shard_lm_head",),
+                    stages=(Stage.MATCH, Stage.FUSE, Stage.SHARD))
+    with pytest.raises(PassError, match=r"fp8_linear over mtp\.layer\.self_attn\.q_b_proj\.weight is neither sharded"):
+        compile_mtp(model, mapping=Mapping(tp=2, rank=0, ep=ep), strict=True, disabled_passes=("shard_attention",),
+                    stages=(Stage.MATCH, Stage.FUSE, Stage.SHARD))
+
+
+def test_the_logits_and_hidden_head_compiles_strictly_at_tp2():
+    """Speculative decoding's target: its logits gathered (one all_gather), its hidden output whole."""
+    model = _mtp_model({})
+    for rank in (0, 1):
+        mapping = Mapping(tp=2, rank=rank, ep=2)
+        compiled = compile_model(model, head="logits+hidden", mapping=mapping, strict=True,
+                                 stages=(Stage.MATCH, Stage.FUSE, Stage.SHARD))
+        assert sharding_problems(compiled.graph, model.config, mapping, "logits+hidden") == []
+        ops = [n.target for n in compiled.graph.graph.nodes if n.op == "call_function"]
+        assert ops.count(ALL_REDUCE) == 4 and ops.count(torch.ops.fxglm5.all_gather.default) == 1
+        assert compiled.graph.meta[PLAN]["lm_head.weight"] == Slice(0, 255 * rank, 255 * (rank + 1), padded=rank == 1)
+    with pytest.raises(PassError, match=r"0 all_gather for the logits\+hidden head"):
+        compile_model(model, head="logits+hidden", mapping=Mapping(tp=2, rank=0, ep=2), strict=True,
+                      disabled_passes=("shard_lm_head",), stages=(Stage.MATCH, Stage.FUSE, Stage.SHARD))
