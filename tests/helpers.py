@@ -1,8 +1,10 @@
 """Test helpers: random weights for small GLM-5 models and modules (no checkpoint needed), latent rows with
-distinct FP8 group scales, and an independent block-FP8 quantizer."""
+distinct FP8 group scales, an independent block-FP8 quantizer, and an MTP head of its own for a tiny checkpoint."""
 
 import contextlib
+import json
 import struct
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -132,3 +134,24 @@ def fake_process_group(rank: int, world: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def add_own_mtp_head(ckpt, seed: int = 7) -> torch.Tensor:
+    """Give checkpoint ``ckpt``'s MTP layer a head of its own, as GLM-5.x variants store one
+    (``model.layers.{L}.shared_head.head.weight``, bf16 [V, H], where GLM-5-FP8 has none and the model's lm_head
+    serves): random rows unlike the lm_head's, in a shard of their own listed in the index. Returns the tensor."""
+    from safetensors.torch import save_file
+
+    from fxglm5.model.layout import mtp_prefix
+    from fxglm5.model.st_files import INDEX
+
+    ckpt = Path(ckpt)
+    cfg = Glm5Config.from_json(ckpt / "config.json")
+    name = mtp_prefix(cfg) + "shared_head.head.weight"
+    gen = torch.Generator().manual_seed(seed)
+    head = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen) * cfg.hidden_size ** -0.5).to(torch.bfloat16)
+    save_file({name: head}, str(ckpt / "model-mtp-head.safetensors"), metadata={"format": "pt"})
+    index = json.loads((ckpt / INDEX).read_text())
+    index["weight_map"][name] = "model-mtp-head.safetensors"
+    (ckpt / INDEX).write_text(json.dumps(index, indent=2))
+    return head

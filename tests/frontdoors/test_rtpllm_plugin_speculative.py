@@ -5,7 +5,9 @@ What a user relies on: ``--sp_type mtp --sp_model_type glm_5-mtp`` serves the ch
 draft model; RTP's draft prefill / chain / verify / extend cycle through the plugin gives plain greedy decoding's
 tokens (and fxglm5's own speculative Runner's); each verify step's first draft is fxglm5's own MTP drafter's
 after the same tokens; the target's verify steps replay from RTP's
-target-verify graphs (k+1 tokens per request) with the eager step's tokens; bad input is refused by name.
+target-verify graphs (k+1 tokens per request) with the eager step's tokens; bad input is refused by name. An MTP
+layer with a head of its own is served with that head: RTP's weight alias borrows only the embedding, and every
+draft is the eager MTP's with that head.
 """
 
 import json
@@ -20,10 +22,12 @@ from fxglm5.model.checkpoint import CheckpointReader, save_checkpoint
 from fxglm5.model.layout import is_mtp_draft_tensor, mtp_prefix
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.st_files import INDEX
+from fxglm5.model.generate import mtp_drafts
 from fxglm5.model.tiny import make_tiny_checkpoint, tiny_state
 from fxglm5.runtime.speculative import SpeculativeConfig
 from tests.frontdoors.test_rtpllm_plugin import (  # noqa: F401 - fixtures
     PLUGIN, RTP_TINY, _prompts, ckpt, engine, fp8_ckpt, rtp, runner)
+from tests.helpers import add_own_mtp_head
 
 PROMPTS_LENGTHS, NEW = (5, 12), 6  # 12 > index_topk (8): the indexer selects
 
@@ -219,3 +223,32 @@ def test_draft_decode_steps_replay_from_the_drafts_decode_graphs(rtp, spec, fp8_
     with pytest.raises(ConfigError, match=r"is not block-FP8; the bf16 MTP layer's MoE syncs with the host, so the "
                                           r"glm_5-mtp draft cannot be captured"):
         spec.MtpEngine(fp8_ckpt, enable_cuda_graph=True, decode_capture_batch_sizes=(1,), **dict(kw, sp_checkpoint_path=ckpt))
+
+
+def test_an_mtp_layer_with_its_own_head_drafts_with_it_through_rtps_alias(rtp, spec, ckpt, tmp_path):
+    """The weight alias takes the target's embedding only; the draft publishes its own head as ``lm_head``, and each
+    verify step's drafts are the eager MTP's with that head (full recompute), which differ from the lm_head's. The
+    requests stay within index_topk (8) tokens, so the indexer selects every key and the paged FP8 index keys cannot
+    make the paged drafts differ from the eager ones."""
+    own = tmp_path / "own-head"
+    shutil.copytree(ckpt, own)
+    head = add_own_mtp_head(own)
+    mtp = spec.MtpEngine(str(own), sp_model_type="glm_5-mtp", sp_checkpoint_path=str(own), gen_num_per_cycle=2,
+                         **dict(external_model_packages=[PLUGIN], seq_size_per_block=16, num_blocks=40, max_seq_len=64,
+                                act_type="FP32"))
+    assert mtp.alias_names == ("embedding",)
+    assert torch.equal(mtp.draft_lm_head.float(), head.float())
+    assert mtp.draft.weight.get_global_weight("embedding") is mtp.target.model.weight.get_global_weight("embedding")
+    prompts = _prompts((3, 2), seed=1)
+    assert mtp.generate(prompts, 4) == engine(rtp, str(own), act_type="FP32").generate(prompts, 4)
+    assert max(len(t) + len(d) - 1 for t, d in mtp.proposals) <= RTP_TINY.index_topk  # the keys the MTP reads
+    model = Glm5ForCausalLM.from_pretrained(own, dtype=torch.float32, progress=False, mtp=True)
+
+    def eager(tokens, n):
+        with torch.no_grad():
+            hidden = model(torch.tensor([tokens[:-1]]), return_hidden=True)[1]
+        return mtp_drafts(model, torch.tensor([tokens]), hidden, n)
+
+    assert mtp.proposals and [d for _, d in mtp.proposals] == [eager(t, len(d)) for t, d in mtp.proposals]
+    model.mtp.head = model.lm_head  # control: the lm_head would have drafted otherwise
+    assert [d for _, d in mtp.proposals] != [eager(t, len(d)) for t, d in mtp.proposals]
