@@ -60,11 +60,43 @@ def test_f32_linear_matches_reference(m, n, k, dtype, scales, seed):
     assert _rel(out, ref.f32_linear(x, w, scales)) < 1e-6  # exact float32 products; only the sum's order differs
 
 
-def test_f32_linear_splits_k_and_leaves_the_counters_zero():
-    x, w = torch.randn(1, 6144), torch.randn(256, 6144)
-    assert f32_linear.gemv_config(256, 6144, 132)["SPLIT"] > 1  # the decode GEMV streams its weights over many CTAs
-    torch.testing.assert_close(f32_linear.f32_linear(x, w, [0.5]), ref.f32_linear(x, w, [0.5]), rtol=1e-5, atol=1e-4)
-    assert not fp8_gemm.tile_counters(x.device, 1).any()  # every tile's last CTA reset its counter
+SCALES = [0.5, 0.125, 3.0, 0.0883883476]  # distinct, so a scale applied twice, skipped or swapped shows
+
+
+@pytest.mark.parametrize("num_scales", [0, 1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_f32_linear_reference_is_the_chain_it_replaces(num_scales, dtype):
+    """The reference is the graph's chain exactly: the cast, the float32 GEMM, then one multiply per scale in the
+    graph's order (the indexer's head weights take two: n_heads ** -0.5 and the softmax scale), each rounded."""
+    g = torch.Generator().manual_seed(num_scales)
+    x, w = torch.randn(5, 3, 200, generator=g).to(dtype), torch.randn(24, 200, generator=g)
+    chain = torch.nn.functional.linear(x.float(), w)
+    for scale in SCALES[:num_scales]:
+        chain = chain * scale
+    assert torch.equal(ref.f32_linear(x, w, SCALES[:num_scales]), chain)
+
+
+@pytest.mark.parametrize("sms, num_scales", [(132, 0), (132, 1), (132, 2), (132, 3), (132, 4), (1, 4)],
+                         ids=["split-0scales", "split-1scale", "split-2scales", "split-3scales", "split-4scales",
+                              "one_split-4scales"])
+def test_f32_linear_gemv_splits_k_and_applies_every_scale(monkeypatch, sms, num_scales):
+    """The one-row GEMV as it runs on a GPU: with an H200's 132 SMs (the SM count the launch sizes its split from)
+    K really is split over CTAs and the last CTA of each column tile sums the partials, then applies the scales in
+    turn; one SM gives one split (the CPU's count). Either way the router's shape [256, 6144] and a column count that
+    is no multiple of the tile (72) give the reference, and every tile's counter is left at zero."""
+    monkeypatch.setattr(f32_linear, "num_sms", lambda device: sms)
+    launched = []
+    config = f32_linear.gemv_config
+    monkeypatch.setattr(f32_linear, "gemv_config", lambda *a: launched.append(config(*a)) or launched[-1])
+    scales = SCALES[:num_scales]
+    g = torch.Generator().manual_seed(num_scales)
+    for n, k in ((256, 6144), (72, 1000)):
+        x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g)
+        got = f32_linear.f32_linear(x, w, scales)
+        assert got.shape == (1, n) and got.dtype == torch.float32
+        assert _rel(got, ref.f32_linear(x, w, scales)) < 1e-6
+        assert not fp8_gemm.tile_counters(x.device, -(-n // f32_linear.BLOCK_N)).any()
+    assert len(launched) == 2 and all((c["SPLIT"] > 1) == (sms > 1) for c in launched), launched
 
 
 @pytest.mark.parametrize("offset, count", [(0, 4), (4, 4), (12, 4), (0, 16)])

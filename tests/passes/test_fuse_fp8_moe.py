@@ -1,6 +1,6 @@
 """fuse_fp8_moe: the router + the routed experts -> fxglm5::moe_route + fxglm5::moe_fp8 (tests/passes/template.py's
 checks, and hypothesis properties over random MoE configs; near misses: another router, gate|up blocked as one
-weight, GLM-5-size experts judged by structure)."""
+weight, GLM-5-size experts judged by structure; a cast of the expert sum to a dtype other than x's left in place)."""
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ from fxglm5.model.config import Glm5Config
 from fxglm5.model.layers import dequantize_weight
 from fxglm5.model.moe import MoE, StackedExperts
 from fxglm5.passes import op_histogram
+from fxglm5.passes.graph_utils import is_cast
 from tests.helpers import randomize_
 from tests.passes.modules import exporting, tol
 from tests.passes.template import (
@@ -65,6 +66,34 @@ class OnePieceGateUp(StackedExperts):
         pick = (lambda t: t) if expert is None else (lambda t: t[expert])
         return (dequantize_weight(pick(self.gate_up_proj), pick(self.gate_up_proj_scale_inv), dtype),
                 dequantize_weight(pick(self.down_proj), pick(self.down_proj_scale_inv), dtype))
+
+
+class SumCastToHalf(StackedExperts):
+    """The expert sum (float32) cast to float16 where the model casts it to x's dtype (bf16 here): ``moe_fp8``
+    returns x's dtype, so only a cast to that dtype may read it directly; this one must keep reading the float32
+    sum's stand-in."""
+
+    def forward(self, x, routing):
+        w13, w2 = self.weights(x.dtype)
+        gate, up = torch.einsum("th,eih->tei", x, w13).split([self.inter, self.inter], dim=-1)
+        expert_out = torch.einsum("tei,ehi->teh", F.silu(gate) * up, w2)
+        return (expert_out.float() * routing[..., None]).sum(dim=1).to(torch.float16)
+
+
+def test_a_cast_of_the_expert_sum_to_another_dtype_stays():
+    p = {**EXAMPLE, "dtype": torch.bfloat16}
+    cfg = moe_cfg(p)
+    module = MoE(cfg, torch.bfloat16)
+    module.experts = SumCastToHalf(cfg, torch.bfloat16)
+    randomize_(module)
+    args = (_x(p),)
+    gm, result = run_small("fuse_fp8_moe", module, args, cfg)
+    assert result.num_matches == 1 and result.ops_after.get("fxglm5.moe_fp8") == 1
+    (cast,) = [n for n in gm.graph.nodes if is_cast(n) and n.meta["val"].dtype == torch.float16]
+    assert cast.args[0].meta["val"].dtype == torch.float32  # it reads the fused output widened back to float32
+    out = gm(*args)
+    assert out.dtype == module(*args).dtype == torch.float16
+    assert_same_output(out, module(*args), tol(torch.bfloat16))
 
 
 def _x(p, tokens=None, batch=1):

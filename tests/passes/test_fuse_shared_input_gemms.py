@@ -8,6 +8,7 @@ another layer's stacked weights from, and the near-misses left alone (another in
 
 import copy
 import itertools
+import operator
 
 import pytest
 import torch
@@ -179,3 +180,37 @@ def test_near_misses_are_left_alone():
     assert op_histogram(fused)[FP8_LINEAR] == 5
     for got, want in zip(fused(x), module(x)):
         torch.testing.assert_close(got, want)
+
+
+class ThreeOnOneInput(nn.Module):
+    """Three FP8 GEMMs reading one activation (q_a, kv_a, wk's shapes at tiny widths)."""
+
+    def __init__(self, hidden=256):
+        super().__init__()
+        self.a, self.b, self.c = (Linear(hidden, n, True, torch.float32) for n in (128, 160, 64))
+
+    def forward(self, x):
+        return self.a(x), self.b(x), self.c(x)
+
+
+def test_a_member_with_another_act_quant_stays_out_of_the_group():
+    """A GEMM that quantizes its activation (W8A8) beside two that do not, on one input, is no member of their
+    group: the stacked GEMM has one act_quant for all its columns, so fusing it would change its answers. The other
+    two are fused; every output is what the graph gave before."""
+    module = randomize_(ThreeOnOneInput(), seed=5)
+    x = torch.randn(2, 3, 256)
+    gm = export_graph(module, (torch.zeros(2, 3, 256),), ({0: Dim("b", max=64), 1: Dim("s", max=4096)},))
+    run_pipeline(gm, PassContext(), stages=("fuse",))
+    gemms = [n for n in gm.graph.nodes if n.target is torch.ops.fxglm5.fp8_linear.default]
+    assert len(gemms) == 3 and all(n.args[4] is False for n in gemms)
+    gemms[1].args = (*gemms[1].args[:4], True)  # kv_a's shape, W8A8
+    gm.recompile()
+    unfused = copy.deepcopy(gm)
+    result = PassManager(PassContext(), stages=("fuse_kernels",)).run_one(gm, REGISTRY[PASS])
+    assert (result.num_matches, result.details) == (1, {"gemms": 2})
+    left = [n for n in gm.graph.nodes if n.target is torch.ops.fxglm5.fp8_linear.default]
+    assert sorted(n.args[4] for n in left) == [False, True]
+    alone = next(n for n in left if n.args[4])
+    assert operator.attrgetter(alone.args[1].target)(gm).shape == (160, 256)  # the W8A8 GEMM over its own weight
+    for got, want in zip(gm(x), unfused(x)):
+        assert torch.equal(got, want)

@@ -1,5 +1,6 @@
 """fuse_silu_mul_into_down: fp8_linear(silu(gate) * up) -> fxglm5::silu_mul_fp8_linear (tests/passes/template.py's
-checks; near misses: another activation, a product read twice, operands that broadcast)."""
+checks; near misses: another activation, a product read twice, operands that broadcast, gate and up of different
+dtypes)."""
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,9 @@ FOUR = {"aten.mul": -4, "aten.silu": -4, "fxglm5.fp8_linear": -4, "fxglm5.silu_m
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) over FP8 weights; ``variant`` makes a near miss: gelu instead of silu ("gelu"), the
-    product also returned ("read_twice"), up of one feature broadcast over the gate's ("broadcast")."""
+    product also returned ("read_twice"), up of one feature broadcast over the gate's ("broadcast"), the gate rounded
+    to bf16 while up stays float32 ("dtypes": the product promotes, which the fused kernel's one operand dtype cannot
+    say)."""
 
     def __init__(self, hidden=256, inter=128, variant=None):
         super().__init__()
@@ -26,7 +29,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x):
         act = F.gelu if self.variant == "gelu" else F.silu
-        h = act(self.gate(x)) * self.up(x)
+        gate = self.gate(x)
+        h = act(gate.to(torch.bfloat16) if self.variant == "dtypes" else gate) * self.up(x)
         out = self.down(h)
         return out + h.sum(-1, keepdim=True) if self.variant == "read_twice" else out
 
@@ -46,7 +50,7 @@ class TestFuseSiluMulIntoDown(PassTemplate):
     name = "fuse_silu_mul_into_down"
     matches = {"fp8": 4, "shared": 4, "bf16": 4, "bf16ckpt": 0}
     ops = {"fp8": FOUR, "shared": FOUR, "bf16": FOUR, "bf16ckpt": {}}
-    near_misses = ("gelu", "read_twice", "broadcast")
+    near_misses = ("gelu", "read_twice", "broadcast", "dtypes")
 
     def near_miss(self, case):
         module = randomize_(GatedMLP(variant=case))
