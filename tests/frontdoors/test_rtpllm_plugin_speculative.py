@@ -7,12 +7,17 @@ tokens (and fxglm5's own speculative Runner's); each verify step's first draft i
 after the same tokens; the target's verify steps replay from RTP's
 target-verify graphs (k+1 tokens per request) with the eager step's tokens; bad input is refused by name. An MTP
 layer with a head of its own is served with that head: RTP's weight alias borrows only the embedding, and every
-draft is the eager MTP's with that head.
+draft is the eager MTP's with that head. The draft-prefill graph's rows are rebuilt for whichever request rows are
+live, wherever they sit among padding; the weight alias is declined for a target in another compute dtype; a
+vocabulary that RTP cannot all-gather in equal shards is refused when the draft loads, by field, before any
+collective.
 """
 
+import copy
 import json
 import shutil
 import struct
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -252,3 +257,70 @@ def test_an_mtp_layer_with_its_own_head_drafts_with_it_through_rtps_alias(rtp, s
     assert mtp.proposals and [d for _, d in mtp.proposals] == [eager(t, len(d)) for t, d in mtp.proposals]
     model.mtp.head = model.lm_head  # control: the lm_head would have drafted otherwise
     assert [d for _, d in mtp.proposals] != [eager(t, len(d)) for t, d in mtp.proposals]
+
+
+def test_the_draft_prefill_graph_rebuilds_rows_for_live_requests_among_padding(rtp, spec):
+    """RTP's draft-prefill replay packs each request's accepted tokens at ``sum(input_lengths[:b])``; request rows
+    that are not live (a zero length, or a table whose first block is 0: the capture's all-zero rows) keep their
+    packed rows as padding. Here the live requests are rows 0 and 3, with a dead row of 3 tokens and an empty row
+    between them (its stale host table, which RTP does not zero): every row's request, position and slot."""
+    from fxglm5.rtpllm.context import CacheLayout
+    from fxglm5.rtpllm.speculative import DraftPrefillGraphStep
+
+    block = 4
+    kernel = torch.tensor([[1, 2, 0], [0, 0, 0], [5, 6, 0], [7, 8, 9]])
+    attn = SimpleNamespace(is_prefill=True, input_lengths=torch.tensor([2, 3, 0, 2]),
+                           prefix_lengths=torch.tensor([3, 0, 5, 6]), kv_cache_kernel_block_id=kernel,
+                           kv_cache_block_id=None, kv_cache_kernel_block_id_device=kernel.clone(), cu_seqlens=None)
+    model = SimpleNamespace(glm5_config=SimpleNamespace(hidden_size=8), dtype=torch.float32, mtp_hidden=None)
+    step = DraftPrefillGraphStep(attn, CacheLayout(block, block, 16, 256), "cpu", model, tokens=12)
+    pad = (0, -1, 0)  # position 0, written nowhere, request 0
+    want = [(3, 1 * block + 3, 0), (4, 2 * block + 0, 0),  # request 0: positions 3, 4 in blocks 1 and 2
+            pad, pad, pad,  # request 1's three rows: its table is the capture's zeros
+            (6, 8 * block + 2, 3), (7, 8 * block + 3, 3),  # request 3 (request 2 has no tokens): blocks [7, 8, 9]
+            *[pad] * 5]
+    got = list(zip(step.positions.tolist(), step.slot_mapping.tolist(), step.req_idx.tolist()))
+    assert got == want
+    assert model.mtp_hidden is step.mtp_hidden and step.mtp_hidden.shape == (12, 8)
+    attn.input_lengths = torch.tensor([0, 0, 0, 1])  # the next replay: only request 3, one accepted token
+    attn.prefix_lengths = torch.tensor([0, 0, 0, 8])
+    step.prepare_cuda_graph(attn)
+    got = list(zip(step.positions.tolist(), step.slot_mapping.tolist(), step.req_idx.tolist()))
+    assert got == [(8, 9 * block + 0, 3)] + [pad] * 11
+
+
+def test_the_weight_alias_is_declined_for_another_compute_dtype_or_checkpoint(mtp2, ckpt, tmp_path):
+    """RTP then lets the draft read its own embedding and lm_head instead of the target's tensors: a target in
+    another dtype holds them rounded otherwise, another checkpoint holds other values."""
+    from fxglm5.rtpllm.speculative import Fxglm5Glm5Mtp
+
+    target, config = mtp2.target.model, mtp2.draft_config
+    assert Fxglm5Glm5Mtp.speculative_weight_alias_names(target, config) == ("embedding", "lm_head")
+    for dtype in ("bf16", "fp16"):  # RTP's ACT_TYPE spellings
+        other = copy.copy(config)
+        other.data_type = dtype
+        assert Fxglm5Glm5Mtp.speculative_weight_alias_names(target, other) == ()
+    elsewhere = copy.copy(config)
+    elsewhere.ckpt_path = str(shutil.copytree(ckpt, tmp_path / "copy"))
+    assert Fxglm5Glm5Mtp.speculative_weight_alias_names(target, elsewhere) == ()
+    assert Fxglm5Glm5Mtp.speculative_weight_alias_names(object(), config) == ()  # not an fxglm5 target
+
+
+def test_an_odd_vocabulary_is_refused_when_the_draft_loads_at_tp2(rtp, spec, tmp_path):
+    """RTP's C++ all-gathers the draft's logits as equal shards, so a vocabulary of 509 cannot be padded as the
+    Runner pads it: the draft's load refuses it from the config alone (every rank alike, before any collective)."""
+    from rtp_llm.ops import ParallelismConfig
+
+    from fxglm5.rtpllm.speculative import Fxglm5Glm5Mtp
+    from tests.frontdoors.test_rtpllm_plugin_speculative_tp import RTP_TINY_TP
+
+    odd = make_tiny_checkpoint(tmp_path / "odd", fp8=False, config=RTP_TINY_TP.replace(vocab_size=509))
+    draft = Fxglm5Glm5Mtp.__new__(Fxglm5Glm5Mtp)
+    draft.model_config = Fxglm5Glm5Mtp._create_config(str(odd))
+    draft.parallelism_config = ParallelismConfig()
+    draft.parallelism_config.tp_size = draft.parallelism_config.ep_size = draft.parallelism_config.world_size = 2
+    for rank in (0, 1):
+        draft.parallelism_config.tp_rank = rank
+        with pytest.raises(InputError, match=r"^vocab_size = 509 is not divisible by tp=2: RTP-LLM all-gathers the "
+                                             r"draft's logits as equal vocabulary shards$"):
+            draft.load()
