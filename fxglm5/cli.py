@@ -45,14 +45,26 @@ def parse_token_ids(text: str, vocab_size: int) -> list[int]:
     return ids
 
 
+def device_arg(text: str) -> str:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` (argparse names the flag in its error otherwise)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device fxglm5 runs on (cpu, cuda or cuda:N)")
+    return text
+
+
 def check_device(device: str) -> None:
-    """``--device cuda`` on a torch without CUDA is refused before any weight is read (it failed with an
-    AssertionError from deep inside torch, half-way through the load)."""
+    """``--device cuda`` / ``cuda:N`` on a torch without CUDA (or without that device) is refused before any weight
+    is read (it failed with an AssertionError from deep inside torch, half-way through the load)."""
     import torch
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
         raise InputError(f"--device {device}: this torch has no CUDA device (torch.cuda.is_available() is False; "
                          f"torch {torch.__version__})")
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        raise InputError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def _pass_options(p: argparse.ArgumentParser, dump: bool = True) -> None:
@@ -143,7 +155,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, metavar="N",
                    help="expert-parallel ranks with --tp: N (default; each rank holds 1/N of the experts) or 1 "
                         "(every expert split along its intermediate dim)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+    p.add_argument("--device", type=device_arg, default="cpu", metavar="cpu|cuda|cuda:N",
                    help="where the paged graph runs (with --tp on cuda: rank r on cuda:r)")
     p.add_argument("--speculative", choices=["mtp"],
                    help="speculative decoding: drafts from the checkpoint's MTP layer, verified in one step (the "
@@ -206,13 +218,13 @@ def _generate_cmd(args: argparse.Namespace) -> int:
         runner = build_runner(artifact or args.model, RunnerOptions(
             dtype=args.dtype, device=args.device, speculative=speculative, **_paged_options(args, prompts, disabled)))
         if tokenizer is not None and not args.ids and len(prompts) == 1:
-            printer = _Printer(tokenizer)
+            printer = _Printer(tokenizer, stop)
         outputs = runner.generate(prompts, args.max_new_tokens, stop, on_token=printer)
         if speculative is not None:
-            _print_outputs(outputs, None if args.ids else tokenizer, printer)
+            _print_outputs(outputs, None if args.ids else tokenizer, printer, stop)
             _print_acceptance(runner.acceptance.mean_length, runner.acceptance.steps, speculative)
             return 0
-    _print_outputs(outputs, None if args.ids else tokenizer, printer)
+    _print_outputs(outputs, None if args.ids else tokenizer, printer, stop)
     return 0
 
 
@@ -245,16 +257,17 @@ def _until_stop(tokens: list[int], stop: frozenset) -> list[int]:
 
 
 class _Printer:
-    """``Runner.run``'s on_token for one request: its text printed as it becomes complete; ``finish`` prints the rest
-    and ends the line."""
+    """``Runner.run``'s on_token for one request: its text printed as it becomes complete, the stop token it ends at
+    left out (as :func:`_print_outputs` leaves it out); ``finish`` prints the rest and ends the line."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stop: frozenset):
         from fxglm5.model.tokenizer import TextStream
 
-        self.stream = TextStream(tokenizer)
+        self.stream, self.stop = TextStream(tokenizer), stop
 
     def __call__(self, seq, token: int) -> None:
-        print(self.stream.push(token), end="", flush=True)
+        if token not in self.stop:
+            print(self.stream.push(token), end="", flush=True)
 
     def finish(self) -> None:
         print(self.stream.rest())
@@ -278,15 +291,20 @@ def _speculative(args: argparse.Namespace, artifact):
     return SpeculativeConfig(args.speculative, args.num_speculative_tokens)
 
 
-def _print_outputs(outputs: list[list[int]], tokenizer=None, streamed: "_Printer | None" = None) -> None:
-    """One line per prompt: its ids, or with ``tokenizer`` its text as a JSON string (generated text holds newlines);
-    one prompt's text is printed as it came (``streamed``)."""
+def _print_outputs(outputs: list[list[int]], tokenizer=None, streamed: "_Printer | None" = None,
+                   stop: frozenset = frozenset()) -> None:
+    """One line per prompt: its ids (the stop id it ended at the last of them), or with ``tokenizer`` its text as a
+    JSON string (generated text holds newlines), the stop token left out; one prompt's text is printed as it came
+    (``streamed``)."""
     if streamed is not None:
         streamed.finish()
         return
     for tokens in outputs:
-        print(" ".join(map(str, tokens)) if tokenizer is None else json.dumps(tokenizer.decode(tokens),
-                                                                               ensure_ascii=False))
+        if tokenizer is None:
+            print(" ".join(map(str, tokens)))
+            continue
+        text = tokens[:-1] if tokens and tokens[-1] in stop else tokens
+        print(json.dumps(tokenizer.decode(text), ensure_ascii=False))
 
 
 def _paged_options(args: argparse.Namespace, prompts: list[list[int]], disabled: tuple[str, ...]) -> dict:
@@ -305,6 +323,8 @@ def _generate_sharded(args: argparse.Namespace, artifact, prompts: list[list[int
                          "exported artifact")
     if args.backend != "paged":
         raise InputError(f"--tp {args.tp}: only the paged backend runs sharded (--backend {args.backend})")
+    if ":" in args.device:
+        raise InputError(f"--device {args.device} with --tp {args.tp}: rank r runs on cuda:r; give --device cuda")
     from fxglm5.model.config import Glm5Config
     from fxglm5.parallel import Mapping
 
@@ -322,7 +342,7 @@ def _generate_sharded(args: argparse.Namespace, artifact, prompts: list[list[int
     rank, (outputs, acceptance) = on_ranks(generate_on_rank, args.model, options, prompts, args.max_new_tokens,
                                            sorted(stop))
     if rank == 0:
-        _print_outputs(outputs, None if args.ids else tokenizer)
+        _print_outputs(outputs, None if args.ids else tokenizer, stop=stop)
         if speculative is not None:
             _print_acceptance(*acceptance, speculative)
     return 0
@@ -486,7 +506,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--config", help="a GLM-5 config.json, compiled on the meta device (no weights)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="compute dtype")
     _pass_options(p)
-    p.add_argument("--device", choices=["cpu", "cuda"],
+    p.add_argument("--device", type=device_arg, metavar="cpu|cuda|cuda:N",
                    help="also lower the graph for this device (without running it) and print what runs where")
 
 

@@ -52,6 +52,46 @@ def test_make_tiny_writes_readable_files_into_place(tmp_path, capsys):
     assert sorted(os.listdir(out.parent)) == ["tiny"]
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_the_written_directory_has_a_normal_directorys_permissions(tmp_path, capsys):
+    """The temporary directory it was written into is private (mkdtemp: 0700); renamed into place, the output is
+    as any directory mkdir makes: 0777 less the umask, for make-tiny and quantize alike."""
+    bf16, fp8 = tmp_path / "bf16", tmp_path / "fp8"
+    assert main(["make-tiny", "--out", str(bf16), "--bf16"]) == 0
+    assert main(["quantize", "--in", str(bf16), "--out", str(fp8)]) == 0
+    (tmp_path / "made").mkdir()
+    normal = stat.S_IMODE((tmp_path / "made").stat().st_mode)
+    assert normal == 0o777 & ~_umask()
+    for out in (bf16, fp8):
+        assert stat.S_IMODE(out.stat().st_mode) == normal, out
+
+
+@pytest.mark.parametrize("command", ["make-tiny", "quantize"])
+def test_a_non_empty_out_is_refused_before_the_work_and_left_as_it_was(tmp_path, capsys, monkeypatch, command):
+    import fxglm5.model.quantize
+
+    source = tmp_path / "bf16"
+    assert main(["make-tiny", "--out", str(source), "--bf16"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    monkeypatch.setattr(fxglm5.model.tiny, "tiny_state", lambda *a, **k: pytest.fail("the work started"))
+    monkeypatch.setattr(fxglm5.model.quantize, "quantize_fp8_block", lambda *a, **k: pytest.fail("the work started"))
+    argv = ["make-tiny", "--out", str(out)] if command == "make-tiny" else ["quantize", "--in", str(source), "--out",
+                                                                            str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert _one_line(err) and f"{out}: exists and is not empty" in err
+    assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine\n"
+    assert sorted(os.listdir(tmp_path)) == ["bf16", "out"]  # no temporary directory left beside it
+
+
 def test_an_output_under_a_file_is_refused_before_the_work(tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -86,15 +126,47 @@ def test_the_machines_errors_are_one_line(monkeypatch, capsys, raised, code, sta
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch without CUDA")
-def test_device_cuda_without_cuda_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:1"])
+def test_device_cuda_without_cuda_is_refused_before_loading(tmp_path, capsys, monkeypatch, device):
     ckpt = tmp_path / "tiny"
     assert main(["make-tiny", "--out", str(ckpt)]) == 0
     capsys.readouterr()
     import fxglm5.model.modeling
+    import fxglm5.runtime.runner
 
     monkeypatch.setattr(fxglm5.model.modeling.Glm5ForCausalLM, "from_pretrained",
                         classmethod(lambda *a, **k: pytest.fail("weights were loaded")))
-    assert main(["generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--max-new-tokens", "1",
-                 "--device", "cuda"]) == 2
+    monkeypatch.setattr(fxglm5.runtime.runner, "Runner", lambda *a, **k: pytest.fail("a Runner was made"))
+    for extra in ([], ["--tp", "2"]):
+        assert main(["generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--max-new-tokens", "1",
+                     "--device", device, *extra]) == 2
+        err = capsys.readouterr().err
+        assert _one_line(err) and f"--device {device}: this torch has no CUDA device" in err, err
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cuda:-1", "cpu:0"])
+def test_a_device_that_is_not_one_is_named(tmp_path, capsys, device):
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error: exit 2, the flag and the value named
+        main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2", "--max-new-tokens", "1", "--device", device])
+    assert exited.value.code == 2
+    assert f"argument --device: {device!r} is not a device fxglm5 runs on (cpu, cuda or cuda:N)" in capsys.readouterr().err
+
+
+def test_one_cuda_index_for_several_ranks_is_refused(tmp_path, capsys, monkeypatch):
+    """With --tp each rank r runs on cuda:r, so a device index names none of them: refused by name before any rank
+    starts (checked as on a machine with two CUDA devices)."""
+    ckpt = tmp_path / "tiny"
+    assert main(["make-tiny", "--out", str(ckpt), "--preset", "tiny-tp"]) == 0
+    capsys.readouterr()
+    import fxglm5.runtime.distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(fxglm5.runtime.distributed, "launch", lambda *a, **k: pytest.fail("ranks were started"))
+    assert main(["generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--max-new-tokens", "1", "--tp", "2",
+                 "--device", "cuda:1"]) == 2
     err = capsys.readouterr().err
-    assert _one_line(err) and "--device cuda: this torch has no CUDA device" in err
+    assert _one_line(err) and "--device cuda:1 with --tp 2: rank r runs on cuda:r; give --device cuda" in err
+    assert main(["generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--max-new-tokens", "1",
+                 "--device", "cuda:2"]) == 2
+    assert "--device cuda:2: this machine has 2 CUDA device(s)" in capsys.readouterr().err

@@ -62,16 +62,26 @@ def test_generate_prompt_prints_the_text_of_the_ids(ckpt, tokenizer, capsys):
     assert text == [tokenizer.decode(tokens)]  # streamed, then the line ended
 
 
-def test_generation_ends_at_the_checkpoints_eos(ckpt, tokenizer, capsys, tmp_path):
-    """With the third generated token made an EOS id (generation_config.json), the text stops there."""
+@pytest.mark.parametrize("backend", ["paged", "reference"])
+def test_generation_ends_at_the_checkpoints_eos(ckpt, tokenizer, capsys, tmp_path, backend):
+    """With the third generated token made an EOS id (generation_config.json), generation stops there, as the README
+    says: ``--ids`` prints the ids up to and with that EOS id; the text (streamed for one prompt, a JSON string a
+    line for several) stops before it, on either backend."""
     ids = [int(t) for t in run(capsys, "generate", "--model", str(ckpt), "--prompt", "Hello", "--ids", *COMMON)[-1].split()]
     edited = tmp_path / "eos"
     edited.mkdir()
     for f in ckpt.iterdir():
         shutil.copy(f, edited / f.name)
     (edited / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids[2]]}))
-    stopped = run(capsys, "generate", "--model", str(edited), "--prompt", "Hello", "--ids", *COMMON)[-1]
-    assert [int(t) for t in stopped.split()] == ids[:ids.index(ids[2]) + 1]
+    end = ids.index(ids[2])
+    assert tokenizer.decode(ids[end:end + 1])  # an EOS with text of its own: leaving it out shows
+    argv = ("generate", "--model", str(edited), "--backend", backend, *COMMON)
+    stopped = run(capsys, *argv, "--prompt", "Hello", "--ids")[-1]
+    assert [int(t) for t in stopped.split()] == ids[:end + 1]
+    (single,) = run(capsys, *argv, "--prompt", "Hello")
+    assert (json.loads(single) if backend == "reference" else single) == tokenizer.decode(ids[:end])
+    batch = run(capsys, *argv, "--prompt", "Hello", "--prompt", "Hello")
+    assert [json.loads(line) for line in batch] == [tokenizer.decode(ids[:end])] * 2
 
 
 def test_chat_renders_the_checkpoints_template(ckpt, tokenizer, capsys):
