@@ -7,8 +7,9 @@ both RTP forwards hand it named pieces and never spell it (TensorRT-LLM AutoDepl
 plays this part there):
 
 - **The input contract, by name** (:attr:`PagedProgram.inputs`), built from what the cache stage declared in
-  ``graph.meta["paged_cache"]`` (a :class:`PagedSignature`): the context inputs, each layer's cache names and
-  kinds, the head's outputs.
+  ``graph.meta["paged_cache"]`` (a :class:`PagedSignature`, defined here beside the program it describes): the
+  context inputs, each layer's cache names and kinds, the head's outputs. This module imports no pass, so the
+  cache stage's pass imports the signature from it.
 - **The call**: ``program(step, input_ids, caches, hidden=None)`` with ``step`` a :class:`StepInputs`, returns
   :class:`Outputs` (``logits`` / ``hidden`` rows, None where the head has none).
 - **The cache spec** (:meth:`PagedProgram.cache_spec`, :class:`CacheSpec`): for a cache kind, each cache input's
@@ -32,8 +33,9 @@ from torch import Tensor, fx
 
 from fxglm5 import contracts
 from fxglm5.errors import InputError
-from fxglm5.passes.insert_paged_cache import PagedSignature
 
+TOKEN_INPUTS = ("input_ids", "position_ids")
+CONTEXT_INPUTS = ("slot_mapping", "block_table", "req_idx", "logits_indices")
 CACHE_KINDS = ("bf16", "fp8")  # "bf16": rows in the compute dtype (RTP's non-FP8 mode); "fp8": RTP's byte rows
 
 
@@ -55,6 +57,35 @@ def row_width(role: str, kind: str) -> int:
     fp8, plain = {"kv": (contracts.FP8_ROW_BYTES, contracts.LATENT_DIM),
                   "index": (contracts.INDEX_ROW_BYTES, contracts.INDEX_DIM)}[role]
     return fp8 if kind == "fp8" else plain
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedSignature:
+    """What the cache stage (``passes.insert_paged_cache``) made the graph take and return, in order: TOKEN_INPUTS,
+    ``hidden`` (the MTP graph's), CONTEXT_INPUTS, then each attention layer's caches; ``outputs`` names the results
+    (the head's). The stage records it in ``graph.meta["paged_cache"]``; :class:`PagedProgram` is built from it."""
+
+    layers: tuple[tuple[str, str | None], ...]  # per attention layer: (kv cache name, index cache name | None)
+    outputs: tuple[str, ...] = ("logits",)
+    hidden_input: bool = False
+
+    @classmethod
+    def for_layers(cls, indexed, outputs: tuple[str, ...] = ("logits",), hidden_input: bool = False):
+        """The signature of attention layers whose ``indexed[i]`` says layer i runs its own indexer."""
+        return cls(tuple((f"kv_cache_{i}", f"index_cache_{i}" if own else None) for i, own in enumerate(indexed)),
+                   outputs, hidden_input)
+
+    @property
+    def cache_names(self) -> list[str]:
+        return [name for pair in self.layers for name in pair if name is not None]
+
+    @property
+    def index_names(self) -> frozenset[str]:
+        return frozenset(index for _, index in self.layers if index is not None)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return (*TOKEN_INPUTS, *(("hidden",) if self.hidden_input else ()), *CONTEXT_INPUTS, *self.cache_names)
 
 
 class StepInputs(NamedTuple):

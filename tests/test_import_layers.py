@@ -4,10 +4,11 @@ form no cycle and never reach a higher layer than the module's own.
 The layers, lowest first. A module may import its own layer and the layers below it. The order is the
 dependency order of the compiler's data flow (model -> capture -> passes -> lowering -> runtime -> front
 doors) with what each step needs placed under it: the passes emit the ops and the ``lower`` pass asks the
-lowering registry, so ``kernels`` (the torch references and Triton kernels, plain functions), ``ops`` (the
-op schemas, whose default implementations are those references) and ``lowering`` (the backend table and
-choice) sit below ``passes``. ``compiler`` (capture + the declared stages, the one compile of every caller, and
-``program``, the one way to run what it compiled) sits between the passes and the runtime that runs its programs.
+lowering registry, so ``kernels`` (the torch references and Triton kernels, plain functions), ``lowering`` (the
+backend table and choice, which names the ops by name and imports none of them), ``ops`` (the op schemas, whose
+default implementations are those references) and ``program`` (the paged program's signature, which the cache
+stage records, and the one way to run a compiled step) sit below ``passes``. ``compiler`` (capture + the declared
+stages, the one compile of every caller) sits between the passes and the runtime that runs its programs.
 ``base`` holds the shared contracts, settings and error types.
 
 Above the compiler, nothing reaches past it: the runtime and the front doors never import ``fxglm5.passes`` (the
@@ -29,10 +30,11 @@ LAYERS = [
     ("model", ["fxglm5.model"]),
     ("capture", ["fxglm5.capture"]),
     ("kernels", ["fxglm5.lowering.reference", "fxglm5.lowering.triton"]),
-    ("ops", ["fxglm5.ops"]),
     ("lowering", ["fxglm5.lowering"]),
+    ("ops", ["fxglm5.ops"]),
+    ("program", ["fxglm5.program"]),
     ("passes", ["fxglm5.passes"]),
-    ("compiler", ["fxglm5.compiler", "fxglm5.program"]),
+    ("compiler", ["fxglm5.compiler"]),
     ("runtime", ["fxglm5.runtime"]),
     ("front doors", ["fxglm5", "fxglm5.cli", "fxglm5.backend", "fxglm5.artifact", "fxglm5.artifact_format",
                      "fxglm5.serve", "fxglm5.rtpllm"]),

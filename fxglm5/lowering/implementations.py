@@ -1,7 +1,8 @@
 """Which implementation runs each fxglm5 op on each backend: the table the registry chooses from.
 
 ``reference`` is always the op's own torch implementation (the custom op's default kernel), so every op has
-one. A Triton or aiter entry may carry a ``supports`` check that names why it refuses a call. The checks read
+one. The table names ops by their name and looks the custom op up when it is asked for an op's implementations
+(by then a graph holds the op, so it is registered): lowering imports no op module, which sit above it. A Triton or aiter entry may carry a ``supports`` check that names why it refuses a call. The checks read
 only what the graph's metadata holds (dtypes, shapes, which optional arguments are given), so the ``lower``
 pass runs them once per node on ``node.meta['val']`` at lower time; whether a device can run a backend at all
 (Triton needs CUDA or the interpreter, aiter a ROCm build with aiter) is :func:`device_supports`.
@@ -17,7 +18,6 @@ from typing import Callable, Optional
 import torch
 
 from fxglm5 import settings
-import fxglm5.ops.cached  # noqa: F401  (the cached ops' reference bodies are the custom ops)
 from fxglm5.lowering.reference import paged, paged_steps
 from fxglm5.lowering.reference.collectives import all_gather_c10d, all_reduce_c10d
 
@@ -26,7 +26,7 @@ BACKENDS = ("aiter", "triton", "reference")
 
 @dataclasses.dataclass(frozen=True)
 class Impl:
-    fn: Callable
+    fn: Optional[Callable]  # None in the table: the custom op itself (``torch.ops.fxglm5.<op>``), looked up when asked
     supports: Optional[Callable[..., Optional[str]]] = None  # returns None if supported, else a reason
     unchecked: Optional[Callable] = None  # the body without its input checks, for callers that validated them
 
@@ -51,8 +51,11 @@ def register(op: str, backend: str, supports: Optional[Callable[..., Optional[st
 def implementations(op: str) -> dict[str, Impl]:
     """Every backend's implementation of ``op``; ``reference`` is the custom op's own torch kernel."""
     impls = dict(_IMPLS.get(op, {}))
-    if "reference" not in impls and hasattr(torch.ops.fxglm5, op):
-        impls["reference"] = Impl(getattr(torch.ops.fxglm5, op).default)
+    reference = impls.get("reference")
+    if (reference is None or reference.fn is None) and hasattr(torch.ops.fxglm5, op):
+        impls["reference"] = dataclasses.replace(reference or Impl(None), fn=getattr(torch.ops.fxglm5, op).default)
+    elif reference is not None and reference.fn is None:
+        del impls["reference"]  # the op is not registered: nothing can call it
     return impls
 
 
@@ -183,8 +186,7 @@ def _register_cached_op(op: str, step: Callable) -> None:
     torch references (the custom op itself), each with and without the step's own input validation."""
     register(op, "triton", unchecked=functools.partial(step, _TRITON_PAGED, validate=False))(
         functools.partial(step, _TRITON_PAGED))
-    register(op, "reference", unchecked=functools.partial(step, paged, validate=False))(
-        getattr(torch.ops.fxglm5, op).default)
+    _IMPLS.setdefault(op, {})["reference"] = Impl(None, unchecked=functools.partial(step, paged, validate=False))
 
 
 _register_cached_op("rtp_indexer", paged_steps.indexer_step)

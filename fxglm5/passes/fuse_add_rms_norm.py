@@ -19,7 +19,7 @@ import operator
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, fake_call, is_op, op_args, shape_of
+from fxglm5.passes.graph_utils import aten, fake_call, is_op, op_args, rewrite_each, shape_of
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -62,20 +62,20 @@ def _insert_after_sum(gm: fx.GraphModule, add: fx.Node, norm: fx.Node, args: tup
 
 @register_pass("fuse_kernels", expected=expected_fusions)
 def fuse_add_rms_norm(gm: fx.GraphModule, ctx) -> PassOutcome:
-    matches = 0
-    for norm in list(gm.graph.find_nodes(op="call_function", target=torch.ops.fxglm5.rms_norm.default)):
+    def fuse(norm: fx.Node) -> bool:
         summands = _summands(norm)
         if summands is None:
-            continue
+            return False
         add = op_args(norm)["x"]
         fused = _insert_after_sum(gm, add, norm, (*summands, op_args(norm)["weight"], op_args(norm)["eps"]))
         if fused is None:
-            continue
+            return False
         with gm.graph.inserting_after(fused):
             total = gm.graph.call_function(operator.getitem, (fused, 1))
             normed = gm.graph.call_function(operator.getitem, (fused, 0))
         normed.meta["val"], total.meta["val"] = fused.meta["val"]
         norm.replace_all_uses_with(normed)
         add.replace_all_uses_with(total)
-        matches += 1
-    return PassOutcome(matches)
+        return True
+
+    return PassOutcome(rewrite_each(gm, fuse, torch.ops.fxglm5.rms_norm.default))

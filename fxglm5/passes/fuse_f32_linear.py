@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, const_float, dtype_of, is_cast, is_op, op_args, replace_with_call, through
+from fxglm5.passes.graph_utils import (
+    aten, const_float, dtype_of, is_cast, is_op, op_args, replace_with_call, rewrite_each, through,
+)
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -53,16 +55,16 @@ def _scales(linear: fx.Node) -> tuple[fx.Node, list[float]]:
 
 @register_pass("fuse_kernels", expected=expected_linears)
 def fuse_f32_linear(gm: fx.GraphModule, ctx) -> PassOutcome:
-    matches = 0
-    for linear in list(gm.graph.find_nodes(op="call_function", target=aten.linear.default)):
+    def fuse(linear: fx.Node) -> bool:
         args = op_args(linear)
         cast, weight = args["input"], through(args["weight"])
         if (args["bias"] is not None or not is_cast(cast) or dtype_of(cast) != torch.float32
                 or not isinstance(weight, fx.Node) or weight.op != "get_attr" or dtype_of(weight) != torch.float32):
-            continue
+            return False
         end, scales = _scales(linear)
         if not _read_by_router_or_indexer(end):
-            continue
+            return False
         replace_with_call(gm, end, torch.ops.fxglm5.f32_linear.default, (op_args(cast)["self"], weight, scales))
-        matches += 1
-    return PassOutcome(matches)
+        return True
+
+    return PassOutcome(rewrite_each(gm, fuse, aten.linear.default))

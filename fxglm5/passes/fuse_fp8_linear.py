@@ -12,7 +12,7 @@ from torch import fx
 
 from fxglm5.capture.export import MTP_HEAD
 from fxglm5.passes.dequant import match_dequant
-from fxglm5.passes.graph_utils import aten, is_op, op_args, replace_with_call
+from fxglm5.passes.graph_utils import aten, op_args, replace_with_call, rewrite_each
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -34,17 +34,16 @@ def expected_fp8_linears(ctx) -> int:
 @register_pass("fuse", expected=expected_fp8_linears)
 def fuse_fp8_linear(gm: fx.GraphModule, ctx) -> PassOutcome:
     op = torch.ops.fxglm5.fp8_linear.default
-    matches = 0
-    for node in list(gm.graph.nodes):
-        if not is_op(node, aten.linear.default):
-            continue
+
+    def fuse(node: fx.Node) -> bool:
         linear = op_args(node)
         x, bias = linear["input"], linear["bias"]
         deq = match_dequant(linear["weight"])
         if deq is None:
-            continue
+            return False
         args = (x, deq.weight, deq.scale, bias, bool(ctx.act_quant))
         replace_with_call(gm, node, op, args)
         gm.graph.erase_node(node)
-        matches += 1
-    return PassOutcome(matches)
+        return True
+
+    return PassOutcome(rewrite_each(gm, fuse, aten.linear.default))

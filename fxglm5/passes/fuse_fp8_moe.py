@@ -23,7 +23,8 @@ from torch import fx
 
 from fxglm5.passes.dequant import match_dequant, plain_weight
 from fxglm5.passes.graph_utils import (
-    aten, const_float, fake_call, getitem_of, insert_call, is_cast, is_op, op_args, through, through_casts,
+    aten, const_float, fake_call, getitem_of, insert_call, is_cast, is_op, op_args, rewrite_each, through,
+    through_casts,
 )
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
@@ -120,15 +121,15 @@ def _match_experts(total) -> tuple | None:
 @register_pass("fuse", expected=expected_moe_layers)
 def fuse_fp8_moe(gm: fx.GraphModule, ctx) -> PassOutcome:
     route_op, moe_op = torch.ops.fxglm5.moe_route.default, torch.ops.fxglm5.moe_fp8.default
-    matches = 0
-    for node in list(gm.graph.nodes):
+
+    def fuse(node: fx.Node) -> bool:
         experts = _match_experts(node)
         if experts is None:
-            continue
+            return False
         x, routing, (w13, s13), (w2, s2) = experts
         router = _match_router(routing)
         if router is None:
-            continue
+            return False
         logits, bias, top_k, renormalize, scaling = router
         route_args = (logits, bias, top_k, 1, 1, renormalize, scaling)
         route = insert_call(gm, node, route_op, route_args, fake_call(route_op, *route_args))
@@ -143,5 +144,6 @@ def fuse_fp8_moe(gm: fx.GraphModule, ctx) -> PassOutcome:
                 cast.replace_all_uses_with(fused)
             fused = insert_call(gm, node, aten.to.dtype, (fused, out_dtype), fake_call(aten.to.dtype, fused, out_dtype))
         node.replace_all_uses_with(fused)
-        matches += 1
-    return PassOutcome(matches)
+        return True
+
+    return PassOutcome(rewrite_each(gm, fuse))

@@ -16,7 +16,7 @@ import operator
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, fake_call, getitem_of, insert_call, is_op, op_args
+from fxglm5.passes.graph_utils import aten, fake_call, getitem_of, insert_call, is_op, op_args, rewrite_each
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -52,11 +52,11 @@ def _glue(where: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int] | None:
 @register_pass("fuse_kernels", expected=expected_routes)
 def fuse_local_experts_into_route(gm: fx.GraphModule, ctx) -> PassOutcome:
     op = torch.ops.fxglm5.moe_route_local.default
-    matches = 0
-    for where in list(gm.graph.find_nodes(op="call_function", target=aten.where.ScalarOther)):
+
+    def fuse(where: fx.Node) -> bool:
         glue = _glue(where)
         if glue is None:
-            continue
+            return False
         route, ids, offset, count = glue
         args = (*op_args(route).values(), offset, count)
         fused = insert_call(gm, where, op, args, fake_call(op, *args))  # after the offset, which follows the router
@@ -65,5 +65,6 @@ def fuse_local_experts_into_route(gm: fx.GraphModule, ctx) -> PassOutcome:
         for user in list(route.users):
             if user is not ids:
                 user.replace_all_uses_with(weights)
-        matches += 1
-    return PassOutcome(matches)
+        return True
+
+    return PassOutcome(rewrite_each(gm, fuse, aten.where.ScalarOther))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, fake_call, insert_call, is_op, op_args, set_op_args, shape_of
+from fxglm5.passes.graph_utils import aten, fake_call, insert_call, is_op, op_args, rewrite_each, set_op_args, shape_of
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -102,13 +102,17 @@ def _unfolded(node: fx.Node, *optional: str) -> bool:
 @register_pass("cache", expected=expected_folds)
 def fuse_norm_rope_into_cache_writes(gm: fx.GraphModule, ctx) -> PassOutcome:
     ops = torch.ops.fxglm5
-    norms = ropes = matches = 0
-    for node in list(gm.graph.nodes):
+    folded = {"norms": 0, "ropes": 0}
+
+    def fold(node: fx.Node) -> bool:
         if is_op(node, ops.rtp_sparse_mla.default, ops.rtp_mla.default) and _unfolded(node, "rope_cos", "kv_norm_weight"):
             n, r = _fold_mla(gm, node)
         elif is_op(node, ops.rtp_indexer.default) and _unfolded(node, "rope_cos", "k_norm_weight"):
             n, r = _fold_indexer(node)
         else:
-            continue
-        norms, ropes, matches = norms + n, ropes + r, matches + bool(n or r)
-    return PassOutcome(matches, {"norms": norms, "ropes": ropes})
+            return False
+        folded["norms"], folded["ropes"] = folded["norms"] + n, folded["ropes"] + r
+        return bool(n or r)
+
+    matches = rewrite_each(gm, fold)
+    return PassOutcome(matches, folded)

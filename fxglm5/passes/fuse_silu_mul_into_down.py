@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, dtype_of, is_op, op_args, replace_with_call, shape_of
+from fxglm5.passes.graph_utils import aten, dtype_of, is_op, op_args, replace_with_call, rewrite_each, shape_of
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -43,13 +43,13 @@ def _gate_up(down: fx.Node) -> tuple[fx.Node, fx.Node] | None:
 
 @register_pass("fuse_kernels", expected=expected_fusions)
 def fuse_silu_mul_into_down(gm: fx.GraphModule, ctx) -> PassOutcome:
-    matches = 0
-    for down in list(gm.graph.find_nodes(op="call_function", target=torch.ops.fxglm5.fp8_linear.default)):
+    def fuse(down: fx.Node) -> bool:
         operands = _gate_up(down)
         if operands is None:
-            continue
+            return False
         args = op_args(down)
         replace_with_call(gm, down, torch.ops.fxglm5.silu_mul_fp8_linear.default,
                           (*operands, args["weight"], args["weight_scale_inv"], args["bias"], args["act_quant"]))
-        matches += 1
-    return PassOutcome(matches)
+        return True
+
+    return PassOutcome(rewrite_each(gm, fuse, torch.ops.fxglm5.fp8_linear.default))

@@ -218,6 +218,14 @@ def insert_call(gm: fx.GraphModule, before: fx.Node, target: Callable, args: tup
     return node
 
 
+def rewrite_each(gm: fx.GraphModule, rewrite: Callable[[fx.Node], Any], target: Callable | None = None) -> int:
+    """The loop of every rewriting pass: ``rewrite(node)`` (truthy where it rewrote there) on each node of the graph
+    as it stands now (the ``call_function`` nodes of ``target`` when given), in graph order, so a rewrite may add
+    or move nodes without the walk seeing them; returns how many rewrote (the pass's matches)."""
+    nodes = gm.graph.nodes if target is None else gm.graph.find_nodes(op="call_function", target=target)
+    return sum(bool(rewrite(node)) for node in list(nodes))
+
+
 def replace_with_call(gm: fx.GraphModule, node: fx.Node, target: Callable, args: tuple) -> fx.Node:
     """Insert ``target(*args)`` before ``node`` (its meta value from a fake run) and move every use of ``node``
     to it; ``node`` and whatever only it read are left for dead-code elimination."""

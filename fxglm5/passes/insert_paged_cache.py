@@ -27,8 +27,6 @@ lists them, so a runtime allocates exactly what the graph takes.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import fx
 
@@ -37,42 +35,11 @@ from fxglm5.capture.export import MTP_HEAD
 from fxglm5.passes.graph_utils import aten, fake_call, fake_index, is_op, op_args
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
+from fxglm5.program import CONTEXT_INPUTS, PagedSignature
 
-CONTEXT_INPUTS = ("slot_mapping", "block_table", "req_idx", "logits_indices")
 _UNBOUNDED = 2**62
-
-
-TOKEN_INPUTS = ("input_ids", "position_ids")
 HEAD_OUTPUTS = {"logits": ("logits",), "hidden": ("hidden",), "logits+hidden": ("logits", "hidden"),
                 MTP_HEAD: ("logits", "hidden")}
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedSignature:
-    """What the cache stage made the graph take and return, in order: TOKEN_INPUTS, ``hidden`` (the MTP graph's),
-    CONTEXT_INPUTS, then each attention layer's caches; ``outputs`` names the results (the head's)."""
-
-    layers: tuple[tuple[str, str | None], ...]  # per attention layer: (kv cache name, index cache name | None)
-    outputs: tuple[str, ...] = ("logits",)
-    hidden_input: bool = False
-
-    @classmethod
-    def for_layers(cls, indexed, outputs: tuple[str, ...] = ("logits",), hidden_input: bool = False):
-        """The signature of attention layers whose ``indexed[i]`` says layer i runs its own indexer."""
-        return cls(tuple((f"kv_cache_{i}", f"index_cache_{i}" if own else None) for i, own in enumerate(indexed)),
-                   outputs, hidden_input)
-
-    @property
-    def cache_names(self) -> list[str]:
-        return [name for pair in self.layers for name in pair if name is not None]
-
-    @property
-    def index_names(self) -> frozenset[str]:
-        return frozenset(index for _, index in self.layers if index is not None)
-
-    @property
-    def inputs(self) -> tuple[str, ...]:
-        return (*TOKEN_INPUTS, *(("hidden",) if self.hidden_input else ()), *CONTEXT_INPUTS, *self.cache_names)
 
 
 def expected_attention_layers(ctx) -> int:

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from fxglm5.lowering.backend_choice import backend_order, bind
+from fxglm5.passes.graph_utils import rewrite_each
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -44,13 +45,15 @@ def lower(gm: fx.GraphModule, ctx) -> PassOutcome:
     device = ctx.extras.get("device") or _graph_device(gm)
     order = backend_order(device, ctx.backend)
     validated = bool(ctx.extras.get("inputs_validated"))
-    matches = 0
-    for node in gm.graph.nodes:
+
+    def bind_node(node: fx.Node) -> bool:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target.namespace != "fxglm5":
-            continue
+            return False
         node.target = bind(node, target._opname, order, device, validated)
         node.meta["fxglm5_backend"] = node.target.backend
-        matches += 1
+        return True
+
+    matches = rewrite_each(gm, bind_node)
     where = ",".join(f"{op}:{backend} x{n}" for (op, backend), n in placement(gm).items())
     return PassOutcome(matches, {"device": device, "backends": "/".join(order), "ops": where})

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, is_op
+from fxglm5.passes.graph_utils import aten, is_op, rewrite_each
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.mla_pattern import absorbed_weights, is_causal_mask, match_mla_attention, replace_attention
 from fxglm5.passes.registry import register_pass
@@ -22,16 +22,16 @@ def expected_dense_mla(ctx) -> int:
 
 @register_pass("match", expected=expected_dense_mla)
 def match_mla(gm: fx.GraphModule, ctx) -> PassOutcome:
-    matches = 0
-    for node in list(gm.graph.nodes):
+    def rewrite(node: fx.Node) -> bool:
         if not is_op(node, aten.softmax.int, aten._softmax.default):
-            continue
+            return False
         match = match_mla_attention(node, ctx)
         if match is None or not is_causal_mask(match.allowed):
-            continue
+            return False
         weights = absorbed_weights(gm, match, match.output)
         if weights is None:
-            continue
+            return False
         replace_attention(gm, match, torch.ops.fxglm5.mla.default, (), weights)
-        matches += 1
-    return PassOutcome(matches)
+        return True
+
+    return PassOutcome(rewrite_each(gm, rewrite))

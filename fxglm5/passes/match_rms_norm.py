@@ -14,7 +14,8 @@ from torch import fx
 
 from fxglm5.capture.export import MTP_HEAD
 from fxglm5.passes.graph_utils import (
-    aten, const_float, dtype_of, float32_source, is_cast, is_op, op_args, replace_with_call, shape_of, through,
+    aten, const_float, dtype_of, float32_source, is_cast, is_op, op_args, replace_with_call, rewrite_each, shape_of,
+    through,
 )
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
@@ -68,11 +69,11 @@ def _match(anchor: fx.Node) -> tuple | None:
 @register_pass("match", expected=expected_norms)
 def match_rms_norm(gm: fx.GraphModule, ctx) -> PassOutcome:
     op = torch.ops.fxglm5.rms_norm.default
-    matches = 0
-    for node in list(gm.graph.nodes):
+
+    def rewrite(node: fx.Node) -> bool:
         found = _match(node)
-        if found is None:
-            continue
-        replace_with_call(gm, node, op, found)
-        matches += 1
-    return PassOutcome(matches)
+        if found is not None:
+            replace_with_call(gm, node, op, found)
+        return found is not None
+
+    return PassOutcome(rewrite_each(gm, rewrite))

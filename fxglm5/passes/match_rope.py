@@ -13,7 +13,7 @@ import torch
 from torch import fx
 
 from fxglm5.passes.graph_utils import (
-    aten, dtype_of, float32_source, getitem_of, is_cast, is_op, op_args, replace_with_call, shape_of,
+    aten, dtype_of, float32_source, getitem_of, is_cast, is_op, op_args, replace_with_call, rewrite_each, shape_of,
 )
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
@@ -107,18 +107,19 @@ def _partial(cat: fx.Node, op) -> tuple | None:
 @register_pass("match", expected=expected_ropes)
 def match_rope(gm: fx.GraphModule, ctx) -> PassOutcome:
     op = torch.ops.fxglm5.rope_interleaved.default
-    matches, partial = 0, 0
-    for node in list(gm.graph.nodes):
+
+    def whole(node: fx.Node) -> bool:
         found = _match(node)
-        if found is None:
-            continue
-        result, *args = found
-        replace_with_call(gm, result, op, tuple(args))
-        matches += 1
-    for node in list(gm.graph.nodes):
+        if found is not None:
+            result, *args = found
+            replace_with_call(gm, result, op, tuple(args))
+        return found is not None
+
+    def partial(node: fx.Node) -> bool:
         found = _partial(node, op)
-        if found is None:
-            continue
-        replace_with_call(gm, node, op, found)
-        partial += 1
-    return PassOutcome(matches, {"partial": partial})
+        if found is not None:
+            replace_with_call(gm, node, op, found)
+        return found is not None
+
+    matches = rewrite_each(gm, whole)
+    return PassOutcome(matches, {"partial": rewrite_each(gm, partial)})

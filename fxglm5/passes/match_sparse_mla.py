@@ -15,7 +15,8 @@ import torch
 from torch import fx
 
 from fxglm5.passes.graph_utils import (
-    aten, const_float, fake_call, getitem_of, insert_call, is_neg_inf, is_op, op_args, shape_of, through, through_casts,
+    aten, const_float, fake_call, getitem_of, insert_call, is_neg_inf, is_op, op_args, rewrite_each, shape_of,
+    through, through_casts,
 )
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.mla_pattern import absorbed_weights, is_causal_mask, match_mla_attention, replace_attention
@@ -102,18 +103,18 @@ def _match_indexer(selection) -> tuple | None:
 def match_sparse_mla(gm: fx.GraphModule, ctx) -> PassOutcome:
     sparse_op, topk_op = torch.ops.fxglm5.sparse_mla.default, torch.ops.fxglm5.indexer_topk.default
     indices_for: dict[fx.Node, fx.Node] = {}  # selection node -> indexer_topk node (shared layers reuse it)
-    matches = 0
-    for node in list(gm.graph.nodes):
+
+    def rewrite(node: fx.Node) -> bool:
         if not is_op(node, aten.softmax.int, aten._softmax.default):
-            continue
+            return False
         match = match_mla_attention(node, ctx)
         selection = _split_allowed(match.allowed) if match is not None else None
         if selection is None:
-            continue
+            return False
         if selection not in indices_for:
             found = _match_indexer(selection)
             if found is None:
-                continue
+                return False
             ranked, q, key, weights, scale, k = found
             scaled_w = insert_call(gm, ranked, aten.mul.Tensor, (weights, scale))
             scaled_w.meta["val"] = fake_call(aten.mul.Tensor, weights, scale)
@@ -121,7 +122,9 @@ def match_sparse_mla(gm: fx.GraphModule, ctx) -> PassOutcome:
             indices_for[selection] = insert_call(gm, ranked, topk_op, args, fake_call(topk_op, *args))
         weights_uk_uv = absorbed_weights(gm, match, match.output)
         if weights_uk_uv is None:
-            continue
+            return False
         replace_attention(gm, match, sparse_op, (indices_for[selection],), weights_uk_uv)
-        matches += 1
+        return True
+
+    matches = rewrite_each(gm, rewrite)
     return PassOutcome(matches, {"indexer_topk": len(indices_for), "shared_layers": matches - len(indices_for)})

@@ -19,7 +19,7 @@ from fxglm5.capture.by_kind import MATCH_ANCHOR
 from fxglm5.errors import PassError
 from fxglm5.parallel import BLOCK, PLAN, Mapping, Slice
 from fxglm5.passes.dequant import plain_weight
-from fxglm5.passes.graph_utils import aten, get_attr_tensor, is_op, op_args
+from fxglm5.passes.graph_utils import aten, get_attr_tensor, is_op, op_args, rewrite_each
 
 _DIRTY = "fxglm5_shard_dirty"  # node.meta key of the nodes a shard pass changed (see refresh)
 
@@ -130,7 +130,7 @@ def shard_each(gm: fx.GraphModule, ctx, rewrite) -> int:
     then refresh the example values of what changed; the matches. Nothing to do at world size 1."""
     if ctx.mapping.world == 1:
         return 0
-    matches = sum(bool(rewrite(gm, node, ctx.mapping)) for node in list(gm.graph.nodes))
+    matches = rewrite_each(gm, lambda node: rewrite(gm, node, ctx.mapping))
     if matches:
         refresh(gm)
     return matches

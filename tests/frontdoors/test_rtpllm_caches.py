@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from fxglm5.errors import InputError
-from fxglm5.passes.insert_paged_cache import PagedSignature
-from fxglm5.program import CacheSpec
+from fxglm5.program import CacheSpec, PagedSignature
 from tests.frontdoors.test_rtpllm_plugin import rtp  # noqa: F401 - fixture
 
 INDEXED = [True, False, True]  # layer 1 reuses layer 0's top-k: no index cache of its own

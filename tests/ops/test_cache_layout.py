@@ -13,8 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fxglm5.ops.cached  # noqa: F401  (registers the ops)
-from fxglm5.passes.insert_paged_cache import PagedSignature
-from fxglm5.program import CacheSpec
+from fxglm5.program import CacheSpec, PagedSignature
 from fxglm5.runtime.cache import PagedCache, kernel_block_table
 from fxglm5.runtime.forward_context import ForwardContext
 from tests.helpers import latent_values

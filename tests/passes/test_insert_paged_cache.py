@@ -8,7 +8,7 @@ import copy
 import torch
 
 from fxglm5.passes import PassContext, op_histogram, run_pipeline
-from fxglm5.passes.insert_paged_cache import PagedSignature
+from fxglm5.program import PagedSignature
 from tests.passes.modules import CanonicalMLA, canonical_graph, canonical_mla, seqs
 from tests.passes.template import (
     PassTemplate, assert_same_output, export_small, paged_args, paged_dims, pipeline, run_one,

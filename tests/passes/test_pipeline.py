@@ -231,3 +231,45 @@ def test_backend_dump_dir_option(tmp_path):
     summary = (tmp_path / "summary.txt").read_text().splitlines()
     assert [line.split()[1] for line in summary] == [*PIPELINE[Stage.MATCH], *PIPELINE[Stage.FUSE],
                                                      *PIPELINE[Stage.FUSE_KERNELS], *PIPELINE[Stage.LOWER]]
+
+
+def _node_loops_counting_matches(source: str) -> list[int]:
+    """The lines of ``for`` loops over a graph's nodes (``.nodes`` / ``find_nodes``) whose body counts with ``+=`` or
+    sums a counter: the rewrite loop that ``graph_utils.rewrite_each`` is the one copy of."""
+    import ast
+
+    found = []
+    for loop in ast.walk(ast.parse(source)):
+        if not isinstance(loop, ast.For):
+            continue
+        over = ast.unparse(loop.iter)
+        if ".nodes" not in over and "find_nodes" not in over:
+            continue
+        counts = [n for n in ast.walk(loop) if isinstance(n, ast.AugAssign) and isinstance(n.op, ast.Add)
+                  and isinstance(n.target, ast.Name)]
+        counts += [n for n in ast.walk(loop) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Tuple)
+                   and any(isinstance(e, ast.BinOp) for e in n.value.elts)]
+        if counts:
+            found.append(loop.lineno)
+    return found
+
+
+def test_the_passes_share_one_rewrite_loop():
+    """Every pass that rewrites node by node walks the graph through ``graph_utils.rewrite_each`` (the shard passes
+    through ``sharding.shard_each``, which does): no pass module keeps its own copy of the walk-match-rewrite-count
+    loop, and the detector sees one."""
+    import inspect
+    import pathlib
+
+    from fxglm5.passes import graph_utils
+
+    folder = pathlib.Path(graph_utils.__file__).parent
+    planted = "def p(gm):\n    matches = 0\n    for node in list(gm.graph.nodes):\n        matches += 1\n"
+    assert _node_loops_counting_matches(planted) == [3]
+    loops = {path.name: lines for path in sorted(folder.glob("*.py"))
+             if (lines := _node_loops_counting_matches(path.read_text()))}
+    assert loops == {}, f"walk the graph with graph_utils.rewrite_each: {loops}"
+    users = {name for name, spec in registry.REGISTRY.items()
+             if "rewrite_each(" in inspect.getsource(inspect.getmodule(spec.fn))
+             or "shard_each(" in inspect.getsource(inspect.getmodule(spec.fn))}
+    assert len(users) >= 16, sorted(set(registry.REGISTRY) - users)
