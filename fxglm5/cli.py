@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import re
 import shutil
@@ -25,9 +26,49 @@ DEMO_TOKENS = 16
 
 @dataclasses.dataclass(frozen=True)
 class Subcommand:
-    help: str
+    help: str  # one line, in the command list
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    description: str = ""  # what the command does, at the top of its --help (default: ``help``)
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's help ends with its default, where it has one that the help does not already say in words."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if _no_default(action) or "%(default)" in text or "default" in text.lower():
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _no_default(action) -> bool:
+    """An option whose default is nothing to print: unset (None), off (a flag's False) or suppressed."""
+    return action.default is None or action.default is False or action.default is argparse.SUPPRESS
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with no abbreviated flags, and an unknown flag named in the error (with the flag it may have meant)
+    even when a required one is also missing (argparse reports the missing one alone)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, formatter_class=_Formatter, **kwargs)
+
+    argv: list[str] = []
+
+    def error(self, message: str):
+        parser = self
+        for action in self._actions:  # the top parser's leftovers are its subcommand's unknown flags
+            if isinstance(action, argparse._SubParsersAction):
+                parser = next((action.choices[a] for a in _Parser.argv if a in action.choices), self)
+        known = [s for s in parser._option_string_actions if s.startswith("--")]
+        unknown = [a.split("=", 1)[0] for a in _Parser.argv if a.startswith("--") and a.split("=", 1)[0] not in known]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], known, n=1)
+            message = f"unrecognized argument {unknown[0]}" + (f" (did you mean {close[0]}?)" if close else "")
+        super().error(message)
+
+
 
 
 def parse_token_ids(text: str, vocab_size: int) -> list[int]:
@@ -69,10 +110,13 @@ def check_device(device: str) -> None:
 
 def _pass_options(p: argparse.ArgumentParser, dump: bool = True) -> None:
     """The compile's options, for the subcommands that compile."""
+    from fxglm5.compiler import PASS_NAMES
+
     p.add_argument("--disable-passes", default="", metavar="NAME,NAME",
-                   help="comma-separated passes to skip (names as fxglm5 inspect prints them)")
+                   help=f"comma-separated passes to skip, of: {', '.join(PASS_NAMES)} (default: none)")
     if dump:
-        p.add_argument("--dump-dir", help="write each pass's graph before and after (Python) and a summary.txt here")
+        p.add_argument("--dump-dir", help="write each pass's graph before and after (Python) and a summary.txt into "
+                                          "this new or empty directory (default: no dump)")
 
 
 def disabled_passes(text: str) -> tuple[str, ...]:
@@ -96,9 +140,9 @@ def _generate(model_dir: str, prompt: list[int], max_new_tokens: int, dtype: str
 
 # ---- make-tiny ----------------------------------------------------------------------------------
 def _make_tiny_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory: new or empty")
     p.add_argument("--bf16", action="store_true", help="write the bf16 source instead of the FP8 checkpoint")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--preset", choices=["tiny", "tiny-tp"], default="tiny",
                    help="tiny-tp: widths that split over 2 and 4 ranks (generate --tp 2 / --tp 4)")
 
@@ -115,7 +159,7 @@ def _make_tiny(args: argparse.Namespace) -> int:
 # ---- quantize -----------------------------------------------------------------------------------
 def _quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in", dest="in_dir", required=True, help="bf16 checkpoint directory")
-    p.add_argument("--out", required=True, help="output directory (GLM-5-FP8 format)")
+    p.add_argument("--out", required=True, help="output directory (GLM-5-FP8 format): new or empty")
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -139,7 +183,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                             "per prompt)")
     p.add_argument("--chat", action="store_true", help="--prompt as a user message under the checkpoint's chat template")
     p.add_argument("--ids", action="store_true", help="with --prompt: print the token ids, not the text")
-    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--max-new-tokens", type=int, required=True, help="tokens to generate per prompt (fewer where "
+                                                                      "the text ends at an EOS id first)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="compute dtype (default: float32 for a checkpoint directory, the artifact's own for a .pt2)")
     p.add_argument("--backend", choices=["paged", "reference"], default="paged",
@@ -153,14 +198,15 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks: N local ranks are started (gloo on cpu, NCCL on cuda), or, under "
                         "torchrun, this process is one of them; each reads only its slices of the checkpoint")
     p.add_argument("--ep", type=int, metavar="N",
-                   help="expert-parallel ranks with --tp: N (default; each rank holds 1/N of the experts) or 1 "
+                   help="expert-parallel ranks with --tp: N (the default: each rank holds 1/N of the experts) or 1 "
                         "(every expert split along its intermediate dim)")
     p.add_argument("--device", type=device_arg, default="cpu", metavar="cpu|cuda|cuda:N",
                    help="where the paged graph runs (with --tp on cuda: rank r on cuda:r)")
     p.add_argument("--speculative", choices=["mtp"],
                    help="speculative decoding: drafts from the checkpoint's MTP layer, verified in one step (the "
-                        "same tokens); prints the mean acceptance length after the tokens")
-    p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="drafts per step with --speculative (1..4)")
+                        "same tokens); prints the mean acceptance length after the tokens (default: none)")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                   help="drafts per step with --speculative, 1..4 (no default: give it with --speculative)")
     _pass_options(p, dump=False)
 
 
@@ -507,7 +553,8 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="compute dtype")
     _pass_options(p)
     p.add_argument("--device", type=device_arg, metavar="cpu|cuda|cuda:N",
-                   help="also lower the graph for this device (without running it) and print what runs where")
+                   help="also lower the graph for this device (without running it) and print what runs where "
+                        "(default: match and fuse only)")
 
 
 def _inspect_config(args: argparse.Namespace):
@@ -542,20 +589,26 @@ def _inspect(args: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, Subcommand] = {
     "make-tiny": Subcommand("write a random tiny GLM-5 checkpoint", _make_tiny_args, _make_tiny),
     "quantize": Subcommand("quantize a bf16 checkpoint to GLM-5-FP8 block-FP8", _quantize_args, _quantize),
-    "generate": Subcommand("greedy generation from token ids (paged KV cache, or --backend reference)", _generate_args, _generate_cmd),
-    "export": Subcommand("export a checkpoint as one artifact file (compiled program + safetensors weights)",
-                         _export_args, _export),
+    "generate": Subcommand(
+        "generate text (or token ids) from prompts, greedily, through the compiled model", _generate_args,
+        _generate_cmd,
+        "Greedy generation from --prompt text (the checkpoint's tokenizer and EOS ids; --chat: its chat template) or\n"
+        "--prompt-ids, through the compiled graph over a paged KV cache (--backend reference: full recompute), on a\n"
+        "checkpoint directory or an exported artifact; --tp N ranks; --speculative mtp drafts from the MTP layer."),
+    "export": Subcommand("export a checkpoint as one artifact file (matched and fused program + safetensors "
+                         "weights + its tokenizer)", _export_args, _export),
     "serve": Subcommand("serve the OpenAI API (completions, chat, streaming) over HTTP", _serve_args, _serve),
-    "demo": Subcommand("make the tiny FP8 checkpoint (cached) and generate from it", _demo_args, _demo),
+    "demo": Subcommand("make the tiny FP8 checkpoint (cached) and generate from it, checked against full recompute",
+                       _demo_args, _demo),
     "inspect": Subcommand("print the pass pipeline: matches and time per pass, op histogram before/after", _inspect_args, _inspect),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxglm5", description="Serve GLM-5-FP8 through a compiler.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = _Parser(prog="fxglm5", description="Serve GLM-5-FP8 through a compiler.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for name, cmd in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        p = sub.add_parser(name, help=cmd.help, description=cmd.description or cmd.help)
         cmd.add_arguments(p)
         p.set_defaults(_run=cmd.run)
     return parser
@@ -575,7 +628,9 @@ def _attach_negative_values(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand. From the console (argv None) this exits with its code; else it returns it."""
-    args = build_parser().parse_args(_attach_negative_values(sys.argv[1:] if argv is None else argv))
+    words = _attach_negative_values(sys.argv[1:] if argv is None else argv)
+    _Parser.argv = words  # what an argparse error names an unknown flag from
+    args = build_parser().parse_args(words)
     try:
         code = args._run(args)
     except Fxglm5Error as err:
