@@ -52,6 +52,15 @@ class Artifact:
     record: dict
     plan: KindPlan
     tensors: dict
+    texts: dict = dataclasses.field(default_factory=dict)  # the checkpoint's tokenizer files, by name
+
+    def tokenizer(self, path: str | Path = "artifact"):
+        """The checkpoint's tokenizer, chat template and EOS ids the file carries (``fxglm5.model.tokenizer``);
+        CheckpointError naming ``path`` where it carries none (an fxglm5-artifact/3 file, or a checkpoint without a
+        tokenizer.json)."""
+        from fxglm5.model.tokenizer import Tokenizer
+
+        return Tokenizer.from_texts(self.texts, self.config, str(path))
 
     def graph(self, path: str | Path = "artifact") -> fx.GraphModule:
         """A fresh canonical graph of the whole model: the program stitched to every layer (the program itself
@@ -92,11 +101,14 @@ class Artifact:
 
 
 def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_passes=(),
-                    dump_dir: str | Path | None = None) -> Path:
+                    dump_dir: str | Path | None = None, tokenizer_dir: str | Path | None = None) -> Path:
     """Capture ``model`` (a Glm5ForCausalLM with its weights), run the match and fuse stages (strict, without
     ``disabled_passes``; ``dump_dir`` as :func:`fxglm5.compiler.compile_graph`'s) and save the result to
     ``path``. ``head``: "logits", or "hidden" (final-norm hidden states, for engines that apply the lm_head
-    themselves). A ``path`` whose directory is missing is refused before any of the work."""
+    themselves). ``tokenizer_dir``: the checkpoint directory whose tokenizer files the artifact carries (those it
+    has). A ``path`` whose directory is missing is refused before any of the work."""
+    from fxglm5.model.tokenizer import read_texts
+
     from fxglm5.capture.export import token_inputs
 
     path = check_out_path(path)
@@ -115,7 +127,8 @@ def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_p
                   passes={r.name: dict(matches=r.num_matches, source_hash=hashes.get(r.name)) for r in results},
                   versions=dict(fxglm5=fxglm5.__version__, torch=torch.__version__))
     weights, constants = (_every_layer(stored, graph, plan) for stored in (program.state_dict, program.constants))
-    artifact_format.write(path, program, record, weights, constants)
+    texts = read_texts(tokenizer_dir) if tokenizer_dir is not None else {}
+    artifact_format.write(path, program, record, weights, constants, texts)
     return path
 
 

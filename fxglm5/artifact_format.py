@@ -1,9 +1,12 @@
-"""The artifact file format (fxglm5-artifact/3), and what loading one trusts.
+"""The artifact file format (fxglm5-artifact/4), and what loading one trusts.
 
-A zip of four members and nothing else: ``fxglm5.json`` (the record: format, config, compute dtype, head, the
-layer map, the passes run with their match counts and source hashes, versions), ``program.json`` (the exported
-program in torch's JSON schema, ``torch._export.serde``, without its guards code), ``weights.safetensors`` and
-``constants.safetensors``. No pickle, no sample inputs, no Python source.
+A zip of four members, and the checkpoint's text side where it has one, and nothing else: ``fxglm5.json`` (the
+record: format, config, compute dtype, head, the layer map, the passes run with their match counts and source
+hashes, versions), ``program.json`` (the exported program in torch's JSON schema, ``torch._export.serde``, without
+its guards code), ``weights.safetensors`` and ``constants.safetensors``; then ``tokenizer.json``,
+``tokenizer_config.json`` (with the chat template) and ``generation_config.json`` (the EOS ids) as the checkpoint
+stores them, JSON each, so that text prompts work on the file. No pickle, no sample inputs, no Python source.
+An fxglm5-artifact/3 file (the same without the text side) reads as before.
 
 The program holds the rewritten layer-kind prefix only (``fxglm5.capture.by_kind``: 5 of GLM-5's 78 layers);
 the record's ``layers`` map (the KindPlan: ``kinds``, ``prefix``, ``source``, ``depth``) says which program
@@ -44,8 +47,10 @@ from fxglm5.capture.by_kind import layer_copies
 from fxglm5.capture.layer_kinds import KindPlan, plan_kinds
 from fxglm5.errors import CheckpointError
 from fxglm5.model.config import Glm5Config
+from fxglm5.model.tokenizer import TEXT_FILES
 
-FORMAT = "fxglm5-artifact/3"
+FORMAT = "fxglm5-artifact/4"
+READABLE = ("fxglm5-artifact/3", FORMAT)  # /3: no text side
 OLD_FORMATS = ("fxglm5-artifact/1", "fxglm5-artifact/2")
 RECORD, PROGRAM, WEIGHTS, CONSTANTS = "fxglm5.json", "program.json", "weights.safetensors", "constants.safetensors"
 MEMBERS = (RECORD, PROGRAM, WEIGHTS, CONSTANTS)
@@ -64,14 +69,16 @@ def plan_record(plan: KindPlan) -> dict:
     return dict(kinds=list(plan.kinds), prefix=plan.prefix, source=list(plan.source), depth=plan.depth)
 
 
-def write(path: Path, program: torch.export.ExportedProgram, record: dict, weights: dict, constants: dict) -> None:
-    """Save ``program`` (the rewritten prefix), its ``record`` (with the ``layers`` map) and every layer's
-    ``weights`` and ``constants`` as an artifact at ``path``."""
+def write(path: Path, program: torch.export.ExportedProgram, record: dict, weights: dict, constants: dict,
+          texts: dict[str, str] | None = None) -> None:
+    """Save ``program`` (the rewritten prefix), its ``record`` (with the ``layers`` map), every layer's ``weights``
+    and ``constants`` and the checkpoint's ``texts`` (:data:`TEXT_FILES` by name) as an artifact at ``path``."""
     doc = json.loads(_serialize_program(program))
     doc.pop("guards_code", None)  # Python source; without sample inputs torch makes no guards from it anyway
     members = {RECORD: json.dumps(record, indent=1), PROGRAM: json.dumps(doc),
                WEIGHTS: safetensors.torch.save(_plain(path, weights)),
-               CONSTANTS: safetensors.torch.save(_plain(path, constants))}
+               CONSTANTS: safetensors.torch.save(_plain(path, constants)),
+               **{name: text for name, text in (texts or {}).items() if name in TEXT_FILES}}
     with zipfile.ZipFile(path, "w") as archive:
         for name, data in members.items():
             archive.writestr(name, data)
@@ -94,14 +101,15 @@ def _plain(path: Path, tensors: dict) -> dict[str, torch.Tensor]:
     return plain
 
 
-def read(path: Path) -> tuple[torch.export.ExportedProgram, Glm5Config, torch.dtype, str, dict, KindPlan, dict]:
-    """The program, config, dtype, head, record, layer plan and every stored tensor by name (the program's
-    among them) of the artifact at ``path``, checked as the module says; CheckpointError naming the file (and
-    the member, field or tensor) otherwise."""
+def read(path: Path) -> tuple[torch.export.ExportedProgram, Glm5Config, torch.dtype, str, dict, KindPlan, dict, dict]:
+    """The program, config, dtype, head, record, layer plan, every stored tensor by name (the program's among
+    them) and the text side (:data:`TEXT_FILES` by name) of the artifact at ``path``, checked as the module says;
+    CheckpointError naming the file (and the member, field or tensor) otherwise."""
     try:
         with zipfile.ZipFile(path) as archive:
             _check_members(path, archive)
             config, dtype, head, record = _read_record(path, archive.read(RECORD))
+            texts = {name: _text(path, name, archive.read(name)) for name in TEXT_FILES if name in archive.namelist()}
             raw = archive.read(PROGRAM)
             doc = _json(path, PROGRAM, raw)
             _check_program(path, doc)
@@ -124,14 +132,14 @@ def read(path: Path) -> tuple[torch.export.ExportedProgram, Glm5Config, torch.dt
         raise CheckpointError(f"{path}: {PROGRAM} does not deserialize "
                               f"({type(err).__name__}: {str(err)[:300]})") from None
     _check_tensors(path, program, tensors, copies)
-    return program, config, dtype, head, record, plan, tensors
+    return program, config, dtype, head, record, plan, tensors, texts
 
 
 def _check_members(path: Path, archive: zipfile.ZipFile) -> None:
     """Refuse, before deserializing anything, a member the format does not have (a pickle above all: a
     torch.export .pt2, fxglm5-artifact/1 included, holds its sample inputs as one)."""
     names = archive.namelist()
-    foreign = [name for name in names if name not in MEMBERS]
+    foreign = [name for name in names if name not in MEMBERS + TEXT_FILES]
     if foreign:
         pickles = [name for name in foreign if _is_pickle(archive.open(name).read(2))]
         name = (pickles or foreign)[0]
@@ -139,15 +147,25 @@ def _check_members(path: Path, archive: zipfile.ZipFile) -> None:
         raise CheckpointError(
             f"{path}: member {name} is {'a pickle' if pickles else 'not part of the format'}"
             + (" (a torch.export .pt2, as fxglm5-artifact/1 was: export it again)" if torch_pt2 else "")
-            + f"; {FORMAT} holds only {', '.join(MEMBERS)}, and loading refuses anything else undeserialized")
+            + f"; {FORMAT} holds only {', '.join(MEMBERS)} and {', '.join(TEXT_FILES)}, and loading refuses anything "
+              "else undeserialized")
     for name in MEMBERS:
         if names.count(name) != 1:
+            raise CheckpointError(f"{path}: not an fxglm5 artifact ({names.count(name)} members {name}, expected 1)")
+    for name in TEXT_FILES:
+        if names.count(name) > 1:
             raise CheckpointError(f"{path}: not an fxglm5 artifact ({names.count(name)} members {name}, expected 1)")
 
 
 def _is_pickle(head: bytes) -> bool:
     """A pickle (protocol 2 and up) or a torch.save zip (which holds one)."""
     return head[:1] == b"\x80" or head == b"PK"
+
+
+def _text(path: Path, member: str, raw: bytes) -> str:
+    """A text-side member: UTF-8 JSON (the tokenizer parses it; nothing of it runs as Python)."""
+    _json(path, member, raw)
+    return raw.decode("utf-8")
 
 
 def _json(path: Path, member: str, raw: bytes):
@@ -163,7 +181,7 @@ def _read_record(path: Path, raw: bytes) -> tuple[Glm5Config, torch.dtype, str, 
     if found in OLD_FORMATS:
         raise CheckpointError(f"{path}: an {found} artifact; this fxglm5 reads {FORMAT} only (it stores each layer "
                               "kind's program once): export it again from its checkpoint (fxglm5 export)")
-    if found != FORMAT:
+    if found not in READABLE:
         raise CheckpointError(f"{path}: not an fxglm5 artifact ({RECORD}: format {found!r}, expected {FORMAT!r})")
     if not isinstance(record.get("config"), dict):
         raise CheckpointError(f"{path}: {RECORD} has no config (the model's config.json fields)")

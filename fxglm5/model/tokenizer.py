@@ -16,6 +16,7 @@ from pathlib import Path
 from fxglm5.errors import CheckpointError, InputError
 
 TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG = "tokenizer.json", "tokenizer_config.json", "generation_config.json"
+TEXT_FILES = (TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG)  # a checkpoint's text side (an artifact carries them)
 
 
 class Tokenizer:
@@ -30,23 +31,27 @@ class Tokenizer:
     def from_checkpoint(cls, directory: str | Path, config) -> "Tokenizer":
         """The tokenizer of checkpoint ``directory`` (its ``config``: the vocabulary size, the fallback EOS ids);
         CheckpointError naming the file that is missing or unreadable."""
+        return cls.from_texts(read_texts(directory), config, str(directory))
+
+    @classmethod
+    def from_texts(cls, texts: dict[str, str], config, where: str) -> "Tokenizer":
+        """The tokenizer whose :data:`TEXT_FILES` are ``texts`` (file name -> its text; the two config files may be
+        absent), found at ``where`` (a checkpoint directory, or an artifact that carries them)."""
         from tokenizers import Tokenizer as HfTokenizer
 
-        directory = Path(directory)
-        path = directory / TOKENIZER
-        if not path.is_file():
-            raise CheckpointError(f"{path}: not found; text in and out needs the checkpoint's tokenizer (give token "
-                                  "ids with --prompt-ids and print them with --ids without it)")
+        if TOKENIZER not in texts:
+            raise CheckpointError(f"{where}/{TOKENIZER}: not found; text in and out needs the checkpoint's tokenizer "
+                                  "(give token ids with --prompt-ids and print them with --ids without it)")
         try:
-            backend = HfTokenizer.from_file(str(path))
+            backend = HfTokenizer.from_str(texts[TOKENIZER])
         except Exception as err:  # noqa: BLE001 - the library's parse errors name no file
-            raise CheckpointError(f"{path}: not a tokenizers file: {err}") from None
-        settings = _json(directory / TOKENIZER_CONFIG)
-        generation = _json(directory / GENERATION_CONFIG)
+            raise CheckpointError(f"{where}/{TOKENIZER}: not a tokenizers file: {err}") from None
+        settings = _json(texts.get(TOKENIZER_CONFIG), f"{where}/{TOKENIZER_CONFIG}")
+        generation = _json(texts.get(GENERATION_CONFIG), f"{where}/{GENERATION_CONFIG}")
         eos = generation.get("eos_token_id", config.eos_token_id)
         eos_ids = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         special = {k: _token_text(settings.get(k)) for k in ("bos_token", "eos_token") if settings.get(k)}
-        return cls(backend, config.vocab_size, eos_ids, settings.get("chat_template"), special, str(directory))
+        return cls(backend, config.vocab_size, eos_ids, settings.get("chat_template"), special, where)
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` as written (special tokens spelled in it are recognised; none is added)."""
@@ -98,13 +103,45 @@ class TextStream:
         return new
 
 
-def _json(path: Path) -> dict:
-    if not path.is_file():
+class TextPrinter:
+    """``Runner.run``'s ``on_token`` for one request: its text printed as it becomes complete, the stop token it ends
+    at left out (the CLI's text leaves it out); ``finish`` prints the rest and ends the line."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: frozenset = frozenset()):
+        self.stream, self.stop = TextStream(tokenizer), frozenset(stop)
+
+    def __call__(self, seq, token: int) -> None:
+        if token not in self.stop:
+            print(self.stream.push(token), end="", flush=True)
+
+    def finish(self) -> None:
+        print(self.stream.rest(), flush=True)
+
+
+def read_texts(directory: str | Path) -> dict[str, str]:
+    """The :data:`TEXT_FILES` that checkpoint ``directory`` holds, by name; CheckpointError naming one that is no
+    text."""
+    texts = {}
+    for name in TEXT_FILES:
+        path = Path(directory) / name
+        if path.is_file():
+            try:
+                texts[name] = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise CheckpointError(f"{path}: not readable text: {err}") from None
+    return texts
+
+
+def _json(text: str | None, where: str) -> dict:
+    if text is None:
         return {}
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: not readable JSON: {err}") from None
+        value = json.loads(text)
+    except ValueError as err:
+        raise CheckpointError(f"{where}: not readable JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: not a JSON object")
+    return value
 
 
 def _token_text(value) -> str | None:

@@ -6,7 +6,8 @@ layer; as an add and a norm that is two kernels and a round trip of the sum thro
 that reads both operands once and writes the sum and the normed row (vLLM's fused_add_rms_norm; TensorRT-LLM fuses
 the all-reduce in front as well).
 
-Matched: an ``fxglm5::rms_norm`` whose input is ``aten.add.Tensor(a, b)`` (alpha 1) of two tensors of one shape.
+Matched: an ``fxglm5::rms_norm`` whose input is ``aten.add.Tensor(a, b)`` (alpha 1) of two tensors of one shape, or a
+cast of it to its own dtype (a float32 model's RMSNorm reads ``x.float()``, which a re-exported program keeps).
 Left alone: an add that broadcasts, one scaled by ``alpha``, a norm of anything else (the first layer's input norm
 reads the embedding; a paged graph's final norm reads the sampled rows, ``index_select`` of the last sum).
 Exact: the reference is ``rms_norm(a + b)`` and ``a + b`` themselves, the same rounding points.
@@ -19,7 +20,7 @@ import operator
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import aten, fake_call, is_op, op_args, rewrite_each, shape_of
+from fxglm5.passes.graph_utils import aten, fake_call, is_op, op_args, rewrite_each, shape_of, through
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -34,8 +35,13 @@ def expected_fusions(ctx) -> int | None:
     return 2 * ctx.config.num_hidden_layers - (1 if paged else 0)
 
 
+def _sum(norm: fx.Node):
+    """The node ``norm`` normalizes, looked through aliases and casts to its own dtype."""
+    return through(op_args(norm)["x"])
+
+
 def _summands(norm: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    add = op_args(norm)["x"]
+    add = _sum(norm)
     if not is_op(add, aten.add.Tensor):
         return None
     args = op_args(add)
@@ -66,7 +72,7 @@ def fuse_add_rms_norm(gm: fx.GraphModule, ctx) -> PassOutcome:
         summands = _summands(norm)
         if summands is None:
             return False
-        add = op_args(norm)["x"]
+        add = _sum(norm)
         fused = _insert_after_sum(gm, add, norm, (*summands, op_args(norm)["weight"], op_args(norm)["eps"]))
         if fused is None:
             return False

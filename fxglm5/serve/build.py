@@ -86,11 +86,19 @@ def rank_options(rank, options: RunnerOptions) -> RunnerOptions:
 
 
 def generate_on_rank(rank, source, options: RunnerOptions, prompts: list[list[int]], max_new_tokens: int,
-                     stop_tokens=()) -> tuple[list[list[int]], tuple[float, int]]:
+                     stop_tokens=(), stream: bool = False) -> tuple[list[list[int]], tuple[float, int]]:
     """One rank of ``generate --tp``: its sharded Runner's greedy tokens, and the mean acceptance length and verify
-    steps of a speculative run (every rank verifies alike)."""
+    steps of a speculative run (every rank verifies alike). ``stream``: rank 0 prints the one prompt's text as its
+    tokens come (through the checkpoint's tokenizer), as ``generate`` in one process does."""
     runner = build_runner(source, rank_options(rank, options))
-    outputs = runner.generate(prompts, max_new_tokens, stop_tokens)
+    printer = None
+    if stream and rank.rank == 0:
+        from fxglm5.model.tokenizer import TextPrinter, Tokenizer
+
+        printer = TextPrinter(Tokenizer.from_checkpoint(source, runner.config), frozenset(stop_tokens))
+    outputs = runner.generate(prompts, max_new_tokens, stop_tokens, on_token=printer)
+    if printer is not None:
+        printer.finish()
     return outputs, (runner.acceptance.mean_length, runner.acceptance.steps)
 
 

@@ -283,17 +283,47 @@ def test_tensors_are_stored_plain_whatever_their_layout():
 
 
 def test_cli_exports_and_generates_from_the_artifact(ckpt, tmp_path, capsys):
+    """export then generate gives what generate gives with the same flags: one default dtype (export's was
+    bfloat16, generate's float32), and the artifact carries the checkpoint's tokenizer, so text prompts (and the chat
+    template) work on it and end at its EOS ids."""
+    from fxglm5.cli import build_parser
+
+    parsers = build_parser()._subparsers._group_actions[0].choices
+    defaults = {name: parsers[name].get_default("dtype") for name in ("export", "demo")}
+    assert defaults == {"export": "float32", "demo": "float32"}  # generate's for a checkpoint directory
     out = tmp_path / "cli.pt2"
-    assert main(["export", "--model", str(ckpt), "--out", str(out), "--dtype", "float32"]) == 0
+    assert main(["export", "--model", str(ckpt), "--out", str(out)]) == 0
     ids = ",".join(map(str, PROMPTS[0]))
-    common = ["--prompt-ids", ids, "--max-new-tokens", "5", "--kv-cache", "fp8", "--block-size", "16"]
+    common = ["--max-new-tokens", "5", "--kv-cache", "fp8", "--block-size", "16"]
     capsys.readouterr()
-    assert main(["generate", "--model", str(out), *common]) == 0
-    from_artifact = capsys.readouterr().out
-    assert main(["generate", "--model", str(ckpt), "--dtype", "float32", *common]) == 0
-    assert from_artifact == capsys.readouterr().out
-    assert main(["generate", "--model", str(out), "--backend", "reference", *common]) == 2
+    for given in (["--prompt-ids", ids], ["--prompt", "Hello, world!"], ["--prompt", "Tell me", "--chat", "--ids"]):
+        assert main(["generate", "--model", str(out), *given, *common]) == 0
+        from_artifact = capsys.readouterr().out
+        assert main(["generate", "--model", str(ckpt), *given, *common]) == 0
+        assert from_artifact == capsys.readouterr().out and from_artifact.strip(), given
+    assert main(["generate", "--model", str(out), "--backend", "reference", "--prompt-ids", ids, *common]) == 2
     assert "not an artifact" in capsys.readouterr().err
+
+
+def test_an_artifact_without_the_text_side_refuses_text_by_name(model, tmp_path, capsys):
+    """An artifact exported without a tokenizer directory (or written by fxglm5-artifact/3) carries no text side:
+    --prompt is refused naming the missing tokenizer.json in the file; token ids still work."""
+    path = export_artifact(model, tmp_path / "bare.pt2")
+    assert load_artifact(path).texts == {}
+    assert main(["generate", "--model", str(path), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
+    assert f"{path}/tokenizer.json: not found" in capsys.readouterr().err
+    assert main(["generate", "--model", str(path), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 0
+
+
+def test_a_float32_artifact_compiles_with_every_fusion(artifact_path):
+    """A float32 model's RMSNorm reads ``x.float()``, which the re-exported program keeps as a cast to float32 of
+    the residual sum: fuse_add_rms_norm looks through it (it found 0 of 7 and warned on every load)."""
+    art = load_artifact(artifact_path)
+    assert art.dtype == torch.float32
+    results = art.compile().results
+    counted = {r.name: (r.num_matches, r.expected) for r in results if r.expected is not None}
+    assert counted["fuse_add_rms_norm"] == (7, 7)
+    assert all(found == expected for found, expected in counted.values()), counted
 
 
 def test_generate_says_the_artifacts_dtype_and_refuses_another(ckpt, artifact_path, tmp_path, capsys):

@@ -207,6 +207,17 @@ def test_cli_generate_tp2_ep1_prints_the_single_rank_tokens(ckpt, single, capsys
     assert capsys.readouterr().out.splitlines() == [" ".join(map(str, t)) for t in single[0][1:]]
 
 
+def test_cli_generate_tp2_prints_one_prompts_text_as_one_process_does(ckpt, capfd):
+    """One --prompt prints plain text (rank 0 streams it), not the JSON string it printed at tp 2; ids as before."""
+    argv = ["generate", "--model", ckpt, "--prompt", "Hello, world!", "--max-new-tokens", str(NEW), "--block-size",
+            str(BLOCK)]
+    assert main(argv) == 0
+    one = capfd.readouterr().out
+    assert main([*argv, "--tp", "2"]) == 0
+    out = capfd.readouterr().out
+    assert out == one and out.count("\n") == 1 and not out.startswith('"')
+
+
 def test_cli_generate_joins_under_torchrun(ckpt, single):
     """``torchrun -m fxglm5 generate --tp 2``: each process joins as one rank (nothing spawned); one copy printed."""
     prompts = [",".join(map(str, REQUESTS[1][0])), "5,6,7"]
