@@ -106,29 +106,32 @@ def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_p
     ``disabled_passes``; ``dump_dir`` as :func:`fxglm5.compiler.compile_graph`'s) and save the result to
     ``path``. ``head``: "logits", or "hidden" (final-norm hidden states, for engines that apply the lm_head
     themselves). ``tokenizer_dir``: the checkpoint directory whose tokenizer files the artifact carries (those it
-    has). A ``path`` whose directory is missing is refused before any of the work."""
+    has). A ``path`` that cannot take the artifact (see :func:`check_out_path`) is refused before any of the work;
+    the file is written beside it and put in place at the end (``st_files.new_output_file``)."""
+    from fxglm5.capture.export import token_inputs
+    from fxglm5.model.st_files import new_output_file
     from fxglm5.model.tokenizer import read_texts
 
-    from fxglm5.capture.export import token_inputs
-
     path = check_out_path(path)
-    graph, results = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), head=head, max_tokens=MAX_STEP_TOKENS,
-                                   strict=True, disabled_passes=disabled_passes, dump_dir=dump_dir)[:2]
-    layers = model.config.num_hidden_layers
-    prefix, plan = graph.meta.get(PREFIX) or (graph, plan_kinds(list(range(layers)), 0))  # whole: identity map
-    device = next(model.parameters()).device
-    place_loaded_graph(prefix, device)  # kv_b_proj once absorbed is dropped: export would take it, the file store it
-    example, dims = token_inputs(device, 1024, MAX_STEP_TOKENS)
-    with torch.no_grad():
-        program = torch.export.export(prefix, example, dynamic_shapes=(dims, dims), strict=False)
-    hashes = pass_source_hashes((Stage.MATCH, Stage.FUSE))
-    record = dict(format=FORMAT, config=model.config.to_dict(), dtype=str(model.dtype).removeprefix("torch."),
-                  head=head, layers=artifact_format.plan_record(plan),
-                  passes={r.name: dict(matches=r.num_matches, source_hash=hashes.get(r.name)) for r in results},
-                  versions=dict(fxglm5=fxglm5.__version__, torch=torch.__version__))
-    weights, constants = (_every_layer(stored, graph, plan) for stored in (program.state_dict, program.constants))
-    texts = read_texts(tokenizer_dir) if tokenizer_dir is not None else {}
-    artifact_format.write(path, program, record, weights, constants, texts)
+    with new_output_file(path, artifact_format.is_artifact, "an fxglm5 artifact") as tmp:  # the state it replaces:
+        graph, results = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), head=head,  # now, before the work
+                                       max_tokens=MAX_STEP_TOKENS, strict=True, disabled_passes=disabled_passes,
+                                       dump_dir=dump_dir)[:2]
+        layers = model.config.num_hidden_layers
+        prefix, plan = graph.meta.get(PREFIX) or (graph, plan_kinds(list(range(layers)), 0))  # whole: identity map
+        device = next(model.parameters()).device
+        place_loaded_graph(prefix, device)  # absorbed kv_b_proj dropped: export would take it, the file keep it
+        example, dims = token_inputs(device, 1024, MAX_STEP_TOKENS)
+        with torch.no_grad():
+            program = torch.export.export(prefix, example, dynamic_shapes=(dims, dims), strict=False)
+        hashes = pass_source_hashes((Stage.MATCH, Stage.FUSE))
+        record = dict(format=FORMAT, config=model.config.to_dict(), dtype=str(model.dtype).removeprefix("torch."),
+                      head=head, layers=artifact_format.plan_record(plan),
+                      passes={r.name: dict(matches=r.num_matches, source_hash=hashes.get(r.name)) for r in results},
+                      versions=dict(fxglm5=fxglm5.__version__, torch=torch.__version__))
+        weights, constants = (_every_layer(stored, graph, plan) for stored in (program.state_dict, program.constants))
+        texts = read_texts(tokenizer_dir) if tokenizer_dir is not None else {}
+        artifact_format.write(tmp, program, record, weights, constants, texts)
     return path
 
 
@@ -140,13 +143,11 @@ def _every_layer(stored: dict, whole: fx.GraphModule, plan: KindPlan) -> dict:
 
 
 def check_out_path(path: str | Path) -> Path:
-    """``path`` as an artifact to write: its directory must exist (checked before an export's minutes)."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise CheckpointError(f"{path}: directory {path.parent} does not exist")
-    if path.is_dir():
-        raise CheckpointError(f"{path}: is a directory, not an artifact file to write")
-    return path
+    """``path`` as an artifact to write, checked before an export's minutes: its directory exists and can be
+    written, and what is there already, if anything, is an artifact (an earlier export, which it replaces)."""
+    from fxglm5.model.st_files import check_output_file
+
+    return check_output_file(Path(path), artifact_format.is_artifact, "an fxglm5 artifact")
 
 
 def load_artifact(path: str | Path) -> Artifact:

@@ -84,6 +84,16 @@ def write(path: Path, program: torch.export.ExportedProgram, record: dict, weigh
             archive.writestr(name, data)
 
 
+def is_artifact(path: Path) -> bool:
+    """Whether ``path`` is an fxglm5 artifact of any format (what ``fxglm5 export`` may replace)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            record = json.loads(archive.read(RECORD))
+    except (zipfile.BadZipFile, KeyError, OSError, ValueError, EOFError):
+        return False
+    return isinstance(record, dict) and str(record.get("format", "")).startswith("fxglm5-artifact/")
+
+
 def _plain(path: Path, tensors: dict) -> dict[str, torch.Tensor]:
     """Plain contiguous CPU tensors, each with its own storage (what safetensors stores: no strides, no
     sharing); a constant that is not a tensor (a ``torch.ScriptObject``) cannot be stored."""

@@ -9,6 +9,7 @@ for usage errors: a bad input is the user's to fix, and a traceback would only h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -119,6 +120,20 @@ def _pass_options(p: argparse.ArgumentParser, dump: bool = True) -> None:
     if dump:
         p.add_argument("--dump-dir", help="write each pass's graph before and after (Python) and a summary.txt into "
                                           "this new or empty directory (default: no dump)")
+
+
+@contextlib.contextmanager
+def dump_into(path: str | None):
+    """``--dump-dir``, written as every output is (``st_files.new_output_dir``): a new or empty directory, checked
+    before the work, filled beside it and put in place at the end, also when the compile fails (the dump is what
+    shows why); yields where the passes write, or None without the flag."""
+    if not path:
+        yield None
+        return
+    from fxglm5.model.st_files import new_output_dir
+
+    with new_output_dir(Path(path), keep_on=(Fxglm5Error,)) as tmp:
+        yield tmp
 
 
 def disabled_passes(text: str) -> tuple[str, ...]:
@@ -399,9 +414,10 @@ def _export(args: argparse.Namespace) -> int:
 
     check_out_path(args.out)  # before the load and the export, not after
     disabled = disabled_passes(args.disable_passes)
-    model = Glm5ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device="cpu", progress=False)
-    path = export_artifact(model, args.out, head=args.head, disabled_passes=disabled, dump_dir=args.dump_dir,
-                           tokenizer_dir=args.model)
+    with dump_into(args.dump_dir) as dump:
+        model = Glm5ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device="cpu", progress=False)
+        path = export_artifact(model, args.out, head=args.head, disabled_passes=disabled, dump_dir=dump,
+                               tokenizer_dir=args.model)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): the matched and fused program, {args.dtype}, "
           f"head={args.head}")
     return 0
@@ -429,14 +445,21 @@ def _demo(args: argparse.Namespace) -> int:
     from fxglm5.model.tiny import make_tiny_checkpoint
 
     target = demo_dir()
-    made = not all((target / name).is_file() for name in ("config.json", "tokenizer.json"))
-    if made:  # built beside the target and renamed into place: an interrupted run leaves no half checkpoint
-        from fxglm5.model.st_files import check_output_dir
+
+    def complete() -> bool:
+        return all((target / name).is_file() for name in ("config.json", "tokenizer.json"))
+
+    made = False
+    if not complete():  # built beside the target and renamed into place: an interrupted run leaves no half checkpoint
+        from fxglm5.model.st_files import check_output_dir, locked
 
         check_output_dir(target)  # FXGLM5_CACHE naming a file, a home that cannot be written: said before the work
-        shutil.rmtree(target, ignore_errors=True)  # incomplete: an interrupted one, or an older fxglm5's (no tokenizer)
-        _stage(f"making the random tiny GLM-5-FP8 checkpoint at {target}")
-        make_tiny_checkpoint(target, fp8=True, seed=0)
+        with locked(target.parent):  # a second demo waits here while the first makes it, then finds it made
+            if not complete():
+                shutil.rmtree(target, ignore_errors=True)  # an interrupted one's, or an older fxglm5's (no tokenizer)
+                _stage(f"making the random tiny GLM-5-FP8 checkpoint at {target}")
+                make_tiny_checkpoint(target, fp8=True, seed=0)
+                made = True
     from fxglm5.model.modeling import Glm5ForCausalLM
     from fxglm5.runtime.options import RunnerOptions
     from fxglm5.serve.build import build_runner
@@ -569,12 +592,13 @@ def _inspect(args: argparse.Namespace) -> int:
     from fxglm5.model.modeling import Glm5ForCausalLM
 
     disabled = disabled_passes(args.disable_passes)
-    if args.model:
-        model = Glm5ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device="cpu", progress=False)
-    else:
-        model = Glm5ForCausalLM(_inspect_config(args), dtype=getattr(torch, args.dtype), device="meta")
-    compiled = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), strict=True, disabled_passes=disabled,
-                             dump_dir=args.dump_dir)
+    with dump_into(args.dump_dir) as dump:
+        if args.model:
+            model = Glm5ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device="cpu", progress=False)
+        else:
+            model = Glm5ForCausalLM(_inspect_config(args), dtype=getattr(torch, args.dtype), device="meta")
+        compiled = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), strict=True, disabled_passes=disabled,
+                                 dump_dir=dump)
     lowered = None
     if args.device:  # lowered for the device without running it: what would run where
         *before_lower, lowered = compile_graph(compiled.graph, model.config, stages=(Stage.FUSE_KERNELS, Stage.LOWER),

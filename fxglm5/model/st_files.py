@@ -1,14 +1,22 @@
-"""Reading a safetensors checkpoint's headers (single file or index + shards) and writing shards.
+"""Reading a safetensors checkpoint's headers (single file or index + shards), writing shards, and writing any
+output safely.
 
 Only headers are read here: the 8-byte length, the JSON header and the file size. That is enough to
 find every tensor's name, dtype and shape, to catch a truncated shard before ``safe_open`` memory-maps
 it, and to check the index against the shards. Tensor data is read later, lazily, by the loader.
+
+Every writer of the package writes through :func:`new_output_dir` (a checkpoint, a graph dump) or
+:func:`new_output_file` (an artifact): into a temporary beside the target, renamed into place at the end, so a
+full disk, a place that cannot be written, an interruption or a second writer of the same path leaves nothing
+half-written and never mixes two writers' output.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
 import math
 import os
@@ -188,26 +196,124 @@ def check_output_dir(directory: Path, empty: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def new_output_dir(directory: Path) -> Iterator[Path]:
+def new_output_dir(directory: Path, keep_on: tuple[type[BaseException], ...] = ()) -> Iterator[Path]:
     """A temporary directory beside ``directory`` (a new or empty one, checked first) to write a checkpoint into,
     renamed into place when the block ends without error, removed when it raises or is interrupted: a reader, a
     rerun or a concurrent run never sees a half-written checkpoint. The rename is atomic and does not replace a
     directory that holds anything, so of two runs into one new directory the second fails, naming it (both used
-    to report success with only one checkpoint there)."""
+    to report success with only one checkpoint there). ``keep_on``: exceptions after which what was written is
+    still put in place (a graph dump of a compile that failed is what one reads to see why)."""
     directory = Path(directory)
     check_output_dir(directory, empty=True)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
+    with writing(directory):
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
     try:
-        yield tmp
-        tmp.chmod(0o777 & ~_umask())
-        try:
-            os.rename(tmp, directory)
-        except OSError as err:
-            raise CheckpointError(f"{directory}: filled by another writer while this checkpoint was written "
-                                  f"({err.strerror}); nothing of this run was kept") from None
+        with writing(directory):
+            try:
+                yield tmp
+            except keep_on:
+                _into_place(tmp, directory)
+                raise
+            _into_place(tmp, directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _into_place(tmp: Path, directory: Path) -> None:
+    tmp.chmod(0o777 & ~_umask())
+    try:
+        os.rename(tmp, directory)
+    except OSError as err:
+        raise CheckpointError(f"{directory}: filled by another writer while this output was written "
+                              f"({err.strerror}); nothing of this run was kept") from None
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """An OSError of the machine inside the block (a full disk, a read-only place, a path under a file) as one
+    CheckpointError naming ``path``, the output it was writing."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as err:
+        why = err.strerror or str(err)
+        where = f"{err.filename}: " if err.filename and str(err.filename) != str(path) else ""
+        raise CheckpointError(f"{path}: not written ({where}{why}); nothing of it was kept") from None
+
+
+def check_output_file(path: Path, accept: Callable[[Path], bool], what: str) -> Path:
+    """Refuse (CheckpointError, before the work) an output file whose directory is missing, is a file or cannot be
+    written, a path that is a directory, and an existing file that ``accept`` does not take (``what``: the outputs
+    it takes, e.g. "an fxglm5 artifact": an earlier run's output may be replaced, nothing else)."""
+    path = Path(path)
+    if path.parent.exists() and not path.parent.is_dir():
+        raise CheckpointError(f"{path}: {path.parent} is a file, so no file can be written under it")
+    if not path.parent.is_dir():
+        raise CheckpointError(f"{path}: directory {path.parent} does not exist")
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, not a file to write")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{path}: {path.parent} is not writable")
+    if path.exists() and not accept(path):
+        raise CheckpointError(f"{path}: exists and is not {what}; it is replaced only by the output of the same "
+                              "command, so that nothing else stored there is overwritten")
+    return path
+
+
+def _state(path: Path):
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@contextlib.contextmanager
+def new_output_file(path: Path, accept: Callable[[Path], bool], what: str) -> Iterator[Path]:
+    """A temporary file beside ``path`` (checked by :func:`check_output_file`) to write into, put in place when the
+    block ends without error and removed whatever happens, so no half-written file is ever at ``path``. If another
+    writer put a file at ``path`` meanwhile (or changed the one there), this one's is not kept: of two writers of one
+    path at once exactly one succeeds, and what each reports is the file on disk. An OSError of the machine becomes
+    one CheckpointError naming ``path``."""
+    path = check_output_file(path, accept, what)
+    before = _state(path)
+    with writing(path):
+        handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(handle)
+    tmp = Path(name)
+    try:
+        with writing(path):
+            yield tmp
+            os.chmod(tmp, 0o666 & ~_umask())
+            lock = os.open(path.parent, os.O_RDONLY)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # one writer at a time compares and renames
+                if _state(path) != before:
+                    raise CheckpointError(f"{path}: written by another writer while this one ran; nothing of this "
+                                          "run was kept")
+                os.replace(tmp, path)
+            finally:
+                os.close(lock)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+@contextlib.contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``directory`` (made if missing) for the block: processes that make one shared thing
+    there (the demo's cached checkpoint) take turns, and the second finds what the first made."""
+    directory = Path(directory)
+    with writing(directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        handle = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)
 
 
 def _umask() -> int:
@@ -218,8 +324,14 @@ def _umask() -> int:
 
 def write_readable(path: Path, write: Callable[[str], None]) -> None:
     """``write(path)`` and make the file readable as ordinary files are (0666 less the umask; safetensors' writer
-    leaves 0600, unlike the config.json beside it)."""
-    write(str(path))
+    leaves 0600, unlike the config.json beside it). safetensors' own error for a failed write (a full disk) is an
+    OSError naming the file, as any other write's is."""
+    from safetensors import SafetensorError
+
+    try:
+        write(str(path))
+    except SafetensorError as err:
+        raise OSError(errno.EIO, f"{err}".replace("Error while serializing: ", ""), str(path)) from None
     os.chmod(path, 0o666 & ~_umask())
 
 

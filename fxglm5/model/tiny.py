@@ -21,7 +21,7 @@ from fxglm5.model.config import Glm5Config
 from fxglm5.model.layout import MTP_MODULE
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.quantize import quantize_checkpoint
-from fxglm5.model.st_files import check_output_dir, new_output_dir
+from fxglm5.model.st_files import check_output_dir, new_output_dir, writing
 
 
 # Sublayer output projections are drawn smaller, as in trained pre-norm models whose residual stream
@@ -80,7 +80,7 @@ def make_tiny_checkpoint(out_dir: str | Path, fp8: bool = True, seed: int = 0, c
             save_checkpoint(state, tmp, max_shard_bytes=total // 3, config=cfg)
             write_tiny_tokenizer(Path(tmp), cfg)
         return out_dir
-    with tempfile.TemporaryDirectory(prefix="fxglm5-tiny-bf16-") as tmp:
+    with writing(out_dir), tempfile.TemporaryDirectory(prefix="fxglm5-tiny-bf16-") as tmp:  # the bf16 source first
         save_checkpoint(state, tmp, max_shard_bytes=total // 3, config=cfg)
         write_tiny_tokenizer(Path(tmp), cfg)  # quantize copies it, as it copies a real checkpoint's
         quantize_checkpoint(tmp, out_dir, max_shard_bytes=total // 6)

@@ -170,3 +170,153 @@ def test_one_cuda_index_for_several_ranks_is_refused(tmp_path, capsys, monkeypat
     assert main(["generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--max-new-tokens", "1",
                  "--device", "cuda:2"]) == 2
     assert "--device cuda:2: this machine has 2 CUDA device(s)" in capsys.readouterr().err
+
+
+# ---- every writer is safe (issue 50 item 1) ---------------------------------------------------------------------
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# A disk that fills: the process may write files of at most LIMIT bytes (RLIMIT_FSIZE; SIGXFSZ ignored, so a write
+# past it fails with EFBIG as a full disk's fails with ENOSPC), then runs the CLI
+FULL_DISK = """import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+from fxglm5.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _cli(*argv, limit=None, env=None, background=False):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-c", FULL_DISK, str(limit), *argv] if limit else [sys.executable, "-m", "fxglm5", *argv]
+    env = dict(os.environ, **(env or {}))
+    if background:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("writers") / "tiny"
+    assert main(["make-tiny", "--out", str(path)]) == 0
+    return path
+
+
+def _nothing_beside(folder, *keep):
+    return sorted(p.name for p in folder.iterdir()) == sorted(keep)
+
+
+def test_export_refuses_a_file_that_is_not_an_artifact_and_replaces_an_earlier_export(tiny, tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    import fxglm5.model.modeling
+
+    assert main(["export", "--model", str(tiny), "--out", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert _one_line(err) and f"{notes}: exists and is not an fxglm5 artifact" in err
+    assert notes.read_text() == "mine\n" and _nothing_beside(tmp_path, "notes.txt")
+    out = tmp_path / "a.pt2"
+    assert main(["export", "--model", str(tiny), "--out", str(out)]) == 0
+    assert main(["export", "--model", str(tiny), "--out", str(out), "--dtype", "bfloat16"]) == 0  # replaced
+    assert "bfloat16" in capsys.readouterr().out.splitlines()[-1]
+    from fxglm5.artifact import load_artifact
+
+    assert load_artifact(out).dtype == torch.bfloat16 and _nothing_beside(tmp_path, "notes.txt", "a.pt2")
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~_umask()  # as readable as any file
+
+
+def test_two_exports_of_one_path_at_once_never_both_report_a_file_that_is_not_there(tiny, tmp_path):
+    """Two exports of one new path in other dtypes, started together: the one that finishes first puts its file in
+    place; the other finds the path changed since it started and keeps nothing (it reported its own dtype and size
+    over the other's file)."""
+    out = tmp_path / "a.pt2"
+    runs = [_cli("export", "--model", str(tiny), "--out", str(out), "--dtype", d, background=True)
+            for d in ("float32", "bfloat16")]
+    done = [(run.wait(timeout=600), *run.communicate()) for run in runs]
+    from fxglm5.artifact import load_artifact
+
+    stored = str(load_artifact(out).dtype).removeprefix("torch.")
+    codes = sorted(code for code, _, _ in done)
+    assert codes == [0, 2], done
+    for code, stdout, stderr in done:
+        if code == 0:
+            assert f", {stored}, head=logits" in stdout
+        else:
+            assert stderr.startswith(f"fxglm5: error: {out}: written by another writer while this one ran")
+    assert _nothing_beside(tmp_path, "a.pt2")  # no temporary left
+
+
+@pytest.mark.parametrize("command", ["make-tiny", "export", "quantize"])
+def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tiny, tmp_path, command):
+    source = tmp_path / "bf16"
+    if command == "quantize":
+        assert main(["make-tiny", "--out", str(source), "--bf16"]) == 0
+    out = tmp_path / ("out.pt2" if command == "export" else "out")
+    argv = {"make-tiny": ["make-tiny", "--out", str(out)],
+            "export": ["export", "--model", str(tiny), "--out", str(out)],
+            "quantize": ["quantize", "--in", str(source), "--out", str(out)]}[command]
+    done = _cli(*argv, limit=300_000)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert _one_line(done.stderr) and done.stderr.startswith(f"fxglm5: error: {out}: not written ("), done.stderr
+    assert not out.exists() and _nothing_beside(tmp_path, *(["bf16"] if command == "quantize" else []))
+
+
+@pytest.mark.parametrize("command", ["make-tiny", "export"])
+def test_a_place_that_cannot_be_written_or_a_path_under_a_file_is_one_line(tiny, tmp_path, capsys, command):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    name = "a.pt2" if command == "export" else "ckpt"
+    for out, says in ((f"/proc/{name}", f"/proc/{name}: not written ("),  # procfs: no file can be made there
+                      (str(blocker / name), f"{blocker} is a file")):
+        argv = ["export", "--model", str(tiny)] if command == "export" else ["make-tiny"]
+        assert main([*argv, "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert _one_line(err) and err.startswith(f"fxglm5: error: {out}: ") and says in err, err
+    assert _nothing_beside(tmp_path, "file")
+
+
+def test_two_demos_at_once_both_succeed_one_making_the_checkpoint(tmp_path):
+    """The second demo waits while the first makes the cached checkpoint, then uses it (it failed: the first's
+    rename had taken the directory)."""
+    env = {"FXGLM5_CACHE": str(tmp_path)}
+    runs = [_cli("demo", env=env, background=True) for _ in range(2)]
+    done = [(run.wait(timeout=600), *run.communicate()) for run in runs]
+    assert [code for code, _, _ in done] == [0, 0], [err[-1500:] for _, _, err in done]
+    firsts = sorted(out.splitlines()[0].split(" random")[0] for _, out, _ in done)
+    assert firsts == ["fxglm5 demo: cached", "fxglm5 demo: made"]
+    assert done[0][1].splitlines()[1:3] == done[1][1].splitlines()[1:3]  # the same text and ids
+    assert _nothing_beside(tmp_path, "tiny-fp8")
+
+
+def test_a_dump_dir_is_a_new_or_empty_directory_written_into_place(tmp_path, capsys):
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "mine.txt").write_text("keep")
+    import fxglm5.compiler
+
+    assert main(["inspect", "--preset", "tiny", "--dump-dir", str(dump)]) == 2
+    err = capsys.readouterr().err
+    assert _one_line(err) and f"{dump}: exists and is not empty" in err and os.listdir(dump) == ["mine.txt"]
+    fresh = tmp_path / "fresh"
+    assert main(["inspect", "--preset", "tiny", "--dump-dir", str(fresh)]) == 0
+    assert "summary.txt" in os.listdir(fresh) and any(n.endswith(".after.py") for n in os.listdir(fresh))
+    assert _nothing_beside(tmp_path, "dump", "fresh")
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o777 & ~_umask()
+    assert fxglm5.compiler  # (the compile it dumped is the CLI's own)
+
+
+def test_a_failed_compile_keeps_its_dump_and_an_interrupted_one_does_not(tmp_path):
+    """``keep_on``: what the block wrote is put in place when it raises one of those (a compile's error: the dump shows
+    why), and removed on anything else."""
+    from fxglm5.errors import PassError
+
+    kept, gone = tmp_path / "kept", tmp_path / "gone"
+    with pytest.raises(PassError):
+        with new_output_dir(kept, keep_on=(PassError,)) as tmp:
+            (tmp / "00_match.before.py").write_text("graph")
+            raise PassError("strict mode")
+    with pytest.raises(KeyboardInterrupt):
+        with new_output_dir(gone, keep_on=(PassError,)) as tmp:
+            (tmp / "00_match.before.py").write_text("graph")
+            raise KeyboardInterrupt
+    assert os.listdir(kept) == ["00_match.before.py"] and _nothing_beside(tmp_path, "kept")
