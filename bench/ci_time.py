@@ -2,7 +2,7 @@
 run ``.ci/run`` there (the README's two set-up commands in a new virtualenv, the whole test suite included), and
 record the wall time, the pytest summary line it printed (passed / skipped / failed, pytest's own time) and the
 number of tests ``tests/gpu`` holds (collected, not run: they skip without CUDA), with the command, the machine
-(CPU model, cores, load average) and the measured commit, in bench/results/ci_time.json (or $OUT).
+(CPU model, cores, load average at the start and at the end) and the measured commit, in bench/results/ci_time.json (or $OUT).
 
     python bench/ci_time.py [--command "bash .ci/run"] [--no-clone] [--name ci_time.json]
 
@@ -63,6 +63,7 @@ def main() -> None:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, capture_output=True, text=True,
                               check=True).stdout.strip()
         os.environ[harness.COMMIT_ENV] = head  # the record's commit: the code the clone ran
+    load_at_start = [round(x, 2) for x in os.getloadavg()]  # the record's device holds the load at its end
     start = time.monotonic()
     proc = subprocess.Popen(args.command, shell=True, cwd=where, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -74,7 +75,8 @@ def main() -> None:
     wall = time.monotonic() - start
     summary = pytest_summary(lines)
     harness.save_run(args.name, ci_command=args.command, fresh_clone=not args.no_clone, returncode=code,
-                     wall_s=round(wall, 1), pytest=summary, gpu_tests_collected=collected(where, "tests/gpu"),
+                     wall_s=round(wall, 1), load_avg_1_5_15_min_at_start=load_at_start, pytest=summary,
+                     gpu_tests_collected=collected(where, "tests/gpu"),
                      tail=lines[-25:])
     if code != 0:
         raise SystemExit(code)
