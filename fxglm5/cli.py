@@ -509,8 +509,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                                                           "listening (default: %(default)s)")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model name clients give (default: the --model argument as written)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="compute dtype (default: float32 for a checkpoint directory, the artifact's own for a .pt2)")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help=f"compute dtype (default: {DEFAULT_DTYPE} for a checkpoint directory, as generate's, the "
+                        "artifact's own for a .pt2)")
     p.add_argument("--kv-cache", choices=["bf16", "fp8"], default="bf16",
                    help="paged latent cache: the compute dtype (bf16) or FP8 ds_mla rows (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=64, help="paged cache block size in tokens (default: %(default)s)")
@@ -523,10 +524,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks (gloo on cpu, NCCL on cuda): rank 0 serves HTTP, every rank runs each "
                         "step (default: %(default)s)")
-    p.add_argument("--ep", type=int, metavar="N", help="expert-parallel ranks with --tp: N (default) or 1")
+    p.add_argument("--ep", type=int, metavar="N", help="expert-parallel ranks with --tp: N (the default) or 1")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default: %(default)s)")
-    p.add_argument("--speculative", choices=["mtp"], help="speculative decoding with the checkpoint's MTP layer")
-    p.add_argument("--num-speculative-tokens", type=int, metavar="K", help="drafts per step with --speculative (1..4)")
+    p.add_argument("--speculative", choices=["mtp"],
+                   help="speculative decoding with the checkpoint's MTP layer (default: none)")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                   help="drafts per step with --speculative, 1..4 (no default: give it with --speculative)")
     _pass_options(p, dump=False)
 
 
@@ -545,7 +548,7 @@ def _serve(args: argparse.Namespace) -> int:
     args.backend = "paged"
     artifact = None if Path(args.model).is_dir() else load_source(args.model)
     speculative = _speculative(args, artifact)
-    dtype = args.dtype or (str(artifact.dtype).removeprefix("torch.") if artifact is not None else "float32")
+    dtype = args.dtype or (str(artifact.dtype).removeprefix("torch.") if artifact is not None else DEFAULT_DTYPE)
     options = RunnerOptions(dtype=dtype, device=args.device, kv_cache=args.kv_cache, block_size=args.block_size,
                             max_cache_tokens=args.max_cache_tokens, max_step_tokens=args.max_step_tokens,
                             disabled_passes=disabled_passes(args.disable_passes), speculative=speculative, tp=args.tp,

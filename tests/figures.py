@@ -58,6 +58,9 @@ DERIVED = {
     "bench/results/session20/README.md": {
         "274 passed": "200 + 36 + 19 + 19, the four logs' counts (gpu_fp8, gpu_attention, gpu_g3, gpu_g4_17c1af7.log)",
     },
+    "bench/results/long_workload_h100_c3d9c51/README.md": {
+        "80 GB": "the H100's memory, in its product name (NVIDIA H100 80GB HBM3): no measurement",
+    },
     "bench/results/session18/README.md": {
         "1.51 x": "26294.5 / 17373 tokens/s, accept-all over plain in speculative_k3_ctx2048_B64_2d7f52e.json",
     },

@@ -22,9 +22,12 @@ def python_blocks(text: str) -> list[str]:
 
 
 def test_the_readmes_python_runs_as_written_and_prints_every_result_once(tmp_path):
-    (code,) = python_blocks(README)
+    """The Python API code, then the engine's in the same folder (it reads the checkpoint the first made). The
+    OpenAI client's needs the server of the shell lines above it: tests/frontdoors/test_serve.py drives that."""
+    client, api, engine = python_blocks(README)
+    assert "OpenAI(base_url=" in client and "def main():" in api and "build_engine(" in engine
     script = tmp_path / "api.py"
-    script.write_text(code)
+    script.write_text(api)
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, timeout=900)
     out = done.stdout.decode(errors="replace")
     assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
@@ -37,6 +40,12 @@ def test_the_readmes_python_runs_as_written_and_prints_every_result_once(tmp_pat
     rank, tokens = re.fullmatch(r"(\d+) (\[\[.*\]\])", lines[-1]).groups()  # the ranks' tokens, last
     assert rank == "0" and len(json.loads(tokens)[0]) == 8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["api.py", "ckpt_dir", "tiny-tp"]
+    (tmp_path / "engine.py").write_text(engine)
+    done = subprocess.run([sys.executable, "engine.py"], cwd=tmp_path, capture_output=True, timeout=900)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")[-3000:]
+    steps = [line.split(" ", 3) for line in done.stdout.decode(errors="replace").splitlines()]
+    assert {s[0] for s in steps} == {"0", "1"} and steps[-1][0] == "1"  # the first request, then the late one
+    assert steps[-1][-1].endswith(("length", "stop"))
 
 
 def test_the_test_commands_time_and_counts_are_cis_own_run_with_its_machine_and_load():
