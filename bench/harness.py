@@ -85,7 +85,7 @@ def command_line() -> str:
 
 def git_commit() -> str:
     """The commit the run measured. ``$FXGLM5_BENCH_COMMIT`` wins when set: a copy of the tree on another
-    machine may carry a stale ``.git`` (bench/results/rtpllm_s12/README.md). Otherwise ``git`` HEAD, with
+    machine may carry a stale ``.git`` (bench/results/rtpllm_host_time_85137ad/README.md). Otherwise ``git`` HEAD, with
     ``+uncommitted`` when tracked files differ from it, or ``unrecorded (no git repository)``."""
     if os.environ.get(COMMIT_ENV):
         return os.environ[COMMIT_ENV]

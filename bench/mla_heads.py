@@ -6,7 +6,7 @@ makes the 64 keys of a tile the MMA rows and the heads, padded to 8 or 16, the N
 This times both in one run at B=64 (dense 32k context, sparse top-2048 of 32k), bf16 and FP8 (656-byte) caches,
 and the sparse prefill of one 8k-token request (each token's 2048 gathered rows are its bytes),
 the default at a few split counts, and, with ``--triton``, the generic Triton kernel at explicit launches
-(slower than both at every shape measured: ``bench/results/session16/``). Every output is compared
+(slower than both at every shape measured: ``bench/results/mla_heads_h8_speculative_a39a923/``). Every output is compared
 with the ``hopper64`` one (max abs difference in the note).
 
     python bench/mla_heads.py [--heads 8] [--triton]   # saves mla_heads_h<heads>.{json,md} under $OUT or bench/results

@@ -1,13 +1,14 @@
 """The figures check: every measured figure a README quotes is the value a data file it names holds.
 
 A figure is a number with a unit (us, ms, s, min, %, x, TFLOPS, GB/s, TB/s, GB, MiB, tokens/s, kernels, launches,
-tests, passed, skipped) in the text of the project's README or of a README under bench/results/. It must be held by a
+tests, passed, skipped) in the text of the project's README, of its history (docs/history.md) or of a README under
+bench/results/. It must be held by a
 data file its context names: the block it stands in (a list item, a paragraph, a table row), the list items above it,
 the paragraph that leads into its list, for a table row the paragraph above the table, and the heading of its
 section. A name is a path in
 backticks: from the repository's root (``bench/results/...``, ``docs/perf/...``), from the README's own folder in a
 results README (``run1_e12afa2/``, ``../rank_at_depth/README.md``, ``bench.log``), or a results file's stem
-(``kernels_gemm_s20``).
+(``kernels_gemm_07ef67b``).
 
 - A data file is any file under bench/results/ but a README.md; a folder stands for every data file under it. A
   results README's figures may also be held by its own folder's data files, which it describes.
@@ -52,16 +53,19 @@ DERIVED = {
         "7.5 MiB": "2 blocks x 64 rows x (656 + 132) bytes x 78 layers: the scratch cache's size",
         "12 KB": "a row's hidden state, 6144 bf16 values: the all-reduce's payload",
         "38 KB": "a rank's 19 395 logits of 154 880 / 8 in bf16: the all-gather's payload",
-        "2.997 x": "206.99 / 69.066 ms, eager over fxglm5 in compile_backend.json (which rounds it to 3.0)",
-        "1.51 x": "26294.5 / 17373 tokens/s, accept-all over plain in session18/speculative_k3_ctx2048_B64_2d7f52e.json",
     },
-    "bench/results/session20/README.md": {
+    "docs/history.md": {
+        "2.997 x": "206.99 / 69.066 ms, eager over fxglm5 in compile_backend.json (which rounds it to 3.0)",
+        "1.51 x": "26294.5 / 17373 tokens/s, accept-all over plain in decode_host_speculative_2d7f52e/"
+                  "speculative_k3_ctx2048_B64_2d7f52e.json",
+    },
+    "bench/results/kernel_goals_ncu_17c1af7/README.md": {
         "274 passed": "200 + 36 + 19 + 19, the four logs' counts (gpu_fp8, gpu_attention, gpu_g3, gpu_g4_17c1af7.log)",
     },
     "bench/results/long_workload_h100_c3d9c51/README.md": {
         "80 GB": "the H100's memory, in its product name (NVIDIA H100 80GB HBM3): no measurement",
     },
-    "bench/results/session18/README.md": {
+    "bench/results/decode_host_speculative_2d7f52e/README.md": {
         "1.51 x": "26294.5 / 17373 tokens/s, accept-all over plain in speculative_k3_ctx2048_B64_2d7f52e.json",
     },
 }
@@ -326,11 +330,11 @@ class Claim:
     files: tuple[str, ...]
 
 
-def claims(text: str, where: str = REPO) -> tuple[list[Claim], list[str]]:
-    """Every figure of ``text`` (a README in folder ``where``) with the data files that may hold it, and the names
-    its blocks give that resolve to nothing (one line each)."""
+def claims(text: str, where: str = REPO, name: str = "README.md") -> tuple[list[Claim], list[str]]:
+    """Every figure of ``text`` (a README in folder ``where``, ``name`` in that folder) with the data files that may
+    hold it, and the names its blocks give that resolve to nothing (one line each)."""
     out, missing, parents, paragraph, section, header, last = [], [], [], "", "", [], None
-    derived = DERIVED.get(os.path.relpath(os.path.join(where, "README.md"), REPO), {})
+    derived = DERIVED.get(os.path.relpath(os.path.join(where, name), REPO), {})
     for kind, depth, body, line in doc_blocks(text):
         if kind == "row":
             cells = body.strip().strip("|").split("|")
@@ -360,10 +364,10 @@ def claims(text: str, where: str = REPO) -> tuple[list[Claim], list[str]]:
     return out, missing
 
 
-def figure_problems(text: str, where: str = REPO) -> list[str]:
-    """What of ``text`` (a README in folder ``where``) breaks the rule above: one line per figure or name, with its
-    line number."""
-    found, problems = claims(text, where)
+def figure_problems(text: str, where: str = REPO, name: str = "README.md") -> list[str]:
+    """What of ``text`` (a README in folder ``where``, ``name`` in that folder) breaks the rule above: one line per
+    figure or name, with its line number."""
+    found, problems = claims(text, where, name)
     for claim in found:
         if not claim.files:
             problems.append(f"line {claim.line}: {claim.number} {claim.unit} with no data file named")
@@ -375,12 +379,13 @@ def figure_problems(text: str, where: str = REPO) -> list[str]:
 
 
 def readmes() -> list[str]:
-    """The README and every README under bench/results/."""
-    return [os.path.join(REPO, "README.md")] + sorted(p for p in _walk(RESULTS) if os.path.basename(p) == "README.md")
+    """The README, its history and every README under bench/results/."""
+    return [os.path.join(REPO, "README.md"), os.path.join(REPO, "docs", "history.md")] + sorted(
+        p for p in _walk(RESULTS) if os.path.basename(p) == "README.md")
 
 
 def problems_of(path: str, text: str | None = None) -> list[str]:
     if text is None:
         with open(path) as f:
             text = f.read()
-    return figure_problems(text, os.path.dirname(path))
+    return figure_problems(text, os.path.dirname(path), os.path.basename(path))

@@ -184,13 +184,13 @@ def test_every_figure_is_the_value_of_a_data_file_it_names(readme):
 
 
 def test_every_results_readme_is_checked():
-    assert README_NAMES[0] == "README.md" and len(README_NAMES) >= 10
-    assert {os.path.dirname(n) for n in README_NAMES[1:]} == {
+    assert README_NAMES[:2] == ["README.md", "docs/history.md"] and len(README_NAMES) >= 10
+    assert {os.path.dirname(n) for n in README_NAMES[2:]} == {
         os.path.relpath(os.path.dirname(p), REPO) for p in glob.glob(os.path.join(REPO, "bench", "results", "**",
                                                                                    "README.md"), recursive=True)}
 
 
-S21 = "bench/results/session21/run2_5cf6615/rank_at_depth.json"  # TPOT B=1, 2k: ms 14.187, kernel_ms_per_step 12.41
+S21 = "bench/results/rank_at_depth_fuse_kernels_5cf6615/run2_5cf6615/rank_at_depth.json"  # TPOT B=1, 2k: ms 14.187, kernel_ms_per_step 12.41
 
 
 def problems(text: str, where: str = REPO) -> list[str]:
@@ -213,15 +213,15 @@ def test_a_figure_is_its_files_value_in_the_files_unit_at_its_own_rounding():
 
 
 def test_a_list_of_samples_holds_its_median_least_and_most_only():
-    spec = "bench/results/session18/speculative_k3_ctx2048_B64_2d7f52e.json"  # decode_step_us: 5 steps
+    spec = "bench/results/decode_host_speculative_2d7f52e/speculative_k3_ctx2048_B64_2d7f52e.json"  # decode_step_us: 5 steps
     assert problems(f"- decode step 3733 us, 3657 to 3833 us (`{spec}`)\n") == []
     assert problems(f"- decode step 3725 us (`{spec}`)\n")[0].startswith("line 1: 3725 us is in none")  # one step's
 
 
 def test_a_readme_is_the_source_only_of_what_its_data_files_hold():
-    """session21's README quotes issue 36's 16.41 ms; named as a source it stands for the files it names, which do
+    """rank_at_depth_fuse_kernels_5cf6615's README quotes issue 36's 16.41 ms; named as a source it stands for the files it names, which do
     not hold it (the old check read the README itself as data). Its own figures held by its runs pass."""
-    readme = "bench/results/session21/README.md"
+    readme = "bench/results/rank_at_depth_fuse_kernels_5cf6615/README.md"
     assert "16.41 ms" in open(os.path.join(REPO, readme)).read()
     assert problems(f"- B=1 took 16.41 ms (`{readme}`)\n")[0].startswith("line 1: 16.41 ms is in none of")
     assert problems(f"- B=1 took 14.2 ms (`{readme}`)\n") == []
@@ -236,14 +236,14 @@ def test_names_that_resolve_to_nothing_and_figures_with_no_file_fail():
 
 
 def test_a_results_readme_resolves_its_own_names_and_its_folder_holds_its_figures():
-    where = "bench/results/session21"
+    where = "bench/results/rank_at_depth_fuse_kernels_5cf6615"
     assert problems("| point | ms |\n|---|---|\n| TPOT B=1 | 14.2 ms |\n", where) == []  # its own folder's runs
     assert problems("- 18.4 ms at 03379ab (`../rank_at_depth/at_03379ab/`)\n", where) == []
-    assert problems("- 18.4 ms at 03379ab\n", where) == ["line 1: 18.4 ms is in none of ['bench/results/session21/"
-                                                          "run1_e12afa2/bench.log', 'bench/results/session21/"
-                                                          "run1_e12afa2/gpu_tests.log', 'bench/results/session21/"
+    assert problems("- 18.4 ms at 03379ab\n", where) == ["line 1: 18.4 ms is in none of ['bench/results/rank_at_depth_fuse_kernels_5cf6615/"
+                                                          "run1_e12afa2/bench.log', 'bench/results/rank_at_depth_fuse_kernels_5cf6615/"
+                                                          "run1_e12afa2/gpu_tests.log', 'bench/results/rank_at_depth_fuse_kernels_5cf6615/"
                                                           "run1_e12afa2/rank_at_depth.json', 'bench/results/"
-                                                          "session21/run1_e12afa2/rank_at_depth.md'] ..."]
+                                                          "rank_at_depth_fuse_kernels_5cf6615/run1_e12afa2/rank_at_depth.md'] ..."]
 
 
 def test_goals_bounds_approximations_derivations_and_an_issues_quotes_are_not_figures():
@@ -253,8 +253,9 @@ def test_goals_bounds_approximations_derivations_and_an_issues_quotes_are_not_fi
                     f"\nRuns: `{S21}`.\n") == ["line 3: 14.2 ms with no data file named"]  # (the table precedes it)
     assert problems(f"Runs: `{S21}`.\n\n| point | issue 36's now | measured |\n|---|---|---|\n"
                     f"| B=1 | 16.41 ms | 14.2 ms |\n") == []
-    assert figures.DERIVED["README.md"]["2.997 x"] and problems("- 2.997x faster\n") == []  # the README's derivation
-    assert problems("- 2.997x faster\n", "bench/results/session21")[0].startswith("line 1: 2.997 x is in none of")
+    assert figures.DERIVED["docs/history.md"]["2.997 x"]  # the history's derivation, there only
+    assert figures.figure_problems("- 2.997x faster\n", os.path.join(REPO, "docs"), "history.md") == []
+    assert problems("- 2.997x faster\n", "bench/results/rank_at_depth_fuse_kernels_5cf6615")[0].startswith("line 1: 2.997 x is in none of")
 
 
 def test_edited_figures_fail_in_every_readme():

@@ -61,3 +61,20 @@ def test_the_test_commands_time_and_counts_are_cis_own_run_with_its_machine_and_
                  f"{device['cpus']}-core", device["name"].removeprefix("cpu: "),
                  f"load average {start} at its start and {device['load_avg_1_5_15_min'][0]} at its end"):
         assert fact in said, (fact, said)
+
+
+def test_results_and_sections_are_named_by_what_they_measure_and_the_history_is_in_docs():
+    """No results folder or file is named by a running number (session21, runtime_s11, kernels_gemm_s20: a reader
+    cannot tell what or when from it), no README or history section is, and the README shows where the project
+    stands while the history of how it got there is docs/history.md, which it names."""
+    numbered = re.compile(r"(^|_)(session\d+|s\d+)(_|$)")
+    results = REPO / "bench" / "results"
+    named = [str(p.relative_to(results)) for p in results.rglob("*")
+             if numbered.search(p.name.split(".")[0]) and not p.name.endswith(".log")]
+    assert named == []
+    history = (REPO / "docs" / "history.md").read_text()
+    for text in [README, history, *(p.read_text() for p in results.rglob("README.md"))]:
+        titles = [line for line in text.splitlines() if line.startswith("#") or re.match(r"- (H200|CPU),", line)]
+        assert not [t for t in titles if re.search(r"(?i)\bsession \d+", t)], titles
+    assert "`docs/history.md`" in README and "Measured so far" not in README
+    assert history.startswith("# How fxglm5 got here") and history.count("\n- H200, ") >= 8

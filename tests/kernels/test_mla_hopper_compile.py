@@ -97,7 +97,7 @@ def test_few_heads_kernel_makes_the_keys_the_mma_rows(variant):
 def test_fp8_dequantization_takes_no_quarter_rate_conversion(variant):
     """The FP8 tile's e4m3 -> bf16 goes through fp32 (unpack, HADD2.F32, pack: full-rate pipes), not a direct cast,
     which ptxas lowers to one F2F.BF16.F16 per element on the quarter-rate conversion unit (256 a thread per
-    tile; the H200 profile of session 20 had that loop issue-bound at 36 % of copy, bench/results/session20)."""
+    tile; the H200 profile of session 20 had that loop issue-bound at 36 % of copy, bench/results/kernel_goals_ncu_17c1af7)."""
     ops = _fits(variant)["sass_opcodes"]
     assert not any(op.startswith("F2F.BF16") for op in ops), {k: v for k, v in ops.items() if k.startswith("F2F")}
     assert ops.get("F2FP.F16.E4M3.UNPACK_B", 0) >= 64 and ops.get("F2FP.BF16.F32.PACK_AB", 0) >= 64, ops

@@ -228,7 +228,7 @@ def _splitk_reduce_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, SPLIT_K: tl.constexpr,
 # Regime defaults, the winners of the H200 sweeps (rows "sweep" in bench/results/kernels_gemm_moe*.json);
 # ``fp8_linear(config=...)`` overrides any key. Decode split-K is derived: CTAS_PER_SM CTAs per SM.
 # FIXUP (last CTA reduces in-kernel, one launch) measured equal to the reduce kernel timed alone; in a whole decode
-# step (bench/results/session21) it saves 390 launches at batch 1 for the same kernel time, but at batch 64 (64-row
+# step (bench/results/rank_at_depth_fuse_kernels_5cf6615) it saves 390 launches at batch 1 for the same kernel time, but at batch 64 (64-row
 # tiles) the last CTAs' serial sums cost 3 ms of kernel time a step: decode reduces in the GEMM up to 16 rows.
 DECODE = dict(BLOCK_N=128, CTAS_PER_SM=4, GROUP_M=1, num_warps=4, num_stages=3, fused_quant=True, FIXUP=True)
 MEDIUM = dict(BLOCK_M=64, BLOCK_N=128, CTAS_PER_SM=2, GROUP_M=8, num_warps=4, num_stages=3, fused_quant=False, FIXUP=False)

@@ -64,7 +64,7 @@ __all__ = ["supported", "launch", "pick_config", "MIN_M"]
 MIN_M = 512  # prefill only: at fewer rows the Triton kernel's split-K / smaller tiles serve better
 BLOCK_K = 128
 # Defaults per N (tiles, ring depth, group size, K steps per loop trip, warp specialization), from the H200 sweeps
-# of session 20 (bench/results/session20/kernels_gluon_ws_s20.md, kernels_gemm_s20.md). Every width takes the
+# of session 20 (bench/results/kernel_goals_ncu_17c1af7/kernels_gluon_ws_17c1af7.md, kernels_gemm_07ef67b.md). Every width takes the
 # warp-specialized kernel (WS=True, 128-row tiles): at M=4096 it ran o_proj in 698 against 1084 us, dense gate_up
 # in 967 against 1527 us, kv_a (N=576) in 72 against 108 us and the indexer's wk (N=128) in 45 against 53 us of
 # the kernel without it (64-row tiles at the narrow widths). 4 stages of 32 KB plus the 32 KB output tile at

@@ -377,8 +377,8 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     if num_splits is None:
         # A dense keys-as-rows Hopper program (one warpgroup) counts as half an SM in the pick: measured, not
         # derived (B=64 / 32k / 8 heads, bf16 cache: 623 us with the 1 x SMs pick of 2 splits, 552 us with 4;
-        # bench/results/session19). Its ~156 KB of shared memory keeps one program resident per SM (the session-20
-        # profile, bench/results/session20), so the gain is not co-residency. Sparse rows measured slower with
+        # bench/results/gluon_gemm_moe_mla_h8_a4d0c02). Its ~156 KB of shared memory keeps one program resident per SM (the session-20
+        # profile, bench/results/kernel_goals_ncu_17c1af7), so the gain is not co-residency. Sparse rows measured slower with
         # the larger split count, so they keep 1 x SMs.
         dense_pairs = hopper and not sparse and mla_hopper.rows_for(H, keys_as_rows)[1]
         num_splits = pick_num_splits(T * n_hb, max_len, num_sms(q.device) * (2 if dense_pairs else 1))

@@ -397,7 +397,7 @@ def _mla_hopper_kernel(
     # it runs, the mask of tile j and the location of tile j+AHEAD are loaded, and as soon as the stage that
     # tile reuses is free (bf16: after P @ V of tile j-1, while QK^T still runs) its copy is issued. (Issuing
     # P @ V behind QK^T instead, under the softmax, measured 920 vs 732 us at B=64 / 32k:
-    # bench/results/attention_s9/loop_ordering.json.) Tile 0 has no P @ V before it, the last one's follows the
+    # bench/results/mla_loop_ordering_9b92938/loop_ordering.json.) Tile 0 has no P @ V before it, the last one's follows the
     # loop, so no MMA is in flight across the loop's back edge (ptxas would serialize the MMAs otherwise).
     for j in range(n_tiles):
         s = j % STAGES_

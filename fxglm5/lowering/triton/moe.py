@@ -309,12 +309,12 @@ def _combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, TOP_K: tl.cons
 
 
 # Regime defaults, the winners of the H200 sweeps (decode: docs/perf/fp8_gemm_moe.md, kernels_gemm_moe_v2; both:
-# bench/results/session19/kernels_moe_s19, moe_sweep rows);
+# bench/results/gluon_gemm_moe_mla_h8_a4d0c02/kernels_moe_a4d0c02, moe_sweep rows);
 # moe_fp8(config=...) overrides keys. The gate|up GEMM's K split is derived (``SPLIT1`` overrides it): enough
 # splits for CTAS_PER_SM1 CTAs per SM over the blocks that can exist (batch 1 touches 8 experts: 8 blocks x
 # 16 column tiles would leave one CTA per SM, each streaming 48 K steps).
 # CTAS_PER_SM1 16 / SPLIT2 4: a rank of EP8 touches about one of its 32 experts at batch 1, so the splits sized for
-# the 8 blocks that can exist left most SMs idle (bench/results/session21: 1.0 ms less kernel time per 78-layer
+# the 8 blocks that can exist left most SMs idle (bench/results/rank_at_depth_fuse_kernels_5cf6615: 1.0 ms less kernel time per 78-layer
 # step at batch 1 and at batch 64)
 MOE_DECODE = dict(BLOCK_M=16, BLOCK_N1=128, BLOCK_N2=128, SPLIT2=4, CTAS_PER_SM1=16, num_warps=4, num_stages=3,
                   fused_quant=True)

@@ -429,7 +429,7 @@ def multi_segment_length(rows: int, length: int, sms: int) -> int:
     """The multi radix's scores per CTA: 4096, halved (down to 512) while the rows make fewer CTAs than SMs. At
     batch 1 / 131k, 4096 gave 32 CTAs and a 36.7 us span against 31.1 at 512; at batch 4 / 65k 36.7 against 31.8
     at 1024; at batch 8 / 65k 2048 and 4096 are even (37.5 / 37.7); from batch 16 / 65k 4096 is the fastest
-    (bench/results/attention_s8/multi_chunk_first_look.log, kernel spans of one call)."""
+    (bench/results/indexer_sweep_bf5bc34/multi_chunk_first_look.log, kernel spans of one call)."""
     seg = 4096
     while seg > 512 and rows * triton.cdiv(length, seg) < sms:
         seg //= 2
