@@ -189,8 +189,9 @@ def _read_record(path: Path, raw: bytes) -> tuple[Glm5Config, torch.dtype, str, 
     record = _json(path, RECORD, raw)
     found = record.get("format") if isinstance(record, dict) else None
     if found in OLD_FORMATS:
-        raise CheckpointError(f"{path}: an {found} artifact; this fxglm5 reads {FORMAT} only (it stores each layer "
-                              "kind's program once): export it again from its checkpoint (fxglm5 export)")
+        raise CheckpointError(f"{path}: an {found} artifact; this fxglm5 reads {' and '.join(READABLE)} only (it "
+                              "stores each layer kind's program once): export it again from its checkpoint "
+                              "(fxglm5 export)")
     if found not in READABLE:
         raise CheckpointError(f"{path}: not an fxglm5 artifact ({RECORD}: format {found!r}, expected {FORMAT!r})")
     if not isinstance(record.get("config"), dict):

@@ -451,7 +451,7 @@ MALFORMED_MAPS = {  # case: (edits of the file, what the message says)
         r"tensor model.layers.3.input_layernorm.weight is torch.float32 \(255,\); the program takes torch.float32 "
         r"\(256,\) \(for model.layers.2.input_layernorm.weight\)"),
     "fxglm5-artifact/2": (dict(record=lambda r: r.update(format="fxglm5-artifact/2")),
-                          "an fxglm5-artifact/2 artifact; this fxglm5 reads fxglm5-artifact/3 only .* export it again"),
+                          "an fxglm5-artifact/2 artifact; this fxglm5 reads fxglm5-artifact/3 and fxglm5-artifact/4 only .* export it again"),
 }
 
 
