@@ -3,6 +3,7 @@ recorded: on the node (``meta['fxglm5_backend']``), in the pass's details, and i
 (tests/passes/template.py's checks, then the choice per device and backend)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -110,14 +111,19 @@ def test_inspect_prints_what_runs_where(capsys):
 
 
 def test_a_choice_reading_a_run_time_input_is_left_to_each_call(monkeypatch):
-    """The paged index cache is a graph input without metadata (one graph serves FP8 and exact caches): the
-    Triton indexer's check reads its dtype, so that node gets the per-call Dispatch; given the cache's
-    metadata, the same node is bound at lower time."""
+    """A supports check that reads a graph input without metadata (the paged index cache: one graph serves FP8
+    and exact caches) gets the per-call Dispatch; given the input's metadata, the same node is bound at lower
+    time. The check here is planted on the indexer's Triton entry (the indexer itself now serves both caches)."""
+    from fxglm5.lowering import implementations as table
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton_entry = table._IMPLS["rtp_indexer"]["triton"]
+    monkeypatch.setitem(table._IMPLS["rtp_indexer"], "triton", dataclasses.replace(
+        triton_entry, supports=lambda q, k, w, topk, cache, *rest: None if cache.dtype == torch.uint8 else "exact"))
     graph = torch.fx.Graph()
-    q, k, w, cache, slots, table, req, pos = (graph.placeholder(n) for n in
-                                              ("q", "k", "w", "cache", "slots", "table", "req", "pos"))
-    call = graph.call_function(torch.ops.fxglm5.rtp_indexer.default, (q, k, w, 8, cache, slots, table, req, pos, 64))
+    q, k, w, cache, slots, table_, req, pos = (graph.placeholder(n) for n in
+                                               ("q", "k", "w", "cache", "slots", "table", "req", "pos"))
+    call = graph.call_function(torch.ops.fxglm5.rtp_indexer.default, (q, k, w, 8, cache, slots, table_, req, pos, 64))
     order = backend_choice.backend_order("cpu", "triton")
     assert isinstance(backend_choice.bind(call, "rtp_indexer", order, "cpu"), backend_choice.Dispatch)
     for dtype, backend in ((torch.uint8, "triton"), (torch.float32, "reference")):
@@ -126,16 +132,16 @@ def test_a_choice_reading_a_run_time_input_is_left_to_each_call(monkeypatch):
         assert isinstance(bound, backend_choice.Bound) and bound.backend == backend
 
 
-def test_in_the_paged_graph_only_the_cache_reading_indexer_is_left_to_each_call():
-    """Through every stage (cache included) on the meta device for CUDA: every node but rtp_indexer (whose
-    Triton check reads the index cache's dtype, a run-time input) is bound at lower time. The final rms_norm
-    reads the rows select_sampled_rows keeps, whose count only the step knows: it was a per-call Dispatch
-    while those rows had no metadata."""
+def test_in_the_paged_graph_every_node_is_bound_at_lower_time():
+    """Through every stage (cache included) on the meta device for CUDA: every node is bound at lower time (the
+    indexer was left to each call while its Triton entry served only FP8 index caches, whose dtype is a run-time
+    input). The final rms_norm reads the rows select_sampled_rows keeps, whose count only the step knows: it was a
+    per-call Dispatch while those rows had no metadata."""
     from fxglm5.compiler import compile_model
     from fxglm5.passes.lower import placement
 
     graph = compile_model(Glm5ForCausalLM(CFG, dtype=torch.bfloat16, device="meta"), device="cuda", max_tokens=4096).graph
     per_call = {op for (op, backend) in placement(graph) if backend == "runtime"}
-    assert per_call == {"rtp_indexer"}
+    assert per_call == set()
     # 17 matched, 4 folded into the cache writes, 7 into add_rms_norm
     assert placement(graph)[("rms_norm", "triton")] == 6 and placement(graph)[("add_rms_norm", "triton")] == 7
