@@ -86,6 +86,8 @@ VARIANTS = {
     "fixup_off": ({}, {"fp8_gemm.DECODE": {"FIXUP": False}}),  # the split-K GEMMs' separate reduce kernel
     "pdl": ({"FXGLM5_PDL": "1"}, {}),  # programmatic dependent launch (fxglm5.lowering.triton.device.pdl)
     "moe_split": ({}, {"moe.MOE_DECODE": {"CTAS_PER_SM1": 16, "SPLIT2": 4}}),  # more K splits, for few experts
+    "gemv": ({}, {"fp8_gemv.GEMV": {"enabled": True}}),  # the decode GEMV (fp8_gemv.py) up to 16 rows
+    "gemv_pdl": ({"FXGLM5_PDL": "1"}, {"fp8_gemv.GEMV": {"enabled": True}}),  # ... its weights loaded before the wait
 }
 
 

@@ -62,6 +62,29 @@ def test_fp8_linear_glm5_shapes(name, m, gen):
         assert err < 1e-2, (name, m, act_quant, err)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("name", list(ALL_SHAPES))
+def test_fp8_gemv_glm5_shapes(name, m, gen):
+    """The decode GEMV (fp8_gemv.py) at GLM-5's shapes, both product paths (FMA up to 4 rows, MMA above), W8A8 and
+    W8A16, a bias, split over K as the one-wave plan splits it on this GPU; its split-K counters end at zero."""
+    from fxglm5.lowering.reference.fp8 import fp8_linear as ref
+    from fxglm5.lowering.triton import fp8_parts
+    from fxglm5.lowering.triton.fp8_gemm import fp8_linear
+
+    n, k = ALL_SHAPES[name]
+    w, s = _weight(n, k, gen)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(n, device="cuda", generator=gen).bfloat16()
+    for act_quant in (True, False):
+        out = fp8_linear(x, w, s, b, act_quant, config=dict(kernel="gemv"))
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        err = _rel(out, ref(x.float(), w, s, b.float(), act_quant))
+        assert err < 1e-2, (name, m, act_quant, err)
+    torch.cuda.synchronize()
+    counters = fp8_parts._COUNTERS.get(("cuda", x.device.index))
+    assert counters is None or int(counters.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("name", ["kv_a", "o_proj", "partial_nk", "partial_small_n"])
 def test_fp8_linear_fp32_exact(name):
     """fp32 activations: IEEE fp32 dot, only the accumulation order differs. W8A8 also has rare fp8 rounding
