@@ -29,6 +29,7 @@ import fxglm5
 from fxglm5 import artifact_format
 from fxglm5.artifact_format import CONSTANTS, FORMAT, MEMBERS, PROGRAM, RECORD, WEIGHTS
 from fxglm5.capture.by_kind import PREFIX, context_depth, layer_copies, stitch
+from fxglm5.capture.export import drop_metadata_asserts
 from fxglm5.capture.layer_kinds import KindPlan, Unprovable, plan_kinds
 from fxglm5.compiler import (MAX_STEP_TOKENS, Compiled, Stage, compile_model, lower_for_device, pass_source_hashes,
                              place_loaded_graph)
@@ -65,8 +66,10 @@ class Artifact:
     def graph(self, path: str | Path = "artifact") -> fx.GraphModule:
         """A fresh canonical graph of the whole model: the program stitched to every layer (the program itself
         when it holds them all). CheckpointError naming ``path`` where the program cannot be stitched as the
-        map says."""
+        map says. Export's metadata asserts, which ``module()`` puts back, are dropped as at capture: they pin the
+        intermediates they read (a float32 model's MoE sum behind its cast to float32 would not fuse)."""
         prefix = self.program.module()
+        drop_metadata_asserts(prefix)
         if self.plan.prefix == len(self.plan.source):
             return prefix
         try:

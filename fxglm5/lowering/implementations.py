@@ -112,6 +112,19 @@ def _moe_fp8_triton(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant):
     return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant)
 
 
+def _moe_add_supported(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, addend):
+    if addend.dtype != x.dtype:
+        return f"the addend is {addend.dtype}, the tokens {x.dtype}"
+    return _moe_supported(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant)
+
+
+@register("moe_fp8_add", "triton", _moe_add_supported)
+def _moe_fp8_add_triton(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, addend):
+    from fxglm5.lowering.triton.moe import moe_fp8
+
+    return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, addend=addend)
+
+
 # ---- collectives: torch's functional collectives (gloo / NCCL) on the group the op names, on every device --------
 register("all_reduce", "reference")(all_reduce_c10d)
 register("all_gather", "reference")(all_gather_c10d)

@@ -11,6 +11,9 @@ against it. Signatures:
 - ``moe_route_local(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset int32
   [], num_local) -> (weights f32 [T, k], ids int32 [T, k])``: ``moe_route`` with its ids local to the experts
   ``[offset, offset + num_local)`` a rank holds, -1 for the others (expert parallelism).
+- ``moe_fp8_add(x [T, H], ids, weights, w13, w13_scale?, w2, w2_scale?, act_quant, addend [T, H]) -> [T, H]``:
+  ``moe_fp8(...) + addend``, the routed experts' sum and the shared expert's output added where the routed sum is
+  written.
 - ``silu_mul_fp8_linear(gate [..., I], up [..., I], weight e4m3 [N, I], weight_scale_inv, bias?, act_quant) ->
   [..., N]``: ``fp8_linear(silu(gate) * up, ...)``, the gated MLP's down projection with its activation.
 """
@@ -69,3 +72,14 @@ def silu_mul_fp8_linear(gate: Tensor, up: Tensor, weight: Tensor, weight_scale_i
 @silu_mul_fp8_linear.register_fake
 def _(gate, up, weight, weight_scale_inv, bias, act_quant):
     return gate.new_empty(*gate.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("fxglm5::moe_fp8_add", mutates_args=())
+def moe_fp8_add(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Optional[Tensor], w2: Tensor,
+                w2_scale: Optional[Tensor], act_quant: bool, addend: Tensor) -> Tensor:
+    return ref.moe_fp8_add(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, addend)
+
+
+@moe_fp8_add.register_fake
+def _(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, addend):
+    return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, addend.dtype), device=x.device)

@@ -13,7 +13,7 @@ first load-time stage: an exported artifact stores match + fuse only, so it stay
 
 The fuse_kernels stage is the decode step's kernel count: each of its passes turns a chain that ran as several
 small kernels (an add and a norm, a cast and a float32 GEMV and two scalar multiplies, five ops of expert-id glue,
-a silu and a multiply before a GEMM) into one op of ``fxglm5.ops.fused`` whose reference is that chain. It runs on
+a silu and a multiply before a GEMM, the shared expert's add after the MoE) into one op of ``fxglm5.ops.fused`` whose reference is that chain. It runs on
 the device graph only (after shard and cache), where the chains are final; the lower stage then binds kernels.
 """
 
@@ -47,7 +47,7 @@ PIPELINE: dict[Stage, tuple[str, ...]] = {
     # routers: the router's ids made local before any GEMM is stacked, the gate folded into the down GEMM once gate
     # and up are slices of one stacked GEMM, the residual adds last (what they read no longer changes)
     Stage.FUSE_KERNELS: ("fuse_f32_linear", "fuse_local_experts_into_route", "fuse_shared_input_gemms",
-                         "fuse_silu_mul_into_down", "fuse_add_rms_norm"),
+                         "fuse_silu_mul_into_down", "fuse_shared_add_into_moe", "fuse_add_rms_norm"),
     Stage.LOWER: ("lower",),
 }
 

@@ -74,3 +74,23 @@ def test_silu_mul_fp8_linear(rows, inter, fixup):
     unfused = fp8_gemm.fp8_linear(ref.silu_mul(gate, up), w, s, None, False, config=config)
     assert torch.equal(fused, unfused)
     assert _rel(fused, ref.silu_mul_fp8_linear(gate, up, w, s, None, False)) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64, 2048])
+def test_moe_fp8_add_is_the_routed_sum_then_the_shared_add(tokens):
+    """moe_fp8 with the shared expert's output added in its combine kernel (fxglm5::moe_fp8_add) at a rank's 32 of
+    256 experts (EP8, GLM-5 widths): bit for bit the unfused kernel followed by the add, and the reference op's value."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    experts, h, inter = 32, 6144, 2048
+    w13 = (torch.randn(experts, 2 * inter, h, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    s13 = torch.rand(experts, 2 * inter // 128, h // 128, device="cuda", generator=g) * 0.02 + 0.005
+    w2 = (torch.randn(experts, h, inter, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    s2 = torch.rand(experts, h // 128, inter // 128, device="cuda", generator=g) * 0.02 + 0.005
+    x = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
+    shared = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
+    ids = (torch.rand(tokens, experts + 1, device="cuda", generator=g).topk(8).indices - 1).to(torch.int32)  # -1: remote
+    weights = torch.rand(tokens, 8, device="cuda", generator=g)
+    args = (x, ids, weights, w13, s13, w2, s2, True)
+    fused = moe.moe_fp8(*args, addend=shared)
+    assert torch.equal(fused, moe.moe_fp8(*args) + shared)
+    assert _rel(fused, ref.moe_fp8_add(*args, shared)) < 1e-2

@@ -107,7 +107,7 @@ def test_inspect_prints_what_runs_where(capsys):
     assert "fuse_kernels fuse_shared_input_gemms matches=12 (expected 12)" in out
     assert "  fp8_linear: triton x16\n" in out and "  sparse_mla: reference x4\n" in out
     assert "  silu_mul_fp8_linear: triton x4\n" in out and "  add_rms_norm: triton x8\n" in out
-    assert "  moe_fp8: triton x3\n" in out
+    assert "  moe_fp8_add: triton x3\n" in out and "fuse_kernels fuse_shared_add_into_moe matches=3 (expected 3)" in out
 
 
 def test_a_choice_reading_a_run_time_input_is_left_to_each_call(monkeypatch):

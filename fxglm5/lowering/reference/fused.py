@@ -68,6 +68,15 @@ def moe_route_local(logits: Tensor, correction_bias: Tensor, top_k: int, n_group
     return weights, local_expert_ids(ids, expert_offset, num_local)
 
 
+def moe_fp8_add(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Optional[Tensor], w2: Tensor,
+                w2_scale: Optional[Tensor], act_quant: bool, addend: Tensor) -> Tensor:
+    """The routed experts' output plus ``addend`` (the shared expert's): ``moe_fp8(...) + addend``, the routed sum
+    rounded to x's dtype first, as the unfused graph has it."""
+    if addend.shape != x.shape:
+        raise InputError(f"moe_fp8_add addend: shape {tuple(addend.shape)}, the tokens' is {tuple(x.shape)}")
+    return torch.ops.fxglm5.moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant) + addend
+
+
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` as the unfused graph computes it: silu rounded to gate's dtype, then the product."""
     return F.silu(gate) * up

@@ -31,11 +31,13 @@ import triton
 import triton.language as tl
 
 from fxglm5 import settings
+from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.reference import fused as ref_fused
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, quantize_act_1x128, row_chunk
 from fxglm5.lowering.triton.fp8_parts import _dot, _quant_rows
+from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, round_to
 
 
 # ----------------------------------------------------------------------------------------- routing
@@ -290,9 +292,11 @@ def _activate_kernel(g_ptr, sorted_ptr, block_expert_ptr, h_ptr, n_entries, N, s
 
 
 @triton.jit
-def _combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
-                    BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = sum_j w[t, j] * sum_s y[s, t*k + j] over slots with id >= 0, fixed order (deterministic)."""
+def _combine_kernel(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, H, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
+                    BLOCK_H: tl.constexpr, ADD: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = sum_j w[t, j] * sum_s y[s, t*k + j] over slots with id >= 0, fixed order (deterministic); with
+    ``ADD``, rounded to the output dtype and then + add[t] (the shared expert's row), the unfused graph's two
+    rounding points, in the same kernel."""
     pdl_prologue(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -305,6 +309,9 @@ def _combine_kernel(y_ptr, ids_ptr, w_ptr, out_ptr, H, stride_ys, TOP_K: tl.cons
         for sp in tl.static_range(SPLIT):
             y += tl.load(y_ptr + sp * stride_ys + (t * TOP_K + j).to(tl.int64) * H + offs, mask=mask & ok, other=0.0)
         acc += tl.where(ok, wj, 0.0) * y
+    if ADD:
+        extra = tl.load(add_ptr + t.to(tl.int64) * H + offs, mask=mask, other=0.0).to(tl.float32)
+        acc = round_to(round_to(acc, DT) + extra, DT)
     tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -385,18 +392,23 @@ def _moe_elements(t: int, k: int, e: int, h: int, inter: int, config) -> int:
     return max(rows * 2 * inter * split1, _split2(inter, cfg) * t * k * h)
 
 
-def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None):
-    """Routed FP8 experts (see module doc); ``config`` overrides :func:`pick_moe_config`."""
+def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None, addend=None):
+    """Routed FP8 experts (see module doc); ``config`` overrides :func:`pick_moe_config`. ``addend`` [T, H] (x's
+    dtype): added to the routed sum in the combine kernel (``fxglm5::moe_fp8_add``: the shared expert's output)."""
     t, e, h, inter = ref.check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     k = topk_ids.shape[1]
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    if addend is not None and (addend.shape != x.shape or addend.dtype != x.dtype):
+        raise InputError(f"moe_fp8 addend: {addend.dtype} {tuple(addend.shape)}, the tokens are {x.dtype} "
+                         f"{tuple(x.shape)}")
     if t == 0 or k == 0:
-        return out.zero_()
+        return out.zero_() if addend is None else out.copy_(addend)
     chunk = row_chunk(t, lambda r: _moe_elements(r, k, e, h, inter, config))
     if chunk < t:  # tokens are routed independently: chunks of them are independent MoE calls
         for i in range(0, t, chunk):
             out[i:i + chunk] = moe_fp8(x[i:i + chunk], topk_ids[i:i + chunk], topk_weights[i:i + chunk], w13,
-                                       w13_scale, w2, w2_scale, act_quant, config=config)
+                                       w13_scale, w2, w2_scale, act_quant, config=config,
+                                       addend=None if addend is None else addend[i:i + chunk])
         return out
     cfg = pick_moe_config(t, k, e, config)
     x = x.contiguous()
@@ -430,6 +442,8 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
         _grouped(hmid, hmid, mode, w2, w2_scale, sorted_ids, block_expert, y, t * k, k, False, cfg,
                  dot_f32 or h_dtype == torch.float32, split)
     block_h = 1024
-    _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, topk_weights.contiguous(), out, h, y.stride(0), TOP_K=k,
-                                                  SPLIT=split, BLOCK_H=block_h, **pdl(x.device))
+    _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, topk_weights.contiguous(),
+                                                  out if addend is None else addend.contiguous(), out, h, y.stride(0),
+                                                  TOP_K=k, SPLIT=split, BLOCK_H=block_h, ADD=addend is not None,
+                                                  DT=DTYPE_CODES[x.dtype], **pdl(x.device))
     return out
