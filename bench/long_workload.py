@@ -9,12 +9,13 @@ mid-batch (the plain run's), and the same workload with MTP speculative decoding
 
 Checked on every run, and the result file says so (``ok``):
 - every block comes back, and no block ever serves two requests unless it is a committed prefix block;
-- each committed block's latent and index rows equal (to bf16 rounding) those a fresh runner writes for its prefix;
-- every token, against the eager model run over the request's prompt and the runtime's own tokens (one forward a
-  request): the runtime's logits row agrees with the eager row (relative error ``--max-rel-err``), and the chosen
-  token is the eager argmax or within that row's disagreement of it (a near tie at bf16, counted). bf16 kernels
-  round a row by its batch, so exact token equality with a recompute is the float32 CPU test's job
-  (tests/runtime/test_long_workload.py).
+- each committed block's latent and index rows are those a fresh runner writes for its prefix, each row within 2 %
+  of it (relative: bf16 and FP8 rounding by batch; a wrong or stale row is 100 % away);
+- every token, against the eager model in float32 run over the request's prompt and the runtime's own tokens (one
+  forward a request, ``TokenCheck``): the chosen token is the float32 argmax or within the row's disagreement of it
+  (a near tie, counted), and the runtime's logits are no further from float32 than ``--max-ratio`` times the bf16
+  eager model's. bf16 kernels round a row by its batch, so exact token equality with a recompute is the float32
+  CPU test's job (tests/runtime/test_long_workload.py).
 
 Tokens per second count the time inside ``Runner.run`` (prefill and decode), not the checks.
 
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
+import math
 import os
 import sys
 import time
@@ -42,19 +45,28 @@ from tests.long_workload import (Workload, all_blocks_back, checked_blocks,  # n
 
 
 class TokenCheck:
-    """Each wave's tokens against the eager model run over the request's prompt and the runtime's own tokens.
+    """Each wave's tokens against the eager model in float32 (``exact``: the reference math at full precision, the
+    FP8 weights shared), run over the request's prompt and the runtime's own tokens, beside the same eager model in
+    the runtime's bf16 (``model``), whose own distance from float32 is the yardstick.
 
-    A token fails when it is not the eager argmax and lies further below it than twice the largest difference
-    between the runtime's and the eager logits row (then no rounding explains the choice). A row whose relative
-    difference passes ``max_rel_err`` is counted: where a context is past index_topk, bf16 rounding of the index
-    scores can swap which keys a query attends to, so a few rows differ by more than rounding; more than 1 % of
-    them fails the run."""
+    Why float32 and not the bf16 eager model alone: at GLM-5's widths bf16 rounding that differs by batch and kernel
+    moves an activation across an FP8 rounding step now and then, and a near tie in the router's top-8 or the
+    indexer's top-k then picks another expert or key; two bf16 computations of the same math differ by that much
+    even when both are right (issue 49's first GPU run: 12 % of the rows more than 5 % apart). Against float32 both
+    carry that error, so a runtime that is as close to the math as the bf16 eager model passes and one with a real
+    fault (a wrong row, a wrong key, a stale block) does not.
 
-    def __init__(self, model, max_rel_err: float):
-        self.model, self.max_rel_err = model, max_rel_err
-        self.argmax = self.near_ties = self.waves = 0
+    A token fails when it is not the float32 argmax and lies further below it than twice the largest difference
+    between the runtime's row and the float32 row (then no rounding explains the choice). The rows fail the run when
+    the runtime's relative distance from float32 exceeds ``max_ratio`` times the bf16 eager model's at the median or
+    the 99th percentile."""
+
+    def __init__(self, model, exact, max_ratio: float):
+        self.model, self.exact, self.max_ratio = model, exact, max_ratio
+        self.argmax = self.near_ties = self.eager_argmax = self.waves = 0
         self.seconds = 0.0
-        self.rel_errs: list[float] = []
+        self.errs: list[float] = []  # the runtime's row against float32, relative
+        self.eager_errs: list[float] = []  # the bf16 eager row against float32, relative
         self.failures: list[str] = []
 
     @torch.no_grad()
@@ -63,7 +75,7 @@ class TokenCheck:
         self.each(prompts, seqs)
         self.seconds += time.perf_counter() - start
         self.waves += 1
-        progress(f"wave {self.waves}: {len(self.rel_errs)} tokens checked, {self.seconds:.1f} s in the checks")
+        progress(f"wave {self.waves}: {len(self.errs)} tokens checked, {self.seconds:.1f} s in the checks")
 
     def each(self, prompts, seqs) -> None:
         for prompt, seq in zip(prompts, seqs):
@@ -71,33 +83,56 @@ class TokenCheck:
                 continue
             ids = torch.tensor([prompt + seq.output[:-1]], device=seq.logits[0].device)
             eager = self.model(ids)[0, len(prompt) - 1:].float()
+            exact = self.exact(ids)[0, len(prompt) - 1:].float()
             for j, (token, row) in enumerate(zip(seq.output, seq.logits)):
-                self.check(f"request {seq.id} token {j}", token, row.float(), eager[j])
+                self.check(f"request {seq.id} token {j}", token, row.float(), eager[j], exact[j])
             seq.logits.clear()
 
-    def check(self, where: str, token: int, row: torch.Tensor, eager: torch.Tensor) -> None:
-        gap = (row - eager).abs().max().item()
-        self.rel_errs.append(((row - eager).norm() / eager.norm()).item())
-        best = eager.max().item()
-        if int(eager.argmax()) == token:
+    def check(self, where: str, token: int, row: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor) -> None:
+        norm = exact.norm()
+        self.errs.append(((row - exact).norm() / norm).item())
+        self.eager_errs.append(((eager - exact).norm() / norm).item())
+        self.eager_argmax += int(eager.argmax()) == int(exact.argmax())
+        gap = (row - exact).abs().max().item()
+        best = exact.max().item()
+        if int(exact.argmax()) == token:
             self.argmax += 1
-        elif eager[token].item() >= best - 2 * gap:
+        elif exact[token].item() >= best - 2 * gap:
             self.near_ties += 1
         else:
-            self.failures.append(f"{where}: token {token} is {best - eager[token].item():.4f} below the eager "
+            self.failures.append(f"{where}: token {token} is {best - exact[token].item():.4f} below the float32 "
                                  f"argmax, more than twice the row's difference {gap:.4f}")
 
     def summary(self) -> dict:
-        errs = torch.tensor(self.rel_errs or [0.0])
-        over = int((errs > self.max_rel_err).sum())
+        errs, eager = torch.tensor(self.errs or [0.0]), torch.tensor(self.eager_errs or [0.0])
         failures = list(self.failures)
-        if over > 0.01 * len(self.rel_errs):
-            failures.append(f"{over} of {len(self.rel_errs)} logits rows differ from the eager model by more than "
-                            f"{self.max_rel_err} (relative)")
-        return dict(tokens_checked=len(self.rel_errs), eager_argmax=self.argmax, near_ties=self.near_ties,
-                    rel_err_p50=round(errs.quantile(0.5).item(), 5), rel_err_p99=round(errs.quantile(0.99).item(), 5),
-                    rel_err_max=round(errs.max().item(), 5), rows_over_max_rel_err=over, failures=failures[:20],
-                    failure_count=len(failures))
+        stats = {}
+        for q, label in ((0.5, "p50"), (0.99, "p99")):
+            ours, theirs = errs.quantile(q).item(), eager.quantile(q).item()
+            ratio = ours / theirs if theirs > 0 else (1.0 if ours == 0 else math.inf)
+            stats.update({f"rel_err_{label}": round(ours, 5), f"eager_bf16_rel_err_{label}": round(theirs, 5),
+                          f"ratio_{label}": round(ratio, 3)})
+            if ratio > self.max_ratio:
+                failures.append(f"the runtime's logits are {ratio:.2f}x as far from float32 as the bf16 eager "
+                                f"model's at the {label} ({ours:.4f} against {theirs:.4f})")
+        return dict(tokens_checked=len(self.errs), float32_argmax=self.argmax, near_ties=self.near_ties,
+                    eager_bf16_float32_argmax=self.eager_argmax, **stats,
+                    rel_err_max=round(errs.max().item(), 5), eager_bf16_rel_err_max=round(eager.max().item(), 5),
+                    rows_over_5pct=int((errs > 0.05).sum()), eager_bf16_rows_over_5pct=int((eager > 0.05).sum()),
+                    failures=failures[:20], failure_count=len(failures))
+
+
+def float32_twin(model):
+    """The eager model in float32, sharing the FP8 weights, their scales and the float32 tensors with ``model``
+    (only the bf16 ones are copied, as float32): the reference math at full precision, for a few GB more."""
+    shared = {id(p): p for p in model.parameters() if p.dtype != torch.bfloat16}
+    twin = copy.deepcopy(model, shared)
+    for module in twin.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.dtype == torch.bfloat16:
+                module._parameters[name] = torch.nn.Parameter(p.float(), requires_grad=False)
+    twin.dtype = torch.float32
+    return twin
 
 
 _START = time.perf_counter()
@@ -118,7 +153,7 @@ def stop_tokens(runner, requests, wave: int, count: int = 4) -> frozenset:
     return frozenset(t for t, _ in seen.most_common(count))
 
 
-def run_one(model, requests, a, dev, *, speculative: bool, stop: frozenset | None) -> tuple[dict, frozenset]:
+def run_one(model, exact, requests, a, dev, *, speculative: bool, stop: frozenset | None) -> tuple[dict, frozenset]:
     kw = dict(block_size=a.block, dtype=model.dtype, device=dev, kv_cache="bf16", index_cache="bf16",
               backend=None if dev == "cuda" else "reference")
     t0 = time.time()
@@ -130,7 +165,7 @@ def run_one(model, requests, a, dev, *, speculative: bool, stop: frozenset | Non
     progress("warm-up wave done")  # every run's untimed warm-up wave; the plain run's stop tokens
     stop = seen if stop is None else stop
     checks = checked_blocks(runner)
-    tokens = TokenCheck(model, a.max_rel_err)
+    tokens = TokenCheck(model, exact, a.max_ratio)
     served = serve(runner, requests, frozenset() if speculative else stop, a.wave, on_wave=tokens)
     failures = []
     if sorted(served.tokens) != list(range(len(requests))):
@@ -145,7 +180,7 @@ def run_one(model, requests, a, dev, *, speculative: bool, stop: frozenset | Non
 
     progress(f"served {len(served.tokens)} requests, {served.seconds:.1f} s in Runner.run")
     try:
-        compared = committed_rows_match_their_prefix(runner, fresh, requests, a.block, rtol=2e-2, atol=2e-2,
+        compared = committed_rows_match_their_prefix(runner, fresh, requests, a.block, row_rel_err=2e-2,
                                                      limit=a.compare_blocks)
     except AssertionError as e:
         compared, failures = 0, failures + [str(e)[:500]]
@@ -176,13 +211,15 @@ def main():
     p.add_argument("--block", type=int)
     p.add_argument("--step-tokens", type=int, help="chunked prefill: the most tokens a step")
     p.add_argument("--compare-blocks", type=int, default=64, help="committed blocks compared with a fresh runner")
-    p.add_argument("--max-rel-err", type=float, default=0.05)
+    p.add_argument("--max-ratio", type=float, default=1.5,
+                   help="the most the runtime's logits may be further from float32 than the bf16 eager model's "
+                        "(at the median and the 99th percentile)")
     p.add_argument("--mode", choices=("plain", "mtp", "both"), default="both",
                    help="plain decoding, MTP speculative decoding (k = 2), or both (mtp uses the plain run's warm-up)")
     a = p.parse_args()
     dev = "cpu" if a.tiny else "cuda"
     a.block = a.block or (4 if a.tiny else 64)
-    a.blocks = a.blocks or (48 if a.tiny else 600)
+    a.blocks = a.blocks or (48 if a.tiny else 400)  # a wave needs up to 553 at GLM-5's widths
     a.step_tokens = a.step_tokens or (24 if a.tiny else 2048)
     a.wave = a.wave or (12 if a.tiny else 64)
     cfg = two_layer_config(a.tiny, mtp=True)
@@ -191,14 +228,15 @@ def main():
                         short=a.short or (40 if a.tiny else 512), prefix=3 * a.block if a.tiny else 4 * a.block,
                         max_new=8 if a.tiny else 16, long=(topk + 1, topk + 3 * a.block), long_every=10)
     model = random_model(cfg, dev, mtp=True)
-    progress("model built")
+    exact = float32_twin(model)
+    progress("model built, and its float32 twin")
     requests = workload.draw(cfg.vocab_size)
     runs, stop = [], None
     if a.mode in ("plain", "both"):
-        plain, stop = run_one(model, requests, a, dev, speculative=False, stop=None)
+        plain, stop = run_one(model, exact, requests, a, dev, speculative=False, stop=None)
         runs.append(plain)
     if a.mode in ("mtp", "both"):
-        runs.append(run_one(model, requests, a, dev, speculative=True, stop=stop or frozenset())[0])
+        runs.append(run_one(model, exact, requests, a, dev, speculative=True, stop=stop or frozenset())[0])
     path = save_run(f"long_workload_{a.mode}{'_tiny' if a.tiny else ''}.json",
                     layers="tiny" if a.tiny else "1 dense + 1 MoE + MTP (GLM-5 widths), bf16, bf16 caches",
                     workload=dict(vars(workload), long=list(workload.long)), blocks=a.blocks, block=a.block,
