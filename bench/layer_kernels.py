@@ -1,60 +1,73 @@
 """One decoder layer's kernels, in order, from a whole step's kernel sequence (issue 45, item 1).
 
-A decode step runs ``prologue + dense layers + MoE layers + epilogue`` kernels, and every layer of a kind launches
-the same kernels in the same order (inside a CUDA graph the profiler sees each kernel, not the layers). So the
-sequence is periodic over each kind's layers: the dense run is the earliest run of ``dense`` equal windows after a
-short prologue, and the MoE run follows it with ``moe`` equal windows. Both kinds start with the same attention
-block, so the window boundaries are where the first dense layer begins; a layer's kernels are one window, with the
-device time of each kernel averaged over the layers of its kind.
+Inside a CUDA graph the profiler sees each kernel, not the layers, so the layers are found in the sequence itself:
+- an anchor: the first kernel of the step whose name occurs exactly once per decoder layer (the attention block
+  has several: the RoPE, the indexer's logits and top-k, the MLA kernel);
+- each layer begins at its input norm, the last residual-add norm (a name holding ``add_rms_norm``) before its
+  anchor; the first layer has no residual to add, so it begins at the first norm of the step (a name holding
+  ``norm``). Between two anchors lie the previous layer's post-attention norm and MLP, then this layer's input
+  norm, so the last add-norm before an anchor is the input norm;
+- a layer ends where the next begins; the last layer is as long as the one before it of its kind.
+
+Every layer of a kind must then launch the same kernels (the first layer may differ in its first, the norm
+without the add); otherwise the step has no such structure and the caller keeps only its totals. Each kernel's
+device time is its mean over the layers of its kind, the first layer left out where the kind has others.
 """
 
 from __future__ import annotations
 
-MAX_PROLOGUE = 16  # kernels before the first decoder layer (the embedding gather and its neighbours)
-
-
-def _repeats(names: list[str], start: int, period: int, count: int) -> bool:
-    end = start + period * count
-    return end <= len(names) and all(names[i] == names[i + period] for i in range(start, end - period))
+import collections
 
 
 def split_layers(step: list[tuple[str, float]], dense: int, moe: int) -> dict | None:
-    """``step``: (kernel, us) in launch order for one step. Returns {'dense': [...], 'moe': [...], 'prologue',
-    'epilogue'} (each layer as [{'kernel', 'us'}] averaged over its kind's layers), or None where the sequence has no
-    such structure (then the caller keeps only the step's totals)."""
+    """``step``: (kernel, us) in launch order for one step; ``dense`` then ``moe`` decoder layers. Returns
+    {'dense': [...], 'moe': [...], 'prologue', 'epilogue'} (each layer as [{'kernel', 'us'}], 'prologue' and
+    'epilogue' the kernel counts before the first layer and after the last), or None where the sequence has no
+    such structure."""
     names = [n for n, _ in step]
-    windows = _windows(names, dense, moe)
-    if windows is None:
+    starts = _layer_starts(names, dense + moe)
+    if starts is None:
         return None
-    (d0, dp), (m0, mp) = windows
-    out = dict(prologue=d0, epilogue=len(names) - (m0 + mp * moe))
-    for kind, first, period, count in (("dense", d0, dp, dense), ("moe", m0, mp, moe)):
-        out[kind] = [dict(kernel=names[first + j],
-                          us=round(sum(step[first + i * period + j][1] for i in range(count)) / count, 2))
-                     for j in range(period)] if count else []
+    kinds = ["dense"] * dense + ["moe"] * moe
+    last = next((i for i in range(len(kinds) - 2, -1, -1) if kinds[i] == kinds[-1]), None)
+    if last is None:
+        return None
+    ends = starts[1:] + [starts[-1] + starts[last + 1] - starts[last]]
+    if ends[-1] > len(names):
+        return None
+    windows = collections.defaultdict(list)
+    for i, (lo, hi) in enumerate(zip(starts, ends)):
+        windows[kinds[i]].append((i, lo, hi))
+    out = dict(prologue=starts[0], epilogue=len(names) - ends[-1])
+    for kind in ("dense", "moe"):
+        layers = windows.get(kind, [])
+        if not layers:
+            out[kind] = []
+            continue
+        used = [w for w in layers if w[0] > 0] or layers  # the first layer's input norm has no residual
+        lo, hi = used[0][1], used[0][2]
+        shape = names[lo:hi]
+        if any(names[a:b] != shape for _, a, b in used) or any(
+                names[a + 1:b] != shape[1:] for i, a, b in layers if i == 0):
+            return None
+        out[kind] = [dict(kernel=shape[j], us=round(sum(step[a + j][1] for _, a, _ in used) / len(used), 2))
+                     for j in range(len(shape))]
     return out
 
 
-def _windows(names: list[str], dense: int, moe: int):
-    """((dense start, dense period), (moe start, moe period)), or None: the shortest prologue whose dense run is
-    followed by a MoE run that leaves a short epilogue (shortest first). A boundary kernel shared by the epilogue and a
-    layer's start (the final norm after the last layer is the kernel each layer starts with) could rotate the windows
-    found from the end, but not those found from the start, which begins at the first layer's first kernel. Each
-    candidate is checked in one pass, so a step of thousands of kernels splits in well under a second."""
-    n = len(names)
-    runs = [(n - e - mp * moe, mp) for e in range(min(MAX_PROLOGUE, n) + 1)
-            for mp in (range(1, (n - e) // moe + 1) if moe else (0,))
-            if not moe or _repeats(names, n - e - mp * moe, mp, moe)]
-    for start in range(min(MAX_PROLOGUE, n) + 1):
-        for m0, mp in runs:
-            span = m0 - start
-            if dense == 0:
-                if span == 0:
-                    return (start, 0), (m0, mp)
-                continue
-            if span <= 0 or span % dense:
-                continue
-            dp = span // dense
-            if _repeats(names, start, dp, dense) and (not moe or names[start] == names[m0]):
-                return (start, dp), (m0, mp)
-    return None
+def _layer_starts(names: list[str], layers: int) -> list[int] | None:
+    counts = collections.Counter(names)
+    anchor = next((n for n in names if counts[n] == layers), None)
+    if anchor is None or layers == 0:
+        return None
+    anchors = [i for i, n in enumerate(names) if n == anchor]
+    first = next((i for i in range(anchors[0]) if "norm" in names[i]), None)
+    if first is None:
+        return None
+    starts = [first]
+    for prev, here in zip(anchors, anchors[1:]):
+        norm = next((i for i in range(here - 1, prev, -1) if "add_rms_norm" in names[i]), None)
+        if norm is None:
+            return None
+        starts.append(norm)
+    return starts

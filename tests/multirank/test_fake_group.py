@@ -128,3 +128,9 @@ def test_bench_rank_at_depth_tiny_runs_its_whole_flow(tmp_path):
     # the busiest rank's routing at each TPOT batch, its simulated figures beside the steered layers'
     assert run0["ep"] == 8 and run0["load"] == "busiest" and sorted(run0["routing"], key=int) == ["1", "8", "64"]
     assert all(r["busiest_distinct_experts"] >= r["mean_distinct_experts"] for r in run0["routing"].values())
+    # one layer of each kind, in order (bench/layer_kernels.py on the step's real sequence: 1 dense + 3 MoE layers)
+    layers = tpot["profile"]["layer_kernels"]
+    dense, moe = ([k["kernel"] for k in layers[kind]] for kind in ("dense", "moe"))
+    assert dense[0] == "fxglm5::rms_norm" and moe[0] == "fxglm5::add_rms_norm"
+    assert "fxglm5::silu_mul_fp8_linear" in dense and "fxglm5::moe_fp8_add" in moe and "fxglm5::moe_fp8_add" not in dense
+    assert dense.count("fxglm5::rope_interleaved") == moe.count("fxglm5::rope_interleaved") == 1
