@@ -76,27 +76,37 @@ def test_f32_linear_reference_is_the_chain_it_replaces(num_scales, dtype):
     assert torch.equal(ref.f32_linear(x, w, SCALES[:num_scales]), chain)
 
 
-@pytest.mark.parametrize("sms, num_scales", [(132, 0), (132, 1), (132, 2), (132, 3), (132, 4), (1, 4)],
+@pytest.mark.parametrize("sms, num_scales, rows", [(132, 0, 1), (132, 1, 1), (132, 2, 1), (132, 3, 1), (132, 4, 1),
+                                                     (1, 4, 1), (132, 2, 3), (132, 1, 8), (1, 2, 8), (132, 4, 16)],
                          ids=["split-0scales", "split-1scale", "split-2scales", "split-3scales", "split-4scales",
-                              "one_split-4scales"])
-def test_f32_linear_gemv_splits_k_and_applies_every_scale(monkeypatch, sms, num_scales):
-    """The one-row GEMV as it runs on a GPU: with an H200's 132 SMs (the SM count the launch sizes its split from)
-    K really is split over CTAs and the last CTA of each column tile sums the partials, then applies the scales in
-    turn; one SM gives one split (the CPU's count). Either way the router's shape [256, 6144] and a column count that
-    is no multiple of the tile (72) give the reference, and every tile's counter is left at zero."""
+                              "one_split-4scales", "split-3rows", "split-8rows", "one_split-8rows", "split-16rows"])
+def test_f32_linear_gemv_splits_k_and_applies_every_scale(monkeypatch, sms, num_scales, rows):
+    """The GEMV (1 to MAX_GEMV_ROWS rows, every row served by one load of a weight tile) as it runs on a GPU: with
+    an H200's 132 SMs (the SM count the launch sizes its split from) K really is split over CTAs and the last CTA of
+    each column tile sums the partials, then applies the scales in turn; one SM gives one split (the CPU's count).
+    Either way the router's shape [256, 6144] and a column count that is no multiple of the tile (72) give the
+    reference row for row, and every tile's counter is left at zero."""
     monkeypatch.setattr(f32_linear, "num_sms", lambda device: sms)
     launched = []
     config = f32_linear.gemv_config
     monkeypatch.setattr(f32_linear, "gemv_config", lambda *a: launched.append(config(*a)) or launched[-1])
     scales = SCALES[:num_scales]
-    g = torch.Generator().manual_seed(num_scales)
+    g = torch.Generator().manual_seed(num_scales + rows)
     for n, k in ((256, 6144), (72, 1000)):
-        x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g)
+        x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
         got = f32_linear.f32_linear(x, w, scales)
-        assert got.shape == (1, n) and got.dtype == torch.float32
-        assert _rel(got, ref.f32_linear(x, w, scales)) < 1e-6
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        want = ref.f32_linear(x, w, scales)
+        assert max(_rel(got[r], want[r]) for r in range(rows)) < 1e-6
         assert not fp8_gemm.tile_counters(x.device, -(-n // f32_linear.BLOCK_N)).any()
     assert len(launched) == 2 and all((c["SPLIT"] > 1) == (sms > 1) for c in launched), launched
+
+
+def test_f32_linear_past_the_gemv_rows_is_the_reference_gemm(monkeypatch):
+    """17 rows and more run cuBLAS's float32 GEMM (no GEMV launch), the scales after it: the reference exactly."""
+    monkeypatch.setattr(f32_linear, "gemv_config", lambda *a: pytest.fail("the GEMV launched past its rows"))
+    x, w = torch.randn(f32_linear.MAX_GEMV_ROWS + 1, 300), torch.randn(24, 300)
+    assert torch.equal(f32_linear.f32_linear(x, w, [0.5, 3.0]), ref.f32_linear(x, w, [0.5, 3.0]))
 
 
 @pytest.mark.parametrize("offset, count", [(0, 4), (4, 4), (12, 4), (0, 16)])
