@@ -70,9 +70,7 @@ def moe_fp8(
     x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Optional[Tensor], w2: Tensor,
     w2_scale: Optional[Tensor], act_quant: bool,
 ) -> Tensor:
-    if w13_scale is None or w2_scale is None:
-        return ref_fp8.moe_plain(x, ids, weights, w13, w2)
-    return ref_fp8.moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant)
+    return ref_fp8.moe_any(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant)
 
 
 @moe_fp8.register_fake

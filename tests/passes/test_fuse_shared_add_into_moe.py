@@ -93,3 +93,19 @@ def test_the_triton_combine_adds_the_shared_row_at_the_chains_rounding_points(mo
     reference = torch.ops.fxglm5.moe_fp8_add(*args, shared)
     torch.testing.assert_close(fused.float(), reference.float(), rtol=2e-2, atol=2e-2 * reference.abs().max().item())
     assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+def test_the_reference_serves_unquantized_experts_as_moe_fp8_does():
+    """A bf16 checkpoint's experts have no scales: moe_fp8_add's reference is then moe_fp8's (the plain experts)
+    plus the shared row, as the unfused graph computes it (it refused them: the RTP plugin's float32 model at tp 2)."""
+    from fxglm5.lowering.reference import fp8 as ref_fp8
+    from fxglm5.lowering.reference import fused as ref_fused
+
+    g = torch.Generator().manual_seed(3)
+    x, shared = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g)
+    w13, w2 = torch.randn(4, 2 * 32, 64, generator=g), torch.randn(4, 64, 32, generator=g)
+    ids = torch.tensor([[0, 3], [1, -1], [2, 2], [3, 0], [-1, -1]], dtype=torch.int32)
+    weights = torch.rand(5, 2, generator=g)
+    got = ref_fused.moe_fp8_add(x, ids, weights, w13, None, w2, None, True, shared)
+    assert torch.equal(got, torch.ops.fxglm5.moe_fp8(x, ids, weights, w13, None, w2, None, True) + shared)
+    assert torch.equal(got, ref_fp8.moe_plain(x, ids, weights, w13, w2) + shared)

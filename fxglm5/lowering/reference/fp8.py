@@ -227,6 +227,14 @@ def moe_fp8(
     return out.to(x.dtype)
 
 
+def moe_any(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant):
+    """``fxglm5::moe_fp8``'s reference: block-FP8 experts (:func:`moe_fp8`), or unquantized ones where the scales
+    are None (a bf16 checkpoint's or a float32 model's: :func:`moe_plain`)."""
+    if w13_scale is None or w2_scale is None:
+        return moe_plain(x, ids, weights, w13, w2)
+    return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant)
+
+
 def moe_plain(x, ids, weights, w13, w2):
     """Routed experts with unquantized stacked weights (bf16 checkpoints), fp32 math."""
     inter = w13.shape[1] // 2

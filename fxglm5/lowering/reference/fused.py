@@ -74,7 +74,7 @@ def moe_fp8_add(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_scale:
     rounded to x's dtype first, as the unfused graph has it."""
     if addend.shape != x.shape:
         raise InputError(f"moe_fp8_add addend: shape {tuple(addend.shape)}, the tokens' is {tuple(x.shape)}")
-    return ref_fp8.moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant) + addend
+    return ref_fp8.moe_any(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant) + addend
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
