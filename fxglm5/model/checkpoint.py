@@ -279,13 +279,14 @@ class CheckpointReader:
 
     def _get_part(self, name: str, device, full, levels) -> torch.Tensor:
         """``levels`` of the stored tensor ``name`` (of shape ``full``) read through ``get_slice``: one read, or one
-        per half (concatenated along its dim) when a level is ``halves``."""
+        per half (concatenated along its dim) when a level is ``halves``. Contiguous: safetensors hands a part narrowed
+        on two dims out as a strided view."""
         index = [slice(None)] * (max(p.dim for p in levels) + 1)
         halves = next((p for p in levels if p.halves), None)
         for p in levels:
             index[p.dim] = slice(p.start, p.stop)
         if halves is None:
-            return self.get(name, device, tuple(index))
+            return self.get(name, device, tuple(index)).contiguous()
         pieces = []
         for offset in (0, full[halves.dim] // 2):
             index[halves.dim] = slice(offset + halves.start, offset + halves.stop)
