@@ -92,5 +92,7 @@ def test_sharded_options_refused_by_name_before_any_rank_starts(tmp_path, capsys
     base = ["generate", "--model", str(tmp_path), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
     assert main(base + ["--ep", "2"]) == 2
     assert "--ep 2: experts are split over the --tp ranks; give a --tp that 2 divides" in capsys.readouterr().err
+    assert main(base + ["--tp", "8", "--ep", "3"]) == 2  # the expert groups: ep must divide tp
+    assert "parallel mapping: ep must divide tp=8 (ep groups of tp/ep ranks" in capsys.readouterr().err
     assert main(base + ["--tp", "2", "--backend", "reference"]) == 2
     assert "--tp 2: only the paged backend runs sharded (--backend reference)" in capsys.readouterr().err
