@@ -1,14 +1,14 @@
 """Tensor / expert parallelism: the rank's place (:class:`Mapping`), what it holds of each weight (:class:`Slice`,
 the shard plan), the process groups by name, and the plan hash the ranks compare at start-up.
 
-Phase 1 layout (every rank sees the same tokens): attention heads, the dense MLPs, the shared expert and the
-vocabulary (padded with zero rows to a multiple of ``tp``) split over ``tp`` ranks; the routed experts in ``ep`` groups of
-``tp / ep`` consecutive ranks: group g holds experts [g E/ep, (g+1) E/ep), each split along its intermediate dim over
-the group's ranks (``ep == tp``: whole experts per rank; ``ep == 1``: every expert split over all ranks; between
-them the mixed layout, e.g. TP8 / ep 2: ranks 0-3 hold experts 0-127 each split 4 ways). :meth:`Mapping.check` refuses, by config field, whatever does not split
-into whole pieces (and, for block-FP8 weights, whole 128x128 blocks) before any weight is read. The shard stage
-(``fxglm5.passes``, ``Stage.SHARD``) records in ``graph.meta[PLAN]`` which part of each attribute the rank holds,
-keyed by the attribute's target (the model's parameter name); attributes not in the plan are whole.
+Phase 1 layout (every rank sees the same tokens): attention heads, the dense MLPs, the shared expert and the vocabulary
+(padded with zero rows to a multiple of ``tp``) split over ``tp`` ranks; the routed experts in ``ep`` groups of
+``tp/ep`` consecutive ranks: group g holds experts [g E/ep, (g+1) E/ep), each split along its intermediate dim over the
+group's ranks (``ep == tp``: whole experts per rank; ``ep == 1``: every expert split over all ranks; between them the
+mixed layout, e.g. TP8 / ep 2: ranks 0-3 hold experts 0-127 each split 4 ways). :meth:`Mapping.check` refuses, by config
+field, whatever does not split into whole pieces (and, for block-FP8 weights, whole 128x128 blocks) before any weight is
+read. The shard stage (``fxglm5.passes``, ``Stage.SHARD``) records in ``graph.meta[PLAN]`` which part of each attribute
+the rank holds, keyed by the attribute's target (the model's parameter name); attributes not in the plan are whole.
 
 A graph names its process group, never a c10d id: :func:`resolve_group` finds it at run time, so one rank-agnostic
 program runs under torch.distributed (the default ``"tp"``: the WORLD group) or an engine's own groups
@@ -52,8 +52,8 @@ class Slice:
         elif not self.padded:
             part = full.narrow(self.dim, self.start, self.stop - self.start).clone()
         else:
-            part = pad_rows(full.narrow(self.dim, min(self.start, full.shape[self.dim]), self.real(full.shape[self.dim])),
-                            self.dim, self.stop - self.start)
+            size, rows = full.shape[self.dim], self.stop - self.start
+            part = pad_rows(full.narrow(self.dim, min(self.start, size), self.real(size)), self.dim, rows)
         return part if self.inner is None else self.inner.apply(part)
 
     def real(self, size: int) -> int:

@@ -1,6 +1,6 @@
-"""A sharded program compiled and run on the GPU: rank 0 of TP8 / EP8 (and of the mixed TP8 / ep 2) in one process (torch's fake process group at
-world 8, whose collectives return without communicating), GLM-5's widths at 4 layers (3 dense, 1 MoE with its 32
-local experts), random FP8 weights drawn on the GPU (RandomReader), bf16, FP8 caches.
+"""A sharded program compiled and run on the GPU: rank 0 of TP8 / EP8 (and of the mixed TP8 / ep 2) in one process
+(torch's fake process group at world 8, whose collectives return without communicating), GLM-5's widths at 4 layers (3
+dense, 1 MoE with its 32 local experts), random FP8 weights drawn on the GPU (RandomReader), bf16, FP8 caches.
 
 What it guards: the sharded compile on the GPU machine's torch (2.11's C++ matmul once failed the shard stage's
 shape refresh: commit 03379ab), the load of a rank's slices, and the sharded step captured in decode CUDA graphs

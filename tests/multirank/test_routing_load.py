@@ -1,10 +1,10 @@
 """bench/routing_load: the busiest rank's routed load (issue 45, item 1), simulated and steered into a rank's graph.
 
 The simulation's figures are checked against what uniform top-k routing gives in closed form (an average group's
-distinct experts, every group's at ep = 1) and against the issue's estimate (a batch-1 token's 8 experts put about
-2.5 on the busiest of 8 ranks). The steering is checked on rank 0 of a fake TP8 world at EP8 and at the mixed ep 2: a runner compiled while
-it is open routes its decode steps by the patterns (changing a pattern's contents changes the logits, the same
-contents give the same logits), and a prefill passes through."""
+distinct experts, every group's at ep = 1) and against the issue's estimate (a batch-1 token's 8 experts put about 2.5
+on the busiest of 8 ranks). The steering is checked on rank 0 of a fake TP8 world at EP8 and at the mixed ep 2: a runner
+compiled while it is open routes its decode steps by the patterns (changing a pattern's contents changes the logits, the
+same contents give the same logits), and a prefill passes through."""
 
 import pytest
 import torch

@@ -1,8 +1,8 @@
-"""The shard loader on the tiny FP8 checkpoint with a hand-written plan: each attribute is the full parameter's
-slice (rows, columns, experts, rows across the gate / up boundary of stacked experts, columns of some experts), the derived constant is
-derived from the rank's slice of its source, only those bytes are read (counted by a wrapper around safetensors'
-own file handle, independent of the loader's count), experts the rank does not own are never opened, and a bad
-value in the rank's slice is refused naming the file and tensor while one outside it is never read."""
+"""The shard loader on the tiny FP8 checkpoint with a hand-written plan: each attribute is the full parameter's slice
+(rows, columns, experts, rows across the gate / up boundary of stacked experts, columns of some experts), the derived
+constant is derived from the rank's slice of its source, only those bytes are read (counted by a wrapper around
+safetensors' own file handle, independent of the loader's count), experts the rank does not own are never opened, and a
+bad value in the rank's slice is refused naming the file and tensor while one outside it is never read."""
 
 import operator
 import shutil
@@ -137,7 +137,8 @@ def test_each_attribute_is_the_rank_slice_and_only_its_bytes_are_read(ckpt, full
     assert recorder.reads[E1 + "5.gate_proj.weight"] == 128 * 256  # whole per-expert tensors, FP8
     assert recorder.reads[E2 + "5.gate_proj.weight"] == 64 * 256  # its second half only
     assert recorder.reads[E3 + "5.up_proj.weight"] == 64 * 256  # halves: 64 rows of gate and of up
-    assert {int(n.split(".")[5]) for n in recorder.reads if n.startswith(E3) and ".down_proj." in n} == set(range(8, 16))
+    mixed = {int(n.split(".")[5]) for n in recorder.reads if n.startswith(E3) and ".down_proj." in n}
+    assert mixed == set(range(8, 16))
     assert recorder.reads[E3 + "9.down_proj.weight"] == 256 * 64  # the mixed part: its columns of its experts only
     halves = operator.attrgetter(E3 + "gate_up_proj")(gm).float()
     assert torch.equal(halves, torch.cat([params[E3 + "gate_up_proj"][:, 64:128], params[E3 + "gate_up_proj"][:, 192:]], 1).float())

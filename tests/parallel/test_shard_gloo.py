@@ -3,11 +3,11 @@ shard (+ lower) graph and every rank's logits equal the single-rank graph's and 
 every expert layout (TP2: ep 2, 1; TP4: ep 4, 1 and the mixed ep 2: ranks 0-1 hold experts 0-3, ranks 2-3 experts
 4-7, each split 2 ways); a control without the all-reduces does not.
 
-Measured (fp32, logits up to 4.6): max |sharded - single| 6.3e-6 at TP2 / EP2, 5.9e-6 at TP2 / EP1, 5.1e-6 at
-TP4 / EP4 (on 2.13 at the mixed layout's commit: 6.0e-6 TP4 / EP4, 6.6e-6 TP4 / EP2, 6.0e-6 TP4 / EP1; against the
-eager model at most 9.0e-6, TP2 / EP2); the bound is 1e-5 with the same argmax everywhere. Without the all-reduces: 5.8. bf16 (the partial sums
-rounded to bf16 before the all-reduce, summed in another order): relative RMSE 0.13 against the single-rank bf16
-graph, while bf16 itself moves the single-rank logits 0.18 from fp32 (the random tiny model's expert and top-k
+Measured (fp32, logits up to 4.6): max |sharded - single| 6.3e-6 at TP2 / EP2, 5.9e-6 at TP2 / EP1, 5.1e-6 at TP4 / EP4
+(on 2.13 at the mixed layout's commit: 6.0e-6 TP4 / EP4, 6.6e-6 TP4 / EP2, 6.0e-6 TP4 / EP1; against the eager model at
+most 9.0e-6, TP2 / EP2); the bound is 1e-5 with the same argmax everywhere. Without the all-reduces: 5.8. bf16 (the
+partial sums rounded to bf16 before the all-reduce, summed in another order): relative RMSE 0.13 against the single-rank
+bf16 graph, while bf16 itself moves the single-rank logits 0.18 from fp32 (the random tiny model's expert and top-k
 choices flip under any rounding change); the bound is that sharding moves bf16 logits no more than bf16 does."""
 
 import time
