@@ -190,15 +190,18 @@ def collectives(graph) -> list[dict]:
 
 
 def expected_local_experts(cfg: Glm5Config, batch: int, ep: int) -> float:
-    """Distinct local experts that ``batch`` tokens route to on an average rank under uniform top-k routing (the
-    rank holds ``E / ep`` experts, or a slice of every expert with ``ep == 1``)."""
+    """Distinct local experts that ``batch`` tokens route to on an average rank under uniform top-k routing: the
+    rank's group holds ``E / ep`` experts, the rank a ``1 / (tp / ep)`` slice of each (whole experts at ``ep == tp``,
+    a slice of every expert at ``ep == 1``; GLM-5 at B=1: 1 expert of 32 at ep 8, 4 of 128 at ep 2, 8 of 256 at
+    ep 1, the same expert bytes each time)."""
     return cfg.n_routed_experts / ep * (1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch)
 
 
 def step_bytes(cfg: Glm5Config, weights: dict[str, int], batch: int, ctx: int, ep: int,
                local_experts: float | None = None) -> int:
     """Bytes one decode step must read on the rank: its weights (the routed experts only as many as the batch
-    routes to: ``local_experts`` distinct ones, default the average rank's, the embedding only the batch's rows) and,
+    routes to: ``local_experts`` distinct ones of the ``E / ep`` the rank holds a slice of, default the average
+    rank's, each at the rank's bytes per local expert; the embedding only the batch's rows) and,
     per layer and request, the latent rows sparse attention gathers (top-k) and the index rows the indexer scores
     (the whole context)."""
     local = cfg.n_routed_experts / ep

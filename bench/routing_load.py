@@ -4,15 +4,17 @@ slowest, and under uniform top-k routing a batch's experts land on the expert gr
 ``simulate``: uniform top-k routing of ``batch`` tokens over ``experts`` experts in ``ep`` groups (group g holds
 experts [g E/ep, (g+1) E/ep)), many trials: per trial the distinct experts and the (token, expert) pairs each group
 gets; the busiest group is the one with the most distinct experts (their weights are what a decode step reads; ties:
-the most pairs). Its expected distinct experts is the figure a busiest-rank measurement steers to. With ``ep == 1``
-every rank holds a slice of every expert, so the busiest rank is the mean one.
+the most pairs). Its expected distinct experts is the figure a busiest-rank measurement steers to. The tp / ep ranks
+of a group each hold a slice of every expert of the group, so they all read as many distinct experts: the busiest
+group's ranks are the busiest ranks. With ``ep == 1`` every rank holds a slice of every expert, so the busiest rank is
+the mean one.
 
-``SteeredRouting``: the measured rank's router made to give, per MoE layer, the routing of one simulated busiest
-group (remapped to the rank's own experts; the rank is rank 0, group 0): a context manager that wraps the router
-ops' implementations (``moe_route`` and ``moe_route_local``, every backend) before the compile binds them. The real
-router still runs (its kernel stays in the step and its weights are used); only its expert ids are replaced, by a
-static tensor per layer, so the substitution adds no kernel and replays inside a CUDA graph. Calls whose token count
-is not a steered batch (a prefill) pass through.
+``SteeredRouting``: the measured rank's router made to give, per MoE layer, the routing of one simulated busiest group
+(remapped to the rank's own experts, its group's local ids; the rank is rank 0, in group 0): a context manager that
+wraps the router ops' implementations (``moe_route`` and ``moe_route_local``, every backend) before the compile binds
+them. The real router still runs (its kernel stays in the step and its weights are used); only its expert ids are
+replaced, by a static tensor per layer, so the substitution adds no kernel and replays inside a CUDA graph. Calls whose
+token count is not a steered batch (a prefill) pass through.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ The model has GLM-5's widths (FP8 block-scaled random weights, bf16 compute, FP8
 it from the same seed: ranks > 1 (``--tp``) read their slices of a checkpoint directory (``--checkpoint``, which
 ``--write-checkpoint`` makes first), as ``fxglm5 generate --tp`` does.
 
-    python bench/scale_out.py [--layers 2] [--batches 1,8,64] [--contexts 2048,32768] [--tp 1] [--ep N|1]
+    python bench/scale_out.py [--layers 2] [--batches 1,8,64] [--contexts 2048,32768] [--tp 1] [--ep D]
                               [--checkpoint DIR [--write-checkpoint]] [--plugin] [--tiny]
 """
 
@@ -47,9 +47,10 @@ def bench_config(layers: int, tiny: bool) -> Glm5Config:
                                              indexer_types=None, num_nextn_predict_layers=0)
 
 
-def step_bytes(cfg: Glm5Config, batch: int, ctx: int, tp: int, ep: int) -> int:
+def step_bytes(cfg: Glm5Config, batch: int, ctx: int, tp: int) -> int:
     """Bytes one decode step must read on a rank: its share of the weights (the routed experts only as many as
-    ``batch`` tokens choose: expected distinct experts under uniform routing), the latent rows sparse attention
+    ``batch`` tokens choose: expected distinct experts under uniform routing, 1 / tp of their bytes in every expert
+    layout), the latent rows sparse attention
     gathers (top-k per token) and the index rows the indexer scores (the whole context), per layer."""
     from fxglm5.model.modeling import Glm5ForCausalLM
 
@@ -61,8 +62,8 @@ def step_bytes(cfg: Glm5Config, batch: int, ctx: int, tp: int, ep: int) -> int:
         size = p.numel() * p.element_size()
         if name.endswith("embed_tokens.weight"):
             total += size / cfg.vocab_size * batch  # a step reads its tokens' rows only
-        elif ".mlp.experts." in name:
-            total += size * touched / experts / (ep if ep > 1 else tp)
+        elif ".mlp.experts." in name:  # the group's touched / ep experts, a 1 / (tp / ep) slice of each
+            total += size * touched / experts / tp
         elif any(s in name for s in ("q_b_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                                      "shared_experts", "lm_head", "kv_b_proj")):
             total += size / tp
@@ -219,7 +220,9 @@ def main():
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--contexts", default="2048,32768")
     parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=None, help="N (default: --tp) or 1")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="expert groups, a divisor of --tp (default: --tp; 1: every expert split over all ranks; "
+                             "the RTP plugin takes --tp or 1)")
     parser.add_argument("--checkpoint", help="checkpoint directory (needed for --tp > 1 and --plugin)")
     parser.add_argument("--write-checkpoint", action="store_true", help="write the random checkpoint there first")
     parser.add_argument("--plugin", action="store_true", help="also through the RTP-LLM plugin (at --tp ranks)")
@@ -247,7 +250,7 @@ def main():
 
         _, points = launch(_rank_run, args.tp, args.checkpoint, cfg, batches, contexts, ep, device=device)
     for point in points:
-        need = step_bytes(cfg, point["batch"], point["ctx"], args.tp, ep)
+        need = step_bytes(cfg, point["batch"], point["ctx"], args.tp)
         point.update(per_layer_ms=round(point["tpot_ms"] / cfg.num_hidden_layers, 3), step_bytes_per_rank=need,
                      roofline_ms=round(need / (copy_gbs * 1e9) * 1e3, 3) if copy_gbs else None,
                      tokens_per_s_per_gpu=round(point["batch"] / point["tpot_ms"] * 1e3 / args.tp, 1))

@@ -216,8 +216,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks: N local ranks are started (gloo on cpu, NCCL on cuda), or, under "
                         "torchrun, this process is one of them; each reads only its slices of the checkpoint")
     p.add_argument("--ep", type=int, metavar="N",
-                   help="expert-parallel ranks with --tp: N (the default: each rank holds 1/N of the experts) or 1 "
-                        "(every expert split along its intermediate dim)")
+                   help="expert groups with --tp, a divisor of it: N (the default: each rank holds 1/N of the "
+                        "experts), 1 (every expert split along its intermediate dim over all ranks) or a divisor "
+                        "between (groups of N/ep ranks, each holding 1/ep of the experts split over its ranks)")
     p.add_argument("--device", type=device_arg, default="cpu", metavar="cpu|cuda|cuda:N",
                    help="where the paged graph runs (with --tp on cuda: rank r on cuda:r)")
     p.add_argument("--speculative", choices=["mtp"],
@@ -266,7 +267,7 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     if args.tp != 1:
         return _generate_sharded(args, artifact, prompts, disabled, tokenizer, stop, speculative)
     if args.ep not in (None, 1):
-        raise InputError(f"--ep {args.ep}: experts are split over the --tp ranks; give --tp {args.ep} too")
+        raise InputError(f"--ep {args.ep}: experts are split over the --tp ranks; give a --tp that {args.ep} divides")
     printer = None  # one prompt's text is printed as it is generated (the paged runtime streams)
     if artifact is None and (args.backend == "reference" or args.max_new_tokens == 0):
         outputs = [_until_stop(_generate(args.model, prompt, args.max_new_tokens, args.dtype), stop)
@@ -524,7 +525,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel ranks (gloo on cpu, NCCL on cuda): rank 0 serves HTTP, every rank runs each "
                         "step (default: %(default)s)")
-    p.add_argument("--ep", type=int, metavar="N", help="expert-parallel ranks with --tp: N (the default) or 1")
+    p.add_argument("--ep", type=int, metavar="N",
+                   help="expert groups with --tp, a divisor of it: N (the default: whole experts per rank), 1 (every "
+                        "expert split over all ranks) or between (each group's experts split over its ranks)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default: %(default)s)")
     p.add_argument("--speculative", choices=["mtp"],
                    help="speculative decoding with the checkpoint's MTP layer (default: none)")

@@ -121,8 +121,8 @@ def compile_mtp(model, *, stages=STAGES, max_tokens: int | None = None, device=N
 
     with its own ``graph.meta["paged_cache"]`` (one indexed layer): a second PagedCache, beside the target's.
 
-    ``mapping``: the rank's part, by the target's shard passes (the layer's heads, its experts by ``ep`` or along
-    their intermediate dim, its shared expert, the head's vocabulary rows with the logits all-gathered; the
+    ``mapping``: the rank's part, by the target's shard passes (the layer's heads, its expert group's experts split
+    along their intermediate dim over the group's ranks, its shared expert, the head's vocabulary rows with the logits all-gathered; the
     embedding, enorm / hnorm, eh_proj and the indexer stay whole). Compile ``model`` on the meta device then and
     fill the graph with ``runtime.shard_loader.load_sharded`` (as the target's ranks do)."""
     if getattr(model, "mtp", None) is None:

@@ -230,45 +230,68 @@ class CheckpointReader:
         return [f"{prefix}{e}.{p}{suffix}" for p in (("down_proj",) if kind == "down_proj" else ("gate_proj", "up_proj"))]
 
     def _part_shape(self, name: str, full: tuple[int, ...], part) -> list[int]:
-        """The shape of ``part`` of the parameter ``name`` of shape ``full``; CheckpointError if it has no such part."""
-        if 0 <= part.dim < len(full):
-            size = full[part.dim] // 2 if part.halves else full[part.dim]
-            if 0 <= part.start < part.stop <= size and not (part.halves and full[part.dim] % 2):
-                return [*full[:part.dim], (part.stop - part.start) * (2 if part.halves else 1), *full[part.dim + 1:]]
+        """The shape of ``part`` (each of its levels on a dim of its own, one at most in ``halves``) of the parameter
+        ``name`` of shape ``full``; CheckpointError if it has no such part."""
+        levels, shape = part.levels(), list(full)
+        if len({p.dim for p in levels}) == len(levels) and sum(p.halves for p in levels) <= 1:
+            for p in levels:
+                if not 0 <= p.dim < len(full):
+                    break
+                size = full[p.dim] // 2 if p.halves else full[p.dim]
+                if not 0 <= p.start < p.stop <= size or (p.halves and full[p.dim] % 2):
+                    break
+                shape[p.dim] = (p.stop - p.start) * (2 if p.halves else 1)
+            else:
+                return shape
         raise CheckpointError(f"{self.where}: tensor {name!r} of shape {list(full)} has no part {part}")
 
     def param(self, name: str, like: torch.Tensor, device: torch.device, part=None) -> torch.Tensor:
         """The model parameter ``name`` (shape/dtype of ``like``) built on ``device`` from the files. ``part`` (a
-        ``fxglm5.parallel.Slice``): only the part ``part.apply(parameter)`` is read (narrowed along ``dim``, or each
-        half of ``dim`` narrowed alike when ``halves``: the stacked gate | up weight);
+        ``fxglm5.parallel.Slice``): only the part ``part.apply(parameter)`` is read (narrowed along each level's
+        ``dim``, or each half of it narrowed alike when ``halves``: the stacked gate | up weight);
         of stacked experts only the experts in the part are opened (the others' tensors are never read)."""
         full = self.full_shape(name)
-        halves = part is not None and part.halves
         shape = list(full) if part is None else self._part_shape(name, full, part)
         if tuple(shape) != tuple(like.shape):
             raise CheckpointError(f"{self.where}: tensor {name!r}{'' if part is None else f' part {part}'} has shape "
                                   f"{shape}, the model expects {list(like.shape)}")
+        levels = () if part is None else part.levels()
         m = _STACKED_RE.match(name)
         if m is None or self.packed:
             if part is None:
                 return self.get(name, device).to(dtype=like.dtype)
-            offsets = (0, full[part.dim] // 2) if halves else (0,)
-            lead = (slice(None),) * part.dim
-            pieces = [self.get(name, device, (*lead, slice(o + part.start, o + part.stop))) for o in offsets]
-            return torch.cat(pieces, part.dim).to(dtype=like.dtype)
-        experts = range(full[0]) if part is None or part.dim != 0 else range(part.start, part.stop)
+            return self._get_part(name, device, full, levels).to(dtype=like.dtype)
+        by_expert = next((p for p in levels if p.dim == 0), None)
+        rows = next((p for p in levels if p.dim != 0), None)
+        experts = range(full[0]) if by_expert is None else range(by_expert.start, by_expert.stop)
         out = torch.empty(like.shape, dtype=like.dtype, device=device)
         for i, e in enumerate(experts):
             at = row = 0
             for piece in self._expert_pieces(m, e):
-                rows = self._info(piece).shape[0]
-                index = _piece_index(part, row, rows)
-                row += rows
+                count = self._info(piece).shape[0]
+                index = _piece_index(rows, row, count)
+                row += count
                 if index is not None:
                     t = self.get(piece, device, index or None)
                     out[i, at:at + t.shape[0]].copy_(t)
                     at += t.shape[0]
         return out
+
+    def _get_part(self, name: str, device, full, levels) -> torch.Tensor:
+        """``levels`` of the stored tensor ``name`` (of shape ``full``) read through ``get_slice``: one read, or one
+        per half (concatenated along its dim) when a level is ``halves``. Contiguous: safetensors hands a part narrowed
+        on two dims out as a strided view."""
+        index = [slice(None)] * (max(p.dim for p in levels) + 1)
+        halves = next((p for p in levels if p.halves), None)
+        for p in levels:
+            index[p.dim] = slice(p.start, p.stop)
+        if halves is None:
+            return self.get(name, device, tuple(index)).contiguous()
+        pieces = []
+        for offset in (0, full[halves.dim] // 2):
+            index[halves.dim] = slice(offset + halves.start, offset + halves.stop)
+            pieces.append(self.get(name, device, tuple(index)))
+        return torch.cat(pieces, halves.dim)
 
     def load_into(self, model: torch.nn.Module, device: torch.device, progress: bool = True) -> torch.nn.Module:
         """Fill every parameter of ``model`` (built on the meta device for this config, in the model's naming)
@@ -289,9 +312,10 @@ class CheckpointReader:
 
 
 def _piece_index(part, row: int, rows: int) -> tuple[slice, ...] | None:
-    """What of an expert's piece (rows [row, row + rows) of the stacked parameter's dim 1) ``part`` reads: () the
-    whole piece, None none of it, else the slices. A ``halves`` part narrows each of the two pieces (gate, up)."""
-    if part is None or part.dim == 0:
+    """What of an expert's piece (rows [row, row + rows) of the stacked parameter's dim 1) ``part`` (the narrowing of
+    dim 1 or 2, None: neither) reads: () the whole piece, None none of it, else the slices. A ``halves`` part narrows
+    each of the two pieces (gate, up)."""
+    if part is None:
         return ()
     if part.dim == 2:
         return (slice(None), slice(part.start, part.stop))

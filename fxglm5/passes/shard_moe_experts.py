@@ -1,12 +1,15 @@
 """shard_moe_experts: the rank's routed experts and its share of the shared expert, then one all-reduce where the
 two are summed.
 
-- ``ep == tp``: experts [E/ep*r, E/ep*(r+1)) whole (w13 / w2 and their scales by expert); the router stays whole
-  and its ids become local, ``where((ids - lo >= 0) & (ids - lo < E/ep), ids - lo, -1)``: the MoE kernels skip -1.
-  ``lo`` is a constant tensor (``experts.expert_offset``, derived, not in the checkpoint) rather than a literal in
-  the code, so every rank runs the same program text (``fxglm5.parallel.plan_hash``).
-- ``ep == 1``: every expert split along its intermediate dim: w13's gate and up halves each by row (a ``halves``
-  Slice), w2 by column, the scales in blocks.
+- The routed experts in ``ep`` groups of tp / ep ranks: the rank's group holds experts [E/ep*g, E/ep*(g+1))
+  (w13 / w2 and their scales by expert; at ``ep == 1`` all of them), each split along its intermediate dim over the
+  group's ranks (w13's gate and up halves each by row, a ``halves`` Slice, w2 by column, the scales in blocks; at
+  ``ep == tp`` whole); in the mixed layout between them each attribute's Slice is the expert range with the rows as
+  its ``inner`` part.
+- With ``ep > 1`` the router stays whole and its ids become local to the group's experts,
+  ``where((ids - lo >= 0) & (ids - lo < E/ep), ids - lo, -1)``: the MoE kernels skip -1. ``lo`` is a constant
+  tensor (``experts.expert_offset``, derived, not in the checkpoint) rather than a literal in the code, so every
+  rank runs the same program text (``fxglm5.parallel.plan_hash``).
 - The shared expert (``down(silu(gate(x)) * up(x))`` added to the routed output) split as a dense MLP.
 
 The routed and shared outputs are both partial sums, so one ``fxglm5::all_reduce`` after their sum stands for
@@ -26,7 +29,7 @@ from fxglm5.passes.registry import register_pass
 from fxglm5.passes.sharding import (
     block_part, gated_mlp, mark, reduce_after, shard_attr, shard_each, split_mlp,
 )
-from fxglm5.parallel import Slice
+from fxglm5.parallel import Slice, nested
 
 aten = torch.ops.aten
 
@@ -76,22 +79,25 @@ def _local_ids(gm: fx.GraphModule, moe: fx.Node, start: int, count: int) -> None
 
 
 def _split_experts(gm: fx.GraphModule, moe: fx.Node, mapping) -> None:
+    """The experts of the rank's group (``Mapping.expert_part``; all of them at ep == 1), each narrowed to the
+    rank's rows of its intermediate dim (``Mapping.expert_inner_part``; whole at ep == tp): w13's gate and up
+    halves by row, w2 by column, the scales in blocks. A layout that keeps every expert, or every row, records no
+    narrowing of that dim, so ep == 1 and ep == tp keep their one-dim plans."""
     args = op_args(moe)
     experts, two_inter = get_attr_tensor(gm, args["w13"]).shape[:2]
-    if mapping.ep > 1:
-        start, stop = mapping.expert_part(experts)
-        for name in ("w13", "w13_scale", "w2", "w2_scale"):
-            if args[name] is not None:
-                shard_attr(gm, args[name], Slice(0, start, stop))
+    inter = two_inter // 2
+    start, stop = mapping.expert_part(experts)
+    lo, hi = mapping.expert_inner_part(inter)
+    by_expert = Slice(0, start, stop) if stop - start < experts else None
+    rows = {"w13": Slice(1, lo, hi, halves=True), "w2": Slice(2, lo, hi)} if hi - lo < inter else {}
+    for weight in ("w13", "w2"):
+        row = rows.get(weight)
+        shard_attr(gm, args[weight], nested(by_expert, row))
+        if args[weight + "_scale"] is not None:
+            blocks = None if row is None else block_part(row, inter, args[weight].target)
+            shard_attr(gm, args[weight + "_scale"], nested(by_expert, blocks))
+    if by_expert is not None:
         _local_ids(gm, moe, start, stop - start)
-        return
-    start, stop = mapping.part(two_inter // 2)
-    gate_up, down = Slice(1, start, stop, halves=True), Slice(2, start, stop)
-    shard_attr(gm, args["w13"], gate_up)
-    shard_attr(gm, args["w2"], down)
-    if args["w13_scale"] is not None:
-        shard_attr(gm, args["w13_scale"], block_part(gate_up, two_inter // 2, args["w13"].target))
-        shard_attr(gm, args["w2_scale"], block_part(down, two_inter // 2, args["w2"].target))
 
 
 def _shard_one(gm: fx.GraphModule, node: fx.Node, mapping) -> bool:

@@ -38,7 +38,8 @@ class RunnerOptions:
     ``decode_graphs``: replay decode steps of up to ``max_decode_batch`` requests from CUDA graphs (default: on a
     CUDA device unless ``backend`` is "reference"; on a CPU, True runs the same padded static-buffer steps without
     capture). ``disabled_passes``: pass names the compile skips. ``tp`` > 1: this process is one of ``tp`` ranks,
-    its experts split over ``ep`` ranks (default ``tp``; 1: every expert split along its intermediate dim).
+    its experts in ``ep`` groups of tp / ep ranks, a divisor of tp (default ``tp``: whole experts per rank; 1: every
+    expert split along its intermediate dim over all ranks; between: each group's experts split over its ranks).
     ``speculative``: a SpeculativeConfig (drafts verified in one step). ``max_step_tokens``: the most flat tokens
     one step computes (chunked prefill). ``overlap``: decode with the host one step ahead of the device."""
 

@@ -167,7 +167,7 @@ class Runner:
             model, reader, self.mapping = sharded_model(model, o.tp, o.ep, o.dtype,
                                                         mtp=speculative is not None and drafter is None)
         elif o.ep not in (None, 1):
-            raise InputError(f"ep={o.ep}: experts are split over the tp ranks; give tp={o.ep} too")
+            raise InputError(f"ep={o.ep}: experts are split over the tp ranks; give a tp that {o.ep} divides")
         elif isinstance(model, (str, Path)):
             from fxglm5.model.modeling import Glm5ForCausalLM
 

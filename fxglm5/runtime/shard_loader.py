@@ -3,7 +3,8 @@ the meta device, filled from the unchanged HF checkpoint directory (:func:`load_
 front doors that run ranks (the Runner at ``tp > 1``, the RTP plugin) load them so.
 
 The shard stage leaves ``graph.meta["shard_plan"]`` (attribute target -> ``Slice(dim, start, stop)``: the rank's
-attribute is the full parameter narrowed so) and rank-local meta tensors. For every attribute the graph reads,
+attribute is the full parameter narrowed so, then by its ``inner`` part along another dim: the mixed expert layout's
+experts, then rows) and rank-local meta tensors. For every attribute the graph reads,
 :func:`load_sharded` reads its slice through safetensors ``get_slice`` (or the whole tensor where the plan has no
 entry: replicated) with :meth:`CheckpointReader.param`, so a rank reads only its own bytes and never opens an
 expert it does not own (experts are per-expert tensors in the checkpoint); values are checked as the whole-model
@@ -155,7 +156,7 @@ def _local_like(params: dict, name: str, part) -> torch.Tensor:
     if name not in params:
         raise CheckpointError(f"derivation source {name!r}: not a model parameter")
     full = params[name]
-    return full if part is None else full.narrow(part.dim, part.start, part.stop - part.start)
+    return full if part is None else part.apply(full)
 
 
 def _assign(graph: fx.GraphModule, target: str, value: torch.Tensor) -> None:

@@ -1,12 +1,14 @@
-"""A sharded program compiled and run on the GPU: rank 0 of TP8 / EP8 in one process (torch's fake process group at
-world 8, whose collectives return without communicating), GLM-5's widths at 4 layers (3 dense, 1 MoE with its 32
-local experts), random FP8 weights drawn on the GPU (RandomReader), bf16, FP8 caches.
+"""A sharded program compiled and run on the GPU: rank 0 of TP8 / EP8 (and of the mixed TP8 / ep 2) in one process
+(torch's fake process group at world 8, whose collectives return without communicating), GLM-5's widths at 4 layers (3
+dense, 1 MoE with its 32 local experts), random FP8 weights drawn on the GPU (RandomReader), bf16, FP8 caches.
 
 What it guards: the sharded compile on the GPU machine's torch (2.11's C++ matmul once failed the shard stage's
 shape refresh: commit 03379ab), the load of a rank's slices, and the sharded step captured in decode CUDA graphs
 (the collectives inside the capture) -- the path bench/rank_at_depth.py measures. The replayed steps' logits equal
 those of an eager runner over the same graph, fed the same tokens (teacher-forced, so that a near-tie in one bf16
 argmax cannot make the two runs diverge)."""
+
+import operator
 
 import pytest
 import torch
@@ -47,16 +49,21 @@ def teacher_forced(runner):
     return seqs, logits
 
 
-def test_sharded_program_compiles_loads_and_replays_decode_graphs(fake_group):
-    runner = Runner(RandomReader(CONFIG, seed=0), **OPTIONS)
+@pytest.mark.parametrize("ep", [8, 2])
+def test_sharded_program_compiles_loads_and_replays_decode_graphs(fake_group, ep):
+    """At EP8 and at the mixed ep 2 (rank 0 in group 0: experts 0-127, 512 of each one's 2048 rows)."""
+    options = dict(OPTIONS, ep=ep)
+    runner = Runner(RandomReader(CONFIG, seed=0), **options)
     assert runner.mapping.tp == 8 and runner.load_report.bytes_read > 10**9
+    down = operator.attrgetter("model.layers.3.mlp.experts.down_proj")(runner.program.graph)
+    assert tuple(down.shape) == ((32, 6144, 2048) if ep == 8 else (128, 6144, 512))
     seqs, replayed = teacher_forced(runner)
     graphs = runner.decode_graphs
     assert graphs.disabled is None and graphs.graphs and graphs.steps == len(FORCED[0])
     assert torch.isfinite(replayed).all()
     assert all(0 <= t < CONFIG.vocab_size for seq in seqs for t in seq.output)
 
-    eager = Runner(RandomReader(CONFIG, seed=0), program=runner.program, decode_graphs=False, **OPTIONS)
+    eager = Runner(RandomReader(CONFIG, seed=0), program=runner.program, decode_graphs=False, **options)
     _, expected = teacher_forced(eager)
     assert eager.decode_graphs is None
     torch.testing.assert_close(replayed, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

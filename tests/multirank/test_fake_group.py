@@ -6,10 +6,11 @@ on a tiny config whose widths split over 8 ranks into whole 128-blocks (16 heads
 - RandomReader gives each attribute the sharded graph reads exactly its plan part's shape and dtype, with values a
   model can run on (finite, positive block scales), the same for the same seed; a ``like`` of another shape than
   the part, a part outside the parameter and a name the config has not are refused.
-- ``Runner(reader, tp=8, ep=8)`` on the CPU compiles, loads and generates tokens in the vocabulary, the same tokens
-  for the same seed (the weights are drawn anew by each runner's reader); a loaded model is still refused.
-- ``bench/rank_at_depth.py --tiny`` runs its whole flow (collective probe, TTFT, synthetic-context TPOT, profiles)
-  and writes its results with their provenance.
+- ``Runner(reader, tp=8, ep=8)`` and ``ep=2`` (the mixed layout) on the CPU compile, load and generate tokens in the
+  vocabulary, the same tokens for the same seed (the weights are drawn anew by each runner's reader); a loaded model
+  is still refused.
+- ``bench/rank_at_depth.py --tiny`` (``--ep 2`` too) runs its whole flow (collective probe, TTFT, synthetic-context
+  TPOT, profiles) and writes its results with their provenance.
 """
 
 import json
@@ -24,7 +25,7 @@ from fxglm5.errors import CheckpointError, InputError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.random_reader import RandomReader
-from fxglm5.parallel import Slice
+from fxglm5.parallel import Slice, nested
 from fxglm5.runtime.runner import Runner
 from tests.helpers import fake_process_group
 
@@ -43,28 +44,33 @@ def fake_group():
         yield
 
 
-@pytest.fixture(scope="module")
-def served(fake_group):
-    runner = Runner(RandomReader(CONFIG, seed=0), **OPTIONS)
-    return runner, runner.run(PROMPTS, 4)
+@pytest.fixture(scope="module", params=[8, 2], ids=["ep8", "ep2"])
+def served(fake_group, request):
+    """Rank 0's runner at ep 8 (2 whole experts) and at the mixed ep 2 (group 0: experts 0-7, 256 of each one's
+    1024 rows), and its outputs."""
+    options = dict(OPTIONS, ep=request.param)
+    runner = Runner(RandomReader(CONFIG, seed=0), **options)
+    return runner, runner.run(PROMPTS, 4), options
 
 
 def test_runner_generates_in_vocabulary_tokens_the_same_for_a_seed(served):
-    runner, seqs = served
+    runner, seqs, options = served
     assert [len(s.output) for s in seqs] == [4, 4]
     assert all(0 <= t < CONFIG.vocab_size for s in seqs for t in s.output)
     assert all(torch.isfinite(torch.stack(s.logits)).all() for s in seqs)
     assert runner.load_report.bytes_read == sum(runner.load_report.tensors.values()) > 0
-    again = Runner(RandomReader(CONFIG, seed=0), **OPTIONS).run(PROMPTS, 4)
+    again = Runner(RandomReader(CONFIG, seed=0), **options).run(PROMPTS, 4)
     assert [s.output for s in again] == [s.output for s in seqs]
     for a, b in zip(again, seqs):
         assert torch.equal(torch.stack(a.logits), torch.stack(b.logits))
 
 
 def test_reader_gives_each_part_of_the_plan_its_shape_and_dtype(served):
-    runner, _ = served
+    runner, _, options = served
     plan = runner.program.graph.meta["shard_plan"]
     assert any(part.dim == 0 and ".mlp.experts." in name for name, part in plan.items())  # EP: experts by rank
+    if options["ep"] == 2:  # and each expert's rows by the rank's place in its group
+        assert plan["model.layers.1.mlp.experts.down_proj"] == nested(Slice(0, 0, 8), Slice(2, 0, 256))
     meta = dict(Glm5ForCausalLM(CONFIG, dtype=torch.bfloat16, device="meta").named_parameters())
     reader, other = RandomReader(CONFIG, seed=0), RandomReader(CONFIG, seed=1)
     expected = 0
@@ -104,16 +110,20 @@ def test_runner_still_refuses_a_loaded_model_at_tp_8():
         Runner(Glm5ForCausalLM(CONFIG, device="meta"), tp=8)
 
 
-def test_bench_rank_at_depth_tiny_runs_its_whole_flow(tmp_path):
+@pytest.mark.parametrize("ep", [8, 2])
+def test_bench_rank_at_depth_tiny_runs_its_whole_flow(tmp_path, ep):
+    """At ep 8 and at the mixed ep 2 (rank 0 in group 0): either way the rank holds 1/8 of the routed expert bytes."""
     env = dict(os.environ, OUT=str(tmp_path), CUDA_VISIBLE_DEVICES="")
-    run = subprocess.run([sys.executable, os.path.join(REPO, "bench", "rank_at_depth.py"), "--tiny"], cwd=REPO,
+    flags = ["--tiny"] + ([] if ep == 8 else ["--ep", str(ep)])
+    run = subprocess.run([sys.executable, os.path.join(REPO, "bench", "rank_at_depth.py"), *flags], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    with open(tmp_path / "rank_at_depth_tiny_ep8_busiest.json") as f:
+    with open(tmp_path / f"rank_at_depth_tiny_ep{ep}_busiest.json") as f:
         table = json.load(f)
-    with open(tmp_path / "rank_at_depth_tiny_ep8_busiest_detail.json") as f:
+    with open(tmp_path / f"rank_at_depth_tiny_ep{ep}_busiest_detail.json") as f:
         detail = json.load(f)
-    assert table["command"].endswith("python bench/rank_at_depth.py --tiny") and table["commit"] and table["device"]
+    assert table["command"].endswith("python bench/rank_at_depth.py " + " ".join(flags)) and table["commit"] \
+        and table["device"]
     assert [r["point"] for r in table["rows"]] == ["ttft2k", "ttft8k", "ttft32k", "tpot1x2k", "tpot8x2k",
                                                     "tpot64x2k", "tpot1x32k", "tpot8x32k"]
     assert all(r["status"] == "measured" and r["ms"] > 0 and r["kernels_per_step"] > 0 for r in table["rows"])
@@ -124,9 +134,13 @@ def test_bench_rank_at_depth_tiny_runs_its_whole_flow(tmp_path):
     tpot = run0["points"]["tpot8x32k"]
     assert len(tpot["steps_ms"]) == 8 and tpot["step_bytes"] > 0
     assert "synthetic" in detail["context"] and "rank_at_depth_tiny" in (
-        tmp_path / "rank_at_depth_tiny_ep8_busiest.md").read_text()
+        tmp_path / f"rank_at_depth_tiny_ep{ep}_busiest.md").read_text()
+    expert = 3 * CONFIG.moe_intermediate_size * CONFIG.hidden_size * (1 + 4 / 128 ** 2)  # FP8 w13 + w2, their scales
+    assert run0["weight_bytes"]["routed experts"] == 3 * (CONFIG.n_routed_experts / 8 * expert + 4)  # 3 MoE
+    # layers, each with its int32 expert offset
     # the busiest rank's routing at each TPOT batch, its simulated figures beside the steered layers'
-    assert run0["ep"] == 8 and run0["load"] == "busiest" and sorted(run0["routing"], key=int) == ["1", "8", "64"]
+    assert run0["ep"] == ep and run0["load"] == "busiest" and sorted(run0["routing"], key=int) == ["1", "8", "64"]
+    assert run0["routing"]["64"]["busiest_distinct_experts"] <= CONFIG.n_routed_experts / ep
     assert all(r["busiest_distinct_experts"] >= r["mean_distinct_experts"] for r in run0["routing"].values())
     # one layer of each kind, in order (bench/layer_kernels.py on the step's real sequence: 1 dense + 3 MoE layers)
     layers = tpot["profile"]["layer_kernels"]

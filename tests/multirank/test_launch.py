@@ -84,13 +84,15 @@ def test_sharded_options_refused_by_name_before_any_rank_starts(tmp_path, capsys
     from fxglm5.cli import main
     from fxglm5.runtime.runner import Runner
 
-    with pytest.raises(InputError, match="ep=2: experts are split over the tp ranks; give tp=2 too"):
+    with pytest.raises(InputError, match="ep=2: experts are split over the tp ranks; give a tp that 2 divides"):
         Runner(tmp_path, ep=2)
     with pytest.raises(InputError, match="tp=2: no process group; start the ranks with"):
         Runner(tmp_path, tp=2)
     (tmp_path / "config.json").write_text("{}")
     base = ["generate", "--model", str(tmp_path), "--prompt-ids", "1,2", "--max-new-tokens", "2"]
     assert main(base + ["--ep", "2"]) == 2
-    assert "--ep 2: experts are split over the --tp ranks; give --tp 2 too" in capsys.readouterr().err
+    assert "--ep 2: experts are split over the --tp ranks; give a --tp that 2 divides" in capsys.readouterr().err
+    assert main(base + ["--tp", "8", "--ep", "3"]) == 2  # the expert groups: ep must divide tp
+    assert "parallel mapping: ep must divide tp=8 (ep groups of tp/ep ranks" in capsys.readouterr().err
     assert main(base + ["--tp", "2", "--backend", "reference"]) == 2
     assert "--tp 2: only the paged backend runs sharded (--backend reference)" in capsys.readouterr().err

@@ -1,10 +1,10 @@
 """bench/routing_load: the busiest rank's routed load (issue 45, item 1), simulated and steered into a rank's graph.
 
 The simulation's figures are checked against what uniform top-k routing gives in closed form (an average group's
-distinct experts, every group's at ep = 1) and against the issue's estimate (a batch-1 token's 8 experts put about
-2.5 on the busiest of 8 ranks). The steering is checked on rank 0 of a fake TP8 / EP8 world: a runner compiled while
-it is open routes its decode steps by the patterns (changing a pattern's contents changes the logits, the same
-contents give the same logits), and a prefill passes through."""
+distinct experts, every group's at ep = 1) and against the issue's estimate (a batch-1 token's 8 experts put about 2.5
+on the busiest of 8 ranks). The steering is checked on rank 0 of a fake TP8 world at EP8 and at the mixed ep 2: a runner
+compiled while it is open routes its decode steps by the patterns (changing a pattern's contents changes the logits, the
+same contents give the same logits), and a prefill passes through."""
 
 import pytest
 import torch
@@ -29,9 +29,10 @@ def test_ep1_has_no_busiest_rank_and_the_average_group_matches_the_closed_form(b
     assert whole.busiest_distinct.mean().item() == pytest.approx(whole.mean_distinct)  # one group: it is the busiest
     closed = 256 * (1 - (1 - 8 / 256) ** batch)
     assert whole.mean_distinct == pytest.approx(closed, rel=0.02)
-    grouped = simulate(256, 8, 8, batch, 2048)
-    assert grouped.mean_distinct == pytest.approx(closed / 8, rel=0.02)
-    assert grouped.busiest_distinct.mean().item() > grouped.mean_distinct
+    for ep in (2, 8):  # the mixed layout's two groups of 128, and 8 of 32
+        grouped = simulate(256, 8, ep, batch, 2048)
+        assert grouped.mean_distinct == pytest.approx(closed / ep, rel=0.02)
+        assert grouped.busiest_distinct.mean().item() > grouped.mean_distinct
 
 
 def test_the_busiest_ids_are_that_groups_own_experts_each_token_choosing_distinct_ones():
@@ -48,16 +49,18 @@ def test_the_busiest_ids_are_that_groups_own_experts_each_token_choosing_distinc
             assert mine.unique().numel() == mine.numel()
 
 
-def test_a_runner_compiled_under_steering_routes_its_decode_steps_by_the_patterns():
+@pytest.mark.parametrize("ep", [8, 2])
+def test_a_runner_compiled_under_steering_routes_its_decode_steps_by_the_patterns(ep):
+    """At ep 8 and at the mixed ep 2, where rank 0's local ids are its group's (group 0: experts 0-7 of 16)."""
     layers = sum(CONFIG.is_moe_layer(i) for i in range(CONFIG.num_hidden_layers))
-    local = CONFIG.n_routed_experts // 8
+    local = CONFIG.n_routed_experts // ep
     k = CONFIG.num_experts_per_tok
     first = torch.full((layers, 1, k), -1, dtype=torch.int32)
     first[:, 0, 0] = 0
     with fake_process_group(0, 8):
         steering = SteeredRouting({1: first}, "cpu")
         with steering:
-            runner = Runner(RandomReader(CONFIG, seed=0), tp=8, ep=8, kv_cache="fp8", block_size=16,
+            runner = Runner(RandomReader(CONFIG, seed=0), tp=8, ep=ep, kv_cache="fp8", block_size=16,
                             max_cache_tokens=256, keep_logits=True)
         prompt = [5, 9, 2, 33, 7, 1, 8, 21]
 

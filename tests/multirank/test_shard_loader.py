@@ -1,8 +1,8 @@
-"""The shard loader on the tiny FP8 checkpoint with a hand-written plan: each attribute is the full parameter's
-slice (rows, columns, experts, rows across the gate / up boundary of stacked experts), the derived constant is
-derived from the rank's slice of its source, only those bytes are read (counted by a wrapper around safetensors'
-own file handle, independent of the loader's count), experts the rank does not own are never opened, and a bad
-value in the rank's slice is refused naming the file and tensor while one outside it is never read."""
+"""The shard loader on the tiny FP8 checkpoint with a hand-written plan: each attribute is the full parameter's slice
+(rows, columns, experts, rows across the gate / up boundary of stacked experts, columns of some experts), the derived
+constant is derived from the rank's slice of its source, only those bytes are read (counted by a wrapper around
+safetensors' own file handle, independent of the loader's count), experts the rank does not own are never opened, and a
+bad value in the rank's slice is refused naming the file and tensor while one outside it is never read."""
 
 import operator
 import shutil
@@ -18,7 +18,7 @@ from fxglm5.model import checkpoint
 from fxglm5.model.checkpoint import CheckpointReader
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.tiny import make_tiny_checkpoint
-from fxglm5.parallel import Slice
+from fxglm5.parallel import Slice, nested
 from fxglm5.runtime.shard_loader import load_sharded
 
 A0, E1, E2, E3 = "model.layers.0.self_attn.", *(f"model.layers.{i}.mlp.experts." for i in (1, 2, 3))
@@ -32,6 +32,8 @@ PLAN = {
     E2 + "down_proj": Slice(2, 64, 128),
     E3 + "gate_up_proj": Slice(1, 64, 128, halves=True),  # ep=1, rank 1 of 2: rows 64..127 of gate and of up
     E3 + "gate_up_proj_scale_inv": Slice(1, 0, 1, halves=True),
+    E3 + "down_proj": nested(Slice(0, 8, 16), Slice(2, 64, 128)),  # mixed: experts 8..15, columns 64..127 of each
+    E3 + "down_proj_scale_inv": nested(Slice(0, 8, 16), Slice(2, 0, 1)),
     KV_B: Slice(0, 128, 256), KV_B + "_scale_inv": Slice(0, 1, 2),  # the derivation's source, not a graph attribute
 }
 REPLICATED = ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
@@ -135,6 +137,9 @@ def test_each_attribute_is_the_rank_slice_and_only_its_bytes_are_read(ckpt, full
     assert recorder.reads[E1 + "5.gate_proj.weight"] == 128 * 256  # whole per-expert tensors, FP8
     assert recorder.reads[E2 + "5.gate_proj.weight"] == 64 * 256  # its second half only
     assert recorder.reads[E3 + "5.up_proj.weight"] == 64 * 256  # halves: 64 rows of gate and of up
+    mixed = {int(n.split(".")[5]) for n in recorder.reads if n.startswith(E3) and ".down_proj." in n}
+    assert mixed == set(range(8, 16))
+    assert recorder.reads[E3 + "9.down_proj.weight"] == 256 * 64  # the mixed part: its columns of its experts only
     halves = operator.attrgetter(E3 + "gate_up_proj")(gm).float()
     assert torch.equal(halves, torch.cat([params[E3 + "gate_up_proj"][:, 64:128], params[E3 + "gate_up_proj"][:, 192:]], 1).float())
     assert not any(n.startswith("model.layers.3.self_attn") for n in recorder.reads)

@@ -1,6 +1,9 @@
 """The shard stage at GLM-5's widths, in one process on the meta device (6 layers: 3 dense, 3 MoE; the per-kind
 capture exports 5 and copies layer 4 to layer 5): every rank-local shape, the collectives, whole 128-blocks for
-every FP8 shard, strict counts, the per-kind stitch equal to sharding the whole graph, and the plan hash."""
+every FP8 shard, strict counts, the per-kind stitch equal to sharding the whole graph, and the plan hash; the mixed
+expert layout TP8 / ep 2 (ranks 0-3: experts 0-127, ranks 4-7: 128-255, each split 4 ways along its 2048 rows)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from fxglm5.compiler import KIND_STAGES, compile_model
 from fxglm5.errors import PassError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.modeling import Glm5ForCausalLM
-from fxglm5.parallel import BLOCK, PLAN, Mapping, plan_hash
+from fxglm5.parallel import BLOCK, PLAN, Mapping, Slice, nested, plan_hash
 from fxglm5.passes.graph_utils import get_attr_tensor
 from fxglm5.passes.pipeline import Stage
 from fxglm5.passes.sharding import check_shapes
@@ -30,6 +33,12 @@ def glm5():
 def tp8(glm5):
     model, graph = glm5
     return {rank: sharded(graph, model.config, Mapping(tp=8, rank=rank, ep=8), lower=False) for rank in (0, 7)}
+
+
+@pytest.fixture(scope="module")
+def tp8_ep2(glm5):
+    model, graph = glm5
+    return {rank: sharded(graph, model.config, Mapping(tp=8, rank=rank, ep=2), lower=False) for rank in (0, 3, 4, 7)}
 
 
 def _attrs(gm) -> dict:
@@ -135,3 +144,62 @@ def test_world_one_is_a_no_op(glm5):
     gm, results = sharded(graph, model.config, Mapping(), lower=False)
     assert gm.code == graph.code and PLAN not in gm.meta
     assert [r.num_matches for r in results] == [r.expected for r in results] == [0, 0, 0, 0]
+
+
+def test_tp8_ep2_groups_hold_half_the_experts_each_split_four_ways(tp8_ep2):
+    """Group g = rank // 4 holds experts [128 g, 128 (g+1)) and its ranks each 512 of every expert's 2048 rows (4
+    blocks): gate and up rows, down columns, the block scales with them; the router's ids local to the group (the
+    expert offset 128 g); the rest of the layer (attention, shared expert, dense MLPs, lm_head) as at ep 8."""
+    moe = f"{L}.5.mlp"
+    for rank, (gm, results) in tp8_ep2.items():
+        group, place = divmod(rank, 4)
+        shapes = {t: tuple(v.shape) for t, v in _attrs(gm).items()}
+        assert shapes[f"{moe}.experts.gate_up_proj"] == (128, 1024, 6144)
+        assert shapes[f"{moe}.experts.gate_up_proj_scale_inv"] == (128, 8, 48)
+        assert shapes[f"{moe}.experts.down_proj"] == (128, 6144, 512)
+        assert shapes[f"{moe}.experts.down_proj_scale_inv"] == (128, 48, 4)
+        assert shapes[f"{moe}.shared_experts.gate_proj.weight"] == (256, 6144)
+        assert shapes[f"{L}.5.self_attn.q_b_proj.weight"] == (2048, 2048) and shapes["lm_head.weight"] == (19360, 6144)
+        experts, rows, blocks = Slice(0, 128 * group, 128 * (group + 1)), (512 * place, 512 * (place + 1)), (
+            4 * place, 4 * (place + 1))
+        plan = gm.meta[PLAN]
+        assert plan[f"{moe}.experts.gate_up_proj"] == nested(experts, Slice(1, *rows, halves=True))
+        assert plan[f"{moe}.experts.gate_up_proj_scale_inv"] == nested(experts, Slice(1, *blocks, halves=True))
+        assert plan[f"{moe}.experts.down_proj"] == nested(experts, Slice(2, *rows))
+        assert plan[f"{moe}.experts.down_proj_scale_inv"] == nested(experts, Slice(2, *blocks))
+        assert int(_attrs(gm)[f"{moe}.experts.expert_offset"]) == 128 * group
+        assert _collectives(gm) == {"all_reduce": 2 * LAYERS, "all_gather": 1}
+        assert [(r.name, r.num_matches, r.expected) for r in results] == [
+            ("shard_attention", 6, 6), ("shard_mlp", 3, 3), ("shard_moe_experts", 3, 3), ("shard_lm_head", 1, 1)]
+
+
+def test_ep1_and_ep8_keep_one_dim_plans(tp8, glm5):
+    """The layouts at the mixed one's two ends record no second level: ep 8 whole experts, ep 1 rows of all."""
+    model, graph = glm5
+    target = f"{L}.5.mlp.experts.gate_up_proj"
+    assert tp8[7][0].meta[PLAN][target] == Slice(0, 224, 256)
+    ep1, _ = sharded(graph, model.config, Mapping(tp=8, rank=7, ep=1), lower=False)
+    assert ep1.meta[PLAN][target] == Slice(1, 1792, 2048, halves=True)
+
+
+def test_the_plan_hash_tells_the_layouts_and_the_inner_slice_apart(glm5, tp8, tp8_ep2):
+    """Equal on the ranks of one layout (both groups), unequal across ep 8 / 2 / 1; dropping or resizing the inner
+    part of one entry changes it, moving it (another rank's rows) does not."""
+    model, graph = glm5
+    hashes = {rank: plan_hash(gm, Mapping(tp=8, rank=rank, ep=2)) for rank, (gm, _) in tp8_ep2.items()}
+    assert len(set(hashes.values())) == 1
+    ep1, _ = sharded(graph, model.config, Mapping(tp=8, rank=0, ep=1), lower=False)
+    others = {plan_hash(tp8[0][0], Mapping(tp=8, rank=0, ep=8)), plan_hash(ep1, Mapping(tp=8, rank=0, ep=1))}
+    assert hashes[0] not in others and len(others) == 2
+    gm, mapping = tp8_ep2[0][0], Mapping(tp=8, rank=0, ep=2)
+    assert plan_hash(gm, dataclasses.replace(mapping, ep=4)) != hashes[0]
+    plan, target = dict(gm.meta[PLAN]), f"{L}.5.mlp.experts.down_proj"
+    part = plan[target]
+    try:
+        for changed, same in ((dataclasses.replace(part, inner=None), False),
+                              (dataclasses.replace(part, inner=dataclasses.replace(part.inner, stop=1000)), False),
+                              (dataclasses.replace(part, inner=Slice(2, 1536, 2048)), True)):
+            gm.meta[PLAN] = {**plan, target: changed}
+            assert (plan_hash(gm, mapping) == hashes[0]) is same, changed
+    finally:
+        gm.meta[PLAN] = plan

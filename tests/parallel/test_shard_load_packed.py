@@ -2,7 +2,8 @@
 them) loaded sharded (issue 40): every rank's attributes, read through the shard plan the compile made for it, are
 the bytes the per-expert (GLM-5-FP8) form of the same checkpoint gives, and the full model's part
 (``Slice.apply``); at ep=1 each expert's gate and up halves are narrowed alike (rank 1 reads the second half of
-each, rows and block scales), at ep=tp each rank reads its own experts. Of the routed experts, both forms read
+each, rows and block scales), at ep=tp each rank reads its own experts, and in the mixed layout (TP4 / ep 2) its
+group's experts, each narrowed to the rank's rows. Of the routed experts, both forms read
 exactly the rank's bytes: a rank reads only its part of a packed tensor too."""
 
 import operator
@@ -53,11 +54,11 @@ def _attributes(gm):
     return {t: operator.attrgetter(t)(gm) for t in dict.fromkeys(n.target for n in gm.graph.find_nodes(op="get_attr"))}
 
 
-@pytest.mark.parametrize("ep", [1, 2], ids=["ep1", "ep_tp"])
-@pytest.mark.parametrize("rank", [0, 1])
-def test_packed_checkpoint_loads_sharded_as_the_per_expert_one(forms, ep, rank):
+@pytest.mark.parametrize("tp, ep, rank", [(2, 1, 0), (2, 1, 1), (2, 2, 0), (2, 2, 1), (4, 2, 1), (4, 2, 2)],
+                         ids=["tp2-ep1-r0", "tp2-ep1-r1", "tp2-ep2-r0", "tp2-ep2-r1", "tp4-ep2-r1", "tp4-ep2-r2"])
+def test_packed_checkpoint_loads_sharded_as_the_per_expert_one(forms, tp, ep, rank):
     per_expert, packed, full, meta, graph = forms
-    mapping = Mapping(tp=2, rank=rank, ep=ep)
+    mapping = Mapping(tp=tp, rank=rank, ep=ep)
     loaded, reports = [], []
     for path in (per_expert, packed):
         gm, _ = sharded(graph, meta.config, mapping, lower=False)
@@ -65,24 +66,22 @@ def test_packed_checkpoint_loads_sharded_as_the_per_expert_one(forms, ep, rank):
         loaded.append(_attributes(gm))
     plan = gm.meta[PLAN]
     stacked = [t for t in plan if t.startswith(MOE) and t.endswith(("gate_up_proj", "gate_up_proj_scale_inv"))]
-    assert len(stacked) == 2 and all(plan[t].halves == (ep == 1) for t in stacked), plan
+    split_rows = tp // ep > 1
+    assert len(stacked) == 2 and all(any(p.halves for p in plan[t].levels()) == split_rows for t in stacked), plan
     params = dict(full.named_parameters())
     assert loaded[0].keys() == loaded[1].keys()
     for target, want in loaded[0].items():
         assert _same(loaded[1][target], want), target
         if target in plan:
             assert _same(want, plan[target].apply(params[target])), target
-    # The halves themselves (ep=1): rank r holds rows [r*I/2, (r+1)*I/2) of each expert's gate and of its up.
+    # The parts themselves: group g = rank // (tp/ep) holds experts [g E/ep, (g+1) E/ep), and the rank, at place p
+    # of its group, rows [p I/(tp/ep), (p+1) I/(tp/ep)) of each of their gates and of their ups.
     gate_up = loaded[1][MOE + "gate_up_proj"]
     whole = params[MOE + "gate_up_proj"]
-    half = whole.shape[1] // 2
-    if ep == 1:
-        share = half // 2
-        rows = [*range(rank * share, (rank + 1) * share), *range(half + rank * share, half + (rank + 1) * share)]
-        assert _same(gate_up, whole[:, rows])
-    else:
-        share = whole.shape[0] // 2
-        assert _same(gate_up, whole[rank * share:(rank + 1) * share])
+    (group, place), experts, half = divmod(rank, tp // ep), whole.shape[0] // ep, whole.shape[1] // 2
+    share = half // (tp // ep)
+    rows = [*range(place * share, (place + 1) * share), *range(half + place * share, half + (place + 1) * share)]
+    assert _same(gate_up, whole[group * experts:(group + 1) * experts][:, rows])
     # Of the routed experts, each form reads exactly the rank's part (FP8 weights and float32 scales in both).
     routed = [MOE + k for k in ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")]
     held = sum(loaded[1][k].numel() * loaded[1][k].element_size() for k in routed)
