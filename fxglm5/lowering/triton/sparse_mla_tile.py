@@ -1,0 +1,194 @@
+"""Sparse MLA for prefill: a tile of consecutive query tokens walks its sequence's key blocks once, on tensor cores.
+
+Same signature and semantics as :func:`fxglm5.lowering.reference.paged.sparse_mla_paged` (attention over exactly
+the listed positions, -1 = unused entry, a position listed twice weighs twice, a row with no valid entry gives
+zeros). Why a second kernel: the per-token kernel (:mod:`fxglm5.lowering.triton.sparse_mla`) gathers each query
+token's own top-k rows, so an 8k prompt at top-k 2048 gathers 16M latent rows (~11 GB) a layer, and its MMAs have
+one token's heads (8 of a TP8 rank) as rows. Consecutive tokens of one prompt select largely the same rows, and
+a short prefix (at most a few times the top-k) is mostly selected by some token of a tile anyway, so here:
+
+1. :func:`_count_listed` counts, per query token ``t`` and position ``p``, how often ``t`` lists ``p`` (16-bit
+   counters, two per int32 word, atomic adds: exact while the top-k width is below 65536) and the highest position
+   it lists (-1: none). Tokens are counted in chunks so the counters stay under ``COUNT_BUDGET`` bytes.
+2. :func:`_tile_kernel`: a program owns ``BLOCK_Q`` consecutive tokens x the heads (``BLOCK_Q * HEADS`` = 64 MMA
+   rows: 8 tokens x 8 heads at TP8). For each request among its tokens (normally one) it walks the key blocks of
+   ``BLOCK_N`` positions up to the highest listed one; a block no token of the tile lists is skipped (not loaded);
+   a listed block is gathered once for the whole tile through the block table (rows no token lists read as zeros,
+   so stale bytes never reach P @ V) and feeds the same three QK^T and two P @ V MMAs as the per-token kernel
+   (:func:`fxglm5.lowering.triton.mla.latent_scores`). Each (token, key) score is masked by its count and its
+   softmax weight multiplied by it, the online softmax (exp2 domain, fp32) of flash attention.
+
+Positions are attended exactly as listed; causality is the list's (the cached op's validation rejects a position
+after its query's, as for the reference). :func:`tile_applies` says where the paged program's sparse MLA runs
+this kernel (from the shapes only).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fxglm5 import settings
+from fxglm5.contracts import KV_LORA_RANK
+from fxglm5.lowering.reference import paged as ref
+from fxglm5.lowering.triton.device import interpreter_compat
+from fxglm5.lowering.triton.mla import LOG2E, cache_views, gather_latent_tile, latent_scores, mma
+
+interpreter_compat()
+
+__all__ = ["sparse_mla_tile_paged", "tile_applies", "block_q", "COUNT_BUDGET"]
+
+MMA_ROWS = 64  # tokens x heads of a program: the per-token kernel's 64-head block, two [64, 256] fp32 accumulators
+COUNT_BUDGET = 256 << 20  # bytes of listing counters at a time (8192 tokens x 16k positions)
+MAX_LISTED = (1 << 16) - 1  # a 16-bit counter holds a position listed up to this many times by one token
+
+
+@triton.jit
+def _count_listed(topk_ptr, stride_kt, K, counts_ptr, words_per_row, last_ptr, BLOCK_K: tl.constexpr):
+    """counts[t, p] += 1 for every listed position p of token t (16-bit lanes of int32 words: lane p % 2 of word
+    p // 2, little-endian); last[t] = the highest listed position (-1: none)."""
+    t = tl.program_id(0).to(tl.int64)
+    row = counts_ptr + t * words_per_row
+    hi = tl.full([BLOCK_K], -1, tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        p = tl.load(topk_ptr + t * stride_kt + offs, mask=offs < K, other=-1).to(tl.int32)
+        listed = p >= 0
+        tl.atomic_add(row + p // 2, tl.where(p % 2 == 1, 65536, 1), mask=listed, sem="relaxed")
+        hi = tl.maximum(hi, p)
+    tl.store(last_ptr + t, tl.max(hi, 0))
+
+
+@triton.jit
+def _tile_kernel(
+    q_ptr, stride_qt, stride_qh,
+    cache_ptr, c32_ptr, c16_ptr,
+    bt_ptr, stride_bt, req_ptr,
+    counts_ptr, count_stride, last_ptr,
+    o_ptr, stride_ot, stride_oh,
+    T, H, sm_scale_log2,
+    BS: tl.constexpr, BLOCK_Q: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr, IEEE: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * HEADS
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest prefixes first: a shorter tail wave
+    t0 = tile * BLOCK_Q
+    rows = tl.arange(0, BLOCK_M)
+    tok = t0 + rows // HEADS
+    head = rows % HEADS
+    row_ok = (tok < T) & (head < H)
+    tok64 = tok.to(tl.int64)
+    req_of_row = tl.load(req_ptr + tok, mask=row_ok, other=-1)
+    last_of_row = tl.load(last_ptr + tok, mask=row_ok, other=-1)
+
+    c = tl.arange(0, 256)
+    cp = tl.arange(0, 64)
+    q_row = q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh
+    # fp32 queries, or the interpreter (whose bf16/fp16 tl.dot is wrong): fp32 MMAs
+    dt: tl.constexpr = tl.float32 if IEEE else q_ptr.dtype.element_ty
+    q_a = tl.load(q_row + c[None, :], mask=row_ok[:, None], other=0.0).to(dt)
+    q_b = tl.load(q_row + 256 + c[None, :], mask=row_ok[:, None], other=0.0).to(dt)
+    q_pe = tl.load(q_row + 512 + cp[None, :], mask=row_ok[:, None], other=0.0).to(dt)
+    ty = o_ptr.dtype.element_ty
+
+    for i in range(BLOCK_Q):  # each request among the tile's tokens, walked once, when its first token comes up
+        lead = t0 + i
+        if lead < T:
+            req = tl.load(req_ptr + lead)
+            mine = row_ok & (req_of_row == req)
+            if tl.min(tl.where(mine, tok, T), 0) == lead:
+                hi = tl.max(tl.where(mine, last_of_row, -1), 0)
+                req64 = req.to(tl.int64)
+                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_M], tl.float32)
+                acc_a = tl.zeros([BLOCK_M, 256], tl.float32)
+                acc_b = tl.zeros([BLOCK_M, 256], tl.float32)
+                for n0 in range(0, hi + 1, BLOCK_N):
+                    offs_n = n0 + tl.arange(0, BLOCK_N)
+                    cnt = tl.load(counts_ptr + tok64[:, None] * count_stride + offs_n[None, :],
+                                  mask=mine[:, None] & (offs_n <= hi)[None, :], other=0).to(tl.int32)
+                    listed = tl.max(cnt, 0) > 0
+                    if tl.max(listed.to(tl.int32), 0) > 0:  # a block no token of the tile lists is not loaded
+                        blk = tl.load(bt_ptr + req64 * stride_bt + offs_n // BS, mask=listed, other=0).to(tl.int64)
+                        k_a, k_b, k_pe = gather_latent_tile(blk * BS + offs_n % BS, listed, cache_ptr, c32_ptr,
+                                                            c16_ptr, dt, FP8)
+                        qk = latent_scores(q_a, q_b, q_pe, k_a, k_b, k_pe, sm_scale_log2, BLOCK_M, BLOCK_N, IEEE)
+                        qk = tl.where(cnt > 0, qk, float("-inf"))
+                        m_new = tl.maximum(m_i, tl.max(qk, 1))
+                        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                        alpha = tl.exp2(m_i - m_safe)
+                        p = tl.exp2(qk - m_safe[:, None]) * cnt.to(tl.float32)  # a position listed n times weighs n
+                        l_i = l_i * alpha + tl.sum(p, 1)
+                        pb = p.to(k_a.dtype)
+                        acc_a = mma(pb, k_a, acc_a * alpha[:, None], IEEE)
+                        acc_b = mma(pb, k_b, acc_b * alpha[:, None], IEEE)
+                        m_i = m_new
+                inv = (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]  # nothing listed: zeros
+                o_row = o_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + c[None, :]
+                tl.store(o_row, (acc_a * inv).to(ty), mask=mine[:, None])
+                tl.store(o_row + 256, (acc_b * inv).to(ty), mask=mine[:, None])
+
+
+def block_q(H: int) -> int:
+    """Query tokens per program: the 64 MMA rows shared among the heads (8 at TP8's 8 heads)."""
+    return max(1, MMA_ROWS // triton.next_power_of_2(H))
+
+
+def tile_applies(q, cache, block_table, topk_pos) -> bool:
+    """Whether the paged program's sparse MLA takes this kernel (shapes only, no host sync): a prefill, i.e. on
+    average at least one full tile of tokens per request, at least two tokens a tile, a top-k width the 16-bit
+    counters hold, and a prefix (the block table's width) of at most ``block_q`` top-k lists: walking a tile's
+    whole prefix then loads no more rows than its tokens' own gathers would."""
+    T, H, _ = q.shape
+    K = topk_pos.shape[1]
+    bq = block_q(H)
+    return (settings.sparse_mla_tile() and bq >= 2 and 0 < K <= MAX_LISTED and T >= bq * block_table.shape[0]
+            and block_table.shape[1] * cache.shape[1] <= bq * K)
+
+
+def _default_cfg(q) -> dict:
+    if settings.triton_interpret() or q.device.type != "cuda":
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    return dict(BLOCK_N=32, num_warps=8, num_stages=2)
+
+
+def sparse_mla_tile_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, validate: bool = True,
+                          out=None, cfg: dict | None = None):
+    """Sparse MLA over query tiles -> [T, H, 512] in q.dtype. ``cfg``: launch options (``BLOCK_Q``, ``BLOCK_N``,
+    ``num_warps``, ``num_stages``) over the defaults."""
+    if validate:
+        ref.validate_sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale)
+    T, H, _ = q.shape
+    K = topk_pos.shape[1]
+    if K > MAX_LISTED:
+        raise ValueError(f"sparse_mla_tile_paged: top-k width {K} exceeds the 16-bit counters' {MAX_LISTED}")
+    if out is None:
+        out = torch.empty(T, H, KV_LORA_RANK, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    c = {**_default_cfg(q), "BLOCK_Q": block_q(H), **(cfg or {})}
+    bq, bs = c["BLOCK_Q"], cache.shape[1]
+    heads = triton.next_power_of_2(H)
+    words = triton.cdiv(block_table.shape[1] * bs, 2)  # every listed position lies inside the block table
+    chunk = min(T, max(bq, COUNT_BUDGET // (4 * words) // bq * bq))  # tokens counted at a time, whole tiles
+    counts = torch.empty(chunk, words, dtype=torch.int32, device=q.device)
+    last = torch.empty(chunk, dtype=torch.int32, device=q.device)
+    c8, c32, c16, fp8 = cache_views(cache)
+    ieee = q.dtype == torch.float32 or settings.triton_interpret()
+    for s in range(0, T, chunk):
+        n = min(chunk, T - s)
+        top, cnt = topk_pos[s:s + n], counts[:n]
+        cnt.zero_()
+        _count_listed[(n,)](top, top.stride(0), K, cnt, words, last, BLOCK_K=min(1024, triton.next_power_of_2(K)))
+        qs, os_ = q[s:s + n], out[s:s + n]
+        _tile_kernel[(triton.cdiv(n, bq),)](
+            qs, qs.stride(0), qs.stride(1), c8, c32, c16, block_table, block_table.stride(0), req_idx[s:s + n],
+            cnt.view(torch.int16), 2 * words, last, os_, os_.stride(0), os_.stride(1), n, H, float(scale) * LOG2E,
+            BS=bs, BLOCK_Q=bq, HEADS=heads, BLOCK_N=c["BLOCK_N"], FP8=fp8, IEEE=ieee,
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return out
