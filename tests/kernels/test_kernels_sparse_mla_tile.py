@@ -153,3 +153,13 @@ def test_cached_step_over_the_tile_kernel():
     outs = [step(kern, *args, c, *ctx) for kern, c in ((paged_ops, cache.clone()), (ref, cache.clone()))
             for step in (paged_steps.sparse_mla_step,)]
     _close(outs[0], outs[1], atol=3e-2, rtol=3e-2)
+
+
+def test_sharp_scores_take_each_tokens_own_maximum():
+    """Scores hundreds apart: each token's softmax is shifted by the maximum over its own listed keys, not over the
+    tile's (another token's key scoring far higher would underflow every weight of this one)."""
+    cache, bt, req, pos, g = _setup(torch.float32, seed=5)
+    top = _lists(pos, 4, g)
+    q = torch.randn(len(pos), 2, D, generator=g) * 50
+    _close(ttile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE, cfg=dict(BLOCK_Q=4)),
+           ref.sparse_mla_paged(q, cache, bt, req, top, SCALE), atol=1e-3)
