@@ -45,19 +45,19 @@ MAX_LISTED = (1 << 16) - 1  # a 16-bit counter holds a position listed up to thi
 
 
 @triton.jit
-def _count_listed(topk_ptr, stride_kt, K, counts_ptr, words_per_row, last_ptr, BLOCK_K: tl.constexpr):
+def _count_listed(topk_ptr, stride_kt, K, counts_ptr, words_per_row, used_ptr, n_key_blocks,
+                  BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """counts[t, p] += 1 for every listed position p of token t (16-bit lanes of int32 words: lane p % 2 of word
-    p // 2, little-endian); last[t] = the highest listed position (-1: none)."""
+    p // 2, little-endian); used[t // BLOCK_Q, p // BLOCK_N] = 1 (the key blocks some token of the tile lists)."""
     t = tl.program_id(0).to(tl.int64)
     row = counts_ptr + t * words_per_row
-    hi = tl.full([BLOCK_K], -1, tl.int32)
+    used = used_ptr + (t // BLOCK_Q) * n_key_blocks
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         p = tl.load(topk_ptr + t * stride_kt + offs, mask=offs < K, other=-1).to(tl.int32)
         listed = p >= 0
         tl.atomic_add(row + p // 2, tl.where(p % 2 == 1, 65536, 1), mask=listed, sem="relaxed")
-        hi = tl.maximum(hi, p)
-    tl.store(last_ptr + t, tl.max(hi, 0))
+        tl.store(used + p // BLOCK_N, 1, mask=listed)
 
 
 @triton.jit
@@ -65,69 +65,67 @@ def _tile_kernel(
     q_ptr, stride_qt, stride_qh,
     cache_ptr, c32_ptr, c16_ptr,
     bt_ptr, stride_bt, req_ptr,
-    counts_ptr, count_stride, last_ptr,
+    counts_ptr, count_stride, n_pos, blocks_ptr, n_key_blocks, n_blocks_ptr,
     o_ptr, stride_ot, stride_oh,
     T, H, sm_scale_log2,
     BS: tl.constexpr, BLOCK_Q: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """Program (tile, i): the request of the tile's token i if that is its first token in the tile (else nothing:
+    no branch, an empty walk and masked loads / stores), over the key blocks the tile lists, in block order."""
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest prefixes first: a shorter tail wave
     t0 = tile * BLOCK_Q
+    lead = t0 + tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     tok = t0 + rows // HEADS
     head = rows % HEADS
     row_ok = (tok < T) & (head < H)
     tok64 = tok.to(tl.int64)
-    req_of_row = tl.load(req_ptr + tok, mask=row_ok, other=-1)
-    last_of_row = tl.load(last_ptr + tok, mask=row_ok, other=-1)
+    req = tl.load(req_ptr + tl.minimum(lead, T - 1))
+    same = row_ok & (tl.load(req_ptr + tok, mask=row_ok, other=-1) == req)
+    leads = (lead < T) & (tl.min(tl.where(same, tok, T), 0) == lead)
+    mine = same & leads
+    req64 = req.to(tl.int64)
 
     c = tl.arange(0, 256)
     cp = tl.arange(0, 64)
     q_row = q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh
     # fp32 queries, or the interpreter (whose bf16/fp16 tl.dot is wrong): fp32 MMAs
     dt: tl.constexpr = tl.float32 if IEEE else q_ptr.dtype.element_ty
-    q_a = tl.load(q_row + c[None, :], mask=row_ok[:, None], other=0.0).to(dt)
-    q_b = tl.load(q_row + 256 + c[None, :], mask=row_ok[:, None], other=0.0).to(dt)
-    q_pe = tl.load(q_row + 512 + cp[None, :], mask=row_ok[:, None], other=0.0).to(dt)
-    ty = o_ptr.dtype.element_ty
+    q_a = tl.load(q_row + c[None, :], mask=mine[:, None], other=0.0).to(dt)
+    q_b = tl.load(q_row + 256 + c[None, :], mask=mine[:, None], other=0.0).to(dt)
+    q_pe = tl.load(q_row + 512 + cp[None, :], mask=mine[:, None], other=0.0).to(dt)
 
-    for i in range(BLOCK_Q):  # each request among the tile's tokens, walked once, when its first token comes up
-        lead = t0 + i
-        if lead < T:
-            req = tl.load(req_ptr + lead)
-            mine = row_ok & (req_of_row == req)
-            if tl.min(tl.where(mine, tok, T), 0) == lead:
-                hi = tl.max(tl.where(mine, last_of_row, -1), 0)
-                req64 = req.to(tl.int64)
-                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                l_i = tl.zeros([BLOCK_M], tl.float32)
-                acc_a = tl.zeros([BLOCK_M, 256], tl.float32)
-                acc_b = tl.zeros([BLOCK_M, 256], tl.float32)
-                for n0 in range(0, hi + 1, BLOCK_N):
-                    offs_n = n0 + tl.arange(0, BLOCK_N)
-                    cnt = tl.load(counts_ptr + tok64[:, None] * count_stride + offs_n[None, :],
-                                  mask=mine[:, None] & (offs_n <= hi)[None, :], other=0).to(tl.int32)
-                    listed = tl.max(cnt, 0) > 0
-                    if tl.max(listed.to(tl.int32), 0) > 0:  # a block no token of the tile lists is not loaded
-                        blk = tl.load(bt_ptr + req64 * stride_bt + offs_n // BS, mask=listed, other=0).to(tl.int64)
-                        k_a, k_b, k_pe = gather_latent_tile(blk * BS + offs_n % BS, listed, cache_ptr, c32_ptr,
-                                                            c16_ptr, dt, FP8)
-                        qk = latent_scores(q_a, q_b, q_pe, k_a, k_b, k_pe, sm_scale_log2, BLOCK_M, BLOCK_N, IEEE)
-                        qk = tl.where(cnt > 0, qk, float("-inf"))
-                        m_new = tl.maximum(m_i, tl.max(qk, 1))
-                        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                        alpha = tl.exp2(m_i - m_safe)
-                        p = tl.exp2(qk - m_safe[:, None]) * cnt.to(tl.float32)  # a position listed n times weighs n
-                        l_i = l_i * alpha + tl.sum(p, 1)
-                        pb = p.to(k_a.dtype)
-                        acc_a = mma(pb, k_a, acc_a * alpha[:, None], IEEE)
-                        acc_b = mma(pb, k_b, acc_b * alpha[:, None], IEEE)
-                        m_i = m_new
-                inv = (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]  # nothing listed: zeros
-                o_row = o_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + c[None, :]
-                tl.store(o_row, (acc_a * inv).to(ty), mask=mine[:, None])
-                tl.store(o_row + 256, (acc_b * inv).to(ty), mask=mine[:, None])
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_a = tl.zeros([BLOCK_M, 256], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, 256], tl.float32)
+    n_walk = tl.where(leads, tl.load(n_blocks_ptr + tile), 0)
+    blocks = blocks_ptr + tile.to(tl.int64) * n_key_blocks
+    for j in range(0, n_walk):
+        offs_n = tl.load(blocks + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cnt = tl.load(counts_ptr + tok64[:, None] * count_stride + offs_n[None, :],
+                      mask=mine[:, None] & (offs_n < n_pos)[None, :], other=0).to(tl.int32)
+        listed = tl.max(cnt, 0) > 0  # rows no token of this request lists read as zeros: stale bytes stay out
+        blk = tl.load(bt_ptr + req64 * stride_bt + offs_n // BS, mask=listed, other=0).to(tl.int64)
+        k_a, k_b, k_pe = gather_latent_tile(blk * BS + offs_n % BS, listed, cache_ptr, c32_ptr, c16_ptr, dt, FP8)
+        qk = latent_scores(q_a, q_b, q_pe, k_a, k_b, k_pe, sm_scale_log2, BLOCK_M, BLOCK_N, IEEE)
+        qk = tl.where(cnt > 0, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None]) * cnt.to(tl.float32)  # a position listed n times weighs n
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pb = p.to(k_a.dtype)
+        acc_a = mma(pb, k_a, acc_a * alpha[:, None], IEEE)
+        acc_b = mma(pb, k_b, acc_b * alpha[:, None], IEEE)
+        m_i = m_new
+    inv = (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]  # nothing listed: zeros
+    o_row = o_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + c[None, :]
+    ty = o_ptr.dtype.element_ty
+    tl.store(o_row, (acc_a * inv).to(ty), mask=mine[:, None])
+    tl.store(o_row + 256, (acc_b * inv).to(ty), mask=mine[:, None])
 
 
 def block_q(H: int) -> int:
@@ -172,23 +170,29 @@ def sparse_mla_tile_paged(q, cache, block_table, req_idx, topk_pos, scale: float
     if q.stride(-1) != 1:
         q = q.contiguous()
     c = {**_default_cfg(q), "BLOCK_Q": block_q(H), **(cfg or {})}
-    bq, bs = c["BLOCK_Q"], cache.shape[1]
-    heads = triton.next_power_of_2(H)
-    words = triton.cdiv(block_table.shape[1] * bs, 2)  # every listed position lies inside the block table
+    bq, bn, bs = c["BLOCK_Q"], c["BLOCK_N"], cache.shape[1]
+    n_pos = block_table.shape[1] * bs  # every listed position lies inside the block table
+    words, n_key_blocks = triton.cdiv(n_pos, 2), triton.cdiv(n_pos, bn)
     chunk = min(T, max(bq, COUNT_BUDGET // (4 * words) // bq * bq))  # tokens counted at a time, whole tiles
     counts = torch.empty(chunk, words, dtype=torch.int32, device=q.device)
-    last = torch.empty(chunk, dtype=torch.int32, device=q.device)
+    used = torch.empty(triton.cdiv(chunk, bq), n_key_blocks, dtype=torch.int8, device=q.device)
     c8, c32, c16, fp8 = cache_views(cache)
     ieee = q.dtype == torch.float32 or settings.triton_interpret()
+    req_idx, topk_pos = req_idx.contiguous(), topk_pos.contiguous()
     for s in range(0, T, chunk):
-        n = min(chunk, T - s)
-        top, cnt = topk_pos[s:s + n], counts[:n]
+        n, tiles = min(chunk, T - s), triton.cdiv(min(chunk, T - s), bq)
+        cnt, use = counts[:n], used[:tiles]
         cnt.zero_()
-        _count_listed[(n,)](top, top.stride(0), K, cnt, words, last, BLOCK_K=min(1024, triton.next_power_of_2(K)))
+        use.zero_()
+        _count_listed[(n,)](topk_pos[s:], K, K, cnt, words, use, n_key_blocks, BLOCK_Q=bq, BLOCK_N=bn,
+                            BLOCK_K=min(1024, triton.next_power_of_2(K)))
+        # each tile's listed key blocks first, in block order, and their count (no host sync)
+        blocks = torch.argsort(use, dim=1, descending=True, stable=True).to(torch.int32)
+        n_blocks = use.sum(dim=1, dtype=torch.int32)
         qs, os_ = q[s:s + n], out[s:s + n]
-        _tile_kernel[(triton.cdiv(n, bq),)](
-            qs, qs.stride(0), qs.stride(1), c8, c32, c16, block_table, block_table.stride(0), req_idx[s:s + n],
-            cnt.view(torch.int16), 2 * words, last, os_, os_.stride(0), os_.stride(1), n, H, float(scale) * LOG2E,
-            BS=bs, BLOCK_Q=bq, HEADS=heads, BLOCK_N=c["BLOCK_N"], FP8=fp8, IEEE=ieee,
-            num_warps=c["num_warps"], num_stages=c["num_stages"])
+        _tile_kernel[(tiles, bq)](
+            qs, qs.stride(0), qs.stride(1), c8, c32, c16, block_table, block_table.stride(0), req_idx[s:],
+            cnt.view(torch.int16), 2 * words, n_pos, blocks, n_key_blocks, n_blocks, os_, os_.stride(0),
+            os_.stride(1), n, H, float(scale) * LOG2E, BS=bs, BLOCK_Q=bq, HEADS=triton.next_power_of_2(H),
+            BLOCK_N=bn, FP8=fp8, IEEE=ieee, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
