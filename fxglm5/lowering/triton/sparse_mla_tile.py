@@ -3,20 +3,22 @@
 Same signature and semantics as :func:`fxglm5.lowering.reference.paged.sparse_mla_paged` (attention over exactly
 the listed positions, -1 = unused entry, a position listed twice weighs twice, a row with no valid entry gives
 zeros). Why a second kernel: the per-token kernel (:mod:`fxglm5.lowering.triton.sparse_mla`) gathers each query
-token's own top-k rows, so an 8k prompt at top-k 2048 gathers 16M latent rows (~11 GB) a layer, and its MMAs have
-one token's heads (8 of a TP8 rank) as rows. Consecutive tokens of one prompt select largely the same rows, and
-a short prefix (at most a few times the top-k) is mostly selected by some token of a tile anyway, so here:
+token's own top-k rows, so an 8k prompt at top-k 2048 gathers 16M latent rows (10.7 GB of 656-byte FP8 rows) a
+layer, and its MMAs have one token's heads (8 of a TP8 rank) as rows. Here the tokens of a tile share one load of
+each key block any of them lists, and their heads together fill 64 MMA rows:
 
 1. :func:`_count_listed` counts, per query token ``t`` and position ``p``, how often ``t`` lists ``p`` (16-bit
-   counters, two per int32 word, atomic adds: exact while the top-k width is below 65536) and the highest position
-   it lists (-1: none). Tokens are counted in chunks so the counters stay under ``COUNT_BUDGET`` bytes.
+   counters, two per int32 word, atomic adds: exact while the top-k width is below 65536) and marks the key blocks
+   of ``BLOCK_N`` positions some token of each tile lists; an argsort puts each tile's marked blocks first, in
+   block order (no host sync). Tokens are counted in chunks so the counters stay under ``COUNT_BUDGET`` bytes.
 2. :func:`_tile_kernel`: a program owns ``BLOCK_Q`` consecutive tokens x the heads (``BLOCK_Q * HEADS`` = 64 MMA
-   rows: 8 tokens x 8 heads at TP8). For each request among its tokens (normally one) it walks the key blocks of
-   ``BLOCK_N`` positions up to the highest listed one; a block no token of the tile lists is skipped (not loaded);
-   a listed block is gathered once for the whole tile through the block table (rows no token lists read as zeros,
-   so stale bytes never reach P @ V) and feeds the same three QK^T and two P @ V MMAs as the per-token kernel
-   (:func:`fxglm5.lowering.triton.mla.latent_scores`). Each (token, key) score is masked by its count and its
-   softmax weight multiplied by it, the online softmax (exp2 domain, fp32) of flash attention.
+   rows: 8 tokens x 8 heads at TP8) and one request among them (normally the only one; grid axis 1 gives each
+   token of a tile that leads its request in the tile a program, the others walk nothing). It walks only the
+   tile's marked blocks, without a branch, so the pipeliner can overlap a block's gathers with the previous one's
+   MMAs: each block is gathered once for the whole tile through the block table (rows no token of the request
+   lists read as zeros, so stale bytes never reach P @ V) and feeds the same three QK^T and two P @ V MMAs as the
+   per-token kernel (:func:`fxglm5.lowering.triton.mla.latent_scores`). Each (token, key) score is masked by its
+   count and its softmax weight multiplied by it, in the online softmax (exp2 domain, fp32) of flash attention.
 
 Positions are attended exactly as listed; causality is the list's (the cached op's validation rejects a position
 after its query's, as for the reference). :func:`tile_applies` says where the paged program's sparse MLA runs
