@@ -39,7 +39,7 @@ from fxglm5.lowering.triton.mla import LOG2E, cache_views, gather_latent_tile, l
 
 interpreter_compat()
 
-__all__ = ["sparse_mla_tile_paged", "tile_applies", "block_q", "COUNT_BUDGET"]
+__all__ = ["sparse_mla_tile_paged", "tile_applies", "block_q", "COUNT_BUDGET", "GPU_LAUNCH"]
 
 MMA_ROWS = 64  # tokens x heads of a program: the per-token kernel's 64-head block, two [64, 256] fp32 accumulators
 COUNT_BUDGET = 256 << 20  # bytes of listing counters at a time (8192 tokens x 16k positions)
@@ -147,10 +147,14 @@ def tile_applies(q, cache, block_table, topk_pos) -> bool:
             and block_table.shape[1] * cache.shape[1] <= bq * K)
 
 
+# the launch on a GPU (two stages: the pipeliner turns the next listed block's gathers into asynchronous copies
+# while this one's MMAs run) and in the interpreter (small tiles)
+GPU_LAUNCH = dict(BLOCK_N=32, num_warps=8, num_stages=2)
+INTERPRETER_LAUNCH = dict(BLOCK_N=16, num_warps=4, num_stages=1)
+
+
 def _default_cfg(q) -> dict:
-    if settings.triton_interpret() or q.device.type != "cuda":
-        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
-    return dict(BLOCK_N=32, num_warps=8, num_stages=2)
+    return INTERPRETER_LAUNCH if settings.triton_interpret() or q.device.type != "cuda" else GPU_LAUNCH
 
 
 def sparse_mla_tile_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, validate: bool = True,
