@@ -103,11 +103,12 @@ def _tile_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_a = tl.zeros([BLOCK_M, 256], tl.float32)
     acc_b = tl.zeros([BLOCK_M, 256], tl.float32)
+    count_row = tok * count_stride  # int32: the launcher keeps a chunk's counters under 2**31 entries
     n_walk = tl.where(leads, tl.load(n_blocks_ptr + tile), 0)
     blocks = blocks_ptr + tile.to(tl.int64) * n_key_blocks
     for j in range(0, n_walk):
         offs_n = tl.load(blocks + j) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cnt = tl.load(counts_ptr + tok64[:, None] * count_stride + offs_n[None, :],
+        cnt = tl.load(counts_ptr + (count_row[:, None] + offs_n[None, :]),
                       mask=mine[:, None] & (offs_n < n_pos)[None, :], other=0).to(tl.int32)
         listed = tl.max(cnt, 0) > 0  # rows no token of this request lists read as zeros: stale bytes stay out
         blk = tl.load(bt_ptr + req64 * stride_bt + offs_n // BS, mask=listed, other=0).to(tl.int64)
