@@ -69,7 +69,7 @@ def _close(a, b, atol, rtol=0.0):
 
 
 @pytest.mark.parametrize("cdtype", [torch.float32, torch.bfloat16, torch.uint8], ids=["f32", "bf16", "fp8"])
-@pytest.mark.parametrize("block_q", [2, 4])
+@pytest.mark.parametrize("block_q", [2, 4, 32])  # 32 (the default at 2 heads): a tile holding all three requests
 def test_tile_kernel_matches_reference(cdtype, block_q):
     cache, bt, req, pos, g = _setup(cdtype)
     H = 2
@@ -163,3 +163,16 @@ def test_sharp_scores_take_each_tokens_own_maximum():
     q = torch.randn(len(pos), 2, D, generator=g) * 50
     _close(ttile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE, cfg=dict(BLOCK_Q=4)),
            ref.sparse_mla_paged(q, cache, bt, req, top, SCALE), atol=1e-3)
+
+
+def test_tokens_of_requests_interleaved():
+    """The flat batch's tokens shuffled: a tile holds tokens of up to three requests in any order, each request
+    attended by its own program over its own block table row."""
+    cache, bt, req, pos, g = _setup(torch.uint8, seed=6)
+    perm = torch.randperm(len(pos), generator=g)
+    req, pos = req[perm], pos[perm]
+    top = _lists(pos, 6, g)
+    q = torch.randn(len(pos), 2, D, generator=g)
+    for block_q in (4, 8):
+        _close(ttile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE, cfg=dict(BLOCK_Q=block_q)),
+               ref.sparse_mla_paged(q, cache, bt, req, top, SCALE), atol=1e-4)

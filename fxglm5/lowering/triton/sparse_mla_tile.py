@@ -12,8 +12,8 @@ each key block any of them lists, and their heads together fill 64 MMA rows:
    of ``BLOCK_N`` positions some token of each tile lists; an argsort puts each tile's marked blocks first, in
    block order (no host sync). Tokens are counted in chunks so the counters stay under ``COUNT_BUDGET`` bytes.
 2. :func:`_tile_kernel`: a program owns ``BLOCK_Q`` consecutive tokens x the heads (``BLOCK_Q * HEADS`` = 64 MMA
-   rows: 8 tokens x 8 heads at TP8) and one request among them (normally the only one; grid axis 1 gives each
-   token of a tile that leads its request in the tile a program, the others walk nothing). It walks only the
+   rows: 8 tokens x 8 heads at TP8) and one request among them (normally the only one; grid axis 1 numbers the
+   requests a tile can hold, up to the batch's, and a program without one walks nothing). It walks only the
    tile's marked blocks, without a branch, so the pipeliner can overlap a block's gathers with the previous one's
    MMAs: each block is gathered once for the whole tile through the block table (rows no token of the request
    lists read as zeros, so stale bytes never reach P @ V) and feeds the same three QK^T and two P @ V MMAs as the
@@ -67,28 +67,27 @@ def _tile_kernel(
     q_ptr, stride_qt, stride_qh,
     cache_ptr, c32_ptr, c16_ptr,
     bt_ptr, stride_bt, req_ptr,
-    counts_ptr, count_stride, n_pos, blocks_ptr, n_key_blocks, n_blocks_ptr,
+    counts_ptr, count_stride, n_pos, blocks_ptr, n_key_blocks, n_blocks_ptr, leads_ptr, n_slots,
     o_ptr, stride_ot, stride_oh,
     T, H, sm_scale_log2,
     BS: tl.constexpr, BLOCK_Q: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Program (tile, i): the request of the tile's token i if that is its first token in the tile (else nothing:
-    no branch, an empty walk and masked loads / stores), over the key blocks the tile lists, in block order."""
+    """Program (tile, i): the request whose first token in the tile is ``leads[tile, i]`` (T: none, nothing to do,
+    without a branch: an empty walk and masked loads / stores), over the key blocks the tile lists, in block order."""
     BLOCK_M: tl.constexpr = BLOCK_Q * HEADS
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest prefixes first: a shorter tail wave
     t0 = tile * BLOCK_Q
-    lead = t0 + tl.program_id(1)
+    lead = tl.load(leads_ptr + tile * n_slots + tl.program_id(1))
+    has_req = lead < T
+    req = tl.load(req_ptr + tl.minimum(lead, T - 1))
+    req64 = req.to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     tok = t0 + rows // HEADS
     head = rows % HEADS
     row_ok = (tok < T) & (head < H)
     tok64 = tok.to(tl.int64)
-    req = tl.load(req_ptr + tl.minimum(lead, T - 1))
-    same = row_ok & (tl.load(req_ptr + tok, mask=row_ok, other=-1) == req)
-    leads = (lead < T) & (tl.min(tl.where(same, tok, T), 0) == lead)
-    mine = same & leads
-    req64 = req.to(tl.int64)
+    mine = row_ok & (tl.load(req_ptr + tok, mask=row_ok, other=-1) == req) & has_req
 
     c = tl.arange(0, 256)
     cp = tl.arange(0, 64)
@@ -104,7 +103,7 @@ def _tile_kernel(
     acc_a = tl.zeros([BLOCK_M, 256], tl.float32)
     acc_b = tl.zeros([BLOCK_M, 256], tl.float32)
     count_row = tok * count_stride  # int32: the launcher keeps a chunk's counters under 2**31 entries
-    n_walk = tl.where(leads, tl.load(n_blocks_ptr + tile), 0)
+    n_walk = tl.where(has_req, tl.load(n_blocks_ptr + tile), 0)
     blocks = blocks_ptr + tile.to(tl.int64) * n_key_blocks
     for j in range(0, n_walk):
         offs_n = tl.load(blocks + j) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -158,6 +157,22 @@ def _default_cfg(q) -> dict:
     return INTERPRETER_LAUNCH if settings.triton_interpret() or q.device.type != "cuda" else GPU_LAUNCH
 
 
+def _request_leads(req_idx: torch.Tensor, bq: int, slots: int) -> torch.Tensor:
+    """int32 [tiles, slots]: per tile of ``bq`` tokens, the first token (index into ``req_idx``) of each request
+    among them, in token order, then ``len(req_idx)`` (no request). Device ops only (no host sync)."""
+    n = req_idx.shape[0]
+    tiles = triton.cdiv(n, bq)
+    reqs = torch.full((tiles * bq,), -1, dtype=torch.int64, device=req_idx.device)
+    reqs[:n] = req_idx
+    reqs = reqs.view(tiles, bq)
+    earlier = torch.ones(bq, bq, dtype=torch.bool, device=req_idx.device).tril(-1)  # [k, j]: j before k
+    first = (reqs >= 0) & ~((reqs[:, :, None] == reqs[:, None, :]) & earlier).any(dim=2)
+    nth = torch.where(first, first.cumsum(dim=1) - 1, slots)  # slot of each first token; the rest to a spare column
+    tok = torch.arange(tiles * bq, device=req_idx.device).view(tiles, bq)
+    leads = torch.full((tiles, slots + 1), n, dtype=torch.int64, device=req_idx.device)
+    return leads.scatter_(1, nth, torch.where(first, tok, n))[:, :slots].to(torch.int32).contiguous()
+
+
 def sparse_mla_tile_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, validate: bool = True,
                           out=None, cfg: dict | None = None):
     """Sparse MLA over query tiles -> [T, H, 512] in q.dtype. ``cfg``: launch options (``BLOCK_Q``, ``BLOCK_N``,
@@ -196,10 +211,12 @@ def sparse_mla_tile_paged(q, cache, block_table, req_idx, topk_pos, scale: float
         # each tile's listed key blocks first, in block order, and their count (no host sync)
         blocks = torch.argsort(use, dim=1, descending=True, stable=True).to(torch.int32)
         n_blocks = use.sum(dim=1, dtype=torch.int32)
+        slots = min(bq, block_table.shape[0])  # requests a tile can hold
+        leads = _request_leads(req_idx[s:s + n], bq, slots)
         qs, os_ = q[s:s + n], out[s:s + n]
-        _tile_kernel[(tiles, bq)](
+        _tile_kernel[(tiles, slots)](
             qs, qs.stride(0), qs.stride(1), c8, c32, c16, block_table, block_table.stride(0), req_idx[s:],
-            cnt.view(torch.int16), 2 * words, n_pos, blocks, n_key_blocks, n_blocks, os_, os_.stride(0),
+            cnt.view(torch.int16), 2 * words, n_pos, blocks, n_key_blocks, n_blocks, leads, slots, os_, os_.stride(0),
             os_.stride(1), n, H, float(scale) * LOG2E, BS=bs, BLOCK_Q=bq, HEADS=triton.next_power_of_2(H),
             BLOCK_N=bn, FP8=fp8, IEEE=ieee, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
