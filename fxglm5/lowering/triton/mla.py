@@ -154,10 +154,10 @@ def _tma_tile(desc, desc_pe, c32_ptr, row, slot0, n_valid, dt: tl.constexpr, FP8
 
 
 @triton.jit
-def latent_scores(q_a, q_b, q_pe, k_a, k_b, k_pe, sm_scale_log2, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr):
-    """S = Q K^T over the 576 latent + rope columns (three chained MMAs), scaled into the exp2 domain."""
-    qk = mma(q_a, tl.trans(k_a), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)
+def latent_scores(q_a, q_b, q_pe, k_a, k_b, k_pe, acc, sm_scale_log2, IEEE: tl.constexpr):
+    """S = (acc + Q K^T over the 576 latent + rope columns (three chained MMAs)) * sm_scale_log2: the scores in the
+    exp2 domain, plus ``acc / sm_scale_log2`` (zeros: the plain scores)."""
+    qk = mma(q_a, tl.trans(k_a), acc, IEEE)
     qk = mma(q_b, tl.trans(k_b), qk, IEEE)
     return mma(q_pe, tl.trans(k_pe), qk, IEEE) * sm_scale_log2
 
@@ -167,7 +167,7 @@ def _attend(q_a, q_b, q_pe, k_a, k_b, k_pe, valid, m_i, l_i, acc_a, acc_b, sm_sc
             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     """One online-softmax step: S = Q K^T over 576 columns (:func:`latent_scores`), P @ V over the 512 latent
     columns of the same tile (two MMAs into the column halves). MASKED=False for tiles known to be all valid."""
-    qk = latent_scores(q_a, q_b, q_pe, k_a, k_b, k_pe, sm_scale_log2, BLOCK_H, BLOCK_N, IEEE)
+    qk = latent_scores(q_a, q_b, q_pe, k_a, k_b, k_pe, tl.zeros([BLOCK_H, BLOCK_N], tl.float32), sm_scale_log2, IEEE)
     if MASKED:
         qk = tl.where(valid[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))

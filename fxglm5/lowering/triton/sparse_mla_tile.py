@@ -17,8 +17,9 @@ each key block any of them lists, and their heads together fill 64 MMA rows:
    tile's marked blocks, without a branch, so the pipeliner can overlap a block's gathers with the previous one's
    MMAs: each block is gathered once for the whole tile through the block table (rows no token of the request
    lists read as zeros, so stale bytes never reach P @ V) and feeds the same three QK^T and two P @ V MMAs as the
-   per-token kernel (:func:`fxglm5.lowering.triton.mla.latent_scores`). Each (token, key) score is masked by its
-   count and its softmax weight multiplied by it, in the online softmax (exp2 domain, fp32) of flash attention.
+   per-token kernel (:func:`fxglm5.lowering.triton.mla.latent_scores`). Each (token, key) score gets log2 of its
+   count added (a position listed n times weighs n; unlisted: a bias far below any score) by a fourth, one-hot
+   MMA in the QK^T chain, then the online softmax (exp2 domain, fp32) of flash attention.
 
 Positions are attended exactly as listed; causality is the list's (the cached op's validation rejects a position
 after its query's, as for the reference). :func:`tile_applies` says where the paged program's sparse MLA runs
@@ -44,6 +45,11 @@ __all__ = ["sparse_mla_tile_paged", "tile_applies", "block_q", "COUNT_BUDGET", "
 MMA_ROWS = 64  # tokens x heads of a program: the per-token kernel's 64-head block, two [64, 256] fp32 accumulators
 COUNT_BUDGET = 256 << 20  # bytes of listing counters at a time (8192 tokens x 16k positions)
 MAX_LISTED = (1 << 16) - 1  # a 16-bit counter holds a position listed up to this many times by one token
+# the score bias of an unlisted (token, key): finite, so that the one-hot MMA's zeros times it stay 0 (not NaN), and
+# far below any real score (bf16 and fp32 hold it); a running maximum below UNLISTED_BELOW has seen no listed key
+# (UNLISTED times any softmax scale above 1e-10 is below it)
+UNLISTED = tl.constexpr(-1.0e30)
+UNLISTED_BELOW = tl.constexpr(-1.0e20)
 
 
 @triton.jit
@@ -87,7 +93,7 @@ def _tile_kernel(
     head = rows % HEADS
     row_ok = (tok < T) & (head < H)
     tok64 = tok.to(tl.int64)
-    mine = row_ok & (tl.load(req_ptr + tok, mask=row_ok, other=-1) == req) & has_req
+    mine = row_ok & (tl.load(req_ptr + tok, mask=row_ok, other=-1) == req) & has_req  # the rows of this request
 
     c = tl.arange(0, 256)
     cp = tl.arange(0, 64)
@@ -98,26 +104,38 @@ def _tile_kernel(
     q_b = tl.load(q_row + 256 + c[None, :], mask=mine[:, None], other=0.0).to(dt)
     q_pe = tl.load(q_row + 512 + cp[None, :], mask=mine[:, None], other=0.0).to(dt)
 
+    # the tile's tokens (padded to the MMA's K of 16) and the one-hot [row, token] matrix that adds each token's
+    # score bias to its heads' rows through one more MMA in the QK^T chain
+    TOKS: tl.constexpr = max(16, BLOCK_Q)
+    toks = t0 + tl.arange(0, TOKS)
+    tok_ok = (tl.arange(0, TOKS) < BLOCK_Q) & (toks < T)
+    tok_mine = tok_ok & (tl.load(req_ptr + toks, mask=tok_ok, other=-1) == req) & has_req
+    count_row = toks * count_stride  # int32: the launcher keeps a chunk's counters under 2**31 entries
+    one_hot = ((rows // HEADS)[:, None] == tl.arange(0, TOKS)[None, :]).to(dt)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_a = tl.zeros([BLOCK_M, 256], tl.float32)
     acc_b = tl.zeros([BLOCK_M, 256], tl.float32)
-    count_row = tok * count_stride  # int32: the launcher keeps a chunk's counters under 2**31 entries
     n_walk = tl.where(has_req, tl.load(n_blocks_ptr + tile), 0)
     blocks = blocks_ptr + tile.to(tl.int64) * n_key_blocks
     for j in range(0, n_walk):
         offs_n = tl.load(blocks + j) * BLOCK_N + tl.arange(0, BLOCK_N)
         cnt = tl.load(counts_ptr + (count_row[:, None] + offs_n[None, :]),
-                      mask=mine[:, None] & (offs_n < n_pos)[None, :], other=0).to(tl.int32)
+                      mask=tok_mine[:, None] & (offs_n < n_pos)[None, :], other=0).to(tl.float32)
         listed = tl.max(cnt, 0) > 0  # rows no token of this request lists read as zeros: stale bytes stay out
         blk = tl.load(bt_ptr + req64 * stride_bt + offs_n // BS, mask=listed, other=0).to(tl.int64)
         k_a, k_b, k_pe = gather_latent_tile(blk * BS + offs_n % BS, listed, cache_ptr, c32_ptr, c16_ptr, dt, FP8)
-        qk = latent_scores(q_a, q_b, q_pe, k_a, k_b, k_pe, sm_scale_log2, BLOCK_M, BLOCK_N, IEEE)
-        qk = tl.where(cnt > 0, qk, float("-inf"))
+        # each (token, key) score plus log2(count) (0 listed once, 1 twice, ...; UNLISTED not listed), through the
+        # one-hot MMA: applying a [token, key] tensor to the [row, key] scores elementwise would convert its layout
+        # between the MMAs, which makes ptxas serialize them (C7515)
+        bias = tl.where(cnt > 0.0, tl.log2(tl.maximum(cnt, 1.0)) / sm_scale_log2, UNLISTED).to(dt)
+        qk = latent_scores(q_a, q_b, q_pe, k_a, k_b, k_pe,
+                           mma(one_hot, bias, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE), sm_scale_log2, IEEE)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_safe = tl.where(m_new < UNLISTED_BELOW, 0.0, m_new)  # nothing listed yet: every weight 0
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None]) * cnt.to(tl.float32)  # a position listed n times weighs n
+        p = tl.exp2(qk - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         pb = p.to(k_a.dtype)
         acc_a = mma(pb, k_a, acc_a * alpha[:, None], IEEE)
