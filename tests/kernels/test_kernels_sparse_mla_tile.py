@@ -176,3 +176,19 @@ def test_tokens_of_requests_interleaved():
     for block_q in (4, 8):
         _close(ttile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE, cfg=dict(BLOCK_Q=block_q)),
                ref.sparse_mla_paged(q, cache, bt, req, top, SCALE), atol=1e-4)
+
+
+def test_bad_inputs_are_named():
+    """Invalid inputs are the reference's InputError naming the argument; a top-k wider than the 16-bit counters
+    hold is a ValueError saying so (the dispatch never sends one)."""
+    from fxglm5.errors import InputError
+
+    cache, bt, req, pos, g = _setup(torch.bfloat16, seed=7)
+    q = torch.randn(len(pos), 2, D, generator=g)
+    top = _lists(pos, 4, g)
+    top[0, 0] = bt.shape[1] * BS  # beyond the block table
+    with pytest.raises(InputError, match="topk_pos"):
+        ttile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE)
+    wide = torch.full((1, ttile.MAX_LISTED + 1), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="16-bit counters"):
+        ttile.sparse_mla_tile_paged(q[:1], cache, bt, req[:1], wide, SCALE)

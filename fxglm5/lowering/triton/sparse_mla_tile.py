@@ -43,7 +43,7 @@ interpreter_compat()
 __all__ = ["sparse_mla_tile_paged", "tile_applies", "block_q", "COUNT_BUDGET", "GPU_LAUNCH"]
 
 MMA_ROWS = 64  # tokens x heads of a program: the per-token kernel's 64-head block, two [64, 256] fp32 accumulators
-COUNT_BUDGET = 256 << 20  # bytes of listing counters at a time (8192 tokens x 16k positions)
+COUNT_BUDGET = 128 << 20  # bytes of listing counters at a time: an 8k prompt at once (8192 tokens x 8192 positions)
 MAX_LISTED = (1 << 16) - 1  # a 16-bit counter holds a position listed up to this many times by one token
 # the score bias of an unlisted (token, key): finite, so that the one-hot MMA's zeros times it stay 0 (not NaN), and
 # far below any real score (bf16 and fp32 hold it); a running maximum below UNLISTED_BELOW has seen no listed key
