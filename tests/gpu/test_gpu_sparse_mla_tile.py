@@ -47,7 +47,7 @@ def test_tile_kernel_8k_prompt(cdtype):
 @pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8], ids=["bf16", "fp8"])
 def test_tile_kernel_flat_batch_of_prefills(cdtype, monkeypatch):
     """Three requests' prefills in one flat batch, two after a cached prefix, tiles straddling two requests, a
-    token with nothing listed, a position listed twice, token chunks smaller than the batch."""
+    token with nothing listed, a position listed twice, token chunks smaller than the batch, fp16 queries."""
     from fxglm5.lowering.triton import sparse_mla_tile
 
     q, cache, bt, req, _, top = prefill_case([3000, 1501, 700], [(2000, 3000), (0, 1501), (333, 700)], HEADS, cdtype,
@@ -58,3 +58,5 @@ def test_tile_kernel_flat_batch_of_prefills(cdtype, monkeypatch):
     _close(sparse_mla_tile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE), expect)
     monkeypatch.setattr(sparse_mla_tile, "COUNT_BUDGET", 4 * (bt.shape[1] * 64 // 2) * 600)  # 600 tokens at a time
     _close(sparse_mla_tile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE), expect)
+    qh = q.half()  # fp16 queries: the bias MMA stays in bf16 (its unlisted bias overflows fp16)
+    _close(sparse_mla_tile.sparse_mla_tile_paged(qh, cache, bt, req, top, SCALE), _reference(qh, cache, bt, req, top))

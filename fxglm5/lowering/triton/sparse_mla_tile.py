@@ -46,7 +46,7 @@ MMA_ROWS = 64  # tokens x heads of a program: the per-token kernel's 64-head blo
 COUNT_BUDGET = 128 << 20  # bytes of listing counters at a time: an 8k prompt at once (8192 tokens x 8192 positions)
 MAX_LISTED = (1 << 16) - 1  # a 16-bit counter holds a position listed up to this many times by one token
 # the score bias of an unlisted (token, key): finite, so that the one-hot MMA's zeros times it stay 0 (not NaN), and
-# far below any real score (bf16 and fp32 hold it); a running maximum below UNLISTED_BELOW has seen no listed key
+# far below any real score (bf16 and fp32 hold it, fp16 does not); a running maximum below UNLISTED_BELOW has seen no listed key
 # (UNLISTED times any softmax scale above 1e-10 is below it)
 UNLISTED = tl.constexpr(-1.0e30)
 UNLISTED_BELOW = tl.constexpr(-1.0e20)
@@ -111,7 +111,9 @@ def _tile_kernel(
     tok_ok = (tl.arange(0, TOKS) < BLOCK_Q) & (toks < T)
     tok_mine = tok_ok & (tl.load(req_ptr + toks, mask=tok_ok, other=-1) == req) & has_req
     count_row = toks * count_stride  # int32: the launcher keeps a chunk's counters under 2**31 entries
-    one_hot = ((rows // HEADS)[:, None] == tl.arange(0, TOKS)[None, :]).to(dt)
+    # the bias MMA in bf16 (or fp32), whatever the queries: UNLISTED overflows fp16
+    bias_dt: tl.constexpr = tl.float32 if IEEE else tl.bfloat16
+    one_hot = ((rows // HEADS)[:, None] == tl.arange(0, TOKS)[None, :]).to(bias_dt)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -129,7 +131,7 @@ def _tile_kernel(
         # each (token, key) score plus log2(count) (0 listed once, 1 twice, ...; UNLISTED not listed), through the
         # one-hot MMA: applying a [token, key] tensor to the [row, key] scores elementwise would convert its layout
         # between the MMAs, which makes ptxas serialize them (C7515)
-        bias = tl.where(cnt > 0.0, tl.log2(tl.maximum(cnt, 1.0)) / sm_scale_log2, UNLISTED).to(dt)
+        bias = tl.where(cnt > 0.0, tl.log2(tl.maximum(cnt, 1.0)) / sm_scale_log2, UNLISTED).to(bias_dt)
         qk = latent_scores(q_a, q_b, q_pe, k_a, k_b, k_pe,
                            mma(one_hot, bias, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE), sm_scale_log2, IEEE)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
