@@ -26,7 +26,8 @@ def _compile(fp8: bool):
         {"cache_ptr": "*bf16", "c32_ptr": "*bf16", "c16_ptr": "*bf16"}
     sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", **cache, "bt_ptr": "*i32", "stride_bt": "i32",
            "req_ptr": "*i32", "counts_ptr": "*i16", "count_stride": "i32", "n_pos": "i32", "blocks_ptr": "*i32",
-           "n_key_blocks": "i32", "n_blocks_ptr": "*i32", "leads_ptr": "*i32", "n_slots": "i32", "o_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32",
+           "n_key_blocks": "i32", "n_blocks_ptr": "*i32", "leads_ptr": "*i32", "n_slots": "i32", "o_ptr": "*bf16",
+           "stride_ot": "i32", "stride_oh": "i32",
            "T": "i32", "H": "i32", "sm_scale_log2": "fp32", "BS": "constexpr", "BLOCK_Q": "constexpr",
            "HEADS": "constexpr", "BLOCK_N": "constexpr", "FP8": "constexpr", "IEEE": "constexpr"}
     launch = st.GPU_LAUNCH

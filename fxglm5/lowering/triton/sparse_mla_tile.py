@@ -46,8 +46,8 @@ MMA_ROWS = 64  # tokens x heads of a program: the per-token kernel's 64-head blo
 COUNT_BUDGET = 128 << 20  # bytes of listing counters at a time: an 8k prompt at once (8192 tokens x 8192 positions)
 MAX_LISTED = (1 << 16) - 1  # a 16-bit counter holds a position listed up to this many times by one token
 # the score bias of an unlisted (token, key): finite, so that the one-hot MMA's zeros times it stay 0 (not NaN), and
-# far below any real score (bf16 and fp32 hold it, fp16 does not); a running maximum below UNLISTED_BELOW has seen no listed key
-# (UNLISTED times any softmax scale above 1e-10 is below it)
+# far below any real score (bf16 and fp32 hold it, fp16 does not); a running maximum below UNLISTED_BELOW has seen
+# no listed key (UNLISTED times any softmax scale above 1e-10 is below it)
 UNLISTED = tl.constexpr(-1.0e30)
 UNLISTED_BELOW = tl.constexpr(-1.0e20)
 
