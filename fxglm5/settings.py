@@ -11,6 +11,9 @@ call is obeyed and importing a kernel module has no hidden dependence on the env
 - ``FXGLM5_CACHE``: where ``fxglm5 demo`` keeps its tiny checkpoint (default ``~/.cache/fxglm5``).
 - ``FXGLM5_PDL=1|0``: launch the decode path's Triton kernels with programmatic dependent launch on Hopper and
   later (``fxglm5.lowering.triton.device.pdl``; default 0).
+- ``FXGLM5_SPARSE_MLA_TILE=1|0``: sparse MLA of prefill-shaped steps runs the query-tile kernel
+  (``fxglm5.lowering.triton.sparse_mla_tile``) where it applies (default 1); 0 keeps the per-token kernel
+  everywhere (to time one against the other in a whole prefill).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ def no_autotune() -> bool:
 
 def pdl() -> bool:
     return _flag("FXGLM5_PDL")
+
+
+def sparse_mla_tile() -> bool:
+    return os.environ.get("FXGLM5_SPARSE_MLA_TILE", "1") == "1"
 
 
 def backend() -> Optional[str]:

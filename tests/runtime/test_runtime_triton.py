@@ -24,3 +24,26 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
         outputs[backend] = runner.generate(PROMPTS, 3)
     assert backends == {"reference": "reference", "triton": "triton/reference"}
     assert outputs["triton"] == outputs["reference"]
+
+
+def test_triton_prefill_through_the_query_tile_sparse_mla(monkeypatch):
+    """A 40-token prompt (16 tokens a tile at the tiny model's 4 heads, a prefix of 3 blocks of 16 within 16 top-k
+    lists of 8): the prefill's sparse MLA runs the query-tile kernel, the decode steps the per-token one, and the
+    tokens are the reference path's."""
+    from fxglm5.lowering.triton import sparse_mla
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg = Glm5Config.preset("tiny").replace(num_hidden_layers=2, mlp_layer_types=None, indexer_types=None)
+    model = random_model(cfg, torch.float32)
+    tile_calls = []
+    tile_fn = sparse_mla.sparse_mla_tile_paged
+    monkeypatch.setattr(sparse_mla, "sparse_mla_tile_paged",
+                        lambda q, *a, **k: tile_calls.append(q.shape[0]) or tile_fn(q, *a, **k))
+    prompt = [list(torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist())]
+    outputs = {}
+    for backend in ("reference", "triton"):
+        runner = Runner(model, kv_cache="fp8", index_cache="fp8", block_size=16, dtype=torch.float32,
+                        max_cache_tokens=128, backend=backend)
+        outputs[backend] = runner.generate(prompt, 3)
+    assert tile_calls == [40, 40]  # the prefill, both layers
+    assert outputs["triton"] == outputs["reference"]

@@ -55,7 +55,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _mm(a, b, acc, IEEE: tl.constexpr):
+def mma(a, b, acc, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
@@ -89,7 +89,7 @@ def _dequant_half(u8, sa, sb, dt: tl.constexpr):
 
 
 @triton.jit
-def _gather_tile(slot, valid, cache_ptr, c32_ptr, c16_ptr, dt: tl.constexpr, FP8: tl.constexpr):
+def gather_latent_tile(slot, valid, cache_ptr, c32_ptr, c16_ptr, dt: tl.constexpr, FP8: tl.constexpr):
     """Gather one tile of latent rows -> (k_a [BLOCK_N, 256], k_b [BLOCK_N, 256], k_pe [BLOCK_N, 64]) in dt.
 
     Invalid rows read as zeros (masked loads), so they add nothing to P @ V. Compute-dtype rows feed the MMAs
@@ -154,13 +154,20 @@ def _tma_tile(desc, desc_pe, c32_ptr, row, slot0, n_valid, dt: tl.constexpr, FP8
 
 
 @triton.jit
+def latent_scores(q_a, q_b, q_pe, k_a, k_b, k_pe, acc, sm_scale_log2, IEEE: tl.constexpr):
+    """S = (acc + Q K^T over the 576 latent + rope columns (three chained MMAs)) * sm_scale_log2: the scores in the
+    exp2 domain, plus ``acc / sm_scale_log2`` (zeros: the plain scores)."""
+    qk = mma(q_a, tl.trans(k_a), acc, IEEE)
+    qk = mma(q_b, tl.trans(k_b), qk, IEEE)
+    return mma(q_pe, tl.trans(k_pe), qk, IEEE) * sm_scale_log2
+
+
+@triton.jit
 def _attend(q_a, q_b, q_pe, k_a, k_b, k_pe, valid, m_i, l_i, acc_a, acc_b, sm_scale_log2,
             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
-    """One online-softmax step: S = Q K^T over 576 columns (three chained MMAs), P @ V over the 512 latent
+    """One online-softmax step: S = Q K^T over 576 columns (:func:`latent_scores`), P @ V over the 512 latent
     columns of the same tile (two MMAs into the column halves). MASKED=False for tiles known to be all valid."""
-    qk = _mm(q_a, tl.trans(k_a), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)
-    qk = _mm(q_b, tl.trans(k_b), qk, IEEE)
-    qk = _mm(q_pe, tl.trans(k_pe), qk, IEEE) * sm_scale_log2
+    qk = latent_scores(q_a, q_b, q_pe, k_a, k_b, k_pe, tl.zeros([BLOCK_H, BLOCK_N], tl.float32), sm_scale_log2, IEEE)
     if MASKED:
         qk = tl.where(valid[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -172,8 +179,8 @@ def _attend(q_a, q_b, q_pe, k_a, k_b, k_pe, valid, m_i, l_i, acc_a, acc_b, sm_sc
     p = tl.exp2(qk - m_new_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     pb = p.to(k_a.dtype)
-    acc_a = _mm(pb, k_a, acc_a * alpha[:, None], IEEE)
-    acc_b = _mm(pb, k_b, acc_b * alpha[:, None], IEEE)
+    acc_a = mma(pb, k_a, acc_a * alpha[:, None], IEEE)
+    acc_b = mma(pb, k_b, acc_b * alpha[:, None], IEEE)
     return m_new, l_i, acc_a, acc_b
 
 
@@ -246,7 +253,7 @@ def _mla_fwd_kernel(
         for n0 in range(start, end, BLOCK_N):
             slot, valid = _tile_slots(n0, end, t64, req, bt_ptr, stride_bt, pos_ptr, stride_pt, BS, BLOCK_N,
                                       SPARSE)
-            k_a, k_b, k_pe = _gather_tile(slot, valid, cache_ptr, c32_ptr, c16_ptr, dt, FP8)
+            k_a, k_b, k_pe = gather_latent_tile(slot, valid, cache_ptr, c32_ptr, c16_ptr, dt, FP8)
             m_i, l_i, acc_a, acc_b = _attend(q_a, q_b, q_pe, k_a, k_b, k_pe, valid, m_i, l_i, acc_a, acc_b,
                                              sm_scale_log2, BLOCK_H, BLOCK_N, True, IEEE)
 
@@ -319,7 +326,7 @@ def tuned_config(kernel=None):
     return None if bc is None else dict(bc.kwargs, num_warps=bc.num_warps, num_stages=bc.num_stages)
 
 
-def _cache_views(cache):
+def cache_views(cache):
     if cache.dtype == torch.uint8:
         return cache, cache.view(torch.float32), cache.view(torch.int16), True
     return cache, cache, cache, False
@@ -420,7 +427,7 @@ def _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, 
     """The generic Triton kernel: autotuned on CUDA, a fixed (or the explicit ``cfg``) launch elsewhere."""
     T, H, _ = q.shape
     bs = cache.shape[1]
-    c8, c32, c16, fp8 = _cache_views(cache)
+    c8, c32, c16, fp8 = cache_views(cache)
     K, stride_pt = (pos_or_topk.shape[1], pos_or_topk.stride(0)) if sparse else (0, 0)
     n_hb = triton.cdiv(H, BLOCK_H)
     direct = num_splits == 1

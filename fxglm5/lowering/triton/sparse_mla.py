@@ -6,12 +6,15 @@ a row with no valid entry gives zeros). Shares the kernel body of :mod:`fxglm5.l
 dequantizes FP8 ds_mla rows in-kernel, and runs the online softmax for a block of up to 64 heads.
 Decode with a small batch splits the top-k list over grid axis 1 (partial softmax + combine); prefill (many
 tokens) runs one pass per token. The split count depends on shapes only (CUDA-graph safe).
+:func:`sparse_mla_paged` (the paged program's entry) sends prefill-shaped steps to the query-tile kernel
+(:mod:`fxglm5.lowering.triton.sparse_mla_tile`) where :func:`~fxglm5.lowering.triton.sparse_mla_tile.tile_applies`.
 """
 
 from __future__ import annotations
 
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton.mla import dispatch_num_splits, launch_mla
+from fxglm5.lowering.triton.sparse_mla_tile import sparse_mla_tile_paged, tile_applies
 
 __all__ = ["sparse_mla_paged", "sparse_mla_decode_paged", "sparse_mla_prefill_paged"]
 
@@ -34,8 +37,11 @@ def sparse_mla_prefill_paged(q, cache, block_table, req_idx, topk_pos, scale: fl
 
 
 def sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, validate: bool = True, out=None):
-    """Dispatch on the shapes: split the top-k list when the tokens alone do not fill the GPU."""
+    """Dispatch on the shapes: a prefill's tokens in tiles (:func:`tile_applies`), else one pass per token, the
+    top-k list split when the tokens alone do not fill the GPU."""
     if validate:
         ref.validate_sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale)
+    if tile_applies(q, cache, block_table, topk_pos):
+        return sparse_mla_tile_paged(q, cache, block_table, req_idx, topk_pos, scale, validate=False, out=out)
     return launch_mla(q, cache, block_table, req_idx, topk_pos, scale, sparse=True,
                       num_splits=dispatch_num_splits(q), out=out)
