@@ -1,7 +1,7 @@
 """The query-tile sparse MLA kernel compiled for sm_90 without a GPU (Triton's bundled ptxas), at a TP8 rank's
 8 heads and its GPU launch: CI cannot run it on a GPU (tests/gpu does), but it can check that it compiles for
 Hopper in both cache layouts, fits shared memory, runs its MMAs as wgmma with the tile's 64 (token, head) rows,
-unserialized (no C7515 warning), without spills from a bf16 cache, and that its key gathers are pipelined into
+unserialized (no C7515 warning), with bounded spills, and that its key gathers are pipelined into
 asynchronous copies (cp.async), which a branch in the walk or a single-stage launch would lose."""
 
 import re
@@ -54,10 +54,15 @@ def test_tile_kernel_compiles_for_hopper_with_pipelined_gathers(reports, variant
     assert "error" not in r, r.get("error")
     assert r["shared"] <= SMEM_LIMIT, r["shared"]
     mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", r["ptx"]))
-    # QK^T: the 64 (token, head) rows x the 32 keys, a 16-key half per warpgroup; P @ V: 128 latent columns each
-    assert mmas == {"m64n16k16", "m64n128k16"}, mmas
+    # QK^T: the 64 (token, head) rows x the BLOCK_N keys, half of them per warpgroup; P @ V: 128 latent columns each
+    from fxglm5.lowering.triton.sparse_mla_tile import GPU_LAUNCH
+
+    assert mmas == {f"m64n{GPU_LAUNCH['BLOCK_N'] // 2}k16", "m64n128k16"}, mmas
     assert r["sass_opcodes"].get("LDGSTS.E.BYPASS.128", 0) > 0, r["sass_opcodes"]  # cp.async gathers
     # no layout conversion of the counts between the MMAs: ptxas does not serialize them
     assert "C7515" not in r["ptxas"], r["ptxas"]
-    if not variant[0]:  # the bf16 cache (the FP8 one's in-register dequantization spills, as the per-token kernel's)
-        assert "0 bytes spill stores, 0 bytes spill loads" in r["ptxas"], r["ptxas"]
+    # spills stay bounded: the 64-key launch spills 376 (bf16 cache) and 748 (FP8) bytes a thread (ptxas, Triton 3.6)
+    # and measured faster on an H100 than the 32-key launch, which spilled none with the bf16 cache and 396 bytes
+    # with the FP8 one (bench/results/sparse_mla_prefill_tile_h100_e238402)
+    spilled = re.search(r"(\d+) bytes spill stores", r["ptxas"])
+    assert spilled and int(spilled.group(1)) <= 1024, r["ptxas"]

@@ -168,8 +168,11 @@ def tile_applies(q, cache, block_table, topk_pos) -> bool:
 
 
 # the launch on a GPU (two stages: the pipeliner turns the next listed block's gathers into asynchronous copies
-# while this one's MMAs run) and in the interpreter (small tiles)
-GPU_LAUNCH = dict(BLOCK_N=32, num_warps=8, num_stages=2)
+# while this one's MMAs run) and in the interpreter (small tiles). 64-key blocks: the fastest of bench/
+# sparse_mla_prefill.py --sweep at an 8k prompt, 8 heads on an H100 (bench/results/sparse_mla_prefill_tile_h100_e238402:
+# FP8 cache 5.43 ms against 6.00 with 32-key blocks and 6.21 for the per-token kernel; bf16 cache 3.80 against 6.14
+# and 3.69-3.84). One stage was faster still with the FP8 cache (5.02 ms) but gives up the pipelined gathers.
+GPU_LAUNCH = dict(BLOCK_N=64, num_warps=8, num_stages=2)
 INTERPRETER_LAUNCH = dict(BLOCK_N=16, num_warps=4, num_stages=1)
 
 
