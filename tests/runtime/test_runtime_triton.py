@@ -3,6 +3,7 @@ sparse MLA) generates the same tokens as the reference path. On CPU the kernels 
 this is small: two layers (one dense, one MoE, both with an indexer), two prompts, three new tokens (a prefill
 and two decode steps); tests/gpu/test_gpu_e2e.py runs the same comparison compiled on a GPU."""
 
+import pytest
 import torch
 
 from fxglm5.model.config import Glm5Config
@@ -26,10 +27,13 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     assert outputs["triton"] == outputs["reference"]
 
 
-def test_triton_prefill_through_the_query_tile_sparse_mla(monkeypatch):
+@pytest.mark.parametrize("max_step_tokens, tiles", [(None, [40, 40]), (16, [16, 16, 16, 16])],
+                         ids=["one_step", "chunked"])
+def test_triton_prefill_through_the_query_tile_sparse_mla(monkeypatch, max_step_tokens, tiles):
     """A 40-token prompt (16 tokens a tile at the tiny model's 4 heads, a prefix of 3 blocks of 16 within 16 top-k
     lists of 8): the prefill's sparse MLA runs the query-tile kernel, the decode steps the per-token one, and the
-    tokens are the reference path's."""
+    tokens are the reference path's. Chunked in steps of 16 tokens (issue 47, item 4), the first two chunks take the
+    tile kernel over their cached prefix, the last 8 tokens (under a tile) the per-token one, with the same tokens."""
     from fxglm5.lowering.triton import sparse_mla
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -42,8 +46,9 @@ def test_triton_prefill_through_the_query_tile_sparse_mla(monkeypatch):
     prompt = [list(torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist())]
     outputs = {}
     for backend in ("reference", "triton"):
+        options = dict(max_step_tokens=max_step_tokens) if backend == "triton" and max_step_tokens else {}
         runner = Runner(model, kv_cache="fp8", index_cache="fp8", block_size=16, dtype=torch.float32,
-                        max_cache_tokens=128, backend=backend)
+                        max_cache_tokens=128, backend=backend, **options)
         outputs[backend] = runner.generate(prompt, 3)
-    assert tile_calls == [40, 40]  # the prefill, both layers
+    assert tile_calls == tiles
     assert outputs["triton"] == outputs["reference"]
