@@ -80,7 +80,7 @@ def test_moe_fp8_plain_and_quantized_agree():
 
 OPCHECKED = ["fp8_linear", "moe_route", "moe_fp8", "mla", "indexer_topk", "sparse_mla", "rms_norm", "rope_interleaved",
              "all_reduce", "all_gather",  # the collectives at world 1 here; over gloo ranks in tests/parallel
-             "add_rms_norm", "f32_linear", "moe_route_local", "silu_mul_fp8_linear"]  # fxglm5.ops.fused
+             "add_rms_norm", "f32_linear", "moe_route_local", "silu_mul_fp8_linear", "moe_fp8_add"]  # fxglm5.ops.fused
 OPCHECKED_CACHED = ["rtp_indexer", "rtp_sparse_mla", "rtp_mla"]  # tests/ops/test_cache_layout.py::test_opcheck_cached_ops
 
 
@@ -119,7 +119,8 @@ def test_opcheck(name):
         "silu_mul_fp8_linear": (torch.randn(3, 200), torch.randn(3, 200), (torch.randn(150, 200) * 0.1).to(
             torch.float8_e4m3fn), torch.rand(2, 2), None, True),
     }
+    cases["moe_fp8_add"] = (*cases["moe_fp8"], torch.randn(5, hd))  # the shared expert's row added in the combine
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    if name in ("fp8_linear", "moe_fp8", "silu_mul_fp8_linear"):
+    if name in ("fp8_linear", "moe_fp8", "moe_fp8_add", "silu_mul_fp8_linear"):
         utils = utils[1:]  # test_schema's alias checker multiplies tensors, which CPU float8 does not support
     opcheck(getattr(torch.ops.fxglm5, name).default, cases[name], test_utils=utils)
