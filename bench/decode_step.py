@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
 from bench.harness import save_run  # noqa: E402
+from bench.serving import GLM5_SERVING  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.modeling import Glm5ForCausalLM  # noqa: E402
-from bench.serving import GLM5_SERVING  # noqa: E402
 from fxglm5.serve.build import build_runner  # noqa: E402
 
 
