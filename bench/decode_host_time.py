@@ -32,22 +32,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
 from bench.harness import save_run  # noqa: E402
+from bench.serving import GLM5_SERVING  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.modeling import Glm5ForCausalLM  # noqa: E402
-from fxglm5.runtime.runner import Runner, Sequence  # noqa: E402
+from fxglm5.program import Outputs  # noqa: E402
+from fxglm5.runtime.options import RunnerOptions  # noqa: E402
+from fxglm5.runtime.runner import Sequence  # noqa: E402
+from fxglm5.serve.build import build_runner  # noqa: E402
 
 
 def host_only(B: int, ctx: int) -> None:
     cfg = Glm5Config.preset("tiny").replace(num_hidden_layers=1, mlp_layer_types=None, indexer_types=None,
                                             first_k_dense_replace=1, max_position_embeddings=202752)
-    runner = Runner(Glm5ForCausalLM(cfg).eval(), block_size=64, max_cache_tokens=B * (ctx + 128),
-                    decode_graphs=True, max_decode_batch=max(64, B))
-    logits = torch.zeros(1, max(64, B), 8)
-    runner.decode_graphs._forward = lambda bucket, width, q=1: logits[:, :bucket]  # the replay, stubbed
+    runner = build_runner(Glm5ForCausalLM(cfg).eval(), RunnerOptions(block_size=64, max_cache_tokens=B * (ctx + 128),
+                                                                      decode_graphs=True, max_decode_batch=max(64, B)))
+    logits = torch.zeros(max(64, B), 8)
+    runner.decode_graphs._forward = lambda bucket, width, q=1: Outputs(logits[:bucket], None)  # the replay, stubbed
     for i in range(B):
         seq = Sequence(i, list(range(i, i + ctx)))
         runner.blocks.allocate(seq.id, seq.prompt)
-        seq.cached = ctx
+        seq.cached, seq.decoding = ctx, True  # prefilled (as the engine marks it): the overlapped loop steps it
         seq.output.append(1)
         runner.active.append(seq)
     runner.decode()
@@ -70,8 +74,8 @@ def with_graphs(B: int, ctx: int, steps: int = 20) -> None:
     from bench.decode_step import random_model, two_layer_config
 
     model = random_model(two_layer_config(False), "cuda")
-    runner = Runner(model, kv_cache="fp8", index_cache="fp8", block_size=64, dtype=torch.bfloat16,
-                    max_cache_tokens=B * (ctx + 64 + steps), device="cuda", backend="triton")
+    runner = build_runner(model, GLM5_SERVING.replace(max_cache_tokens=B * (ctx + 64 + steps), device="cuda",
+                                                      backend="triton"))
     prompts = torch.randint(0, model.config.vocab_size, (B, ctx), generator=torch.Generator().manual_seed(1)).tolist()
     chunk = max(1, 16384 // ctx)
     for i in range(0, B, chunk):

@@ -25,9 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
 from bench.harness import save_run  # noqa: E402
+from bench.serving import GLM5_SERVING  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.modeling import Glm5ForCausalLM  # noqa: E402
-from fxglm5.runtime.runner import Runner  # noqa: E402
+from fxglm5.serve.build import build_runner  # noqa: E402
 
 
 def two_layer_config(tiny: bool, mtp: bool = False) -> Glm5Config:
@@ -61,9 +62,9 @@ def random_model(cfg, dev, mtp: bool = False):
 def measure(model, prompts, B, ctx, kv, dev, disabled: str = "", decode_graphs: bool | None = None) -> dict:
     """Prefill the prompts, then time decode steps and profile three of them, with ``disabled`` passes off."""
     t0 = time.time()
-    runner = Runner(model, kv_cache=kv, index_cache="fp8", block_size=64, dtype=torch.bfloat16,
-                    max_cache_tokens=B * (ctx + 64), device=dev, backend="triton", decode_graphs=decode_graphs,
-                    disabled_passes=tuple(filter(None, disabled.split(","))))
+    runner = build_runner(model, GLM5_SERVING.replace(kv_cache=kv, max_cache_tokens=B * (ctx + 64), device=dev,
+                                                      backend="triton", decode_graphs=decode_graphs,
+                                                      disabled_passes=tuple(filter(None, disabled.split(",")))))
     print(f"runner (capture + passes, disabled: {disabled or 'none'}, decode graphs: "
           f"{runner.decode_graphs is not None}): {time.time() - t0:.1f} s", flush=True)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)

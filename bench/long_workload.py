@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.decode_step import random_model, two_layer_config  # noqa: E402
 from bench.harness import save_run  # noqa: E402
-from fxglm5.runtime.runner import Runner  # noqa: E402
+from fxglm5.runtime.options import RunnerOptions  # noqa: E402
+from fxglm5.serve.build import build_runner  # noqa: E402
 from fxglm5.runtime.speculative import SpeculativeConfig  # noqa: E402
 from tests.long_workload import (Workload, all_blocks_back, checked_blocks,  # noqa: E402
                                  committed_rows_match_their_prefix, serve)
@@ -160,11 +161,11 @@ def stop_tokens(runner, requests, wave: int, count: int = 4) -> frozenset:
 
 
 def run_one(model, exact, requests, a, dev, *, speculative: bool, stop: frozenset | None) -> tuple[dict, frozenset]:
-    kw = dict(block_size=a.block, dtype=model.dtype, device=dev, kv_cache="bf16", index_cache="bf16",
-              backend=None if dev == "cuda" else "reference")
+    options = RunnerOptions(block_size=a.block, dtype=model.dtype, device=dev, kv_cache="bf16", index_cache="bf16",
+                            backend=None if dev == "cuda" else "reference")
     t0 = time.time()
-    runner = Runner(model, num_blocks=a.blocks, max_step_tokens=a.step_tokens, keep_logits=True,
-                    speculative=SpeculativeConfig("mtp", 2) if speculative else None, **kw)
+    runner = build_runner(model, options.replace(num_blocks=a.blocks, max_step_tokens=a.step_tokens, keep_logits=True,
+                                                 speculative=SpeculativeConfig("mtp", 2) if speculative else None))
     compile_s = time.time() - t0
     progress(f"{'mtp' if speculative else 'plain'}: runner built in {compile_s:.1f} s")
     seen = stop_tokens(runner, requests, a.wave)
@@ -182,7 +183,7 @@ def run_one(model, exact, requests, a, dev, *, speculative: bool, stop: frozense
         failures.append(str(e))
 
     def fresh(num_blocks):
-        return Runner(model, num_blocks=num_blocks, program=runner.program, decode_graphs=False, **kw)
+        return build_runner(model, options.replace(num_blocks=num_blocks, decode_graphs=False), program=runner.program)
 
     progress(f"served {len(served.tokens)} requests, {served.seconds:.1f} s in Runner.run")
     try:

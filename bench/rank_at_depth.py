@@ -59,17 +59,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import harness  # noqa: E402
 from bench.layer_kernels import split_layers  # noqa: E402
 from bench.routing_load import SteeredRouting  # noqa: E402
+from bench.serving import GLM5_SERVING  # noqa: E402
 from fxglm5.contracts import FP8_ROW_BYTES, INDEX_ROW_BYTES  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.random_reader import RandomReader  # noqa: E402
 from fxglm5.runtime.cache import available_memory  # noqa: E402
 from fxglm5.runtime.decode_graphs import pow2_buckets  # noqa: E402
 from fxglm5.runtime.runner import Runner, Sequence  # noqa: E402
+from fxglm5.serve.build import build_runner  # noqa: E402
 
 TP = 8
 EP_LAYOUTS = (1, 2, 8)  # experts split along their intermediate dim (1), in groups (2), whole per rank (8)
 MAX_DECODE_BATCH = 64
-BLOCK = 64
+BLOCK = GLM5_SERVING.block_size
 POINTS = {  # name -> (kind, batch, context)
     "ttft2k": ("ttft", 1, 2048), "ttft8k": ("ttft", 1, 8192), "ttft32k": ("ttft", 1, 32768),
     "tpot1x2k": ("tpot", 1, 2048), "tpot8x2k": ("tpot", 8, 2048), "tpot64x2k": ("tpot", 64, 2048),
@@ -352,9 +354,9 @@ def blocks_for(kind: str, batch: int, ctx: int, device: torch.device) -> int:
     return batch * -(-(ctx + steps) // BLOCK)
 
 
-def build_runner(reader, device, num_blocks: int, ep: int, program=None, disabled=()) -> Runner:
-    return Runner(reader, tp=TP, ep=ep, kv_cache="fp8", index_cache="fp8", block_size=BLOCK, dtype=torch.bfloat16,
-                  device=device, max_decode_batch=MAX_DECODE_BATCH, num_blocks=num_blocks, program=program, disabled_passes=disabled)
+def rank_runner(reader, device, num_blocks: int, ep: int, program=None, disabled=()) -> Runner:
+    return build_runner(reader, GLM5_SERVING.replace(tp=TP, ep=ep, device=device, max_decode_batch=MAX_DECODE_BATCH,
+                                                     num_blocks=num_blocks, disabled_passes=disabled), program=program)
 
 
 def nbytes(tensors) -> int:
@@ -459,7 +461,7 @@ def _run_points(reader, device, points, disabled, copy_gbs, record, table, save,
                 variant_points) -> None:
     label = ",".join(disabled) or None
     start = time.perf_counter()
-    first = build_runner(reader, device, 2, ep, disabled=disabled)
+    first = rank_runner(reader, device, 2, ep, disabled=disabled)
     built_s = time.perf_counter() - start
     per_token = nbytes(first.cache.tensors.values()) // (2 * BLOCK)
     free = available_memory(device) + nbytes(first.cache.tensors.values())
@@ -469,7 +471,7 @@ def _run_points(reader, device, points, disabled, copy_gbs, record, table, save,
     program = first.program
     del first
     gc.collect()
-    runner = build_runner(reader, device, max((need[n] for n in fit), default=1) + 1, ep, program=program)
+    runner = rank_runner(reader, device, max((need[n] for n in fit), default=1) + 1, ep, program=program)
     weights = weight_bytes(program.graph)
     run = dict(disabled_passes=label, compile_s=round(built_s - reader.seconds, 2), load_s=round(reader.seconds, 2),
                weight_bytes=weights, weights_gb={k: round(v / 1e9, 3) for k, v in weights.items()},

@@ -28,9 +28,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from bench import harness  # noqa: E402
 from bench.harness import save_run  # noqa: E402
+from bench.serving import GLM5_SERVING  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.tiny import make_tiny_checkpoint  # noqa: E402
-from fxglm5.runtime.runner import Runner  # noqa: E402
+from fxglm5.serve.build import build_runner  # noqa: E402
 
 
 def timed_steps(fn, sync, n):
@@ -101,8 +102,7 @@ def main():
                       prepare_cuda_graph_median_ms=round(statistics.median(prepare_ms), 3) if prepare_ms else None)
         del eng
 
-        runner = Runner(ckpt, kv_cache="fp8", index_cache="fp8", block_size=64, dtype=torch.bfloat16,
-                        num_blocks=blocks, device=dev)
+        runner = build_runner(ckpt, GLM5_SERVING.replace(num_blocks=blocks, device=dev))
         chunk = max(1, 16384 // ctx)
         for i in range(0, B, chunk):
             runner.prefill(prompts[i:i + chunk])

@@ -31,9 +31,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from bench import harness  # noqa: E402
 from bench.decode_step import random_model  # noqa: E402
 from bench.harness import save_run  # noqa: E402
+from bench.serving import GLM5_SERVING  # noqa: E402
 from fxglm5.contracts import FP8_ROW_BYTES, INDEX_ROW_BYTES  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
-from fxglm5.runtime.runner import Runner  # noqa: E402
+from fxglm5.serve.build import build_runner  # noqa: E402
 
 STEPS = 6  # timed decode steps per point (after 2 warm-up steps that capture / autotune)
 
@@ -76,20 +77,19 @@ def step_bytes(cfg: Glm5Config, batch: int, ctx: int, tp: int) -> int:
 def runner_points(rank, model_or_dir, cfg, batches, contexts, tp, ep, device):
     """TTFT (prefill of one chunk of requests) and TPOT (median decode step) at every (batch, context)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    points, program = [], None
+    points, program, options = [], None, GLM5_SERVING.replace(device=device, tp=tp, ep=ep)
     for ctx in contexts:
         for batch in batches:
             prompts = torch.randint(0, cfg.vocab_size, (batch, ctx), generator=torch.Generator().manual_seed(1)).tolist()
             t0 = time.perf_counter()
-            runner = Runner(model_or_dir, kv_cache="fp8", index_cache="fp8", block_size=64, dtype=torch.bfloat16,
-                            max_cache_tokens=batch * (ctx + 64 + STEPS), device=device, tp=tp, ep=ep, program=program)
+            runner = build_runner(model_or_dir, options.replace(max_cache_tokens=batch * (ctx + 64 + STEPS)),
+                                  program=program)
             build_s = time.perf_counter() - t0  # the first point's includes capture + passes (+ loading)
             if tp == 1:
                 program = runner.program  # holds no cache: the next points reuse it
             # a throwaway runner over the same graph compiles / autotunes the prefill kernels at this length (not part
             # of a TTFT), without leaving a request in the measured runner's decode batch
-            warm = Runner(model_or_dir, kv_cache="fp8", index_cache="fp8", block_size=64, dtype=torch.bfloat16,
-                          max_cache_tokens=ctx + 64, device=device, tp=tp, ep=ep, program=runner.program)
+            warm = build_runner(model_or_dir, options.replace(max_cache_tokens=ctx + 64), program=runner.program)
             warm.prefill(torch.randint(0, cfg.vocab_size, (1, ctx), generator=torch.Generator().manual_seed(2)).tolist())
             del warm
             ttft = []

@@ -115,14 +115,11 @@ def build(args):
         directory = make_tiny_checkpoint(os.path.join(tempfile.mkdtemp(prefix="serve-load-"), "tiny"))
         options = RunnerOptions(block_size=16, max_cache_tokens=args.cache_tokens, device=args.device)
         return build_engine(directory, options), "tiny"
-    import torch
-
     from bench.decode_step import random_model, two_layer_config
+    from bench.serving import GLM5_SERVING
 
     model = random_model(two_layer_config(False), args.device)
-    options = RunnerOptions(dtype=torch.bfloat16, kv_cache="fp8", block_size=64, max_cache_tokens=args.cache_tokens,
-                            device=args.device)
-    return build_engine(model, options), "glm5x2"
+    return build_engine(model, GLM5_SERVING.replace(max_cache_tokens=args.cache_tokens, device=args.device)), "glm5x2"
 
 
 def main() -> None:

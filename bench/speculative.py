@@ -36,7 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.decode_step import random_model, two_layer_config  # noqa: E402
 from bench.harness import save_run  # noqa: E402
-from fxglm5.runtime.runner import Runner  # noqa: E402
+from bench.serving import GLM5_SERVING  # noqa: E402
+from fxglm5.runtime.options import RunnerOptions  # noqa: E402
+from fxglm5.serve.build import build_runner  # noqa: E402
 from fxglm5.runtime.speculative import ScriptedDrafter, SpeculativeConfig  # noqa: E402
 
 
@@ -94,10 +96,9 @@ def verify_steps(new):
 
 def measure(model, program, prompts, k, new, dev, sync) -> dict:
     B, ctx = len(prompts), len(prompts[0])
-    opts = dict(kv_cache="fp8", index_cache="fp8", block_size=64, dtype=model.dtype, program=program, device=dev,
-                max_cache_tokens=2 * B * (ctx + new + 2 * 64), max_decode_batch=max(64, B),
-                backend=None if dev == "cuda" else "reference")
-    plain = Runner(model, **opts)
+    opts = GLM5_SERVING.replace(dtype=model.dtype, device=dev, max_cache_tokens=2 * B * (ctx + new + 2 * 64),
+                                max_decode_batch=max(64, B), backend=None if dev == "cuda" else "reference")
+    plain = build_runner(model, opts, program=program)
     t0 = time.perf_counter()
     warmed = plain.warm_up(max_batch=B, max_tokens=ctx + new + k + 1)  # every decode graph the phases replay
     warm_plain_s = time.perf_counter() - t0
@@ -114,7 +115,8 @@ def measure(model, program, prompts, k, new, dev, sync) -> dict:
     # apart, that alone can change greedy tokens.
     rerun_equal = [s.output for s in plain_seqs] == list(script.values())
 
-    spec = Runner(model, speculative=SpeculativeConfig(num_tokens=k), drafter=Rejected(script, model.config.vocab_size), **opts)
+    spec = build_runner(model, opts.replace(speculative=SpeculativeConfig(num_tokens=k)), program=program,
+                        drafter=Rejected(script, model.config.vocab_size))
     t0 = time.perf_counter()
     warmed += spec.warm_up(max_batch=B, max_tokens=ctx + new + k + 1)  # every decode and verify graph
     warm_spec_s = time.perf_counter() - t0
@@ -128,8 +130,8 @@ def measure(model, program, prompts, k, new, dev, sync) -> dict:
     spec.drafter = ScriptedDrafter(script)
     t_spec, _, spec_seqs = decode_phase(spec, prompts, verify_steps(new), sync)
     steps = [a for s in spec_seqs for a in s.acceptance]
-    every = Runner(model, speculative=dataclasses.replace(spec.speculative, accept_all=True),
-                   drafter=ScriptedDrafter(script), **opts)
+    every = build_runner(model, opts.replace(speculative=dataclasses.replace(spec.speculative, accept_all=True)),
+                         program=program, drafter=ScriptedDrafter(script))
     t0 = time.perf_counter()
     warmed += every.warm_up(max_batch=B, max_tokens=ctx + new + k + 1)
     warm_spec_s += time.perf_counter() - t0
@@ -166,8 +168,9 @@ def main():
     cfg = two_layer_config(a.tiny)
     model = random_model(cfg, dev)
     t0 = time.time()
-    program = Runner(model, block_size=64, dtype=model.dtype, device=dev, max_cache_tokens=max(batches) * (ctx + new + 128),
-                   decode_graphs=False, backend=None if dev == "cuda" else "reference").program
+    program = build_runner(model, RunnerOptions(block_size=64, dtype=model.dtype, device=dev, decode_graphs=False,
+                                                max_cache_tokens=max(batches) * (ctx + new + 128),
+                                                backend=None if dev == "cuda" else "reference")).program
     print(f"compiled in {time.time() - t0:.1f} s", flush=True)
     gen = torch.Generator().manual_seed(1)
     runs = []

@@ -90,17 +90,15 @@ class Artifact:
 
     def runner(self, options=None, **runner_options):
         """A :class:`~fxglm5.runtime.runner.Runner` serving this artifact: ``options`` a
-        :class:`~fxglm5.runtime.options.RunnerOptions`, or its fields as keywords."""
+        :class:`~fxglm5.runtime.options.RunnerOptions`, or its fields as keywords; its parts built as every
+        Runner's (``fxglm5.runtime.parts.build_parts``) around the program compiled here."""
         from fxglm5.runtime.options import RunnerOptions
+        from fxglm5.runtime.parts import build_parts
         from fxglm5.runtime.runner import Runner
 
-        if options is not None and runner_options:
-            raise InputError(f"runner: give a RunnerOptions or its fields as keywords, not both ({sorted(runner_options)})")
-        options = RunnerOptions(**runner_options) if options is None else options
+        options = RunnerOptions.given(options, runner_options, "runner")
         compiled = self.compile(options.device, options.backend, options.disabled_passes)
-        runner = Runner(self, options, program=compiled.program)
-        runner.pass_results = compiled.results
-        return runner
+        return Runner(build_parts(self, options, program=compiled.program).replace(pass_results=compiled.results))
 
 
 def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_passes=(),

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from fxglm5.program import PagedProgram
+from fxglm5.runtime.block_manager import BlockManager
 from fxglm5.runtime.cache import PagedCache
 from fxglm5.runtime.forward_context import ForwardContext
 
@@ -36,18 +38,20 @@ SHARED_WITH_TARGET = {"mtp.embed_tokens.weight": "model.embed_tokens.weight", "m
 
 
 class MtpDrafter:
-    def __init__(self, runner, model, program=None, *, max_tokens: int, backend=None, disabled_passes=(),
-                 reader=None):
-        """``program``: another MtpDrafter's (reused: it holds no cache), else ``compile_mtp(model)``'s. With the
-        runner's ``mapping`` (tp > 1), ``model`` is the rank's meta model and the MTP graph is sharded as the
-        target's (``compile_mtp(mapping=...)``: the layer's heads, its experts, the head's vocabulary rows with the
-        logits gathered, so every rank drafts the same tokens) and filled like it (``shard_loader.load_rank`` from
-        ``reader``), its embedding and lm_head shard the target graph's tensors, not read again."""
-        mapping = runner.mapping
+    def __init__(self, model, target: PagedProgram, target_cache: PagedCache, blocks: BlockManager, config, device,
+                 program: PagedProgram | None = None, *, max_tokens: int, backend=None, disabled_passes=(),
+                 mapping=None, reader=None):
+        """The drafter of a target ``program`` (``target``) over ``target_cache``, whose requests' block tables
+        ``blocks`` holds (built with them, before the Runner: ``fxglm5.runtime.parts``). ``program``: another
+        MtpDrafter's (reused: it holds no cache), else ``compile_mtp(model)``'s. With ``mapping`` (tp > 1),
+        ``model`` is the rank's meta model and the MTP graph is sharded as the target's (``compile_mtp(mapping=...)``:
+        the layer's heads, its experts, the head's vocabulary rows with the logits gathered, so every rank drafts the
+        same tokens) and filled like it (``shard_loader.load_rank`` from ``reader``), its embedding and lm_head
+        shard the target graph's tensors, not read again."""
         if program is None:
             from fxglm5.compiler import compile_mtp
 
-            program = compile_mtp(model, max_tokens=max_tokens, device=runner.device, backend=backend,
+            program = compile_mtp(model, max_tokens=max_tokens, device=device, backend=backend,
                                   disabled_passes=disabled_passes, inputs_validated=True,
                                   **({} if mapping is None else {"mapping": mapping})).program
         self.load_report = None
@@ -56,23 +60,23 @@ class MtpDrafter:
 
             pairs = {k: v for k, v in SHARED_WITH_TARGET.items() if k != "mtp.head.weight" or model.mtp.head is
                      model.lm_head}
-            given = shared_attributes(runner.program.graph, program.graph, pairs)
-            self.load_report = load_rank(program.graph, mapping, reader, model, runner.device, given)
-        c = runner.cache
-        self.program, self.runner = program, runner
+            given = shared_attributes(target.graph, program.graph, pairs)
+            self.load_report = load_rank(program.graph, mapping, reader, model, device, given)
+        c = target_cache
+        self.program, self.blocks, self.config, self.device = program, blocks, config, device
         self.cache = PagedCache(program.cache_spec(c.kv_cache, c.index_cache, c.dtype), c.num_blocks, c.block_size,
-                                c.kernel_block_size, runner.device)
+                                c.kernel_block_size, device)
         self.next: dict[int, tuple[int, torch.Tensor]] = {}  # request id -> (d1, the MTP's hidden output for it)
 
     def _forward(self, seqs, tokens: list[list[int]], starts: list[int], hidden: torch.Tensor):
         """One MTP step: ``tokens[b]`` at positions ``starts[b]`` .. with ``hidden`` [T, H]; per request its last
         row's argmax token and hidden output."""
-        r, c = self.runner, self.cache
-        ctx = ForwardContext.build(True, [len(t) for t in tokens], starts, [r.blocks.tables[s.id] for s in seqs],
+        c = self.cache
+        ctx = ForwardContext.build(True, [len(t) for t in tokens], starts, [self.blocks.tables[s.id] for s in seqs],
                                    block_size=c.block_size, kernel_block_size=c.kernel_block_size,
-                                   num_blocks=c.num_blocks, max_position_embeddings=r.config.max_position_embeddings,
-                                   device=r.device).validate()
-        ids = torch.tensor([t for row in tokens for t in row], device=r.device)
+                                   num_blocks=c.num_blocks, max_position_embeddings=self.config.max_position_embeddings,
+                                   device=self.device).validate()
+        ids = torch.tensor([t for row in tokens for t in row], device=self.device)
         out = self.program(ctx.step_inputs(), ids, c.graph_inputs(), hidden=hidden)
         return out.logits.float().argmax(-1).tolist(), out.hidden
 

@@ -87,3 +87,15 @@ class RunnerOptions:
 
     def replace(self, **changes) -> "RunnerOptions":
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def given(cls, options: "RunnerOptions | None", fields: dict, who: str) -> "RunnerOptions":
+        """The options a caller ``who`` took as one RunnerOptions, or as its fields given as keywords (made into
+        one); InputError for both, or for ``options`` of another type."""
+        if options is None:
+            return cls(**fields)
+        if fields:
+            raise InputError(f"{who}: give a RunnerOptions or its fields as keywords, not both (got {sorted(fields)})")
+        if not isinstance(options, cls):
+            raise InputError(f"options: expected a RunnerOptions, got {type(options).__name__}")
+        return options

@@ -1,12 +1,13 @@
 """Runner: the steps of serving (prefill, decode, verify) over the compiled program and the paged cache.
 
-Built once from a checkpoint directory or a ``Glm5ForCausalLM`` and a :class:`~fxglm5.runtime.options.RunnerOptions`:
-capture, then the match, fuse and cache stages (``insert_paged_cache`` makes the caches and the forward context graph
-inputs), into a :class:`~fxglm5.program.PagedProgram`. Each step builds an RTP-shaped :class:`ForwardContext`,
-validates it (nothing runs on a bad one), and runs the program on the flat tokens of the whole batch. The program is
-compiled with ``inputs_validated``: the ops' own checks would repeat that validation, and could not run inside a
-CUDA graph. On a CUDA device decode steps replay CUDA graphs captured per batch bucket
-(:mod:`fxglm5.runtime.decode_graphs`); prefill runs the program eagerly.
+Built from its :class:`~fxglm5.runtime.parts.RunnerParts`, which :mod:`fxglm5.runtime.parts` makes once from a
+checkpoint directory or a ``Glm5ForCausalLM`` and a :class:`~fxglm5.runtime.options.RunnerOptions`: capture, then the
+match, fuse and cache stages (``insert_paged_cache`` makes the caches and the forward context graph inputs), into a
+:class:`~fxglm5.program.PagedProgram`, with its paged cache, block manager, decode graphs and drafter. Each step
+builds an RTP-shaped :class:`ForwardContext`, validates it (nothing runs on a bad one), and runs the program on the
+flat tokens of the whole batch. The program is compiled with ``inputs_validated``: the ops' own checks would repeat
+that validation, and could not run inside a CUDA graph. On a CUDA device decode steps replay CUDA graphs captured
+per batch bucket (:mod:`fxglm5.runtime.decode_graphs`); prefill runs the program eagerly.
 
 Requests as they come and go are the engine's (:mod:`fxglm5.runtime.engine`: ``add`` / ``step`` / ``abort``);
 ``run`` and ``generate`` are short loops over it. The Runner holds what a step needs: the active requests
@@ -43,22 +44,16 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import itertools
-from pathlib import Path
 
 import torch
 
 from fxglm5.errors import CacheFullError, InputError
-from fxglm5.compiler import compile_model
-from fxglm5.program import CacheSpec, PagedProgram
-from fxglm5.runtime.block_manager import BlockManager
-from fxglm5.runtime.cache import PagedCache, check_cache_size
-from fxglm5.runtime.decode_graphs import DecodeGraphs
 from fxglm5.runtime.distributed import agree, digest
 from fxglm5.runtime.forward_context import ForwardContext
 from fxglm5.runtime.options import RunnerOptions
+from fxglm5.runtime.parts import RunnerParts, build_parts
 from fxglm5.runtime.sampling import (GREEDY, Sampled, SamplingParams, generator_for, sample, unpack, verify_sampled,
                                      with_logprobs)
-from fxglm5.runtime.shard_loader import load_rank, sharded_model
 from fxglm5.runtime.speculative import Acceptance, accepted_length, check_drafts, verify_rows
 
 
@@ -69,15 +64,6 @@ def check_lengths(prompts: list[list[int]], max_new_tokens: int, limit: int) -> 
         if len(p) + max_new_tokens > limit:
             raise InputError(f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceed "
                              f"max_position_embeddings ({limit})")
-
-
-def check_sizes(config, num_blocks: int, block_size: int, spec: CacheSpec, device) -> None:
-    """Refuse (InputError) a cache of blocks longer than any sequence, or larger than the memory available on
-    ``device`` (fxglm5.runtime.cache.check_cache_size), before the slow capture and before any allocation."""
-    if block_size > config.max_position_embeddings:
-        raise InputError(f"block_size: {block_size} exceeds max_position_embeddings ({config.max_position_embeddings}): "
-                         "a block longer than the longest sequence is never filled")
-    check_cache_size(num_blocks, block_size, spec, device)
 
 
 class Tokens(collections.abc.Sequence):
@@ -135,86 +121,26 @@ class Sequence:
 
 
 class Runner:
-    def __init__(self, model, options: RunnerOptions | None = None, *, program: PagedProgram | None = None,
-                 drafter=None, mtp_program: PagedProgram | None = None, **keywords):
-        """``model``: a Glm5ForCausalLM or a checkpoint directory (loaded in ``options.dtype``); with ``program``,
-        anything with the model's ``config`` and compute ``dtype`` (an exported artifact: ``fxglm5.artifact``).
-        ``options``: a :class:`~fxglm5.runtime.options.RunnerOptions` (what each setting does is said there), or its
-        fields given as keywords instead (the same object is made from them). ``program``: the compiled program of
-        another Runner over the same model (``runner.program``), reused (it holds no cache) to skip capture.
-        At ``options.tp`` > 1 this process is one of ``tp`` ranks of the process group registered as "tp"
-        (``fxglm5.runtime.distributed``); ``model`` must then be a checkpoint directory, of which this rank reads
-        only its slices (``load_report``), or a reader with CheckpointReader's ``config``, ``param`` and
-        ``bytes_read`` (``fxglm5.model.random_reader.RandomReader``: random weights drawn on the device). Every rank
-        gets the same logits and so the same tokens. With ``options.speculative`` the drafts come from ``drafter``
-        (any ``fxglm5.runtime.speculative.Drafter``), by default the model's MTP layer (InputError without one);
-        ``acceptance`` then holds the last ``run``'s verify statistics. The MTP drafter needs the target's hidden
-        states, so the target graph is then compiled with head "logits+hidden" (a given ``program`` must be one) and
-        the MTP layer's own program (``mtp_program``: another such Runner's ``drafter.program``, reused) with a
-        second paged cache (fxglm5.runtime.mtp_drafter); at ``tp`` > 1 both are sharded, the MTP layer as the
-        target's layers, and every rank drafts and accepts the same tokens."""
-        if options is None:
-            options = RunnerOptions(**keywords)
-        elif keywords:
-            raise InputError(f"Runner: give a RunnerOptions or its fields as keywords, not both (got {sorted(keywords)})")
-        elif not isinstance(options, RunnerOptions):
-            raise InputError(f"options: expected a RunnerOptions, got {type(options).__name__}")
-        self.options = o = options
+    def __init__(self, parts, options: RunnerOptions | None = None, **keywords):
+        """``parts``: the :class:`~fxglm5.runtime.parts.RunnerParts` it serves with (``build_parts``; the builder's
+        way, ``fxglm5.serve.build``). Or, a shim that builds them first, a model (a Glm5ForCausalLM, a checkpoint
+        directory, a reader at ``tp`` > 1) with ``options`` (a :class:`~fxglm5.runtime.options.RunnerOptions`, or
+        its fields as keywords) and ``build_parts``'s ``program`` / ``drafter`` / ``mtp_program``: ``Runner(model,
+        options)`` is ``Runner(build_parts(model, options))``. Every rank of ``tp`` > 1 gets the same logits and so
+        the same tokens; with ``options.speculative``, ``acceptance`` holds the last ``run``'s verify statistics."""
+        if not isinstance(parts, RunnerParts):
+            parts = build_parts(parts, options, **keywords)
+        elif options is not None or keywords:
+            raise InputError("Runner(parts): the parts carry their options and program; give nothing beside them")
+        self.options = o = parts.options
+        self.config, self.program, self.pass_results = parts.config, parts.program, parts.pass_results
+        self.cache, self.blocks, self.decode_graphs = parts.cache, parts.blocks, parts.decode_graphs
+        self.mapping, self.load_report, self.with_hidden = parts.mapping, parts.load_report, parts.with_hidden
+        self.device, self.keep_logits = o.device, o.keep_logits
         self.max_step_tokens, self.overlap = o.max_step_tokens, o.overlap
-        speculative, device, block_size, backend = o.speculative, o.device, o.block_size, o.backend
-        self.mapping, self.load_report, reader = None, None, None
-        if o.tp != 1:
-            model, reader, self.mapping = sharded_model(model, o.tp, o.ep, o.dtype,
-                                                        mtp=speculative is not None and drafter is None)
-        elif o.ep not in (None, 1):
-            raise InputError(f"ep={o.ep}: experts are split over the tp ranks; give a tp that {o.ep} divides")
-        elif isinstance(model, (str, Path)):
-            from fxglm5.model.modeling import Glm5ForCausalLM
-
-            model = Glm5ForCausalLM.from_pretrained(model, dtype=o.dtype, device=device, progress=False,
-                                                    mtp=speculative is not None and drafter is None)
-        if speculative is not None and drafter is None and getattr(model, "mtp", None) is None:
-            raise InputError(f"speculative method {speculative.method!r}: the model has no MTP layer (its config has "
-                             "num_nextn_predict_layers = 0, or it was loaded without mtp=True)")
-        self.config, self.device, self.keep_logits = model.config, device, o.keep_logits
-        num_blocks = o.num_blocks or -(-o.max_cache_tokens // block_size) + 1
-        spec = CacheSpec.for_config(self.config, o.kv_cache, o.index_kind, model.dtype)
-        check_sizes(self.config, num_blocks, block_size, spec, device)  # before compiling
-        self.program, self.pass_results = program, []
-        self.with_hidden = speculative is not None and drafter is None  # the MTP drafter reads the target's hidden
-        max_tokens = max(self.config.max_position_embeddings, num_blocks * block_size)
-        if program is None:  # a step's flat token count is bounded by the cache, not by one sequence's length
-            compiled = compile_model(
-                model, head="logits+hidden" if self.with_hidden else "logits", max_tokens=max_tokens, device=device,
-                backend=backend, disabled_passes=o.disabled_passes, inputs_validated=True,
-                **({} if self.mapping is None else {"mapping": self.mapping}))
-            self.program, self.pass_results = compiled.program, compiled.results
-        if not isinstance(self.program, PagedProgram):
-            raise InputError(f"program: expected a PagedProgram (a paged compile's, runner.program), got "
-                             f"{type(self.program).__name__}")
-        if self.mapping is not None:
-            self.load_report = load_rank(self.program.graph, self.mapping, reader, model, device)
-        self.cache = PagedCache(self.program.cache_spec(o.kv_cache, o.index_kind, model.dtype), num_blocks, block_size,
-                                o.kernel_block_size, device)
-        self.blocks = BlockManager(num_blocks, block_size)
-        on_cuda = torch.device(device).type == "cuda"
-        decode_graphs = o.decode_graphs
-        if decode_graphs is None:
-            decode_graphs = on_cuda and backend != "reference"
-        self.decode_graphs = None
-        if decode_graphs:
-            longest = min(-(-self.config.max_position_embeddings // block_size), num_blocks)
-            self.decode_graphs = DecodeGraphs(self.program, self.cache.graph_inputs(), max_batch=o.max_decode_batch,
-                                              table_width=longest * self.cache.ratio, device=device, capture=on_cuda,
-                                              tokens_per_request=1 + (speculative.num_tokens if speculative else 0))
+        self.speculative, self.drafter, self.acceptance = o.speculative, parts.drafter, Acceptance()
         self.active: list[Sequence] = []
         self._ids = itertools.count()
-        self.speculative, self.drafter, self.acceptance = speculative, drafter, Acceptance()
-        if self.with_hidden:
-            from fxglm5.runtime.mtp_drafter import MtpDrafter
-
-            self.drafter = MtpDrafter(self, model, mtp_program, max_tokens=max_tokens, backend=backend,
-                                      disabled_passes=o.disabled_passes, reader=reader)
         # the last step's hidden rows [rows, H] where the graph returns them (head "logits+hidden"), else None
         self.hidden = None
 

@@ -8,6 +8,10 @@ Every front door that serves (``fxglm5 generate``, ``fxglm5 serve``, the benches
   be the logits; it computes in the dtype it was exported in; one rank);
 - a ``Glm5ForCausalLM`` already loaded, or a reader (``fxglm5.model.random_reader.RandomReader``, at tp > 1).
 
+The Runner it returns serves with the parts (program, cache, block manager, decode graphs, drafter) that
+:func:`fxglm5.runtime.parts.build_parts` makes from the source and the options: checkpoint -> model -> compile ->
+runtime, nothing of it calling back up here.
+
 ``options`` is one :class:`~fxglm5.runtime.options.RunnerOptions`. At ``tp`` > 1 a process only builds its own
 rank: :func:`on_ranks` starts the ranks (or joins them under torchrun) and runs an entry point on each, which
 builds its rank with the rank's device. The entry points live here (:func:`generate_on_rank`,
@@ -21,6 +25,7 @@ from pathlib import Path
 from fxglm5.errors import InputError
 from fxglm5.runtime.engine import Engine
 from fxglm5.runtime.options import RunnerOptions
+from fxglm5.runtime.parts import build_parts
 from fxglm5.runtime.runner import Runner
 
 
@@ -37,9 +42,10 @@ def load_source(source):
     return source
 
 
-def build_runner(source, options: RunnerOptions | None = None, **parts) -> Runner:
-    """A Runner for ``source`` (module docstring) with ``options`` (default: RunnerOptions()); ``parts``: the
-    Runner's ``program`` / ``mtp_program`` / ``drafter``, reused or given."""
+def build_runner(source, options: RunnerOptions | None = None, **given) -> Runner:
+    """A Runner for ``source`` (module docstring) with ``options`` (default: RunnerOptions()), over the parts
+    ``fxglm5.runtime.parts.build_parts`` makes (an artifact's through ``Artifact.runner``, around the program it
+    compiles); ``given``: ``build_parts``'s ``program`` / ``mtp_program`` / ``drafter``, reused or given."""
     options = RunnerOptions() if options is None else options
     source = load_source(source)
     from fxglm5.artifact import Artifact
@@ -50,8 +56,10 @@ def build_runner(source, options: RunnerOptions | None = None, **parts) -> Runne
                              "artifact serves on one rank")
         if options.speculative is not None:
             raise InputError("speculative: drafts from the MTP layer of a checkpoint directory, not an artifact")
+        if given:
+            raise InputError(f"{sorted(given)}: an artifact compiles its own program and drafts from none")
         return source.runner(options)
-    return Runner(source, options, **parts)
+    return Runner(build_parts(source, options, **given))
 
 
 def load_tokenizer(source, config):
@@ -64,10 +72,10 @@ def load_tokenizer(source, config):
 
 
 def build_engine(source, options: RunnerOptions | None = None, *, wait_for_room: bool = True, seed: int | None = None,
-                 **parts) -> Engine:
+                 **given) -> Engine:
     """A request-level Engine over :func:`build_runner`'s runner, with the checkpoint's tokenizer (text outputs
     and stop strings) where it has one."""
-    runner = build_runner(source, options, **parts)
+    runner = build_runner(source, options, **given)
     return Engine(runner, load_tokenizer(source, runner.config), wait_for_room=wait_for_room, seed=seed)
 
 

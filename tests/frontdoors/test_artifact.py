@@ -16,10 +16,13 @@ import torch
 
 from fxglm5.artifact import CONSTANTS, FORMAT, MEMBERS, PROGRAM, RECORD, WEIGHTS, export_artifact, load_artifact
 from fxglm5.cli import main
-from fxglm5.errors import CheckpointError
+from fxglm5.errors import CheckpointError, InputError
 from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.tiny import deep_tiny_config, make_tiny_checkpoint
+from fxglm5.runtime.options import RunnerOptions
 from fxglm5.runtime.runner import Runner
+from fxglm5.runtime.speculative import SpeculativeConfig
+from fxglm5.serve.build import build_runner
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [7, 1, 8]]  # around index_topk (8)
 SERVE = dict(kv_cache="fp8", block_size=16, max_cache_tokens=512)
@@ -313,6 +316,22 @@ def test_an_artifact_without_the_text_side_refuses_text_by_name(model, tmp_path,
     assert main(["generate", "--model", str(path), "--prompt", "Hi", "--max-new-tokens", "2"]) == 2
     assert f"{path}/tokenizer.json: not found" in capsys.readouterr().err
     assert main(["generate", "--model", str(path), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 0
+
+
+@pytest.mark.parametrize("options, given, error", [
+    (RunnerOptions(tp=2), {}, r"tp=2: each rank reads its slices of a checkpoint directory; an exported artifact "
+                              r"serves on one rank"),
+    (RunnerOptions(speculative=SpeculativeConfig(num_tokens=2)), {},
+     "speculative: drafts from the MTP layer of a checkpoint directory, not an artifact"),
+    (RunnerOptions(), {"program": None, "drafter": None},
+     r"\['drafter', 'program'\]: an artifact compiles its own program and drafts from none"),
+])
+def test_the_builder_refuses_for_an_artifact_what_it_cannot_serve(artifact_path, options, given, error):
+    """An artifact serves on one rank, without drafts, over the program it compiles: the builder says so before any
+    compile, for the file and for the loaded artifact alike (a part given is refused, not silently dropped)."""
+    for source in (artifact_path, load_artifact(artifact_path)):
+        with pytest.raises(InputError, match=error):
+            build_runner(source, options, **given)
 
 
 def test_a_float32_artifact_compiles_with_every_fusion(artifact_path):

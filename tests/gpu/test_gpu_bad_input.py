@@ -7,7 +7,7 @@ import torch
 from fxglm5.errors import InputError
 from fxglm5.model.tiny import make_tiny_checkpoint
 from fxglm5.runtime import cache
-from fxglm5.runtime import runner as runner_module
+from fxglm5.runtime import parts as parts_module
 from fxglm5.runtime.runner import Runner
 
 pytestmark = pytest.mark.gpu
@@ -27,7 +27,7 @@ def test_available_memory_follows_allocations():
 
 def test_cache_larger_than_the_gpu_is_refused_before_capture(tmp_path, monkeypatch):
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", fp8=True)
-    monkeypatch.setattr(runner_module, "compile_model", lambda *a, **k: pytest.fail("captured before refusing"))
+    monkeypatch.setattr(parts_module, "compile_model", lambda *a, **k: pytest.fail("captured before refusing"))
     free = cache.available_memory("cuda")
     tokens = free // (4 * (576 + 128) * 2) + 4096  # bf16 rows of the tiny model's 4 indexed layers, past the free bytes
     with pytest.raises(InputError, match=r"paged cache: .* GiB available on cuda"):

@@ -17,7 +17,7 @@ from fxglm5.compiler import compile_model
 from fxglm5.program import StepInputs
 from fxglm5.runtime.forward_context import ForwardContext
 from fxglm5.runtime import cache
-from fxglm5.runtime import runner as runner_module
+from fxglm5.runtime import parts as parts_module
 from fxglm5.runtime.cache import PagedCache
 from fxglm5.runtime.runner import Runner, Tokens
 from tests.paged_helpers import model_and_graph, prompts, runner
@@ -81,7 +81,7 @@ def test_cache_larger_than_the_available_memory_is_refused_before_compiling(monk
     spec = graph.cache_spec("bf16", "bf16", torch.float32)  # layers: indexed, shared, indexed
     assert cache.check_cache_size(5, 4, spec, "cpu") == allocated
     monkeypatch.setattr(cache, "available_memory", lambda device: allocated - 1)
-    monkeypatch.setattr(runner_module, "compile_model", _no_compile)
+    monkeypatch.setattr(parts_module, "compile_model", _no_compile)
     with pytest.raises(InputError, match=r"paged cache: 5 blocks of block_size 4 tokens for 3 layers need .* GiB, "
                                          r"more than .* available on cpu"):
         Runner(model, block_size=4, num_blocks=5)
@@ -92,7 +92,7 @@ def test_cache_larger_than_the_available_memory_is_refused_before_compiling(monk
 
 def test_block_longer_than_any_sequence_is_refused_before_compiling(monkeypatch):
     model, _ = model_and_graph("short")  # max_position_embeddings 24
-    monkeypatch.setattr(runner_module, "compile_model", _no_compile)
+    monkeypatch.setattr(parts_module, "compile_model", _no_compile)
     with pytest.raises(InputError, match=r"block_size: 1000000 exceeds max_position_embeddings \(24\)"):
         Runner(model, block_size=1000000)
 
@@ -103,7 +103,7 @@ def test_unknown_kernel_backend_is_refused_before_compiling(monkeypatch, env, op
     model, _ = model_and_graph("short")
     if env:
         monkeypatch.setenv("FXGLM5_BACKEND", env)
-    monkeypatch.setattr(runner_module, "compile_model", _no_compile)
+    monkeypatch.setattr(parts_module, "compile_model", _no_compile)
     with pytest.raises(InputError) as err:
         Runner(model, block_size=4, backend=option)
     assert str(err.value) == (f"{shown} must be one of 'aiter', 'triton', 'reference' (or unset: the best for the "
