@@ -175,13 +175,20 @@ def _attend(q_a, q_b, q_pe, k_a, k_b, k_pe, valid, m_i, l_i, acc_a, acc_b, sm_sc
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_new_safe = m_new
-    alpha = tl.exp2(m_i - m_new_safe)
-    p = tl.exp2(qk - m_new_safe[:, None])
+    l_i, acc_a, acc_b = softmax_accumulate(qk, m_i, m_new_safe, l_i, acc_a, acc_b, k_a, k_b, IEEE)
+    return m_new, l_i, acc_a, acc_b
+
+
+@triton.jit
+def softmax_accumulate(qk, m_i, m_safe, l_i, acc_a, acc_b, k_a, k_b, IEEE: tl.constexpr):
+    """The online softmax's update for one key tile, the running max ``m_i`` moved to ``m_safe`` (the new max, or
+    0 where a row has seen no key yet): rescale the sum and the two latent halves, add P = exp2(qk - m_safe) and
+    P @ V into them."""
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     pb = p.to(k_a.dtype)
-    acc_a = mma(pb, k_a, acc_a * alpha[:, None], IEEE)
-    acc_b = mma(pb, k_b, acc_b * alpha[:, None], IEEE)
-    return m_new, l_i, acc_a, acc_b
+    return l_i, mma(pb, k_a, acc_a * alpha[:, None], IEEE), mma(pb, k_b, acc_b * alpha[:, None], IEEE)
 
 
 @triton.jit

@@ -36,7 +36,8 @@ from fxglm5 import settings
 from fxglm5.contracts import KV_LORA_RANK
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton.device import interpreter_compat
-from fxglm5.lowering.triton.mla import LOG2E, cache_views, gather_latent_tile, latent_scores, mma
+from fxglm5.lowering.triton.mla import (LOG2E, cache_views, gather_latent_tile, latent_scores, mma,
+                                        softmax_accumulate)
 
 interpreter_compat()
 
@@ -136,12 +137,7 @@ def _tile_kernel(
                            mma(one_hot, bias, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE), sm_scale_log2, IEEE)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new < UNLISTED_BELOW, 0.0, m_new)  # nothing listed yet: every weight 0
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pb = p.to(k_a.dtype)
-        acc_a = mma(pb, k_a, acc_a * alpha[:, None], IEEE)
-        acc_b = mma(pb, k_b, acc_b * alpha[:, None], IEEE)
+        l_i, acc_a, acc_b = softmax_accumulate(qk, m_i, m_safe, l_i, acc_a, acc_b, k_a, k_b, IEEE)
         m_i = m_new
     inv = (1.0 / tl.where(l_i > 0.0, l_i, 1.0))[:, None]  # nothing listed: zeros
     o_row = o_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + c[None, :]
