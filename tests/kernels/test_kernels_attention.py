@@ -440,6 +440,25 @@ def test_indexer_topk_paged(s, HI, K, data):
             _close(naive[t][got].sort().values, best, atol=1e-3)
 
 
+@settings(max_examples=4)
+@given(paged_setup(max_len=48), st.integers(1, 16))
+def test_indexer_logits_skip_rows_whose_window_fits(s, skip):
+    """``skip_window``: a row whose causal window holds at most that many keys is not computed (``out`` keeps what
+    it held: NaN here), every other row is the full call's; the top-k passes its k, so a decode step over contexts
+    that fit in index_topk computes no scores."""
+    kc = _filled_index(s)
+    req, pos = _queries(s, lambda b, n: sorted({0, n // 2, n - 1}))
+    g = torch.Generator().manual_seed(s["seed"] + 8)
+    q = torch.randn(len(req), 2, 128, generator=g).bfloat16()
+    w = torch.randn(len(req), 2, generator=g)
+    full = tindexer.indexer_logits_paged(q, w, kc, s["bt"], req, pos)
+    out = torch.full_like(full, float("nan"))
+    tindexer.indexer_logits_paged(q, w, kc, s["bt"], req, pos, out=out, skip_window=skip)
+    skipped = pos + 1 <= skip
+    assert torch.isnan(out[skipped]).all()
+    assert torch.equal(out[~skipped], full[~skipped])
+
+
 @settings(max_examples=2)
 @given(paged_setup(max_len=48), st.integers(1, 16))
 def test_indexer_topk_paged_row_chunks_select_as_one_call(s, K):

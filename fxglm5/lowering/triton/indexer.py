@@ -60,7 +60,7 @@ def _indexer_logits_kernel(
     q_ptr, stride_qt, stride_qh, w_ptr, stride_wt,
     kc_ptr, ks_ptr, n_key_rows,
     bt_ptr, stride_bt, req_ptr, pos_ptr,
-    o_ptr, stride_ot, HI, max_len, T_BUCKET,
+    o_ptr, stride_ot, HI, max_len, skip_window, T_BUCKET,
     BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     F32DOT: tl.constexpr, PROMOTE: tl.constexpr = 128, USE_TMA: tl.constexpr = False, EXACT: tl.constexpr = False,
 ):
@@ -71,6 +71,8 @@ def _indexer_logits_kernel(
     t64 = t.to(tl.int64)
     req = tl.load(req_ptr + t).to(tl.int64)
     n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
+    if n_valid <= skip_window:  # the top-k takes this row's whole window without reading its scores
+        return
     n_first = pb * (BLOCK_N * TILES)
     o_row = o_ptr + t64 * stride_ot
     # cache hints: the logits (a few MB) are re-read by the top-k right after, the streamed keys (hundreds of MB)
@@ -178,9 +180,13 @@ def tuned_config():
 
 
 def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, max_len: int | None = None, *,
-                         out: torch.Tensor | None = None, validate: bool = True, cfg: dict | None = None):
+                         out: torch.Tensor | None = None, validate: bool = True, cfg: dict | None = None,
+                         skip_window: int = 0):
     """float32 [T, max_len] indexer scores (-inf beyond the causal window), over the FP8 cache, or over a
-    compute-dtype cache ``[blocks, bs, 128]`` exactly (the exact mode: unquantized queries and keys)."""
+    compute-dtype cache ``[blocks, bs, 128]`` exactly (the exact mode: unquantized queries and keys). A row whose
+    causal window (``positions[t] + 1`` keys) is at most ``skip_window`` is left as ``out`` held it: the top-k
+    selects such a row's whole window without reading it (:mod:`fxglm5.lowering.triton.topk`), so a decode step
+    over contexts that fit in index_topk computes no scores (the test is per row, on the device)."""
     if validate:
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, 1)
     T, HI, _ = q.shape
@@ -201,7 +207,7 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache,
             k_cache if exact else k_cache.view(torch.float32),
             k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, out, out.stride(0), HI,
-            max_len, triton.next_power_of_2(T))
+            max_len, skip_window, triton.next_power_of_2(T))
     if not interp and not cfg and not settings.no_autotune():
         grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
         ensure_tma_allocator()
@@ -266,7 +272,7 @@ def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, top
                                validate=False, out=out[s:e])
         return out
     logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
-                                  validate=False)
+                                  validate=False, skip_window=topk)
     return topk_from_logits(logits, positions, topk, out=out, validate=False)
 
 
