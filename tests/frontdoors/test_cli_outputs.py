@@ -132,11 +132,13 @@ def test_device_cuda_without_cuda_is_refused_before_loading(tmp_path, capsys, mo
     assert main(["make-tiny", "--out", str(ckpt)]) == 0
     capsys.readouterr()
     import fxglm5.model.modeling
-    import fxglm5.runtime.runner
+    import fxglm5.serve.build
 
     monkeypatch.setattr(fxglm5.model.modeling.Glm5ForCausalLM, "from_pretrained",
                         classmethod(lambda *a, **k: pytest.fail("weights were loaded")))
-    monkeypatch.setattr(fxglm5.runtime.runner, "Runner", lambda *a, **k: pytest.fail("a Runner was made"))
+    # every front door builds its Runner's parts through the builder (patching the Runner class, which the builder
+    # imported by name, could see nothing)
+    monkeypatch.setattr(fxglm5.serve.build, "build_parts", lambda *a, **k: pytest.fail("a Runner was built"))
     for extra in ([], ["--tp", "2"]):
         assert main(["generate", "--model", str(ckpt), "--prompt-ids", "1,2", "--max-new-tokens", "1",
                      "--device", device, *extra]) == 2

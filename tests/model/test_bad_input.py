@@ -452,9 +452,9 @@ def test_huge_block_size_is_refused_up_front(source, capsys):
 
 
 def test_too_many_new_tokens_are_refused_before_the_cache_is_sized(source, capsys, monkeypatch):
-    import fxglm5.runtime.runner as runner_module
+    import fxglm5.serve.build as build
 
-    monkeypatch.setattr(runner_module, "Runner", None)  # sizing a Runner's cache would fail
+    monkeypatch.setattr(build, "build_parts", lambda *a, **k: pytest.fail("a Runner was built: its cache sized"))
     code = main(["generate", "--model", str(source), "--prompt-ids", "1,2", "--prompt-ids", "3",
                  "--max-new-tokens", "100000"])
     err = capsys.readouterr().err
