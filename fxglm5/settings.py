@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Optional
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "0") == "1"
+def _flag(name: str, default: bool = False) -> bool:
+    return os.environ.get(name, "1" if default else "0") == "1"
 
 
 def triton_interpret() -> bool:
@@ -40,7 +40,7 @@ def pdl() -> bool:
 
 
 def sparse_mla_tile() -> bool:
-    return os.environ.get("FXGLM5_SPARSE_MLA_TILE", "1") == "1"
+    return _flag("FXGLM5_SPARSE_MLA_TILE", default=True)
 
 
 def backend() -> Optional[str]:

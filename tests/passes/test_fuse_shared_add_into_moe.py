@@ -4,6 +4,7 @@ MoE's combine, interpreted, against the chain it replaces."""
 
 import os
 
+import pytest
 import torch
 
 from fxglm5.model.config import Glm5Config
@@ -109,3 +110,23 @@ def test_the_reference_serves_unquantized_experts_as_moe_fp8_does():
     got = ref_fused.moe_fp8_add(x, ids, weights, w13, None, w2, None, True, shared)
     assert torch.equal(got, torch.ops.fxglm5.moe_fp8(x, ids, weights, w13, None, w2, None, True) + shared)
     assert torch.equal(got, ref_fp8.moe_plain(x, ids, weights, w13, w2) + shared)
+
+
+def test_a_bad_addend_is_refused_by_name(monkeypatch):
+    """An addend of another shape (reference and Triton) or dtype (Triton: its combine writes the tokens' dtype)
+    is an InputError naming the addend, before any kernel runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from fxglm5.errors import InputError
+    from fxglm5.lowering.reference import fused as ref_fused
+    from fxglm5.lowering.triton.moe import moe_fp8
+
+    experts = randomize_(MoE(CFG, torch.float32)).experts
+    x = torch.randn(5, CFG.hidden_size).bfloat16()
+    ids, weights = torch.zeros(5, 2, dtype=torch.int32), torch.rand(5, 2)
+    args = (x, ids, weights, experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
+            experts.down_proj_scale_inv, True)
+    for bad in (x[:4], x.float()):
+        with pytest.raises(InputError, match="moe_fp8 addend"):
+            moe_fp8(*args, addend=bad)
+    with pytest.raises(InputError, match="moe_fp8_add addend: shape"):
+        ref_fused.moe_fp8_add(*args, x[:4])

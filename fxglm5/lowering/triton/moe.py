@@ -397,10 +397,10 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     dtype): added to the routed sum in the combine kernel (``fxglm5::moe_fp8_add``: the shared expert's output)."""
     t, e, h, inter = ref.check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     k = topk_ids.shape[1]
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if addend is not None and (addend.shape != x.shape or addend.dtype != x.dtype):
         raise InputError(f"moe_fp8 addend: {addend.dtype} {tuple(addend.shape)}, the tokens are {x.dtype} "
                          f"{tuple(x.shape)}")
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0 or k == 0:
         return out.zero_() if addend is None else out.copy_(addend)
     chunk = row_chunk(t, lambda r: _moe_elements(r, k, e, h, inter, config))
