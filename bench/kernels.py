@@ -286,6 +286,22 @@ GEMM_SWEEP = {  # regime -> (token counts, shapes, configs); the first config is
     "gluon_small": ((4096,), [("idx wk", 128, 6144)],
                     [dict(kernel="gluon", **c) for c in (dict(), dict(WS=False, BLOCK_M=64), dict(BLOCK_N=128))]),
 }
+RANK_DECODE_SHAPES = [  # (name, N, K): one TP8 rank's decode GEMMs (8 of 64 heads, the indexer whole, 1/8 of the MLPs)
+    ("qkv_a | idx wk", 2752, 6144),
+    ("q_b | idx wq_b", 6144, 2048),
+    ("o_proj", 6144, 2048),
+    ("dense gate|up", 3072, 6144),
+    ("dense down", 6144, 1536),
+    ("shared gate|up", 512, 6144),
+    ("shared down", 6144, 256),
+]
+GEMM_SWEEP["gemv_rank"] = (  # the tiled split-K kernel (today's decode path) against the GEMV's launches
+    (1, 8), RANK_DECODE_SHAPES,
+    [dict(kernel="triton"), dict(kernel="gemv")]
+    + [dict(kernel="gemv", **c) for c in (
+        dict(BLOCK_N=32), dict(BLOCK_N=128), dict(num_warps=4), dict(num_stages=2), dict(num_stages=6),
+        dict(CTAS_PER_SM=1), dict(CTAS_PER_SM=4), dict(CTAS_PER_SM=4, num_warps=4, BLOCK_N=32),
+        dict(M_PAD=16), dict(M_PAD=16, BLOCK_N=128, num_warps=4), dict(M_PAD=16, CTAS_PER_SM=4, num_warps=4))])
 MOE_SWEEP = {  # regime -> (token counts, configs); the first config is the committed default
     "decode": ((1, 64), [dict(), dict(SPLIT1=1), dict(CTAS_PER_SM1=8), dict(num_stages=4), dict(SPLIT2=4)]),
     "prefill": ((2048,), [dict(BLOCK_M=bm, BLOCK_N1=n1, BLOCK_N2=n2, num_warps=w, num_stages=st)
@@ -314,11 +330,11 @@ def bench_sweep(res: Results, args):
     it in the same process and recorded as an ``applied`` row; the committed defaults in fp8_gemm.py are copied
     from those rows.
     """
-    from fxglm5.lowering.triton import fp8_gemm, fp8_gemm_hopper
+    from fxglm5.lowering.triton import fp8_gemm, fp8_gemm_hopper, fp8_gemv
     from fxglm5.lowering.triton.fp8_gemm import fp8_linear
 
     defaults = dict(decode=fp8_gemm.DECODE, prefill=fp8_gemm.PREFILL, gluon=fp8_gemm_hopper.WIDE,
-                    gluon_narrow=fp8_gemm_hopper.NARROW, gluon_small=fp8_gemm_hopper.SMALL)
+                    gluon_narrow=fp8_gemm_hopper.NARROW, gluon_small=fp8_gemm_hopper.SMALL, gemv_rank=fp8_gemv.GEMV)
     for regime, (ms, shapes, cfgs) in GEMM_SWEEP.items():
         if args.regimes and regime not in args.regimes.split(","):
             continue

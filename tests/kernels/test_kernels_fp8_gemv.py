@@ -103,3 +103,17 @@ def test_rows_pick_the_product_path_and_fp8_linear_dispatches_where_enabled(monk
         fp8_gemm.fp8_linear(torch.randn(17, 128), w, s, config=dict(kernel="gemv"))
     with pytest.raises(ValueError, match="BLOCK_N must divide 128"):
         fp8_gemm.fp8_linear(torch.randn(2, 128), w, s, config=dict(kernel="gemv", BLOCK_N=48))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_a_row_tile_may_be_forced_to_the_mma_path_and_a_bad_one_is_refused(m):
+    """``M_PAD`` 16 (a sweep's choice) runs few rows through the 16-row MMA with the reference's numbers; a row tile
+    smaller than the rows, or of no path, is refused before launching."""
+    w, s = _weight(192, 256, 11)
+    x = torch.randn(m, 256)
+    assert fp8_gemv.plan(m, 192, 256, 4, dict(M_PAD=16))["M_PAD"] == 16
+    out = fp8_gemm.fp8_linear(x, w, s, None, True, config=dict(kernel="gemv", M_PAD=16))
+    assert _rel(out, ref.fp8_linear(x, w, s, None, True)) < 1e-5
+    for bad in (8, 2 if m == 3 else 3):
+        with pytest.raises(ValueError, match="M_PAD"):
+            fp8_gemm.fp8_linear(x, w, s, None, True, config=dict(kernel="gemv", M_PAD=bad))

@@ -139,9 +139,12 @@ def rows_padded(m: int) -> int:
 
 def plan(m: int, n: int, k: int, sms: int, config: dict | None = None) -> dict:
     """The launch for an [m, k] x [n, k] call: row tile, column tile, split-K (one wave of CTAS_PER_SM CTAs per
-    SM), K steps per split; ``config`` overrides GEMV's keys (``BLOCK_N`` an int there)."""
+    SM), K steps per split; ``config`` overrides GEMV's keys (``BLOCK_N`` an int there; ``M_PAD`` 16 takes the MMA
+    path for fewer rows, a sweep's choice)."""
     cfg = dict(GEMV, **(config or {}))
-    m_pad = rows_padded(m)
+    m_pad = cfg.get("M_PAD") or rows_padded(m)
+    if m_pad not in (1, 2, 4, 16) or m_pad < m:
+        raise ValueError(f"fp8 gemv: M_PAD must be 1, 2, 4 or 16 and at least the {m} rows, got {m_pad}")
     bn = cfg["BLOCK_N"][m_pad] if isinstance(cfg["BLOCK_N"], dict) else cfg["BLOCK_N"]
     if 128 % bn:
         raise ValueError(f"fp8 gemv: BLOCK_N must divide 128 (one weight-scale block row), got {bn}")
