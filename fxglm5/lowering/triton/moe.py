@@ -14,7 +14,8 @@ hold the gate half's ceil(I/128) block rows, then the up half's, so a tile of ei
 per K step whatever I is); the down projection reads those rows back and writes each entry's expert
 output to its own (token, slot) row, optionally split over K (``SPLIT2``: more CTAs when only a few
 experts are touched). The gated GEMM can be split over K too (``SPLIT1``, decode): its splits write fp32
-gate|up partials and a small kernel sums them in a fixed order and applies the gate; a combine kernel sums
+gate|up partials and the last split to finish each tile sums them in a fixed order and applies the gate (the
+split-K fixup of :mod:`fxglm5.lowering.triton.fp8_gemm`, counters from ``tile_counters``); a combine kernel sums
 the splits and the k slots with the routing weights in a fixed order (deterministic, no atomics; ids of -1, expert-parallel padding, are skipped). The A/B scaling scheme is the one of
 :mod:`fxglm5.lowering.triton.fp8_gemm` (BLOCK_K = 128, one scale pair per K step), and so is the choice
 to load padding rows (a real row, never stored) instead of masking them; only a K tail (H or I not a
@@ -36,7 +37,7 @@ from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.reference import fused as ref_fused
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, quantize_act_1x128, row_chunk
-from fxglm5.lowering.triton.fp8_parts import _dot, _quant_rows
+from fxglm5.lowering.triton.fp8_parts import _dot, _quant_rows, tile_counters
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, round_to
 
 
@@ -181,18 +182,21 @@ def align_by_expert(topk_ids: torch.Tensor, e: int, block_m: int, use_triton: bo
 # -------------------------------------------------------------------------------------- grouped GEMM
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, c_ptr,
+    a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, c_ptr, h_ptr, cnt_ptr,
     n_entries, N, K, KG, TOP_K, UP_SB,
-    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs,
-    GATED: tl.constexpr, GATE_PARTIAL: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm,
+    GATED: tl.constexpr, SPLIT_K: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr,
     INTERPRET: tl.constexpr, K_PER_SPLIT: tl.constexpr, NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """GATED: c[row] = silu(A W_g^T) * (A W_u^T) with A rows gathered from x (token = entry // TOP_K),
-    c in sorted row order; with GATE_PARTIAL, c[split, row] = this split's partial [A W_g^T | A W_u^T] instead
-    (``_activate_kernel`` sums the splits and applies the gate). Not GATED: c[split, entry] = partial A W^T over
-    this split's K groups, A in sorted row order (the GATED output); the combine kernel sums the splits."""
+    c in sorted row order. GATED over SPLIT_K > 1 splits: c[split, row] = this split's partial [A W_g^T | A W_u^T],
+    and the last split to finish a (block, column tile) sums the tile's partials in split order, applies the gate
+    and writes h[row] (the gated output), then resets the tile's counter ``cnt[pid_b * num_n + pid_n]``; the fold
+    of the gate into the GEMM saves a launch per MoE call (decode, where the gate|up GEMM is split).
+    Not GATED: c[split, entry] = partial A W^T over this split's K groups, A in sorted row order (the GATED
+    output); the combine kernel sums the splits."""
     pdl_prologue(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -251,11 +255,26 @@ def _moe_gemm_kernel(
             acc += _dot(q, tl.trans(b), INTERPRET) * _ab_scale(s_a, s_b, SCALAR_SB)
             if GATED:
                 acc_u += _dot(q, tl.trans(bu), INTERPRET) * _ab_scale(s_a, s_u, SCALAR_SB)
-    if GATE_PARTIAL:
-        c_ptrs = c_ptr + pid_k * stride_cs + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    if GATED and SPLIT_K > 1:
+        # The fixup of fp8_gemm's FIXUP: barrier + acq_rel atomic publish this CTA's partial stores GPU-wide; the
+        # last-arriving split reads every split's partial back from L2 (.cg) and sums them in split order
+        # (deterministic, the order and fp32 math of a separate reduce-and-gate pass).
+        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         c_mask = valid[:, None] & n_mask[None, :]
-        tl.store(c_ptrs, acc, mask=c_mask)
-        tl.store(c_ptrs + N, acc_u, mask=c_mask)
+        tl.store(c_ptrs + pid_k * stride_cs, acc, mask=c_mask)
+        tl.store(c_ptrs + pid_k * stride_cs + N, acc_u, mask=c_mask)
+        tl.debug_barrier()
+        cnt = cnt_ptr + pid_b * tl.num_programs(1) + pid_n
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sp in range(0, SPLIT_K):
+                gate += tl.load(c_ptrs + sp * stride_cs, mask=c_mask, other=0.0, cache_modifier=".cg")
+                up += tl.load(c_ptrs + sp * stride_cs + N, mask=c_mask, other=0.0, cache_modifier=".cg")
+            out = gate / (1.0 + tl.exp(-gate)) * up
+            tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :],
+                     out.to(h_ptr.dtype.element_ty), mask=c_mask)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
         return
     if GATED:
         out = acc / (1.0 + tl.exp(-acc)) * acc_u
@@ -265,30 +284,6 @@ def _moe_gemm_kernel(
         c_rows = entry
     c_ptrs = c_ptr + pid_k * stride_cs + c_rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _activate_kernel(g_ptr, sorted_ptr, block_expert_ptr, h_ptr, n_entries, N, stride_gs, stride_gm, stride_hm,
-                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """h[row] = silu(sum_s g[s, row, :N]) * sum_s g[s, row, N:], splits summed in a fixed order
-    (deterministic); rows of unused blocks and padding rows are skipped, as the GEMM skipped them."""
-    pdl_prologue(PDL)
-    pid_b = tl.program_id(0)
-    if tl.load(block_expert_ptr + pid_b) < 0:
-        return
-    rows = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = tl.load(sorted_ptr + rows) < n_entries
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = valid[:, None] & (offs_n < N)[None, :]
-    ptrs = g_ptr + rows.to(tl.int64)[:, None] * stride_gm + offs_n[None, :]
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for sp in tl.static_range(SPLIT):
-        gate += tl.load(ptrs + sp * stride_gs, mask=mask, other=0.0)
-        up += tl.load(ptrs + sp * stride_gs + N, mask=mask, other=0.0)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :], out.to(h_ptr.dtype.element_ty),
-             mask=mask)
 
 
 @triton.jit
@@ -337,8 +332,10 @@ def pick_moe_config(t: int, k: int, e: int, config: dict | None = None) -> dict:
     return cfg
 
 
-def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k, gated, cfg, dot_f32, split=1):
-    """One grouped GEMM launch; a gated launch with ``split > 1`` writes its [split, rows, 2I] partials to c."""
+def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k, gated, cfg, dot_f32, split=1,
+             h=None):
+    """One grouped GEMM launch. A gated launch with ``split > 1`` writes its [split, rows, 2I] fp32 partials to c
+    and its gated output to ``h`` (the last split of each tile reduces them, counted in :func:`tile_counters`)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     kdim = w.shape[2]
     kg = triton.cdiv(kdim, 128)
@@ -346,12 +343,14 @@ def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k
     split = triton.cdiv(kg, k_per_split)
     bn = cfg["BLOCK_N1"] if gated else cfg["BLOCK_N2"]
     grid = (block_expert.numel(), triton.cdiv(n, bn), split)
+    fold = gated and split > 1
     _moe_gemm_kernel[grid](
-        a, a_s, w, w_s, sorted_ids, block_expert, c,
+        a, a_s, w, w_s, sorted_ids, block_expert, c, h if fold else c,
+        tile_counters(a.device, grid[0] * grid[1]) if fold else c,
         n_entries, n, kdim, kg, top_k, triton.cdiv(n, 128),
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
-        c.stride(-2), c.stride(0) if c.dim() == 3 else 0,
-        GATED=gated, GATE_PARTIAL=gated and split > 1, A_MODE=mode, DOT_F32=dot_f32,
+        c.stride(-2), c.stride(0) if c.dim() == 3 else 0, h.stride(0) if fold else 0,
+        GATED=gated, SPLIT_K=split, A_MODE=mode, DOT_F32=dot_f32,
         INTERPRET=settings.triton_interpret(), K_PER_SPLIT=k_per_split,
         NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
@@ -428,11 +427,8 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
         a, a_s, mode = x, x, (1 if act_quant else 2)
     if split1 > 1:
         g = torch.empty(split1, rows, 2 * inter, dtype=torch.float32, device=x.device)
-        _grouped(a, a_s, mode, w13, w13_scale, sorted_ids, block_expert, g, t * k, k, True, cfg, dot_f32, split1)
-        block_n = 128
-        _activate_kernel[(block_expert.numel(), triton.cdiv(inter, block_n))](
-            g, sorted_ids, block_expert, hmid, t * k, inter, g.stride(0), g.stride(1), hmid.stride(0), SPLIT=split1,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, **pdl(x.device))
+        _grouped(a, a_s, mode, w13, w13_scale, sorted_ids, block_expert, g, t * k, k, True, cfg, dot_f32, split1,
+                 hmid)
     else:
         _grouped(a, a_s, mode, w13, w13_scale, sorted_ids, block_expert, hmid, t * k, k, True, cfg, dot_f32)
     if mode == 0:
