@@ -1,13 +1,15 @@
 """The fuse_kernels stage's Triton kernels at GLM-5's per-rank shapes (TP8 / EP8) on the GPU, against the torch
 references: add_rms_norm at 6144, the router's and the indexer head weights' f32_linear, moe_route_local over a
 rank's 32 of 256 experts, and the gated down GEMMs (dense MLP 1536, shared expert 256 intermediate features per
-rank) on the decode path and the prefill path, also replayed from a CUDA graph (the split-K counters reset)."""
+rank) on the decode path and the prefill path, also replayed from a CUDA graph (the split-K counters reset), and
+a rank's routed experts at decode batches, their split gate|up GEMM reduced by its last split CTAs, from a graph."""
 
 import pytest
 import torch
 
+from fxglm5.lowering.reference import fp8 as ref_fp8
 from fxglm5.lowering.reference import fused as ref
-from fxglm5.lowering.triton import f32_linear, fp8_gemm, moe, norm_rope
+from fxglm5.lowering.triton import f32_linear, fp8_gemm, fp8_parts, moe, norm_rope
 
 pytestmark = pytest.mark.gpu
 ROWS = [1, 8, 64, 4096]
@@ -94,3 +96,60 @@ def test_moe_fp8_add_is_the_routed_sum_then_the_shared_add(tokens):
     fused = moe.moe_fp8(*args, addend=shared)
     assert torch.equal(fused, moe.moe_fp8(*args) + shared)
     assert _rel(fused, ref.moe_fp8_add(*args, shared)) < 1e-2
+
+
+@pytest.fixture(scope="module")
+def rank_experts():
+    """A rank's 32 of GLM-5's 256 experts (EP8): w13 [32, 2x2048, 6144], w2 [32, 6144, 2048] e4m3, 128x128 scales."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    experts, h, inter = 32, 6144, 2048
+    w13 = torch.empty(experts, 2 * inter, h, dtype=torch.float8_e4m3fn, device="cuda")
+    w2 = torch.empty(experts, h, inter, dtype=torch.float8_e4m3fn, device="cuda")
+    for i in range(experts):  # one expert at a time: the fp32 draws of all 32 would take 4.8 GB
+        w13[i] = (torch.randn(2 * inter, h, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+        w2[i] = (torch.randn(h, inter, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    s13 = torch.rand(experts, 2 * inter // 128, h // 128, device="cuda", generator=g) * 0.01 + 0.002
+    s2 = torch.rand(experts, h // 128, inter // 128, device="cuda", generator=g) * 0.01 + 0.002
+    return w13, s13, w2, s2
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_moe_rank_decode_split_gate_up_replays_from_a_cuda_graph(tokens, rank_experts):
+    """Route (ids local to rank 0's experts, -1 for the others) + routed experts at decode batches: the gate|up GEMM
+    is split over K and its last split CTA of each tile applies the gate. Replayed twice from a CUDA graph: the same
+    bits as the eager call both times (deterministic), the reference's value, and every arrival counter back at 0."""
+    w13, s13, w2, s2 = rank_experts
+    experts, h, inter = w13.shape[0], w13.shape[2], w2.shape[2]
+    cfg = moe.pick_moe_config(tokens, 8, experts)
+    blocks = moe.align_capacity(tokens * 8, experts, cfg["BLOCK_M"])
+    assert moe._split1(blocks, h, inter, cfg, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
+    logits = torch.randn(tokens, 256, device="cuda", generator=g)
+    logits[0, :4] += 4.0  # token 0 picks local experts; the others mostly pick a few or none
+    bias = 0.01 * torch.randn(256, device="cuda", generator=g)
+    offset = torch.zeros((), dtype=torch.int32, device="cuda")
+
+    def step():
+        weights, ids = moe.moe_route(logits, bias, 8, 1, 1, True, 2.5, offset, experts)
+        return moe.moe_fp8(x, ids, weights, w13, s13, w2, s2, True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles outside the capture
+        eager = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append(out.clone())
+        assert int(fp8_parts.tile_counters(x.device, 1).abs().sum()) == 0
+    assert torch.equal(replays[0], eager) and torch.equal(replays[1], eager)
+    weights, ids = ref.moe_route_local(logits, bias, 8, 1, 1, True, 2.5, offset, experts)
+    assert (ids >= 0).any() and (ids < 0).any()
+    assert _rel(eager, ref_fp8.moe_fp8(x.float(), ids, weights, w13, s13, w2, s2, True)) < 2e-2

@@ -293,6 +293,49 @@ def test_moe_reference_vs_naive_loop(inter, h):
         torch.testing.assert_close(ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant), want, rtol=1e-5, atol=1e-5)
 
 
+def _launched(monkeypatch):
+    """The names of the Triton kernels launched (interpreted), in launch order."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    names, run = [], InterpretedFunction.run
+
+    def spy(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", spy)
+    return names
+
+
+RAGGED_IDS = [[0, 1, 2], [0, 1, 3], [0, 5, 1], [0, 2, -1], [-1, -1, -1], [5, 0, 3], [1, 0, -1]]  # expert 4: none
+
+
+@pytest.mark.parametrize("act_quant,dtype,split1", [(True, torch.bfloat16, 3), (False, torch.float32, 2)])
+def test_moe_fp8_split_gate_up_reduced_by_its_last_split(monkeypatch, act_quant, dtype, split1):
+    """SPLIT1 > 1: the gate|up GEMM's last split CTA of each (block, column tile) sums the partials and applies the
+    gate, so a call launches align, the two GEMMs and the combine only. Ragged expert loads, an expert no token
+    picks, slots and a whole token routed to no local expert (-1, expert parallelism); the counters end at zero."""
+    t, e, k, inter, h = 7, 6, 3, 256, 384
+    _, tw, w13, s13, w2, s2 = _moe_case(t, e, k, inter, h, 11)
+    ids = torch.tensor(RAGGED_IDS, dtype=torch.int32)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(12)).to(dtype)
+    splits, grouped = [], moe._grouped
+
+    def spy(*args, **kwargs):  # (gated, the splits it ran) of each grouped GEMM
+        splits.append((args[10], grouped(*args, **kwargs)))
+        return splits[-1][1]
+
+    monkeypatch.setattr(moe, "_grouped", spy)
+    names = _launched(monkeypatch)
+    out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=dict(SPLIT1=split1))
+    assert names == ["_align_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+    assert splits[0] == (True, split1)  # the gated GEMM really was split
+    want = ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant)
+    assert _rel(out, want) < _tol(dtype, act_quant)
+    assert torch.equal(out[4], torch.zeros(h, dtype=dtype))  # no local expert: nothing routed
+    assert int(fp8_parts._COUNTERS[("cpu", None)].abs().sum()) == 0
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_align_by_expert(block_m):
     """Triton and torch alignment agree; every block holds one expert; every valid entry appears once."""
