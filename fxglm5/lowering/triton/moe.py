@@ -256,9 +256,9 @@ def _moe_gemm_kernel(
             if GATED:
                 acc_u += _dot(q, tl.trans(bu), INTERPRET) * _ab_scale(s_a, s_u, SCALAR_SB)
     if GATED and SPLIT_K > 1:
-        # The fixup of fp8_gemm's FIXUP: barrier + acq_rel atomic publish this CTA's partial stores GPU-wide; the
-        # last-arriving split reads every split's partial back from L2 (.cg) and sums them in split order
-        # (deterministic, the order and fp32 math of a separate reduce-and-gate pass).
+        # fp8_gemm's FIXUP: barrier + acq_rel atomic publish this CTA's partial stores GPU-wide; the last-arriving
+        # split reads every split's partial back from L2 (.cg) and sums them in split order (deterministic: the
+        # order and fp32 math of a separate reduce-and-gate kernel, bit for bit).
         c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         c_mask = valid[:, None] & n_mask[None, :]
         tl.store(c_ptrs + pid_k * stride_cs, acc, mask=c_mask)
