@@ -74,20 +74,23 @@ def _kernels_named(expr, namespace, assigned, seen=()) -> list:
 
 
 def _launches(module):
-    """(line, call node, kernels it may launch) for every ``kernel[grid](...)`` in the module's functions."""
+    """(line, call node, kernels it may launch) for every ``kernel[grid](...)`` in the module: each call read in the
+    outermost function holding it (whose locals include its nested functions'), then any left at module level."""
     tree = ast.parse(inspect.getsource(module))
     namespace = vars(module)
-    for fn in tree.body:
-        if not isinstance(fn, ast.FunctionDef):
-            continue
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    seen = set()
+    for scope in [*functions, tree]:
         assigned: dict[str, list] = {}
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Assign):
-                for target in node.targets:
-                    if isinstance(target, ast.Name):
-                        assigned.setdefault(target.id, []).append(node.value)
-        for node in ast.walk(fn):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+        if scope is not tree:
+            for node in ast.walk(scope):
+                if isinstance(node, ast.Assign):
+                    for target in node.targets:
+                        if isinstance(target, ast.Name):
+                            assigned.setdefault(target.id, []).append(node.value)
+        for node in ast.walk(scope):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and id(node) not in seen:
+                seen.add(id(node))
                 yield node.lineno, node, _kernels_named(node.func.value, namespace, assigned)
 
 
@@ -98,12 +101,15 @@ def _passes_pdl(call) -> bool:
 
 
 def _is_prologue(stmt) -> bool:
+    """Whether a statement is ``pdl_prologue(PDL)`` / ``gluon_pdl_prologue(PDL)`` (the kernel's own flag)."""
     call = stmt.value if isinstance(stmt, ast.Expr) else None
     return (isinstance(call, ast.Call) and getattr(call.func, "id", None) in PROLOGUES and len(call.args) == 1
             and getattr(call.args[0], "id", None) == "PDL")
 
 
 def _touches_memory_or_returns(stmts) -> bool:
+    """Whether the statements return or call a store or an atomic directly (what no statement before the wait may
+    do; a helper's own loads are the exemption's reason to vouch for)."""
     for node in (n for s in stmts for n in ast.walk(s)):
         if isinstance(node, ast.Return):
             return True
@@ -137,8 +143,7 @@ def pdl_violations(module, exempt=(), before_prologue=()) -> tuple[list[str], se
     for line, call, kernels in _launches(module):
         if not kernels:
             problems.append(f"{module.__name__}:{line}: a launch whose kernel this test cannot name")
-        for kernel in kernels:
-            name = _name(kernel)
+        for name, kernel in {_name(k): k for k in kernels}.items():  # two autotuners of one kernel: one kernel
             launched.add(name)
             if name in exempt:
                 continue
