@@ -9,8 +9,9 @@ call is obeyed and importing a kernel module has no hidden dependence on the env
 - ``FXGLM5_BACKEND=aiter|triton|reference``: the backend the ``lower`` pass puts first (checked by
   ``fxglm5.lowering.backend_choice.preferred_backend``); the ``backend`` option of each front door wins over it.
 - ``FXGLM5_CACHE``: where ``fxglm5 demo`` keeps its tiny checkpoint (default ``~/.cache/fxglm5``).
-- ``FXGLM5_PDL=1|0``: launch the decode path's Triton kernels with programmatic dependent launch on Hopper and
-  later (``fxglm5.lowering.triton.device.pdl``; default 0).
+- ``FXGLM5_PDL=1|0``: launch the decode path's Triton and Gluon kernels with programmatic dependent launch on
+  Hopper and later (``fxglm5.lowering.triton.device.pdl``; default 0). Every kernel the lowering launches takes
+  part but the prefill-only ones (``tests/kernels/test_pdl_coverage.py`` holds the list).
 - ``FXGLM5_SPARSE_MLA_TILE=1|0``: sparse MLA of prefill-shaped steps runs the query-tile kernel
   (``fxglm5.lowering.triton.sparse_mla_tile``) where it applies (default 1); 0 keeps the per-token kernel
   everywhere (to time one against the other in a whole prefill).

@@ -3,7 +3,8 @@
 Gluon kernels do not run under TRITON_INTERPRET=1, so CI cannot check their numbers (tests/gpu does, on an
 H200). What CI can check is what made the kernel's speed in the first place and breaks silently when the
 kernel is edited: it compiles for sm_90 in every variant, fits shared memory, does not spill, and ptxas does not
-serialize its asynchronous MMAs (the C7515 warning, which a register move of an in-flight accumulator causes).
+serialize its asynchronous MMAs (the C7515 warning, which a register move of an in-flight accumulator causes);
+and, launched for programmatic dependent launch, it waits on its predecessor before it touches memory.
 """
 
 import functools
@@ -22,7 +23,7 @@ SMEM_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use
 _POINTERS = ("q_ptr", "lat_ptr", "pe_ptr", "sc_ptr", "bt_ptr", "req_ptr", "pos_ptr", "o_ptr", "po_ptr", "plse_ptr")
 
 
-def _compile(sparse: bool, fp8: bool, direct: bool, heads: int = 64):
+def _compile(sparse: bool, fp8: bool, direct: bool, heads: int = 64, pdl: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -32,10 +33,10 @@ def _compile(sparse: bool, fp8: bool, direct: bool, heads: int = 64):
            "stride_ot": "i32", "stride_oh": "i32", "po_ptr": "*fp32", "plse_ptr": "*fp32", "sm_scale_log2": "fp32",
            "split_len": "i32", "num_splits": "i32", "n_rows": "i32", "BS": "constexpr", "DIRECT": "constexpr",
            "SPARSE": "constexpr", "FP8": "constexpr", "BLOCK": "constexpr", "STAGES_": "constexpr",
-           "ROWS": "constexpr", "KEYS_AS_ROWS": "constexpr"}
+           "ROWS": "constexpr", "KEYS_AS_ROWS": "constexpr", "PDL": "constexpr"}
     rows, keys_as_rows = mla_hopper.rows_for(heads)
     const = dict(BS=64, DIRECT=direct, SPARSE=sparse, FP8=fp8, BLOCK=mla_hopper.BLOCK_N, STAGES_=mla_hopper.STAGES,
-                 ROWS=rows, KEYS_AS_ROWS=keys_as_rows)
+                 ROWS=rows, KEYS_AS_ROWS=keys_as_rows, PDL=pdl)
     names = list(sig)
     # what the launcher's JIT specializes: 16-byte aligned pointers (supported() requires the cache's)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _POINTERS}
@@ -43,21 +44,23 @@ def _compile(sparse: bool, fp8: bool, direct: bool, heads: int = 64):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if keys_as_rows else 8})
 
 
-def _report(sparse: bool, fp8: bool, direct: bool, heads: int = 64) -> dict:
+def _report(sparse: bool, fp8: bool, direct: bool, heads: int = 64, pdl: bool = False) -> dict:
     """Compile one variant and run ptxas -v on it (in a process where Triton does not interpret: importing
     triton under TRITON_INTERPRET=1 turns its library functions into interpreted ones)."""
-    return ptxas_report(_compile(sparse, fp8, direct, heads))
+    return ptxas_report(_compile(sparse, fp8, direct, heads, pdl))
 
 
 # (sparse, fp8, direct, heads): the 64-head kernel's variants, then the few-heads kernel's
 WIDE = [(False, False, False, 64), (True, False, False, 64), (False, True, False, 64), (True, True, False, 64),
         (True, True, True, 64)]
 FEW_HEADS = [(False, True, False, 8), (True, True, False, 8), (False, False, False, 8), (True, True, True, 16)]
+# (..., pdl): variants of both forms compiled with the PDL prologue (FXGLM5_PDL=1 on sm_90)
+WITH_PDL = [(True, True, False, 64, True), (False, False, False, 8, True)]
 
 
 def _reports_of_every_variant() -> dict[str, dict]:
-    """:func:`_report` of each variant of WIDE and FEW_HEADS by ``repr(variant)``."""
-    return report_each(WIDE + FEW_HEADS, _report)
+    """:func:`_report` of each variant of WIDE, FEW_HEADS and WITH_PDL by ``repr(variant)``."""
+    return report_each(WIDE + FEW_HEADS + WITH_PDL, _report)
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,6 +104,21 @@ def test_fp8_dequantization_takes_no_quarter_rate_conversion(variant):
     ops = _fits(variant)["sass_opcodes"]
     assert not any(op.startswith("F2F.BF16") for op in ops), {k: v for k, v in ops.items() if k.startswith("F2F")}
     assert ops.get("F2FP.F16.E4M3.UNPACK_B", 0) >= 64 and ops.get("F2FP.BF16.F32.PACK_AB", 0) >= 64, ops
+
+
+@pytest.mark.parametrize("variant", WITH_PDL, ids=lambda v: "-".join(map(str, v[:4])))
+def test_pdl_prologue_waits_before_the_first_memory_access(variant):
+    """With PDL the kernel's first instructions are ``griddepcontrol.wait`` then ``launch_dependents``
+    (:func:`fxglm5.lowering.triton.device.gluon_pdl_prologue`), ahead of every global load, copy and store, at the
+    same registers as without it (which has neither instruction)."""
+    r, plain = _fits(variant), _fits(variant[:4])
+    ptx = r["ptx"]
+    wait, go = ptx.find("griddepcontrol.wait;"), ptx.find("griddepcontrol.launch_dependents;")
+    first_access = min(i for i in (ptx.find(op) for op in ("ld.global", "cp.async", "st.global")) if i >= 0)
+    assert 0 <= wait < go < first_access, (wait, go, first_access)
+    assert "griddepcontrol" not in plain["ptx"]
+    registers = re.compile(r"Used (\d+) registers")
+    assert registers.search(r["ptxas"]).group(1) == registers.search(plain["ptxas"]).group(1)
 
 
 def test_rows_for_pads_few_heads_to_the_mma_n():

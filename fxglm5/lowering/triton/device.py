@@ -8,6 +8,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from fxglm5 import settings
 
@@ -88,11 +90,26 @@ def pdl_prologue(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@gluon.jit
+def gluon_pdl_prologue(PDL: gl.constexpr):
+    """:func:`pdl_prologue` for Gluon kernels, under the same rules: Gluon has no ``gdc_wait`` /
+    ``gdc_launch_dependents``, so these are the two PTX instructions Triton's own helpers
+    (``triton/language/extra/cuda/gdc.py``) emit, as side-effecting inline assembly with a dummy result."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
 def pdl(device: torch.device) -> dict:
-    """The launch keywords of a kernel that starts with :func:`pdl_prologue`: ``PDL`` for its prologue and Triton's
-    ``launch_pdl`` where the launch can overlap its predecessor's tail (CUDA on sm_90 and later, ``FXGLM5_PDL=1``;
-    a CUDA-graph capture keeps the launch attribute as a programmatic edge). Why: a decode step is thousands of
-    kernels of a few microseconds, and each launch's start-up otherwise waits for the previous grid to drain."""
+    """The launch keywords of a kernel that starts with :func:`pdl_prologue` (a Gluon kernel:
+    :func:`gluon_pdl_prologue`): ``PDL`` for its prologue and Triton's ``launch_pdl`` where the launch can overlap
+    its predecessor's tail (CUDA on sm_90 and later, ``FXGLM5_PDL=1``; a CUDA-graph capture keeps the launch
+    attribute as a programmatic edge). Gluon kernels take ``launch_pdl`` as Triton kernels do (their
+    ``GluonJITFunction`` inherits ``JITFunction.run``, whose launch options are the backend's ``CUDAOptions``).
+    Why: a decode step is thousands of kernels of a few microseconds, and each launch's start-up otherwise waits for
+    the previous grid to drain; one kernel of the chain launched without it breaks the overlap on both its sides."""
     cap = capability(device)
     on = settings.pdl() and not settings.triton_interpret() and cap is not None and cap[0] >= 9
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}

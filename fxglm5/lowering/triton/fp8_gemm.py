@@ -69,7 +69,9 @@ def _b_scale(s_b, SCALAR_SB: tl.constexpr):
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KG, stride_xm, stride_qm, ROWS: tl.constexpr, INTERPRET: tl.constexpr):
+def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KG, stride_xm, stride_qm, ROWS: tl.constexpr, INTERPRET: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl_prologue(PDL)
     offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs_k = tl.program_id(1) * 128 + tl.arange(0, 128)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]
@@ -91,7 +93,7 @@ def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m:
         rows = 16
         _quant_kernel[(triton.cdiv(m, rows), kg)](x, q, s, m, k, kg, x.stride(0), q.stride(0), ROWS=rows,
-                                                  INTERPRET=settings.triton_interpret())
+                                                  INTERPRET=settings.triton_interpret(), **pdl(x.device))
     return q, s
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 from fxglm5 import settings
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
-from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat
+from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_gemm import row_chunk
 from fxglm5.lowering.triton.paged_cache import e4m3_bits, pow2_scale
 from fxglm5.lowering.triton.topk import SEGMENT_MAX, topk_from_logits
@@ -62,8 +62,11 @@ def _indexer_logits_kernel(
     bt_ptr, stride_bt, req_ptr, pos_ptr,
     o_ptr, stride_ot, HI, max_len, skip_window, T_BUCKET,
     BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    F32DOT: tl.constexpr, PROMOTE: tl.constexpr = 128, USE_TMA: tl.constexpr = False, EXACT: tl.constexpr = False,
+    F32DOT: tl.constexpr, PDL: tl.constexpr, PROMOTE: tl.constexpr = 128, USE_TMA: tl.constexpr = False,
+    EXACT: tl.constexpr = False,
 ):
+    # before the skip_window exit: a grid whose rows all skip would otherwise complete ahead of its predecessor
+    pdl_prologue(PDL)
     D: tl.constexpr = 128
     KEY_ALIGN: tl.constexpr = 16 if BS % 4 == 0 else 4
     t = tl.program_id(0)
@@ -211,7 +214,7 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     if not interp and not cfg and not settings.no_autotune():
         grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
         ensure_tma_allocator()
-        _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=f32dot, EXACT=exact)
+        _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=f32dot, EXACT=exact, **pdl(q.device))
     else:
         c = _launch_config(bs, cfg, interp, exact)
         use_tma = bool(c.get("USE_TMA", False))
@@ -223,7 +226,7 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
         grid = (T, triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]))
         _indexer_logits_kernel[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"],
                                      F32DOT=f32dot, PROMOTE=c.get("PROMOTE", 128), USE_TMA=use_tma, EXACT=exact,
-                                     num_warps=c["num_warps"], num_stages=c["num_stages"])
+                                     num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl(q.device))
     return out
 
 

@@ -44,8 +44,7 @@ import triton.language as tl
 from fxglm5 import settings
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton import mla_hopper
-from fxglm5.lowering.triton.device import num_sms
-from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat
+from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat, num_sms, pdl, pdl_prologue
 
 interpreter_compat()
 
@@ -201,9 +200,10 @@ def _mla_fwd_kernel(
     po_ptr, plse_ptr,
     H, sm_scale_log2, split_len, num_splits, n_rows,
     BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, N_HB: tl.constexpr,
-    FP8: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    FP8: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     USE_TMA: tl.constexpr = False,
 ):
+    pdl_prologue(PDL)
     R: tl.constexpr = 512
     pid = tl.program_id(0)  # head blocks of one token are adjacent: they share the cache tiles through L2
     t = pid // N_HB
@@ -282,8 +282,9 @@ def _mla_fwd_kernel(
 
 @triton.jit
 def _mla_combine_kernel(po_ptr, plse_ptr, o_ptr, stride_ot, stride_oh, H, num_splits,
-                        R: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+                        R: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Merge the split partials of one (token, head, column chunk): all splits loaded at once."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -425,7 +426,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
         S_PAD = max(2, triton.next_power_of_2(num_splits))
         BLOCK_D = 128 if S_PAD <= 16 else min(64, 4096 // S_PAD)  # at most 4096 partials a program past 16 splits
         _mla_combine_kernel[(T, H, R // BLOCK_D)](po, plse, out, out.stride(0), out.stride(1), H, num_splits, R=R,
-                                                  S_PAD=S_PAD, BLOCK_D=BLOCK_D, num_warps=4)
+                                                  S_PAD=S_PAD, BLOCK_D=BLOCK_D, num_warps=4, **pdl(q.device))
     return out
 
 
@@ -452,7 +453,7 @@ def _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, 
         if not sparse:
             ensure_tma_allocator()
         _LAST["tuner"] = tuner
-        tuner[grid](*args, **const)
+        tuner[grid](*args, **const, **pdl(q.device))
     else:
         c = dict(_default_cfg(q, sparse))
         if cfg:  # an explicit config names every option it wants (TMA only when asked for)
@@ -463,7 +464,7 @@ def _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, 
         if c.get("USE_TMA"):
             ensure_tma_allocator()
         _mla_fwd_kernel[grid](*args, **const, BLOCK_N=c["BLOCK_N"], USE_TMA=bool(c.get("USE_TMA", False)),
-                              num_warps=c["num_warps"], num_stages=c["num_stages"])
+                              num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl(q.device))
 
 
 def dispatch_num_splits(q) -> int | None:

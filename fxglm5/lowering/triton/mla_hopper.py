@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from fxglm5.lowering.triton.device import capability
+from fxglm5.lowering.triton.device import capability, gluon_pdl_prologue, pdl
 
 __all__ = ["supported", "launch"]
 
@@ -318,8 +318,9 @@ def _mla_hopper_kernel(
     o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr,
     sm_scale_log2, split_len, num_splits, n_rows,
     BS: gl.constexpr, DIRECT: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr, BLOCK: gl.constexpr,
-    STAGES_: gl.constexpr, ROWS: gl.constexpr, KEYS_AS_ROWS: gl.constexpr,
+    STAGES_: gl.constexpr, ROWS: gl.constexpr, KEYS_AS_ROWS: gl.constexpr, PDL: gl.constexpr,
 ):
+    gluon_pdl_prologue(PDL)
     # heads as MMA rows (ROWS = 64, two warpgroups) or, for a few heads, keys as MMA rows (one warpgroup, the
     # ROWS padded heads as N): the same loop either way, the scores and outputs transposed
     NW: gl.constexpr = 4 if KEYS_AS_ROWS else 8
@@ -482,4 +483,4 @@ def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split
         stride_pt, K, out, out.stride(0), out.stride(1), po, plse,
         scale_log2, split_len, num_splits, cache.shape[0] * bs,
         BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, FP8=fp8, BLOCK=BLOCK_N, STAGES_=STAGES, ROWS=rows,
-        KEYS_AS_ROWS=keys_as_rows, num_warps=4 if keys_as_rows else 8)
+        KEYS_AS_ROWS=keys_as_rows, num_warps=4 if keys_as_rows else 8, **pdl(q.device))

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from fxglm5.lowering.reference import paged as ref
-from fxglm5.lowering.triton.device import interpreter_compat
+from fxglm5.lowering.triton.device import interpreter_compat, pdl, pdl_prologue
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, rms_normalize, rotate_pairs, round_to
 
 interpreter_compat()
@@ -87,7 +87,8 @@ def _rope_values(pe_row, cos_row, sin_row, RP, HALF, DR: tl.constexpr, ROPE: tl.
 @triton.jit
 def _write_latent_bf_kernel(kv_ptr, pe_ptr, slot_ptr, cache_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv, stride_pe,
                             stride_c, RK, RP, HALF, eps, R: tl.constexpr, DR: tl.constexpr, NORM: tl.constexpr,
-                            ROPE: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr):
+                            ROPE: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -109,8 +110,10 @@ def _write_latent_bf_kernel(kv_ptr, pe_ptr, slot_ptr, cache_ptr, w_ptr, cos_ptr,
 @triton.jit
 def _write_latent_fp8_kernel(kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv,
                              stride_pe, stride_c, RK, RP, HALF, eps, R: tl.constexpr, DR: tl.constexpr,
-                             G: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr):
+                             G: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr,
+                             PDL: tl.constexpr):
     # c8: the uint8 cache (656 per row), c32: float32 view (164 per row), c16: int16 view (328 per row)
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -129,11 +132,12 @@ def _write_latent_fp8_kernel(kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr,
 @triton.jit
 def _write_index_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, stride_k, stride_c, KD,
                         HALF, eps, D: tl.constexpr, BS: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-                        DT: tl.constexpr, EXACT: tl.constexpr = False, BF16: tl.constexpr = False):
+                        DT: tl.constexpr, PDL: tl.constexpr, EXACT: tl.constexpr = False, BF16: tl.constexpr = False):
     # EXACT: c8 is a compute-dtype cache [blocks, BS, D] (an int16 view of its bits when BF16) that keeps the key unquantized.
     # Otherwise block-major (reference.paged.indexer_cache_parts): a block is BS * 132 bytes, its BS keys (D bytes each)
     # then their BS float32 scales; c32 is the float32 view (BS * 33 floats per block). The key is held as a
     # [D // 2, 2] tile of (even, odd) pairs so that RoPE can rotate them in registers.
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -172,8 +176,9 @@ def _write_index_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, w_ptr, b_ptr, cos_ptr,
 @triton.jit
 def _latent_query_kernel(qa_ptr, pe_ptr, cos_ptr, sin_ptr, out_ptr, s_qa_t, s_qa_h, s_pe_t, s_pe_h, stride_c, H, RA,
                          RP, HALF, R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, ROPE: tl.constexpr,
-                         DT: tl.constexpr):
+                         DT: tl.constexpr, PDL: tl.constexpr):
     # program (token, head block): out[t, h] = [q_abs (zero past RA) | q_pe rotated (zero past RP)]
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     oh = tl.program_id(1) * BH + tl.arange(0, BH)
     hm = (oh < H)[:, None]
@@ -222,11 +227,12 @@ def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True
     tail = (kv_c.stride(0), k_pe.stride(0), stride_c, kv_c.shape[1], k_pe.shape[1], half, float(eps))
     if cache.dtype == torch.uint8:
         _write_latent_fp8_kernel[(T,)](kv_c, k_pe, slot_mapping, cache, cache.view(torch.float32),
-                                       cache.view(torch.int16), weight, cos, sin, *tail, G=ref.FP8_GROUP, **common)
+                                       cache.view(torch.int16), weight, cos, sin, *tail, G=ref.FP8_GROUP, **common,
+                                       **pdl(kv_c.device))
     else:
         bf16 = cache.dtype == torch.bfloat16
         _write_latent_bf_kernel[(T,)](kv_c, k_pe, slot_mapping, cache.view(torch.int16) if bf16 else cache, weight,
-                                      cos, sin, *tail, BF16=bf16, **common)
+                                      cos, sin, *tail, BF16=bf16, **common, **pdl(kv_c.device))
 
 
 def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True, norm=None, rope=None) -> None:
@@ -257,7 +263,7 @@ def _write_index_keys(cache, k, slot_mapping, norm, rope, exact: bool) -> None:
     _write_index_kernel[(T,)](k, slot_mapping, keys, scales, weight, bias, cos, sin, k.stride(0),
                               stride_c, k.shape[1], half, float(eps), D=ref.INDEX_DIM, BS=cache.shape[1],
                               NORM=norm is not None, ROPE=rope is not None, DT=DTYPE_CODES[k.dtype], EXACT=exact,
-                              BF16=bf16, num_warps=1)
+                              BF16=bf16, num_warps=1, **pdl(k.device))
 
 
 def latent_query(q_abs, q_pe, rope=None):
@@ -272,7 +278,7 @@ def latent_query(q_abs, q_pe, rope=None):
     _latent_query_kernel[(T, triton.cdiv(H, bh))](
         q_abs, q_pe, cos, sin, out, q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), stride_c, H,
         q_abs.shape[2], q_pe.shape[2], half, R=ref.KV_LORA_RANK, DR=ref.ROPE_DIM, BH=bh, ROPE=rope is not None,
-        DT=DTYPE_CODES[q_pe.dtype], num_warps=4)
+        DT=DTYPE_CODES[q_pe.dtype], num_warps=4, **pdl(q_abs.device))
     return out
 
 

@@ -36,8 +36,7 @@ import triton.language as tl
 from fxglm5 import settings
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
-from fxglm5.lowering.triton.device import num_sms
-from fxglm5.lowering.triton.device import interpreter_compat
+from fxglm5.lowering.triton.device import interpreter_compat, num_sms, pdl, pdl_prologue
 
 interpreter_compat()
 
@@ -211,7 +210,7 @@ def _window_slots(orow, j, n_valid, topk):
 @triton.jit
 def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr, o_ptr, ko_ptr, stride_ot, bin_ptr,
                          L, n_list, topk, C: tl.constexpr, GATHER: tl.constexpr, KEEP: tl.constexpr,
-                         BIN_C: tl.constexpr):
+                         BIN_C: tl.constexpr, PDL: tl.constexpr):
     """One CTA per (row, segment of 4*C list entries), the segment in registers as four C-long chunks.
 
     The search narrows the bin holding the segment's k-th key over all 4*C keys only until the bin holds at most
@@ -233,6 +232,7 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
 
     A row whose window fits in ``topk`` reads nothing: its rounds that keep candidates write none, and the last
     round writes the window's positions in order."""
+    pdl_prologue(PDL)  # before the fitting rows' early exit (a grid of them only would end ahead of its predecessor)
     t = tl.program_id(0)
     sg = tl.program_id(1)
     t64 = t.to(tl.int64)
@@ -296,8 +296,10 @@ def _radix_replay(hist_ptr, t, T, k_eff, NP: tl.constexpr):
 
 
 @triton.jit
-def _radix_hist_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, T, L, topk, PASS: tl.constexpr, SEG: tl.constexpr):
+def _radix_hist_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, T, L, topk, PASS: tl.constexpr, SEG: tl.constexpr,
+                       PDL: tl.constexpr):
     """Pass PASS (8 bits) of the multi-CTA radix select: a CTA histograms one SEG-long segment of one row."""
+    pdl_prologue(PDL)
     t = tl.program_id(0)
     seg = tl.program_id(1)
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
@@ -315,8 +317,10 @@ def _radix_hist_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, T, L, topk, PASS: tl
 
 
 @triton.jit
-def _radix_count_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, T, L, topk, NSEG, SEG: tl.constexpr):
+def _radix_count_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, T, L, topk, NSEG, SEG: tl.constexpr,
+                        PDL: tl.constexpr):
     """Per segment: how many keys are above the threshold and how many equal it (rows longer than topk only)."""
+    pdl_prologue(PDL)  # before the fitting rows' early exit
     t = tl.program_id(0)
     seg = tl.program_id(1)
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
@@ -334,11 +338,12 @@ def _radix_count_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, T, L, topk
 
 @triton.jit
 def _radix_write_kernel(x_ptr, stride_xt, pos_ptr, hist_ptr, cnt_ptr, o_ptr, stride_ot, T, L, topk, NSEG,
-                        SEG: tl.constexpr, NSEG_PAD: tl.constexpr):
+                        SEG: tl.constexpr, NSEG_PAD: tl.constexpr, PDL: tl.constexpr):
     """Write the selected indices: keys above the threshold, then the lowest-index keys equal to it; every
     segment's output offsets are exclusive prefix sums of the per-segment counts (deterministic). A row longer
     than topk fills all topk slots; a row whose window fits in topk (no histogram, no counts) gets its window's
     positions, segment s writing slots ``s*SEG .. (s+1)*SEG`` (the segments cover the topk slots)."""
+    pdl_prologue(PDL)  # before the fitting rows' early exit
     t = tl.program_id(0)
     seg = tl.program_id(1)
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
@@ -397,13 +402,13 @@ def _tournament(x, pos, topk, out, seg, num_warps, interp):
         kept = torch.empty(2, T, nseg * (topk + 4 * bin_c), dtype=torch.int32, device=x.device)
         _segment_topk_kernel[(T, nseg)](
             x, x.stride(0), *_candidates(cand, kept[0]), pos, kept[0], kept[1], kept.stride(1), kept, x.shape[1],
-            n_list, topk, C=C, GATHER=cand is not None, KEEP=True, BIN_C=bin_c, num_warps=nw)
+            n_list, topk, C=C, GATHER=cand is not None, KEEP=True, BIN_C=bin_c, num_warps=nw, **pdl(x.device))
         cand, n_list = (kept[0], kept[1]), kept.shape[2]
     C, nw, bin_c = _round_shape(_segment_len(n_list), num_warps, interp)
     bins = torch.empty(T, 8 * bin_c, dtype=torch.int32, device=x.device)
     _segment_topk_kernel[(T, 1)](
         x, x.stride(0), *_candidates(cand, out), pos, out, out, out.stride(0), bins, x.shape[1], n_list, topk, C=C,
-        GATHER=cand is not None, KEEP=False, BIN_C=bin_c, num_warps=nw)
+        GATHER=cand is not None, KEEP=False, BIN_C=bin_c, num_warps=nw, **pdl(x.device))
     return out
 
 
@@ -487,9 +492,11 @@ def topk_from_logits(logits, positions, topk: int, *, out: torch.Tensor | None =
     nw = 8 if seg >= 2048 else 4
     grid = (T, nseg)
     for p in range(4):
-        _radix_hist_kernel[grid](logits, logits.stride(0), positions, hist, T, L, topk, PASS=p, SEG=seg, num_warps=nw)
+        _radix_hist_kernel[grid](logits, logits.stride(0), positions, hist, T, L, topk, PASS=p, SEG=seg, num_warps=nw,
+                                 **pdl(logits.device))
     _radix_count_kernel[grid](logits, logits.stride(0), positions, hist, cnt, T, L, topk, nseg, SEG=seg,
-                              num_warps=nw)
+                              num_warps=nw, **pdl(logits.device))
     _radix_write_kernel[grid](logits, logits.stride(0), positions, hist, cnt, out, out.stride(0), T, L, topk, nseg,
-                              SEG=seg, NSEG_PAD=max(2, triton.next_power_of_2(nseg)), num_warps=nw)
+                              SEG=seg, NSEG_PAD=max(2, triton.next_power_of_2(nseg)), num_warps=nw,
+                              **pdl(logits.device))
     return out
