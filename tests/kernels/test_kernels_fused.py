@@ -16,6 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from fxglm5.errors import InputError  # noqa: E402
 from fxglm5.lowering.reference import fused as ref  # noqa: E402
+from tests.helpers import tf32_rounded  # noqa: E402
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -102,11 +103,6 @@ def test_f32_linear_gemv_splits_k_and_applies_every_scale(monkeypatch, sms, num_
     assert len(launched) == 2 and all((c["SPLIT"] > 1) == (sms > 1) for c in launched), launched
 
 
-def _tf32(w):
-    """w rounded to TF32 as a TF32 MMA reads it (10 mantissa bits, to nearest, ties away from zero)."""
-    return ((w.view(torch.int32) + 0x1000) & -8192).view(torch.float32)
-
-
 @pytest.mark.parametrize("m, n, k, split", [(40, 48, 256, True), (130, 24, 300, False)],
                          ids=["split_k-masked", "three_row_tiles-k_tail"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -126,21 +122,17 @@ def test_f32_linear_gemm_is_float32_class(monkeypatch, m, n, k, split, dtype):
     got = f32_linear.f32_linear(x, w, SCALES[:2])
     assert got.shape == (m, n) and got.dtype == torch.float32
     assert _rel(got.double(), exact) < 1e-6 and _rel(got, ref.f32_linear(x, w, SCALES[:2])) < 1e-6
-    assert _rel(f32_linear.f32_linear(x, _tf32(w), SCALES[:2]).double(), exact) > 1e-5
+    assert _rel(f32_linear.f32_linear(x, tf32_rounded(w), SCALES[:2]).double(), exact) > 1e-5
     assert (launched[0]["SPLIT"] > 1) == split and not fp8_gemm.tile_counters(x.device, 3).any()
 
 
-def test_f32_linear_gemm_splits_a_float32_x_only():
-    """A float32 x is split as the weights are (three MMAs a K step); a bf16 one is exact in TF32 (two): x rounded
-    to bf16 and passed as float32 or as bf16 gives the same product within float32's error, and an x whose TF32
-    part alone were used would be 1e-4 off."""
-    g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(20, 96, generator=g), torch.randn(16, 96, generator=g)
-    exact = x.double() @ w.double().T
-    assert _rel(f32_linear.f32_linear(x, w, []).double(), exact) < 1e-6
-    assert _rel((_tf32(x).double() @ w.double().T), exact) > 1e-5
-    xb = x.bfloat16()
-    assert _rel(f32_linear.f32_linear(xb, w, []), f32_linear.f32_linear(xb.float(), w, [])) < 1e-6
+@pytest.mark.parametrize("dtype, split", [(torch.float32, True), (torch.float64, True), (torch.bfloat16, False),
+                                          (torch.float16, False), (torch.float8_e4m3fn, False)])
+def test_f32_linear_gemm_splits_x_past_tf32(dtype, split):
+    """x is split into TF32 parts (three MMAs a K step) only where its dtype has more than TF32's 10 mantissa bits;
+    bf16, fp16 and fp8 are exact in TF32 (two). The interpreter's float32 dots cannot show a float32 x left
+    unsplit (a GPU's TF32 MMA would cut it to 10 bits): tests/gpu/test_gpu_fused.py holds a float32 x to float64."""
+    assert f32_linear.splits_x(dtype) == split
 
 
 @pytest.mark.parametrize("cap, gemm", [((9, 0), True), ((8, 0), True), ((7, 5), False), (None, False)],

@@ -49,7 +49,6 @@ MAX_GEMV_ROWS = 16  # more rows: the tensor-core GEMM
 BLOCK_N = 16
 CTAS_PER_SM = 2
 GEMM_BLOCK_K = 32  # 128 bytes of a float32 weight row per K step
-TF32_EPS = 2.0 ** -10  # an x dtype with at most TF32's 10 mantissa bits (bf16, fp16, fp8) needs no low part
 
 
 def block_k(rows: int) -> int:
@@ -179,6 +178,12 @@ def gemm_config(m: int, n: int, k: int, sms: int) -> dict:
                 **_split_k(triton.cdiv(k, GEMM_BLOCK_K), sms, tiles))
 
 
+def splits_x(dtype: torch.dtype) -> bool:
+    """Whether the GEMM splits x into TF32 parts: where its dtype has more mantissa bits than TF32's 10 (float32,
+    float64 read as float32); bf16, fp16 and fp8 values are exact in TF32."""
+    return torch.finfo(dtype).eps < 2.0 ** -10
+
+
 def tensor_core_gemm(device: torch.device) -> bool:
     """Whether rows past MAX_GEMV_ROWS run the TF32 tensor-core GEMM: NVIDIA from sm_80 (TF32 MMAs), and the
     interpreter (CPU tensors); other GPUs (ROCm builds, capability None) run their BLAS's float32 GEMM."""
@@ -212,7 +217,7 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, scales: Sequence[float], *
         cfg = gemm_config(rows, n, k, sms)
         kernel = _f32_gemm_kernel
         grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT"])
-        cfg.update(SPLIT_X=torch.finfo(x.dtype).eps < TF32_EPS, BLOCK_K=GEMM_BLOCK_K, num_stages=3)
+        cfg.update(SPLIT_X=splits_x(x.dtype), BLOCK_K=GEMM_BLOCK_K, num_stages=3)
     split = cfg["SPLIT"] > 1
     ws = torch.empty(cfg["SPLIT"], rows, n, dtype=torch.float32, device=x.device) if split else out
     counters = tile_counters(x.device, math.prod(grid[:-1])) if split else out  # one per output tile
