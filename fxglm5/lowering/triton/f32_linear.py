@@ -82,7 +82,7 @@ def _finish(acc, ws_ptr, out_ptr, cnt_ptr, tile, mask, counter, pid_k, MN, s0, s
         tl.store(ws_ptr + pid_k * MN + tile, acc, mask=mask)
         tl.debug_barrier()  # the CTA's partial stored before its arrival is published (see fp8_gemm's FIXUP)
         if tl.atomic_add(cnt_ptr + counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            total = tl.zeros(acc.shape, dtype=tl.float32)
+            total = tl.zeros_like(acc)
             for sp in range(0, SPLIT):
                 total += tl.load(ws_ptr + sp * MN + tile, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + tile, _scaled(total, s0, s1, s2, s3, NUM_SCALES), mask=mask)
