@@ -13,21 +13,24 @@ cuBLAS path cost about 1.1 ms of an H100's 39-layer decode step: bench/results/r
 
 More rows are a GEMM, on tensor cores with float32-class accuracy (3xTF32, as CUTLASS and Triton's
 ``input_precision="tf32x3"`` do it, here written out). An IEEE ``tl.dot`` runs on the CUDA cores; a TF32 MMA runs
-on the tensor cores but keeps 10 of float32's 23 mantissa bits of each operand, a relative error near 1e-4 in the
+on the tensor cores but keeps 10 of float32's 23 mantissa bits of each operand, a relative error near 2e-4 in the
 logits at K = 6144, where the router's top-8 choice and the indexer's head weights want float32's. So each
 operand is split into a TF32 high part (rounded to nearest, ties away from zero: PTX's ``cvt.rna.tf32.f32``) and
-the TF32 rounding of its remainder, and the product is hi*hi + hi*lo + lo*hi; lo*lo (about 2^-22 relative) and
-the remainder's rounding leave a relative error about 1e-7 per product, near float32's own summation error. A bf16
-or fp16 x (the model's case: the hidden states) is exact in TF32, so it has no low part and a K step is two MMAs,
-not three. Each K step's MMAs sum into a fresh accumulator that is then added to the running sum in IEEE
-float32: a tensor core truncates as it accumulates, and a running sum carried through every MMA of K = 6144 would
-lose more than the split gains (triton-lang/triton#4603). As the GEMV: x read in its own dtype, the scales applied
-one by one after the sum, K split over CTAs with the same fixed-order fix-up where the tiles alone leave SMs idle
-(deterministic). It is not bitwise cuBLAS's float32 GEMM: the two differ by about 1e-7 relative, the order of the
-sums. It replaces cuBLAS's SIMT float32 GEMM and the bf16 -> float32 cast before it (about 0.9 ms a MoE layer at
-an 8k prompt on an H100, bench/results/sparse_mla_prefill_tile_h100_e238402); its own GPU times are not measured
-yet (bench/f32_linear_prefill.py). TF32 MMAs are NVIDIA's, sm_80 on; other GPUs (ROCm builds) keep their BLAS's
-float32 GEMM.
+the TF32 rounding of its remainder, and the product is hi*hi + hi*lo + lo*hi: lo*lo and the remainders' rounding
+leave at most about 2^-22 of each product. A bf16 or fp16 x (the model's case: the hidden states) is exact in
+TF32, so it has no low part and a K step is two MMAs, not three (Triton's tf32x3 would run three). Each K step's
+MMAs sum into a fresh accumulator that is then added to the running sum in IEEE float32: a tensor core truncates
+as it accumulates, and a running sum carried through every MMA of K = 6144 would lose more than the split gains
+(triton-lang/triton#4603). The result is about 2e-7 (relative, Frobenius) from a float64 product at K = 6144
+under the interpreter, where the CPU's float32 GEMM is 3e-7 from it; the tests hold it under 1e-6 (CPU) and to
+within twice cuBLAS float32's distance (GPU), where TF32 alone is 2e-4 off. So it is not bitwise cuBLAS's float32
+GEMM, nor far from it: a few 1e-7, the order of the sums. An inf in x or W gives NaN (its low part is inf - inf).
+As the GEMV: x read in its own dtype, the scales applied one by one after the sum, K split over CTAs with the same
+fix-up where the tiles alone leave SMs idle (deterministic). It replaces cuBLAS's SIMT float32 GEMM and the
+bf16 -> float32 cast before it (about 0.9 ms a MoE layer at an 8k prompt on an H100,
+bench/results/sparse_mla_prefill_tile_h100_e238402); its own GPU times are not measured yet
+(bench/f32_linear_prefill.py). TF32 MMAs are NVIDIA's, sm_80 on; other GPUs (ROCm builds) keep their BLAS's float32
+GEMM.
 """
 
 from __future__ import annotations
