@@ -1,5 +1,6 @@
 """Test helpers: random weights for small GLM-5 models and modules (no checkpoint needed), latent rows with
-distinct FP8 group scales, an independent block-FP8 quantizer, and an MTP head of its own for a tiny checkpoint."""
+distinct FP8 group scales, an independent block-FP8 quantizer, TF32 rounding, and an MTP head of its own for a tiny
+checkpoint."""
 
 import contextlib
 import json
@@ -54,6 +55,12 @@ def copy_to_dtype(model: Glm5ForCausalLM, dtype: torch.dtype) -> Glm5ForCausalLM
 # power-of-two FP8 scale (amax ~3 -> 2^-7), so a 656-byte row with one group's scale swapped, shared or
 # misplaced would dequantize to the same values; with these gains the scales are 2^-7, 2^-6, 2^-8, 2^-9.
 LATENT_GROUP_GAINS = (1.0, 2.0, 0.5, 0.25)
+
+
+def tf32_rounded(w: torch.Tensor) -> torch.Tensor:
+    """float32 ``w`` rounded to TF32 as a TF32 MMA reads it (10 mantissa bits, to nearest, ties away from zero):
+    a weight run through a float32 GEMM in this form gives what one TF32 MMA gives of it."""
+    return ((w.view(torch.int32) + 0x1000) & -8192).view(torch.float32)
 
 
 def latent_values(n: int, rank: int = 512, generator: torch.Generator | None = None) -> torch.Tensor:

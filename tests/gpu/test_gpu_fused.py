@@ -1,8 +1,9 @@
 """The fuse_kernels stage's Triton kernels at GLM-5's per-rank shapes (TP8 / EP8) on the GPU, against the torch
-references: add_rms_norm at 6144, the router's and the indexer head weights' f32_linear, moe_route_local over a
-rank's 32 of 256 experts, and the gated down GEMMs (dense MLP 1536, shared expert 256 intermediate features per
-rank) on the decode path and the prefill path, also replayed from a CUDA graph (the split-K counters reset), and
-a rank's routed experts at decode batches, their split gate|up GEMM reduced by its last split CTAs, from a graph."""
+references: add_rms_norm at 6144, the router's and the indexer head weights' f32_linear (its 3xTF32 GEMM against
+float64 too), moe_route_local over a rank's 32 of 256 experts, and the gated down GEMMs (dense MLP 1536, shared
+expert 256 intermediate features per rank) on the decode path and the prefill path, also replayed from a CUDA graph
+(the split-K counters reset), and a rank's routed experts at decode batches, their split gate|up GEMM reduced by its
+last split CTAs, from a graph."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 from fxglm5.lowering.reference import fp8 as ref_fp8
 from fxglm5.lowering.reference import fused as ref
 from fxglm5.lowering.triton import f32_linear, fp8_gemm, fp8_parts, moe, norm_rope
+from tests.helpers import tf32_rounded
 
 pytestmark = pytest.mark.gpu
 ROWS = [1, 8, 64, 4096]
@@ -38,14 +40,41 @@ def test_f32_linear(rows, n, scales):
     assert _rel(f32_linear.f32_linear(x, w, scales), ref.f32_linear(x, w, scales)) < 1e-5
 
 
-def test_f32_linear_replays_from_a_cuda_graph():
-    x, w = torch.randn(1, 6144, device="cuda"), torch.randn(256, 6144, device="cuda")
+@pytest.mark.parametrize("rows", [r for r in ROWS if r > f32_linear.MAX_GEMV_ROWS])
+@pytest.mark.parametrize("n, scales", [(256, []), (32, [32 ** -0.5, 128 ** -0.5])], ids=["router", "index_weights"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_f32_linear_gemm_is_float32_class(monkeypatch, rows, n, scales, dtype):
+    """Past MAX_GEMV_ROWS the 3xTF32 tensor-core GEMM runs (64 rows: K split over CTAs) and is float32-class: as
+    close to float64 as cuBLAS's float32 GEMM, within a factor 2 (at least 1e-6: both are about 1e-7 to 1e-6 off at
+    K = 6144, from the order of their float32 sums). One TF32 MMA is not: the same kernel on TF32-rounded weights
+    (what a TF32 dot reads of them; a bf16 x is exact in TF32) is about 1e-4 off, over ten times the bound, and with
+    a float32 x only the x split keeps the result in it."""
+    launched = []
+    config = f32_linear.gemm_config
+    monkeypatch.setattr(f32_linear, "gemm_config", lambda *a: launched.append(config(*a)) or launched[-1])
+    g = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = torch.randn(rows, 6144, device="cuda", generator=g).to(dtype)
+    w = torch.randn(n, 6144, device="cuda", generator=g) / 6144 ** 0.5
+    exact = x.double() @ w.double().T
+    for s in scales:
+        exact = exact * s
+    bound = max(1e-6, 2 * _rel(ref.f32_linear(x, w, scales).double(), exact))
+    assert _rel(f32_linear.f32_linear(x, w, scales).double(), exact) < bound
+    assert _rel(f32_linear.f32_linear(x, tf32_rounded(w), scales).double(), exact) > 10 * bound
+    assert len(launched) == 2 and (rows > 64 or launched[0]["SPLIT"] > 1), launched
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_f32_linear_replays_from_a_cuda_graph(rows):
+    """The GEMV (1 row) and the GEMM (64 rows), both with K split over CTAs: each replay's fix-up finds its tile
+    counters reset by the last."""
+    x, w = torch.randn(rows, 6144, device="cuda"), torch.randn(256, 6144, device="cuda")
     out = f32_linear.f32_linear(x, w, [0.5])  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = f32_linear.f32_linear(x, w, [0.5])
     for seed in range(3):
-        x.copy_(torch.randn(1, 6144, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        x.copy_(torch.randn(rows, 6144, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
         graph.replay()
         assert _rel(out, ref.f32_linear(x, w, [0.5])) < 1e-5
 

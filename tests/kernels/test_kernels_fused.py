@@ -1,7 +1,7 @@
 """The fuse_kernels stage's ops (fxglm5.ops.fused) in Triton, interpreted on the CPU, against their references (the
-chains they replace): add_rms_norm, f32_linear (split-K fix-up, scales in turn), moe_route_local, and the gated
-down GEMM silu_mul_fp8_linear on the decode path (the gate applied as A tiles load) and past it (one elementwise
-kernel first); bad inputs name the argument. Small shapes: CI runs it on 2 cores."""
+chains they replace): add_rms_norm, f32_linear (the GEMV and the 3xTF32 GEMM, split-K fix-up, scales in turn),
+moe_route_local, and the gated down GEMM silu_mul_fp8_linear on the decode path (the gate applied as A tiles load)
+and past it (one elementwise kernel first); bad inputs name the argument. Small shapes: CI runs it on 2 cores."""
 
 import os
 
@@ -16,6 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from fxglm5.errors import InputError  # noqa: E402
 from fxglm5.lowering.reference import fused as ref  # noqa: E402
+from tests.helpers import tf32_rounded  # noqa: E402
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -57,7 +58,7 @@ def test_f32_linear_matches_reference(m, n, k, dtype, scales, seed):
     x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g)
     out = f32_linear.f32_linear(x, w, scales)
     assert out.dtype == torch.float32 and out.shape == (m, n)
-    assert _rel(out, ref.f32_linear(x, w, scales)) < 1e-6  # exact float32 products; only the sum's order differs
+    assert _rel(out, ref.f32_linear(x, w, scales)) < 1e-6  # GEMV: exact products; GEMM (m > 16): 3xTF32
 
 
 SCALES = [0.5, 0.125, 3.0, 0.0883883476]  # distinct, so a scale applied twice, skipped or swapped shows
@@ -102,11 +103,61 @@ def test_f32_linear_gemv_splits_k_and_applies_every_scale(monkeypatch, sms, num_
     assert len(launched) == 2 and all((c["SPLIT"] > 1) == (sms > 1) for c in launched), launched
 
 
-def test_f32_linear_past_the_gemv_rows_is_the_reference_gemm(monkeypatch):
-    """17 rows and more run cuBLAS's float32 GEMM (no GEMV launch), the scales after it: the reference exactly."""
+@pytest.mark.parametrize("m, n, k, split", [(100, 48, 256, True), (130, 24, 300, False)],
+                         ids=["split_k-masked", "three_row_tiles-k_tail"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_f32_linear_gemm_is_float32_class(monkeypatch, m, n, k, split, dtype):
+    """Past MAX_GEMV_ROWS the 3xTF32 GEMM runs (no GEMV launch): rows and columns no multiple of its tiles, K no
+    multiple of its step, K split over CTAs with the fix-up (the CPU's 4 SMs against two row tiles) or not (three
+    row tiles). Within 1e-6 of float64, as float32 is (the float32 reference is about 3e-7 from it here), where the same
+    kernel on TF32-rounded weights, what one TF32 MMA computes of a bf16 x, is about 2e-4 off: the bound fails a
+    GEMM that drops the low parts (the interpreter's dots are float32, so the split's bits are what it checks)."""
     monkeypatch.setattr(f32_linear, "gemv_config", lambda *a: pytest.fail("the GEMV launched past its rows"))
+    launched = []
+    config = f32_linear.gemm_config
+    monkeypatch.setattr(f32_linear, "gemm_config", lambda *a: launched.append(config(*a)) or launched[-1])
+    g = torch.Generator().manual_seed(m + k)
+    x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g)
+    exact = (x.double() @ w.double().T) * SCALES[0] * SCALES[1]
+    got = f32_linear.f32_linear(x, w, SCALES[:2])
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert _rel(got.double(), exact) < 1e-6 and _rel(got, ref.f32_linear(x, w, SCALES[:2])) < 1e-6
+    assert _rel(f32_linear.f32_linear(x, tf32_rounded(w), SCALES[:2]).double(), exact) > 1e-5
+    assert (launched[0]["SPLIT"] > 1) == split and not fp8_gemm.tile_counters(x.device, 3).any()
+
+
+@pytest.mark.parametrize("dtype, split", [(torch.float32, True), (torch.float64, True), (torch.bfloat16, False),
+                                          (torch.float16, False), (torch.float8_e4m3fn, False)])
+def test_f32_linear_gemm_splits_x_past_tf32(dtype, split):
+    """x is split into TF32 parts (three MMAs a K step) only where its dtype has more than TF32's 10 mantissa bits;
+    bf16, fp16 and fp8 are exact in TF32 (two). The interpreter's float32 dots cannot show a float32 x left
+    unsplit (a GPU's TF32 MMA would cut it to 10 bits): tests/gpu/test_gpu_fused.py holds a float32 x to float64."""
+    assert f32_linear.splits_x(dtype) == split
+
+
+@pytest.mark.parametrize("cap, gemm", [((9, 0), True), ((8, 0), True), ((7, 5), False), (None, False)],
+                         ids=["sm90", "sm80", "sm75", "rocm"])
+def test_f32_linear_gemm_needs_tf32_mmas(monkeypatch, cap, gemm):
+    """TF32 MMAs from sm_80 on NVIDIA; a ROCm build (capability None) and older GPUs keep the BLAS float32 GEMM,
+    which gives the reference exactly (the scales applied in place after it); the interpreter runs the GEMM."""
+    monkeypatch.setattr(f32_linear, "capability", lambda device: cap)
+    assert f32_linear.tensor_core_gemm(torch.device("cuda", 0)) == gemm
+    assert f32_linear.tensor_core_gemm(torch.device("cpu"))
+    monkeypatch.setattr(f32_linear, "tensor_core_gemm", lambda device: False)
     x, w = torch.randn(f32_linear.MAX_GEMV_ROWS + 1, 300), torch.randn(24, 300)
     assert torch.equal(f32_linear.f32_linear(x, w, [0.5, 3.0]), ref.f32_linear(x, w, [0.5, 3.0]))
+
+
+@pytest.mark.parametrize("m, n, want", [
+    (64, 256, (64, 128, 4, 64, 3)), (2048, 256, (64, 128, 4, 2, 96)), (8192, 256, (64, 128, 4, 1, 192)),
+    (32768, 256, (128, 128, 8, 1, 192)), (2048, 32, (64, 32, 4, 4, 48)), (8192, 32, (64, 32, 4, 1, 192)),
+    (32768, 32, (128, 32, 4, 1, 192))])
+def test_f32_linear_gemm_config_at_glm5_shapes(m, n, want):
+    """The router's (256) and the indexer head weights' (32) columns at K = 6144 (192 K steps) on an H100's 132
+    SMs: 128-row tiles where they fill the SMs, else 64; K split where the tiles alone leave SMs idle; 8 warps for
+    128 x 128 tiles."""
+    cfg = f32_linear.gemm_config(m, n, 6144, 132)
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["SPLIT"], cfg["STEPS"]) == want
 
 
 @pytest.mark.parametrize("offset, count", [(0, 4), (4, 4), (12, 4), (0, 16)])
