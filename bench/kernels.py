@@ -298,6 +298,8 @@ RANK_DECODE_SHAPES = [  # (name, N, K): one TP8 rank's decode GEMMs (8 of 64 hea
 GEMM_SWEEP["gemv_rank"] = (  # the tiled split-K kernel (today's decode path) against the GEMV's launches
     (1, 8), RANK_DECODE_SHAPES,
     [dict(kernel="triton"), dict(kernel="gemv")]
+    + [dict(kernel="triton", **c) for c in (
+        dict(CTAS_PER_SM=2), dict(CTAS_PER_SM=1), dict(CTAS_PER_SM=2, num_stages=4), dict(BLOCK_N=64, CTAS_PER_SM=2))]
     + [dict(kernel="gemv", **c) for c in (
         dict(BLOCK_N=32), dict(BLOCK_N=128), dict(num_warps=4), dict(num_stages=2), dict(num_stages=6),
         dict(CTAS_PER_SM=1), dict(CTAS_PER_SM=4), dict(CTAS_PER_SM=4, num_warps=4, BLOCK_N=32),
