@@ -49,10 +49,12 @@ def all_gather_c10d(x: Tensor, dim: int, group: str, world: int) -> Tensor:
 
 # A row-split op splits a step of at least this many rows per rank (64 x world: 512 rows at TP8), so that the
 # decode steps (at most 64 requests at TP8, and a few draft tokens each) never split: there each rank's saved share
-# of a few rows' top-k is worth less than the all-gather's own latency (~10-20 us per NCCL call over 8 GPUs, against
-# ~0.2 us of logits + top-k per row at an 8k context on an H100: 0.73 + 0.72 ms for 8192 rows, issue 47). At 512
-# rows over 8k contexts the split saves ~80 us of a layer's indexer for one all-gather of 4 MB (~10 us at 400 GB/s
-# plus its latency). A step's row count is its shape, the same on every rank, so every rank takes the same branch.
+# of a few rows' top-k is worth less than the all-gather's own latency (typically 10-20 us for a small NCCL call over
+# 8 NVLink GPUs; not measured here), against ~0.2 us of logits + top-k per row at an 8k context on an H100 (0.73 +
+# 0.72 ms for 8192 rows, issue 47). At 512 rows over 8k contexts the split saves ~80 us of a layer's indexer for one
+# all-gather of 4 MB (~10 us at 400 GB/s of bus bandwidth, plus its latency); rows whose causal window fits in the
+# top-k cost the kernels almost nothing, so a short fresh prompt just past the threshold gains little. A step's row
+# count is its shape, the same on every rank, so every rank takes the same branch.
 MIN_ROWS_PER_RANK = 64
 
 
