@@ -6,9 +6,17 @@ Why one rank on one GPU: a rank of TP8 / EP8 holds 97 GB of weights and runs eve
 is what each of the eight GPUs computes, less the communication. The process group is torch's fake one
 (``torch.testing._internal.distributed.fake_pg``): its collectives return at once without communicating (all_reduce
 leaves its input, all_gather repeats it), eagerly and inside CUDA-graph capture, which a probe checks first. So the
-figures leave out the all-reduces' time; their count and message sizes are reported beside each point. Weights are
-random (``fxglm5.model.random_reader.RandomReader``, drawn on the GPU at the shard plan's shapes): uniform routing,
-which is optimistic for MoE.
+figures leave out the collectives' time; beside each point are their bytes per step and that traffic priced at an
+NVLink bus bandwidth (``--nvlink-gbs``, default ``NVLINK_BUS_GBS``: an assumption, see there), the bandwidth term
+only. Weights are random (``fxglm5.model.random_reader.RandomReader``, drawn on the GPU at the shard plan's shapes):
+uniform routing, which is optimistic for MoE.
+
+The indexer's top-k at a prefill (``shard_indexer``): the rank selects for its share of the tokens (t = 0, 8, 16, ...:
+rank 0's rows), and the fake all_gather repeats that share, so token 8 i + j attends to token 8 i's selection: a
+set of at most as many positions, none past its own, in its own request as long as a step holds one prompt, which
+every TTFT point's does (one prompt, no decodes beside it). So the sparse attention after it reads valid rows of
+about the real count, and the rank's indexer does 1/8 of the work, as each of the 8 would. Decode steps (at most
+64 tokens) stay below the split's threshold (``collectives.MIN_ROWS_PER_RANK``) and select for every token.
 
 Points: TTFT of one prompt of 2k / 8k / 32k tokens (after one warm-up prefill of that length, which compiles and
 autotunes); TPOT, the median of 8 ``Runner.decode()`` steps after 2 warm-ups (the first captures the decode CUDA
@@ -35,7 +43,8 @@ runner, built after the first is freed). ``--variants``: kernel settings (VARIAN
 launch configurations of the kernel modules) measured again at ``--variant-points`` on the same runner, its decode
 graphs captured anew under each, so that a setting is judged by the whole step beside the default in one run.
 ``--tiny``: the whole flow on the CPU with a tiny config that splits over 8 ranks and contexts / 256 (a smoke run:
-its times mean nothing).
+its times mean nothing); the indexer's split threshold is lowered with them (9 tokens a rank: the 128-token TTFT
+point splits, the decode steps of at most 64 tokens still do not).
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ from bench.layer_kernels import split_layers  # noqa: E402
 from bench.routing_load import SteeredRouting  # noqa: E402
 from bench.serving import GLM5_SERVING  # noqa: E402
 from fxglm5.contracts import FP8_ROW_BYTES, INDEX_ROW_BYTES  # noqa: E402
+from fxglm5.lowering.reference import collectives as split  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
 from fxglm5.model.random_reader import RandomReader  # noqa: E402
 from fxglm5.runtime.cache import available_memory  # noqa: E402
@@ -83,6 +93,12 @@ WARM, TIMED = 2, 8  # decode steps per TPOT point, then profiled_steps more
 # pools); a point whose cache needs more than the rest is skipped
 ACTIVATION_RESERVE = 12 * 2**30
 _IDS = itertools.count(1 << 40)  # request ids of the synthetic contexts (the runner's own count from 0)
+# The bus bandwidth (nccl-tests' "busbw") per GPU the collectives' bytes are priced at: an assumption, not a
+# measurement (the fake group moves nothing). H100 / H200 SXM GPUs have 18 NVLink4 links, 450 GB/s a direction;
+# nccl-tests on 8-GPU HGX hosts report roughly 350-480 GB/s of bus bandwidth for large all-gathers / all-reduces
+# (the upper end with NVLink SHARP), so 400 is a round middle figure; --nvlink-gbs takes a measured one.
+NVLINK_BUS_GBS = 400.0
+INDEXER_GATHER = "rtp_indexer all_gather"  # the all_gather inside a split rtp_indexer (shard_indexer)
 # name -> (environment, {module.DICT: keys}): kernel settings a decode step is measured again under
 VARIANTS = {
     "fixup_off": ({}, {"fp8_gemm.DECODE": {"FIXUP": False}}),  # the split-K GEMMs' separate reduce kernel
@@ -180,15 +196,40 @@ def weight_bytes(graph) -> dict[str, int]:
 
 
 def collectives(graph) -> list[dict]:
-    """The graph's collectives (each runs once per step): op, count, message bytes per token row."""
+    """The graph's collectives (each runs once per step): op, count, bytes per token row of each call's input on the
+    rank; and, as INDEXER_GATHER, the all_gather inside each rtp_indexer that shard_indexer split (``topk`` int32
+    positions per row of the rank's share; it runs only in steps of at least MIN_ROWS_PER_RANK tokens a rank)."""
     found = collections.Counter()
+    names = [a.name for a in torch.ops.fxglm5.rtp_indexer.default._schema.arguments]
     for node in graph.graph.nodes:
         op = getattr(node.target, "op", None)
         if op in ("all_reduce", "all_gather"):
             val = node.args[0].meta["val"]
             row = math.prod(int(d) for d in val.shape if isinstance(d, int)) * val.element_size()
             found[(op, row)] += 1
+        elif op == "rtp_indexer":
+            args = {**dict(zip(names, node.args)), **node.kwargs}
+            if args.get("world", 1) > 1:
+                found[(INDEXER_GATHER, args["topk"] * 4)] += 1
     return [dict(op=op, count=n, bytes_per_row=row) for (op, row), n in sorted(found.items())]
+
+
+def collective_rows(runner: Runner, kind: str, batch: int, ctx: int) -> dict[str, int]:
+    """Rows of each collective's input on the rank, summed over a point's steps: the tokens (all_reduce: a TTFT
+    point's prompt over its prefill steps of at most ``max_step_tokens``), the sampled rows (the lm_head's
+    all_gather) and the rank's share of the split top-k rows (INDEXER_GATHER: ``split_rows`` of each step's tokens
+    over the ranks; none below the threshold)."""
+    steps = [min(runner.max_step_tokens, ctx - s) for s in range(0, ctx, runner.max_step_tokens)] if kind == "ttft" \
+        else [batch]
+    shares = sum(split.split_rows(t, TP) for t in steps) // TP
+    return {"all_reduce": sum(steps), "all_gather": batch, INDEXER_GATHER: shares}
+
+
+def priced_ms(op: str, size: int, gbs: float) -> float:
+    """The bandwidth term of a collective whose result is ``size`` bytes on each rank, at bus bandwidth ``gbs`` GB/s
+    (nccl-tests' model: an all_reduce sends 2 (W-1)/W x size through each GPU's links, an all_gather (W-1)/W x
+    size). Each call's latency (some us) is left out: a lower bound, loose for decode's small messages."""
+    return (2 if op == "all_reduce" else 1) * (TP - 1) / TP * size / (gbs * 1e9) * 1e3
 
 
 def expected_local_experts(cfg: Glm5Config, batch: int, ep: int) -> float:
@@ -371,9 +412,13 @@ def measure_point(runner: Runner, run: dict, kind: str, batch: int, ctx: int, co
         measure = measure_ttft(runner, ctx, gen, device)
     else:
         measure = measure_tpot(runner, batch, ctx, gen, device)
-    rows = {"all_reduce": ctx if kind == "ttft" else batch, "all_gather": batch}  # the lm_head's: sampled rows only
-    measure.update(memory(device), collective_bytes_per_step={
-        c["op"]: c["count"] * c["bytes_per_row"] * rows[c["op"]] for c in run["collectives_per_step"]})
+    rows = collective_rows(runner, kind, batch, ctx)
+    sent = {c["op"]: c["count"] * c["bytes_per_row"] * rows[c["op"]] for c in run["collectives_per_step"]}
+    result = {op: n if op == "all_reduce" else TP * n for op, n in sent.items()}  # an all_gather's result: TP inputs
+    priced = {op: dict(bytes=n, ms=_digits(priced_ms(op, n, run["nvlink_bus_gbs"]))) for op, n in result.items()}
+    measure.update(memory(device), collective_bytes_per_step=sent, collectives_priced=priced,
+                   collective_mb=_digits(sum(result.values()) / 1e6),
+                   collective_ms=_digits(sum(p["ms"] for p in priced.values())))
     if kind == "tpot":
         busiest = run["routing"].get(batch)
         need = step_bytes(runner.config, run["weight_bytes"], batch, ctx, run["ep"],
@@ -382,6 +427,10 @@ def measure_point(runner: Runner, run: dict, kind: str, batch: int, ctx: int, co
         measure.update(step_bytes=need, roofline_ms=roof and round(roof, 3),
                        ratio=roof and round(measure["measured_ms"] / roof, 2))
     return measure
+
+
+def _digits(x: float) -> float:
+    return float(f"{x:.4g}")
 
 
 class Variant:
@@ -434,7 +483,8 @@ def run_variants(runner: Runner, run: dict, names, points: dict, copy_gbs, table
                 save()
                 continue
             run.setdefault("variants", {}).setdefault(name, {})[point] = m
-            table.add(**row, status="measured", ms=m["measured_ms"], roofline_ms=m.get("roofline_ms"),
+            table.add(**row, status="measured", ms=m["measured_ms"], collective_mb=m["collective_mb"],
+                      collective_ms=m["collective_ms"], roofline_ms=m.get("roofline_ms"),
                       ratio=m.get("ratio"), kernels_per_step=m["profile"]["kernels_per_step"],
                       kernel_ms_per_step=m["profile"]["kernel_ms_per_step"],
                       wall_over_kernel=m["profile"]["wall_over_kernel"])
@@ -478,7 +528,8 @@ def _run_points(reader, device, points, disabled, copy_gbs, record, table, save,
                weights_total_gb=round(sum(weights.values()) / 1e9, 2), kv_bytes_per_token=per_token,
                free_after_load_gib=round(free / 2**30, 2),
                cache_gib=round(nbytes(runner.cache.tensors.values()) / 2**30, 2),
-               collectives_per_step=collectives(program.graph), ep=ep, load=load["load"],
+               collectives_per_step=collectives(program.graph), nvlink_bus_gbs=record["nvlink_bus_gbs"], ep=ep,
+               load=load["load"],
                routing=load["routing"], points={})
     record.setdefault("runs", []).append(run)
     print(f"== passes disabled: {label}: compile {run['compile_s']} s, load {run['load_s']} s, weights "
@@ -489,7 +540,8 @@ def _run_points(reader, device, points, disabled, copy_gbs, record, table, save,
         row = dict(point=name, passes_disabled=label, batch=batch, ctx=ctx)
         if name in fit:
             m = run["points"][name] = measure_point(runner, run, kind, batch, ctx, copy_gbs, gen, device)
-            table.add(**row, status="measured", ms=m["measured_ms"], roofline_ms=m.get("roofline_ms"),
+            table.add(**row, status="measured", ms=m["measured_ms"], collective_mb=m["collective_mb"],
+                      collective_ms=m["collective_ms"], roofline_ms=m.get("roofline_ms"),
                       ratio=m.get("ratio"), step_gb=round(m["step_bytes"] / 1e9, 2) if "step_bytes" in m else None,
                       kernels_per_step=m["profile"]["kernels_per_step"],
                       kernel_ms_per_step=m["profile"]["kernel_ms_per_step"],
@@ -512,7 +564,7 @@ def _run_points(reader, device, points, disabled, copy_gbs, record, table, save,
 
 def notes(record: dict) -> str:
     """The markdown under the table: how it was measured, and per run what the rank holds and sends."""
-    lines = ["", *(f"- {k}: {record[k]}" for k in ("setup", "context", "timing", "roofline"))]
+    lines = ["", *(f"- {k}: {record[k]}" for k in ("setup", "context", "timing", "roofline", "collectives"))]
     for run in record.get("runs", []):
         lines += ["", f"## Passes disabled: {run['disabled_passes']}", "",
                   f"- compile {run['compile_s']} s, load (random weights drawn on the device) {run['load_s']} s",
@@ -533,6 +585,9 @@ def notes(record: dict) -> str:
                 lines.append(f"- {point}, one {kind} layer ({len(split[kind])} kernels, "
                              f"{sum(k['us'] for k in split[kind]):.1f} us): "
                              + ", ".join(f"{k['kernel'][:40]} {k['us']}" for k in split[kind]))
+            if "collectives_priced" in m:
+                lines.append(f"- {point}: collectives per step " + ", ".join(
+                    f"{op} {p['bytes'] / 1e6:.3g} MB {p['ms']} ms" for op, p in m["collectives_priced"].items()))
             if "profile" in m:
                 top = "; ".join(f"{k['kernel'][:60]} {k['calls_per_step']} x, {k['us_per_step']} us"
                                 for k in m["profile"]["top"][:6])
@@ -553,6 +608,9 @@ def main() -> None:
                         help="expert layout over the 8 ranks: 1 = every expert split along its intermediate dim, "
                              "2 = two groups of 128 experts, each split over 4 ranks, 8 = 32 whole experts a rank "
                              "(default: %(default)s)")
+    parser.add_argument("--nvlink-gbs", type=float, default=NVLINK_BUS_GBS,
+                        help="the bus bandwidth per GPU (nccl-tests' busbw, GB/s) the collectives' bytes are priced at "
+                             "(default: %(default)s, an assumption for H100 / H200 NVLink4)")
     parser.add_argument("--load", choices=("busiest", "mean"), default="busiest",
                         help="busiest: the measured rank routes as the busiest rank of a uniformly routed step "
                              "(simulated; bench/routing_load.py), the rank the others wait for; mean: the random "
@@ -574,6 +632,8 @@ def main() -> None:
     points = scaled(args.points)
     device = torch.device("cpu" if args.tiny else "cuda")
     torch.manual_seed(0)
+    if args.tiny:  # contexts / 256: the split threshold with them, above the decode steps' 64 tokens still
+        split.MIN_ROWS_PER_RANK = -(-(MAX_DECODE_BATCH + 1) // TP)
     init_fake_group()
     cfg = bench_config(args.layers, args.tiny)
     copy_gbs = harness.copy_bandwidth_gbs() if device.type == "cuda" else None
@@ -592,7 +652,12 @@ def main() -> None:
                  "choose on this rank under uniform routing: the busiest rank's simulated expectation with --load "
                  "busiest, the average rank's with mean; and the batch's embedding rows, + top-k latent rows and all index "
                  "rows per layer and request) over the copy bandwidth measured in this run",
-        copy_bandwidth_gbs=copy_gbs, collective_probe=probe_collectives(device))
+        collectives=f"not timed (fake process group); per point, each collective's bytes per step on the rank (an "
+                    f"all_reduce's tensor, an all_gather's gathered result, the indexer's top-k all_gather included) "
+                    f"and their bandwidth term at {args.nvlink_gbs:g} GB/s of bus bandwidth (nccl-tests' model: "
+                    f"2 (W-1)/W x bytes for an all_reduce, (W-1)/W x bytes for an all_gather; latency left out; the "
+                    f"bandwidth assumed, not measured: NVLINK_BUS_GBS)",
+        nvlink_bus_gbs=args.nvlink_gbs, copy_bandwidth_gbs=copy_gbs, collective_probe=probe_collectives(device))
     print("collective probe:", record["collective_probe"], flush=True)
 
     def save() -> None:

@@ -30,6 +30,9 @@ query assembly instead of as separate kernels; absent, the inputs are taken as f
 - ``kv_norm_weight`` [R], ``kv_norm_eps`` (rtp_*mla): kv_c arrives before its RMSNorm.
 - ``k_norm_weight`` / ``k_norm_bias`` [D], ``k_norm_eps`` (rtp_indexer): k arrives before its LayerNorm.
 
+``group`` / ``world`` (rtp_indexer, from ``indexer_topk``'s: the pass ``shard_indexer``): the tensor-parallel group
+over whose ranks a prefill-sized step's top-k is split; every rank still writes every key (``paged_steps``).
+
 Cache layouts are RTP's (``fxglm5.lowering.reference.paged``): latent rows of 576 in the compute dtype or
 656-byte FP8 "ds_mla" rows, an indexer cache of 132 bytes per token (block-major: a block's e4m3 keys, then
 their fp32 scales). An indexer cache may instead
@@ -59,9 +62,9 @@ def rtp_indexer(q: Tensor, k: Tensor, weights: Tensor, topk: int, index_cache: T
                 block_table: Tensor, req_idx: Tensor, positions: Tensor, max_positions: int,
                 rope_cos: Optional[Tensor] = None, rope_sin: Optional[Tensor] = None,
                 k_norm_weight: Optional[Tensor] = None, k_norm_bias: Optional[Tensor] = None,
-                k_norm_eps: float = 0.0) -> Tensor:
+                k_norm_eps: float = 0.0, group: Optional[str] = None, world: int = 1) -> Tensor:
     return indexer_step(paged, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions,
-                        max_positions, rope_cos, rope_sin, k_norm_weight, k_norm_bias, k_norm_eps)
+                        max_positions, rope_cos, rope_sin, k_norm_weight, k_norm_bias, k_norm_eps, group, world)
 
 
 @rtp_indexer.register_fake

@@ -22,7 +22,10 @@ Signatures (B = batch, S = sequence, H = heads, R = kv_lora_rank, dn/dr/dv = nop
   Tie rule, for every implementation (reference, cached ops, kernels, sharded ranks): among equal scores
   (``-0.0 == 0.0``) the lower token position wins, so every path selects the same set. The selection is a
   set (sparse attention does not depend on its order): the reference lists it by descending score, then
-  position; kernels may list it in any order.
+  position; kernels may list it in any order. Optional ``group`` / ``world`` (set by the shard pass
+  ``shard_indexer``): the tensor-parallel group over whose ranks a long enough step's queries are split, each rank
+  selecting for its share, one all_gather rebuilding the whole [B,S,topk] on every rank
+  (``fxglm5.lowering.reference.collectives.gather_split_rows``); the cached ``rtp_indexer`` carries them on.
 - ``sparse_mla(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_indices int32 [B,S,K], scale) -> [B,S,H,dv]``:
   ``mla`` restricted to the selected keys.
 - ``rms_norm(x [..., D], weight [D], eps) -> [..., D]``: RMSNorm in x's dtype (float32 statistics).
@@ -89,12 +92,13 @@ def _(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale):
 
 
 @torch.library.custom_op("fxglm5::indexer_topk", mutates_args=())
-def indexer_topk(q: Tensor, k: Tensor, weights: Tensor, topk: int) -> Tensor:
-    return ref_attn.indexer_topk(q, k, weights, topk).contiguous()
+def indexer_topk(q: Tensor, k: Tensor, weights: Tensor, topk: int, group: Optional[str] = None,
+                 world: int = 1) -> Tensor:
+    return ref_attn.indexer_topk(q, k, weights, topk, group, world).contiguous()
 
 
 @indexer_topk.register_fake
-def _(q, k, weights, topk):
+def _(q, k, weights, topk, group=None, world=1):
     return q.new_empty(q.shape[0], q.shape[1], topk, dtype=torch.int32)
 
 

@@ -2,7 +2,8 @@
 explicit graph inputs.
 
 Every ``fxglm5::sparse_mla`` / ``fxglm5::mla`` becomes ``fxglm5::rtp_sparse_mla`` / ``fxglm5::rtp_mla``
-and every ``fxglm5::indexer_topk`` becomes ``fxglm5::rtp_indexer`` (see ``fxglm5.ops.cached``). Caches are
+and every ``fxglm5::indexer_topk`` becomes ``fxglm5::rtp_indexer`` (see ``fxglm5.ops.cached``; a top-k split over the
+ranks by ``shard_indexer`` stays split: its ``group`` / ``world`` carry over). Caches are
 placeholders, not buffers, so one compiled graph serves any cache allocation (the runtime's, RTP's), an
 exported artifact carries no cache, and CUDA-graph capture sees fixed input addresses.
 
@@ -32,7 +33,7 @@ from torch import fx
 
 import fxglm5.ops.cached  # noqa: F401  (registers the cached ops)
 from fxglm5.capture.export import MTP_HEAD
-from fxglm5.passes.graph_utils import aten, fake_call, fake_index, is_op, op_args
+from fxglm5.passes.graph_utils import aten, fake_call, fake_index, is_op, op_args, set_op_args
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 from fxglm5.program import CONTEXT_INPUTS, PagedSignature
@@ -99,8 +100,12 @@ def insert_paged_cache(gm: fx.GraphModule, ctx) -> PassOutcome:
     context = (inputs["slot_mapping"], inputs["block_table"], inputs["req_idx"], positions)
 
     for node, layer in owner.items():  # the attention ops' top-k argument now reads the new node
-        q, k, weights, topk = (op_args(node)[name] for name in ("q", "k", "weights", "topk"))
-        _replace(gm, node, ops.rtp_indexer.default, (q, k, weights, topk, inputs[names[layer][1]], *context, max_pos))
+        args = op_args(node)
+        q, k, weights, topk, group, world = (args[name] for name in ("q", "k", "weights", "topk", "group", "world"))
+        cached = _replace(gm, node, ops.rtp_indexer.default, (q, k, weights, topk, inputs[names[layer][1]], *context,
+                                                              max_pos))
+        if world > 1:  # split over the ranks by shard_indexer
+            set_op_args(cached, group=group, world=world)
     for layer, node in enumerate(attention):
         attn = op_args(node)
         latent = tuple(attn[name] for name in ("q_nope", "q_pe", "kv_c", "k_pe", "w_uk", "w_uv"))

@@ -39,8 +39,9 @@ STAGES: tuple[Stage, ...] = tuple(Stage)
 PIPELINE: dict[Stage, tuple[str, ...]] = {
     Stage.MATCH: ("match_sparse_mla", "match_mla", "match_rms_norm", "match_rope"),
     Stage.FUSE: ("fuse_fp8_linear", "fuse_fp8_moe"),
-    # each pass shards one block and adds its own collective, so any subset leaves a correct program
-    Stage.SHARD: ("shard_attention", "shard_mlp", "shard_moe_experts", "shard_lm_head"),
+    # each pass shards one block and adds its own collective (shard_indexer's is inside the op it splits), so any
+    # subset leaves a correct program
+    Stage.SHARD: ("shard_attention", "shard_indexer", "shard_mlp", "shard_moe_experts", "shard_lm_head"),
     # both rewrite what insert_paged_cache made: the row selection at the output, the cached ops' inputs
     Stage.CACHE: ("insert_paged_cache", "select_sampled_rows", "fuse_norm_rope_into_cache_writes"),
     # after the shard and cache stages, which still need each projection's own GEMM and the canonical norms and

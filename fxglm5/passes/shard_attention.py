@@ -7,7 +7,8 @@ identity (in the tiny config H*dv equals the hidden size, so values would not te
   the attention [B, S, H, dv] -> reshape [B, S, H*dv] -> o_proj (linear)
 and keeps heads [H/tp*r, H/tp*(r+1)): q_b_proj's rows (and their block scales), the view's head count, W_UK /
 W_UV by head, the reshape's width and o_proj's columns, whose output is then a partial sum: ``fxglm5::all_reduce``.
-q_a / kv_a and their norms, the DSA indexer and its top-k stay whole, so every rank selects the same keys.
+q_a / kv_a and their norms and the DSA indexer stay whole: every rank writes every index key and selects the same
+keys (at a prefill, each rank selects for its share of the tokens and they are gathered: ``shard_indexer``).
 
 W_UK / W_UV are constants derived from kv_b_proj: the plan gets kv_b_proj's rows of the rank's heads (and their
 scales) and the constants' recipe (``graph.meta["derived_constants"]``) becomes one that derives the rank's W_UK /

@@ -10,7 +10,8 @@ on a tiny config whose widths split over 8 ranks into whole 128-blocks (16 heads
   vocabulary, the same tokens for the same seed (the weights are drawn anew by each runner's reader); a loaded model
   is still refused.
 - ``bench/rank_at_depth.py --tiny`` (``--ep 2`` too) runs its whole flow (collective probe, TTFT, synthetic-context
-  TPOT, profiles) and writes its results with their provenance.
+  TPOT, profiles) and writes its results with their provenance, each point's collectives priced (the indexer's
+  top-k all_gather of a split prefill included).
 """
 
 import json
@@ -129,7 +130,16 @@ def test_bench_rank_at_depth_tiny_runs_its_whole_flow(tmp_path, ep):
     assert all(r["status"] == "measured" and r["ms"] > 0 and r["kernels_per_step"] > 0 for r in table["rows"])
     assert all(probe["eager"] for probe in detail["collective_probe"].values())
     run0 = detail["runs"][0]
-    assert {c["op"]: c["count"] for c in run0["collectives_per_step"]} == {"all_reduce": 8, "all_gather": 1}
+    assert {c["op"]: c["count"] for c in run0["collectives_per_step"]} == {"all_reduce": 8, "all_gather": 1,
+                                                                           "rtp_indexer all_gather": 4}
+    # the 128-token prefill splits the indexer's top-k (16 rows a rank), the 32-token one and the decode steps do not;
+    # each collective's bytes priced at the stated bus bandwidth: (W-1)/W x the gathered 128 x 8 int32 top-k
+    top_k = {p: run0["points"][p]["collectives_priced"]["rtp_indexer all_gather"] for p in ("ttft32k", "ttft8k",
+                                                                                            "tpot64x2k")}
+    assert table["rows"][0]["collective_ms"] > 0 and detail["nvlink_bus_gbs"] == 400
+    gathered = 4 * 128 * CONFIG.index_topk * 4  # 4 layers' [128, topk] int32
+    assert top_k["ttft32k"] == dict(bytes=gathered, ms=float(f"{7 / 8 * gathered / 400e9 * 1e3:.4g}"))
+    assert top_k["ttft8k"]["bytes"] == top_k["tpot64x2k"]["bytes"] == 0
     assert run0["weights_gb"] and run0["kv_bytes_per_token"] == 4 * (656 + 132)
     tpot = run0["points"]["tpot8x32k"]
     assert len(tpot["steps_ms"]) == 8 and tpot["step_bytes"] > 0

@@ -74,7 +74,8 @@ def test_tp8_ep8_local_shapes(tp8):
         assert plan["lm_head.weight"].start == rank * 19360
         assert _collectives(gm) == {"all_reduce": 2 * LAYERS, "all_gather": 1}
         assert [(r.name, r.num_matches, r.expected) for r in results] == [
-            ("shard_attention", 6, 6), ("shard_mlp", 3, 3), ("shard_moe_experts", 3, 3), ("shard_lm_head", 1, 1)]
+            ("shard_attention", 6, 6), ("shard_indexer", 6, 6), ("shard_mlp", 3, 3), ("shard_moe_experts", 3, 3),
+            ("shard_lm_head", 1, 1)]
 
 
 @pytest.mark.parametrize("tp, ep", [(2, 2), (4, 4), (8, 1)])
@@ -143,7 +144,7 @@ def test_world_one_is_a_no_op(glm5):
     model, graph = glm5
     gm, results = sharded(graph, model.config, Mapping(), lower=False)
     assert gm.code == graph.code and PLAN not in gm.meta
-    assert [r.num_matches for r in results] == [r.expected for r in results] == [0, 0, 0, 0]
+    assert [r.num_matches for r in results] == [r.expected for r in results] == [0, 0, 0, 0, 0]
 
 
 def test_tp8_ep2_groups_hold_half_the_experts_each_split_four_ways(tp8_ep2):
@@ -170,7 +171,8 @@ def test_tp8_ep2_groups_hold_half_the_experts_each_split_four_ways(tp8_ep2):
         assert int(_attrs(gm)[f"{moe}.experts.expert_offset"]) == 128 * group
         assert _collectives(gm) == {"all_reduce": 2 * LAYERS, "all_gather": 1}
         assert [(r.name, r.num_matches, r.expected) for r in results] == [
-            ("shard_attention", 6, 6), ("shard_mlp", 3, 3), ("shard_moe_experts", 3, 3), ("shard_lm_head", 1, 1)]
+            ("shard_attention", 6, 6), ("shard_indexer", 6, 6), ("shard_mlp", 3, 3), ("shard_moe_experts", 3, 3),
+            ("shard_lm_head", 1, 1)]
 
 
 def test_ep1_and_ep8_keep_one_dim_plans(tp8, glm5):

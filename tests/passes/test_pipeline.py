@@ -197,8 +197,9 @@ def test_short_match_count_is_a_warning_on_the_serving_path_and_an_error_in_stri
 @pytest.mark.parametrize("helper, importers", [
     ("fxglm5.passes.mla_pattern", {"match_mla", "match_sparse_mla", "shard_attention"}),
     ("fxglm5.passes.dequant", {"match_mla", "match_sparse_mla", "fuse_fp8_linear", "fuse_fp8_moe", "shard_attention",
-                               "shard_mlp", "shard_moe_experts", "shard_lm_head"}),  # the shard passes through sharding
-    ("fxglm5.passes.sharding", {"shard_attention", "shard_mlp", "shard_moe_experts", "shard_lm_head"}),
+                               "shard_indexer", "shard_mlp", "shard_moe_experts", "shard_lm_head"}),  # the shard
+    # passes through sharding
+    ("fxglm5.passes.sharding", {"shard_attention", "shard_indexer", "shard_mlp", "shard_moe_experts", "shard_lm_head"}),
     ("fxglm5.ops.cached", {"insert_paged_cache"}),
 ])
 def test_source_hash_covers_the_helpers_a_pass_imports(monkeypatch, helper, importers):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from fxglm5.contracts import topk_lowest_index_ties
+from fxglm5.lowering.reference.collectives import gather_split_rows
 
 
 def _causal(seq: int, device) -> torch.Tensor:
@@ -45,21 +46,38 @@ def sparse_mla(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_indices, scale: float)
     return _latent_attention(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, allowed)
 
 
-def indexer_scores(q, k, weights) -> torch.Tensor:
-    """score[b, s, t] = sum_h weights[b,s,h] * relu(q[b,s,h] . k[b,t]), -inf outside the causal window."""
+def indexer_scores(q, k, weights, rows=None) -> torch.Tensor:
+    """score[b, s, t] = sum_h weights[b,s,h] * relu(q[b,s,h] . k[b,t]), -inf outside the causal window: the query at
+    ``rows[s]`` (int [S'], default its own index s) sees keys t <= rows[s]."""
     logits = torch.einsum("bshd,btd->bsht", q.float(), k.float())
     scores = (torch.relu(logits) * weights.float()[..., None]).sum(dim=2)
-    return scores.masked_fill(~_causal(q.shape[1], q.device), float("-inf"))
+    if rows is None:
+        return scores.masked_fill(~_causal(q.shape[1], q.device), float("-inf"))
+    return scores.masked_fill(torch.arange(k.shape[1], device=q.device)[None, :] > rows[:, None], float("-inf"))
 
 
-def indexer_topk(q, k, weights, topk: int) -> torch.Tensor:
+def indexer_topk(q, k, weights, topk: int, group: str | None = None, world: int = 1) -> torch.Tensor:
     """DSA top-k: q [B,S,HI,D], k [B,S,D], weights [B,S,HI] (all scales folded in) -> int32 [B,S,topk].
 
     Each query keeps its ``topk`` best causal keys, the lower position first among equal scores
     (:func:`topk_lowest_index_ties`), listed by descending score; a causal window shorter than topk is taken
-    whole and the remaining slots are -1.
+    whole and the remaining slots are -1. With a ``group`` of ``world`` ranks, a long enough sequence is split
+    over them (``collectives.gather_split_rows``): each rank scores its share of the queries (a padding row as
+    query 0), one all_gather gives every rank all of them.
     """
-    scores = indexer_scores(q, k, weights)
+    seq = q.shape[1]
+
+    def rows(index):
+        take = torch.where(index < seq, index, 0)
+        return _topk_rows(q[:, take], k, weights[:, take], topk, take).transpose(0, 1)  # [n, B, topk]
+
+    split = gather_split_rows(rows, seq, group, world, q.device)
+    return _topk_rows(q, k, weights, topk) if split is None else split.transpose(0, 1)
+
+
+def _topk_rows(q, k, weights, topk: int, rows=None) -> torch.Tensor:
+    """``indexer_topk`` of the queries ``q`` at ``rows`` (see :func:`indexer_scores`)."""
+    scores = indexer_scores(q, k, weights, rows)
     bsz, seq = scores.shape[:2]
     padded = torch.cat([scores, scores.new_full((bsz, seq, topk), float("-inf"))], dim=-1)
     values, idx = topk_lowest_index_ties(padded, topk)

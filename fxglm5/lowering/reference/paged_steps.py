@@ -14,11 +14,14 @@ when the graph is lowered (``PagedProgram.inputs_validated``: the lower stage bi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged
+from fxglm5.lowering.reference.collectives import gather_split_rows
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -94,8 +97,11 @@ def _rope(cos, sin) -> tuple[Tensor, Tensor] | None:
 
 
 def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions, max_positions,
-                 rope_cos=None, rope_sin=None, k_norm_weight=None, k_norm_bias=None, k_norm_eps=0.0, *, validate=True):
-    """rtp_indexer's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
+                 rope_cos=None, rope_sin=None, k_norm_weight=None, k_norm_bias=None, k_norm_eps=0.0, group=None,
+                 world=1, *, validate=True):
+    """rtp_indexer's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins). Every rank
+    writes every key (its later queries read them all); with a ``group`` of ``world`` ranks a step large enough
+    selects on each rank its share of the tokens only (:func:`_selection`)."""
     qf = _pad(_flat(q, "q", 4), paged.INDEX_DIM, "q")
     kf = _flat(k, "k", 3)
     wf = _flat(weights, "weights", 3)
@@ -114,11 +120,29 @@ def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_tab
             raise InputError(f"k/weights: shapes {tuple(k.shape)} / {tuple(weights.shape)} do not fit q {tuple(q.shape)}")
     if fp8:
         kern.write_indexer_cache(index_cache, kf, slot_mapping, validate=False, norm=norm, rope=rope)
-        out = kern.indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk, validate=False)
+        select = functools.partial(kern.indexer_topk_paged, validate=False)
     else:
         kern.write_exact_index_keys(index_cache, kf, slot_mapping, norm=norm, rope=rope)
-        out = kern.exact_indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk)
+        select = kern.exact_indexer_topk_paged
+    out = _selection(select, qf, wf, index_cache, block_table, req_idx, positions, topk, group, world)
     return out.view(*q.shape[:2], topk)
+
+
+def _selection(select, qf, wf, cache, block_table, req_idx, positions, topk, group, world) -> Tensor:
+    """Every token's top-k by ``select`` (the kernel set's selection): all of them here, or, where the step splits
+    over the ``world`` ranks of ``group`` (``collectives.gather_split_rows``: a prefill-sized step), this rank's
+    share of the tokens, gathered. A padding row of the split reads as token 0's request at position 0: a window of
+    one key, which that request's first block holds, so the kernels skip its scores."""
+    tokens = positions.shape[0]
+
+    def rows(index: Tensor) -> Tensor:
+        real = index < tokens
+        take = torch.where(real, index, 0)
+        return select(qf[take], wf[take], cache, block_table, req_idx[take], torch.where(real, positions[take], 0),
+                      topk)
+
+    out = gather_split_rows(rows, tokens, group, world, qf.device)
+    return select(qf, wf, cache, block_table, req_idx, positions, topk) if out is None else out
 
 
 
