@@ -21,7 +21,10 @@ cache layouts (compute dtype 576 / FP8 ds_mla 656 bytes):
 - split-KV (flash-decoding): grid axis 1 splits the key range into ``num_splits`` chunks (chosen from the
   shapes by :func:`pick_num_splits`: fewest waves x tiles per split); each writes a partial (normalized) output
   + log-sum-exp and a combine kernel merges them. ``num_splits == 1`` writes the output directly (the prefill
-  path: many tokens already fill the machine; queries of a prefill re-read their prefix tiles, mostly from L2).
+  path: many tokens already fill the machine; queries of a prefill re-read their prefix tiles, mostly from L2);
+- W_UV in the combine (``w_uv``, the paged programs' decode): the combine also multiplies the merged latent output
+  by W_UV and writes the value heads, and a single split writes partials too, so the attention of a decode step
+  ends in one Triton kernel instead of the combine and a cuBLAS GEMM outside the PDL chain.
 The number of splits is a function of the shapes only (``T``, ``H``, the block-table width), never of data,
 so the launch is CUDA-graph safe (no host sync); buffers are sized by the arguments.
 On Hopper, ``launch_mla`` runs :mod:`fxglm5.lowering.triton.mla_hopper` instead (a Gluon kernel with the same
@@ -49,8 +52,8 @@ from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, round_to
 
 interpreter_compat()
 
-__all__ = ["mla_paged", "mla_decode_paged", "mla_prefill_paged", "launch_mla", "launch_dispatched", "dispatch_num_splits",
-           "into"]
+__all__ = ["mla_paged", "mla_decode_paged", "mla_prefill_paged", "launch_mla", "launch_dispatched",
+           "dispatch_num_splits", "into"]
 
 LOG2E = 1.4426950408889634
 
@@ -550,8 +553,9 @@ def launch_dispatched(q, cache, block_table, req_idx, pos_or_topk, scale: float,
     """The dispatchers' launch: split-KV decode when the tokens alone do not fill the GPU, W_UV (if given) applied
     in its combine; else the prefill path, one pass per token writing the latent output, then cuBLAS's GEMM for
     W_UV (:func:`fxglm5.lowering.reference.paged.project_out`). The same line splits both: from 2 x SMs tokens
-    (264 on an H100, at up to 64 heads) a step is a prefill, whose one GEMM of thousands of rows a launch more or
-    less does not change, and which cuBLAS runs at least as fast as a Triton tile would."""
+    (264 on an H100, at up to 64 heads) a step is a prefill, where one launch more is nothing next to its work and
+    the MLA writes no partials for a combine to project; its GEMM of hundreds to thousands of rows per head stays
+    with cuBLAS's tuned kernels (not measured against the Triton tile)."""
     num_splits = dispatch_num_splits(q)
     if num_splits is None or w_uv is None:
         return launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale, sparse=sparse, num_splits=num_splits,
