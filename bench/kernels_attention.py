@@ -472,13 +472,15 @@ def bench_norm_rope_fusion(results):
             lambda: pc.write_indexer_cache(icache, nr.rope_interleaved(nr.layer_norm(k, *ln), *rope), slots,
                                            validate=False),
             T * (128 * 2 + 132), what="torch LayerNorm + Triton RoPE + write")
-        if T == 64:  # the query assembly: decode batch 64, 64 heads
-            q_abs = torch.randn(H, T, R, dtype=torch.bfloat16).cuda().transpose(0, 1)
-            q_pe = torch.randn(T, H, 192, dtype=torch.bfloat16).cuda()[..., 128:]
-            row("latent_query+rope", f"T={T} H={H}", lambda: pc.latent_query(q_abs, q_pe, rope),
-                lambda: pc.latent_query(q_abs, tnr.rope_interleaved(q_pe, *rope, validate=False)),
-                lambda: torch.cat([q_abs, nr.rope_interleaved(q_pe, *rope)], dim=-1),
-                T * H * (R + DR) * 2 * 2, what="Triton RoPE + assembly")
+        if T == 64:  # the query assembly: decode batch 64, 64 heads, W_UK [192 -> 512] applied in the kernel
+            q_b = torch.randn(T, H, 192 + DR, dtype=torch.bfloat16).cuda()
+            q_nope, q_pe = q_b[..., :192], q_b[..., 192:]
+            w_uk = (torch.randn(H, 192, R) * 192**-0.5).bfloat16().cuda()
+            row("latent_query+W_UK+rope", f"T={T} H={H}", lambda: pc.latent_query(q_nope, w_uk, q_pe, rope),
+                lambda: pc.latent_query(q_nope, w_uk, tnr.rope_interleaved(q_pe, *rope, validate=False)),
+                lambda: torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), nr.rope_interleaved(q_pe, *rope)],
+                                  dim=-1),
+                T * H * (192 + DR + R + DR) * 2 + H * 192 * R * 2, what="Triton RoPE + the query kernel")
 
 
 SECTIONS = {

@@ -131,9 +131,10 @@ def test_fused_norm_rope_writes_at_glm5_sizes(cdtype):
     assert (k1 == k2).float().mean() > 0.97
     _mostly_equal(ref.read_indexer_rows(k1, slots[slots >= 0]), ref.read_indexer_rows(k2, slots[slots >= 0]), 2.0**-3)
 
-    q_abs = torch.randn(H, T, R, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
-    q_pe = torch.randn(T, H, 192, device="cuda", dtype=torch.bfloat16)[..., 128:]  # a split of q_b_proj's heads
-    _mostly_equal(pc.latent_query(q_abs, q_pe, rope), ref.latent_query(q_abs, q_pe, rope), 2.0**-7)
+    q_b = torch.randn(T, H, 192 + DR, device="cuda", dtype=torch.bfloat16)  # q_b_proj's heads: [nope 192 | pe 64]
+    w_uk = (torch.randn(H, 192, R, device="cuda") * 192**-0.5).bfloat16()
+    _mostly_equal(pc.latent_query(q_b[..., :192], w_uk, q_b[..., 192:], rope),
+                  ref.latent_query(q_b[..., :192], w_uk, q_b[..., 192:], rope), 2.0**-7)
 
     for D in (512, 2048, 6144):  # kv_a / q_a / the hidden norms
         x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16) * 3
@@ -350,6 +351,74 @@ def test_hopper_mla_decode_captures_in_cuda_graph(cdtype):
     torch.cuda.synchronize()
     assert mla._LAST["impl"] == "hopper"
     _close(o, ref.mla_paged(q, cache, bt, req, pos, SCALE))
+
+
+def _tp8_step(T, lens, seed):
+    """A decode step's inputs at a TP8 rank of GLM-5 (8 heads; W_UK [192 -> 512], W_UV [512 -> 256] per head): q_b's
+    per-head output [T, 8, 192 + 64], the weights, rope tables, each token's request and position (the last ones of
+    the requests, round robin) and top-k lists (10% unused entries, and a row with none where T > 1)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def bf16(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+
+    req = (torch.arange(T, device="cuda") % len(lens)).int()
+    pos = (torch.tensor(lens, device="cuda")[req.long()] - 1 - torch.arange(T, device="cuda") // len(lens)).int()
+    topk = (torch.rand(T, TOPK, device="cuda", generator=g) * (pos.unsqueeze(1) + 1)).long().int()
+    topk[torch.rand(T, TOPK, device="cuda", generator=g) < 0.1] = -1
+    if T > 1:
+        topk[1] = -1
+    return dict(q_b=bf16(T, 8, 192 + DR), w_uk=bf16(8, 192, R, scale=192**-0.5), w_uv=bf16(8, 256, R, scale=R**-0.5),
+                rope=_rope_tables(T, DR // 2), req=req, pos=pos, topk=topk)
+
+
+def _absorbed_step(st, cache, bt, kern):
+    """The paged program's attention over a kernel set ``kern`` (the reference or the Triton twins): the latent
+    query (W_UK applied), then the sparse and the dense MLA with W_UV applied; (queries, sparse out, dense out)."""
+    q = kern.latent_query(st["q_b"][..., :192], st["w_uk"], st["q_b"][..., 192:], st["rope"])
+    return (q, kern.sparse_mla_paged(q, cache, bt, st["req"], st["topk"], SCALE, validate=False, w_uv=st["w_uv"]),
+            kern.mla_paged(q, cache, bt, st["req"], st["pos"], SCALE, validate=False, w_uv=st["w_uv"]))
+
+
+@pytest.mark.parametrize("T", [1, 8, 64])
+@pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
+def test_absorbed_weights_in_the_latent_query_and_the_combine(cdtype, T):
+    """At a TP8 rank (8 heads), bf16: W_UK applied in the latent query kernel and W_UV in the MLA's combine (the
+    decode path: T * 1 head block < 2 x SMs) against the reference's einsums, and bit-equal almost everywhere to the
+    same Triton attention with the einsums (only the products' summation order differs); then the step captured in a
+    CUDA graph and replayed on new queries and positions (the split counts depend on the shapes only)."""
+    from fxglm5.lowering.triton import mla, paged_ops
+
+    lens = [5000, 3000, 1000]
+    bt, nb = _mk_table(lens, seed=5)
+    cache = torch.zeros(nb, BS, 656 if cdtype == torch.uint8 else 576, dtype=cdtype, device="cuda")
+    _fill(cache, bt, lens, seed=5)
+    st = _tp8_step(T, lens, seed=T)
+    q, sparse, dense = _absorbed_step(st, cache, bt, paged_ops)
+    assert mla.dispatch_num_splits(q) is None  # the split-KV decode path, whose combine applies W_UV
+    q_ref, sparse_ref, dense_ref = _absorbed_step(st, cache, bt, ref)
+    _mostly_equal(q, q_ref, 2.0**-7)
+    for o, o_ref in ((sparse, sparse_ref), (dense, dense_ref)):
+        assert o.shape == (T, 8, 256) and o.dtype == torch.bfloat16 and torch.isfinite(o).all()
+        _close(o, o_ref)
+    assert T == 1 or sparse[1].abs().max().item() == 0.0  # no listed position: zeros, W_UV applied or not
+    lat = (paged_ops.sparse_mla_paged(q, cache, bt, st["req"], st["topk"], SCALE),
+           paged_ops.mla_paged(q, cache, bt, st["req"], st["pos"], SCALE))
+    _mostly_equal(sparse, ref.project_out(lat[0], st["w_uv"]), 2.0**-7)
+    _mostly_equal(dense, ref.project_out(lat[1], st["w_uv"]), 2.0**-7)
+
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = _absorbed_step(st, cache, bt, paged_ops)
+    new = _tp8_step(T, lens, seed=T + 100)
+    new["pos"] = torch.minimum(new["pos"], st["pos"] - 17)  # other positions (the requests' earlier tokens)
+    new["topk"] = torch.minimum(new["topk"], new["pos"].unsqueeze(1))
+    for k in ("q_b", "pos", "topk"):
+        st[k].copy_(new[k])
+    g.replay()
+    torch.cuda.synchronize()
+    for o, o_ref in zip(outs, _absorbed_step(st, cache, bt, ref)):
+        _close(o, o_ref)
 
 
 @pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])

@@ -18,6 +18,7 @@ from tests.helpers import random_model
 pytestmark = pytest.mark.gpu
 
 H, R, DR, HI, BS, TOPK, SCALE = 64, 512, 64, 32, 64, 2048, 1.0 / 16  # GLM-5's attention shapes, 64-token blocks
+DN = 192  # qk_nope_head_dim, here also W_UV's outputs, so that a step's output is the next step's q_nope
 LENS = [5000, 2600]  # two requests' cached contexts, both longer than the top-k
 REQ, POS = [0, 1, 1], [4999, 2599, 100]  # a decode step's tokens: two select from their scores, one fits in the top-k
 
@@ -103,7 +104,8 @@ def _attention_state() -> dict:
         return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
 
     return dict(bt=bt, cache=cache, kc=kc, cache0=cache.clone(), kc0=kc.clone(), req=req, pos=pos,
-                slots=ref.slots_from_positions(bt, req, pos, BS), o=bf16(t, H, R), q_pe=bf16(t, H, DR),
+                slots=ref.slots_from_positions(bt, req, pos, BS), o=bf16(t, H, DN), q_pe=bf16(t, H, DR),
+                w_uk=bf16(H, DN, R) * DN ** -0.5, w_uv=bf16(H, DN, R) * R ** -0.5,
                 k_pe=bf16(t, DR), qi=bf16(t, HI, 128), w=torch.rand(t, HI, device="cuda", generator=g) * HI ** -0.5,
                 logits=torch.empty(t, bt.shape[1] * BS, device="cuda"),
                 top=torch.empty(t, TOPK, dtype=torch.int32, device="cuda"))
@@ -111,21 +113,23 @@ def _attention_state() -> dict:
 
 def _attention_chain(st: dict, method: str):
     """Three decode steps through the attention kernels, each reading what the kernel before it wrote: the last
-    output, quantized 1x128 to FP8 (and dequantized by torch), is the token's latent row, written into the cache that
-    both MLAs then read; the sparse MLA's output is the next query (the latent query kernel); the dense MLA's output
-    the token's index key, written where the next step's indexer reads. The sparse MLA takes the Gluon kernel on sm_90,
-    the dense one the autotuned Triton kernel (``cfg={}``); both split the keys, so the combine kernel runs.
+    output's first 512 values, quantized 1x128 to FP8 (and dequantized by torch), are the token's latent row, written
+    into the cache that both MLAs then read; the sparse MLA's output (W_UV applied in its combine) is the next q_nope
+    (the latent query kernel, W_UK applied in it); the dense MLA's latent output the token's index key, written where
+    the next step's indexer reads. The sparse MLA takes the Gluon kernel on sm_90, the dense one the autotuned Triton
+    kernel (``cfg={}``); both split the keys, so both combine kernels run.
     Returns (sparse output, dense output, selection) of the last step."""
     o, t = st["o"], len(REQ)
     for _ in range(3):
-        q8, s8 = fp8_gemm.quantize_act_1x128(o.reshape(-1, R))
-        kv = (q8.float().view(-1, R // 128, 128) * s8[:, :, None]).view(t, H, R)[:, 0].to(torch.bfloat16)
+        q8, s8 = fp8_gemm.quantize_act_1x128(o.reshape(t, -1)[:, :R].contiguous())
+        kv = (q8.float().view(t, R // 128, 128) * s8[:, :, None]).view(t, R).to(torch.bfloat16)
         paged_cache.write_latent_cache(st["cache"], kv, st["k_pe"], st["slots"], validate=False)
-        q = paged_cache.latent_query(o, st["q_pe"])
+        q = paged_cache.latent_query(o, st["w_uk"], st["q_pe"])
         logits = indexer.indexer_logits_paged(st["qi"], st["w"], st["kc"], st["bt"], st["req"], st["pos"],
                                               out=st["logits"], validate=False, skip_window=TOPK)
         top = topk.topk_from_logits(logits, st["pos"], TOPK, out=st["top"], method=method, validate=False)
-        o = sparse_mla.sparse_mla_decode_paged(q, st["cache"], st["bt"], st["req"], top, SCALE, validate=False)
+        o = sparse_mla.sparse_mla_paged(q, st["cache"], st["bt"], st["req"], top, SCALE, validate=False,
+                                        w_uv=st["w_uv"])
         dense = mla.mla_decode_paged(q, st["cache"], st["bt"], st["req"], st["pos"], SCALE, validate=False, cfg={})
         paged_cache.write_indexer_cache(st["kc"], dense[:, 0, :128], st["slots"], validate=False)
     return o, dense, top
@@ -136,7 +140,7 @@ def _attention_kernels(method: str) -> dict:
     kernels = {"1x128 quantization": fp8_gemm._quant_kernel, "latent write": paged_cache._write_latent_fp8_kernel,
                "latent query": paged_cache._latent_query_kernel, "index write": paged_cache._write_index_kernel,
                "indexer logits": indexer._indexer_logits_kernel, "MLA": mla._mla_fwd_kernel,
-               "MLA combine": mla._mla_combine_kernel}
+               "MLA combine": mla._mla_combine_kernel, "MLA combine with W_UV": mla._mla_combine_project_kernel}
     if method == "segments":
         kernels["segment top-k"] = topk._segment_topk_kernel
     else:
@@ -191,7 +195,7 @@ def test_tiny_model_decodes_the_same_with_pdl(monkeypatch):
     hopper = device.capability(torch.device("cuda")) == (9, 0)
     kernels = {"latent write": paged_cache._write_latent_fp8_kernel, "latent query": paged_cache._latent_query_kernel,
                "index write": paged_cache._write_index_kernel, "indexer logits": indexer._indexer_logits_kernel,
-               "segment top-k": topk._segment_topk_kernel,
+               "segment top-k": topk._segment_topk_kernel, "MLA combine with W_UV": mla._mla_combine_project_kernel,
                "MLA": mla_hopper._mla_hopper_kernel if hopper else mla._mla_fwd_kernel}
     runs = {}
     for flag in ("0", "1"):

@@ -368,6 +368,114 @@ def test_mla_decode_combines_many_splits():
         _close(out, r, atol=1e-4)
 
 
+def _w_uv_setup(T, qdtype, seed):
+    """Two requests' fp32 latent rows (150 and 40 positions, 16-row blocks), T decode-like tokens spread over their
+    positions, top-k lists of 12 (a quarter unused, and token 1's all unused), W_UV [2 heads, 24 outputs, 48 of the
+    512 latent columns]: the widths are no powers of two, so every mask of the projecting combine is exercised."""
+    s = dict(B=2, bs=16, lens=[150, 40], bt=torch.tensor([[3, 1, 4, 6, 9, 2, 5, 8, 7, 10], [11, 13, 12, 0, 0, 0, 0,
+                                                                                            0, 0, 0]]).int(),
+             nb=14, seed=seed)
+    cache = _filled_latent(s, torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    req = (torch.arange(T) % 2).int()
+    pos = (torch.rand(T, generator=g) * torch.tensor(s["lens"])[req.long()]).int()
+    topk = (torch.rand(T, 12, generator=g) * (pos.unsqueeze(1) + 1)).int()
+    topk[torch.rand(T, 12, generator=g) < 0.25] = -1
+    topk[min(1, T - 1)] = -1
+    q = torch.randn(T, 2, D, generator=g).to(qdtype)
+    w_uv = (torch.randn(2, 24, 48, generator=g) * 48**-0.5).to(qdtype)
+    return cache, s["bt"], req, pos, topk, q, w_uv
+
+
+@pytest.mark.parametrize("T, num_splits", [(2, 3), (3, 1), (5, 40), (20, 4), (70, 2)],
+                         ids=["gemv", "one_split", "gemv_many_splits", "mma16", "mma64"])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sparse", [False, True], ids=["mla", "sparse_mla"])
+def test_combine_applies_w_uv(T, num_splits, qdtype, sparse):
+    """The combine with W_UV (one token a program: a GEMV; 16- and 64-token tiles: MMAs; one split: the partials
+    still written, then projected) against the same attention's latent output times W_UV by the reference's einsum:
+    only the product's summation order differs, so float32 agrees to rtol 1e-5 and bf16 within a rounding (not bit
+    for bit here: the plain kernels' bf16 stores truncate under the interpreter, where the projecting combine rounds
+    to nearest as the GPU does; tests/gpu checks the bits); and against the reference op (W_UV applied by it); a
+    token with no listed position gives zeros."""
+    cache, bt, req, pos, topk, q, w_uv = _w_uv_setup(T, qdtype, seed=T)
+    keys = topk if sparse else pos
+    out = tmla.launch_mla(q, cache, bt, req, keys, SCALE, sparse=sparse, num_splits=num_splits, w_uv=w_uv)
+    lat = tmla.launch_mla(q, cache, bt, req, keys, SCALE, sparse=sparse, num_splits=num_splits)
+    same = ref.project_out(lat, w_uv)
+    assert out.shape == (T, 2, 24) and out.dtype == qdtype
+    tol = 1e-5 if qdtype == torch.float32 else 2.0**-7
+    torch.testing.assert_close(out, same, rtol=tol, atol=tol * same.abs().max().item())
+    attend = ref.sparse_mla_paged if sparse else ref.mla_paged
+    want = attend(q, cache, bt, req, keys, SCALE, w_uv=w_uv)
+    _close(out, want, atol=1e-4 if qdtype == torch.float32 else 2e-2, rtol=0 if qdtype == torch.float32 else 2e-2)
+    if sparse:
+        assert (out[min(1, T - 1)] == 0).all()
+
+
+def _latent_step(T, sparse):
+    """A step of the cached op's body over a tiny model's shapes (2 requests, 4 heads, q_nope 16 -> 32 latent
+    columns, V 24, rope 16, FP8 cache of 16-row blocks): T tokens at the end of the requests' contexts
+    (the positions 30.. of request 0 and 10.. of request 1, cached before), as the paged program's decode or
+    prefill steps run it. Returns ``run(kern)``: the step over a kernel set (on its own copy of the cache)."""
+    from fxglm5.lowering.reference import paged_steps
+
+    g = torch.Generator().manual_seed(T)
+    H, dn, ra, dv, dr, bs = 4, 16, 32, 24, 16, 16
+    bt = torch.tensor([[2, 5, 1, 7], [3, 6, 4, 0]], dtype=torch.int32)
+    cache = torch.zeros(8, bs, 656, dtype=torch.uint8)
+    for b, n in enumerate((30, 10)):
+        p = torch.arange(n)
+        ref.write_latent_cache(cache, torch.randn(n, ra, generator=g), torch.randn(n, dr, generator=g),
+                               ref.slots_from_positions(bt, torch.full_like(p, b), p, bs))
+    req = (torch.arange(T) % 2).int()
+    positions = (torch.tensor([30, 10])[req.long()] + torch.arange(T) // 2).int()
+    slots = ref.slots_from_positions(bt, req, positions, bs)
+    topk = (torch.rand(T, 8, generator=g) * (positions.unsqueeze(1) + 1)).int()
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    args = dict(q_nope=rand(T, 1, H, dn), q_pe=rand(T, 1, H, dr), kv_c=rand(T, 1, ra), k_pe=rand(T, 1, dr),
+                w_uk=rand(H, dn, ra, scale=dn**-0.5), w_uv=rand(H, dv, ra, scale=ra**-0.5), scale=SCALE,
+                slot_mapping=slots, block_table=bt, req_idx=req, positions=positions, max_positions=64)
+
+    def run(kern):
+        kv_cache = cache.clone()
+        if sparse:
+            return paged_steps.sparse_mla_step(kern, topk_pos=topk.view(T, 1, 8), kv_cache=kv_cache, **args)
+        return paged_steps.mla_step(kern, kv_cache=kv_cache, **args)
+
+    return run
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["mla", "sparse_mla"])
+@pytest.mark.parametrize("T, launches", [
+    (2, ["_latent_query_kernel", "_write_latent_fp8_kernel", "_mla_fwd_kernel", "_mla_combine_project_kernel"]),
+    (8, ["_latent_query_kernel", "_write_latent_fp8_kernel", "_mla_fwd_kernel", "einsum"]),
+], ids=["decode", "prefill"])
+def test_latent_attention_step_launches(sparse, T, launches, monkeypatch):
+    """The attention of a decode step over the Triton kernel set is four Triton launches and no torch GEMM: W_UK is
+    applied in the latent query kernel and W_UV in the combine (before: an einsum, the query kernel, the cache write,
+    the MLA, the combine at several splits, an einsum). A prefill-shaped step (2 x SMs tokens, 8 on CPU) keeps
+    cuBLAS's GEMM for W_UV after the MLA's one pass. Both give the reference kernel set's output (float32: to rtol
+    1e-5, the GEMMs' summation order aside)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fxglm5.lowering.triton import paged_ops
+
+    run = _latent_step(T, sparse)
+    want = run(ref)
+    seen, launch, einsum = [], InterpretedFunction.run, torch.einsum
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: seen.append(self.__name__) or
+                        launch(self, *a, **k))
+    monkeypatch.setattr(torch, "einsum", lambda *a: seen.append("einsum") or einsum(*a))
+    out = run(paged_ops)
+    assert seen == launches
+    assert out.shape == want.shape == (T, 1, 4, 24)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_split_picker_fills_the_gpu_at_batch_one():
     assert tmla.pick_num_splits(1, 32768, 132) == 128  # one long row: every SM busy, 4 tiles a split
     assert tmla.pick_num_splits(64, 32768, 132) == 2  # a full batch: one wave of 128 programs

@@ -49,6 +49,8 @@ __all__ = [
     "validate_slots_from_positions",
     "write_latent_cache",
     "latent_query",
+    "project_out",
+    "validate_project_out",
     "prepare_latent_rows",
     "prepare_index_keys",
     "validate_index_keys",
@@ -270,11 +272,32 @@ def prepare_latent_rows(kv_c, k_pe, norm=None, rope=None) -> tuple[torch.Tensor,
     return _pad_last(kv_c, KV_LORA_RANK), _pad_last(k_pe, ROPE_DIM)
 
 
-def latent_query(q_abs, q_pe, rope=None) -> torch.Tensor:
-    """``[q_abs | q_pe]`` per head, q_pe rotated (``rope`` = (cos, sin) [T, DR/2]), zero-padded to 512 + 64."""
+def latent_query(q_nope, w_uk, q_pe, rope=None) -> torch.Tensor:
+    """``[q_nope . W_UK | q_pe]`` [T, H, 576] per head in q_nope's dtype: q_nope [T, H, D] times W_UK [H, D, <=512],
+    q_pe [T, H, <=64] rotated (``rope`` = (cos, sin) [T, DR/2]), each part zero-padded to 512 / 64.
+
+    The product runs in the model's dtype, not float32: a bf16 model's MLA kernels take bf16 queries (the Hopper
+    kernel only those), as every MLA serving kernel does (float32 accumulation, one rounding: a batched GEMM on
+    tensor cores, the constant W_UK never converted per call); float32 models stay exact."""
+    q_abs = torch.einsum("thd,hdr->thr", q_nope, w_uk.to(q_nope.dtype))
     if rope is not None:
         q_pe = norm_rope.rope_interleaved(q_pe, *rope)
     return torch.cat([_pad_last(q_abs, KV_LORA_RANK), _pad_last(q_pe.to(q_abs.dtype), ROPE_DIM)], dim=-1)
+
+
+def validate_project_out(q, w_uv):
+    """W_UV [H, V, <=512] for the attention of the [T, H, 576] queries ``q``."""
+    _check_tensor("w_uv", w_uv, 3, COMPUTE_DTYPES)
+    if w_uv.shape[0] != q.shape[1] or w_uv.shape[2] > KV_LORA_RANK:
+        raise InputError(f"w_uv: expected [{q.shape[1]}, V, <= {KV_LORA_RANK}] for q {tuple(q.shape)}, "
+                         f"got {tuple(w_uv.shape)}")
+    _check_device("q", q, w_uv=w_uv)
+
+
+def project_out(o_lat, w_uv) -> torch.Tensor:
+    """[T, H, 512] latent outputs x W_UV [H, V, R] (their first R columns) -> the value heads [T, H, V], in o_lat's
+    dtype (the model's, as :func:`latent_query`'s product: float32 accumulation, one rounding)."""
+    return torch.einsum("thr,hvr->thv", o_lat[..., : w_uv.shape[2]], w_uv.to(o_lat.dtype)).contiguous()
 
 
 def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True, norm=None, rope=None) -> None:
@@ -441,13 +464,16 @@ def validate_mla_paged(q, cache, block_table, req_idx, positions, scale):
         raise InputError(f"scale: must be a positive number, got {scale!r}")
 
 
-def mla_paged(q, cache, block_table, req_idx, positions, scale: float, *, validate: bool = True):
-    """Causal, prefix-aware MLA over the paged latent cache -> [T, H, 512] in q.dtype.
+def mla_paged(q, cache, block_table, req_idx, positions, scale: float, *, validate: bool = True, w_uv=None):
+    """Causal, prefix-aware MLA over the paged latent cache -> [T, H, 512] in q.dtype; with ``w_uv`` the value
+    heads :func:`project_out` makes of that, [T, H, V].
 
     Query t attends to positions 0..positions[t] (inclusive) of request req_idx[t].
     """
     if validate:
         validate_mla_paged(q, cache, block_table, req_idx, positions, scale)
+        if w_uv is not None:
+            validate_project_out(q, w_uv)
     T, H, _ = q.shape
     bs = cache.shape[1]
     out = torch.zeros(T, H, KV_LORA_RANK, dtype=torch.float32, device=q.device)
@@ -459,7 +485,11 @@ def mla_paged(q, cache, block_table, req_idx, positions, scale: float, *, valida
         s = (q[t].float() @ rows.t()) * scale
         p = torch.softmax(s, dim=-1)
         out[t] = p @ rows[:, :KV_LORA_RANK]
-    return out.to(q.dtype)
+    return _projected(out.to(q.dtype), w_uv)
+
+
+def _projected(o_lat, w_uv):
+    return o_lat if w_uv is None else project_out(o_lat, w_uv)
 
 
 def validate_sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale):
@@ -485,18 +515,21 @@ def validate_sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale):
         raise InputError(f"scale: must be a positive number, got {scale!r}")
 
 
-def sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, validate: bool = True):
-    """MLA whose softmax runs only over the listed positions (-1 = unused) -> [T, H, 512] in q.dtype.
+def sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, validate: bool = True, w_uv=None):
+    """MLA whose softmax runs only over the listed positions (-1 = unused) -> [T, H, 512] in q.dtype; with
+    ``w_uv`` the value heads :func:`project_out` makes of that, [T, H, V].
 
     A row without any valid entry gives zeros.
     """
     if validate:
         validate_sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale)
+        if w_uv is not None:
+            validate_project_out(q, w_uv)
     T, H, _ = q.shape
     bs = cache.shape[1]
     out = torch.zeros(T, H, KV_LORA_RANK, dtype=torch.float32, device=q.device)
     if T == 0 or topk_pos.shape[1] == 0:
-        return out.to(q.dtype)
+        return _projected(out.to(q.dtype), w_uv)
     slots = _slots_2d(block_table, req_idx, topk_pos, bs)  # [T, K]
     valid = slots >= 0
     rows = read_latent_rows(cache, slots.clamp_min(0).reshape(-1), validate=False).view(T, -1, LATENT_DIM)
@@ -507,7 +540,7 @@ def sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, 
     p = torch.softmax(s, dim=-1)
     p = torch.where(any_valid.view(T, 1, 1), p, torch.zeros_like(p))
     out = torch.einsum("thk,tkd->thd", p, rows[:, :, :KV_LORA_RANK])
-    return out.to(q.dtype)
+    return _projected(out.to(q.dtype), w_uv)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -149,15 +149,6 @@ def _selection(select, qf, wf, cache, block_table, req_idx, positions, topk, gro
 # ---------------------------------------------------------------------------------------------------------
 # latent attention
 # ---------------------------------------------------------------------------------------------------------
-def _absorbed_query(q_nope, w_uk) -> Tensor:
-    """[T, H, R] ``q_nope . W_UK`` in the model's dtype.
-
-    The model's dtype, not float32: a bf16 model's MLA kernels take bf16 queries (the Hopper kernel only those),
-    as every MLA serving kernel does. The product runs in that dtype too (float32 accumulation, one rounding;
-    a batched GEMM on tensor cores, the constant W_UK never converted per call); float32 models stay exact."""
-    return torch.einsum("thd,hdr->thr", _flat(q_nope, "q_nope", 4), w_uk.to(q_nope.dtype))
-
-
 def _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table, req_idx,
                     positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps, validate):
     """Validate everything (unless ``validate`` is False), then return the [T, H, 576] queries and ``write()``,
@@ -187,7 +178,7 @@ def _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_m
         paged._validate_latent_cache(kv_cache, "kv_cache")
         check_context(kv_cache, slot_mapping, block_table, req_idx, positions, max_positions)
         paged.validate_write_latent_cache(kv_cache, kv, pe, slot_mapping, norm, rope)
-    q = kern.latent_query(_absorbed_query(q_nope, w_uk), _flat(q_pe, "q_pe", 4), rope)
+    q = kern.latent_query(_flat(q_nope, "q_nope", 4), w_uk, _flat(q_pe, "q_pe", 4), rope)
 
     def write():
         kern.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False, norm=norm, rope=rope)
@@ -195,10 +186,9 @@ def _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_m
     return q, write
 
 
-def _project_out(o_lat: Tensor, w_uv: Tensor, like: Tensor) -> Tensor:
-    """[T, H, 512] latent outputs x W_UV -> the value heads, in the model's dtype (as _absorbed_query)."""
-    o = torch.einsum("thr,hvr->thv", o_lat[..., : w_uv.shape[2]].to(like.dtype), w_uv.to(like.dtype))
-    return o.reshape(*like.shape[:3], w_uv.shape[1]).contiguous()
+def _value_heads(o: Tensor, w_uv: Tensor, like: Tensor) -> Tensor:
+    """The kernel set's [T, H, V] attention output (W_UV applied) back to q_nope's [N, S, H, V]."""
+    return o.view(*like.shape[:3], w_uv.shape[1])
 
 
 def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping, block_table,
@@ -214,8 +204,8 @@ def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale,
         if top.numel() and bool((top.long() > positions.long()[:, None]).any()):
             raise InputError("topk_pos: a selected position lies after its query's position (not causal)")
     write()
-    o_lat = kern.sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale, validate=False)
-    return _project_out(o_lat, w_uv, q_nope)
+    o = kern.sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale, validate=False, w_uv=w_uv)
+    return _value_heads(o, w_uv, q_nope)
 
 
 def mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table, req_idx,
@@ -228,7 +218,7 @@ def mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_m
     if validate:
         paged.validate_mla_paged(q, kv_cache, block_table, req_idx, positions, scale)
     write()
-    o_lat = kern.mla_paged(q, kv_cache, block_table, req_idx, positions, scale, validate=False)
-    return _project_out(o_lat, w_uv, q_nope)
+    o = kern.mla_paged(q, kv_cache, block_table, req_idx, positions, scale, validate=False, w_uv=w_uv)
+    return _value_heads(o, w_uv, q_nope)
 
 

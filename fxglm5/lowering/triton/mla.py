@@ -21,7 +21,10 @@ cache layouts (compute dtype 576 / FP8 ds_mla 656 bytes):
 - split-KV (flash-decoding): grid axis 1 splits the key range into ``num_splits`` chunks (chosen from the
   shapes by :func:`pick_num_splits`: fewest waves x tiles per split); each writes a partial (normalized) output
   + log-sum-exp and a combine kernel merges them. ``num_splits == 1`` writes the output directly (the prefill
-  path: many tokens already fill the machine; queries of a prefill re-read their prefix tiles, mostly from L2).
+  path: many tokens already fill the machine; queries of a prefill re-read their prefix tiles, mostly from L2);
+- W_UV in the combine (``w_uv``, the paged programs' decode): the combine also multiplies the merged latent output
+  by W_UV and writes the value heads, and a single split writes partials too, so the attention of a decode step
+  ends in one Triton kernel instead of the combine and a cuBLAS GEMM outside the PDL chain.
 The number of splits is a function of the shapes only (``T``, ``H``, the block-table width), never of data,
 so the launch is CUDA-graph safe (no host sync); buffers are sized by the arguments.
 On Hopper, ``launch_mla`` runs :mod:`fxglm5.lowering.triton.mla_hopper` instead (a Gluon kernel with the same
@@ -45,10 +48,12 @@ from fxglm5 import settings
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton import mla_hopper
 from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat, num_sms, pdl, pdl_prologue
+from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, round_to
 
 interpreter_compat()
 
-__all__ = ["mla_paged", "mla_decode_paged", "mla_prefill_paged", "launch_mla", "dispatch_num_splits"]
+__all__ = ["mla_paged", "mla_decode_paged", "mla_prefill_paged", "launch_mla", "launch_dispatched",
+           "dispatch_num_splits", "into"]
 
 LOG2E = 1.4426950408889634
 
@@ -281,6 +286,15 @@ def _mla_fwd_kernel(
 
 
 @triton.jit
+def _split_weights(lse):
+    """The merge weights of the splits' log-sum-exps (last axis; -inf: an empty split, weight 0) and their sum
+    (kept as a size-1 last axis; 0 where every split is empty)."""
+    m = tl.max(lse, -1, keep_dims=True)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    return w, tl.sum(w, -1, keep_dims=True)
+
+
+@triton.jit
 def _mla_combine_kernel(po_ptr, plse_ptr, o_ptr, stride_ot, stride_oh, H, num_splits,
                         R: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Merge the split partials of one (token, head, column chunk): all splits loaded at once."""
@@ -291,15 +305,50 @@ def _mla_combine_kernel(po_ptr, plse_ptr, o_ptr, stride_ot, stride_oh, H, num_sp
     sp = tl.arange(0, S_PAD)
     smask = sp < num_splits
     base = (t * num_splits + sp) * H + h
-    lse = tl.load(plse_ptr + base, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(smask, tl.exp2(lse - m_safe), 0.0)
-    wsum = tl.sum(w, 0)
+    w, wsum = _split_weights(tl.load(plse_ptr + base, mask=smask, other=float("-inf")))
     d = c * BLOCK_D + tl.arange(0, BLOCK_D)
     po = tl.load(po_ptr + base[:, None] * R + d[None, :], mask=smask[:, None] & (w[:, None] > 0.0), other=0.0)
     acc = tl.sum(po * w[:, None], 0) / tl.where(wsum > 0.0, wsum, 1.0)
     tl.store(o_ptr + t * stride_ot + h * stride_oh + d, acc.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _mla_combine_project_kernel(po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, T, H, V, RA, num_splits,
+                                R: tl.constexpr, S_PAD: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                                BK: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """The combine with W_UV applied: program (token tile, head, tile of the V outputs) merges its tokens' split
+    partials (all splits at once, BK latent columns at a time), rounds the merged latent output to the model's
+    dtype (where the unfused path stores it) and multiplies it by W_UV[h] (float32 accumulation, one rounding at
+    the end). BT = 1 is a GEMV on the CUDA cores (decode: a 16-row MMA would not pay for itself); BT >= 16 a
+    tensor-core tl.dot."""
+    pdl_prologue(PDL)
+    h = tl.program_id(1)
+    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+    tm = t < T
+    sp = tl.arange(0, S_PAD)
+    base = (t[:, None] * num_splits + sp[None, :]) * H + h  # [BT, S_PAD]
+    w, wsum = _split_weights(tl.load(plse_ptr + base, mask=tm[:, None] & (sp[None, :] < num_splits),
+                                     other=float("-inf")))
+    den = tl.where(wsum > 0.0, wsum, 1.0)
+    take = (w > 0.0)[:, :, None]
+    v = tl.program_id(2) * BV + tl.arange(0, BV)
+    w_cols = w_ptr + h.to(tl.int64) * s_w_h + v[None, :] * s_w_v  # W_UV[h, v, k] as a [BK, BV] tile
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BT, BV], tl.float32)
+    for k0 in range(0, RA, BK):
+        k = k0 + kk
+        po = tl.load(po_ptr + base[:, :, None] * R + k[None, None, :], mask=take & (k < RA)[None, None, :],
+                     other=0.0)
+        o = round_to(tl.sum(po * w[:, :, None], 1) / den, DT)  # [BT, BK]
+        wt = tl.load(w_cols + k[:, None], mask=(k[:, None] < RA) & (v[None, :] < V), other=0.0)
+        if BT == 1:
+            acc += tl.sum(o[:, :, None] * wt.to(tl.float32)[None, :, :], 1)
+        elif IEEE:  # float32 models, and the interpreter (whose bf16 tl.dot is wrong): exact float32 products
+            acc = tl.dot(o, wt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(o.to(wt.dtype), wt, acc)
+    out = o_ptr + (t[:, None] * H + h) * V + v[None, :]
+    tl.store(out, round_to(acc, DT).to(o_ptr.dtype.element_ty), mask=tm[:, None] & (v[None, :] < V))
 
 
 # GPU launch configurations, picked per (H, K, num_splits, dtypes) by triton.autotune at the first call (an
@@ -367,8 +416,14 @@ def _default_cfg(q, sparse):
 
 
 def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, sparse: bool,
-               num_splits: int | None = None, out: torch.Tensor | None = None, cfg: dict | None = None):
+               num_splits: int | None = None, out: torch.Tensor | None = None, cfg: dict | None = None,
+               w_uv: torch.Tensor | None = None):
     """Launch MLA (dense or sparse). ``num_splits=None`` picks from the shapes only.
+
+    With ``w_uv`` [H, V, R] the output is the value heads [T, H, V] (:func:`fxglm5.lowering.reference.paged.project_out`
+    of the latent output): the attention kernel always writes split partials (one split too) and the combine applies
+    W_UV (:func:`_mla_combine_project_kernel`), so a decode step's attention ends in that one kernel, inside the PDL
+    chain, where the unfused path ran the combine (at more than one split) and then a cuBLAS GEMM.
 
     ``cfg=None`` takes the Hopper kernel where it applies (:func:`mla_hopper.supported`), else the Triton
     kernel autotuned; ``cfg={"kernel": "hopper"}`` forces the Hopper kernel (an error where it does not apply),
@@ -377,7 +432,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     T, H, _ = q.shape
     R = 512
     if out is None:
-        out = torch.empty(T, H, R, dtype=q.dtype, device=q.device)
+        out = torch.empty(T, H, R if w_uv is None else w_uv.shape[1], dtype=q.dtype, device=q.device)
     if T == 0:
         return out
     if q.stride(-1) != 1:
@@ -402,7 +457,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     if sparse and max_len == 0:
         out.zero_()
         return out
-    direct = num_splits == 1
+    direct = num_splits == 1 and w_uv is None
     if direct:
         po = plse = out  # unused
     else:
@@ -417,12 +472,14 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
         _LAST["splits"] = num_splits
         ensure_tma_allocator()
         mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len, num_splits,
-                          out, po, plse, sparse=sparse, keys_as_rows=keys_as_rows)
+                          out, po, plse, sparse=sparse, direct=direct, keys_as_rows=keys_as_rows)
     else:
         _LAST["impl"] = "triton"
         _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, plse, BLOCK_H, num_splits,
-                       split_len, sparse, cfg)
-    if not direct:
+                       split_len, sparse, direct, cfg)
+    if w_uv is not None:
+        _combine_project(po, plse, w_uv.to(q.dtype), out, num_splits)
+    elif not direct:
         S_PAD = max(2, triton.next_power_of_2(num_splits))
         BLOCK_D = 128 if S_PAD <= 16 else min(64, 4096 // S_PAD)  # at most 4096 partials a program past 16 splits
         _mla_combine_kernel[(T, H, R // BLOCK_D)](po, plse, out, out.stride(0), out.stride(1), H, num_splits, R=R,
@@ -430,15 +487,32 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     return out
 
 
+def _combine_project(po, plse, w_uv, out, num_splits):
+    """Launch :func:`_mla_combine_project_kernel`. Token tiles of 16 or 64 (tensor-core MMAs) where the tokens
+    fill them and the [tokens, splits, columns] partial tile stays within 8K values; else one token a program (a
+    GEMV: at decode 8 heads x 8 tiles of 32 outputs give 64 programs, each reading its 32 x 512 slice of W_UV)."""
+    T, H, V = out.shape
+    RA = w_uv.shape[2]
+    if w_uv.stride(-1) != 1:
+        w_uv = w_uv.contiguous()
+    S_PAD = max(2, triton.next_power_of_2(num_splits))
+    BT = 64 if T >= 64 and S_PAD <= 8 else 16 if T >= 16 and S_PAD <= 32 else 1
+    BV = 32 if BT == 1 else 64
+    BK = max(16, min(128, 8192 // (BT * S_PAD), triton.next_power_of_2(RA)))
+    _mla_combine_project_kernel[(triton.cdiv(T, BT), H, triton.cdiv(V, BV))](
+        po, plse, w_uv, out, w_uv.stride(0), w_uv.stride(1), T, H, V, RA, num_splits, R=512, S_PAD=S_PAD, BT=BT,
+        BV=BV, BK=BK, DT=DTYPE_CODES[out.dtype], IEEE=out.dtype == torch.float32 or settings.triton_interpret(),
+        num_warps=4, **pdl(out.device))
+
+
 def _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, plse, BLOCK_H, num_splits,
-                   split_len, sparse, cfg):
+                   split_len, sparse, direct, cfg):
     """The generic Triton kernel: autotuned on CUDA, a fixed (or the explicit ``cfg``) launch elsewhere."""
     T, H, _ = q.shape
     bs = cache.shape[1]
     c8, c32, c16, fp8 = cache_views(cache)
     K, stride_pt = (pos_or_topk.shape[1], pos_or_topk.stride(0)) if sparse else (0, 0)
     n_hb = triton.cdiv(H, BLOCK_H)
-    direct = num_splits == 1
     grid = (T * n_hb, num_splits)
     args = (q, q.stride(0), q.stride(1), c8, c32, c16, block_table, block_table.stride(0), req_idx,
             pos_or_topk, stride_pt, K, out, out.stride(0), out.stride(1), po, plse,
@@ -474,6 +548,27 @@ def dispatch_num_splits(q) -> int | None:
     return 1 if q.shape[0] * n_hb >= 2 * num_sms(q.device) else None
 
 
+def launch_dispatched(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, sparse: bool, out=None,
+                      w_uv=None):
+    """The dispatchers' launch: split-KV decode when the tokens alone do not fill the GPU, W_UV (if given) applied
+    in its combine; else the prefill path, one pass per token writing the latent output, then cuBLAS's GEMM for
+    W_UV (:func:`fxglm5.lowering.reference.paged.project_out`). The same line splits both: from 2 x SMs tokens
+    (264 on an H100, at up to 64 heads) a step is a prefill, where one launch more is nothing next to its work and
+    the MLA writes no partials for a combine to project; its GEMM of hundreds to thousands of rows per head stays
+    with cuBLAS's tuned kernels (not measured against the Triton tile)."""
+    num_splits = dispatch_num_splits(q)
+    if num_splits is None or w_uv is None:
+        return launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale, sparse=sparse, num_splits=num_splits,
+                          out=out, w_uv=w_uv)
+    o_lat = launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale, sparse=sparse, num_splits=num_splits)
+    return into(ref.project_out(o_lat, w_uv), out)
+
+
+def into(o, out):
+    """``o``, or ``out`` holding it (the dispatchers' ``out=``)."""
+    return o if out is None else out.copy_(o)
+
+
 def mla_decode_paged(q, cache, block_table, req_idx, positions, scale: float, *, num_splits: int | None = None,
                      validate: bool = True, out=None, cfg=None):
     """Split-KV (flash-decoding) MLA; the split count comes from the shapes (graph-safe)."""
@@ -492,9 +587,12 @@ def mla_prefill_paged(q, cache, block_table, req_idx, positions, scale: float, *
                       out=out, cfg=cfg)
 
 
-def mla_paged(q, cache, block_table, req_idx, positions, scale: float, *, validate: bool = True, out=None):
-    """Dispatch: split-KV decode when the tokens alone do not fill the GPU, else the prefill path."""
+def mla_paged(q, cache, block_table, req_idx, positions, scale: float, *, validate: bool = True, out=None,
+              w_uv=None):
+    """Dispatch (:func:`launch_dispatched`): split-KV decode when the tokens alone do not fill the GPU, else the
+    prefill path; with ``w_uv`` the value heads [T, H, V]."""
     if validate:
         ref.validate_mla_paged(q, cache, block_table, req_idx, positions, scale)
-    return launch_mla(q, cache, block_table, req_idx, positions, scale, sparse=False,
-                      num_splits=dispatch_num_splits(q), out=out)
+        if w_uv is not None:
+            ref.validate_project_out(q, w_uv)
+    return launch_dispatched(q, cache, block_table, req_idx, positions, scale, sparse=False, out=out, w_uv=w_uv)

@@ -467,9 +467,9 @@ def _mla_hopper_kernel(
 
 
 def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split_len: int, num_splits: int,
-           out, po, plse, *, sparse: bool, keys_as_rows: bool | None = None):
-    """One program per (token, split); writes ``out`` directly at one split, else the partials for the
-    combine kernel of :mod:`fxglm5.lowering.triton.mla`. Dense: ``pos_or_topk`` are the query positions;
+           out, po, plse, *, sparse: bool, direct: bool, keys_as_rows: bool | None = None):
+    """One program per (token, split); writes ``out`` directly (``direct``: one split, no W_UV to apply after
+    it), else the partials for a combine kernel of :mod:`fxglm5.lowering.triton.mla`. Dense: ``pos_or_topk`` are the query positions;
     sparse: the [T, K] listed positions (-1 = unused). ``keys_as_rows``: see :func:`rows_for`."""
     rows, keys_as_rows = rows_for(q.shape[1], keys_as_rows)
     T = q.shape[0]
@@ -482,5 +482,5 @@ def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split
         q, q.stride(0), q.stride(1), q.shape[1], lat, pe, sc, block_table, block_table.stride(0), req_idx, pos_or_topk,
         stride_pt, K, out, out.stride(0), out.stride(1), po, plse,
         scale_log2, split_len, num_splits, cache.shape[0] * bs,
-        BS=bs, DIRECT=num_splits == 1, SPARSE=sparse, FP8=fp8, BLOCK=BLOCK_N, STAGES_=STAGES, ROWS=rows,
+        BS=bs, DIRECT=direct, SPARSE=sparse, FP8=fp8, BLOCK=BLOCK_N, STAGES_=STAGES, ROWS=rows,
         KEYS_AS_ROWS=keys_as_rows, num_warps=4 if keys_as_rows else 8, **pdl(q.device))

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fxglm5 import settings
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton.device import interpreter_compat, pdl, pdl_prologue
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, rms_normalize, rotate_pairs, round_to
@@ -174,29 +175,46 @@ def _write_index_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, w_ptr, b_ptr, cos_ptr,
 
 
 @triton.jit
-def _latent_query_kernel(qa_ptr, pe_ptr, cos_ptr, sin_ptr, out_ptr, s_qa_t, s_qa_h, s_pe_t, s_pe_h, stride_c, H, RA,
-                         RP, HALF, R: tl.constexpr, DR: tl.constexpr, BH: tl.constexpr, ROPE: tl.constexpr,
-                         DT: tl.constexpr, PDL: tl.constexpr):
-    # program (token, head block): out[t, h] = [q_abs (zero past RA) | q_pe rotated (zero past RP)]
+def _latent_query_kernel(qn_ptr, w_ptr, pe_ptr, cos_ptr, sin_ptr, out_ptr, s_qn_t, s_qn_h, s_w_h, s_w_d, s_pe_t, s_pe_h,
+                         stride_c, T, H, D, RA, RP, HALF, R: tl.constexpr, DR: tl.constexpr, BT: tl.constexpr,
+                         BR: tl.constexpr, BK: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr,
+                         DT_PE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    # program (token tile, head, column tile): out[t, h, cols] = q_nope[t, h] . W_UK[h][:, cols] (zero past RA),
+    # float32 accumulation rounded once to the model's dtype; column tile 0 also writes the rotated q_pe
     pdl_prologue(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    oh = tl.program_id(1) * BH + tl.arange(0, BH)
-    hm = (oh < H)[:, None]
-    orr = tl.arange(0, R)[None, :]
-    a = tl.load(qa_ptr + t * s_qa_t + oh[:, None] * s_qa_h + orr, mask=hm & (orr < RA), other=0.0)
-    out_row = out_ptr + (t * H + oh[:, None]) * (R + DR)
-    tl.store(out_row + orr, a.to(out_ptr.dtype.element_ty), mask=hm)
-    op = tl.arange(0, DR // 2)[None, :]
-    pm = hm & (op < RP // 2)
-    pe_row = pe_ptr + t * s_pe_t + oh[:, None] * s_pe_h
-    even = tl.load(pe_row + 2 * op, mask=pm, other=0.0).to(tl.float32)
-    odd = tl.load(pe_row + 2 * op + 1, mask=pm, other=0.0).to(tl.float32)
-    if ROPE:
-        c = tl.load(cos_ptr + t * stride_c + op, mask=op < HALF, other=1.0)
-        s = tl.load(sin_ptr + t * stride_c + op, mask=op < HALF, other=0.0)
-        even, odd = rotate_pairs(even, odd, c, s, DT)
-    tl.store(out_row + R + 2 * op, even.to(out_ptr.dtype.element_ty), mask=hm)
-    tl.store(out_row + R + 2 * op + 1, odd.to(out_ptr.dtype.element_ty), mask=hm)
+    h = tl.program_id(1)
+    ct = tl.program_id(2)
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tm = (t < T)[:, None]
+    t64 = t.to(tl.int64)[:, None]
+    cols = ct * BR + tl.arange(0, BR)[None, :]
+    ok = tl.arange(0, BK)
+    qn_row = qn_ptr + t64 * s_qn_t + h * s_qn_h
+    w_col = w_ptr + h.to(tl.int64) * s_w_h + cols
+    acc = tl.zeros([BT, BR], tl.float32)
+    for k0 in range(0, D, BK):
+        k = k0 + ok
+        a = tl.load(qn_row + k[None, :], mask=tm & (k[None, :] < D), other=0.0)
+        b = tl.load(w_col + k[:, None] * s_w_d, mask=(k[:, None] < D) & (cols < RA), other=0.0)
+        if IEEE:  # float32 models, and the interpreter (whose bf16 tl.dot is wrong): exact float32 products
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    out_row = out_ptr + (t64 * H + h) * (R + DR)
+    tl.store(out_row + cols, round_to(acc, DT).to(out_ptr.dtype.element_ty), mask=tm)
+    if ct == 0:
+        op = tl.arange(0, DR // 2)[None, :]
+        pm = tm & (op < RP // 2)
+        pe_row = pe_ptr + t64 * s_pe_t + h * s_pe_h
+        even = tl.load(pe_row + 2 * op, mask=pm, other=0.0).to(tl.float32)
+        odd = tl.load(pe_row + 2 * op + 1, mask=pm, other=0.0).to(tl.float32)
+        if ROPE:
+            cm = tm & (op < HALF)
+            c = tl.load(cos_ptr + t64 * stride_c + op, mask=cm, other=1.0)
+            s = tl.load(sin_ptr + t64 * stride_c + op, mask=cm, other=0.0)
+            even, odd = rotate_pairs(even, odd, c, s, DT_PE)
+        tl.store(out_row + R + 2 * op, even.to(out_ptr.dtype.element_ty), mask=tm)
+        tl.store(out_row + R + 2 * op + 1, odd.to(out_ptr.dtype.element_ty), mask=tm)
 
 
 def _contig_rows(x):
@@ -266,19 +284,28 @@ def _write_index_keys(cache, k, slot_mapping, norm, rope, exact: bool) -> None:
                               BF16=bf16, num_warps=1, **pdl(k.device))
 
 
-def latent_query(q_abs, q_pe, rope=None):
-    """``[q_abs | q_pe]`` [T, H, 576] in q_abs's dtype, q_pe rotated in the same kernel (``rope`` = (cos, sin))."""
-    T, H = q_abs.shape[:2]
-    out = torch.empty(T, H, ref.LATENT_DIM, dtype=q_abs.dtype, device=q_abs.device)
+def latent_query(q_nope, w_uk, q_pe, rope=None):
+    """``[q_nope . W_UK | q_pe]`` [T, H, 576] in q_nope's dtype, in one kernel: the per-head product (float32
+    accumulation, one rounding, as the reference's einsum) and q_pe rotated (``rope`` = (cos, sin)).
+
+    The grid is (token tiles, heads, column tiles of the 512): at decode (T = 1, 8 heads) the 32-column tiles give
+    128 programs, each reading its [D, 32] slice of W_UK once; column tile 0 also writes the rope part. Above 16
+    tokens the tiles grow to 64 tokens x 64 columns, a tensor-core GEMM at any prefill length, and the product is
+    written once into the concatenated rows (no separate [T, H, 512] tensor to write and copy)."""
+    T, H = q_nope.shape[:2]
+    out = torch.empty(T, H, ref.LATENT_DIM, dtype=q_nope.dtype, device=q_nope.device)
     if T == 0:
         return out
-    q_abs, q_pe = _contig_rows(q_abs), _contig_rows(q_pe)
+    q_nope, q_pe, w_uk = _contig_rows(q_nope), _contig_rows(q_pe), _contig_rows(w_uk.to(q_nope.dtype))
     cos, sin, stride_c, half = _rope_args(rope, q_pe)
-    bh = min(triton.next_power_of_2(H), 8)
-    _latent_query_kernel[(T, triton.cdiv(H, bh))](
-        q_abs, q_pe, cos, sin, out, q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), stride_c, H,
-        q_abs.shape[2], q_pe.shape[2], half, R=ref.KV_LORA_RANK, DR=ref.ROPE_DIM, BH=bh, ROPE=rope is not None,
-        DT=DTYPE_CODES[q_pe.dtype], num_warps=4, **pdl(q_abs.device))
+    D = q_nope.shape[2]
+    bt, br = (16, 32) if T <= 16 else (64, 64)
+    _latent_query_kernel[(triton.cdiv(T, bt), H, ref.KV_LORA_RANK // br)](
+        q_nope, w_uk, q_pe, cos, sin, out, q_nope.stride(0), q_nope.stride(1), w_uk.stride(0), w_uk.stride(1),
+        q_pe.stride(0), q_pe.stride(1), stride_c, T, H, D, w_uk.shape[2], q_pe.shape[2], half, R=ref.KV_LORA_RANK,
+        DR=ref.ROPE_DIM, BT=bt, BR=br, BK=min(64, max(16, triton.next_power_of_2(D))), ROPE=rope is not None,
+        DT=DTYPE_CODES[q_nope.dtype], DT_PE=DTYPE_CODES[q_pe.dtype],
+        IEEE=q_nope.dtype == torch.float32 or settings.triton_interpret(), num_warps=4, **pdl(q_nope.device))
     return out
 
 

@@ -13,7 +13,7 @@ tokens) runs one pass per token. The split count depends on shapes only (CUDA-gr
 from __future__ import annotations
 
 from fxglm5.lowering.reference import paged as ref
-from fxglm5.lowering.triton.mla import dispatch_num_splits, launch_mla
+from fxglm5.lowering.triton.mla import into, launch_dispatched, launch_mla
 from fxglm5.lowering.triton.sparse_mla_tile import sparse_mla_tile_paged, tile_applies
 
 __all__ = ["sparse_mla_paged", "sparse_mla_decode_paged", "sparse_mla_prefill_paged"]
@@ -36,12 +36,18 @@ def sparse_mla_prefill_paged(q, cache, block_table, req_idx, topk_pos, scale: fl
     return launch_mla(q, cache, block_table, req_idx, topk_pos, scale, sparse=True, num_splits=1, out=out, cfg=cfg)
 
 
-def sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, validate: bool = True, out=None):
-    """Dispatch on the shapes: a prefill's tokens in tiles (:func:`tile_applies`), else one pass per token, the
-    top-k list split when the tokens alone do not fill the GPU."""
+def sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, validate: bool = True, out=None,
+                     w_uv=None):
+    """Dispatch on the shapes: a prefill's tokens in tiles (:func:`tile_applies`; W_UV, if given, by cuBLAS's GEMM
+    after it), else one pass per token, the top-k list split when the tokens alone do not fill the GPU
+    (:func:`~fxglm5.lowering.triton.mla.launch_dispatched`); with ``w_uv`` the value heads [T, H, V]."""
     if validate:
         ref.validate_sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale)
+        if w_uv is not None:
+            ref.validate_project_out(q, w_uv)
     if tile_applies(q, cache, block_table, topk_pos):
-        return sparse_mla_tile_paged(q, cache, block_table, req_idx, topk_pos, scale, validate=False, out=out)
-    return launch_mla(q, cache, block_table, req_idx, topk_pos, scale, sparse=True,
-                      num_splits=dispatch_num_splits(q), out=out)
+        if w_uv is None:
+            return sparse_mla_tile_paged(q, cache, block_table, req_idx, topk_pos, scale, validate=False, out=out)
+        o_lat = sparse_mla_tile_paged(q, cache, block_table, req_idx, topk_pos, scale, validate=False)
+        return into(ref.project_out(o_lat, w_uv), out)
+    return launch_dispatched(q, cache, block_table, req_idx, topk_pos, scale, sparse=True, out=out, w_uv=w_uv)
