@@ -29,7 +29,7 @@ prefill), the collectives per step and their message sizes, and the memory. One 
 
     python bench/rank_at_depth.py [--points ttft2k,tpot1x2k,...] [--layers N] [--without pass,pass] [--tiny]
                                   [--variants fixup_off,pdl,...] [--variant-points tpot1x2k,...]
-                                  [--ep 1|2|8] [--load busiest|mean]
+                                  [--ep 1|2|8] [--load busiest|mean] [--act-quant]
 
 ``--ep``: the experts' layout over the 8 ranks (1: each expert split along its intermediate dim, so every rank reads
 the same bytes; 2: two groups of 128 experts, each expert split over its group's 4 ranks; 8: 32 whole experts a
@@ -37,6 +37,11 @@ rank). ``--load busiest`` (the default): the measured rank routes as the busiest
 one every other rank waits for (``bench/routing_load.py``: a simulation of top-8 routing; with ``--ep 1`` every rank
 is the average one); ``mean``: the random router's routing, an average rank. Beside each point, one decoder layer of
 each kind's kernels in order with their device times (``bench/layer_kernels.py``).
+
+``--act-quant``: the FP8 GEMMs W8A8 (activations quantized 1x128 to e4m3 on the fly: the checkpoint's recipe, which
+SGLang and vLLM run, at FP8 tensor-core rate, and on Hopper the warp-specialized prefill GEMM); without it W8A16,
+fxglm5's default (bf16 activations times the widened weights). The setup line and the file names say which
+(``_w8a8``), and each run records its graph's FP8 GEMM ops by their ``act_quant`` (``fp8_gemms``).
 
 ``--without``: after the run, a baseline over the same points with those compiler passes disabled (a second
 runner, built after the first is freed). ``--variants``: kernel settings (VARIANTS: an environment setting, or
@@ -69,6 +74,7 @@ from bench import harness  # noqa: E402
 from bench.layer_kernels import split_layers  # noqa: E402
 from bench.routing_load import SteeredRouting  # noqa: E402
 from bench.serving import GLM5_SERVING  # noqa: E402
+from fxglm5.compiler import act_quant_ops  # noqa: E402
 from fxglm5.contracts import FP8_ROW_BYTES, INDEX_ROW_BYTES  # noqa: E402
 from fxglm5.lowering.reference import collectives as split  # noqa: E402
 from fxglm5.model.config import Glm5Config  # noqa: E402
@@ -395,9 +401,10 @@ def blocks_for(kind: str, batch: int, ctx: int, device: torch.device) -> int:
     return batch * -(-(ctx + steps) // BLOCK)
 
 
-def rank_runner(reader, device, num_blocks: int, ep: int, program=None, disabled=()) -> Runner:
+def rank_runner(reader, device, num_blocks: int, ep: int, act_quant: bool, program=None, disabled=()) -> Runner:
     return build_runner(reader, GLM5_SERVING.replace(tp=TP, ep=ep, device=device, max_decode_batch=MAX_DECODE_BATCH,
-                                                     num_blocks=num_blocks, disabled_passes=disabled), program=program)
+                                                     num_blocks=num_blocks, disabled_passes=disabled,
+                                                     act_quant=act_quant), program=program)
 
 
 def nbytes(tensors) -> int:
@@ -492,11 +499,12 @@ def run_variants(runner: Runner, run: dict, names, points: dict, copy_gbs, table
 
 
 def run_points(reader, device, points: dict, disabled, copy_gbs, record: dict, table: harness.Results, save,
-               ep: int, load: str, variants=(), variant_points=None) -> None:
+               ep: int, load: str, act_quant: bool, variants=(), variant_points=None) -> None:
     """Compile and load a runner with a 2-block cache, then rebuild it over the same graph with the cache sized for
     the points that fit beside the weights, and measure each point into ``record`` and ``table``. ``load``:
     ``busiest`` steers the rank's router to the busiest rank's routing (``routing_load``) for the TPOT batches, where
-    ranks hold different experts (``ep > 1``); ``mean``: the router as the random weights make it."""
+    ranks hold different experts (``ep > 1``); ``mean``: the router as the random weights make it. ``act_quant``:
+    W8A8 FP8 GEMMs."""
     buckets = {batch: next(b for b in pow2_buckets(MAX_DECODE_BATCH) if b >= batch)
                for kind, batch, _ in points.values() if kind == "tpot"}
     steering, load_summary = contextlib.nullcontext(), {}
@@ -504,14 +512,14 @@ def run_points(reader, device, points: dict, disabled, copy_gbs, record: dict, t
         steering, load_summary = SteeredRouting.busiest(reader.config, ep, buckets, device)
     with steering:
         _run_points(reader, device, points, disabled, copy_gbs, record, table, save, ep,
-                    dict(load=load, routing=load_summary), variants, variant_points)
+                    dict(load=load, routing=load_summary), act_quant, variants, variant_points)
 
 
-def _run_points(reader, device, points, disabled, copy_gbs, record, table, save, ep, load, variants,
+def _run_points(reader, device, points, disabled, copy_gbs, record, table, save, ep, load, act_quant, variants,
                 variant_points) -> None:
     label = ",".join(disabled) or None
     start = time.perf_counter()
-    first = rank_runner(reader, device, 2, ep, disabled=disabled)
+    first = rank_runner(reader, device, 2, ep, act_quant, disabled=disabled)
     built_s = time.perf_counter() - start
     per_token = nbytes(first.cache.tensors.values()) // (2 * BLOCK)
     free = available_memory(device) + nbytes(first.cache.tensors.values())
@@ -521,7 +529,7 @@ def _run_points(reader, device, points, disabled, copy_gbs, record, table, save,
     program = first.program
     del first
     gc.collect()
-    runner = rank_runner(reader, device, max((need[n] for n in fit), default=1) + 1, ep, program=program)
+    runner = rank_runner(reader, device, max((need[n] for n in fit), default=1) + 1, ep, act_quant, program=program)
     weights = weight_bytes(program.graph)
     run = dict(disabled_passes=label, compile_s=round(built_s - reader.seconds, 2), load_s=round(reader.seconds, 2),
                weight_bytes=weights, weights_gb={k: round(v / 1e9, 3) for k, v in weights.items()},
@@ -529,6 +537,7 @@ def _run_points(reader, device, points, disabled, copy_gbs, record, table, save,
                free_after_load_gib=round(free / 2**30, 2),
                cache_gib=round(nbytes(runner.cache.tensors.values()) / 2**30, 2),
                collectives_per_step=collectives(program.graph), nvlink_bus_gbs=record["nvlink_bus_gbs"], ep=ep,
+               fp8_gemms={f"{op} act_quant={quant}": n for (op, quant), n in act_quant_ops(program.graph).items()},
                load=load["load"],
                routing=load["routing"], points={})
     record.setdefault("runs", []).append(run)
@@ -572,6 +581,7 @@ def notes(record: dict) -> str:
                   + ", ".join(f"{k} {v}" for k, v in run["weights_gb"].items()),
                   f"- free after load {run['free_after_load_gib']} GiB; cache {run['cache_gib']} GiB, "
                   f"{run['kv_bytes_per_token']} B per token",
+                  "- FP8 GEMM ops: " + ", ".join(f"{k} x{n}" for k, n in run["fp8_gemms"].items()),
                   "- collectives per step: " + ", ".join(f"{c['count']} {c['op']} of {c['bytes_per_row']} B per row"
                                                          for c in run["collectives_per_step"])]
         for batch, sim in run["routing"].items():
@@ -615,6 +625,9 @@ def main() -> None:
                         help="busiest: the measured rank routes as the busiest rank of a uniformly routed step "
                              "(simulated; bench/routing_load.py), the rank the others wait for; mean: the random "
                              "router's own routing, an average rank (default: %(default)s)")
+    parser.add_argument("--act-quant", action="store_true",
+                        help="W8A8 FP8 GEMMs: activations quantized 1x128 to e4m3 on the fly (the checkpoint's recipe, "
+                             "as SGLang and vLLM run it); default: W8A16, fxglm5's default (bf16 activations)")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     for option, names, known in (("--points", args.points.split(","), POINTS), ("--variants", variants, VARIANTS),
@@ -637,12 +650,15 @@ def main() -> None:
     init_fake_group()
     cfg = bench_config(args.layers, args.tiny)
     copy_gbs = harness.copy_bandwidth_gbs() if device.type == "cuda" else None
-    name = ("rank_at_depth_tiny" if args.tiny else "rank_at_depth") + f"_ep{args.ep}_{args.load}"
+    name = (("rank_at_depth_tiny" if args.tiny else "rank_at_depth") + f"_ep{args.ep}_{args.load}"
+            + ("_w8a8" if args.act_quant else ""))
+    gemms = ("W8A8 FP8 GEMMs (--act-quant: activations quantized 1x128 to e4m3 on the fly)" if args.act_quant
+             else "W8A16 FP8 GEMMs (bf16 activations times the widened e4m3 weights; --act-quant: W8A8)")
     table = harness.Results(copy_gbs)
     record = dict(
         setup=f"one rank (0) of TP{TP} / EP{args.ep}, {args.load} routed load, fake process group (collectives return without communicating); "
               f"{cfg.num_hidden_layers} layers, random block-FP8 weights drawn on the device (uniform routing); bf16 "
-              f"compute, FP8 latent + index caches, {BLOCK}-token blocks; decode CUDA graphs on a GPU",
+              f"compute, {gemms}, FP8 latent + index caches, {BLOCK}-token blocks; decode CUDA graphs on a GPU",
         context="TPOT contexts are synthetic: random valid rows written by the cache-write kernels into every "
                 "layer's caches, each request's state as after its prefill",
         timing=f"TTFT: one prefill after one warm-up of that length; TPOT: median of {TIMED} Runner.decode() steps "
@@ -657,7 +673,8 @@ def main() -> None:
                     f"and their bandwidth term at {args.nvlink_gbs:g} GB/s of bus bandwidth (nccl-tests' model: "
                     f"2 (W-1)/W x bytes for an all_reduce, (W-1)/W x bytes for an all_gather; latency left out; the "
                     f"bandwidth assumed, not measured: NVLINK_BUS_GBS)",
-        nvlink_bus_gbs=args.nvlink_gbs, copy_bandwidth_gbs=copy_gbs, collective_probe=probe_collectives(device))
+        act_quant=args.act_quant, nvlink_bus_gbs=args.nvlink_gbs, copy_bandwidth_gbs=copy_gbs,
+        collective_probe=probe_collectives(device))
     print("collective probe:", record["collective_probe"], flush=True)
 
     def save() -> None:
@@ -666,7 +683,7 @@ def main() -> None:
 
     for disabled in [()] + ([tuple(args.without.split(","))] if args.without else []):
         run_points(TimedReader(cfg), device, points, disabled, copy_gbs, record, table, save, args.ep, args.load,
-                   variants=variants if not disabled else (), variant_points=scaled(args.variant_points))
+                   args.act_quant, variants=variants if not disabled else (), variant_points=scaled(args.variant_points))
     print("\n" + table.markdown(), flush=True)
     print("saved under", harness.out_dir())
 

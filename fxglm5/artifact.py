@@ -55,6 +55,12 @@ class Artifact:
     tensors: dict
     texts: dict = dataclasses.field(default_factory=dict)  # the checkpoint's tokenizer files, by name
 
+    @property
+    def act_quant(self) -> bool:
+        """Whether the program's FP8 GEMMs are W8A8 (``export_artifact(act_quant=True)``): fixed at export, where
+        the fuse stage wrote it into every GEMM op."""
+        return self.record["act_quant"]
+
     def tokenizer(self, path: str | Path = "artifact"):
         """The checkpoint's tokenizer, chat template and EOS ids the file carries (``fxglm5.model.tokenizer``);
         CheckpointError naming ``path`` where it carries none (an fxglm5-artifact/3 file, or a checkpoint without a
@@ -83,32 +89,40 @@ class Artifact:
     def compile(self, device="cpu", backend: str | None = None, disabled_passes=(),
                 inputs_validated: bool = True) -> Compiled:
         """A fresh paged program for ``device`` (``Compiled.program``): the canonical whole-model graph with the
-        cache, fuse_kernels and lower stages run (without ``disabled_passes``); ``inputs_validated``: its caller
-        validates each step's context (the Runner does)."""
+        cache, fuse_kernels and lower stages run (without ``disabled_passes``; the passes' ``act_quant`` the
+        program's own); ``inputs_validated``: its caller validates each step's context (the Runner does)."""
         return lower_for_device(self.graph(), self.config, device=device, backend=backend, head=self.head,
-                                disabled_passes=disabled_passes, inputs_validated=inputs_validated)
+                                disabled_passes=disabled_passes, act_quant=self.act_quant,
+                                inputs_validated=inputs_validated)
 
     def runner(self, options=None, **runner_options):
         """A :class:`~fxglm5.runtime.runner.Runner` serving this artifact: ``options`` a
         :class:`~fxglm5.runtime.options.RunnerOptions`, or its fields as keywords; its parts built as every
-        Runner's (``fxglm5.runtime.parts.build_parts``) around the program compiled here."""
+        Runner's (``fxglm5.runtime.parts.build_parts``) around the program compiled here. Options whose
+        ``act_quant`` is not the artifact's are refused (InputError): the file's GEMMs are one or the other."""
         from fxglm5.runtime.options import RunnerOptions
         from fxglm5.runtime.parts import build_parts
         from fxglm5.runtime.runner import Runner
 
         options = RunnerOptions.given(options, runner_options, "runner")
+        if options.act_quant != self.act_quant:
+            raise InputError(f"act_quant={options.act_quant}: this artifact was exported with act_quant="
+                             f"{self.act_quant} ({'W8A8' if self.act_quant else 'W8A16'} FP8 GEMMs, fixed in its "
+                             f"program); serve it with act_quant={self.act_quant}, or export the checkpoint again "
+                             f"with act_quant={options.act_quant}")
         compiled = self.compile(options.device, options.backend, options.disabled_passes)
         return Runner(build_parts(self, options, program=compiled.program).replace(pass_results=compiled.results))
 
 
-def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_passes=(),
+def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_passes=(), act_quant: bool = False,
                     dump_dir: str | Path | None = None, tokenizer_dir: str | Path | None = None) -> Path:
     """Capture ``model`` (a Glm5ForCausalLM with its weights), run the match and fuse stages (strict, without
-    ``disabled_passes``; ``dump_dir`` as :func:`fxglm5.compiler.compile_graph`'s) and save the result to
-    ``path``. ``head``: "logits", or "hidden" (final-norm hidden states, for engines that apply the lm_head
-    themselves). ``tokenizer_dir``: the checkpoint directory whose tokenizer files the artifact carries (those it
-    has). A ``path`` that cannot take the artifact (see :func:`check_out_path`) is refused before any of the work;
-    the file is written beside it and put in place at the end (``st_files.new_output_file``)."""
+    ``disabled_passes``, W8A8 FP8 GEMMs with ``act_quant``, recorded; ``dump_dir`` as
+    :func:`fxglm5.compiler.compile_graph`'s) and save the result to ``path``. ``head``: "logits", or "hidden"
+    (final-norm hidden states, for engines that apply the lm_head themselves). ``tokenizer_dir``: the checkpoint
+    directory whose tokenizer files the artifact carries (those it has). A ``path`` that cannot take the artifact
+    (see :func:`check_out_path`) is refused before any of the work; the file is written beside it and put in place
+    at the end (``st_files.new_output_file``)."""
     from fxglm5.capture.export import token_inputs
     from fxglm5.model.st_files import new_output_file
     from fxglm5.model.tokenizer import read_texts
@@ -117,7 +131,7 @@ def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_p
     with new_output_file(path, artifact_format.is_artifact, "an fxglm5 artifact") as tmp:  # the state it replaces:
         graph, results = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), head=head,  # now, before the work
                                        max_tokens=MAX_STEP_TOKENS, strict=True, disabled_passes=disabled_passes,
-                                       dump_dir=dump_dir)[:2]
+                                       act_quant=act_quant, dump_dir=dump_dir)[:2]
         layers = model.config.num_hidden_layers
         prefix, plan = graph.meta.get(PREFIX) or (graph, plan_kinds(list(range(layers)), 0))  # whole: identity map
         device = next(model.parameters()).device
@@ -127,7 +141,7 @@ def export_artifact(model, path: str | Path, *, head: str = "logits", disabled_p
             program = torch.export.export(prefix, example, dynamic_shapes=(dims, dims), strict=False)
         hashes = pass_source_hashes((Stage.MATCH, Stage.FUSE))
         record = dict(format=FORMAT, config=model.config.to_dict(), dtype=str(model.dtype).removeprefix("torch."),
-                      head=head, layers=artifact_format.plan_record(plan),
+                      head=head, act_quant=bool(act_quant), layers=artifact_format.plan_record(plan),
                       passes={r.name: dict(matches=r.num_matches, source_hash=hashes.get(r.name)) for r in results},
                       versions=dict(fxglm5=fxglm5.__version__, torch=torch.__version__))
         weights, constants = (_every_layer(stored, graph, plan) for stored in (program.state_dict, program.constants))

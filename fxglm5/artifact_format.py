@@ -1,12 +1,14 @@
 """The artifact file format (fxglm5-artifact/4), and what loading one trusts.
 
 A zip of four members, and the checkpoint's text side where it has one, and nothing else: ``fxglm5.json`` (the
-record: format, config, compute dtype, head, the layer map, the passes run with their match counts and source
-hashes, versions), ``program.json`` (the exported program in torch's JSON schema, ``torch._export.serde``, without
+record: format, config, compute dtype, head, ``act_quant``, the layer map, the passes run with their match counts
+and source hashes, versions), ``program.json`` (the exported program in torch's JSON schema, ``torch._export.serde``, without
 its guards code), ``weights.safetensors`` and ``constants.safetensors``; then ``tokenizer.json``,
 ``tokenizer_config.json`` (with the chat template) and ``generation_config.json`` (the EOS ids) as the checkpoint
 stores them, JSON each, so that text prompts work on the file. No pickle, no sample inputs, no Python source.
-An fxglm5-artifact/3 file (the same without the text side) reads as before.
+An fxglm5-artifact/3 file (the same without the text side) reads as before. ``act_quant`` says whether the
+fuse stage made the FP8 GEMMs W8A8 (activations quantized 1x128 on the fly) or W8A16: the program's ops carry it,
+so it is fixed at export; a record without it (written before the field) is False, as every such program is.
 
 The program holds the rewritten layer-kind prefix only (``fxglm5.capture.by_kind``: 5 of GLM-5's 78 layers);
 the record's ``layers`` map (the KindPlan: ``kinds``, ``prefix``, ``source``, ``depth``) says which program
@@ -22,7 +24,8 @@ Reading runs nothing from the file. Before anything is deserialized it refuses a
 sympy (``sympify`` evals it), a node name or parameter path that is not an identifier (FX generates code
 from them), an op that is not a registered, non-mutating aten or fxglm5 op (called when the graph runs),
 subgraphs and script objects. Tensors are read only through safetensors. Then the record is checked against
-the program (vocab, width, layers, dtype, index_topk, eps, head), the layer map against the model (one entry
+the program (vocab, width, layers, dtype, index_topk, eps, head, act_quant: every op's ``act_quant`` argument),
+the layer map against the model (one entry
 per layer, positions inside the program's layers, the plan of its own kinds), and the tensors against both: the
 program's and each copied layer's counterpart of them present in their member, with the shape and dtype the
 program takes, and nothing else stored.
@@ -127,7 +130,7 @@ def read(path: Path) -> tuple[torch.export.ExportedProgram, Glm5Config, torch.dt
     except (zipfile.BadZipFile, EOFError, OSError) as err:
         raise CheckpointError(f"{path}: not an fxglm5 artifact (truncated, or not a zip archive: {err})") from None
     try:
-        params = _check_record(path, doc, weights, config, dtype, head)
+        params = _check_record(path, doc, weights, config, dtype, head, record["act_quant"])
         plan = _read_plan(path, record, config)  # after the record's own fields: a map can only be as long as they say
         copies = _check_stored(path, doc, plan, {WEIGHTS: weights, CONSTANTS: constants})
     except (KeyError, TypeError, AttributeError, StopIteration) as err:
@@ -202,6 +205,9 @@ def _read_record(path: Path, raw: bytes) -> tuple[Glm5Config, torch.dtype, str, 
         raise CheckpointError(f"{path}: {RECORD} dtype {record.get('dtype')!r} is not a torch dtype")
     if record.get("head") not in ("logits", "hidden"):
         raise CheckpointError(f"{path}: {RECORD} head {record.get('head')!r} is not 'logits' or 'hidden'")
+    record.setdefault("act_quant", False)  # written before the field: every such export was W8A16
+    if not isinstance(record["act_quant"], bool):
+        raise CheckpointError(f"{path}: {RECORD} act_quant {record['act_quant']!r} is not true or false")
     return config, dtype, record["head"], record
 
 
@@ -272,16 +278,21 @@ def _allowed_op(target) -> bool:
     return value is operator.getitem or value in serde._SYM_OPS
 
 
-def _check_record(path: Path, doc: dict, weights: dict, config: Glm5Config, dtype: torch.dtype, head: str) -> set:
+def _check_record(path: Path, doc: dict, weights: dict, config: Glm5Config, dtype: torch.dtype, head: str,
+                  act_quant: bool) -> set:
     """The record against its program: each field below as the program's weights and op arguments give it
-    (the indexer's top-k, the eps of the norms that take ``rms_norm_eps``). Returns the parameters' names."""
+    (the indexer's top-k, the eps of the norms that take ``rms_norm_eps``, the ``act_quant`` of every FP8 GEMM).
+    Returns the parameters' names."""
     specs = doc["graph_module"]["signature"]["input_specs"]
     params = {spec["parameter"]["arg"]["name"]: spec["parameter"]["parameter_name"] for spec in specs
               if "parameter" in spec}
 
-    def op_args(op: str) -> list[dict]:
+    def op_args(op: str | None) -> list[dict]:
+        """The arguments of each node of fxglm5 ``op`` (None: of every fxglm5 op), by name."""
         return [{a["name"]: next(iter(a["arg"].values())) for a in node["inputs"]}
-                for node in doc["graph_module"]["graph"]["nodes"] if node["target"] == f"torch.ops.fxglm5.{op}.default"]
+                for node in doc["graph_module"]["graph"]["nodes"]
+                if node["target"] == f"torch.ops.fxglm5.{op}.default"
+                or op is None and node["target"].startswith("torch.ops.fxglm5.")]
 
     def model_norm(args: dict) -> bool:
         weight = params.get(args["weight"]["name"], "")
@@ -297,8 +308,9 @@ def _check_record(path: Path, doc: dict, weights: dict, config: Glm5Config, dtyp
                  num_hidden_layers={len({k.split(".")[2] for k in weights if k.startswith("model.layers.")})},
                  index_topk={args["topk"] for args in op_args("indexer_topk")},
                  rms_norm_eps={args["eps"] for args in op_args("rms_norm") if model_norm(args)},
-                 dtype={embed.dtype}, head={"hidden" if lm_head is None else "logits"})
-    claimed = dict(dtype=dtype, head=head)
+                 dtype={embed.dtype}, head={"hidden" if lm_head is None else "logits"},
+                 act_quant={args["act_quant"] for args in op_args(None) if "act_quant" in args})
+    claimed = dict(dtype=dtype, head=head, act_quant=act_quant)
     for field, values in found.items():
         claim = claimed[field] if field in claimed else getattr(config, field)
         if values and values != {claim}:

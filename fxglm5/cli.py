@@ -117,9 +117,25 @@ def _pass_options(p: argparse.ArgumentParser, dump: bool = True) -> None:
 
     p.add_argument("--disable-passes", default="", metavar="NAME,NAME",
                    help=f"comma-separated passes to skip, of: {', '.join(PASS_NAMES)} (default: none)")
+    p.add_argument("--act-quant", action="store_true",
+                   help="W8A8: the FP8 GEMMs quantize their activations 1x128 to e4m3 on the fly (the checkpoint's "
+                        "recipe, as SGLang and vLLM run it; FP8 tensor-core rate). Default: W8A16, the activations "
+                        "in the compute dtype times the e4m3 weights widened, closer to the bf16 reference; an "
+                        "artifact's GEMMs are the ones it was exported with")
     if dump:
         p.add_argument("--dump-dir", help="write each pass's graph before and after (Python) and a summary.txt into "
                                           "this new or empty directory (default: no dump)")
+
+
+def act_quant(args: argparse.Namespace, artifact) -> bool:
+    """``--act-quant`` for ``args.model``. An artifact's GEMMs were fixed at export: without the flag it runs them
+    as they are; with it, a W8A16 artifact is refused (the flag asks for what the file cannot do)."""
+    if artifact is None:
+        return args.act_quant
+    if args.act_quant and not artifact.act_quant:
+        raise InputError(f"--act-quant: {args.model} was exported without --act-quant (W8A16 FP8 GEMMs, fixed in its "
+                         "program); omit --act-quant, or export the checkpoint again with it")
+    return artifact.act_quant
 
 
 @contextlib.contextmanager
@@ -244,7 +260,8 @@ def _generate_cmd(args: argparse.Namespace) -> int:
             raise InputError(f"--dtype {args.dtype}: {args.model} was exported in {exported} and its program computes in "
                              f"it; omit --dtype, or export the checkpoint again with --dtype {args.dtype}")
         args.dtype = exported
-        print(f"fxglm5: {args.model} runs in {exported}, the dtype it was exported in", file=sys.stderr)
+        print(f"fxglm5: {args.model} runs in {exported}, the dtype it was exported in"
+              + (", with W8A8 FP8 GEMMs (exported with --act-quant)" if artifact.act_quant else ""), file=sys.stderr)
         config = artifact.config
     else:
         config = Glm5Config.from_json(Path(args.model) / "config.json")
@@ -255,6 +272,10 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     else:
         prompts = [tokenizer.chat(text) if args.chat else tokenizer.encode(text) for text in args.prompt]
     disabled = disabled_passes(args.disable_passes)
+    args.act_quant = act_quant(args, artifact)
+    if args.act_quant and artifact is None and args.backend == "reference":
+        raise InputError("--act-quant: --backend reference recomputes with the model code, whose FP8 weights are "
+                         "widened to the compute dtype (W8A16); W8A8 runs on the paged backend")
     check_device(args.device)
     if args.max_new_tokens < 0:
         raise InputError(f"max_new_tokens must be a non-negative integer, got {args.max_new_tokens}")
@@ -360,7 +381,7 @@ def _paged_options(args: argparse.Namespace, prompts: list[list[int]], disabled:
     """The Runner's options for ``generate``: a cache sized for the batch's prompts and new tokens."""
     tokens = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
     return dict(kv_cache=args.kv_cache, block_size=args.block_size, max_cache_tokens=tokens + len(prompts) * args.block_size,
-                disabled_passes=disabled, max_step_tokens=args.max_step_tokens)
+                disabled_passes=disabled, max_step_tokens=args.max_step_tokens, act_quant=args.act_quant)
 
 
 def _generate_sharded(args: argparse.Namespace, artifact, prompts: list[list[int]], disabled: tuple[str, ...],
@@ -417,10 +438,10 @@ def _export(args: argparse.Namespace) -> int:
     disabled = disabled_passes(args.disable_passes)
     with dump_into(args.dump_dir) as dump:
         model = Glm5ForCausalLM.from_pretrained(args.model, dtype=args.dtype, device="cpu", progress=False)
-        path = export_artifact(model, args.out, head=args.head, disabled_passes=disabled, dump_dir=dump,
-                               tokenizer_dir=args.model)
+        path = export_artifact(model, args.out, head=args.head, disabled_passes=disabled, act_quant=args.act_quant,
+                               dump_dir=dump, tokenizer_dir=args.model)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB): the matched and fused program, {args.dtype}, "
-          f"head={args.head}")
+          f"head={args.head}, {'W8A8' if args.act_quant else 'W8A16'} FP8 GEMMs")
     return 0
 
 
@@ -555,7 +576,7 @@ def _serve(args: argparse.Namespace) -> int:
     options = RunnerOptions(dtype=dtype, device=args.device, kv_cache=args.kv_cache, block_size=args.block_size,
                             max_cache_tokens=args.max_cache_tokens, max_step_tokens=args.max_step_tokens,
                             disabled_passes=disabled_passes(args.disable_passes), speculative=speculative, tp=args.tp,
-                            ep=args.ep)
+                            ep=args.ep, act_quant=act_quant(args, artifact))
     settings = ServeSettings(args.host, args.port, args.served_model_name or args.model, args.max_queue)
     if args.tp != 1:
         if artifact is not None:
@@ -604,11 +625,11 @@ def _inspect(args: argparse.Namespace) -> int:
         else:
             model = Glm5ForCausalLM(_inspect_config(args), dtype=getattr(torch, args.dtype), device="meta")
         compiled = compile_model(model, stages=(Stage.MATCH, Stage.FUSE), strict=True, disabled_passes=disabled,
-                                 dump_dir=dump)
+                                 act_quant=args.act_quant, dump_dir=dump)
     lowered = None
     if args.device:  # lowered for the device without running it: what would run where
         *before_lower, lowered = compile_graph(compiled.graph, model.config, stages=(Stage.FUSE_KERNELS, Stage.LOWER),
-                                               device=args.device)
+                                               device=args.device, act_quant=args.act_quant)
         compiled = compiled._replace(results=compiled.results + before_lower)
     print(report(compiled, lowered=lowered, device=args.device))
     return 0

@@ -12,7 +12,8 @@ step's forward context itself (the Runner, the RTP plugin), so the lower stage b
 checks; the choice is made here, at compile time, not by a switch at run time.
 
 The front doors reach the passes only through this module: the stage names (:class:`Stage`), the pass names
-(:data:`PASS_NAMES`), their source hashes (:func:`pass_source_hashes`) and the compile report (:func:`report`).
+(:data:`PASS_NAMES`), their source hashes (:func:`pass_source_hashes`), the compile report (:func:`report`) and
+what a compiled graph's FP8 GEMMs are (:func:`act_quant_ops`: W8A8 or W8A16, counted per op).
 :func:`place_loaded_graph` readies a graph whose weights were filled after capture (a rank's slices, an artifact's
 tensors) for its device.
 
@@ -33,6 +34,7 @@ from torch import fx
 from fxglm5.errors import InputError
 from fxglm5.parallel import Mapping
 from fxglm5.passes import PassContext, PassResult, run_pipeline
+from fxglm5.passes.graph_utils import act_quant_ops  # noqa: F401 - re-exported for the front doors
 from fxglm5.passes.graph_utils import drop_unread_attributes, on_device
 from fxglm5.passes.pipeline import DECLARED, STAGES, Stage, stages_of
 from fxglm5.passes.registry import passes_for

@@ -55,6 +55,26 @@ def set_op_args(node: fx.Node, **changes: Any) -> None:
                    if kwarg_only and (name in node.kwargs or name in changes)}
 
 
+def act_quant_ops(gm: fx.GraphModule) -> dict[tuple[str, bool], int]:
+    """(op, its ``act_quant`` argument) -> node count of the fxglm5 ops that take one (the FP8 GEMMs and MoE),
+    whether canonical or bound by the ``lower`` pass (whose targets keep the op's name and pass every argument by
+    position): whether a compiled graph's FP8 GEMMs are W8A8, read from the graph itself."""
+    counts: dict[tuple[str, bool], int] = {}
+    for node in gm.graph.nodes:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            op = target._opname if target.namespace == "fxglm5" else None
+            args = op_args(node) if op else {}
+        else:
+            op = getattr(target, "op", None) if node.op == "call_function" else None
+            schema = getattr(getattr(torch.ops.fxglm5, op, None), "default", None) if isinstance(op, str) else None
+            args = dict(zip((name for name, *_ in _signature(schema)), node.args)) if schema is not None else {}
+        if "act_quant" in args:
+            key = (op, bool(args["act_quant"]))
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 @functools.lru_cache(maxsize=None)
 def _signature(target) -> tuple:
     if not isinstance(target, torch._ops.OpOverload):

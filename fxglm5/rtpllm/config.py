@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from fxglm5 import settings
 from fxglm5.contracts import INDEX_DIM, KV_LORA_RANK, ROPE_DIM
 from fxglm5.errors import ConfigError
 from fxglm5.model.config import Glm5Config
@@ -43,6 +44,15 @@ def fp8_kv_cache(model_config) -> bool:
     kv_dtype = getattr(getattr(model_config, "attn_config", None), "kv_cache_dtype", None)
     text = str(kv_dtype).lower()
     return kv_dtype is not None and ("float8" in text or text.endswith("fp8"))
+
+
+def act_quant() -> bool:
+    """Whether the plugin compiles W8A8 FP8 GEMMs: ``FXGLM5_RTP_ACT_QUANT=1`` (``fxglm5.settings``), else W8A16,
+    fxglm5's default. RTP-LLM's config has no setting to map: GLM-5-FP8's ``quantization_config`` (fp8,
+    ``weight_block_size`` [128, 128]) becomes its ``Fp8BlockWiseQuantConfig`` ("FP8_PER_BLOCK",
+    ``rtp_llm/config/quant_config.py``), which names the weights' format only; RTP's own block-FP8 linears always
+    quantize their activations per 128-group (``sgl_per_token_group_quant_fp8`` before DeepGEMM), i.e. W8A8."""
+    return settings.rtp_act_quant()
 
 
 def no_weight_info_cls():

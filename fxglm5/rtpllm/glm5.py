@@ -24,7 +24,7 @@ from fxglm5.errors import ConfigError
 from fxglm5.model.config import Glm5Config
 from fxglm5.program import PagedProgram
 from fxglm5.rtpllm.config import compute_dtype, fill_model_config, no_weight_info_cls
-from fxglm5.rtpllm.config import fp8_kv_cache as _fp8_kv_cache, rtp_symbol as _rtp_symbol
+from fxglm5.rtpllm.config import act_quant as _act_quant, fp8_kv_cache as _fp8_kv_cache, rtp_symbol as _rtp_symbol
 from fxglm5.rtpllm.context import StepMetadata, bind_caches, scratch_step, step_prologue
 from fxglm5.rtpllm.parallel import join_rtp_tp_group, graph_weight, load_rtp_rank, rtp_mapping
 from fxglm5.rtpllm.verify import verify_step
@@ -40,9 +40,10 @@ class Fxglm5PyModel(GptModelBase):
 
     def __init__(self, config, parallelism_config, weight, max_generate_batch_size, fmha_config=None,
                  py_hw_kernel_config=None, device_resource_config=None, *, model, kv_cache: str = "bf16",
-                 compiled=None):
-        """``model``: the loaded Glm5ForCausalLM, compiled here; or, with ``compiled`` (a rank's sharded
-        ``(program, pass_results)``, already filled with its slices), the meta model it was compiled from."""
+                 compiled=None, act_quant: bool = False):
+        """``model``: the loaded Glm5ForCausalLM, compiled here (W8A8 FP8 GEMMs with ``act_quant``); or, with
+        ``compiled`` (a rank's sharded ``(program, pass_results)``, already filled with its slices), the meta model
+        it was compiled from."""
         super().__init__(config, parallelism_config, weight, max_generate_batch_size, fmha_config, py_hw_kernel_config,
                          device_resource_config)
         self.glm5_config: Glm5Config = model.config
@@ -50,7 +51,7 @@ class Fxglm5PyModel(GptModelBase):
         if compiled is None:
             device = next(model.parameters()).device
             done = compile_model(model, max_tokens=max(model.config.max_position_embeddings, MAX_STEP_TOKENS),
-                                 device=device, head="hidden", inputs_validated=True)
+                                 device=device, head="hidden", act_quant=act_quant, inputs_validated=True)
             compiled = done.program, done.results
         self.program: PagedProgram = compiled[0]
         self.pass_results = compiled[1]
@@ -136,7 +137,7 @@ class Fxglm5Glm5(BaseModel):
                               f"({cfg.max_position_embeddings})")
         dtype = compute_dtype(model_config)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.compiled = None
+        self.compiled, self.act_quant = None, _act_quant()
         if self.mapping.tp == 1:
             self.glm5 = Glm5ForCausalLM.from_pretrained(model_config.ckpt_path, dtype=dtype, device=device,
                                                         progress=False)
@@ -144,7 +145,8 @@ class Fxglm5Glm5(BaseModel):
                                         self.glm5.model.norm.weight)
         else:  # the compile is the load: the rank's graph holds its slices (and the replicated embedding, norm)
             join_rtp_tp_group(self.mapping)
-            program, results, self.glm5, lm_head = load_rtp_rank(model_config.ckpt_path, self.mapping, dtype, device)
+            program, results, self.glm5, lm_head = load_rtp_rank(model_config.ckpt_path, self.mapping, dtype, device,
+                                                                 self.act_quant)
             self.compiled = (program, results)
             embedding = graph_weight(program.graph, "model.embed_tokens.weight", "sharded graph")
             norm = graph_weight(program.graph, "model.norm.weight", "sharded graph")
@@ -164,7 +166,8 @@ class Fxglm5Glm5(BaseModel):
             self.model_config, getattr(self, "parallelism_config", None), self.weight,
             getattr(self, "max_generate_batch_size", 1), fmha_config=getattr(self, "fmha_config", None),
             py_hw_kernel_config=getattr(self, "hw_kernel_config", None), model=self.glm5,
-            kv_cache="fp8" if _fp8_kv_cache(self.model_config) else "bf16", compiled=self.compiled)
+            kv_cache="fp8" if _fp8_kv_cache(self.model_config) else "bf16", compiled=self.compiled,
+            act_quant=self.act_quant)
         return self.py_model
 
 

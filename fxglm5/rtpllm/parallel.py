@@ -94,9 +94,9 @@ def join_rtp_tp_group(mapping: Mapping) -> None:
     register_group(mapping.group, group)
 
 
-def load_rtp_rank(ckpt_path, mapping: Mapping, dtype: torch.dtype, device):
-    """This rank's compiled hidden-state program, filled with its slices, and its lm_head vocabulary shard:
-    ``(program, pass_results, meta model, lm_head [V/tp, H])``."""
+def load_rtp_rank(ckpt_path, mapping: Mapping, dtype: torch.dtype, device, act_quant: bool = False):
+    """This rank's compiled hidden-state program (W8A8 FP8 GEMMs with ``act_quant``), filled with its slices, and
+    its lm_head vocabulary shard: ``(program, pass_results, meta model, lm_head [V/tp, H])``."""
     from fxglm5.compiler import MAX_STEP_TOKENS, compile_model
     from fxglm5.runtime.shard_loader import load_rank, sharded_model
 
@@ -106,7 +106,7 @@ def load_rtp_rank(ckpt_path, mapping: Mapping, dtype: torch.dtype, device):
         raise InputError(f"vocab_size = {cfg.vocab_size} is not divisible by tp={mapping.tp}: RTP-LLM all-gathers the "
                          "logits as equal vocabulary shards")
     compiled = compile_model(model, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS), device=device,
-                             head="hidden", mapping=mapping, inputs_validated=True)
+                             head="hidden", mapping=mapping, act_quant=act_quant, inputs_validated=True)
     failure = lm_head = None
     try:
         load_rank(compiled.graph, mapping, reader, model, device)

@@ -38,6 +38,7 @@ import torch
 
 from fxglm5.errors import ConfigError, InputError
 from fxglm5.model.config import Glm5Config
+from fxglm5.rtpllm.config import act_quant as _act_quant
 from fxglm5.rtpllm.config import compute_dtype, fill_model_config, fp8_kv_cache, no_weight_info_cls, rtp_symbol
 from fxglm5.rtpllm.context import StepMetadata, _context, _host, _tables, bind_caches, scratch_step, step_prologue
 from fxglm5.rtpllm.glm5 import Fxglm5Glm5
@@ -270,7 +271,7 @@ class Fxglm5Glm5Mtp(BaseModel):
         owner = getattr(self, "_weight_alias_owner", None)
         aliases = {name: owner.weight.get_global_weight(name) for name in getattr(self, "_weight_alias_names", ())}
         self.program, self.glm5, self.load_report = load_draft_rank(model_config.ckpt_path, self.mapping, dtype, device,
-                                                                    aliases)
+                                                                    aliases, _act_quant())
         weights = rtp_symbol("rtp_llm.model_loader.model_weight_info:ModelWeights",
                              "rtp_llm.utils.model_weight:ModelWeights")(1, device, dtype)
         for name, target in GRAPH_WEIGHTS.items():  # lm_head: at tp > 1 the rank's vocabulary rows, RTP gathers them
@@ -285,8 +286,9 @@ class Fxglm5Glm5Mtp(BaseModel):
                 kv_cache="fp8" if fp8_kv_cache(model_config) else "bf16")
 
 
-def load_draft_rank(ckpt_path, mapping, dtype: torch.dtype, device, aliases: dict):
-    """This rank's compiled MTP program, filled with its slices: ``(program, meta Glm5MtpDraft, LoadReport)``.
+def load_draft_rank(ckpt_path, mapping, dtype: torch.dtype, device, aliases: dict, act_quant: bool = False):
+    """This rank's compiled MTP program (W8A8 FP8 GEMMs with ``act_quant``, as the target's), filled with its
+    slices: ``(program, meta Glm5MtpDraft, LoadReport)``.
 
     The draft reads the MTP layer and the model tensors it shares only (``CheckpointReader(mtp_only=True)``), is
     compiled on the meta device with the rank's Mapping (``compile_mtp``; at tp 1 nothing is sharded) and filled by
@@ -302,7 +304,7 @@ def load_draft_rank(ckpt_path, mapping, dtype: torch.dtype, device, aliases: dic
     cfg = reader.config
     model = Glm5MtpDraft(cfg, dtype, "meta", reader.mtp_layout)
     compiled = compile_mtp(model, max_tokens=max(cfg.max_position_embeddings, MAX_STEP_TOKENS), device=device,
-                           mapping=mapping, inputs_validated=True)
+                           mapping=mapping, act_quant=act_quant, inputs_validated=True)
     given = {GRAPH_WEIGHTS[name]: tensor for name, tensor in aliases.items()}
     failure = report = None
     try:

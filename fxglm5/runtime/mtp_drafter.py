@@ -40,19 +40,20 @@ SHARED_WITH_TARGET = {"mtp.embed_tokens.weight": "model.embed_tokens.weight", "m
 class MtpDrafter:
     def __init__(self, model, target: PagedProgram, target_cache: PagedCache, blocks: BlockManager, config, device,
                  program: PagedProgram | None = None, *, max_tokens: int, backend=None, disabled_passes=(),
-                 mapping=None, reader=None):
+                 act_quant: bool = False, mapping=None, reader=None):
         """The drafter of a target ``program`` (``target``) over ``target_cache``, whose requests' block tables
         ``blocks`` holds (built with them, before the Runner: ``fxglm5.runtime.parts``). ``program``: another
-        MtpDrafter's (reused: it holds no cache), else ``compile_mtp(model)``'s. With ``mapping`` (tp > 1),
-        ``model`` is the rank's meta model and the MTP graph is sharded as the target's (``compile_mtp(mapping=...)``:
-        the layer's heads, its experts, the head's vocabulary rows with the logits gathered, so every rank drafts the
-        same tokens) and filled like it (``shard_loader.load_rank`` from ``reader``), its embedding and lm_head
-        shard the target graph's tensors, not read again."""
+        MtpDrafter's (reused: it holds no cache), else ``compile_mtp(model)``'s, with the target's compile options
+        (``backend``, ``disabled_passes``, ``act_quant``: the draft layer's FP8 GEMMs as the target's). With
+        ``mapping`` (tp > 1), ``model`` is the rank's meta model and the MTP graph is sharded as the target's
+        (``compile_mtp(mapping=...)``: the layer's heads, its experts, the head's vocabulary rows with the logits
+        gathered, so every rank drafts the same tokens) and filled like it (``shard_loader.load_rank`` from
+        ``reader``), its embedding and lm_head shard the target graph's tensors, not read again."""
         if program is None:
             from fxglm5.compiler import compile_mtp
 
             program = compile_mtp(model, max_tokens=max_tokens, device=device, backend=backend,
-                                  disabled_passes=disabled_passes, inputs_validated=True,
+                                  disabled_passes=disabled_passes, act_quant=act_quant, inputs_validated=True,
                                   **({} if mapping is None else {"mapping": mapping})).program
         self.load_report = None
         if mapping is not None:

@@ -41,7 +41,11 @@ class RunnerOptions:
     its experts in ``ep`` groups of tp / ep ranks, a divisor of tp (default ``tp``: whole experts per rank; 1: every
     expert split along its intermediate dim over all ranks; between: each group's experts split over its ranks).
     ``speculative``: a SpeculativeConfig (drafts verified in one step). ``max_step_tokens``: the most flat tokens
-    one step computes (chunked prefill). ``overlap``: decode with the host one step ahead of the device."""
+    one step computes (chunked prefill). ``overlap``: decode with the host one step ahead of the device.
+    ``act_quant``: the FP8 GEMMs quantize their activations 1x128 to e4m3 on the fly (W8A8, the checkpoint's own
+    recipe, which SGLang and vLLM run: FP8 tensor-core rate, and Hopper's warp-specialized prefill GEMM); the
+    default, False, multiplies the compute-dtype activations by the e4m3 weights widened (W8A16: the bf16
+    reference's math, to the GEMM's rounding)."""
 
     kv_cache: str = "bf16"
     index_cache: Optional[str] = None
@@ -61,6 +65,7 @@ class RunnerOptions:
     speculative: Optional[SpeculativeConfig] = None
     max_step_tokens: int = PREFILL_STEP_TOKENS
     overlap: bool = True
+    act_quant: bool = False
 
     def __post_init__(self):
         _positive("max_step_tokens", self.max_step_tokens)
@@ -80,6 +85,8 @@ class RunnerOptions:
                              f"{self.disabled_passes!r}")
         object.__setattr__(self, "disabled_passes", tuple(self.disabled_passes))
         object.__setattr__(self, "overlap", bool(self.overlap))
+        if not isinstance(self.act_quant, bool):
+            raise InputError(f"act_quant: expected True (W8A8) or False (W8A16), got {self.act_quant!r}")
 
     @property
     def index_kind(self) -> str:

@@ -116,7 +116,7 @@ def build_parts(source, options: RunnerOptions | None = None, *, program: PagedP
     if program is None:
         compiled = compile_model(
             model, head="logits+hidden" if with_hidden else "logits", max_tokens=max_tokens, device=o.device,
-            backend=o.backend, disabled_passes=o.disabled_passes, inputs_validated=True,
+            backend=o.backend, disabled_passes=o.disabled_passes, act_quant=o.act_quant, inputs_validated=True,
             **({} if mapping is None else {"mapping": mapping}))
         program, pass_results = compiled.program, compiled.results
     if not isinstance(program, PagedProgram):
@@ -131,7 +131,8 @@ def build_parts(source, options: RunnerOptions | None = None, *, program: PagedP
         from fxglm5.runtime.mtp_drafter import MtpDrafter
 
         drafter = MtpDrafter(model, program, cache, blocks, config, o.device, mtp_program, max_tokens=max_tokens,
-                             backend=o.backend, disabled_passes=o.disabled_passes, mapping=mapping, reader=reader)
+                             backend=o.backend, disabled_passes=o.disabled_passes, act_quant=o.act_quant,
+                             mapping=mapping, reader=reader)
     return RunnerParts(o, config, program, cache, blocks, graphs, drafter, with_hidden, mapping, load_report,
                        pass_results)
 
