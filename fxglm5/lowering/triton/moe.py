@@ -6,7 +6,10 @@ Layout. The T*k (token, slot) entries are stably sorted by expert and each exper
 multiple of BLOCK_M, so every BLOCK_M-row block of the sorted list belongs to one expert
 (``block_expert``, -1 past the end). Buffers are sized by the worst case ``T*k + min(E, T*k)*(BLOCK_M-1)``
 rows, never by the data, so there is no host sync and the whole MoE can be captured in a CUDA graph;
-blocks past the real end return at once. Padding rows carry the sentinel T*k.
+blocks past the real end return at once. Padding rows carry the sentinel T*k. Up to BLOCK_M tokens (decode) no
+align kernel runs (:func:`scans`): a token picks an expert at most once, so each expert fits one block, and each
+GEMM CTA finds its block's expert (the b-th picked one in id order) and entries (in entry order) from the ids
+itself, the align kernel's layout exactly, over min(E, T*k) blocks; a MoE call is then three launches (gate|up, down, combine), not four.
 
 Kernels. One grouped GEMM kernel serves both projections: ``GATED`` loads the gate and the up tile of
 the same output columns side by side and writes ``silu(g) * u`` (fp32, in sorted row order; w13's scales
@@ -26,6 +29,8 @@ entries and with torch ops (sort, scatter, searchsorted; all capture-safe) above
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -182,13 +187,13 @@ def align_by_expert(topk_ids: torch.Tensor, e: int, block_m: int, use_triton: bo
 # -------------------------------------------------------------------------------------- grouped GEMM
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, c_ptr, h_ptr, cnt_ptr,
-    n_entries, N, K, KG, TOP_K, UP_SB,
+    a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
+    n_entries, E, N, K, KG, TOP_K, UP_SB,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm,
     GATED: tl.constexpr, SPLIT_K: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr,
     INTERPRET: tl.constexpr, K_PER_SPLIT: tl.constexpr, NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, BLOCK_IDS: tl.constexpr,
+    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
     """GATED: c[row] = silu(A W_g^T) * (A W_u^T) with A rows gathered from x (token = entry // TOP_K),
     c in sorted row order. GATED over SPLIT_K > 1 splits: c[split, row] = this split's partial [A W_g^T | A W_u^T],
@@ -196,16 +201,34 @@ def _moe_gemm_kernel(
     and writes h[row] (the gated output), then resets the tile's counter ``cnt[pid_b * num_n + pid_n]``; the fold
     of the gate into the GEMM saves a launch per MoE call (decode, where the gate|up GEMM is split).
     Not GATED: c[split, entry] = partial A W^T over this split's K groups, A in sorted row order (the GATED
-    output); the combine kernel sums the splits."""
+    output); the combine kernel sums the splits.
+    Block b's expert and rows come from the align kernel (``block_expert``, ``sorted_ids``) or, with SCAN (at most
+    BLOCK_M tokens, so each expert fills at most one block), from the [T*k] ids: the b-th expert in id order that
+    some entry picks, and its entries in entry order, padded with the sentinel ``n_entries``: the same layout."""
     pdl_prologue(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    e = tl.load(block_expert_ptr + pid_b)
-    if e < 0:
-        return
     rows = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
-    entry = tl.load(sorted_ptr + rows)
+    if SCAN:
+        offs_i = tl.arange(0, BLOCK_IDS)
+        ids = tl.load(ids_ptr + offs_i, mask=offs_i < n_entries, other=-1)
+        key = tl.where(ids >= 0, ids, E)  # -1 (no local expert) and padding lanes -> bucket E, never picked
+        eo = tl.arange(0, BLOCK_E)
+        picked = (tl.histogram(key, BLOCK_E) > 0) & (eo < E)
+        nth = tl.cumsum(picked.to(tl.int32), 0) - 1
+        e = tl.min(tl.where(picked & (nth == pid_b), eo, E), axis=0)
+        if e == E:  # fewer than pid_b + 1 experts picked
+            return
+        hit = ids == e
+        slot = tl.cumsum(hit.to(tl.int32), 0) - 1  # a stable sort's order: entry order within the expert
+        match = hit[None, :] & (slot[None, :] == tl.arange(0, BLOCK_M)[:, None])
+        entry = tl.min(tl.where(match, offs_i[None, :], n_entries), axis=1)
+    else:
+        e = tl.load(block_expert_ptr + pid_b)
+        if e < 0:
+            return
+        entry = tl.load(sorted_ptr + rows)
     valid = entry < n_entries
     # Padding rows read a real row (token T-1, or their own unused sorted row) instead of being masked.
     a_rows = tl.minimum(entry, n_entries - 1) // TOP_K if GATED else rows
@@ -332,29 +355,61 @@ def pick_moe_config(t: int, k: int, e: int, config: dict | None = None) -> dict:
     return cfg
 
 
-def _grouped(a, a_s, mode, w, w_s, sorted_ids, block_expert, c, n_entries, top_k, gated, cfg, dot_f32, split=1,
-             h=None):
-    """One grouped GEMM launch. A gated launch with ``split > 1`` writes its [split, rows, 2I] fp32 partials to c
-    and its gated output to ``h`` (the last split of each tile reduces them, counted in :func:`tile_counters`)."""
+def scans(t: int, cfg: dict) -> bool:
+    """Whether ``moe_fp8`` over ``t`` tokens lets its GEMMs find their rows themselves (``SCAN``) instead of launching
+    the align kernel: where t <= BLOCK_M. A token picks an expert at most once, so an expert then holds at most
+    BLOCK_M entries, one block, and a CTA can find its block's expert and entries from the T*k ids alone (a histogram
+    over the experts and a [BLOCK_M, T*k] compare, cheap at decode sizes); it saves a launch and its gap per MoE
+    call (2.6 us a layer at batch 1 on an H100, issue 45). Above it an expert spans blocks that only a sort finds.
+    ``cfg["scan"] = False`` (tests only) keeps the align kernel, whose layout the scan reproduces exactly."""
+    return t <= cfg["BLOCK_M"] and cfg.get("scan", True)
+
+
+class Blocks(NamedTuple):
+    """Where the GEMMs' BLOCK_M-row blocks find their expert and entries: ``count`` blocks, from the align kernel's
+    ``sorted_ids`` / ``block_expert`` or (``scan``) from the [T*k] ``ids`` over ``experts`` experts."""
+    count: int
+    scan: bool
+    ids: torch.Tensor
+    experts: int
+    sorted_ids: torch.Tensor | None = None
+    block_expert: torch.Tensor | None = None
+
+
+def expert_blocks(topk_ids: torch.Tensor, e: int, cfg: dict) -> Blocks:
+    """The row blocks of a MoE call (see :func:`scans`): with the scan, one block per expert some entry may pick,
+    at most min(E, T*k), the align kernel's layout at these sizes; else the align kernel's."""
+    ids = topk_ids.reshape(-1).contiguous()
+    if scans(topk_ids.shape[0], cfg):
+        return Blocks(min(e, ids.numel()), True, ids, e)
+    sorted_ids, block_expert = align_by_expert(ids, e, cfg["BLOCK_M"], cfg.get("triton_align"))
+    return Blocks(block_expert.numel(), False, ids, e, sorted_ids, block_expert)
+
+
+def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_f32, split=1, h=None):
+    """One grouped GEMM launch over ``blocks``. A gated launch with ``split > 1`` writes its [split, rows, 2I] fp32
+    partials to c and its gated output to ``h`` (the last split of each tile reduces them, counted in
+    :func:`tile_counters`)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     kdim = w.shape[2]
     kg = triton.cdiv(kdim, 128)
     k_per_split = triton.cdiv(kg, split)
     split = triton.cdiv(kg, k_per_split)
     bn = cfg["BLOCK_N1"] if gated else cfg["BLOCK_N2"]
-    grid = (block_expert.numel(), triton.cdiv(n, bn), split)
+    grid = (blocks.count, triton.cdiv(n, bn), split)
     fold = gated and split > 1
+    ids = blocks.ids
     _moe_gemm_kernel[grid](
-        a, a_s, w, w_s, sorted_ids, block_expert, c, h if fold else c,
-        tile_counters(a.device, grid[0] * grid[1]) if fold else c,
-        n_entries, n, kdim, kg, top_k, triton.cdiv(n, 128),
+        a, a_s, w, w_s, ids if blocks.scan else blocks.sorted_ids, ids if blocks.scan else blocks.block_expert, ids,
+        c, h if fold else c, tile_counters(a.device, grid[0] * grid[1]) if fold else c,
+        n_entries, blocks.experts, n, kdim, kg, top_k, triton.cdiv(n, 128),
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
         c.stride(-2), c.stride(0) if c.dim() == 3 else 0, h.stride(0) if fold else 0,
         GATED=gated, SPLIT_K=split, A_MODE=mode, DOT_F32=dot_f32,
         INTERPRET=settings.triton_interpret(), K_PER_SPLIT=k_per_split,
         NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(a.device),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, SCAN=blocks.scan, BLOCK_IDS=max(16, triton.next_power_of_2(n_entries)),
+        BLOCK_E=triton.next_power_of_2(blocks.experts + 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(a.device),
     )
     return split
 
@@ -413,13 +468,13 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     x = x.contiguous()
     ids = topk_ids.contiguous()
     w13, w13_scale, w2, w2_scale = (z.contiguous() for z in (w13, w13_scale, w2, w2_scale))
-    sorted_ids, block_expert = align_by_expert(ids, e, cfg["BLOCK_M"], cfg.get("triton_align"))
-    rows = sorted_ids.numel()
+    blocks = expert_blocks(ids, e, cfg)
+    rows = blocks.count * cfg["BLOCK_M"]
     dot_f32 = x.dtype == torch.float32 or settings.triton_interpret()
     h_dtype = torch.float32 if (act_quant or x.dtype == torch.float32) else x.dtype
     hmid = torch.empty(rows, inter, dtype=h_dtype, device=x.device)
     split = _split2(inter, cfg)
-    split1 = _split1(block_expert.numel(), h, inter, cfg, num_sms(x.device))
+    split1 = _split1(blocks.count, h, inter, cfg, num_sms(x.device))
     y = torch.empty(split, t * k, h, dtype=torch.float32, device=x.device)
     if act_quant and not cfg["fused_quant"]:
         a, a_s, mode = *quantize_act_1x128(x), 0
@@ -427,15 +482,15 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
         a, a_s, mode = x, x, (1 if act_quant else 2)
     if split1 > 1:
         g = torch.empty(split1, rows, 2 * inter, dtype=torch.float32, device=x.device)
-        _grouped(a, a_s, mode, w13, w13_scale, sorted_ids, block_expert, g, t * k, k, True, cfg, dot_f32, split1,
+        _grouped(a, a_s, mode, w13, w13_scale, blocks, g, t * k, k, True, cfg, dot_f32, split1,
                  hmid)
     else:
-        _grouped(a, a_s, mode, w13, w13_scale, sorted_ids, block_expert, hmid, t * k, k, True, cfg, dot_f32)
+        _grouped(a, a_s, mode, w13, w13_scale, blocks, hmid, t * k, k, True, cfg, dot_f32)
     if mode == 0:
         hq, hs = quantize_act_1x128(hmid)
-        _grouped(hq, hs, 0, w2, w2_scale, sorted_ids, block_expert, y, t * k, k, False, cfg, dot_f32, split)
+        _grouped(hq, hs, 0, w2, w2_scale, blocks, y, t * k, k, False, cfg, dot_f32, split)
     else:
-        _grouped(hmid, hmid, mode, w2, w2_scale, sorted_ids, block_expert, y, t * k, k, False, cfg,
+        _grouped(hmid, hmid, mode, w2, w2_scale, blocks, y, t * k, k, False, cfg,
                  dot_f32 or h_dtype == torch.float32, split)
     block_h = 1024
     _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, topk_weights.contiguous(),
