@@ -310,11 +310,16 @@ def _launched(monkeypatch):
 RAGGED_IDS = [[0, 1, 2], [0, 1, 3], [0, 5, 1], [0, 2, -1], [-1, -1, -1], [5, 0, 3], [1, 0, -1]]  # expert 4: none
 
 
+GEMMS_AND_COMBINE = ["_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+
+
+@pytest.mark.parametrize("scan", [True, False])
 @pytest.mark.parametrize("act_quant,dtype,split1", [(True, torch.bfloat16, 3), (False, torch.float32, 2)])
-def test_moe_fp8_split_gate_up_reduced_by_its_last_split(monkeypatch, act_quant, dtype, split1):
+def test_moe_fp8_split_gate_up_reduced_by_its_last_split(monkeypatch, act_quant, dtype, split1, scan):
     """SPLIT1 > 1: the gate|up GEMM's last split CTA of each (block, column tile) sums the partials and applies the
-    gate, so a call launches align, the two GEMMs and the combine only. Ragged expert loads, an expert no token
-    picks, slots and a whole token routed to no local expert (-1, expert parallelism); the counters end at zero."""
+    gate, so a call launches the two GEMMs and the combine only (and the align kernel where the GEMMs do not scan
+    the ids). Ragged expert loads, an expert no token picks, slots and a whole token routed to no local expert (-1,
+    expert parallelism); the counters end at zero."""
     t, e, k, inter, h = 7, 6, 3, 256, 384
     _, tw, w13, s13, w2, s2 = _moe_case(t, e, k, inter, h, 11)
     ids = torch.tensor(RAGGED_IDS, dtype=torch.int32)
@@ -322,18 +327,62 @@ def test_moe_fp8_split_gate_up_reduced_by_its_last_split(monkeypatch, act_quant,
     splits, grouped = [], moe._grouped
 
     def spy(*args, **kwargs):  # (gated, the splits it ran) of each grouped GEMM
-        splits.append((args[10], grouped(*args, **kwargs)))
+        splits.append((args[9], grouped(*args, **kwargs)))
         return splits[-1][1]
 
     monkeypatch.setattr(moe, "_grouped", spy)
     names = _launched(monkeypatch)
-    out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=dict(SPLIT1=split1))
-    assert names == ["_align_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+    out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=dict(SPLIT1=split1, scan=scan))
+    assert names == ([] if scan else ["_align_kernel"]) + GEMMS_AND_COMBINE
     assert splits[0] == (True, split1)  # the gated GEMM really was split
     want = ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant)
     assert _rel(out, want) < _tol(dtype, act_quant)
     assert torch.equal(out[4], torch.zeros(h, dtype=dtype))  # no local expert: nothing routed
     assert int(fp8_parts._COUNTERS[("cpu", None)].abs().sum()) == 0
+
+
+def _scan_case_ids(t, seed):
+    """[t, 3] ids over 6 experts: every token picks expert 0 (a full 16-row block at t = 16), two of experts 1-4 in
+    a ragged mix, never expert 5; token 0's last slot and, past t = 1, token 1's two last go to no local expert."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), torch.randperm(4, generator=g)[:2] + 1])
+                       for _ in range(t)]).int()
+    ids[0, -1] = -1
+    ids[1:2, 1:] = -1
+    return ids
+
+
+@pytest.mark.parametrize("t", [1, 5, 16, 17])  # BLOCK_M = 16: the scan up to it, the align kernel at 17
+@pytest.mark.parametrize("act_quant,dtype,split1,fused_quant", [
+    (True, torch.bfloat16, 2, True), (False, torch.float32, 1, True), (True, torch.float32, 3, False),
+    (False, torch.bfloat16, 2, True), (True, torch.bfloat16, 1, True)])
+def test_moe_fp8_scan_finds_the_align_layout(monkeypatch, t, act_quant, dtype, split1, fused_quant):
+    """Up to BLOCK_M tokens the GEMMs find their blocks from the ids and no align kernel runs (gate|up, down and
+    combine are the launches); each CTA finds the align kernel's layout (the b-th picked expert in id order, its
+    entries in entry order), so the result is the align path's bit for bit, and the reference's value. Above
+    BLOCK_M tokens the align kernel runs. Ragged loads, an expert no token picks, -1 slots, a full block at t = 16."""
+    e, k, inter, h = 6, 3, 128, 256
+    _, _, w13, s13, w2, s2 = _moe_case(1, e, k, inter, h, 21)
+    ids = _scan_case_ids(t, t)
+    tw = torch.rand(t, k, generator=torch.Generator().manual_seed(22))
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(23)).to(dtype)
+    cfg = dict(SPLIT1=split1, fused_quant=fused_quant)
+    assert moe.pick_moe_config(t, k, e, cfg)["BLOCK_M"] == 16
+    launched = _launched(monkeypatch)
+    quants = 2 if act_quant and not fused_quant else 0  # without fused_quant, each GEMM's A is quantized first
+
+    def kernels(calls):  # the launches of the first ``calls`` MoE calls, less the quantizations (counted)
+        names = [n for n in launched if n != "_quant_kernel"]
+        assert len(launched) - len(names) == quants * calls
+        return names
+
+    out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=cfg)
+    assert kernels(1) == ([] if t <= 16 else ["_align_kernel"]) + GEMMS_AND_COMBINE
+    assert _rel(out, ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant)) < _tol(dtype, act_quant)
+    if t <= 16:
+        aligned = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=dict(cfg, scan=False))
+        assert kernels(2)[3:] == ["_align_kernel"] + GEMMS_AND_COMBINE
+        assert torch.equal(out, aligned)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])

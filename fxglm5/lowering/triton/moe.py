@@ -376,12 +376,18 @@ class Blocks(NamedTuple):
     block_expert: torch.Tensor | None = None
 
 
+def num_blocks(t: int, k: int, e: int, cfg: dict) -> int:
+    """The row blocks a MoE call over ``t`` tokens launches: with the scan one per expert that can be picked,
+    min(E, T*k); else the align kernel's capacity."""
+    return min(e, t * k) if scans(t, cfg) else align_capacity(t * k, e, cfg["BLOCK_M"])
+
+
 def expert_blocks(topk_ids: torch.Tensor, e: int, cfg: dict) -> Blocks:
-    """The row blocks of a MoE call (see :func:`scans`): with the scan, one block per expert some entry may pick,
-    at most min(E, T*k), the align kernel's layout at these sizes; else the align kernel's."""
+    """The row blocks of a MoE call over ``topk_ids`` [T, k] (see :func:`scans`)."""
+    t, k = topk_ids.shape
     ids = topk_ids.reshape(-1).contiguous()
-    if scans(topk_ids.shape[0], cfg):
-        return Blocks(min(e, ids.numel()), True, ids, e)
+    if scans(t, cfg):
+        return Blocks(num_blocks(t, k, e, cfg), True, ids, e)
     sorted_ids, block_expert = align_by_expert(ids, e, cfg["BLOCK_M"], cfg.get("triton_align"))
     return Blocks(block_expert.numel(), False, ids, e, sorted_ids, block_expert)
 
