@@ -145,13 +145,17 @@ def rank_experts():
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_moe_rank_decode_split_gate_up_replays_from_a_cuda_graph(tokens, rank_experts):
     """Route (ids local to rank 0's experts, -1 for the others) + routed experts at decode batches: the gate|up GEMM
-    is split over K and its last split CTA of each tile applies the gate. Replayed twice from a CUDA graph: the same
-    bits as the eager call both times (deterministic), the reference's value, and every arrival counter back at 0."""
+    is split over K and its last split CTA of each tile applies the gate; at batches 1 and 8 (up to BLOCK_M tokens)
+    the GEMMs find their rows from the ids (no align kernel), giving the align path's bits. Replayed twice from a
+    CUDA graph: the same bits as the eager call both times (deterministic), the reference's value, and every arrival
+    counter back at 0."""
     w13, s13, w2, s2 = rank_experts
     experts, h, inter = w13.shape[0], w13.shape[2], w2.shape[2]
     cfg = moe.pick_moe_config(tokens, 8, experts)
-    blocks = moe.align_capacity(tokens * 8, experts, cfg["BLOCK_M"])
-    assert moe._split1(blocks, h, inter, cfg, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    assert moe.scans(tokens, cfg) == (tokens < 64)
+    split1 = moe._split1(moe.num_blocks(tokens, 8, experts, cfg), h, inter, cfg,
+                         torch.cuda.get_device_properties(0).multi_processor_count)
+    assert split1 > 1
     g = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
     logits = torch.randn(tokens, 256, device="cuda", generator=g)
@@ -182,3 +186,7 @@ def test_moe_rank_decode_split_gate_up_replays_from_a_cuda_graph(tokens, rank_ex
     weights, ids = ref.moe_route_local(logits, bias, 8, 1, 1, True, 2.5, offset, experts)
     assert (ids >= 0).any() and (ids < 0).any()
     assert _rel(eager, ref_fp8.moe_fp8(x.float(), ids, weights, w13, s13, w2, s2, True)) < 2e-2
+    if moe.scans(tokens, cfg):  # the align kernel's layout, the same splits: the same bits
+        weights, ids = moe.moe_route(logits, bias, 8, 1, 1, True, 2.5, offset, experts)
+        aligned = moe.moe_fp8(x, ids, weights, w13, s13, w2, s2, True, config=dict(scan=False, SPLIT1=split1))
+        assert torch.equal(aligned, eager)

@@ -9,7 +9,8 @@ rows, never by the data, so there is no host sync and the whole MoE can be captu
 blocks past the real end return at once. Padding rows carry the sentinel T*k. Up to BLOCK_M tokens (decode) no
 align kernel runs (:func:`scans`): a token picks an expert at most once, so each expert fits one block, and each
 GEMM CTA finds its block's expert (the b-th picked one in id order) and entries (in entry order) from the ids
-itself, the align kernel's layout exactly, over min(E, T*k) blocks; a MoE call is then three launches (gate|up, down, combine), not four.
+itself, the align kernel's layout exactly, over min(E, T*k) blocks; a MoE call is then three launches (gate|up,
+down, combine), not four.
 
 Kernels. One grouped GEMM kernel serves both projections: ``GATED`` loads the gate and the up tile of
 the same output columns side by side and writes ``silu(g) * u`` (fp32, in sorted row order; w13's scales
@@ -335,9 +336,10 @@ def _combine_kernel(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, H, stride_ys, TOP_K
 
 # Regime defaults, the winners of the H200 sweeps (decode: docs/perf/fp8_gemm_moe.md, kernels_gemm_moe_v2; both:
 # bench/results/gluon_gemm_moe_mla_h8_a4d0c02/kernels_moe_a4d0c02, moe_sweep rows);
-# moe_fp8(config=...) overrides keys. The gate|up GEMM's K split is derived (``SPLIT1`` overrides it): enough
-# splits for CTAS_PER_SM1 CTAs per SM over the blocks that can exist (batch 1 touches 8 experts: 8 blocks x
-# 16 column tiles would leave one CTA per SM, each streaming 48 K steps).
+# moe_fp8(config=...) overrides keys (``scan=False``, for tests, keeps the align kernel: see scans). The gate|up
+# GEMM's K split is derived (``SPLIT1`` overrides it): enough splits for CTAS_PER_SM1 CTAs per SM over the blocks
+# that can exist (batch 1 touches 8 experts: 8 blocks x 16 column tiles would leave one CTA per SM, each streaming
+# 48 K steps).
 # CTAS_PER_SM1 16 / SPLIT2 4: a rank of EP8 touches about one of its 32 experts at batch 1, so the splits sized for
 # the 8 blocks that can exist left most SMs idle (bench/results/rank_at_depth_fuse_kernels_5cf6615: 1.0 ms less kernel time per 78-layer
 # step at batch 1 and at batch 64)
@@ -415,7 +417,8 @@ def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_
         INTERPRET=settings.triton_interpret(), K_PER_SPLIT=k_per_split,
         NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, SCAN=blocks.scan, BLOCK_IDS=max(16, triton.next_power_of_2(n_entries)),
-        BLOCK_E=triton.next_power_of_2(blocks.experts + 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(a.device),
+        BLOCK_E=triton.next_power_of_2(blocks.experts + 1),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(a.device),
     )
     return split
 
@@ -454,7 +457,9 @@ def _moe_elements(t: int, k: int, e: int, h: int, inter: int, config) -> int:
 
 def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None, addend=None):
     """Routed FP8 experts (see module doc); ``config`` overrides :func:`pick_moe_config`. ``addend`` [T, H] (x's
-    dtype): added to the routed sum in the combine kernel (``fxglm5::moe_fp8_add``: the shared expert's output)."""
+    dtype): added to the routed sum in the combine kernel (``fxglm5::moe_fp8_add``: the shared expert's output).
+    Up to BLOCK_M tokens (decode) the GEMMs scan the ids for their rows and no align kernel runs: three launches,
+    not four (:func:`scans`: every expert then fits one block; above it only a sort finds an expert's blocks)."""
     t, e, h, inter = ref.check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     k = topk_ids.shape[1]
     if addend is not None and (addend.shape != x.shape or addend.dtype != x.dtype):
