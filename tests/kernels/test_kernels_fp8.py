@@ -368,6 +368,14 @@ def test_moe_fp8_scan_finds_the_align_layout(monkeypatch, t, act_quant, dtype, s
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(23)).to(dtype)
     cfg = dict(SPLIT1=split1, fused_quant=fused_quant)
     assert moe.pick_moe_config(t, k, e, cfg)["BLOCK_M"] == 16
+    gated, grouped = [], moe._grouped
+
+    def spy(*args, **kwargs):  # the gated GEMM's output rows [blocks * BLOCK_M, I] (``h`` where split, else ``c``)
+        if args[9]:
+            gated.append(args[13] if len(args) > 13 else args[6])
+        return grouped(*args, **kwargs)
+
+    monkeypatch.setattr(moe, "_grouped", spy)
     launched = _launched(monkeypatch)
     quants = 2 if act_quant and not fused_quant else 0  # without fused_quant, each GEMM's A is quantized first
 
@@ -383,6 +391,8 @@ def test_moe_fp8_scan_finds_the_align_layout(monkeypatch, t, act_quant, dtype, s
         aligned = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=dict(cfg, scan=False))
         assert kernels(2)[3:] == ["_align_kernel"] + GEMMS_AND_COMBINE
         assert torch.equal(out, aligned)
+        rows = (moe.align_by_expert(ids, e, 16)[0] < t * k).nonzero().flatten()  # the align layout's real rows
+        assert torch.equal(gated[0][rows], gated[1][rows])  # every entry's gate|up output at the same row
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
