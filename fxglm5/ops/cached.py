@@ -29,6 +29,9 @@ query assembly instead of as separate kernels; absent, the inputs are taken as f
   (rtp_indexer) arrive un-rotated; interleaved RoPE is applied to them.
 - ``kv_norm_weight`` [R], ``kv_norm_eps`` (rtp_*mla): kv_c arrives before its RMSNorm.
 - ``k_norm_weight`` / ``k_norm_bias`` [D], ``k_norm_eps`` (rtp_indexer): k arrives before its LayerNorm.
+- ``rope_q`` (rtp_indexer, with ``rope_cos`` / ``rope_sin``): q's first dr features of every head arrive un-rotated
+  too and turn by the same tables (the query and the key sit at the same positions), inside the selection's
+  logits kernel (the pass ``fuse_rope_into_indexer_query``).
 
 ``group`` / ``world`` (rtp_indexer, from ``indexer_topk``'s: the pass ``shard_indexer``): the tensor-parallel group
 over whose ranks a prefill-sized step's top-k is split; every rank still writes every key (``paged_steps``).
@@ -62,9 +65,10 @@ def rtp_indexer(q: Tensor, k: Tensor, weights: Tensor, topk: int, index_cache: T
                 block_table: Tensor, req_idx: Tensor, positions: Tensor, max_positions: int,
                 rope_cos: Optional[Tensor] = None, rope_sin: Optional[Tensor] = None,
                 k_norm_weight: Optional[Tensor] = None, k_norm_bias: Optional[Tensor] = None,
-                k_norm_eps: float = 0.0, group: Optional[str] = None, world: int = 1) -> Tensor:
+                k_norm_eps: float = 0.0, group: Optional[str] = None, world: int = 1, rope_q: bool = False) -> Tensor:
     return indexer_step(paged, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions,
-                        max_positions, rope_cos, rope_sin, k_norm_weight, k_norm_bias, k_norm_eps, group, world)
+                        max_positions, rope_cos, rope_sin, k_norm_weight, k_norm_bias, k_norm_eps, group, world,
+                        rope_q)
 
 
 @rtp_indexer.register_fake

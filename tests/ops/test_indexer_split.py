@@ -22,7 +22,7 @@ import torch
 
 import fxglm5.ops  # noqa: F401  (registers the ops)
 from fxglm5.errors import InputError
-from fxglm5.lowering.reference import collectives, paged_steps
+from fxglm5.lowering.reference import collectives, paged, paged_steps
 from fxglm5.runtime.forward_context import ForwardContext
 from tests.helpers import fake_process_group
 
@@ -183,3 +183,50 @@ def test_a_split_graph_without_its_group_is_refused(monkeypatch):
         ops.indexer_topk(q, k, w, TOPK, "tp", 2)
     assert torch.equal(ops.indexer_topk(q[:, :3], k[:, :3], w[:, :3], TOPK, "tp", 2),  # below the threshold
                        ops.indexer_topk(q[:, :3], k[:, :3], w[:, :3], TOPK))
+
+
+def _rope_tables(tokens: int, seed: int):
+    angles = torch.rand(1, tokens, 32, generator=torch.Generator().manual_seed(seed)) * 6.0
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("kern", ["reference", "triton"])
+@pytest.mark.parametrize("world, least, new", [(1, 2, (10, 5)), *CASES])
+@pytest.mark.parametrize("cache_kind", ["exact", "fp8"])
+def test_rtp_indexer_rotating_the_query_equals_the_unfused_chain(monkeypatch, kern, world, least, new, cache_kind):
+    """``rope_q``: the op rotates the query by the key's tables inside its selection; it selects what the op selects
+    for the query rotated before it (``rope_interleaved``, the unfused chain), bit for bit, whole or split over the
+    ranks (each rank's rows taking their own rows of the tables), on either kernel set (the Triton one under the
+    interpreter here)."""
+    from fxglm5.lowering.triton import paged_ops
+
+    ctx = context([(PREFIX, new[0]), (0, new[1])])
+    q, k, w = indexer_inputs(sum(new), 6)
+    cos, sin = _rope_tables(sum(new), 7)
+    args = (ctx.slot_mapping, ctx.kernel_block_table, ctx.req_idx, ctx.positions, 64)
+    base = filled_cache(cache_kind == "fp8")
+    step = functools.partial(paged_steps.indexer_step, paged if kern == "reference" else paged_ops, validate=False)
+    rotated = ops.rope_interleaved(q, cos, sin)
+    assert not torch.equal(rotated, q)
+    written = base.clone()
+    want = step(rotated, k, w, TOPK, written, *args, cos, sin)
+
+    def run():
+        cache = base.clone()
+        out = step(q, k, w, TOPK, cache, *args, cos, sin, None, None, 0.0, "tp" if world > 1 else None, world, True)
+        assert torch.equal(cache, written)
+        return out
+
+    if world == 1:
+        assert torch.equal(run(), want)
+        plain = step(q, k, w, TOPK, base.clone(), *args, cos, sin)
+        assert not torch.equal(plain, want)  # the query's rotation changes what is selected
+    else:
+        _check_split(monkeypatch, world, least, run, want, lambda t: t[0], sum(new))
+
+
+def test_rtp_indexer_rope_q_needs_the_tables():
+    ctx = context([(0, 3)])
+    with pytest.raises(InputError, match="rope_q: the query's RoPE needs rope_cos / rope_sin"):
+        ops.rtp_indexer(*indexer_inputs(3, 0), TOPK, filled_cache(True), ctx.slot_mapping, ctx.kernel_block_table,
+                        ctx.req_idx, ctx.positions, 64, rope_q=True)

@@ -69,6 +69,7 @@ __all__ = [
     "validate_sparse_mla_paged",
     "indexer_logits_paged",
     "indexer_topk_paged",
+    "rotated_queries",
     "validate_indexer_topk_paged",
     "is_fp8_latent_cache",
 ]
@@ -395,10 +396,13 @@ def write_exact_index_keys(cache, k, slot_mapping, *, norm=None, rope=None) -> N
     cache.view(-1, INDEX_DIM)[slot_mapping[keep].long()] = k[keep].to(cache.dtype)
 
 
-def exact_indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk: int) -> torch.Tensor:
+def exact_indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk: int, *,
+                             rope=None) -> torch.Tensor:
     """The exact (unquantized) indexer over a compute-dtype key cache ``[blocks, bs, 128]`` -> int32 [T, topk]:
     score[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s]) in float32 for s in 0..positions[t], the lower
-    position first among equal scores (the rule of every indexer path), -1 padded."""
+    position first among equal scores (the rule of every indexer path), -1 padded. ``rope`` = (cos, sin) [T, R/2]:
+    q's first R features are rotated first (:func:`rotated_queries`)."""
+    q = rotated_queries(q, rope)
     T, bs = q.shape[0], cache.shape[1]
     out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
     for t in range(T):
@@ -581,6 +585,13 @@ def validate_topk_from_logits(logits, positions, topk, out=None):
         _check_device("logits", logits, out=out)
 
 
+def rotated_queries(q, rope):
+    """The indexer's queries [T, HI, 128] as the selection scores them: ``rope`` = (cos, sin) [T, R/2] rotates each
+    head's first R features (``norm_rope.rope_interleaved``, rounded to q's dtype as the standalone RoPE rounds:
+    the selection sees the values the unfused chain would have stored); None leaves q as it is."""
+    return q if rope is None else norm_rope.rope_interleaved(q, *rope)
+
+
 def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, max_len: int | None = None):
     """float32 [T, max_len] indexer scores; positions beyond the causal window are -inf."""
     T, HI, _ = q.shape
@@ -601,16 +612,20 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
 
 
 def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk: int, *,
-                       validate: bool = True) -> torch.Tensor:
+                       validate: bool = True, rope=None) -> torch.Tensor:
     """DSA lightning indexer -> int32 [T, topk] positions of the best scores, -1 padded. Among equal scores
     the lower position wins (:func:`~fxglm5.lowering.reference.attention.topk_lowest_index_ties`, which also
     fixes this reference's order: descending score, then position; kernels may list the set in any order).
 
-    q [T, HI, 128] is quantized per (token, head) to e4m3 with a power-of-two scale (the cache rule);
+    q [T, HI, 128] (rotated first where ``rope`` = (cos, sin) [T, R/2] is given: :func:`rotated_queries`) is
+    quantized per (token, head) to e4m3 with a power-of-two scale (the cache rule);
     score[t, s] = sum_h weights[t, h] * relu(q_deq[t, h] . k_deq[s]) for s in 0..positions[t].
     """
     if validate:
         validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk)
+        if rope is not None:
+            norm_rope.validate_rope(q, *rope)
+    q = rotated_queries(q, rope)
     T = q.shape[0]
     out = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
     if T == 0:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from fxglm5.errors import InputError
-from fxglm5.lowering.reference import paged
+from fxglm5.lowering.reference import norm_rope, paged
 from fxglm5.lowering.reference.collectives import gather_split_rows
 
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -98,14 +98,17 @@ def _rope(cos, sin) -> tuple[Tensor, Tensor] | None:
 
 def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions, max_positions,
                  rope_cos=None, rope_sin=None, k_norm_weight=None, k_norm_bias=None, k_norm_eps=0.0, group=None,
-                 world=1, *, validate=True):
+                 world=1, rope_q=False, *, validate=True):
     """rtp_indexer's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins). Every rank
     writes every key (its later queries read them all); with a ``group`` of ``world`` ranks a step large enough
-    selects on each rank its share of the tokens only (:func:`_selection`)."""
+    selects on each rank its share of the tokens only (:func:`_selection`). ``rope_q``: the selection rotates the
+    query by the key's tables (the kernel set's ``rope`` argument), so no RoPE of its own runs before it."""
     qf = _pad(_flat(q, "q", 4), paged.INDEX_DIM, "q")
     kf = _flat(k, "k", 3)
     wf = _flat(weights, "weights", 3)
     rope = _rope(rope_cos, rope_sin)
+    if rope_q and rope is None:
+        raise InputError("rope_q: the query's RoPE needs rope_cos / rope_sin")
     norm = None if k_norm_weight is None else (k_norm_weight, k_norm_bias, k_norm_eps)
     fp8 = index_cache.dtype == torch.uint8
     if validate:
@@ -118,20 +121,24 @@ def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_tab
             paged.validate_index_keys(kf, norm, rope)
         if kf.shape[0] != slot_mapping.shape[0] or tuple(wf.shape) != tuple(qf.shape[:2]):
             raise InputError(f"k/weights: shapes {tuple(k.shape)} / {tuple(weights.shape)} do not fit q {tuple(q.shape)}")
+        if rope_q:
+            norm_rope.validate_rope(qf, *rope)
     if fp8:
         kern.write_indexer_cache(index_cache, kf, slot_mapping, validate=False, norm=norm, rope=rope)
         select = functools.partial(kern.indexer_topk_paged, validate=False)
     else:
         kern.write_exact_index_keys(index_cache, kf, slot_mapping, norm=norm, rope=rope)
         select = kern.exact_indexer_topk_paged
-    out = _selection(select, qf, wf, index_cache, block_table, req_idx, positions, topk, group, world)
+    out = _selection(select, qf, wf, index_cache, block_table, req_idx, positions, topk, group, world,
+                     rope if rope_q else None)
     return out.view(*q.shape[:2], topk)
 
 
-def _selection(select, qf, wf, cache, block_table, req_idx, positions, topk, group, world) -> Tensor:
-    """Every token's top-k by ``select`` (the kernel set's selection): all of them here, or, where the step splits
-    over the ``world`` ranks of ``group`` (``collectives.gather_split_rows``: a prefill-sized step), this rank's
-    share of the tokens, gathered. A padding row of the split reads as token 0's request at position 0: a window of
+def _selection(select, qf, wf, cache, block_table, req_idx, positions, topk, group, world, rope) -> Tensor:
+    """Every token's top-k by ``select`` (the kernel set's selection; ``rope``: the per-token (cos, sin) that rotate
+    the queries in it): all of them here, or, where the step splits over the ``world`` ranks of ``group``
+    (``collectives.gather_split_rows``: a prefill-sized step), this rank's share of the tokens, gathered, each row's
+    tables taken with its query. A padding row of the split reads as token 0's request at position 0: a window of
     one key, which that request's first block holds, so the kernels skip its scores."""
     tokens = positions.shape[0]
 
@@ -139,10 +146,10 @@ def _selection(select, qf, wf, cache, block_table, req_idx, positions, topk, gro
         real = index < tokens
         take = torch.where(real, index, 0)
         return select(qf[take], wf[take], cache, block_table, req_idx[take], torch.where(real, positions[take], 0),
-                      topk)
+                      topk, rope=None if rope is None else (rope[0][take], rope[1][take]))
 
     out = gather_split_rows(rows, tokens, group, world, qf.device)
-    return select(qf, wf, cache, block_table, req_idx, positions, topk) if out is None else out
+    return select(qf, wf, cache, block_table, req_idx, positions, topk, rope=rope) if out is None else out
 
 
 

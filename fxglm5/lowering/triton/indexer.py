@@ -26,9 +26,11 @@ import triton.language as tl
 from fxglm5 import settings
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
+from fxglm5.lowering.reference.norm_rope import validate_rope
 from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_gemm import row_chunk
-from fxglm5.lowering.triton.paged_cache import e4m3_bits, pow2_scale
+from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, rotate_pairs
+from fxglm5.lowering.triton.paged_cache import _rope_args, e4m3_bits, pow2_scale
 from fxglm5.lowering.triton.topk import SEGMENT_MAX, topk_from_logits
 
 interpreter_compat()
@@ -55,15 +57,34 @@ def _tile_logits(k8, q8, w, ksc, valid, F32DOT: tl.constexpr, PROMOTE: tl.conste
     return tl.where(valid, tl.sum(s, axis=1) * ksc, float("-inf"))
 
 
+@triton.jit
+def _rotated_query(q_row, dd, hmask, cos_row, sin_row, HALF, DT: tl.constexpr):
+    """One token's [BLOCK_HI, 128] query tile (``q_row``: each head's row, [BLOCK_HI, 1] pointers) with every head's
+    first 2 * HALF features turned by interleaved RoPE, in q's dtype: each feature is read with its pair partner,
+    the pair is rotated by :func:`~fxglm5.lowering.triton.norm_rope.rotate_pairs` (the standalone ``_rope_kernel``'s
+    arithmetic and rounding, so the tile holds the bits that kernel would have stored) and the feature keeps its
+    own half of the result."""
+    pair = dd // 2
+    m = hmask[:, None]
+    even = tl.load(q_row + 2 * pair[None, :], mask=m, other=0.0)
+    odd = tl.load(q_row + 2 * pair[None, :] + 1, mask=m, other=0.0)
+    c = tl.load(cos_row + pair, mask=pair < HALF, other=1.0)
+    s = tl.load(sin_row + pair, mask=pair < HALF, other=0.0)
+    e2, o2 = rotate_pairs(even.to(tl.float32), odd.to(tl.float32), c[None, :], s[None, :], DT)
+    is_even = (dd % 2 == 0)[None, :]
+    turned = tl.where(is_even, e2, o2).to(even.dtype)  # exact: rotate_pairs rounded to the dtype already
+    return tl.where((pair < HALF)[None, :], turned, tl.where(is_even, even, odd))
+
+
 @triton.jit(do_not_specialize=["T_BUCKET"])  # an autotune key only: no recompiles per value
 def _indexer_logits_kernel(
     q_ptr, stride_qt, stride_qh, w_ptr, stride_wt,
     kc_ptr, ks_ptr, n_key_rows,
-    bt_ptr, stride_bt, req_ptr, pos_ptr,
+    bt_ptr, stride_bt, req_ptr, pos_ptr, cos_ptr, sin_ptr, stride_c, HALF,
     o_ptr, stride_ot, HI, max_len, skip_window, T_BUCKET,
     BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     F32DOT: tl.constexpr, PDL: tl.constexpr, PROMOTE: tl.constexpr = 128, USE_TMA: tl.constexpr = False,
-    EXACT: tl.constexpr = False,
+    EXACT: tl.constexpr = False, ROPE_Q: tl.constexpr = False, DT: tl.constexpr = 0,
 ):
     # before the skip_window exit: a grid whose rows all skip would otherwise complete ahead of its predecessor
     pdl_prologue(PDL)
@@ -85,7 +106,11 @@ def _indexer_logits_kernel(
         hs = tl.arange(0, BLOCK_HI)
         hmask = hs < HI
         dd = tl.arange(0, D)
-        q = tl.load(q_ptr + t64 * stride_qt + hs[:, None] * stride_qh + dd[None, :], mask=hmask[:, None], other=0.0)
+        q_row = q_ptr + t64 * stride_qt + hs[:, None] * stride_qh
+        if ROPE_Q:  # the query's RoPE (cos / sin: this token's row of the tables), before any use of the query
+            q = _rotated_query(q_row, dd, hmask, cos_ptr + t64 * stride_c, sin_ptr + t64 * stride_c, HALF, DT)
+        else:
+            q = tl.load(q_row + dd[None, :], mask=hmask[:, None], other=0.0)
         w = tl.load(w_ptr + t64 * stride_wt + hs, mask=hmask, other=0.0)
         if EXACT:  # the query as it is, the weights alone
             q8 = q
@@ -184,14 +209,18 @@ def tuned_config():
 
 def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, max_len: int | None = None, *,
                          out: torch.Tensor | None = None, validate: bool = True, cfg: dict | None = None,
-                         skip_window: int = 0):
+                         skip_window: int = 0, rope=None):
     """float32 [T, max_len] indexer scores (-inf beyond the causal window), over the FP8 cache, or over a
     compute-dtype cache ``[blocks, bs, 128]`` exactly (the exact mode: unquantized queries and keys). A row whose
     causal window (``positions[t] + 1`` keys) is at most ``skip_window`` is left as ``out`` held it: the top-k
     selects such a row's whole window without reading it (:mod:`fxglm5.lowering.triton.topk`), so a decode step
-    over contexts that fit in index_topk computes no scores (the test is per row, on the device)."""
+    over contexts that fit in index_topk computes no scores (the test is per row, on the device). ``rope`` =
+    (cos, sin) float32 [T, R/2]: the kernel rotates each head's first R query features as it loads the query
+    (``ref.rotated_queries``), so no RoPE kernel runs before it."""
     if validate:
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, 1)
+        if rope is not None:
+            validate_rope(q, *rope)
     T, HI, _ = q.shape
     bs = k_cache.shape[1]
     if max_len is None:
@@ -207,14 +236,17 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     # the exact mode multiplies on tensor cores where queries and keys share a 16-bit dtype, else in IEEE float32
     f32dot = interp or (exact and not (q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float16)))
     BLOCK_HI = max(16, triton.next_power_of_2(HI))
+    cos, sin, stride_c, half = _rope_args(rope, q)
     args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache,
             k_cache if exact else k_cache.view(torch.float32),
-            k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, out, out.stride(0), HI,
-            max_len, skip_window, triton.next_power_of_2(T))
+            k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, cos, sin, stride_c, half,
+            out, out.stride(0), HI, max_len, skip_window, triton.next_power_of_2(T))
+    rotate = dict(ROPE_Q=rope is not None, DT=DTYPE_CODES[q.dtype])
     if not interp and not cfg and not settings.no_autotune():
         grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
         ensure_tma_allocator()
-        _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=f32dot, EXACT=exact, **pdl(q.device))
+        _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=f32dot, EXACT=exact, **rotate,
+                                    **pdl(q.device))
     else:
         c = _launch_config(bs, cfg, interp, exact)
         use_tma = bool(c.get("USE_TMA", False))
@@ -226,7 +258,7 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
         grid = (T, triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]))
         _indexer_logits_kernel[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"],
                                      F32DOT=f32dot, PROMOTE=c.get("PROMOTE", 128), USE_TMA=use_tma, EXACT=exact,
-                                     num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl(q.device))
+                                     **rotate, num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl(q.device))
     return out
 
 
@@ -261,26 +293,32 @@ LOGITS_BYTES_PER_ELEMENT = 4
 
 
 def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk: int, *, validate: bool = True,
-                       logits_buf: torch.Tensor | None = None, out: torch.Tensor | None = None):
-    """DSA lightning indexer -> int32 [T, topk] positions (any order), -1 padded."""
+                       logits_buf: torch.Tensor | None = None, out: torch.Tensor | None = None, rope=None):
+    """DSA lightning indexer -> int32 [T, topk] positions (any order), -1 padded; ``rope`` = (cos, sin) [T, R/2]
+    rotates the queries inside the logits kernel (:func:`indexer_logits_paged`)."""
     if validate:
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk)
+        if rope is not None:
+            validate_rope(q, *rope)
     T, max_len = q.shape[0], block_table.shape[1] * k_cache.shape[1]
     rows = row_chunk(T, lambda r: r * max_len * LOGITS_BYTES_PER_ELEMENT) if logits_buf is None else T
     if rows < T:
         out = out if out is not None else torch.empty(T, topk, dtype=torch.int32, device=q.device)
         for s in range(0, T, rows):
             e = min(T, s + rows)
+            tables = None if rope is None else (rope[0][s:e], rope[1][s:e])
             indexer_topk_paged(q[s:e], weights[s:e], k_cache, block_table, req_idx[s:e], positions[s:e], topk,
-                               validate=False, out=out[s:e])
+                               validate=False, out=out[s:e], rope=tables)
         return out
     logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
-                                  validate=False, skip_window=topk)
+                                  validate=False, skip_window=topk, rope=rope)
     return topk_from_logits(logits, positions, topk, out=out, validate=False)
 
 
-def exact_indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk: int) -> torch.Tensor:
+def exact_indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk: int, *,
+                             rope=None) -> torch.Tensor:
     """The exact mode's selection (``fxglm5.lowering.reference.paged.exact_indexer_topk_paged``): the same kernels
     over a compute-dtype cache, with no host sync (the reference loops over the tokens on the host), so a decode
-    step with this cache can be captured in a CUDA graph. The caller validated (``paged_steps.indexer_step``)."""
-    return indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk, validate=False)
+    step with this cache can be captured in a CUDA graph; ``rope`` rotates the queries in the logits kernel too.
+    The caller validated (``paged_steps.indexer_step``)."""
+    return indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk, validate=False, rope=rope)
