@@ -43,7 +43,8 @@ PIPELINE: dict[Stage, tuple[str, ...]] = {
     # subset leaves a correct program
     Stage.SHARD: ("shard_attention", "shard_indexer", "shard_mlp", "shard_moe_experts", "shard_lm_head"),
     # both rewrite what insert_paged_cache made: the row selection at the output, the cached ops' inputs
-    Stage.CACHE: ("insert_paged_cache", "select_sampled_rows", "fuse_norm_rope_into_cache_writes"),
+    Stage.CACHE: ("insert_paged_cache", "select_sampled_rows", "fuse_norm_rope_into_cache_writes",
+                  "fuse_rope_into_indexer_query"),
     # after the shard and cache stages, which still need each projection's own GEMM and the canonical norms and
     # routers: the router's ids made local before any GEMM is stacked, the gate folded into the down GEMM once gate
     # and up are slices of one stacked GEMM, the residual adds last (what they read no longer changes)

@@ -19,7 +19,7 @@ PREFILL, BLOCK = 10, 4
 # as f32_linear, the shared expert's gate into its down GEMM, the attention's residual sum into the next norm
 MTP_COUNTS = {"match_sparse_mla": 1, "match_mla": 0, "match_rms_norm": 7, "match_rope": 4, "fuse_fp8_linear": 9,
               "fuse_fp8_moe": 1, "insert_paged_cache": 1, "select_sampled_rows": 1,
-              "fuse_norm_rope_into_cache_writes": 2, "fuse_f32_linear": 2, "fuse_local_experts_into_route": 0,
+              "fuse_norm_rope_into_cache_writes": 2, "fuse_rope_into_indexer_query": 1, "fuse_f32_linear": 2, "fuse_local_experts_into_route": 0,
               "fuse_shared_input_gemms": 3, "fuse_silu_mul_into_down": 1, "fuse_add_rms_norm": 1}
 
 

@@ -65,12 +65,12 @@ def test_tiny_model_details_signature_and_what_is_left():
     assert placeholders(gm) == ["input_ids", "position_ids", "slot_mapping", "block_table", "req_idx",
                                 "logits_indices", *caches]
     assert gm.meta["paged_cache"].cache_names == caches
-    # the whole cache stage: 4 norms per layer + the final one, less the 4 folded kv norms; the 4 indexer query RoPEs
-    ops = op_histogram(run.after["fuse_norm_rope_into_cache_writes"])
+    # the whole cache stage: 4 norms per layer + the final one, less the 4 folded kv norms; no RoPE left
+    ops = op_histogram(run.after["fuse_rope_into_indexer_query"])
     assert not any(op in ops for op in CANONICAL_ATTENTION)
     assert ops["fxglm5.rtp_sparse_mla"] == 4 and ops["fxglm5.rtp_indexer"] == 4 and "fxglm5.rtp_mla" not in ops
-    assert ops["fxglm5.rms_norm"] == 13 and ops["fxglm5.rope_interleaved"] == 4 and "aten.layer_norm" not in ops
-    again = copy.deepcopy(run.after["fuse_norm_rope_into_cache_writes"])
+    assert ops["fxglm5.rms_norm"] == 13 and "fxglm5.rope_interleaved" not in ops and "aten.layer_norm" not in ops
+    again = copy.deepcopy(run.after["fuse_rope_into_indexer_query"])
     assert run_pipeline(again, PassContext(config=run.config), stages=("cache",))[0].num_matches == 0  # nothing left
 
 
@@ -86,10 +86,11 @@ def test_shared_indexer_layers_get_no_index_cache():
 def test_dense_mla_becomes_rtp_mla():
     model = canonical_mla()
     gm = canonical_graph("insert_paged_cache", model)
-    result, selected, folded = run_pipeline(gm, PassContext(), stages=("cache",))
+    result, selected, folded, query = run_pipeline(gm, PassContext(), stages=("cache",))
     assert selected.num_matches == 0  # the module ends in a reshape, not a row-wise op: selected at the output
     assert result.num_matches == 1 and result.details == {"indexers": 0}
     assert folded.num_matches == 1 and folded.details == {"norms": 1, "ropes": 2}
+    assert query.num_matches == 0  # no indexer
     ops = op_histogram(gm)
     assert ops.get("fxglm5.rtp_mla") == 1 and "fxglm5.mla" not in ops
     assert "fxglm5.rms_norm" not in ops and "fxglm5.rope_interleaved" not in ops
