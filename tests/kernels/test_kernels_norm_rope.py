@@ -199,6 +199,45 @@ def test_latent_query_matches_reference(T, H, dims, dtype, rope):
     assert (out[..., ra:512] == 0).all() and (out[..., 512 + rp:] == 0).all()
 
 
+@given(st.integers(1, 5), st.sampled_from([1, 3, 16]), st.sampled_from([64, 32]), st.sampled_from(DTYPES),
+       st.sampled_from(["fp8", "exact"]), st.integers(0, 99))
+def test_indexer_logits_rotating_the_query_equal_the_unfused_chain(T, HI, rot, dtype, cache_kind, seed):
+    """The indexer's logits kernel rotating the query as it loads it (``rope``) gives the bits of the unfused chain:
+    the standalone RoPE kernel, then the logits of the rotated query, over the FP8 cache and the exact one; and the
+    reference kernel set's chain (torch RoPE, then its logits) to the rounding the two RoPEs may differ by. Strided
+    query rows (a slice of q_b|wq_b's output), 1 to 16 heads, the first 64 or 32 of 128 features rotated."""
+    from fxglm5.lowering.triton import indexer as tindexer
+
+    gen = torch.Generator().manual_seed(seed)
+    bs, length = 4, 11
+    bt = torch.tensor([[3, 1, 2]], dtype=torch.int32)
+    fp8 = cache_kind == "fp8"
+    cache = torch.zeros(4, bs, 132, dtype=torch.uint8) if fp8 else torch.zeros(4, bs, 128, dtype=dtype)
+    keys = torch.randn(length, 128, generator=gen).to(dtype)
+    slots = paged.slots_from_positions(bt, torch.zeros(length, dtype=torch.int32), torch.arange(length), bs)
+    (paged.write_indexer_cache if fp8 else paged.write_exact_index_keys)(cache, keys, slots)
+    q = (torch.randn(T, HI, 160, generator=gen) * 2).to(dtype)[..., 32:]
+    w = torch.rand(T, HI, generator=gen)
+    req, pos = torch.zeros(T, dtype=torch.int32), torch.randint(0, length, (T,), generator=gen, dtype=torch.int32)
+    tables = _tables(T, rot // 2, gen)
+    ctx = (cache, bt, req, pos)
+    fused = tindexer.indexer_logits_paged(q, w, *ctx, rope=tables, validate=fp8)  # (the exact cache: unvalidated)
+    unfused = tindexer.indexer_logits_paged(tnr.rope_interleaved(q, *tables), w, *ctx, validate=fp8)
+    assert torch.equal(fused, unfused)
+    rotated = paged.rotated_queries(q, tables)
+    if fp8:
+        want = paged.indexer_logits_paged(rotated, w, cache, bt, req, pos, max_len=fused.shape[1])
+    else:  # the exact scores: float64 sums of the float32 products
+        want = (torch.relu(rotated.double() @ cache.view(-1, 128)[slots].double().T) * w.double()[..., None]).sum(1)
+    for t in range(T):
+        n = int(pos[t]) + 1
+        torch.testing.assert_close(fused[t, :n].double(), want[t, :n].double(), rtol=2e-2,
+                                   atol=2e-2 * want[t, :n].abs().max().item())
+    top = tindexer.indexer_topk_paged(q, w, *ctx, 4, rope=tables, validate=False)
+    unfused_top = tindexer.indexer_topk_paged(tnr.rope_interleaved(q, *tables), w, *ctx, 4, validate=False)
+    assert torch.equal(top.sort(-1).values, unfused_top.sort(-1).values)
+
+
 @pytest.mark.parametrize("mod", [paged, tpc])
 def test_fused_write_bad_inputs(mod):
     cache = torch.zeros(3, 4, 576, dtype=torch.bfloat16)
