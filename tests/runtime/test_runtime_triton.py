@@ -14,17 +14,25 @@ PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [7, 1, 8]]  # one lo
 
 
 def test_triton_path_same_tokens_as_reference(monkeypatch):
+    """... and no RoPE kernel is launched, prefill or decode: every RoPE runs inside the attention ops' kernels (the
+    indexer query's in the indexer's logits kernel, which the decode steps launch: their windows exceed the top-k)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors: the Triton bindings need the interpreter
     cfg = Glm5Config.preset("tiny").replace(num_hidden_layers=2, mlp_layer_types=None, indexer_types=None)
     model = random_model(cfg, torch.float32)
-    outputs, backends = {}, {}
+    outputs, backends, launched, launch = {}, {}, [], InterpretedFunction.run
     for backend in ("reference", "triton"):
         runner = Runner(model, kv_cache="fp8", index_cache="fp8", block_size=16, dtype=torch.float32,
                         max_cache_tokens=128, backend=backend)
         backends[backend] = runner.pass_results[-1].details["backends"]
+        if backend == "triton":
+            monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                                or launch(self, *a, **k))
         outputs[backend] = runner.generate(PROMPTS, 3)
     assert backends == {"reference": "reference", "triton": "triton/reference"}
     assert outputs["triton"] == outputs["reference"]
+    assert "_indexer_logits_kernel" in launched and "_rope_kernel" not in launched
 
 
 @pytest.mark.parametrize("max_step_tokens, tiles", [(None, [40, 40]), (16, [16, 16, 16, 16])],
