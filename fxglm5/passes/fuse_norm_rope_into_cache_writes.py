@@ -7,7 +7,8 @@ tables), they are computed inside the cache-write kernel, which reads the raw ro
 once; the query's RoPE moves into the kernel that assembles the 576-wide latent query. Per MLA layer that
 removes the norm and both RoPE kernels, per indexer layer the LayerNorm and the key's RoPE (see
 ``fxglm5.ops.cached`` for the extra arguments). Runs after ``insert_paged_cache``; a value with another reader
-is left alone.
+is left alone. The indexer query's RoPE is folded next, by ``fuse_rope_into_indexer_query``, which reuses the
+tables this pass gives rtp_indexer for its key.
 """
 
 from __future__ import annotations
