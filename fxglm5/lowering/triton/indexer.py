@@ -30,7 +30,7 @@ from fxglm5.lowering.reference.norm_rope import validate_rope
 from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_gemm import row_chunk
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, rotate_pairs
-from fxglm5.lowering.triton.paged_cache import _rope_args, e4m3_bits, pow2_scale
+from fxglm5.lowering.triton.paged_cache import rope_launch_args, e4m3_bits, pow2_scale
 from fxglm5.lowering.triton.topk import SEGMENT_MAX, topk_from_logits
 
 interpreter_compat()
@@ -236,7 +236,7 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
     # the exact mode multiplies on tensor cores where queries and keys share a 16-bit dtype, else in IEEE float32
     f32dot = interp or (exact and not (q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float16)))
     BLOCK_HI = max(16, triton.next_power_of_2(HI))
-    cos, sin, stride_c, half = _rope_args(rope, q)
+    cos, sin, stride_c, half = rope_launch_args(rope, q)
     args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache,
             k_cache if exact else k_cache.view(torch.float32),
             k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, cos, sin, stride_c, half,

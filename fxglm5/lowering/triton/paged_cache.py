@@ -20,8 +20,8 @@ from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, rms_normalize, rotate_
 interpreter_compat()
 
 
-__all__ = ["write_latent_cache", "write_indexer_cache", "write_exact_index_keys", "latent_query", "slots_from_positions", "pow2_scale", "e4m3_bits",
-           "bf16_bits"]
+__all__ = ["write_latent_cache", "write_indexer_cache", "write_exact_index_keys", "latent_query", "slots_from_positions",
+           "pow2_scale", "e4m3_bits", "bf16_bits", "rope_launch_args"]
 
 
 @triton.jit
@@ -221,7 +221,7 @@ def _contig_rows(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _rope_args(rope, like):
+def rope_launch_args(rope, like):
     """(cos, sin, row stride, pairs) for the kernels; dummies (never read) without RoPE."""
     if rope is None:
         return like, like, 0, 0
@@ -239,7 +239,7 @@ def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True
         return
     kv_c, k_pe = _contig_rows(kv_c), _contig_rows(k_pe)
     weight, eps = norm if norm is not None else (kv_c, 0.0)
-    cos, sin, stride_c, half = _rope_args(rope, kv_c)
+    cos, sin, stride_c, half = rope_launch_args(rope, kv_c)
     common = dict(R=ref.KV_LORA_RANK, DR=ref.ROPE_DIM, NORM=norm is not None, ROPE=rope is not None,
                   DT=DTYPE_CODES[kv_c.dtype], num_warps=4)
     tail = (kv_c.stride(0), k_pe.stride(0), stride_c, kv_c.shape[1], k_pe.shape[1], half, float(eps))
@@ -275,7 +275,7 @@ def _write_index_keys(cache, k, slot_mapping, norm, rope, exact: bool) -> None:
         return
     k = _contig_rows(k)
     weight, bias, eps = norm if norm is not None else (k, k, 0.0)
-    cos, sin, stride_c, half = _rope_args(rope, k)
+    cos, sin, stride_c, half = rope_launch_args(rope, k)
     bf16 = exact and cache.dtype == torch.bfloat16
     keys, scales = (cache.view(torch.int16) if bf16 else cache, cache) if exact else (cache, cache.view(torch.float32))
     _write_index_kernel[(T,)](k, slot_mapping, keys, scales, weight, bias, cos, sin, k.stride(0),
@@ -297,7 +297,7 @@ def latent_query(q_nope, w_uk, q_pe, rope=None):
     if T == 0:
         return out
     q_nope, q_pe, w_uk = _contig_rows(q_nope), _contig_rows(q_pe), _contig_rows(w_uk.to(q_nope.dtype))
-    cos, sin, stride_c, half = _rope_args(rope, q_pe)
+    cos, sin, stride_c, half = rope_launch_args(rope, q_pe)
     D = q_nope.shape[2]
     bt, br = (16, 32) if T <= 16 else (64, 64)
     _latent_query_kernel[(triton.cdiv(T, bt), H, ref.KV_LORA_RANK // br)](
