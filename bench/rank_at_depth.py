@@ -349,7 +349,7 @@ def memory(device: torch.device) -> dict:
 def measure_ttft(runner: Runner, ctx: int, gen: torch.Generator, device: torch.device) -> dict:
     """One prompt's prefill: a warm-up (compile, autotune), then timed, then profiled; fresh random tokens each
     time (no prefix reuse)."""
-    vocab, layers = runner.config.vocab_size, runner.config.num_hidden_layers
+    vocab = runner.config.vocab_size
 
     def prefill():
         seq, = runner.prefill([torch.randint(vocab, (ctx,), generator=gen).tolist()])

@@ -152,7 +152,6 @@ def _selection(select, qf, wf, cache, block_table, req_idx, positions, topk, gro
     return select(qf, wf, cache, block_table, req_idx, positions, topk, rope=rope) if out is None else out
 
 
-
 # ---------------------------------------------------------------------------------------------------------
 # latent attention
 # ---------------------------------------------------------------------------------------------------------
