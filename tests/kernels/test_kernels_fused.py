@@ -200,7 +200,8 @@ def test_moe_router_is_the_gemv_then_the_route(monkeypatch, sms, rows, renorm, t
     elsewhere), and every arrival counter back at 0. Against the float32 reference chain (no ties: torch's top-k
     orders them its own way): the same ids and the weights within float32 rounding (the logits' sums run in
     another order)."""
-    monkeypatch.setattr(f32_linear, "num_sms", lambda device: sms)
+    for module in (f32_linear, moe):  # the SM count each launch sizes its K split from
+        monkeypatch.setattr(module, "num_sms", lambda device: sms)
     launched = []
     kernel = moe._router_kernel
     monkeypatch.setattr(moe, "_router_kernel", type("Launch", (), {

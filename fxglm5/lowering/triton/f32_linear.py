@@ -199,12 +199,12 @@ def gemv_config(n: int, k: int, sms: int, rows: int = 1) -> dict:
     return _split_k(triton.cdiv(k, block_k(rows)), CTAS_PER_SM * sms, triton.cdiv(n, BLOCK_N))
 
 
-def gemv_launch(n: int, k: int, rows: int, device: torch.device) -> tuple[tuple[int, int], dict]:
+def gemv_launch(n: int, k: int, rows: int, sms: int) -> tuple[tuple[int, int], dict]:
     """The GEMV's grid (column tiles, K splits) and launch keywords over ``rows`` rows (1 to MAX_GEMV_ROWS) of a
-    [n, k] weight: :func:`gemv_config`'s K split over the device's SMs, 4 warps. ``moe.moe_router`` launches its
+    [n, k] weight on ``sms`` SMs: :func:`gemv_config`'s K split, 4 warps. ``moe.moe_router`` launches its
     kernel with these too, so that its partial sums, their reduction and so its logits are the GEMV's, bit for
     bit (the reductions' order in registers follows the tile shapes and the warps)."""
-    cfg = gemv_config(n, k, num_sms(device), rows)
+    cfg = gemv_config(n, k, sms, rows)
     cfg.update(BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=BLOCK_N, BLOCK_K=block_k(rows), num_warps=4)
     return (triton.cdiv(n, BLOCK_N), cfg["SPLIT"]), cfg
 
@@ -252,7 +252,7 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, scales: Sequence[float], *
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
     if gemv:
         kernel = _f32_gemv_kernel
-        grid, cfg = gemv_launch(n, k, rows, x.device)
+        grid, cfg = gemv_launch(n, k, rows, num_sms(x.device))
     else:
         cfg = gemm_config(rows, n, k, num_sms(x.device))
         kernel = _f32_gemm_kernel

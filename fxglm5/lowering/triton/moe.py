@@ -202,7 +202,7 @@ def moe_router(x, weight, correction_bias, top_k, n_group, topk_group, renormali
     x2, weight = x.reshape(rows, k).contiguous(), weight.contiguous()
     w = torch.empty(rows, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(rows, top_k, dtype=torch.int32, device=x.device)
-    grid, cfg = gemv_launch(e, k, rows, x.device)
+    grid, cfg = gemv_launch(e, k, rows, num_sms(x.device))
     part = torch.empty(cfg["SPLIT"], rows, e, dtype=torch.float32, device=x.device) if cfg["SPLIT"] > 1 else logits
     counters = tile_counters(x.device, grid[0] + 1)  # one per expert tile, then the step's
     local = expert_offset is not None
