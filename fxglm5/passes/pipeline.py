@@ -51,8 +51,8 @@ PIPELINE: dict[Stage, tuple[str, ...]] = {
     # router ops), the gate folded into the down GEMM once gate and up are slices of one stacked GEMM, the residual
     # adds last (what they read no longer changes)
     Stage.FUSE_KERNELS: ("fuse_f32_linear", "fuse_local_experts_into_route", "fuse_f32_linear_into_route",
-                         "fuse_shared_input_gemms",
-                         "fuse_silu_mul_into_down", "fuse_shared_add_into_moe", "fuse_add_rms_norm"),
+                         "fuse_shared_input_gemms", "fuse_silu_mul_into_down", "fuse_shared_add_into_moe",
+                         "fuse_add_rms_norm"),
     Stage.LOWER: ("lower",),
 }
 

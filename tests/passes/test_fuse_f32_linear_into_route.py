@@ -1,6 +1,7 @@
 """fuse_f32_linear_into_route: the router's float32 logits (``f32_linear``) and the ``moe_route`` reading them ->
 fxglm5::moe_router (tests/passes/template.py's checks; near misses: logits scaled, logits read by something else
-too, logits of an aten linear). Under expert parallelism the ``moe_route_local`` router: tests/parallel/test_fuse_f32_linear_into_route.py."""
+too, logits of an aten linear). Under expert parallelism the ``moe_route_local`` router:
+tests/parallel/test_fuse_f32_linear_into_route.py."""
 
 import torch
 import torch.nn.functional as F

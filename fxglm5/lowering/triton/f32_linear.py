@@ -7,9 +7,12 @@ every row of a weight tile served from one load, K split over enough CTAs to str
 of each column tile summing the partials in a fixed order (deterministic), applying the scales one by one as the
 reference does and writing the tile (the split-K fix-up of :mod:`fxglm5.lowering.triton.fp8_gemm`): one launch
 where the unfused graph ran a cast, a cuBLAS GEMM (a SIMT kernel and a split-K reduction at 8 rows) and a kernel
-per scale. (Why not a Triton IEEE float32 ``tl.dot`` for every row count: on an H200 it takes 23 us a call at batch
-1 and 300 us at 2048 rows, against 5.6 / 68 us for cuBLAS: bench/results/rank_at_depth/README.md. At 8 rows the
-cuBLAS path cost about 1.1 ms of an H100's 39-layer decode step: bench/results/rank_at_depth_busiest_h100_0f645d0.)
+per scale. The MoE router's GEMV runs inside ``moe._router_kernel`` (``fxglm5::moe_router``), whose last CTA then
+routes the rows: it launches the same tiles and splits (:func:`gemv_launch`) over the same helpers, so its logits are
+this kernel's bit for bit. (Why not a Triton IEEE float32 ``tl.dot`` for every row count: on an H200 it takes 23 us
+a call at batch 1 and 300 us at 2048 rows, against 5.6 / 68 us for cuBLAS: bench/results/rank_at_depth/README.md. At
+8 rows the cuBLAS path cost about 1.1 ms of an H100's 39-layer decode step:
+bench/results/rank_at_depth_busiest_h100_0f645d0.)
 
 More rows are a GEMM, on tensor cores with float32-class accuracy (3xTF32, as CUTLASS and Triton's
 ``input_precision="tf32x3"`` do it, here written out). An IEEE ``tl.dot`` runs on the CUDA cores; a TF32 MMA runs

@@ -179,9 +179,9 @@ def router_fuses(rows: int, n_group: int) -> bool:
     serves them all), so all rows' logits are done at the same moment, in the last tile's finishing CTA: one ticket
     a step (a counter per row would fire in that same CTA), and that CTA routes the rows ROUTE_ROWS at a time,
     each pass as long as one program of the route kernel. It saves the route kernel's launch and its gap (the align
-    kernel's came to 2.6 us a layer at batch 1 on an H100: :func:`scans`) for one atomic per expert tile. Past it the logits are the tensor-core
-    GEMM's row tiles, and the route kernel's program per token does in parallel what one CTA would do in
-    sequence. Group-limited routing (n_group > 1) is the reference's (:func:`moe_route`)."""
+    kernel's came to 2.6 us a layer at batch 1 on an H100: :func:`scans`) for one atomic per expert tile. Past it
+    the logits are the tensor-core GEMM's row tiles, and the route kernel's program per token does in parallel what
+    one CTA would do in sequence. Group-limited routing (n_group > 1) is the reference's (:func:`moe_route`)."""
     return 0 < rows <= MAX_GEMV_ROWS and n_group == 1
 
 
