@@ -11,10 +11,10 @@ the mean one.
 
 ``SteeredRouting``: the measured rank's router made to give, per MoE layer, the routing of one simulated busiest group
 (remapped to the rank's own experts, its group's local ids; the rank is rank 0, in group 0): a context manager that
-wraps the router ops' implementations (``moe_route`` and ``moe_route_local``, every backend) before the compile binds
-them. The real router still runs (its kernel stays in the step and its weights are used); only its expert ids are
-replaced, by a static tensor per layer, so the substitution adds no kernel and replays inside a CUDA graph. Calls whose
-token count is not a steered batch (a prefill) pass through.
+wraps the router ops' implementations (``moe_route``, ``moe_route_local`` and ``moe_router``, every backend) before
+the compile binds them. The real router still runs (its kernel stays in the step and its weights are used); only its
+expert ids are replaced, by a static tensor per layer, so the substitution adds no kernel and replays inside a CUDA
+graph. Calls whose token count is not a steered batch (a prefill) pass through.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import dataclasses
 
 import torch
 
-ROUTER_OPS = ("moe_route", "moe_route_local")
+ROUTER_OPS = ("moe_route", "moe_route_local", "moe_router")
 
 
 @dataclasses.dataclass

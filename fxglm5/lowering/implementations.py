@@ -238,6 +238,15 @@ def _moe_route_local_triton(logits, bias, top_k, n_group, topk_group, renormaliz
     return moe_route(logits, bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset, num_local)
 
 
+@register("moe_router", "triton",
+          lambda x, weight, bias, top_k, n_group, topk_group, renorm, scaling, offset, num_local:
+          _f32_linear_supported(x, weight, []))
+def _moe_router_triton(x, weight, bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset, num_local):
+    from fxglm5.lowering.triton.moe import moe_router
+
+    return moe_router(x, weight, bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset, num_local)
+
+
 @register("silu_mul_fp8_linear", "triton",
           lambda gate, up, weight, scale, bias, act_quant: _fp8_linear_supported(gate, weight, scale, bias, act_quant))
 def _silu_mul_fp8_linear_triton(gate, up, weight, scale, bias, act_quant):

@@ -11,6 +11,10 @@ against it. Signatures:
 - ``moe_route_local(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset int32
   [], num_local) -> (weights f32 [T, k], ids int32 [T, k])``: ``moe_route`` with its ids local to the experts
   ``[offset, offset + num_local)`` a rank holds, -1 for the others (expert parallelism).
+- ``moe_router(x [T, H], weight f32 [E, H], correction_bias, top_k, n_group, topk_group, renormalize, scaling,
+  expert_offset int32 []?, num_local) -> (weights f32 [T, k], ids int32 [T, k])``: the router whole, ``moe_route``
+  (``moe_route_local`` with ``expert_offset``) of ``f32_linear(x, weight, [])``: the GEMV and the routing in one
+  kernel at decode.
 - ``moe_fp8_add(x [T, H], ids, weights, w13, w13_scale?, w2, w2_scale?, act_quant, addend [T, H]) -> [T, H]``:
   ``moe_fp8(...) + addend``, the routed experts' sum and the shared expert's output added where the routed sum is
   written.
@@ -61,6 +65,20 @@ def moe_route_local(logits: Tensor, correction_bias: Tensor, top_k: int, n_group
 def _(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset, num_local):
     t = logits.shape[0]
     return logits.new_empty(t, top_k, dtype=torch.float32), logits.new_empty(t, top_k, dtype=torch.int32)
+
+
+@torch.library.custom_op("fxglm5::moe_router", mutates_args=())
+def moe_router(x: Tensor, weight: Tensor, correction_bias: Tensor, top_k: int, n_group: int, topk_group: int,
+               renormalize: bool, scaling: float, expert_offset: Optional[Tensor],
+               num_local: int) -> tuple[Tensor, Tensor]:
+    return ref.moe_router(x, weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling,
+                          expert_offset, num_local)
+
+
+@moe_router.register_fake
+def _(x, weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset, num_local):
+    t = x.shape[0]
+    return x.new_empty(t, top_k, dtype=torch.float32), x.new_empty(t, top_k, dtype=torch.int32)
 
 
 @torch.library.custom_op("fxglm5::silu_mul_fp8_linear", mutates_args=())

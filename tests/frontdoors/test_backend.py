@@ -81,7 +81,7 @@ def test_lowered_for_triton_with_options(monkeypatch, caplog):
         assert rel_err(compiled(ids, pos), model(ids, pos)) < 1e-4
     summaries = [r.getMessage() for r in caplog.records]
     lowered = next(s for s in summaries if "lower lower " in s)  # the lower pass (fuse_shared_input_gemms runs first)
-    for op in ("fp8_linear", "moe_route", "moe_fp8_add", "rms_norm"):
+    for op in ("fp8_linear", "moe_router", "moe_fp8_add", "rms_norm"):
         assert f"{op}:triton" in lowered
     assert "sparse_mla:reference" in lowered and "rope_interleaved" not in lowered
     assert not any("match_rope" in s for s in summaries)

@@ -1,9 +1,10 @@
 """The fuse_kernels stage's Triton kernels at GLM-5's per-rank shapes (TP8 / EP8) on the GPU, against the torch
 references: add_rms_norm at 6144, the router's and the indexer head weights' f32_linear (its 3xTF32 GEMM against
-float64 too), moe_route_local over a rank's 32 of 256 experts, and the gated down GEMMs (dense MLP 1536, shared
-expert 256 intermediate features per rank) on the decode path and the prefill path, also replayed from a CUDA graph
-(the split-K counters reset), and a rank's routed experts at decode batches, their split gate|up GEMM reduced by its
-last split CTAs, from a graph."""
+float64 too), moe_route_local over a rank's 32 of 256 experts, the router's GEMV and routing in one launch
+(moe_router, also replayed from a CUDA graph), and the gated down GEMMs (dense MLP 1536, shared expert 256
+intermediate features per rank) on the decode path and the prefill path, also replayed from a CUDA graph (the
+split-K counters reset), and a rank's routed experts at decode batches, their split gate|up GEMM reduced by its last
+split CTAs, from a graph."""
 
 import pytest
 import torch
@@ -89,6 +90,43 @@ def test_moe_route_local(tokens, rank):
     weights, ids = moe.moe_route(logits, bias, 8, 1, 1, True, 2.5, offset, 32)
     want_weights, want_ids = ref.moe_route_local(logits, bias, 8, 1, 1, True, 2.5, offset, 32)
     assert torch.equal(ids, want_ids) and torch.allclose(weights, want_weights, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+@pytest.mark.parametrize("rank", [None, 7], ids=["global", "ep8_rank7"])
+def test_moe_router_one_launch(tokens, rank):
+    """GLM-5's router (6144 features -> 256 experts, top-8, n_group 1, renormalized, x 2.5) in one launch at decode
+    batches, the ids global or local to EP8 rank 7's 32 experts: bit for bit the two launches (f32_linear's GEMV,
+    then the route kernel), over several rows at once; the reference's ids and its weights within float32 rounding.
+    Called twice back to back (the step's counter reset by the first call's last CTA), then replayed twice from a
+    CUDA graph over new tokens: the eager bits every time, and every arrival counter back at 0."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 6144, device="cuda", generator=g).bfloat16()
+    w = torch.randn(256, 6144, device="cuda", generator=g) / 6144 ** 0.5
+    bias = 0.01 * torch.randn(256, device="cuda", generator=g)
+    offset = None if rank is None else torch.tensor(32 * rank, dtype=torch.int32, device="cuda")
+    args = (bias, 8, 1, 1, True, 2.5, offset, 32)
+    assert moe.router_fuses(tokens, 1)
+    counters = fp8_parts.tile_counters(x.device, 1)
+
+    def both():
+        return moe.moe_router(x, w, *args), moe.moe_route(f32_linear.f32_linear(x, w, []), *args)
+
+    for _ in range(2):
+        (weights, ids), (want_weights, want_ids) = both()
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+        assert int(counters.abs().sum()) == 0
+    ref_weights, ref_ids = ref.moe_router(x, w, *args)
+    assert torch.equal(ids, ref_ids) and torch.allclose(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (weights, ids), (want_weights, want_ids) = both()
+    for seed in range(2):
+        x.copy_(torch.randn(tokens, 6144, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+        assert torch.equal(ids, moe.moe_router(x, w, *args)[1]) and int(counters.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64, 65, 2048])

@@ -1,7 +1,8 @@
 """The fuse_kernels stage's ops (fxglm5.ops.fused) in Triton, interpreted on the CPU, against their references (the
 chains they replace): add_rms_norm, f32_linear (the GEMV and the 3xTF32 GEMM, split-K fix-up, scales in turn),
-moe_route_local, and the gated down GEMM silu_mul_fp8_linear on the decode path (the gate applied as A tiles load)
-and past it (one elementwise kernel first); bad inputs name the argument. Small shapes: CI runs it on 2 cores."""
+moe_route_local, moe_router (the GEMV and the routing in one launch), and the gated down GEMM silu_mul_fp8_linear
+on the decode path (the gate applied as A tiles load) and past it (one elementwise kernel first); bad inputs name the
+argument. Small shapes: CI runs it on 2 cores."""
 
 import os
 
@@ -14,6 +15,7 @@ import pytest  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import fxglm5.ops  # noqa: E402,F401  (registers the ops)
 from fxglm5.errors import InputError  # noqa: E402
 from fxglm5.lowering.reference import fused as ref  # noqa: E402
 from tests.helpers import tf32_rounded  # noqa: E402
@@ -171,6 +173,88 @@ def test_moe_route_local_matches_reference(offset, count):
     assert ((ids == -1) | ((ids >= 0) & (ids < count))).all()
 
 
+def _router_inputs(rows, experts, k, seed, ties):
+    """bf16 tokens, a float32 router weight and a correction bias. ``ties``: experts 3 and 9 (and 20 and 21) share
+    their weight rows, the bias is zero, so their scores tie exactly in every row (the lower id is picked first),
+    and a third of the rows are zero, whose scores all tie at 0.5 (the lowest ids win)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(experts, k, generator=g) / k ** 0.5
+    bias = 0.05 * torch.randn(experts, generator=g)
+    if ties:
+        w[9], w[21] = w[3], w[20]
+        bias.zero_()
+        x[::3] = 0
+    return x, w, bias
+
+
+@pytest.mark.parametrize("sms, rows", [(132, 1), (132, 3), (132, 8), (132, 16), (1, 5)],
+                         ids=["splits-1row", "splits-3rows", "splits-8rows", "splits-16rows", "one_split-5rows"])
+@pytest.mark.parametrize("renorm, ties", [(True, False), (False, True)], ids=["renorm", "ties-no_renorm"])
+@pytest.mark.parametrize("offset", [None, 24], ids=["global", "local"])
+def test_moe_router_is_the_gemv_then_the_route(monkeypatch, sms, rows, renorm, ties, offset):
+    """The router in one launch (up to MAX_GEMV_ROWS tokens) gives the two launches' ids and weights bit for bit
+    (f32_linear's GEMV, then the route kernel): with an H100's 132 SMs K is split over CTAs and 40 experts make
+    three expert tiles, the last one partial, so every tile's last split reduces and the last tile routes every row
+    (16 rows: two passes of ROUTE_ROWS); one SM gives one split (each tile's CTA stores its logits at once). Scores
+    tie (the lower id first), renormalized or not, ids global or local to a rank's experts [24, 40) (-1
+    elsewhere), and every arrival counter back at 0. Against the float32 reference chain (no ties: torch's top-k
+    orders them its own way): the same ids and the weights within float32 rounding (the logits' sums run in
+    another order)."""
+    for module in (f32_linear, moe):  # the SM count each launch sizes its K split from
+        monkeypatch.setattr(module, "num_sms", lambda device: sms)
+    launched = []
+    kernel = moe._router_kernel
+    monkeypatch.setattr(moe, "_router_kernel", type("Launch", (), {
+        "__getitem__": lambda self, grid: lambda *a, **k: launched.append(k["SPLIT"]) or kernel[grid](*a, **k)})())
+    x, w, bias = _router_inputs(rows, 40, 700, rows + 7 * ties, ties)
+    off = None if offset is None else torch.tensor(offset, dtype=torch.int32)
+    args = (bias, 6, 1, 1, renorm, 2.5, off, 16)
+    weights, ids = moe.moe_router(x, w, *args)
+    assert len(launched) == 1 and (launched[0] > 1) == (sms > 1)
+    want_weights, want_ids = moe.moe_route(f32_linear.f32_linear(x, w, []), *args)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    assert not fp8_gemm.tile_counters(x.device, 4).any()
+    picked = moe.moe_router(x, w, bias, 6, 1, 1, renorm, 2.5)[1]  # the global ids
+    if offset is not None:
+        assert torch.equal(ids, ref.local_expert_ids(picked, off, 16))
+    if ties:  # the kernels' rule (torch.topk, the reference's, orders ties as it likes)
+        assert (picked[0] == torch.arange(6)).all()  # a zero row: every score ties, the lowest ids win
+        both = [row.tolist() for row in picked[1:] if 3 in row and 9 in row]
+        assert all(row.index(3) == row.index(9) - 1 for row in both)
+    else:
+        ref_weights, ref_ids = ref.moe_router(x, w, *args)
+        assert torch.equal(ids, ref_ids) and torch.allclose(weights, ref_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_moe_router_past_the_gemv_rows_runs_two_launches(monkeypatch):
+    """Past MAX_GEMV_ROWS (a prefill's tokens) the logits are the tensor-core GEMM's and the route kernel's program
+    per token routes them: no router kernel, the two-launch chain's values."""
+    monkeypatch.setattr(moe, "_router_kernel", None)  # launching it would fail
+    x, w, bias = _router_inputs(f32_linear.MAX_GEMV_ROWS + 1, 40, 300, 0, False)
+    weights, ids = moe.moe_router(x, w, bias, 6, 1, 1, True, 2.5)
+    want_weights, want_ids = moe.moe_route(f32_linear.f32_linear(x, w, []), bias, 6, 1, 1, True, 2.5)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    assert not moe.router_fuses(f32_linear.MAX_GEMV_ROWS + 1, 1) and moe.router_fuses(f32_linear.MAX_GEMV_ROWS, 1)
+    assert not moe.router_fuses(1, 4)  # group-limited routing: the reference's
+
+
+@pytest.mark.parametrize("offset", [None, 4])
+def test_moe_router_reference_is_the_chain_it_replaces(offset):
+    """The op's reference is f32_linear's then moe_route's (moe_route_local's with an offset), bit for bit."""
+    x, w, bias = _router_inputs(5, 16, 64, 1, False)
+    off = None if offset is None else torch.tensor(offset, dtype=torch.int32)
+    got = ref.moe_router(x, w, bias, 4, 1, 1, True, 2.5, off, 4)
+    logits = torch.ops.fxglm5.f32_linear(x, w, [])
+    if offset is None:
+        chain = torch.ops.fxglm5.moe_route(logits, bias, 4, 1, 1, True, 2.5)
+    else:
+        chain = torch.ops.fxglm5.moe_route_local(logits, bias, 4, 1, 1, True, 2.5, off, 4)
+    assert all(torch.equal(a, b) for a, b in zip(got, chain))
+    assert all(torch.equal(a, b) for a, b in zip(torch.ops.fxglm5.moe_router(x, w, bias, 4, 1, 1, True, 2.5, off, 4),
+                                                 chain))
+
+
 def _fp8_weight(n, k, g):
     w = (torch.randn(n, k, generator=g) * 0.5).to(torch.float8_e4m3fn)
     return w, torch.rand(-(-n // 128), -(-k // 128), generator=g) * 0.02 + 0.005
@@ -200,6 +284,10 @@ def test_silu_mul_fp8_linear_is_the_unfused_chain(m, inter, act_quant, dtype, se
     (lambda: norm_rope.add_rms_norm(torch.ones(2, 8), torch.ones(2, 4), torch.ones(8), 1e-6), "add_rms_norm residual"),
     (lambda: f32_linear.f32_linear(torch.ones(2, 8), torch.ones(4, 8, dtype=torch.bfloat16), []), "f32_linear weight"),
     (lambda: f32_linear.f32_linear(torch.ones(2, 8), torch.ones(4, 8), [1.0] * 5), "f32_linear scales"),
+    (lambda: moe.moe_router(torch.ones(2, 8), torch.ones(4, 8, dtype=torch.bfloat16), torch.zeros(4), 2, 1, 1, True,
+                            1.0), "f32_linear weight"),
+    (lambda: moe.moe_router(torch.ones(2, 8), torch.ones(4, 8), torch.zeros(5), 2, 1, 1, True, 1.0),
+     "correction_bias"),
     (lambda: fp8_gemm.fp8_linear(torch.ones(2, 128), *_fp8_weight(128, 128, torch.Generator()), None, False,
                                  up=torch.ones(2, 64)), "up:"),
 ])

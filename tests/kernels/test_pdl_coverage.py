@@ -40,8 +40,11 @@ EXEMPT = {
     "sparse_mla_tile._tile_kernel": _PREFILL_TILE,
 }
 # kernels with statements before the prologue: none may return, store or take part in an atomic
+_FIRST_WEIGHTS = "requests its first weight tile (constants no kernel writes) before the wait"
 BEFORE_PROLOGUE = {
-    "fp8_gemv._gemv_kernel": "requests its first weight tile (constants no kernel writes) before the wait",
+    "fp8_gemv._gemv_kernel": _FIRST_WEIGHTS,
+    "f32_linear._f32_gemv_kernel": _FIRST_WEIGHTS,
+    "moe._router_kernel": _FIRST_WEIGHTS,
 }
 PROLOGUES = ("pdl_prologue", "gluon_pdl_prologue")
 _KERNEL_TYPES = (JITFunction, InterpretedFunction, Autotuner)
@@ -171,7 +174,8 @@ def test_every_launched_kernel_takes_part_in_pdl():
                  "mla._mla_fwd_kernel", "mla._mla_combine_kernel", "mla._mla_combine_project_kernel",
                  "mla_hopper._mla_hopper_kernel",
                  "paged_cache._write_latent_fp8_kernel", "paged_cache._write_index_kernel",
-                 "paged_cache._latent_query_kernel", "fp8_gemm._quant_kernel", "moe._moe_gemm_kernel"):
+                 "paged_cache._latent_query_kernel", "fp8_gemm._quant_kernel", "moe._moe_gemm_kernel",
+                 "moe._router_kernel", "f32_linear._f32_gemv_kernel"):
         assert name in launched, name
     stale = (set(EXEMPT) | set(BEFORE_PROLOGUE)) - launched
     assert not stale, f"exemptions of kernels no module launches: {stale}"

@@ -80,7 +80,8 @@ def test_moe_fp8_plain_and_quantized_agree():
 
 OPCHECKED = ["fp8_linear", "moe_route", "moe_fp8", "mla", "indexer_topk", "sparse_mla", "rms_norm", "rope_interleaved",
              "all_reduce", "all_gather",  # the collectives at world 1 here; over gloo ranks in tests/parallel
-             "add_rms_norm", "f32_linear", "moe_route_local", "silu_mul_fp8_linear", "moe_fp8_add"]  # fxglm5.ops.fused
+             "add_rms_norm", "f32_linear", "moe_route_local", "moe_router", "silu_mul_fp8_linear",
+             "moe_fp8_add"]  # fxglm5.ops.fused
 OPCHECKED_CACHED = ["rtp_indexer", "rtp_sparse_mla", "rtp_mla"]  # tests/ops/test_cache_layout.py::test_opcheck_cached_ops
 
 
@@ -116,6 +117,8 @@ def test_opcheck(name):
         "f32_linear": (torch.randn(B, S, 24).bfloat16(), torch.randn(6, 24), [0.5, 0.25]),
         "moe_route_local": (torch.randn(5, 8), torch.randn(8) * 0.1, 2, 1, 1, True, 2.5, torch.tensor(4, dtype=torch.int32),
                             4),
+        "moe_router": (torch.randn(5, 24).bfloat16(), torch.randn(8, 24), torch.randn(8) * 0.1, 2, 1, 1, True, 2.5,
+                       torch.tensor(4, dtype=torch.int32), 4),
         "silu_mul_fp8_linear": (torch.randn(3, 200), torch.randn(3, 200), (torch.randn(150, 200) * 0.1).to(
             torch.float8_e4m3fn), torch.rand(2, 2), None, True),
     }

@@ -11,11 +11,16 @@ from fxglm5.runtime.runner import Runner
 from tests.helpers import random_model
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [7, 1, 8]]  # one longer than index_topk (8)
+# a decode step's MoE layer, launch by launch: the router (GEMV + routing), the shared expert's gate|up and its down
+# (the gate folded in), the routed experts' gate|up (SiLU * up folded in) and down, the combine (+ the shared row)
+DECODE_MOE = ["_router_kernel", "_gemm_kernel", "_gemm_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel",
+              "_combine_kernel"]
 
 
 def test_triton_path_same_tokens_as_reference(monkeypatch):
     """... and no RoPE kernel is launched, prefill or decode: every RoPE runs inside the attention ops' kernels (the
-    indexer query's in the indexer's logits kernel, which the decode steps launch: their windows exceed the top-k)."""
+    indexer query's in the indexer's logits kernel, which the decode steps launch: their windows exceed the top-k);
+    a decode MoE layer launches DECODE_MOE (issue 45, item 4: the router's GEMV and its routing one launch)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors: the Triton bindings need the interpreter
@@ -33,6 +38,11 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     assert backends == {"reference": "reference", "triton": "triton/reference"}
     assert outputs["triton"] == outputs["reference"]
     assert "_indexer_logits_kernel" in launched and "_rope_kernel" not in launched
+    # every step's router (the prefill's 15 tokens and each decode step's 2, all GEMV-sized) is one launch: the GEMV's
+    # last CTA routes (moe_router), no route kernel after the router's GEMV
+    assert launched.count("_router_kernel") == 3 and "_route_kernel" not in launched
+    last = len(launched) - 1 - launched[::-1].index("_router_kernel")
+    assert launched[last:launched.index("_combine_kernel", last) + 1] == DECODE_MOE
 
 
 @pytest.mark.parametrize("max_step_tokens, tiles", [(None, [40, 40]), (16, [16, 16, 16, 16])],

@@ -68,6 +68,18 @@ def moe_route_local(logits: Tensor, correction_bias: Tensor, top_k: int, n_group
     return weights, local_expert_ids(ids, expert_offset, num_local)
 
 
+def moe_router(x: Tensor, weight: Tensor, correction_bias: Tensor, top_k: int, n_group: int, topk_group: int,
+               renormalize: bool, scaling: float, expert_offset: Optional[Tensor],
+               num_local: int) -> tuple[Tensor, Tensor]:
+    """The router whole: its float32 logits ``f32_linear(x, weight, [])``, routed by ``moe_route``, the ids made
+    local to the rank's experts where ``expert_offset`` is given (``moe_route_local``): the chain it replaces."""
+    logits = f32_linear(x, weight, [])
+    if expert_offset is None:
+        return ref_fp8.moe_route(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling)
+    return moe_route_local(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset,
+                           num_local)
+
+
 def moe_fp8_add(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Optional[Tensor], w2: Tensor,
                 w2_scale: Optional[Tensor], act_quant: bool, addend: Tensor) -> Tensor:
     """The routed experts' output plus ``addend`` (the shared expert's): ``moe_fp8(...) + addend``, the routed sum

@@ -7,9 +7,12 @@ every row of a weight tile served from one load, K split over enough CTAs to str
 of each column tile summing the partials in a fixed order (deterministic), applying the scales one by one as the
 reference does and writing the tile (the split-K fix-up of :mod:`fxglm5.lowering.triton.fp8_gemm`): one launch
 where the unfused graph ran a cast, a cuBLAS GEMM (a SIMT kernel and a split-K reduction at 8 rows) and a kernel
-per scale. (Why not a Triton IEEE float32 ``tl.dot`` for every row count: on an H200 it takes 23 us a call at batch
-1 and 300 us at 2048 rows, against 5.6 / 68 us for cuBLAS: bench/results/rank_at_depth/README.md. At 8 rows the
-cuBLAS path cost about 1.1 ms of an H100's 39-layer decode step: bench/results/rank_at_depth_busiest_h100_0f645d0.)
+per scale. The MoE router's GEMV runs inside ``moe._router_kernel`` (``fxglm5::moe_router``), whose last CTA then
+routes the rows: it launches the same tiles and splits (:func:`gemv_launch`) over the same helpers, so its logits are
+this kernel's bit for bit. (Why not a Triton IEEE float32 ``tl.dot`` for every row count: on an H200 it takes 23 us
+a call at batch 1 and 300 us at 2048 rows, against 5.6 / 68 us for cuBLAS: bench/results/rank_at_depth/README.md. At
+8 rows the cuBLAS path cost about 1.1 ms of an H100's 39-layer decode step:
+bench/results/rank_at_depth_busiest_h100_0f645d0.)
 
 More rows are a GEMM, on tensor cores with float32-class accuracy (3xTF32, as CUTLASS and Triton's
 ``input_precision="tf32x3"`` do it, here written out). An IEEE ``tl.dot`` runs on the CUDA cores; a TF32 MMA runs
@@ -74,22 +77,56 @@ def _scaled(acc, s0, s1, s2, s3, NUM_SCALES: tl.constexpr):
 
 
 @triton.jit
-def _finish(acc, ws_ptr, out_ptr, cnt_ptr, tile, mask, counter, pid_k, MN, s0, s1, s2, s3,
-            NUM_SCALES: tl.constexpr, SPLIT: tl.constexpr):
+def finish_tile(acc, ws_ptr, out_ptr, cnt_ptr, tile, mask, counter, pid_k, MN, s0, s1, s2, s3,
+                NUM_SCALES: tl.constexpr, SPLIT: tl.constexpr):
     """Write one output tile (``tile``: offsets into the [M, N] output, MN = M * N) from this CTA's sum over its K
     range: scaled and stored where K is not split; else the partial goes to its workspace slice and the tile's last
-    CTA to arrive sums the slices in split order, applies the scales and resets the tile's counter."""
+    CTA to arrive sums the slices in split order, applies the scales and resets the tile's counter. Returns whether
+    this CTA wrote the tile (every CTA where K is not split, the tile's last split where it is): a kernel that goes
+    on from the finished output (``moe._router_kernel``) goes on in that CTA."""
     if SPLIT == 1:
         tl.store(out_ptr + tile, _scaled(acc, s0, s1, s2, s3, NUM_SCALES), mask=mask)
+        wrote = True
     else:
         tl.store(ws_ptr + pid_k * MN + tile, acc, mask=mask)
         tl.debug_barrier()  # the CTA's partial stored before its arrival is published (see fp8_gemm's FIXUP)
-        if tl.atomic_add(cnt_ptr + counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+        wrote = tl.atomic_add(cnt_ptr + counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if wrote:
             total = tl.zeros_like(acc)
             for sp in range(0, SPLIT):
                 total += tl.load(ws_ptr + sp * MN + tile, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(out_ptr + tile, _scaled(total, s0, s1, s2, s3, NUM_SCALES), mask=mask)
             tl.atomic_xchg(cnt_ptr + counter, 0, sem="relaxed", scope="gpu")
+    return wrote
+
+
+@triton.jit
+def gemv_weights(w_rows, step, K, BLOCK_K: tl.constexpr):
+    """K step ``step``'s weight tile [BLOCK_N, BLOCK_K] of the rows ``w_rows`` (columns past K read as 0). The
+    weights are constants no kernel writes, so a kernel may request its first tile before its PDL wait: its latency
+    then overlaps the previous kernel's tail."""
+    offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+    return tl.load(w_rows + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _gemv_step(x_rows, m_mask, w, step, K, BLOCK_K: tl.constexpr):
+    """One K step's exact float32 products, summed over the step: [BLOCK_M, BLOCK_N] from x's rows (read in their
+    own dtype, widened in registers) and the step's weight tile ``w`` (every row served from that one load)."""
+    offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+    return tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+
+
+@triton.jit
+def gemv_partial(x_rows, m_mask, w_rows, w_first, first, K, STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """partial[m, n] = sum_k w[n, k] * x[m, k] over the STEPS K steps from ``first`` (one CTA's split), the steps
+    summed in order; ``w_first``: the first step's weight tile, loaded by the caller (:func:`gemv_weights`, before
+    its PDL wait)."""
+    acc = _gemv_step(x_rows, m_mask, w_first, first, K, BLOCK_K)
+    for i in range(1, STEPS):
+        acc += _gemv_step(x_rows, m_mask, gemv_weights(w_rows, first + i, K, BLOCK_K), first + i, K, BLOCK_K)
+    return acc
 
 
 @triton.jit
@@ -98,22 +135,17 @@ def _f32_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, cnt_ptr, M, N, K, stride_xm,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One column tile x one K split: partial[m, n] = sum_k w[n, k] * x[m, k] for every row m (each weight tile
     loaded once); the tile's last split sums the partials."""
-    pdl_prologue(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask, n_mask = offs_m < M, offs_n < N
     w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn  # rows past N re-read the last
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, STEPS):
-        offs_k = (pid_k * STEPS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    _finish(acc, ws_ptr, out_ptr, cnt_ptr, offs_m[:, None] * N + offs_n[None, :], m_mask[:, None] & n_mask[None, :],
-            pid_n, pid_k, M * N, s0, s1, s2, s3, NUM_SCALES, SPLIT)
+    w = gemv_weights(w_rows, pid_k * STEPS, K, BLOCK_K)
+    pdl_prologue(PDL)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    acc = gemv_partial(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm, m_mask, w_rows, w, pid_k * STEPS, K, STEPS,
+                       BLOCK_K)
+    finish_tile(acc, ws_ptr, out_ptr, cnt_ptr, offs_m[:, None] * N + offs_n[None, :],
+                m_mask[:, None] & (offs_n < N)[None, :], pid_n, pid_k, M * N, s0, s1, s2, s3, NUM_SCALES, SPLIT)
 
 
 @triton.jit
@@ -153,9 +185,9 @@ def _f32_gemm_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, cnt_ptr, M, N, K, stride_xm,
             x_hi = x
             step = tl.dot(x_hi, w_lo_t, input_precision="tf32")
         acc += tl.dot(x_hi, w_hi_t, step, input_precision="tf32")
-    _finish(acc, ws_ptr, out_ptr, cnt_ptr, offs_m[:, None] * N + offs_n[None, :],
-            (offs_m < M)[:, None] & (offs_n < N)[None, :], pid_m * tl.num_programs(1) + pid_n, pid_k, M * N,
-            s0, s1, s2, s3, NUM_SCALES, SPLIT)
+    finish_tile(acc, ws_ptr, out_ptr, cnt_ptr, offs_m[:, None] * N + offs_n[None, :],
+                (offs_m < M)[:, None] & (offs_n < N)[None, :], pid_m * tl.num_programs(1) + pid_n, pid_k, M * N,
+                s0, s1, s2, s3, NUM_SCALES, SPLIT)
 
 
 def _split_k(k_steps: int, ctas: int, tiles: int) -> dict:
@@ -168,6 +200,16 @@ def _split_k(k_steps: int, ctas: int, tiles: int) -> dict:
 def gemv_config(n: int, k: int, sms: int, rows: int = 1) -> dict:
     """The K split that gives about CTAS_PER_SM CTAs per SM over the column tiles (and its steps per CTA)."""
     return _split_k(triton.cdiv(k, block_k(rows)), CTAS_PER_SM * sms, triton.cdiv(n, BLOCK_N))
+
+
+def gemv_launch(n: int, k: int, rows: int, sms: int) -> tuple[tuple[int, int], dict]:
+    """The GEMV's grid (column tiles, K splits) and launch keywords over ``rows`` rows (1 to MAX_GEMV_ROWS) of a
+    [n, k] weight on ``sms`` SMs: :func:`gemv_config`'s K split, 4 warps. ``moe.moe_router`` launches its
+    kernel with these too, so that its partial sums, their reduction and so its logits are the GEMV's, bit for
+    bit (the reductions' order in registers follows the tile shapes and the warps)."""
+    cfg = gemv_config(n, k, sms, rows)
+    cfg.update(BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=BLOCK_N, BLOCK_K=block_k(rows), num_warps=4)
+    return (triton.cdiv(n, BLOCK_N), cfg["SPLIT"]), cfg
 
 
 def gemm_config(m: int, n: int, k: int, sms: int) -> dict:
@@ -211,13 +253,11 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, scales: Sequence[float], *
         return y
     weight, x2 = weight.contiguous(), x.reshape(rows, k).contiguous()
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
-    sms = num_sms(x.device)
     if gemv:
-        cfg = gemv_config(n, k, sms, rows)
-        kernel, grid = _f32_gemv_kernel, (triton.cdiv(n, BLOCK_N), cfg["SPLIT"])
-        cfg.update(BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=BLOCK_N, BLOCK_K=block_k(rows), num_warps=4)
+        kernel = _f32_gemv_kernel
+        grid, cfg = gemv_launch(n, k, rows, num_sms(x.device))
     else:
-        cfg = gemm_config(rows, n, k, sms)
+        cfg = gemm_config(rows, n, k, num_sms(x.device))
         kernel = _f32_gemm_kernel
         grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT"])
         cfg.update(SPLIT_X=splits_x(x.dtype), BLOCK_K=GEMM_BLOCK_K, num_stages=3)

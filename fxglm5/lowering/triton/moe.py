@@ -42,43 +42,112 @@ from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.reference import fused as ref_fused
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
+from fxglm5.lowering.triton.f32_linear import (
+    MAX_GEMV_ROWS, f32_linear, finish_tile, gemv_launch, gemv_partial, gemv_weights,
+)
 from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, quantize_act_1x128, row_chunk
 from fxglm5.lowering.triton.fp8_parts import _dot, _quant_rows, tile_counters
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, round_to
 
 
 # ----------------------------------------------------------------------------------------- routing
+# The rows the router kernel's last CTA routes at once. Compiled for sm_90 at GLM-5's 256 experts (4 warps, 16-byte
+# aligned pointers, as launched) the kernel takes 48 / 96 / 128 registers a thread at 1 / 8 / 16 tokens, none
+# spilled; 16 rows routed at once took 221, which leaves room for two CTAs an SM where its GEMV wants CTAS_PER_SM of
+# them on every SM at a step's start (tests/kernels/test_moe_router_compile.py).
+ROUTE_ROWS = 8
+
+
+@triton.jit
+def _route_rows(logits_ptr, rows, row_mask, bias_ptr, w_ptr, ids_ptr, offset_ptr, E, num_local, scaling,
+                TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
+                LOCAL: tl.constexpr):
+    """Route the token rows ``rows`` [R] (``row_mask``: the real ones) of the float32 logits [T, E]: sigmoid,
+    + correction bias, top-k by repeated argmax (the lowest index among ties), unbiased weights, renormalized by
+    their sum, times ``scaling``; with LOCAL the ids are written local to the experts [offset, offset + num_local)
+    of this rank, -1 for the others. A slot's weight is the sigmoid of its logit loaded again by its id (the same
+    float32 operations on the same value as the scores'), and the weights are summed in slot order: a fixed order
+    whatever the layout of R rows, so :func:`_route_kernel` (one row a program) and :func:`_router_kernel` (all
+    rows in one CTA) give the same bits; and no score array is live across the selection, nor a reduction spent
+    on each weight (GLM-5's 256 experts at 16 rows: no spills). Logits are read from L2 (.cg): the router
+    kernel's were written by other CTAs of its grid."""
+    eo = tl.arange(0, BLOCK_E)[None, :]
+    emask = eo < E
+    row_ptrs = logits_ptr + rows.to(tl.int64) * E
+    x = tl.load(row_ptrs[:, None] + eo, mask=row_mask[:, None] & emask, other=0.0, cache_modifier=".cg")
+    bias = tl.load(bias_ptr + eo, mask=emask, other=0.0).to(tl.float32)
+    choice = tl.where(emask, 1.0 / (1.0 + tl.exp(-x)) + bias, float("-inf"))
+    ko = tl.arange(0, BLOCK_K)[None, :]
+    ids = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.int32)
+    ws = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
+    total = tl.zeros((rows.shape[0],), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=1)
+        idx = tl.min(tl.where(choice == best[:, None], eo, BLOCK_E), axis=1)
+        wj = 1.0 / (1.0 + tl.exp(-tl.load(row_ptrs + idx, mask=row_mask, other=0.0, cache_modifier=".cg")))
+        ids = tl.where(ko == j, idx[:, None], ids)
+        ws = tl.where(ko == j, wj[:, None], ws)
+        total += wj
+        choice = tl.where(eo == idx[:, None], float("-inf"), choice)
+    if RENORM:
+        ws = ws / (total + 1e-20)[:, None]
+    kmask = row_mask[:, None] & (ko < TOP_K)
+    out = rows.to(tl.int64)[:, None] * TOP_K + ko
+    tl.store(w_ptr + out, ws * scaling, mask=kmask)
+    if LOCAL:
+        ids = ids - tl.load(offset_ptr)
+        ids = tl.where((ids >= 0) & (ids < num_local), ids, -1)
+    tl.store(ids_ptr + out, ids, mask=kmask)
+
+
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, offset_ptr, E, num_local, scaling, TOP_K: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr,
                   PDL: tl.constexpr):
-    """One token per program: sigmoid, + correction bias, top-k by repeated argmax, unbiased weights; with LOCAL the
-    ids are written local to the experts [offset, offset + num_local) of this rank, -1 for the others."""
+    """One token per program: :func:`_route_rows` of its row."""
     pdl_prologue(PDL)
-    t = tl.program_id(0)
-    eo = tl.arange(0, BLOCK_E)
-    emask = eo < E
-    x = tl.load(logits_ptr + t * E + eo, mask=emask, other=0.0)
-    s = 1.0 / (1.0 + tl.exp(-x))
-    choice = tl.where(emask, s + tl.load(bias_ptr + eo, mask=emask, other=0.0).to(tl.float32), float("-inf"))
-    ko = tl.arange(0, BLOCK_K)
-    ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
-    ws = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(choice, axis=0)
-        idx = tl.min(tl.where(choice == best, eo, BLOCK_E), axis=0)  # lowest index among ties
-        sel = eo == idx
-        ids = tl.where(ko == j, idx, ids)
-        ws = tl.where(ko == j, tl.sum(tl.where(sel, s, 0.0), axis=0), ws)
-        choice = tl.where(sel, float("-inf"), choice)
-    if RENORM:
-        ws = ws / (tl.sum(ws, axis=0) + 1e-20)
-    kmask = ko < TOP_K
-    tl.store(w_ptr + t * TOP_K + ko, ws * scaling, mask=kmask)
-    if LOCAL:
-        ids = ids - tl.load(offset_ptr)
-        ids = tl.where((ids >= 0) & (ids < num_local), ids, -1)
-    tl.store(ids_ptr + t * TOP_K + ko, ids, mask=kmask)
+    t = tl.program_id(0) + tl.arange(0, 1)
+    _route_rows(logits_ptr, t, t >= 0, bias_ptr, w_ptr, ids_ptr, offset_ptr, E, num_local, scaling, TOP_K, BLOCK_E,
+                BLOCK_K, RENORM, LOCAL)
+
+
+@triton.jit
+def _router_kernel(x_ptr, rw_ptr, part_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr, offset_ptr, M, E, K,
+                   stride_xm, stride_rw, num_local, scaling, STEPS: tl.constexpr, SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, RENORM: tl.constexpr,
+                   LOCAL: tl.constexpr, PDL: tl.constexpr):
+    """The router in one launch (up to MAX_GEMV_ROWS tokens): f32_linear's GEMV of the M rows of x by the router
+    weight rw [E, K] (one expert tile x one K split per CTA, the tile's last split summing the partials in split
+    order: ``f32_linear._f32_gemv_kernel``'s sums, bit for bit, into the [M, E] logits), then a ticket on the
+    step's counter ``cnt[tiles]`` (after the tiles' own) taken by each tile's finishing CTA once its logits are
+    stored; the CTA that takes the last routes every row (:func:`_route_rows`, as :func:`_route_kernel` does) and
+    resets the counter, so the next call and a CUDA-graph replay start from zero."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = rw_ptr + tl.minimum(offs_n, E - 1).to(tl.int64)[:, None] * stride_rw  # rows past E re-read the last
+    w = gemv_weights(w_rows, pid_k * STEPS, K, BLOCK_K)
+    pdl_prologue(PDL)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    acc = gemv_partial(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm, m_mask, w_rows, w, pid_k * STEPS, K, STEPS,
+                       BLOCK_K)
+    if finish_tile(acc, part_ptr, logits_ptr, cnt_ptr, offs_m[:, None] * E + offs_n[None, :],
+                   m_mask[:, None] & (offs_n < E)[None, :], pid_n, pid_k, M * E, 1.0, 1.0, 1.0, 1.0, 0, SPLIT):
+        tiles = tl.num_programs(0)
+        tl.debug_barrier()  # the tile's logits stored before its arrival is published (as the split partials are)
+        if tl.atomic_add(cnt_ptr + tiles, 1, sem="acq_rel", scope="gpu") == tiles - 1:
+            for r0 in tl.static_range(0, BLOCK_M, ROUTE_ROWS):
+                rows = r0 + tl.arange(0, ROUTE_ROWS)
+                _route_rows(logits_ptr, rows, rows < M, bias_ptr, w_ptr, ids_ptr, offset_ptr, E, num_local,
+                            scaling, TOP_K, BLOCK_E, BLOCK_TOPK, RENORM, LOCAL)
+            tl.atomic_xchg(cnt_ptr + tiles, 0, sem="relaxed", scope="gpu")
+
+
+def _route_launch(top_k: int, e: int, renormalize: bool, expert_offset) -> dict:
+    """The routing's launch keywords, shared by the route kernel and the router kernel."""
+    return dict(TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e), RENORM=bool(renormalize),
+                LOCAL=expert_offset is not None)
 
 
 def moe_route(router_logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling_factor,
@@ -99,9 +168,49 @@ def moe_route(router_logits, correction_bias, top_k, n_group, topk_group, renorm
     ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
     if t:
         _route_kernel[(t,)](logits, correction_bias.contiguous(), w, ids, expert_offset if local else ids, e,
-                            int(num_local), float(scaling_factor), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
-                            BLOCK_K=triton.next_power_of_2(top_k), RENORM=bool(renormalize), LOCAL=local,
-                            **pdl(logits.device))
+                            int(num_local), float(scaling_factor), BLOCK_K=triton.next_power_of_2(top_k),
+                            **_route_launch(top_k, e, renormalize, expert_offset), **pdl(logits.device))
+    return w, ids
+
+
+def router_fuses(rows: int, n_group: int) -> bool:
+    """Whether :func:`moe_router` over ``rows`` tokens runs in one launch: up to MAX_GEMV_ROWS tokens (decode), where
+    the logits are f32_linear's GEMV. Every CTA of the GEMV covers every row of its expert tile (one weight load
+    serves them all), so all rows' logits are done at the same moment, in the last tile's finishing CTA: one ticket
+    a step (a counter per row would fire in that same CTA), and that CTA routes the rows ROUTE_ROWS at a time,
+    each pass as long as one program of the route kernel. It saves the route kernel's launch and its gap (the align
+    kernel's came to 2.6 us a layer at batch 1 on an H100: :func:`scans`) for one atomic per expert tile. Past it
+    the logits are the tensor-core GEMM's row tiles, and the route kernel's program per token does in parallel what
+    one CTA would do in sequence. Group-limited routing (n_group > 1) is the reference's (:func:`moe_route`)."""
+    return 0 < rows <= MAX_GEMV_ROWS and n_group == 1
+
+
+def moe_router(x, weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling_factor,
+               expert_offset=None, num_local=0):
+    """``fxglm5::moe_router``: the router's float32 logits ``x.float() @ weight.T`` routed as :func:`moe_route` does
+    (ids local to experts [offset, offset + num_local) with ``expert_offset``); one launch where
+    :func:`router_fuses`, else f32_linear's kernel then the route kernel."""
+    ref_fused.validate_f32_linear(x, weight, [])
+    e, k = weight.shape
+    rows = x.numel() // k
+    if not router_fuses(rows, n_group):
+        return moe_route(f32_linear(x, weight, [], validate=False), correction_bias, top_k, n_group, topk_group,
+                         renormalize, scaling_factor, expert_offset, num_local)
+    logits = torch.empty(rows, e, dtype=torch.float32, device=x.device)
+    ref.check_route_inputs(logits, correction_bias, top_k, n_group, topk_group)
+    ref._check(e <= 1024, f"weight: {e} experts, the Triton router handles at most 1024")
+    x2, weight = x.reshape(rows, k).contiguous(), weight.contiguous()
+    w = torch.empty(rows, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(rows, top_k, dtype=torch.int32, device=x.device)
+    grid, cfg = gemv_launch(e, k, rows, num_sms(x.device))
+    part = torch.empty(cfg["SPLIT"], rows, e, dtype=torch.float32, device=x.device) if cfg["SPLIT"] > 1 else logits
+    counters = tile_counters(x.device, grid[0] + 1)  # one per expert tile, then the step's
+    local = expert_offset is not None
+    _router_kernel[grid](x2, weight, part, logits, counters, correction_bias.contiguous(), w, ids,
+                         expert_offset if local else ids, rows, e, k, x2.stride(0), weight.stride(0), int(num_local),
+                         float(scaling_factor), BLOCK_TOPK=triton.next_power_of_2(top_k),
+                         ROUTE_ROWS=min(cfg["BLOCK_M"], ROUTE_ROWS),
+                         **_route_launch(top_k, e, renormalize, expert_offset), **cfg, **pdl(x.device))
     return w, ids
 
 
