@@ -44,10 +44,14 @@ _PIECES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, a
 _CONTEXT = ("slot_mapping", "block_table", "req_idx", "positions", "max_positions")
 
 
-def expected_fusions(ctx) -> int:
-    """One per attention layer (every GLM-5 layer normalizes its query latent); ``index_writes`` in the details
-    counts those with their own indexer."""
-    return ctx.config.num_hidden_layers
+def expected_fusions(ctx) -> int | None:
+    """One per attention layer of a paged graph (every GLM-5 layer normalizes its query latent; ``index_writes`` in
+    the details counts those with their own indexer), none in a graph without the cache stage (no cache writes).
+    None where the context does not say whether the graph is paged."""
+    paged = ctx.extras.get("paged")
+    if paged is None:
+        return None
+    return ctx.config.num_hidden_layers if paged else 0
 
 
 def _projected_from(node):
