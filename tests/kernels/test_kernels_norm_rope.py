@@ -292,10 +292,12 @@ def test_standalone_bad_inputs():
 
 # ---- the query latent's norm and both cache writes in one launch (fxglm5::rms_norm_write_caches) ------------------
 def _layer_rows(T, q_rank, dtype, gen):
-    """One layer's first-GEMM output [T, Q + 512 + 64 + 128] (q_a | kv_c | k_pe | the indexer's k) and its slices,
-    strided as the stacked GEMM's slices are, with the folded norms' weights and the RoPE tables."""
-    out = (torch.randn(T, q_rank + 512 + 64 + 128, generator=gen) * 2).to(dtype)
-    x, kv_c, k_pe, k = out.split([q_rank, 512, 64, 128], dim=1)
+    """The slices of one layer's first-GEMM output (kv_c | k_pe | the indexer's k, strided as the stacked GEMM's
+    slices are) and a query latent of another row stride (each role reads its own), the folded norms' weights and
+    the RoPE tables."""
+    out = (torch.randn(T, 512 + 64 + 128, generator=gen) * 2).to(dtype)
+    kv_c, k_pe, k = out.split([512, 64, 128], dim=1)
+    x = (torch.randn(T, q_rank + 32, generator=gen) * 2).to(dtype)[:, 16:-16]
     weights = [(1 + 0.1 * torch.randn(n, generator=gen)).to(dtype) for n in (q_rank, 512, 128)]
     return x, kv_c, k_pe, k, weights, (0.1 * torch.randn(128, generator=gen)).to(dtype), _tables(T, 32, gen)
 

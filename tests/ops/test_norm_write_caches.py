@@ -128,9 +128,10 @@ def test_a_bad_input_changes_no_cache(change, match, backend):
 
 
 def test_attention_ops_told_written_leave_their_caches_alone():
-    """With ``written=True`` rtp_indexer and rtp_sparse_mla attend over what is cached and write nothing: after
-    the fused op wrote the step's rows, they give what the unfused ops (which write those rows themselves) give."""
-    fused, unfused = _step(dtype=torch.float32), _step(dtype=torch.float32)
+    """With ``written=True`` rtp_indexer and rtp_sparse_mla attend over what is cached and write nothing (caches of
+    zeros stay zeros); after the fused op wrote the step's rows they give what the unfused ops, which write those
+    rows themselves, give."""
+    fused, unfused, unwritten = _step(dtype=torch.float32), _step(dtype=torch.float32), _step(dtype=torch.float32)
     q_latent = ops.rms_norm_write_caches(**fused)
     assert torch.equal(q_latent, norm_rope.rms_norm(unfused["x"], unfused["weight"], 1e-6))
     gen = torch.Generator().manual_seed(1)
@@ -139,15 +140,16 @@ def test_attention_ops_told_written_leave_their_caches_alone():
     q_nope, q_pe = torch.randn(1, T, 2, 16, generator=gen), torch.randn(1, T, 2, 32, generator=gen)
     w_uk, w_uv = torch.randn(2, 16, 96, generator=gen) * 0.2, torch.randn(2, 8, 96, generator=gen) * 0.2
     results = {}
-    for name, a, written in (("fused", fused, True), ("unfused", unfused, False)):
+    for name, a, written in (("fused", fused, True), ("unfused", unfused, False), ("unwritten", unwritten, True)):
         context = tuple(a[n] for n in ("slot_mapping", "block_table", "req_idx", "positions", "max_positions"))
         rope = (a["rope_cos"], a["rope_sin"])
-        before = a["index_cache"].clone(), a["kv_cache"].clone()
         top = ops.rtp_indexer(q, a["k"], w, 3, a["index_cache"], *context, *rope, a["k_norm_weight"],
                               a["k_norm_bias"], 1e-6, None, 1, False, written)
         out = ops.rtp_sparse_mla(q_nope, q_pe, a["kv_c"], a["k_pe"], w_uk, w_uv, top, 0.3, a["kv_cache"], *context,
                                  *rope, a["kv_norm_weight"], 1e-6, written)
-        assert (torch.equal(before[0], a["index_cache"]) and torch.equal(before[1], a["kv_cache"])) == written
         results[name] = top, out
+    assert (unwritten["index_cache"] == 0).all() and (unwritten["kv_cache"] == 0).all()
+    assert torch.equal(fused["index_cache"], unfused["index_cache"]) and torch.equal(fused["kv_cache"],
+                                                                                    unfused["kv_cache"])
     assert torch.equal(results["fused"][0], results["unfused"][0])
     assert torch.equal(results["fused"][1], results["unfused"][1])
