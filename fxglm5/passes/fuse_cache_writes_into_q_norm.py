@@ -12,15 +12,16 @@ the normed latent (q_b / wq_b), so the new op, which returns it, runs before bot
 
 Matched, per rtp_sparse_mla / rtp_mla node not yet ``written``: its q_nope is a view / slice of a GEMM
 (``fp8_linear`` or ``linear``) of an ``fxglm5::rms_norm`` (the query latent's norm). The layer's own indexer is the
-rtp_indexer whose top-k the op reads, if that indexer's inputs come from the same norm: its write joins the op when
-it writes to the same slots (the same forward-context nodes) and turns its key by the same RoPE tables. A layer
+rtp_indexer whose top-k the op reads, if that indexer's query is computed from the same norm: its write joins the op
+when it writes to the same slots (the same forward-context nodes) and turns its key by the same RoPE tables. A layer
 without its own indexer (GLM-5's "shared" layers reuse the previous layer's top-k) fuses its norm and latent write
 (the kernel's index role is compiled out), so the count is one per attention layer.
 
 Left alone: a query that is not projected from an RMSNorm; a layer whose own indexer cannot join (other RoPE tables,
 other slots: its write would stay a launch of its own, for a partial fusion); a cache another op also reads or writes
 (moving its write earlier could reorder them); an input of the writes computed from the normed latent (the op would
-have to run before its own input).
+have to run before its own input). Other readers of the un-normed q_a rows or of the raw kv_c / k_pe / k rows do not
+stop it: the op only reads them, so they keep what they read (the attention ops themselves still take them).
 
 Why in the fuse_kernels stage, after ``fuse_shared_input_gemms``: the cache stage's folds must have made the raw rows
 the cached ops' inputs (``fuse_norm_rope_into_cache_writes``, ``fuse_rope_into_indexer_query``); and the op reads

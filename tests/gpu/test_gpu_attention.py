@@ -161,7 +161,8 @@ def test_norm_and_cache_writes_in_one_launch_at_glm5_sizes(T, caches):
     x, kv_c, k_pe, k = rows.split([2048, R, DR, 128], dim=1)
     w = (1 + 0.1 * torch.randn(2048, device="cuda")).bfloat16()
     kv_norm = (1 + 0.1 * torch.randn(R, device="cuda")).bfloat16(), 1e-6
-    ln = (1 + 0.1 * torch.randn(128, device="cuda")).bfloat16(), (0.1 * torch.randn(128, device="cuda")).bfloat16(), 1e-6
+    ln = ((1 + 0.1 * torch.randn(128, device="cuda")).bfloat16(), (0.1 * torch.randn(128, device="cuda")).bfloat16(),
+          1e-6)
     rope = _rope_tables(T, DR // 2)
     slots = torch.randperm((nb - 1) * BS, device="cuda")[:T] + BS
     slots[1::7] = -1

@@ -4,6 +4,7 @@ norm, a latent projected from the normed query latent, a layer whose own indexer
 
 import copy
 
+import pytest
 import torch
 
 from fxglm5.passes import REGISTRY, PassContext, PassManager
@@ -57,17 +58,30 @@ def test_the_small_module_fuses_its_latent_write():
     assert (result.num_matches, result.details) == (1, {"index_writes": 0})
 
 
-def test_an_indexer_that_cannot_join_leaves_its_layer_alone():
-    """Layer 0's indexer turning its key by other tables than its latent's (a copy of them: another node) cannot
-    share the fused op's one pair, and its write would stay a launch of its own: the layer is left whole (its norm, both
-    ops writing), the three others fuse, and the graph computes what it computed before."""
-    run = pipeline("fp8")
-    gm = copy.deepcopy(run.before["fuse_cache_writes_into_q_norm"])
-    indexer = next(n for n in gm.graph.nodes if n.target is torch.ops.fxglm5.rtp_indexer.default)
+def _other_tables(gm, indexer):
+    """Layer 0's indexer turns its key by a copy of the tables (another node) than its latent's."""
     with gm.graph.inserting_before(indexer):
         other = gm.graph.call_function(torch.ops.aten.clone.default, (indexer.args[10],))
     other.meta["val"] = indexer.args[10].meta.get("val")
     indexer.args = (*indexer.args[:10], other, *indexer.args[11:])
+
+
+def _cache_read_elsewhere(gm, indexer):
+    """Another op reads layer 0's latent cache (an alias of it, before the attention op writes it)."""
+    attention = next(iter(indexer.users))
+    with gm.graph.inserting_before(attention):
+        gm.graph.call_function(torch.ops.aten.alias.default, (op_args(attention)["kv_cache"],))
+
+
+@pytest.mark.parametrize("change", [_other_tables, _cache_read_elsewhere], ids=["other_tables", "cache_read_elsewhere"])
+def test_a_layer_that_cannot_join_whole_is_left_alone(change):
+    """Layer 0's indexer turning its key by other tables than its latent's cannot share the fused op's one pair (its
+    write would stay a launch of its own), and a cache another op reads could see the write moved before it: the
+    layer is left whole (its norm, both ops writing), the three others fuse, and the graph computes what it did."""
+    run = pipeline("fp8")
+    gm = copy.deepcopy(run.before["fuse_cache_writes_into_q_norm"])
+    indexer = next(n for n in gm.graph.nodes if n.target is torch.ops.fxglm5.rtp_indexer.default)
+    change(gm, indexer)
     gm.recompile()
     reference = copy.deepcopy(gm)
     ctx = PassContext(config=run.config, extras={"paged": True})

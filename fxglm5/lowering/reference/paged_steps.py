@@ -242,8 +242,6 @@ def mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_m
     return _value_heads(o, w_uv, q_nope)
 
 
-
-
 # ---------------------------------------------------------------------------------------------------------
 # the query latent's RMSNorm with this step's cache writes (fxglm5::rms_norm_write_caches)
 # ---------------------------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ interpreter_compat()
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-__all__ = ["DTYPE_CODES", "add_rms_norm", "rms_norm", "rms_norm_launch", "rope_interleaved", "round_to", "rms_normalize",
-           "rms_norm_row", "rotate_pairs"]
+__all__ = ["DTYPE_CODES", "add_rms_norm", "rms_norm", "rms_norm_launch", "rope_interleaved", "round_to",
+           "rms_normalize", "rms_norm_row", "rotate_pairs"]
 
 
 @triton.jit

@@ -26,8 +26,8 @@ from fxglm5.lowering.triton.norm_rope import (DTYPE_CODES, rms_norm_launch, rms_
 interpreter_compat()
 
 
-__all__ = ["write_latent_cache", "write_indexer_cache", "write_exact_index_keys", "write_index_keys", "rms_norm_write_caches",
-           "latent_query",
+__all__ = ["write_latent_cache", "write_indexer_cache", "write_exact_index_keys", "write_index_keys",
+           "rms_norm_write_caches", "latent_query",
            "slots_from_positions", "pow2_scale", "e4m3_bits", "bf16_bits", "rope_launch_args", "WRITE_WARPS"]
 
 # the warps of every cache-write launch, standalone or in rms_norm_write_caches' kernel: a row's sums (its RMS, the
@@ -317,8 +317,8 @@ def _latent_launch(cache, kv_c, k_pe, slot_mapping, norm, rope) -> tuple:
     else:
         views = (cache.view(torch.int16) if bf16 else cache, cache, cache)
     return (kv_c, k_pe, slot_mapping, *views, weight, cos, sin, kv_c.stride(0), k_pe.stride(0), stride_c,
-                    kv_c.shape[1], k_pe.shape[1], half, float(eps), ref.KV_LORA_RANK, ref.ROPE_DIM, ref.FP8_GROUP,
-                    norm is not None, rope is not None, DTYPE_CODES[kv_c.dtype], fp8, bf16)
+            kv_c.shape[1], k_pe.shape[1], half, float(eps), ref.KV_LORA_RANK, ref.ROPE_DIM, ref.FP8_GROUP,
+            norm is not None, rope is not None, DTYPE_CODES[kv_c.dtype], fp8, bf16)
 
 
 def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True, norm=None, rope=None) -> None:

@@ -8,4 +8,5 @@ from fxglm5.lowering.triton.paged_cache import (latent_query, rms_norm_write_cac
 from fxglm5.lowering.triton.sparse_mla import sparse_mla_paged
 
 __all__ = ["exact_indexer_topk_paged", "indexer_topk_paged", "latent_query", "mla_paged", "rms_norm_write_caches",
-           "sparse_mla_paged", "write_exact_index_keys", "write_index_keys", "write_indexer_cache", "write_latent_cache"]
+           "sparse_mla_paged", "write_exact_index_keys", "write_index_keys", "write_indexer_cache",
+           "write_latent_cache"]
