@@ -195,8 +195,9 @@ _TRITON_PAGED = _LazyKernels("fxglm5.lowering.triton.paged_ops")
 
 
 def _register_cached_op(op: str, step: Callable) -> None:
-    """A cached RTP op (``fxglm5.ops.cached``) on both backends: its step body over the Triton kernels and over the
-    torch references (the custom op itself), each with and without the step's own input validation."""
+    """A cached RTP op (``fxglm5.ops.cached``, and ``fxglm5.ops.fused``'s rms_norm_write_caches, which makes those ops'
+    writes) on both backends: its step body over the Triton kernels and over the torch references (the custom op
+    itself), each with and without the step's own input validation."""
     register(op, "triton", unchecked=functools.partial(step, _TRITON_PAGED, validate=False))(
         functools.partial(step, _TRITON_PAGED))
     _IMPLS.setdefault(op, {})["reference"] = Impl(None, unchecked=functools.partial(step, paged, validate=False))
@@ -205,6 +206,7 @@ def _register_cached_op(op: str, step: Callable) -> None:
 _register_cached_op("rtp_indexer", paged_steps.indexer_step)
 _register_cached_op("rtp_sparse_mla", paged_steps.sparse_mla_step)
 _register_cached_op("rtp_mla", paged_steps.mla_step)
+_register_cached_op("rms_norm_write_caches", paged_steps.norm_write_caches_step)
 
 
 # ---- Triton: the fused ops of the fuse_kernels stage (fxglm5.ops.fused) ---------------------------------------

@@ -36,6 +36,11 @@ query assembly instead of as separate kernels; absent, the inputs are taken as f
 ``group`` / ``world`` (rtp_indexer, from ``indexer_topk``'s: the pass ``shard_indexer``): the tensor-parallel group
 over whose ranks a prefill-sized step's top-k is split; every rank still writes every key (``paged_steps``).
 
+``written`` (every op): this step's rows are in the cache already, written (and validated) by
+``fxglm5::rms_norm_write_caches`` (``fxglm5.ops.fused``, the pass ``fuse_cache_writes_into_q_norm``), so the op
+writes nothing and only attends; its write arguments still name what was written. The write precedes the op: the
+op's query is computed from that op's output.
+
 Cache layouts are RTP's (``fxglm5.lowering.reference.paged``): latent rows of 576 in the compute dtype or
 656-byte FP8 "ds_mla" rows, an indexer cache of 132 bytes per token (block-major: a block's e4m3 keys, then
 their fp32 scales). An indexer cache may instead
@@ -65,10 +70,11 @@ def rtp_indexer(q: Tensor, k: Tensor, weights: Tensor, topk: int, index_cache: T
                 block_table: Tensor, req_idx: Tensor, positions: Tensor, max_positions: int,
                 rope_cos: Optional[Tensor] = None, rope_sin: Optional[Tensor] = None,
                 k_norm_weight: Optional[Tensor] = None, k_norm_bias: Optional[Tensor] = None,
-                k_norm_eps: float = 0.0, group: Optional[str] = None, world: int = 1, rope_q: bool = False) -> Tensor:
+                k_norm_eps: float = 0.0, group: Optional[str] = None, world: int = 1, rope_q: bool = False,
+                written: bool = False) -> Tensor:
     return indexer_step(paged, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions,
                         max_positions, rope_cos, rope_sin, k_norm_weight, k_norm_bias, k_norm_eps, group, world,
-                        rope_q)
+                        rope_q, written)
 
 
 @rtp_indexer.register_fake
@@ -81,10 +87,10 @@ def rtp_sparse_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_u
                    topk_pos: Tensor, scale: float, kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor,
                    req_idx: Tensor, positions: Tensor, max_positions: int, rope_cos: Optional[Tensor] = None,
                    rope_sin: Optional[Tensor] = None, kv_norm_weight: Optional[Tensor] = None,
-                   kv_norm_eps: float = 0.0) -> Tensor:
+                   kv_norm_eps: float = 0.0, written: bool = False) -> Tensor:
     return sparse_mla_step(paged, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping,
                            block_table, req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight,
-                           kv_norm_eps)
+                           kv_norm_eps, written)
 
 
 @rtp_sparse_mla.register_fake
@@ -98,9 +104,9 @@ def _(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapp
 def rtp_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float,
             kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor, req_idx: Tensor, positions: Tensor,
             max_positions: int, rope_cos: Optional[Tensor] = None, rope_sin: Optional[Tensor] = None,
-            kv_norm_weight: Optional[Tensor] = None, kv_norm_eps: float = 0.0) -> Tensor:
+            kv_norm_weight: Optional[Tensor] = None, kv_norm_eps: float = 0.0, written: bool = False) -> Tensor:
     return mla_step(paged, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table, req_idx,
-                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps)
+                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps, written)
 
 
 @rtp_mla.register_fake

@@ -20,6 +20,14 @@ against it. Signatures:
   written.
 - ``silu_mul_fp8_linear(gate [..., I], up [..., I], weight e4m3 [N, I], weight_scale_inv, bias?, act_quant) ->
   [..., N]``: ``fp8_linear(silu(gate) * up, ...)``, the gated MLP's down projection with its activation.
+- ``rms_norm_write_caches(x [N, S, Q], weight [Q], eps, kv_c [N, S, R], k_pe [N, S, dr], kv_cache, k [N, S, D]?,
+  index_cache?, slot_mapping, block_table, req_idx, positions, max_positions, rope_cos?, rope_sin?, kv_norm_weight?,
+  kv_norm_eps, k_norm_weight?, k_norm_bias?, k_norm_eps) -> [N, S, Q]``: ``rms_norm(x, weight, eps)``, the query
+  latent's RMSNorm, and this step's cache writes of the layer's attention ops: the latent rows ``[kv_c | k_pe]``
+  into ``kv_cache`` as ``rtp_*mla`` writes them, the indexer keys ``k`` into ``index_cache`` (given) as
+  ``rtp_indexer`` does, with their folded norms and one pair of RoPE tables (``fxglm5.ops.cached``). Both caches are
+  mutated; the ops then run with ``written=True``. Its forward-context arguments and its validation (before any
+  write, naming the field) are the cached ops'; its body is ``paged_steps.norm_write_caches_step``.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import torch
 from torch import Tensor
 
 from fxglm5.lowering.reference import fused as ref
+from fxglm5.lowering.reference import paged
+from fxglm5.lowering.reference.paged_steps import norm_write_caches_step
 
 
 @torch.library.custom_op("fxglm5::add_rms_norm", mutates_args=())
@@ -101,3 +111,20 @@ def moe_fp8_add(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_scale:
 @moe_fp8_add.register_fake
 def _(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, addend):
     return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, addend.dtype), device=x.device)
+
+
+@torch.library.custom_op("fxglm5::rms_norm_write_caches", mutates_args=("kv_cache", "index_cache"))
+def rms_norm_write_caches(x: Tensor, weight: Tensor, eps: float, kv_c: Tensor, k_pe: Tensor, kv_cache: Tensor,
+                          k: Optional[Tensor], index_cache: Optional[Tensor], slot_mapping: Tensor, block_table: Tensor,
+                          req_idx: Tensor, positions: Tensor, max_positions: int, rope_cos: Optional[Tensor] = None,
+                          rope_sin: Optional[Tensor] = None, kv_norm_weight: Optional[Tensor] = None,
+                          kv_norm_eps: float = 0.0, k_norm_weight: Optional[Tensor] = None,
+                          k_norm_bias: Optional[Tensor] = None, k_norm_eps: float = 0.0) -> Tensor:
+    return norm_write_caches_step(paged, x, weight, eps, kv_c, k_pe, kv_cache, k, index_cache, slot_mapping,
+                                  block_table, req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight,
+                                  kv_norm_eps, k_norm_weight, k_norm_bias, k_norm_eps).contiguous()
+
+
+@rms_norm_write_caches.register_fake
+def _(x, weight, eps, kv_c, k_pe, kv_cache, k, index_cache, *context_and_folded):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -144,6 +144,59 @@ def test_fused_norm_rope_writes_at_glm5_sizes(cdtype):
     _mostly_equal(tnr.rope_interleaved(xq, *rope), nr.rope_interleaved(xq, *rope), 2.0**-7)
 
 
+@pytest.mark.parametrize("T", [1, 8, 300], ids=["decode", "decode-batch", "prefill"])
+@pytest.mark.parametrize("caches", [(torch.uint8, torch.uint8), (torch.bfloat16, torch.bfloat16), (torch.uint8, None)],
+                         ids=["fp8", "bf16-exact", "fp8-no-indexer"])
+def test_norm_and_cache_writes_in_one_launch_at_glm5_sizes(T, caches):
+    """rms_norm_write_caches' one launch (query-latent norm, latent row and indexer key per token) gives bit for bit
+    what the standalone RMSNorm and write kernels give, on rows of the stacked q_a | kv_a | wk GEMM (strided),
+    with a padding slot every 7 tokens; and within a rounding of the torch chain it replaces."""
+    from fxglm5.lowering.reference import norm_rope as nr
+    from fxglm5.lowering.triton import norm_rope as tnr
+    from fxglm5.lowering.triton import paged_cache as pc
+
+    kv_dtype, index_dtype = caches
+    nb = 40
+    rows = torch.randn(T, 2048 + R + DR + 128, device="cuda", dtype=torch.bfloat16) * 3
+    x, kv_c, k_pe, k = rows.split([2048, R, DR, 128], dim=1)
+    w = (1 + 0.1 * torch.randn(2048, device="cuda")).bfloat16()
+    kv_norm = (1 + 0.1 * torch.randn(R, device="cuda")).bfloat16(), 1e-6
+    ln = ((1 + 0.1 * torch.randn(128, device="cuda")).bfloat16(), (0.1 * torch.randn(128, device="cuda")).bfloat16(),
+          1e-6)
+    rope = _rope_tables(T, DR // 2)
+    slots = torch.randperm((nb - 1) * BS, device="cuda")[:T] + BS
+    slots[1::7] = -1
+
+    def caches_():
+        kv = torch.zeros(nb, BS, 656 if kv_dtype == torch.uint8 else 576, dtype=kv_dtype, device="cuda")
+        index = None if index_dtype is None else \
+            torch.zeros(nb, BS, 132 if index_dtype == torch.uint8 else 128, dtype=index_dtype, device="cuda")
+        return kv, index
+
+    (kv1, ix1), (kv2, ix2), (kv3, ix3) = caches_(), caches_(), caches_()
+    out = pc.rms_norm_write_caches(x, w, 1e-6, kv1, kv_c, k_pe, slots, ix1, None if ix1 is None else k,
+                                   kv_norm=kv_norm, index_norm=ln, rope=rope)
+    want = tnr.rms_norm(x, w, 1e-6)
+    pc.write_latent_cache(kv2, kv_c, k_pe, slots, norm=kv_norm, rope=rope)
+    if ix2 is not None:
+        pc.write_index_keys(ix2, k, slots, norm=ln, rope=rope)
+    assert torch.equal(out, want)
+    assert torch.equal(kv1.view(torch.uint8), kv2.view(torch.uint8))
+    assert ix1 is None or torch.equal(ix1.view(torch.uint8), ix2.view(torch.uint8))
+    ref.rms_norm_write_caches(x, w, 1e-6, kv3, kv_c, k_pe, slots, ix3, None if ix3 is None else k, kv_norm=kv_norm,
+                              index_norm=ln, rope=rope)
+    _mostly_equal(out, nr.rms_norm(x, w, 1e-6), 2.0**-7)
+    kept = slots[slots >= 0]
+    if kv_dtype == torch.uint8:
+        _mostly_equal(ref.read_latent_rows(kv1, kept), ref.read_latent_rows(kv3, kept), 2.0**-3)
+    else:
+        _mostly_equal(kv1, kv3, 2.0**-7)
+    if ix1 is not None and index_dtype == torch.uint8:
+        _mostly_equal(ref.read_indexer_rows(ix1, kept), ref.read_indexer_rows(ix3, kept), 2.0**-3)
+    elif ix1 is not None:
+        _mostly_equal(ix1, ix3, 2.0**-7)
+
+
 @pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
 def test_mla_decode_and_prefill(cdtype):
     from fxglm5.lowering.triton import mla

@@ -193,8 +193,8 @@ def test_tiny_model_decodes_the_same_with_pdl(monkeypatch):
     model = random_model(Glm5Config.preset("tiny"), torch.bfloat16).cuda()
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [7, 1, 8]]
     hopper = device.capability(torch.device("cuda")) == (9, 0)
-    kernels = {"latent write": paged_cache._write_latent_fp8_kernel, "latent query": paged_cache._latent_query_kernel,
-               "index write": paged_cache._write_index_kernel, "indexer logits": indexer._indexer_logits_kernel,
+    kernels = {"norm and cache writes": paged_cache._norm_write_caches_kernel,
+               "latent query": paged_cache._latent_query_kernel, "indexer logits": indexer._indexer_logits_kernel,
                "segment top-k": topk._segment_topk_kernel, "MLA combine with W_UV": mla._mla_combine_project_kernel,
                "MLA": mla_hopper._mla_hopper_kernel if hopper else mla._mla_fwd_kernel}
     runs = {}

@@ -288,3 +288,62 @@ def test_standalone_bad_inputs():
         tnr.rope_interleaved(torch.randn(2, 1, 64), torch.ones(3, 32), torch.zeros(3, 32))
     with pytest.raises(InputError, match="rope_interleaved"):
         torch.ops.fxglm5.rope_interleaved(torch.randn(2, 64), torch.ones(2, 32), torch.zeros(2, 32))
+
+
+# ---- the query latent's norm and both cache writes in one launch (fxglm5::rms_norm_write_caches) ------------------
+def _layer_rows(T, q_rank, dtype, gen):
+    """The slices of one layer's first-GEMM output (kv_c | k_pe | the indexer's k, strided as the stacked GEMM's
+    slices are) and a query latent of another row stride (each role reads its own), the folded norms' weights and
+    the RoPE tables."""
+    out = (torch.randn(T, 512 + 64 + 128, generator=gen) * 2).to(dtype)
+    kv_c, k_pe, k = out.split([512, 64, 128], dim=1)
+    x = (torch.randn(T, q_rank + 32, generator=gen) * 2).to(dtype)[:, 16:-16]
+    weights = [(1 + 0.1 * torch.randn(n, generator=gen)).to(dtype) for n in (q_rank, 512, 128)]
+    return x, kv_c, k_pe, k, weights, (0.1 * torch.randn(128, generator=gen)).to(dtype), _tables(T, 32, gen)
+
+
+@pytest.mark.parametrize("kv_dtype, index_dtype", [(torch.uint8, torch.uint8), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.uint8, None), (torch.float32, torch.float32)],
+                         ids=["fp8", "bf16", "fp8-no-indexer", "f32"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("folded", [True, False], ids=["folded", "raw"])
+@pytest.mark.parametrize("T", [1, 7])
+def test_norm_and_cache_writes_in_one_launch_equal_the_three_kernels(kv_dtype, index_dtype, dtype, folded, T,
+                                                                     monkeypatch):
+    """``rms_norm_write_caches``' one kernel (programs in three roles) gives bit for bit what the standalone RMSNorm,
+    latent-write and index-write kernels give: the normed query latent and both caches, byte for byte (FP8 rows,
+    compute-dtype rows, exact keys), padding slots (-1) written nowhere, decode (1 token) and prefill (7), with the
+    folded norms and RoPE and without; and it is one launch (two roles without an index cache)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    gen = torch.Generator().manual_seed(T)
+    x, kv_c, k_pe, k, (wq, wkv, wk), bk, tables = _layer_rows(T, 96, dtype, gen)
+    kv_norm, k_norm, rope = ((wkv, 1e-6), (wk, bk, 1e-6), tables) if folded else (None, None, None)
+    slots = _slots(T, 4, 4, gen)
+    slots[0] = -1 if T > 1 else 5  # a prefill with a padding token, a decode token that is written
+    results, launched, launch = {}, [], InterpretedFunction.run
+    for how in ("fused", "separate"):
+        kv_cache = torch.zeros(4, 4, 656 if kv_dtype == torch.uint8 else 576, dtype=kv_dtype)
+        index_cache = None if index_dtype is None else \
+            torch.zeros(4, 4, 132 if index_dtype == torch.uint8 else 128, dtype=index_dtype)
+        if how == "fused":
+            monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **kw: launched.append(self.fn.__name__)
+                                or launch(self, *a, **kw))
+            normed = tpc.rms_norm_write_caches(x, wq, 1e-6, kv_cache, kv_c, k_pe, slots, index_cache,
+                                               None if index_cache is None else k, kv_norm=kv_norm, index_norm=k_norm,
+                                               rope=rope)
+            monkeypatch.undo()
+        else:
+            normed = tnr.rms_norm(x, wq, 1e-6)
+            tpc.write_latent_cache(kv_cache, kv_c, k_pe, slots, norm=kv_norm, rope=rope)
+            if index_cache is not None:
+                tpc.write_index_keys(index_cache, k, slots, norm=k_norm, rope=rope)
+        results[how] = [t if t is None else t.view(torch.uint8) for t in (normed, kv_cache, index_cache)]
+    assert launched == ["_norm_write_caches_kernel"]
+    for fused, separate in zip(results["fused"], results["separate"]):
+        assert (fused is None and separate is None) or torch.equal(fused, separate)
+    normed, kv_cache, index_cache = results["fused"]
+    assert normed.shape == (T, 96 * dtype.itemsize)  # x's shape, contiguous, in x's dtype
+    written = (kv_cache.view(16, -1) != 0).any(1)
+    assert written.sum() == (slots >= 0).sum() and written[slots[slots >= 0]].all()  # padding wrote nothing
+    assert index_cache is None or (index_cache != 0).any()

@@ -90,9 +90,11 @@ class CanonicalMLA(nn.Module):
     RMSNorm and the q / k RoPE as fxglm5 ops: what the cache stage rewrites. ``head``: end in a vocabulary
     projection (a row-wise op select_sampled_rows moves the row selection above). ``variant="unfoldable"``: the
     normed latent also feeds the output and the key's RoPE turns by other angles than the query's, so neither
-    may be folded into the cache write."""
+    may be folded into the cache write. ``q_norm``: the query is GLM-5's, projected (q_b) from an RMS-normed query
+    latent (q_a), whose norm the latent write can join; ``variant="cycle"`` with it: the latent is projected from the
+    normed query latent too, so the write cannot run where the norm runs."""
 
-    def __init__(self, heads=2, dn=8, dr=16, rank=64, dv=8, width=32, head=False, variant=None):
+    def __init__(self, heads=2, dn=8, dr=16, rank=64, dv=8, width=32, head=False, variant=None, q_norm=False):
         super().__init__()
         self.shape, self.variant = (heads, dn, dr), variant
         self.emb = nn.Embedding(50, width)
@@ -102,6 +104,10 @@ class CanonicalMLA(nn.Module):
         self.w_uv = nn.Parameter(torch.randn(heads, dv, rank) * 0.2)
         self.kv_norm = nn.Parameter(1 + 0.1 * torch.randn(rank))
         self.head = nn.Linear(heads * dv, 50, bias=False) if head else None
+        if q_norm:
+            self.q_a, self.q_b = nn.Linear(width, width), nn.Linear(width, heads * (dn + dr))
+            self.q_a_norm = nn.Parameter(1 + 0.1 * torch.randn(width))
+        self.q_norm = q_norm
 
     def forward(self, input_ids, position_ids):
         b, s = input_ids.shape
@@ -111,10 +117,17 @@ class CanonicalMLA(nn.Module):
         cos, sin = angles.cos(), angles.sin()
         k_cos, k_sin = ((2 * angles).cos(), (2 * angles).sin()) if self.variant == "unfoldable" else (cos, sin)
         rope = torch.ops.fxglm5.rope_interleaved
-        q_pe = rope(self.q_pe(x).view(b, s, h, dr), cos, sin)
+        latent = x
+        if self.q_norm:
+            q_latent = torch.ops.fxglm5.rms_norm(self.q_a(x), self.q_a_norm, 1e-6)
+            q_nope, q_pe = self.q_b(q_latent).view(b, s, h, dn + dr).split([dn, dr], dim=-1)
+            latent = q_latent if self.variant == "cycle" else x
+        else:
+            q_nope, q_pe = self.q_nope(x).view(b, s, h, dn), self.q_pe(x).view(b, s, h, dr)
+        q_pe = rope(q_pe, cos, sin)
         k_pe = rope(self.k_pe(x).view(b, s, 1, dr), k_cos, k_sin).squeeze(2)
-        kv_c = torch.ops.fxglm5.rms_norm(self.kv_c(x), self.kv_norm, 1e-6)
-        out = torch.ops.fxglm5.mla(self.q_nope(x).view(b, s, h, dn), q_pe, kv_c, k_pe, self.w_uk, self.w_uv, 0.3)
+        kv_c = torch.ops.fxglm5.rms_norm(self.kv_c(latent), self.kv_norm, 1e-6)
+        out = torch.ops.fxglm5.mla(q_nope, q_pe, kv_c, k_pe, self.w_uk, self.w_uv, 0.3)
         out = out.reshape(b, s, -1)
         if self.variant == "unfoldable":
             out = out + kv_c[..., : out.shape[-1]]
@@ -128,13 +141,13 @@ def canonical_mla(cls=CanonicalMLA, **options) -> CanonicalMLA:
 
 def canonical_graph(upto: str, module: CanonicalMLA | None = None) -> "torch.fx.GraphModule":
     """``module``'s (default: a CanonicalMLA) captured graph, rewritten by the passes declared before ``upto`` in the
-    cache and lower stages: the graph pass ``upto`` gets in the pipeline."""
+    cache, fuse_kernels and lower stages: the graph pass ``upto`` gets in the pipeline."""
     gm = capture(module or canonical_mla())
-    for spec in passes_for(("cache", "lower")):
+    for spec in passes_for(("cache", "fuse_kernels", "lower")):
         if spec.name == upto:
             return gm
         run_one(gm, spec.name)
-    raise ValueError(f"{upto!r} is no pass of the cache or lower stage")
+    raise ValueError(f"{upto!r} is no pass of the cache, fuse_kernels or lower stage")
 
 
 def seqs(lengths, seed=0) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ import copy
 import torch
 from torch import nn
 
+from fxglm5.passes.graph_utils import op_args
 from tests.passes.modules import CanonicalMLA, canonical_graph, canonical_mla, paged_reexport, seqs
 from tests.passes.template import PassTemplate, paged_args, pipeline, run_one
 
@@ -65,7 +66,7 @@ def test_every_rope_of_the_tiny_models_is_folded():
     for name in ("fp8", "shared"):
         gm = pipeline(name).after["fuse_rope_into_indexer_query"]
         indexers = [n for n in gm.graph.nodes if n.target is torch.ops.fxglm5.rtp_indexer.default]
-        assert indexers and all(n.args[-1] is True for n in indexers)
+        assert indexers and all(op_args(n)["rope_q"] is True for n in indexers)
         assert not any(n.target is torch.ops.fxglm5.rope_interleaved.default for n in gm.graph.nodes)
 
 

@@ -48,6 +48,8 @@ __all__ = [
     "slots_from_positions",
     "validate_slots_from_positions",
     "write_latent_cache",
+    "write_index_keys",
+    "rms_norm_write_caches",
     "latent_query",
     "project_out",
     "validate_project_out",
@@ -394,6 +396,26 @@ def write_exact_index_keys(cache, k, slot_mapping, *, norm=None, rope=None) -> N
     k = prepare_index_keys(k, norm, rope)
     keep = slot_mapping >= 0
     cache.view(-1, INDEX_DIM)[slot_mapping[keep].long()] = k[keep].to(cache.dtype)
+
+
+def write_index_keys(cache, k, slot_mapping, *, norm=None, rope=None) -> None:
+    """Either index cache's write (the caller validated): FP8 rows into a uint8 cache (:func:`write_indexer_cache`),
+    the exact keys into a compute-dtype one (:func:`write_exact_index_keys`)."""
+    if cache.dtype == torch.uint8:
+        write_indexer_cache(cache, k, slot_mapping, validate=False, norm=norm, rope=rope)
+    else:
+        write_exact_index_keys(cache, k, slot_mapping, norm=norm, rope=rope)
+
+
+def rms_norm_write_caches(x, weight, eps, kv_cache, kv_c, k_pe, slot_mapping, index_cache=None, k=None, *,
+                          kv_norm=None, index_norm=None, rope=None) -> torch.Tensor:
+    """The chain ``fxglm5::rms_norm_write_caches`` stands for (the caller validated): this step's latent rows written
+    (:func:`write_latent_cache`), its indexer keys too given ``index_cache`` (:func:`write_index_keys`), and the
+    query latent's RMSNorm ``norm_rope.rms_norm(x, weight, eps)`` returned. Each reads only its own inputs."""
+    write_latent_cache(kv_cache, kv_c, k_pe, slot_mapping, validate=False, norm=kv_norm, rope=rope)
+    if index_cache is not None:
+        write_index_keys(index_cache, k, slot_mapping, norm=index_norm, rope=rope)
+    return norm_rope.rms_norm(x, weight, eps)
 
 
 def exact_indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk: int, *,

@@ -96,13 +96,24 @@ def _rope(cos, sin) -> tuple[Tensor, Tensor] | None:
     return _flat(cos, "rope_cos", 3), _flat(sin, "rope_sin", 3)
 
 
+def _validate_index_write(index_cache, kf, slot_mapping, norm, rope) -> None:
+    """This step's keys fit the index cache (of either kind; check_context checked the context)."""
+    if index_cache.dtype == torch.uint8:
+        paged.validate_write_indexer_cache(index_cache, kf, slot_mapping, norm, rope)
+        return
+    paged.validate_index_keys(kf, norm, rope)
+    if kf.shape[0] != slot_mapping.shape[0]:
+        raise InputError(f"k: {kf.shape[0]} tokens, slot_mapping has {slot_mapping.shape[0]}")
+
+
 def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions, max_positions,
                  rope_cos=None, rope_sin=None, k_norm_weight=None, k_norm_bias=None, k_norm_eps=0.0, group=None,
-                 world=1, rope_q=False, *, validate=True):
+                 world=1, rope_q=False, written=False, *, validate=True):
     """rtp_indexer's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins). Every rank
     writes every key (its later queries read them all); with a ``group`` of ``world`` ranks a step large enough
     selects on each rank its share of the tokens only (:func:`_selection`). ``rope_q``: the selection rotates the
-    query by the key's tables (the kernel set's ``rope`` argument), so no RoPE of its own runs before it."""
+    query by the key's tables (the kernel set's ``rope`` argument), so no RoPE of its own runs before it.
+    ``written``: an earlier op (``fxglm5::rms_norm_write_caches``) wrote and validated this step's keys."""
     qf = _pad(_flat(q, "q", 4), paged.INDEX_DIM, "q")
     kf = _flat(k, "k", 3)
     wf = _flat(weights, "weights", 3)
@@ -114,21 +125,17 @@ def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_tab
     if validate:
         _check_index_cache(index_cache)
         check_context(index_cache, slot_mapping, block_table, req_idx, positions, max_positions)
+        if not written:
+            _validate_index_write(index_cache, kf, slot_mapping, norm, rope)
         if fp8:
-            paged.validate_write_indexer_cache(index_cache, kf, slot_mapping, norm, rope)
             paged.validate_indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk)
-        else:
-            paged.validate_index_keys(kf, norm, rope)
-        if kf.shape[0] != slot_mapping.shape[0] or tuple(wf.shape) != tuple(qf.shape[:2]):
-            raise InputError(f"k/weights: shapes {tuple(k.shape)} / {tuple(weights.shape)} do not fit q {tuple(q.shape)}")
+        if tuple(wf.shape) != tuple(qf.shape[:2]):
+            raise InputError(f"weights: shape {tuple(weights.shape)} does not fit q {tuple(q.shape)}")
         if rope_q:
             norm_rope.validate_rope(qf, *rope)
-    if fp8:
-        kern.write_indexer_cache(index_cache, kf, slot_mapping, validate=False, norm=norm, rope=rope)
-        select = functools.partial(kern.indexer_topk_paged, validate=False)
-    else:
-        kern.write_exact_index_keys(index_cache, kf, slot_mapping, norm=norm, rope=rope)
-        select = kern.exact_indexer_topk_paged
+    if not written:
+        kern.write_index_keys(index_cache, kf, slot_mapping, norm=norm, rope=rope)
+    select = functools.partial(kern.indexer_topk_paged, validate=False) if fp8 else kern.exact_indexer_topk_paged
     out = _selection(select, qf, wf, index_cache, block_table, req_idx, positions, topk, group, world,
                      rope if rope_q else None)
     return out.view(*q.shape[:2], topk)
@@ -155,10 +162,16 @@ def _selection(select, qf, wf, cache, block_table, req_idx, positions, topk, gro
 # ---------------------------------------------------------------------------------------------------------
 # latent attention
 # ---------------------------------------------------------------------------------------------------------
+def _check_latent_cache(kv_cache, slot_mapping, block_table, req_idx, positions, max_positions) -> None:
+    paged._validate_latent_cache(kv_cache, "kv_cache")
+    check_context(kv_cache, slot_mapping, block_table, req_idx, positions, max_positions)
+
+
 def _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table, req_idx,
-                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps, validate):
+                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps, written, validate):
     """Validate everything (unless ``validate`` is False), then return the [T, H, 576] queries and ``write()``,
-    which stores this step's rows.
+    which stores this step's rows (nothing where they are ``written`` already: ``fxglm5::rms_norm_write_caches``
+    wrote and validated them).
 
     The write is deferred so that the caller validates its attention arguments (which need the queries)
     before anything already cached is touched."""
@@ -181,13 +194,14 @@ def _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_m
                              f"{paged.ROPE_DIM} / {paged.KV_LORA_RANK}")
         if rope is not None and 2 * rope[0].shape[-1] != q_pe.shape[-1]:
             raise InputError(f"rope_cos: rotates {2 * rope[0].shape[-1]} features, q_pe / k_pe have {q_pe.shape[-1]}")
-        paged._validate_latent_cache(kv_cache, "kv_cache")
-        check_context(kv_cache, slot_mapping, block_table, req_idx, positions, max_positions)
-        paged.validate_write_latent_cache(kv_cache, kv, pe, slot_mapping, norm, rope)
+        _check_latent_cache(kv_cache, slot_mapping, block_table, req_idx, positions, max_positions)
+        if not written:
+            paged.validate_write_latent_cache(kv_cache, kv, pe, slot_mapping, norm, rope)
     q = kern.latent_query(_flat(q_nope, "q_nope", 4), w_uk, _flat(q_pe, "q_pe", 4), rope)
 
     def write():
-        kern.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False, norm=norm, rope=rope)
+        if not written:
+            kern.write_latent_cache(kv_cache, kv, pe, slot_mapping, validate=False, norm=norm, rope=rope)
 
     return q, write
 
@@ -199,11 +213,11 @@ def _value_heads(o: Tensor, w_uv: Tensor, like: Tensor) -> Tensor:
 
 def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping, block_table,
                     req_idx, positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None,
-                    kv_norm_eps=0.0, *, validate=True):
+                    kv_norm_eps=0.0, written=False, *, validate=True):
     """rtp_sparse_mla's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
     q, write = _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
                                req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps,
-                               validate)
+                               written, validate)
     top = _flat(topk_pos, "topk_pos", 3)
     if validate:
         paged.validate_sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale)
@@ -215,12 +229,12 @@ def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale,
 
 
 def mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table, req_idx,
-             positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None, kv_norm_eps=0.0, *,
-             validate=True):
+             positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None, kv_norm_eps=0.0,
+             written=False, *, validate=True):
     """rtp_mla's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
     q, write = _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
                                req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps,
-                               validate)
+                               written, validate)
     if validate:
         paged.validate_mla_paged(q, kv_cache, block_table, req_idx, positions, scale)
     write()
@@ -228,3 +242,32 @@ def mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_m
     return _value_heads(o, w_uv, q_nope)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# the query latent's RMSNorm with this step's cache writes (fxglm5::rms_norm_write_caches)
+# ---------------------------------------------------------------------------------------------------------
+def norm_write_caches_step(kern, x, weight, eps, kv_c, k_pe, kv_cache, k, index_cache, slot_mapping, block_table,
+                           req_idx, positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None,
+                           kv_norm_eps=0.0, k_norm_weight=None, k_norm_bias=None, k_norm_eps=0.0, *, validate=True):
+    """rms_norm_write_caches' body over a kernel set ``kern``: RMSNorm of the query latent ``x`` [N, S, Q] (returned)
+    and the writes the attention ops of its layer would make, the latent rows (as rtp_*mla) and, given
+    ``index_cache``, the indexer keys (as rtp_indexer), with their folded norms and RoPE. Everything the writes and
+    the norm read is validated before any cache changes, as those ops do."""
+    rope = _rope(rope_cos, rope_sin)
+    kv, pe = _flat(kv_c, "kv_c", 3), _flat(k_pe, "k_pe", 3)
+    kv_norm = None if kv_norm_weight is None else (kv_norm_weight, kv_norm_eps)
+    kf = None if k is None else _flat(k, "k", 3)
+    index_norm = None if k_norm_weight is None else (k_norm_weight, k_norm_bias, k_norm_eps)
+    if validate:
+        norm_rope.validate_norm(x, weight, eps, what="q rms_norm")
+        _check_latent_cache(kv_cache, slot_mapping, block_table, req_idx, positions, max_positions)
+        if x.dim() != 3 or x.shape[0] * x.shape[1] != slot_mapping.shape[0]:
+            raise InputError(f"x: expected [N, S, Q] with N * S = {slot_mapping.shape[0]} tokens, got {tuple(x.shape)}")
+        paged.validate_write_latent_cache(kv_cache, kv, pe, slot_mapping, kv_norm, rope)
+        if (k is None) != (index_cache is None):
+            raise InputError("k / index_cache: give both or neither")
+        if index_cache is not None:
+            _check_index_cache(index_cache)
+            check_context(index_cache, slot_mapping, block_table, req_idx, positions, max_positions)
+            _validate_index_write(index_cache, kf, slot_mapping, index_norm, rope)
+    return kern.rms_norm_write_caches(x, weight, eps, kv_cache, kv, pe, slot_mapping, index_cache, kf, kv_norm=kv_norm,
+                                      index_norm=index_norm, rope=rope)

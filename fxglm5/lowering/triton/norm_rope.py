@@ -19,7 +19,8 @@ interpreter_compat()
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-__all__ = ["DTYPE_CODES", "add_rms_norm", "rms_norm", "rope_interleaved", "round_to", "rms_normalize", "rotate_pairs"]
+__all__ = ["DTYPE_CODES", "add_rms_norm", "rms_norm", "rms_norm_launch", "rope_interleaved", "round_to",
+           "rms_normalize", "rms_norm_row", "rotate_pairs"]
 
 
 @triton.jit
@@ -48,15 +49,22 @@ def rotate_pairs(even, odd, c, s, DT: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
-    row = tl.program_id(0).to(tl.int64)
+def rms_norm_row(x_ptr, w_ptr, out_ptr, row, stride_x, D, eps, BLOCK: tl.constexpr, DT: tl.constexpr):
+    """RMSNorm of row ``row`` of x (row stride ``stride_x``) into the contiguous out: the body of the standalone
+    kernel, and the query-norm role of ``paged_cache``'s kernel that also writes the caches."""
+    row = row.to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = rms_normalize(x, w, eps, D, DT)
     tl.store(out_ptr + row * D + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BLOCK: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    rms_norm_row(x_ptr, w_ptr, out_ptr, tl.program_id(0), stride_x, D, eps, BLOCK, DT)
 
 
 @triton.jit
@@ -96,20 +104,23 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_
     tl.store(dst + 1, o2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, tuple]:
+    """(out, the arguments of :func:`rms_norm_row` after ``row``, in order) of an RMSNorm over x's last dim: out
+    contiguous in x's dtype, x's rows read strided where its last dim is contiguous."""
+    rows = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    D = x.shape[-1]
+    return out, (rows, weight, out, rows.stride(0), D, float(eps), triton.next_power_of_2(D), DTYPE_CODES[x.dtype])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, validate: bool = True) -> torch.Tensor:
     """RMSNorm over the last dim of x (any leading dims, rows may be strided), out contiguous in x's dtype."""
     if validate:
         ref.validate_norm(x, weight, eps)
-    D = x.shape[-1]
-    rows = x.reshape(-1, D)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        block = triton.next_power_of_2(D)
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), D, float(eps), BLOCK=block,
-                                           DT=DTYPE_CODES[x.dtype], num_warps=max(1, min(16, block // 512)),
-                                           **pdl(x.device))
+    out, args = rms_norm_launch(x, weight, eps)
+    rows, block = args[0].shape[0], args[6]
+    if rows:
+        _rms_norm_kernel[(rows,)](*args, num_warps=max(1, min(16, block // 512)), **pdl(x.device))
     return out
 
 

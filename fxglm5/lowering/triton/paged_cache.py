@@ -4,6 +4,11 @@ per token (block-major).
 Same signatures and semantics as :mod:`fxglm5.lowering.reference.paged` (slot < 0 = padding, skipped;
 per-128-value power-of-two FP8 scales computed in-kernel with the exact float32-bit rule). One program per
 token; runs on CUDA and under ``TRITON_INTERPRET=1`` on CPU tensors.
+
+Each write's body is a ``@triton.jit`` row helper (``_latent_row_*``, ``_index_row``) that its standalone kernel calls
+for its token, and so does the horizontally fused kernel of :func:`rms_norm_write_caches`, whose programs split into
+roles: the query latent's RMSNorm (``norm_rope.rms_norm_row``), the latent row, the indexer key. The launches build
+their arguments once (``_latent_launch``, ``_index_launch``, ``norm_rope.rms_norm_launch``), in the helpers' order.
 """
 
 from __future__ import annotations
@@ -15,13 +20,19 @@ import triton.language as tl
 from fxglm5 import settings
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton.device import interpreter_compat, pdl, pdl_prologue
-from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, rms_normalize, rotate_pairs, round_to
+from fxglm5.lowering.triton.norm_rope import (DTYPE_CODES, rms_norm_launch, rms_norm_row, rms_normalize, rotate_pairs,
+                                              round_to)
 
 interpreter_compat()
 
 
-__all__ = ["write_latent_cache", "write_indexer_cache", "write_exact_index_keys", "latent_query", "slots_from_positions",
-           "pow2_scale", "e4m3_bits", "bf16_bits", "rope_launch_args"]
+__all__ = ["write_latent_cache", "write_indexer_cache", "write_exact_index_keys", "write_index_keys",
+           "rms_norm_write_caches", "latent_query",
+           "slots_from_positions", "pow2_scale", "e4m3_bits", "bf16_bits", "rope_launch_args", "WRITE_WARPS"]
+
+# the warps of every cache-write launch, standalone or in rms_norm_write_caches' kernel: a row's sums (its RMS, the
+# LayerNorm's mean and variance, the FP8 amax) reduce over the same thread layout, so both give the same bits
+WRITE_WARPS = 4
 
 
 @triton.jit
@@ -86,14 +97,13 @@ def _rope_values(pe_row, cos_row, sin_row, RP, HALF, DR: tl.constexpr, ROPE: tl.
 
 
 @triton.jit
-def _write_latent_bf_kernel(kv_ptr, pe_ptr, slot_ptr, cache_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv, stride_pe,
-                            stride_c, RK, RP, HALF, eps, R: tl.constexpr, DR: tl.constexpr, NORM: tl.constexpr,
-                            ROPE: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
-    t = tl.program_id(0)
+def _latent_row_bf(t, kv_ptr, pe_ptr, slot_ptr, cache_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv, stride_pe, stride_c, RK,
+                   RP, HALF, eps, R: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, NORM: tl.constexpr,
+                   ROPE: tl.constexpr, DT: tl.constexpr, BF16: tl.constexpr):
+    """Token t's 576-wide row in a compute-dtype latent cache (``cache_ptr`` a uint16 view of a bf16 one)."""
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        x, idx = _latent_values(kv_ptr + t * stride_kv, w_ptr, RK, eps, R, 128, NORM, DT)
+        x, idx = _latent_values(kv_ptr + t * stride_kv, w_ptr, RK, eps, R, G, NORM, DT)
         even, odd = _rope_values(pe_ptr + t * stride_pe, cos_ptr + t * stride_c, sin_ptr + t * stride_c, RP, HALF,
                                  DR, ROPE, DT)
         op = tl.arange(0, DR // 2)
@@ -109,13 +119,11 @@ def _write_latent_bf_kernel(kv_ptr, pe_ptr, slot_ptr, cache_ptr, w_ptr, cos_ptr,
 
 
 @triton.jit
-def _write_latent_fp8_kernel(kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv,
-                             stride_pe, stride_c, RK, RP, HALF, eps, R: tl.constexpr, DR: tl.constexpr,
-                             G: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr,
-                             PDL: tl.constexpr):
-    # c8: the uint8 cache (656 per row), c32: float32 view (164 per row), c16: int16 view (328 per row)
-    pdl_prologue(PDL)
-    t = tl.program_id(0)
+def _latent_row_fp8(t, kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv,
+                    stride_pe, stride_c, RK, RP, HALF, eps, R: tl.constexpr, DR: tl.constexpr, G: tl.constexpr,
+                    NORM: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr):
+    """Token t's 656-byte row in an FP8 latent cache. c8: the uint8 cache (656 per row), c32: its float32 view (164
+    per row), c16: its int16 view (328 per row)."""
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         x, idx = _latent_values(kv_ptr + t * stride_kv, w_ptr, RK, eps, R, G, NORM, DT)  # [R // G, G]
@@ -131,15 +139,50 @@ def _write_latent_fp8_kernel(kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr,
 
 
 @triton.jit
-def _write_index_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, stride_k, stride_c, KD,
-                        HALF, eps, D: tl.constexpr, BS: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-                        DT: tl.constexpr, PDL: tl.constexpr, EXACT: tl.constexpr = False, BF16: tl.constexpr = False):
-    # EXACT: c8 is a compute-dtype cache [blocks, BS, D] (an int16 view of its bits when BF16) that keeps the key unquantized.
-    # Otherwise block-major (reference.paged.indexer_cache_parts): a block is BS * 132 bytes, its BS keys (D bytes each)
-    # then their BS float32 scales; c32 is the float32 view (BS * 33 floats per block). The key is held as a
-    # [D // 2, 2] tile of (even, odd) pairs so that RoPE can rotate them in registers.
+def _latent_row(t, kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv, stride_pe,
+                stride_c, RK, RP, HALF, eps, R: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, NORM: tl.constexpr,
+                ROPE: tl.constexpr, DT: tl.constexpr, FP8: tl.constexpr, BF16: tl.constexpr):
+    """Token t's latent row in either layout (``FP8``: the 656-byte one; else c8 is the compute-dtype cache)."""
+    if FP8:
+        _latent_row_fp8(t, kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv,
+                        stride_pe, stride_c, RK, RP, HALF, eps, R, DR, G, NORM, ROPE, DT)
+    else:
+        _latent_row_bf(t, kv_ptr, pe_ptr, slot_ptr, c8_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv, stride_pe, stride_c,
+                       RK, RP, HALF, eps, R, DR, G, NORM, ROPE, DT, BF16)
+
+
+@triton.jit
+def _write_latent_bf_kernel(kv_ptr, pe_ptr, slot_ptr, cache_ptr, c32_ptr, c16_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv,
+                            stride_pe, stride_c, RK, RP, HALF, eps, R: tl.constexpr, DR: tl.constexpr,
+                            G: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr,
+                            FP8: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    # the arguments of _latent_row (c32 / c16 / FP8 unused: the launches share one argument list)
     pdl_prologue(PDL)
-    t = tl.program_id(0)
+    _latent_row_bf(tl.program_id(0), kv_ptr, pe_ptr, slot_ptr, cache_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv,
+                   stride_pe, stride_c, RK, RP, HALF, eps, R, DR, G, NORM, ROPE, DT, BF16)
+
+
+@triton.jit
+def _write_latent_fp8_kernel(kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, w_ptr, cos_ptr, sin_ptr, stride_kv,
+                             stride_pe, stride_c, RK, RP, HALF, eps, R: tl.constexpr, DR: tl.constexpr,
+                             G: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr,
+                             FP8: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    # the arguments of _latent_row (FP8 / BF16 unused: the launches share one argument list)
+    pdl_prologue(PDL)
+    _latent_row_fp8(tl.program_id(0), kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, w_ptr, cos_ptr, sin_ptr,
+                    stride_kv, stride_pe, stride_c, RK, RP, HALF, eps, R, DR, G, NORM, ROPE, DT)
+
+
+@triton.jit
+def _index_row(t, k_ptr, slot_ptr, c8_ptr, c32_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, stride_k, stride_c, KD, HALF, eps,
+               D: tl.constexpr, BS: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr,
+               EXACT: tl.constexpr, BF16: tl.constexpr):
+    """Token t's indexer key: LayerNorm (NORM), RoPE of its first pairs (ROPE), stored.
+
+    EXACT: c8 is a compute-dtype cache [blocks, BS, D] (an int16 view of its bits when BF16) that keeps the key
+    unquantized. Otherwise block-major (reference.paged.indexer_cache_parts): a block is BS * 132 bytes, its BS keys
+    (D bytes each) then their BS float32 scales; c32 is the float32 view (BS * 33 floats per block). The key is held
+    as a [D // 2, 2] tile of (even, odd) pairs so that RoPE can rotate them in registers."""
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         op = tl.arange(0, D // 2)
@@ -172,6 +215,40 @@ def _write_index_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, w_ptr, b_ptr, cos_ptr,
             off = slot % BS
             tl.store(c8_ptr + blk * (BS * 132) + off * D + idx, e4m3_bits(y))
             tl.store(c32_ptr + blk * (BS * 33) + BS * 32 + off, sc)
+
+
+@triton.jit
+def _write_index_kernel(k_ptr, slot_ptr, c8_ptr, c32_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, stride_k, stride_c, KD,
+                        HALF, eps, D: tl.constexpr, BS: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                        DT: tl.constexpr, EXACT: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    _index_row(tl.program_id(0), k_ptr, slot_ptr, c8_ptr, c32_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, stride_k, stride_c,
+               KD, HALF, eps, D, BS, NORM, ROPE, DT, EXACT, BF16)
+
+
+@triton.jit
+def _norm_write_caches_kernel(
+        x_ptr, xw_ptr, out_ptr, stride_x, QD, q_eps, Q_BLOCK: tl.constexpr, Q_DT: tl.constexpr,
+        kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, kv_w_ptr, cos_ptr, sin_ptr, stride_kv, stride_pe, stride_c,
+        RK, RP, HALF, kv_eps, R: tl.constexpr, DR: tl.constexpr, G: tl.constexpr, KV_NORM: tl.constexpr,
+        KV_ROPE: tl.constexpr, KV_DT: tl.constexpr, KV_FP8: tl.constexpr, KV_BF16: tl.constexpr,
+        k_ptr, k_slot_ptr, i8_ptr, i32_ptr, k_w_ptr, k_b_ptr, k_cos_ptr, k_sin_ptr, stride_k, k_stride_c, KD, K_HALF,
+        k_eps, D: tl.constexpr, BS: tl.constexpr, K_NORM: tl.constexpr, K_ROPE: tl.constexpr, K_DT: tl.constexpr,
+        K_EXACT: tl.constexpr, K_BF16: tl.constexpr, INDEX: tl.constexpr, PDL: tl.constexpr):
+    """fxglm5::rms_norm_write_caches in one launch: program (t, role) is token t's query-latent RMSNorm (role 0,
+    :func:`rms_norm_row`'s arguments), its latent-cache row (role 1, :func:`_latent_row`'s) or its indexer key
+    (role 2, :func:`_index_row`'s; the grid has that role only with ``INDEX``). The three read only their own rows."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0)
+    role = tl.program_id(1)
+    if role == 0:
+        rms_norm_row(x_ptr, xw_ptr, out_ptr, t, stride_x, QD, q_eps, Q_BLOCK, Q_DT)
+    elif role == 1:
+        _latent_row(t, kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, kv_w_ptr, cos_ptr, sin_ptr, stride_kv,
+                    stride_pe, stride_c, RK, RP, HALF, kv_eps, R, DR, G, KV_NORM, KV_ROPE, KV_DT, KV_FP8, KV_BF16)
+    elif INDEX:
+        _index_row(t, k_ptr, k_slot_ptr, i8_ptr, i32_ptr, k_w_ptr, k_b_ptr, k_cos_ptr, k_sin_ptr, stride_k,
+                   k_stride_c, KD, K_HALF, k_eps, D, BS, K_NORM, K_ROPE, K_DT, K_EXACT, K_BF16)
 
 
 @triton.jit
@@ -229,6 +306,21 @@ def rope_launch_args(rope, like):
     return cos, sin, cos.stride(0), cos.shape[1]
 
 
+def _latent_launch(cache, kv_c, k_pe, slot_mapping, norm, rope) -> tuple:
+    """The arguments of :func:`_latent_row` after ``t`` of a latent-cache write (either layout)."""
+    kv_c, k_pe = _contig_rows(kv_c), _contig_rows(k_pe)
+    weight, eps = norm if norm is not None else (kv_c, 0.0)
+    cos, sin, stride_c, half = rope_launch_args(rope, kv_c)
+    fp8, bf16 = cache.dtype == torch.uint8, cache.dtype == torch.bfloat16
+    if fp8:
+        views = (cache, cache.view(torch.float32), cache.view(torch.int16))
+    else:
+        views = (cache.view(torch.int16) if bf16 else cache, cache, cache)
+    return (kv_c, k_pe, slot_mapping, *views, weight, cos, sin, kv_c.stride(0), k_pe.stride(0), stride_c,
+            kv_c.shape[1], k_pe.shape[1], half, float(eps), ref.KV_LORA_RANK, ref.ROPE_DIM, ref.FP8_GROUP,
+            norm is not None, rope is not None, DTYPE_CODES[kv_c.dtype], fp8, bf16)
+
+
 def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True, norm=None, rope=None) -> None:
     """In-place write of ``[kv_c | k_pe]`` at ``slot_mapping`` in the 576 (compute dtype) or 656 (uint8) layout,
     RMSNorm (``norm`` = (weight, eps)) and RoPE (``rope`` = (cos, sin)) applied in the same kernel."""
@@ -237,20 +329,9 @@ def write_latent_cache(cache, kv_c, k_pe, slot_mapping, *, validate: bool = True
     T = kv_c.shape[0]
     if T == 0:
         return
-    kv_c, k_pe = _contig_rows(kv_c), _contig_rows(k_pe)
-    weight, eps = norm if norm is not None else (kv_c, 0.0)
-    cos, sin, stride_c, half = rope_launch_args(rope, kv_c)
-    common = dict(R=ref.KV_LORA_RANK, DR=ref.ROPE_DIM, NORM=norm is not None, ROPE=rope is not None,
-                  DT=DTYPE_CODES[kv_c.dtype], num_warps=4)
-    tail = (kv_c.stride(0), k_pe.stride(0), stride_c, kv_c.shape[1], k_pe.shape[1], half, float(eps))
-    if cache.dtype == torch.uint8:
-        _write_latent_fp8_kernel[(T,)](kv_c, k_pe, slot_mapping, cache, cache.view(torch.float32),
-                                       cache.view(torch.int16), weight, cos, sin, *tail, G=ref.FP8_GROUP, **common,
-                                       **pdl(kv_c.device))
-    else:
-        bf16 = cache.dtype == torch.bfloat16
-        _write_latent_bf_kernel[(T,)](kv_c, k_pe, slot_mapping, cache.view(torch.int16) if bf16 else cache, weight,
-                                      cos, sin, *tail, BF16=bf16, **common, **pdl(kv_c.device))
+    kernel = _write_latent_fp8_kernel if cache.dtype == torch.uint8 else _write_latent_bf_kernel
+    kernel[(T,)](*_latent_launch(cache, kv_c, k_pe, slot_mapping, norm, rope), num_warps=WRITE_WARPS,
+                 **pdl(kv_c.device))
 
 
 def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True, norm=None, rope=None) -> None:
@@ -258,7 +339,13 @@ def write_indexer_cache(cache, k, slot_mapping, *, validate: bool = True, norm=N
     (``norm`` = (weight, bias, eps)) and RoPE on the first features (``rope`` = (cos, sin)) in the same kernel."""
     if validate:
         ref.validate_write_indexer_cache(cache, k, slot_mapping, norm, rope)
-    _write_index_keys(cache, k, slot_mapping, norm, rope, exact=False)
+    _write_index_keys(cache, k, slot_mapping, norm, rope)
+
+
+def write_index_keys(cache, k, slot_mapping, *, norm=None, rope=None) -> None:
+    """Either index cache's write (the caller validated): FP8 rows into a uint8 cache, the exact keys into a
+    compute-dtype one (the kernel reads which from the cache's dtype)."""
+    _write_index_keys(cache, k, slot_mapping, norm, rope)
 
 
 def write_exact_index_keys(cache, k, slot_mapping, *, norm=None, rope=None) -> None:
@@ -266,22 +353,52 @@ def write_exact_index_keys(cache, k, slot_mapping, *, norm=None, rope=None) -> N
     as :func:`write_indexer_cache` applies them (the caller validated; ``paged_steps.indexer_step``). One kernel and
     no host sync, where the reference's masked index write needs one, so a decode step with this cache can be
     captured in a CUDA graph."""
-    _write_index_keys(cache, k, slot_mapping, norm, rope, exact=True)
+    _write_index_keys(cache, k, slot_mapping, norm, rope)
 
 
-def _write_index_keys(cache, k, slot_mapping, norm, rope, exact: bool) -> None:
-    T = k.shape[0]
-    if T == 0:
-        return
+def _index_launch(cache, k, slot_mapping, norm, rope) -> tuple:
+    """The arguments of :func:`_index_row` after ``t`` of an indexer-key write: FP8 rows into a uint8 cache, the
+    exact keys into a compute-dtype one."""
     k = _contig_rows(k)
     weight, bias, eps = norm if norm is not None else (k, k, 0.0)
     cos, sin, stride_c, half = rope_launch_args(rope, k)
+    exact = cache.dtype != torch.uint8
     bf16 = exact and cache.dtype == torch.bfloat16
     keys, scales = (cache.view(torch.int16) if bf16 else cache, cache) if exact else (cache, cache.view(torch.float32))
-    _write_index_kernel[(T,)](k, slot_mapping, keys, scales, weight, bias, cos, sin, k.stride(0),
-                              stride_c, k.shape[1], half, float(eps), D=ref.INDEX_DIM, BS=cache.shape[1],
-                              NORM=norm is not None, ROPE=rope is not None, DT=DTYPE_CODES[k.dtype], EXACT=exact,
-                              BF16=bf16, num_warps=1, **pdl(k.device))
+    return (k, slot_mapping, keys, scales, weight, bias, cos, sin, k.stride(0), stride_c, k.shape[1], half,
+            float(eps), ref.INDEX_DIM, cache.shape[1], norm is not None, rope is not None, DTYPE_CODES[k.dtype], exact,
+            bf16)
+
+
+def _no_index(like) -> tuple:
+    """:func:`_index_launch`'s arguments for a launch without the indexer's role (``INDEX=False`` compiles it out)."""
+    return (like,) * 8 + (0, 0, 0, 0, 0.0, ref.INDEX_DIM, 1, False, False, 0, True, False)
+
+
+def _write_index_keys(cache, k, slot_mapping, norm, rope) -> None:
+    if k.shape[0]:
+        _write_index_kernel[(k.shape[0],)](*_index_launch(cache, k, slot_mapping, norm, rope), num_warps=WRITE_WARPS,
+                                           **pdl(k.device))
+
+
+def rms_norm_write_caches(x, weight, eps, kv_cache, kv_c, k_pe, slot_mapping, index_cache=None, k=None, *,
+                          kv_norm=None, index_norm=None, rope=None):
+    """``rms_norm(x, weight, eps)`` (returned) and this step's rows written into the latent cache (as
+    :func:`write_latent_cache` writes them) and, given ``index_cache``, its indexer keys (as
+    :func:`write_indexer_cache` / :func:`write_exact_index_keys` do), in one launch of T x (2 or 3) programs (the
+    caller validated; ``paged_steps.norm_write_caches_step``). Each role runs the standalone kernel's helper with its
+    arguments and its number of warps, so every value is bit for bit the standalone kernels' (the query's RMSNorm:
+    where that kernel runs WRITE_WARPS too, q_a's 2048 features in GLM-5)."""
+    out, q_args = rms_norm_launch(x, weight, eps)
+    T = q_args[0].shape[0]
+    if T == 0:
+        return out
+    latent = _latent_launch(kv_cache, kv_c, k_pe, slot_mapping, kv_norm, rope)
+    index = _index_launch(index_cache, k, slot_mapping, index_norm, rope) if index_cache is not None else \
+        _no_index(x)
+    _norm_write_caches_kernel[(T, 2 if index_cache is None else 3)](
+        *q_args, *latent, *index, INDEX=index_cache is not None, num_warps=WRITE_WARPS, **pdl(x.device))
+    return out
 
 
 def latent_query(q_nope, w_uk, q_pe, rope=None):
