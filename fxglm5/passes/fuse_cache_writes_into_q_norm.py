@@ -131,17 +131,21 @@ def _fuse(gm: fx.GraphModule, attention: fx.Node, order: dict) -> int | None:
 
 
 def insert_fused(gm: fx.GraphModule, at: fx.Node, outputs: list, inputs: list, order: dict, call: dict) -> fx.Node:
-    """``rms_norm_write_caches(**call)`` and a getitem of each of its outputs, output i standing for ``outputs[i]``
-    (its metadata, its readers), placed at ``at`` or, where an input comes later, right after its last input; the
-    readers of ``outputs`` that came before that place move right after the getitems, in their order (none is an
-    input: the caller checked). Returns the call; ``outputs`` are left unread."""
+    """``rms_norm_write_caches(**call)`` and a getitem of each of its outputs that stands for a node of ``outputs``
+    (the normed latent, then the head weights where the call computes them: their metadata, their readers), placed
+    at ``at`` or, where an input comes later, right after its last input; the readers of ``outputs`` that came before
+    that place move right after the getitems, in their order (none is an input: the caller checked). Returns the
+    call; ``outputs`` are left unread."""
     last = max(inputs, key=order.__getitem__)
     anchor = at if order[last] < order[at] else last.next
     with gm.graph.inserting_before(anchor):
         fused = gm.graph.call_function(torch.ops.fxglm5.rms_norm_write_caches.default, (), call)
         items = [gm.graph.call_function(operator.getitem, (fused, i)) for i in range(len(outputs))]
     fused.meta.update(outputs[0].meta)  # the module the query latent's norm belonged to
-    fused.meta["val"] = [output.meta.get("val") for output in outputs]
+    normed = outputs[0].meta.get("val")
+    if normed is not None:  # the op's (normed, weights), [..., 0] without the weights
+        fused.meta["val"] = (normed, outputs[1].meta.get("val") if len(outputs) > 1 else
+                             normed.new_empty(*normed.shape[:-1], 0, dtype=torch.float32))
     set_op_args(fused)  # every argument by position, as the other rewritten nodes pass them
     cursor = items[-1]
     if anchor is not at:

@@ -253,8 +253,8 @@ def norm_write_caches_step(kern, x, weight, eps, kv_c, k_pe, kv_cache, k, index_
     """rms_norm_write_caches' body over a kernel set ``kern``: RMSNorm of the query latent ``x`` [N, S, Q] and the
     writes the attention ops of its layer would make, the latent rows (as rtp_*mla) and, given ``index_cache``, the
     indexer keys (as rtp_indexer), with their folded norms and RoPE; given ``weights_proj``, the indexer's head
-    weights ``f32_linear(weights_x, weights_proj, weights_scales)`` too. Returns [the normed latent] or [it, the head
-    weights]. Everything the writes, the norm and the weights read is validated before any cache changes, as those
+    weights ``f32_linear(weights_x, weights_proj, weights_scales)`` too. Returns (the normed latent, the head weights
+    or [N, S, 0] without them). Everything the writes, the norm and the weights read is validated before any cache changes, as those
     ops do."""
     rope = _rope(rope_cos, rope_sin)
     kv, pe = _flat(kv_c, "kv_c", 3), _flat(k_pe, "k_pe", 3)
@@ -283,4 +283,6 @@ def norm_write_caches_step(kern, x, weight, eps, kv_c, k_pe, kv_cache, k, index_
                                  f"got {tuple(weights_x.shape)}")
     out = kern.rms_norm_write_caches(x, weight, eps, kv_cache, kv, pe, slot_mapping, index_cache, kf, kv_norm=kv_norm,
                                      index_norm=index_norm, rope=rope, head_weights=head_weights)
-    return [out] if head_weights is None else list(out)
+    if head_weights is None:
+        return out, x.new_empty(*x.shape[:-1], 0, dtype=torch.float32)
+    return out
