@@ -29,7 +29,7 @@ import torch
 from torch import fx
 
 from fxglm5.passes.fuse_cache_writes_into_q_norm import insert_fused, reads
-from fxglm5.passes.graph_utils import is_op, op_args
+from fxglm5.passes.graph_utils import is_op, op_args, rewrite_each
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -70,7 +70,5 @@ def _fuse(gm: fx.GraphModule, fused: fx.Node, order: dict) -> bool:
 
 @register_pass("fuse_kernels", expected=expected_weights)
 def fuse_index_weights_into_q_norm(gm: fx.GraphModule, ctx) -> PassOutcome:
-    matches = 0
-    for fused in list(gm.graph.find_nodes(op="call_function", target=torch.ops.fxglm5.rms_norm_write_caches.default)):
-        matches += _fuse(gm, fused, {node: i for i, node in enumerate(gm.graph.nodes)})
-    return PassOutcome(matches)
+    return PassOutcome(rewrite_each(gm, lambda fused: _fuse(gm, fused, {n: i for i, n in enumerate(gm.graph.nodes)}),
+                                    torch.ops.fxglm5.rms_norm_write_caches.default))
