@@ -28,9 +28,9 @@ against it. Signatures:
   ``rtp_*mla`` writes them, the indexer keys ``k`` into ``index_cache`` (given) as ``rtp_indexer`` does, with their
   folded norms and one pair of RoPE tables (``fxglm5.ops.cached``); given ``weights_proj``, the layer's indexer
   head weights ``f32_linear(weights_x, weights_proj, weights_scales)`` too (at decode in the same launch), else
-  n = 0 (a mutating custom op returns a fixed tuple of tensors: no list, no optional output). Both caches are mutated; the ops then run with ``written=True``. Its forward-context
-  arguments and its validation (before any write, naming the field) are the cached ops'; its body is
-  ``paged_steps.norm_write_caches_step``.
+  n = 0 (a mutating custom op returns a fixed tuple of tensors: no list, no optional output). Both caches are
+  mutated; the ops then run with ``written=True``. Its forward-context arguments and its validation (before any
+  write, naming the field) are the cached ops'; its body is ``paged_steps.norm_write_caches_step``.
 """
 
 from __future__ import annotations

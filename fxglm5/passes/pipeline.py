@@ -15,8 +15,8 @@ The fuse_kernels stage is the decode step's kernel count: each of its passes tur
 small kernels (an add and a norm, a cast and a float32 GEMV and two scalar multiplies, five ops of expert-id glue,
 the router's GEMV and its routing, a silu and a multiply before a GEMM, the shared expert's add after the MoE, the
 query latent's norm and the two cache writes beside it, the indexer's head weights beside those) into one op of
-``fxglm5.ops.fused`` whose reference is that chain. It runs on the device graph only (after shard and cache), where the chains are final; the lower stage then
-binds kernels.
+``fxglm5.ops.fused`` whose reference is that chain. It runs on the device graph only (after shard and cache),
+where the chains are final; the lower stage then binds kernels.
 """
 
 from __future__ import annotations

@@ -91,7 +91,8 @@ def test_reference_is_the_chain_it_replaces(kv_dtype, index_dtype, weights):
     out, head = ops.rms_norm_write_caches(**mine)
     want, want_head = _chain(theirs)
     assert torch.equal(out, want) and out.shape == (1, T, Q)
-    assert torch.equal(head, want_head) and head.shape == (1, T, HEADS if weights else 0) and head.dtype == torch.float32
+    assert torch.equal(head, want_head) and head.dtype == torch.float32
+    assert head.shape == (1, T, HEADS if weights else 0)
     for name in ("kv_cache", "index_cache"):
         assert (mine[name] is None and theirs[name] is None) or torch.equal(mine[name], theirs[name])
     rows = mine["kv_cache"].view(-1, mine["kv_cache"].shape[-1])

@@ -254,8 +254,8 @@ def norm_write_caches_step(kern, x, weight, eps, kv_c, k_pe, kv_cache, k, index_
     writes the attention ops of its layer would make, the latent rows (as rtp_*mla) and, given ``index_cache``, the
     indexer keys (as rtp_indexer), with their folded norms and RoPE; given ``weights_proj``, the indexer's head
     weights ``f32_linear(weights_x, weights_proj, weights_scales)`` too. Returns (the normed latent, the head weights
-    or [N, S, 0] without them). Everything the writes, the norm and the weights read is validated before any cache changes, as those
-    ops do."""
+    or [N, S, 0] without them). Everything the writes, the norm and the weights read is validated before any
+    cache changes, as those ops do."""
     rope = _rope(rope_cos, rope_sin)
     kv, pe = _flat(kv_c, "kv_c", 3), _flat(k_pe, "k_pe", 3)
     kv_norm = None if kv_norm_weight is None else (kv_norm_weight, kv_norm_eps)
