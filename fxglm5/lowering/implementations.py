@@ -194,19 +194,27 @@ class _LazyKernels:
 _TRITON_PAGED = _LazyKernels("fxglm5.lowering.triton.paged_ops")
 
 
-def _register_cached_op(op: str, step: Callable) -> None:
+def _register_cached_op(op: str, step: Callable, supports: Optional[Callable[..., Optional[str]]] = None) -> None:
     """A cached RTP op (``fxglm5.ops.cached``, and ``fxglm5.ops.fused``'s rms_norm_write_caches, which makes those ops'
     writes) on both backends: its step body over the Triton kernels and over the torch references (the custom op
     itself), each with and without the step's own input validation."""
-    register(op, "triton", unchecked=functools.partial(step, _TRITON_PAGED, validate=False))(
+    register(op, "triton", supports, unchecked=functools.partial(step, _TRITON_PAGED, validate=False))(
         functools.partial(step, _TRITON_PAGED))
     _IMPLS.setdefault(op, {})["reference"] = Impl(None, unchecked=functools.partial(step, paged, validate=False))
+
+
+def _norm_write_caches_supported(x, weight, eps, kv_c, k_pe, kv_cache, k, index_cache, slot_mapping, block_table,
+                                 req_idx, positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None,
+                                 kv_norm_eps=0.0, k_norm_weight=None, k_norm_bias=None, k_norm_eps=0.0,
+                                 weights_x=None, weights_proj=None, weights_scales=None):
+    """The head weights it computes (given) as the Triton f32_linear takes them."""
+    return None if weights_proj is None else _f32_linear_supported(weights_x, weights_proj, weights_scales or [])
 
 
 _register_cached_op("rtp_indexer", paged_steps.indexer_step)
 _register_cached_op("rtp_sparse_mla", paged_steps.sparse_mla_step)
 _register_cached_op("rtp_mla", paged_steps.mla_step)
-_register_cached_op("rms_norm_write_caches", paged_steps.norm_write_caches_step)
+_register_cached_op("rms_norm_write_caches", paged_steps.norm_write_caches_step, _norm_write_caches_supported)
 
 
 # ---- Triton: the fused ops of the fuse_kernels stage (fxglm5.ops.fused) ---------------------------------------

@@ -22,10 +22,13 @@ against it. Signatures:
   [..., N]``: ``fp8_linear(silu(gate) * up, ...)``, the gated MLP's down projection with its activation.
 - ``rms_norm_write_caches(x [N, S, Q], weight [Q], eps, kv_c [N, S, R], k_pe [N, S, dr], kv_cache, k [N, S, D]?,
   index_cache?, slot_mapping, block_table, req_idx, positions, max_positions, rope_cos?, rope_sin?, kv_norm_weight?,
-  kv_norm_eps, k_norm_weight?, k_norm_bias?, k_norm_eps) -> [N, S, Q]``: ``rms_norm(x, weight, eps)``, the query
-  latent's RMSNorm, and this step's cache writes of the layer's attention ops: the latent rows ``[kv_c | k_pe]``
-  into ``kv_cache`` as ``rtp_*mla`` writes them, the indexer keys ``k`` into ``index_cache`` (given) as
-  ``rtp_indexer`` does, with their folded norms and one pair of RoPE tables (``fxglm5.ops.cached``). Both caches are
+  kv_norm_eps, k_norm_weight?, k_norm_bias?, k_norm_eps, weights_x [N, S, H]?, weights_proj f32 [n, H]?,
+  weights_scales?) -> ([N, S, Q], f32 [N, S, n])``: ``rms_norm(x, weight, eps)``, the query latent's RMSNorm, and
+  this step's cache writes of the layer's attention ops: the latent rows ``[kv_c | k_pe]`` into ``kv_cache`` as
+  ``rtp_*mla`` writes them, the indexer keys ``k`` into ``index_cache`` (given) as ``rtp_indexer`` does, with their
+  folded norms and one pair of RoPE tables (``fxglm5.ops.cached``); given ``weights_proj``, the layer's indexer
+  head weights ``f32_linear(weights_x, weights_proj, weights_scales)`` too (at decode in the same launch), else
+  n = 0 (a mutating custom op returns a fixed tuple of tensors: no list, no optional output). Both caches are
   mutated; the ops then run with ``written=True``. Its forward-context arguments and its validation (before any
   write, naming the field) are the cached ops'; its body is ``paged_steps.norm_write_caches_step``.
 """
@@ -119,12 +122,20 @@ def rms_norm_write_caches(x: Tensor, weight: Tensor, eps: float, kv_c: Tensor, k
                           req_idx: Tensor, positions: Tensor, max_positions: int, rope_cos: Optional[Tensor] = None,
                           rope_sin: Optional[Tensor] = None, kv_norm_weight: Optional[Tensor] = None,
                           kv_norm_eps: float = 0.0, k_norm_weight: Optional[Tensor] = None,
-                          k_norm_bias: Optional[Tensor] = None, k_norm_eps: float = 0.0) -> Tensor:
-    return norm_write_caches_step(paged, x, weight, eps, kv_c, k_pe, kv_cache, k, index_cache, slot_mapping,
-                                  block_table, req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight,
-                                  kv_norm_eps, k_norm_weight, k_norm_bias, k_norm_eps).contiguous()
+                          k_norm_bias: Optional[Tensor] = None, k_norm_eps: float = 0.0,
+                          weights_x: Optional[Tensor] = None, weights_proj: Optional[Tensor] = None,
+                          weights_scales: Optional[list[float]] = None) -> tuple[Tensor, Tensor]:
+    normed, weights = norm_write_caches_step(
+        paged, x, weight, eps, kv_c, k_pe, kv_cache, k, index_cache, slot_mapping, block_table, req_idx, positions,
+        max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps, k_norm_weight, k_norm_bias, k_norm_eps,
+        weights_x, weights_proj, weights_scales)
+    return normed.contiguous(), weights.contiguous()
 
 
 @rms_norm_write_caches.register_fake
-def _(x, weight, eps, kv_c, k_pe, kv_cache, k, index_cache, *context_and_folded):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _(x, weight, eps, kv_c, k_pe, kv_cache, k, index_cache, slot_mapping, block_table, req_idx, positions,
+      max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None, kv_norm_eps=0.0, k_norm_weight=None,
+      k_norm_bias=None, k_norm_eps=0.0, weights_x=None, weights_proj=None, weights_scales=None):
+    normed = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return normed, x.new_empty(*x.shape[:-1], 0 if weights_proj is None else weights_proj.shape[0],
+                               dtype=torch.float32)

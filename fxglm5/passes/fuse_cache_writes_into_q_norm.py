@@ -71,7 +71,7 @@ def _projected_from(node):
     return None
 
 
-def _reads(node, source: fx.Node, order: dict) -> bool:
+def reads(node, source: fx.Node, order: dict) -> bool:
     """Whether ``node``'s value is computed from ``source``'s (nodes before ``source`` cannot be)."""
     seen, todo = set(), [node]
     while todo:
@@ -89,7 +89,7 @@ def _own_indexer(attention: fx.Node, norm: fx.Node, order: dict):
     """The rtp_indexer that selects for ``attention`` if its query is computed from ``norm`` (the layer's own), else
     None (no indexer, or an earlier layer's)."""
     selection = op_args(attention).get("topk_pos")
-    if is_op(selection, torch.ops.fxglm5.rtp_indexer.default) and _reads(op_args(selection)["q"], norm, order):
+    if is_op(selection, torch.ops.fxglm5.rtp_indexer.default) and reads(op_args(selection)["q"], norm, order):
         return selection
     return None
 
@@ -120,10 +120,9 @@ def _fuse(gm: fx.GraphModule, attention: fx.Node, order: dict) -> int | None:
                 rope_cos=args["rope_cos"], rope_sin=args["rope_sin"], kv_norm_weight=args["kv_norm_weight"],
                 kv_norm_eps=args["kv_norm_eps"])
     inputs = [value for value in call.values() if isinstance(value, fx.Node)]
-    if any(_reads(value, norm, order) for value in inputs):
+    if any(reads(value, norm, order) for value in inputs):
         return None
-    fused = _insert(gm, norm, inputs, order, call)
-    norm.replace_all_uses_with(fused)
+    insert_fused(gm, norm, [norm], inputs, order, call)
     gm.graph.erase_node(norm)
     set_op_args(attention, written=True)
     if indexer is not None:
@@ -131,22 +130,32 @@ def _fuse(gm: fx.GraphModule, attention: fx.Node, order: dict) -> int | None:
     return int(indexer is not None)
 
 
-def _insert(gm: fx.GraphModule, norm: fx.Node, inputs: list, order: dict, call: dict) -> fx.Node:
-    """The fused call, placed after its last input (the norm's place if that is earlier); the norm's readers that
-    came before that place move right after the call, in their order (none is an input: ``_fuse`` checked)."""
+def insert_fused(gm: fx.GraphModule, at: fx.Node, outputs: list, inputs: list, order: dict, call: dict) -> fx.Node:
+    """``rms_norm_write_caches(**call)`` and a getitem of each of its outputs that stands for a node of ``outputs``
+    (the normed latent, then the head weights where the call computes them: their metadata, their readers), placed
+    at ``at`` or, where an input comes later, right after its last input; the readers of ``outputs`` that came before
+    that place move right after the getitems, in their order (none is an input: the caller checked). Returns the
+    call; ``outputs`` are left unread."""
     last = max(inputs, key=order.__getitem__)
-    anchor = norm if order[last] < order[norm] else last.next
-    op = torch.ops.fxglm5.rms_norm_write_caches.default
+    anchor = at if order[last] < order[at] else last.next
     with gm.graph.inserting_before(anchor):
-        fused = gm.graph.call_function(op, (), call)
-    fused.meta.update(norm.meta)  # the normed latent's value, and the module the norm belonged to
+        fused = gm.graph.call_function(torch.ops.fxglm5.rms_norm_write_caches.default, (), call)
+        items = [gm.graph.call_function(operator.getitem, (fused, i)) for i in range(len(outputs))]
+    fused.meta.update(outputs[0].meta)  # the module the query latent's norm belonged to
+    normed = outputs[0].meta.get("val")
+    if normed is not None:  # the op's (normed, weights), [..., 0] without the weights
+        fused.meta["val"] = (normed, outputs[1].meta.get("val") if len(outputs) > 1 else
+                             normed.new_empty(*normed.shape[:-1], 0, dtype=torch.float32))
     set_op_args(fused)  # every argument by position, as the other rewritten nodes pass them
-    cursor = fused
-    if anchor is not norm:
-        for node in [n for n in gm.graph.nodes if order.get(n, -1) > order[norm] and order[n] <= order[last]]:
-            if _reads(node, norm, order):
+    cursor = items[-1]
+    if anchor is not at:
+        for node in [n for n in gm.graph.nodes if order.get(n, -1) > order[at] and order[n] <= order[last]]:
+            if any(reads(node, output, order) for output in outputs):
                 cursor.append(node)
                 cursor = node
+    for item, output in zip(items, outputs):
+        item.meta.update(output.meta)
+        output.replace_all_uses_with(item)
     return fused
 
 

@@ -63,6 +63,67 @@ def _close(a, b, tol=3e-2):
     assert err <= tol * max(1.0, b.abs().max().item()), err
 
 
+@pytest.mark.parametrize("T", [1, 8, 16])
+def test_head_weights_in_the_norm_launch_at_glm5_sizes(T):
+    """At decode batches the norm / cache-write launch also computes the indexer's head weights (GLM-5: 32 heads of
+    6144 features, float32, the scales 32 ** -0.5 and 128 ** -0.5): bit for bit f32_linear's GEMV kernel launched
+    on its own, the normed latent and both FP8 caches byte for byte the launch without them; the weights within
+    float32 rounding of the torch reference. Called twice back to back (each tile's arrival counter reset by its
+    last split), then replayed twice from a CUDA graph over new hidden states: the separate launches' bits every
+    time, and the counters back at 0."""
+    from fxglm5.lowering.reference import fused as ref_fused
+    from fxglm5.lowering.triton import f32_linear, fp8_parts
+    from fxglm5.lowering.triton import paged_cache as pc
+
+    nb, scales = 40, [HI ** -0.5, 128 ** -0.5]
+    g = torch.Generator(device="cuda").manual_seed(T)
+    rows = torch.randn(T, 2048 + R + DR + 128, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+    x, kv_c, k_pe, k = rows.split([2048, R, DR, 128], dim=1)
+    h = torch.randn(T, 6144, device="cuda", generator=g).bfloat16()
+    proj = torch.randn(HI, 6144, device="cuda", generator=g) / 6144 ** 0.5
+    w = (1 + 0.1 * torch.randn(2048, device="cuda", generator=g)).bfloat16()
+    writes = dict(kv_norm=((1 + 0.1 * torch.randn(R, device="cuda", generator=g)).bfloat16(), 1e-6),
+                  index_norm=((1 + 0.1 * torch.randn(128, device="cuda", generator=g)).bfloat16(),
+                              (0.1 * torch.randn(128, device="cuda", generator=g)).bfloat16(), 1e-6),
+                  rope=_rope_tables(T, DR // 2))
+    slots = torch.randperm((nb - 1) * BS, device="cuda")[:T] + BS
+    slots[1::7] = -1
+    (tiles, split), _ = f32_linear.gemv_launch(HI, 6144, T, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert split > 1
+    counters = fp8_parts.tile_counters(h.device, tiles)
+    caches = [(torch.zeros(nb, BS, 656, dtype=torch.uint8, device="cuda"),
+               torch.zeros(nb, BS, 132, dtype=torch.uint8, device="cuda")) for _ in range(2)]
+
+    def both():
+        fused = pc.rms_norm_write_caches(x, w, 1e-6, caches[0][0], kv_c, k_pe, slots, caches[0][1], k,
+                                         head_weights=(h, proj, scales), **writes)
+        weights = f32_linear.f32_linear(h, proj, scales)
+        normed = pc.rms_norm_write_caches(x, w, 1e-6, caches[1][0], kv_c, k_pe, slots, caches[1][1], k, **writes)
+        return fused, (normed, weights)
+
+    def check(fused, separate):
+        for a, b in zip(fused, separate):
+            assert torch.equal(a, b)
+        for a, b in zip(*caches):
+            assert torch.equal(a, b)
+        assert int(counters[:tiles].abs().sum()) == 0
+
+    for _ in range(2):
+        fused, separate = both()
+        check(fused, separate)
+    want = ref_fused.f32_linear(h, proj, scales)
+    assert ((fused[1] - want).norm() / want.norm()).item() < 1e-6
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused, separate = both()
+    for seed in range(2):
+        h.copy_(torch.randn(T, 6144, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(fused, separate)
+        assert torch.equal(fused[1], f32_linear.f32_linear(h, proj, scales))
+
+
 @pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
 def test_cache_writes_match_reference(cdtype):
     from fxglm5.lowering.triton import paged_cache as pc

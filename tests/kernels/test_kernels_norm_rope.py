@@ -347,3 +347,59 @@ def test_norm_and_cache_writes_in_one_launch_equal_the_three_kernels(kv_dtype, i
     written = (kv_cache.view(16, -1) != 0).any(1)
     assert written.sum() == (slots >= 0).sum() and written[slots[slots >= 0]].all()  # padding wrote nothing
     assert index_cache is None or (index_cache != 0).any()
+
+
+# ---- ... and the indexer's head weights in the same launch at decode (fuse_index_weights_into_q_norm) -------------
+SCALES = [0.5, 0.125]  # the head weights' folded scalars (GLM-5: heads ** -0.5 and the softmax scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 7, 16, 17])
+def test_head_weights_join_the_launch_at_decode(T, dtype, monkeypatch):
+    """Given the head weights' GEMV operands, ``rms_norm_write_caches``' one launch also gives the weights bit for
+    bit as ``_f32_gemv_kernel`` gives them over the same rows (its K split over CTAs, each tile's last split summing
+    the partials and applying the scales: 20 heads, rows past them masked; 300 features, a K tail), the counters
+    reset after it; the normed latent and both caches are byte for byte what the launch without the weights gives.
+    Past MAX_GEMV_ROWS (17 tokens) the weights are f32_linear's GEMM, launched before the kernel."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fxglm5.lowering.triton import f32_linear
+    from fxglm5.lowering.triton.fp8_parts import tile_counters
+
+    gen = torch.Generator().manual_seed(T)
+    x, kv_c, k_pe, k, (wq, wkv, wk), bk, tables = _layer_rows(T, 96, dtype, gen)
+    h = (torch.randn(T, 300, generator=gen) * 2).to(dtype)
+    weight = torch.randn(20, 300, generator=gen)
+    slots = _slots(T, 8, 4, gen)
+    grid, cfg = f32_linear.gemv_launch(20, 300, min(T, f32_linear.MAX_GEMV_ROWS), 4)  # the interpreter's 4 "SMs"
+    assert cfg["SPLIT"] > 1 and grid[0] == 2  # the split-K fix-up of two column tiles runs
+    results, launched, launch = {}, {}, InterpretedFunction.run
+    for how in ("fused", "separate"):
+        kv_cache, index_cache = torch.zeros(8, 4, 656, dtype=torch.uint8), torch.zeros(8, 4, 132, dtype=torch.uint8)
+        calls = launched.setdefault(how, [])
+        monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **kw: calls.append(self.fn.__name__)
+                            or launch(self, *a, **kw))
+        writes = dict(kv_norm=(wkv, 1e-6), index_norm=(wk, bk, 1e-6), rope=tables)
+        if how == "fused":
+            normed, weights = tpc.rms_norm_write_caches(x, wq, 1e-6, kv_cache, kv_c, k_pe, slots, index_cache, k,
+                                                        head_weights=(h, weight, SCALES), **writes)
+        else:
+            weights = f32_linear.f32_linear(h, weight, SCALES)
+            normed = tpc.rms_norm_write_caches(x, wq, 1e-6, kv_cache, kv_c, k_pe, slots, index_cache, k, **writes)
+        monkeypatch.undo()
+        results[how] = [normed.view(torch.uint8), weights, kv_cache, index_cache]
+    gemm = [] if f32_linear.is_gemv(T) else ["_f32_gemm_kernel"]
+    assert launched["fused"] == gemm + ["_norm_write_caches_kernel"]
+    assert launched["separate"] == (gemm or ["_f32_gemv_kernel"]) + ["_norm_write_caches_kernel"]
+    for fused, separate in zip(results["fused"], results["separate"]):
+        assert torch.equal(fused, separate)
+    assert results["fused"][1].shape == (T, 20) and (tile_counters(h.device, grid[0])[:grid[0]] == 0).all()
+
+
+def test_the_gemv_runs_with_the_cache_writes_warps():
+    """The launch runs every role with WRITE_WARPS (the cache writes' bits need it) and the GEMV's sums reduce over
+    f32_linear's thread layout: the two are the same at every decode row count, at GLM-5's head weights."""
+    from fxglm5.lowering.triton import f32_linear
+
+    for rows in range(1, f32_linear.MAX_GEMV_ROWS + 1):
+        assert f32_linear.gemv_launch(32, 6144, rows, 132)[1]["num_warps"] == tpc.WRITE_WARPS

@@ -45,6 +45,7 @@ BEFORE_PROLOGUE = {
     "fp8_gemv._gemv_kernel": _FIRST_WEIGHTS,
     "f32_linear._f32_gemv_kernel": _FIRST_WEIGHTS,
     "moe._router_kernel": _FIRST_WEIGHTS,
+    "paged_cache._norm_write_caches_kernel": _FIRST_WEIGHTS + " (its head-weight programs; the others request none)",
 }
 PROLOGUES = ("pdl_prologue", "gluon_pdl_prologue")
 _KERNEL_TYPES = (JITFunction, InterpretedFunction, Autotuner)

@@ -15,19 +15,21 @@ PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [7, 1, 8]]  # one lo
 # (the gate folded in), the routed experts' gate|up (SiLU * up folded in) and down, the combine (+ the shared row)
 DECODE_MOE = ["_router_kernel", "_gemm_kernel", "_gemm_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel",
               "_combine_kernel"]
-# one decode step's attention block, from the stacked q_a | kv_a | wk GEMM to o_proj's: the indexer's head weights, the
-# query latent's norm with both cache writes, the stacked q_b | wq_b GEMM, the indexer, the latent MLA, o_proj
-DECODE_ATTENTION = ["_gemm_kernel", "_f32_gemv_kernel", "_norm_write_caches_kernel", "_gemm_kernel",
-                    "_indexer_logits_kernel", "_segment_topk_kernel", "_latent_query_kernel", "_mla_fwd_kernel",
-                    "_mla_combine_project_kernel", "_gemm_kernel"]
+# one decode step's attention block, from the stacked q_a | kv_a | wk GEMM to o_proj's: the query latent's norm with
+# both cache writes and the indexer's head weights, the stacked q_b | wq_b GEMM, the indexer, the latent MLA, o_proj
+DECODE_ATTENTION = ["_gemm_kernel", "_norm_write_caches_kernel", "_gemm_kernel", "_indexer_logits_kernel",
+                    "_segment_topk_kernel", "_latent_query_kernel", "_mla_fwd_kernel", "_mla_combine_project_kernel",
+                    "_gemm_kernel"]
 
 
 def test_triton_path_same_tokens_as_reference(monkeypatch):
     """... and no RoPE kernel is launched, prefill or decode: every RoPE runs inside the attention ops' kernels (the
     indexer query's in the indexer's logits kernel, which the decode steps launch: their windows exceed the top-k);
     a decode MoE layer launches DECODE_MOE (issue 45, item 4: the router's GEMV and its routing one launch).
-    The query latent's RMSNorm and both cache writes are one launch per layer and step (fuse_cache_writes_into_q_norm):
-    a decode step's attention block is DECODE_ATTENTION, no standalone norm or write kernel among them."""
+    The query latent's RMSNorm, both cache writes and the indexer's head weights are one launch per layer and step
+    (fuse_cache_writes_into_q_norm, fuse_index_weights_into_q_norm; every step here is GEMV-sized, the prefill's 15
+    tokens too): a decode step's attention block is DECODE_ATTENTION, no standalone norm, write or GEMV kernel among
+    them."""
     from triton.runtime.interpreter import InterpretedFunction
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors: the Triton bindings need the interpreter
@@ -51,6 +53,7 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     last = len(launched) - 1 - launched[::-1].index("_router_kernel")
     assert launched[last:launched.index("_combine_kernel", last) + 1] == DECODE_MOE
     assert "_write_latent_fp8_kernel" not in launched and "_write_index_kernel" not in launched
+    assert "_f32_gemv_kernel" not in launched
     assert launched.count("_norm_write_caches_kernel") == 2 * 3  # both layers, the prefill and two decode steps
     last = len(launched) - launched[::-1].index("_norm_write_caches_kernel") - 1  # the last decode step's layer 1
     at = DECODE_ATTENTION.index("_norm_write_caches_kernel")

@@ -36,7 +36,7 @@ from fxglm5 import contracts
 from fxglm5.contracts import (COMPUTE_DTYPES, FP8_BLOCK, FP8_MAX, FP8_ROPE_OFFSET, FP8_ROW_BYTES, FP8_SCALE_OFFSET,
                               INDEX_DIM, INDEX_ROW_BYTES, KV_LORA_RANK, LATENT_DIM, ROPE_DIM, topk_lowest_index_ties)
 from fxglm5.errors import InputError
-from fxglm5.lowering.reference import norm_rope
+from fxglm5.lowering.reference import fused, norm_rope
 
 FP8_GROUP = FP8_BLOCK
 AMAX_FLOOR = 1e-10
@@ -408,14 +408,17 @@ def write_index_keys(cache, k, slot_mapping, *, norm=None, rope=None) -> None:
 
 
 def rms_norm_write_caches(x, weight, eps, kv_cache, kv_c, k_pe, slot_mapping, index_cache=None, k=None, *,
-                          kv_norm=None, index_norm=None, rope=None) -> torch.Tensor:
+                          kv_norm=None, index_norm=None, rope=None, head_weights=None):
     """The chain ``fxglm5::rms_norm_write_caches`` stands for (the caller validated): this step's latent rows written
     (:func:`write_latent_cache`), its indexer keys too given ``index_cache`` (:func:`write_index_keys`), and the
-    query latent's RMSNorm ``norm_rope.rms_norm(x, weight, eps)`` returned. Each reads only its own inputs."""
+    query latent's RMSNorm ``norm_rope.rms_norm(x, weight, eps)`` returned; given ``head_weights`` = (h, W, scales),
+    the indexer's head weights ``fused.f32_linear(h, W, scales)`` returned after it. Each reads only its own
+    inputs."""
     write_latent_cache(kv_cache, kv_c, k_pe, slot_mapping, validate=False, norm=kv_norm, rope=rope)
     if index_cache is not None:
         write_index_keys(index_cache, k, slot_mapping, norm=index_norm, rope=rope)
-    return norm_rope.rms_norm(x, weight, eps)
+    normed = norm_rope.rms_norm(x, weight, eps)
+    return normed if head_weights is None else (normed, fused.f32_linear(*head_weights))
 
 
 def exact_indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk: int, *,

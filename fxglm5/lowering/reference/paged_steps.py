@@ -22,6 +22,7 @@ from torch import Tensor
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import norm_rope, paged
 from fxglm5.lowering.reference.collectives import gather_split_rows
+from fxglm5.lowering.reference.fused import validate_f32_linear
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -247,16 +248,20 @@ def mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_m
 # ---------------------------------------------------------------------------------------------------------
 def norm_write_caches_step(kern, x, weight, eps, kv_c, k_pe, kv_cache, k, index_cache, slot_mapping, block_table,
                            req_idx, positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None,
-                           kv_norm_eps=0.0, k_norm_weight=None, k_norm_bias=None, k_norm_eps=0.0, *, validate=True):
-    """rms_norm_write_caches' body over a kernel set ``kern``: RMSNorm of the query latent ``x`` [N, S, Q] (returned)
-    and the writes the attention ops of its layer would make, the latent rows (as rtp_*mla) and, given
-    ``index_cache``, the indexer keys (as rtp_indexer), with their folded norms and RoPE. Everything the writes and
-    the norm read is validated before any cache changes, as those ops do."""
+                           kv_norm_eps=0.0, k_norm_weight=None, k_norm_bias=None, k_norm_eps=0.0, weights_x=None,
+                           weights_proj=None, weights_scales=None, *, validate=True):
+    """rms_norm_write_caches' body over a kernel set ``kern``: RMSNorm of the query latent ``x`` [N, S, Q] and the
+    writes the attention ops of its layer would make, the latent rows (as rtp_*mla) and, given ``index_cache``, the
+    indexer keys (as rtp_indexer), with their folded norms and RoPE; given ``weights_proj``, the indexer's head
+    weights ``f32_linear(weights_x, weights_proj, weights_scales)`` too. Returns (the normed latent, the head weights
+    or [N, S, 0] without them). Everything the writes, the norm and the weights read is validated before any
+    cache changes, as those ops do."""
     rope = _rope(rope_cos, rope_sin)
     kv, pe = _flat(kv_c, "kv_c", 3), _flat(k_pe, "k_pe", 3)
     kv_norm = None if kv_norm_weight is None else (kv_norm_weight, kv_norm_eps)
     kf = None if k is None else _flat(k, "k", 3)
     index_norm = None if k_norm_weight is None else (k_norm_weight, k_norm_bias, k_norm_eps)
+    head_weights = None if weights_proj is None else (weights_x, weights_proj, list(weights_scales or ()))
     if validate:
         norm_rope.validate_norm(x, weight, eps, what="q rms_norm")
         _check_latent_cache(kv_cache, slot_mapping, block_table, req_idx, positions, max_positions)
@@ -269,5 +274,15 @@ def norm_write_caches_step(kern, x, weight, eps, kv_c, k_pe, kv_cache, k, index_
             _check_index_cache(index_cache)
             check_context(index_cache, slot_mapping, block_table, req_idx, positions, max_positions)
             _validate_index_write(index_cache, kf, slot_mapping, index_norm, rope)
-    return kern.rms_norm_write_caches(x, weight, eps, kv_cache, kv, pe, slot_mapping, index_cache, kf, kv_norm=kv_norm,
-                                      index_norm=index_norm, rope=rope)
+        if (weights_x is None) != (weights_proj is None):
+            raise InputError("weights_x / weights_proj: give both or neither")
+        if head_weights is not None:
+            validate_f32_linear(*head_weights)
+            if tuple(weights_x.shape[:-1]) != tuple(x.shape[:-1]):
+                raise InputError(f"weights_x: expected the step's tokens {tuple(x.shape[:-1])} in its leading dims, "
+                                 f"got {tuple(weights_x.shape)}")
+    out = kern.rms_norm_write_caches(x, weight, eps, kv_cache, kv, pe, slot_mapping, index_cache, kf, kv_norm=kv_norm,
+                                     index_norm=index_norm, rope=rope, head_weights=head_weights)
+    if head_weights is None:
+        return out, x.new_empty(*x.shape[:-1], 0, dtype=torch.float32)
+    return out

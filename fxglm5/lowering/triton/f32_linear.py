@@ -238,6 +238,32 @@ def tensor_core_gemm(device: torch.device) -> bool:
     return cap is not None and cap >= (8, 0)
 
 
+def is_gemv(rows: int) -> bool:
+    """Whether :func:`f32_linear` over ``rows`` rows runs the GEMV kernel (a decode batch), not the GEMM: the row
+    counts at which a kernel that reuses the GEMV's helpers over :func:`gemv_launch`'s grid gives its bits."""
+    return 0 < rows <= MAX_GEMV_ROWS
+
+
+def operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x as contiguous [rows, K] rows, the weight contiguous, the float32 output [rows, N]) of a launch."""
+    n, k = weight.shape
+    x2 = x.reshape(x.numel() // k, k).contiguous()
+    return x2, weight.contiguous(), torch.empty(x2.shape[0], n, dtype=torch.float32, device=x.device)
+
+
+def split_buffers(out: torch.Tensor, split: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the partials [split, rows, N], the arrival counters, one per output tile) of :func:`finish_tile`'s fix-up
+    over ``split`` K splits; ``out`` for both where K is not split (the kernel then touches neither)."""
+    if split == 1:
+        return out, out
+    return out.new_empty(split, *out.shape), tile_counters(out.device, tiles)
+
+
+def padded_scales(scales: Sequence[float]) -> list[float]:
+    """The kernels' four scale arguments: ``scales``, then ones (NUM_SCALES says how many apply)."""
+    return [float(s) for s in scales] + [1.0] * (MAX_SCALES - len(scales))
+
+
 def f32_linear(x: torch.Tensor, weight: torch.Tensor, scales: Sequence[float], *,
                validate: bool = True) -> torch.Tensor:
     """float32 ``x @ weight.T`` times each of ``scales`` (at most MAX_SCALES) in turn; x of any float dtype."""
@@ -245,14 +271,13 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, scales: Sequence[float], *
         ref.validate_f32_linear(x, weight, scales, MAX_SCALES)
     n, k = weight.shape
     rows = x.numel() // k
-    gemv = 0 < rows <= MAX_GEMV_ROWS
+    gemv = is_gemv(rows)
     if rows == 0 or not (gemv or tensor_core_gemm(x.device)):  # no rows, or a GPU without TF32 MMAs
         y = F.linear(x.float(), weight)
         for s in scales:
             y.mul_(s)
         return y
-    weight, x2 = weight.contiguous(), x.reshape(rows, k).contiguous()
-    out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
+    x2, weight, out = operands(x, weight)
     if gemv:
         kernel = _f32_gemv_kernel
         grid, cfg = gemv_launch(n, k, rows, num_sms(x.device))
@@ -261,10 +286,7 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, scales: Sequence[float], *
         kernel = _f32_gemm_kernel
         grid = (triton.cdiv(rows, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), cfg["SPLIT"])
         cfg.update(SPLIT_X=splits_x(x.dtype), BLOCK_K=GEMM_BLOCK_K, num_stages=3)
-    split = cfg["SPLIT"] > 1
-    ws = torch.empty(cfg["SPLIT"], rows, n, dtype=torch.float32, device=x.device) if split else out
-    counters = tile_counters(x.device, math.prod(grid[:-1])) if split else out  # one per output tile
-    padded = [float(s) for s in scales] + [1.0] * (MAX_SCALES - len(scales))
-    kernel[grid](x2, weight, ws, out, counters, rows, n, k, x2.stride(0), weight.stride(0), *padded,
+    ws, counters = split_buffers(out, cfg["SPLIT"], math.prod(grid[:-1]))
+    kernel[grid](x2, weight, ws, out, counters, rows, n, k, x2.stride(0), weight.stride(0), *padded_scales(scales),
                  NUM_SCALES=len(scales), **cfg, **pdl(x.device))
     return out.view(*x.shape[:-1], n)

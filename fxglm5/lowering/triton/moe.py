@@ -43,7 +43,7 @@ from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.reference import fused as ref_fused
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.f32_linear import (
-    MAX_GEMV_ROWS, f32_linear, finish_tile, gemv_launch, gemv_partial, gemv_weights,
+    f32_linear, finish_tile, gemv_launch, gemv_partial, gemv_weights, is_gemv,
 )
 from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, quantize_act_1x128, row_chunk
 from fxglm5.lowering.triton.fp8_parts import _dot, _quant_rows, tile_counters
@@ -182,7 +182,7 @@ def router_fuses(rows: int, n_group: int) -> bool:
     kernel's came to 2.6 us a layer at batch 1 on an H100: :func:`scans`) for one atomic per expert tile. Past it
     the logits are the tensor-core GEMM's row tiles, and the route kernel's program per token does in parallel what
     one CTA would do in sequence. Group-limited routing (n_group > 1) is the reference's (:func:`moe_route`)."""
-    return 0 < rows <= MAX_GEMV_ROWS and n_group == 1
+    return is_gemv(rows) and n_group == 1
 
 
 def moe_router(x, weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling_factor,

@@ -7,8 +7,9 @@ token; runs on CUDA and under ``TRITON_INTERPRET=1`` on CPU tensors.
 
 Each write's body is a ``@triton.jit`` row helper (``_latent_row_*``, ``_index_row``) that its standalone kernel calls
 for its token, and so does the horizontally fused kernel of :func:`rms_norm_write_caches`, whose programs split into
-roles: the query latent's RMSNorm (``norm_rope.rms_norm_row``), the latent row, the indexer key. The launches build
-their arguments once (``_latent_launch``, ``_index_launch``, ``norm_rope.rms_norm_launch``), in the helpers' order.
+roles: the query latent's RMSNorm (``norm_rope.rms_norm_row``), the latent row, the indexer key, and at decode the
+indexer's head weights (``f32_linear``'s GEMV helpers over its grid). The launches build their arguments once
+(``_latent_launch``, ``_index_launch``, ``norm_rope.rms_norm_launch``, ``_weights_launch``), in the helpers' order.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import triton.language as tl
 
 from fxglm5 import settings
 from fxglm5.lowering.reference import paged as ref
-from fxglm5.lowering.triton.device import interpreter_compat, pdl, pdl_prologue
+from fxglm5.lowering.triton.device import interpreter_compat, num_sms, pdl, pdl_prologue
+from fxglm5.lowering.triton.f32_linear import (MAX_SCALES, f32_linear, finish_tile, gemv_launch, gemv_partial,
+                                               gemv_weights, is_gemv, operands, padded_scales, split_buffers)
 from fxglm5.lowering.triton.norm_rope import (DTYPE_CODES, rms_norm_launch, rms_norm_row, rms_normalize, rotate_pairs,
                                               round_to)
 
@@ -234,21 +237,46 @@ def _norm_write_caches_kernel(
         KV_ROPE: tl.constexpr, KV_DT: tl.constexpr, KV_FP8: tl.constexpr, KV_BF16: tl.constexpr,
         k_ptr, k_slot_ptr, i8_ptr, i32_ptr, k_w_ptr, k_b_ptr, k_cos_ptr, k_sin_ptr, stride_k, k_stride_c, KD, K_HALF,
         k_eps, D: tl.constexpr, BS: tl.constexpr, K_NORM: tl.constexpr, K_ROPE: tl.constexpr, K_DT: tl.constexpr,
-        K_EXACT: tl.constexpr, K_BF16: tl.constexpr, INDEX: tl.constexpr, PDL: tl.constexpr):
-    """fxglm5::rms_norm_write_caches in one launch: program (t, role) is token t's query-latent RMSNorm (role 0,
-    :func:`rms_norm_row`'s arguments), its latent-cache row (role 1, :func:`_latent_row`'s) or its indexer key
-    (role 2, :func:`_index_row`'s; the grid has that role only with ``INDEX``). The three read only their own rows."""
+        K_EXACT: tl.constexpr, K_BF16: tl.constexpr,
+        hx_ptr, hw_ptr, hws_ptr, hout_ptr, hcnt_ptr, HM, HN, HK, stride_hx, stride_hw, s0, s1, s2, s3,
+        NUM_SCALES: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        T, INDEX: tl.constexpr, WEIGHTS: tl.constexpr, PDL: tl.constexpr):
+    """fxglm5::rms_norm_write_caches in one launch. Program ``role * T + t`` (role < 2, or 3 with ``INDEX``) is token
+    t's query-latent RMSNorm (role 0, :func:`rms_norm_row`'s arguments), its latent-cache row (role 1,
+    :func:`_latent_row`'s) or its indexer key (role 2, :func:`_index_row`'s); they read only their own rows. With
+    ``WEIGHTS`` the programs after those are f32_linear's GEMV of the indexer's head weights (the ``h*`` arguments
+    and the constexprs after them, ``_f32_gemv_kernel``'s): one column tile x one K split each, in that kernel's
+    order, its first weight tile requested before the PDL wait (the other programs request none: their K is 0) and
+    the tile's last split summing the partials (``f32_linear.finish_tile``)."""
+    pid = tl.program_id(0)
+    rows = T * (3 if INDEX else 2)  # the token rows' programs, before the GEMV's
+    if WEIGHTS:
+        g = tl.maximum(pid - rows, 0)
+        tiles = tl.cdiv(HN, BLOCK_N)
+        pid_n, pid_k = g % tiles, g // tiles
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = hw_ptr + tl.minimum(offs_n, HN - 1).to(tl.int64)[:, None] * stride_hw  # rows past N re-read the last
+        w = gemv_weights(w_rows, pid_k * STEPS, tl.where(pid >= rows, HK, 0), BLOCK_K)
     pdl_prologue(PDL)
-    t = tl.program_id(0)
-    role = tl.program_id(1)
-    if role == 0:
-        rms_norm_row(x_ptr, xw_ptr, out_ptr, t, stride_x, QD, q_eps, Q_BLOCK, Q_DT)
-    elif role == 1:
-        _latent_row(t, kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, kv_w_ptr, cos_ptr, sin_ptr, stride_kv,
-                    stride_pe, stride_c, RK, RP, HALF, kv_eps, R, DR, G, KV_NORM, KV_ROPE, KV_DT, KV_FP8, KV_BF16)
-    elif INDEX:
-        _index_row(t, k_ptr, k_slot_ptr, i8_ptr, i32_ptr, k_w_ptr, k_b_ptr, k_cos_ptr, k_sin_ptr, stride_k,
-                   k_stride_c, KD, K_HALF, k_eps, D, BS, K_NORM, K_ROPE, K_DT, K_EXACT, K_BF16)
+    if pid < rows:
+        t = pid % T
+        role = pid // T
+        if role == 0:
+            rms_norm_row(x_ptr, xw_ptr, out_ptr, t, stride_x, QD, q_eps, Q_BLOCK, Q_DT)
+        elif role == 1:
+            _latent_row(t, kv_ptr, pe_ptr, slot_ptr, c8_ptr, c32_ptr, c16_ptr, kv_w_ptr, cos_ptr, sin_ptr, stride_kv,
+                        stride_pe, stride_c, RK, RP, HALF, kv_eps, R, DR, G, KV_NORM, KV_ROPE, KV_DT, KV_FP8, KV_BF16)
+        elif INDEX:
+            _index_row(t, k_ptr, k_slot_ptr, i8_ptr, i32_ptr, k_w_ptr, k_b_ptr, k_cos_ptr, k_sin_ptr, stride_k,
+                       k_stride_c, KD, K_HALF, k_eps, D, BS, K_NORM, K_ROPE, K_DT, K_EXACT, K_BF16)
+    elif WEIGHTS:
+        offs_m = tl.arange(0, BLOCK_M)
+        m_mask = offs_m < HM
+        acc = gemv_partial(hx_ptr + offs_m.to(tl.int64)[:, None] * stride_hx, m_mask, w_rows, w, pid_k * STEPS, HK,
+                           STEPS, BLOCK_K)
+        finish_tile(acc, hws_ptr, hout_ptr, hcnt_ptr, offs_m[:, None] * HN + offs_n[None, :],
+                    m_mask[:, None] & (offs_n < HN)[None, :], pid_n, pid_k, HM * HN, s0, s1, s2, s3, NUM_SCALES, SPLIT)
 
 
 @triton.jit
@@ -381,24 +409,63 @@ def _write_index_keys(cache, k, slot_mapping, norm, rope) -> None:
                                            **pdl(k.device))
 
 
+def _weights_launch(x, weight, scales) -> tuple:
+    """(the head weights [..., N] float32, the GEMV's programs, the ``h*`` arguments of the kernel) of
+    f32_linear's GEMV ``x.float() @ weight.T`` times ``scales`` over x's rows: :func:`f32_linear.gemv_launch`'s
+    grid and K split, flattened (column tile fastest: ``_f32_gemv_kernel``'s order)."""
+    x2, weight, out = operands(x, weight)
+    (rows, k), n = x2.shape, weight.shape[0]
+    (tiles, split), cfg = gemv_launch(n, k, rows, num_sms(x.device))  # its 4 warps: WRITE_WARPS (tested)
+    ws, counters = split_buffers(out, split, tiles)
+    return out.view(*x.shape[:-1], n), tiles * split, (
+        x2, weight, ws, out, counters, rows, n, k, x2.stride(0), weight.stride(0), *padded_scales(scales),
+        len(scales), cfg["STEPS"], split, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"])
+
+
+def _no_weights(like) -> tuple:
+    """:func:`_weights_launch`'s kernel arguments for a launch without the GEMV (``WEIGHTS=False`` compiles it
+    out)."""
+    return (like,) * 5 + (0, 0, 0, 0, 0) + (1.0,) * MAX_SCALES + (0, 1, 1, 1, 1, 1)
+
+
 def rms_norm_write_caches(x, weight, eps, kv_cache, kv_c, k_pe, slot_mapping, index_cache=None, k=None, *,
-                          kv_norm=None, index_norm=None, rope=None):
+                          kv_norm=None, index_norm=None, rope=None, head_weights=None):
     """``rms_norm(x, weight, eps)`` (returned) and this step's rows written into the latent cache (as
     :func:`write_latent_cache` writes them) and, given ``index_cache``, its indexer keys (as
     :func:`write_indexer_cache` / :func:`write_exact_index_keys` do), in one launch of T x (2 or 3) programs (the
     caller validated; ``paged_steps.norm_write_caches_step``). Each role runs the standalone kernel's helper with its
     arguments and its number of warps, so every value is bit for bit the standalone kernels' (the query's RMSNorm:
-    where that kernel runs WRITE_WARPS too, q_a's 2048 features in GLM-5)."""
+    where that kernel runs WRITE_WARPS too, q_a's 2048 features in GLM-5).
+
+    ``head_weights`` = (h, W, scales): also the indexer's head weights ``f32_linear(h, W, scales)``, returned after
+    the normed latent. Where that is f32_linear's GEMV (:func:`f32_linear.is_gemv`: a decode step) its programs
+    join the launch, the GEMV's grid as :func:`f32_linear.gemv_launch` makes it (``_weights_launch``): K split over
+    the CTAs of two column tiles (GLM-5's 32 heads), each split's partial to the workspace and the tile's last split
+    summing them in split order; the same helpers over the same tiles and 4 warps, so the weights are
+    ``_f32_gemv_kernel``'s bit for bit, one launch and its gap fewer per indexed layer. Why the split grid and not one
+    CTA a column tile looping over the splits in that order (the same bits, no counters): the weight is 786 KB of
+    float32 (6144 x 32), whole on every rank (shard_indexer splits the indexer's top-k, not its projections). A CTA
+    looping would read its tile's 393 KB in 48 to 96 rounds of dependent 4-8 KB requests, a DRAM latency each,
+    where the split's CTAs (96 at 1 token on an H100, 192 at 2 to 16) each read their 8 KB (4 KB past 1 token) in one
+    round, beside the rows' programs; the GEMV's counters reset themselves (CUDA-graph replays start from zero).
+    Past MAX_GEMV_ROWS the weights are f32_linear's tensor-core GEMM, its own launch before this kernel's."""
     out, q_args = rms_norm_launch(x, weight, eps)
     T = q_args[0].shape[0]
-    if T == 0:
-        return out
-    latent = _latent_launch(kv_cache, kv_c, k_pe, slot_mapping, kv_norm, rope)
-    index = _index_launch(index_cache, k, slot_mapping, index_norm, rope) if index_cache is not None else \
-        _no_index(x)
-    _norm_write_caches_kernel[(T, 2 if index_cache is None else 3)](
-        *q_args, *latent, *index, INDEX=index_cache is not None, num_warps=WRITE_WARPS, **pdl(x.device))
-    return out
+    weights, programs, gemv = None, 0, _no_weights(x)
+    if head_weights is not None:
+        h, w, scales = head_weights
+        if is_gemv(h.numel() // w.shape[1]) and T:
+            weights, programs, gemv = _weights_launch(h, w, scales)
+        else:
+            weights = f32_linear(h, w, scales, validate=False)
+    if T:
+        latent = _latent_launch(kv_cache, kv_c, k_pe, slot_mapping, kv_norm, rope)
+        index = _index_launch(index_cache, k, slot_mapping, index_norm, rope) if index_cache is not None else \
+            _no_index(x)
+        _norm_write_caches_kernel[(T * (2 if index_cache is None else 3) + programs,)](
+            *q_args, *latent, *index, *gemv, T, INDEX=index_cache is not None, WEIGHTS=programs > 0,
+            num_warps=WRITE_WARPS, **pdl(x.device))
+    return out if head_weights is None else (out, weights)
 
 
 def latent_query(q_nope, w_uk, q_pe, rope=None):
