@@ -616,8 +616,15 @@ class SharedExpert(NamedTuple):
 
     def halves(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate, up): the column slices of the gate|up GEMM's output [T, R] the down GEMM reads."""
-        inter = self.w2.shape[1]
-        return gate_up[:, :inter], gate_up[:, self.up_start:self.up_start + inter]
+        return ref_fused.shared_halves(gate_up, self.w2.shape[1], self.up_start)
+
+    def check(self, x: torch.Tensor) -> None:
+        """Both GEMMs' inputs checked as ``fp8_linear`` checks them, and the down GEMM's output x's width."""
+        ref.check_linear_inputs(x, self.w13, self.w13_scale, None)
+        gate, _ = self.halves(x.new_empty(0, self.w13.shape[0]))
+        ref.check_linear_inputs(gate, self.w2, self.w2_scale, None)
+        ref._check(self.w2.shape[0] == x.shape[-1], f"shared w2: {self.w2.shape[0]} output features, the tokens "
+                   f"have {x.shape[-1]}")
 
 
 def shared_expert(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
@@ -657,6 +664,8 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     k = topk_ids.shape[1]
     if addend is not None and shared is not None:
         raise InputError("moe_fp8: an addend or a shared expert, not both")
+    if shared is not None:
+        shared.check(x)
     if addend is not None and (addend.shape != x.shape or addend.dtype != x.dtype):
         raise InputError(f"moe_fp8 addend: {addend.dtype} {tuple(addend.shape)}, the tokens are {x.dtype} "
                          f"{tuple(x.shape)}")
