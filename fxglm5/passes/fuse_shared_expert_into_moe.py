@@ -12,7 +12,7 @@ scan size (prefill) the shared expert keeps its own launches.
 
 Matched: an ``fxglm5::moe_fp8_add`` whose addend is a ``silu_mul_fp8_linear`` without bias read by it only, whose gate
 and up are step-1 slices of the last dim of one ``fp8_linear`` (without bias, of the MoE's own tokens, the same
-node, with the down GEMM's ``act_quant``) that nothing else reads: the gate its first columns, the up half as many
+node through aliases and casts to its own dtype, with the down GEMM's ``act_quant``) that nothing else reads: the gate its first columns, the up half as many
 from a column past them, both as wide as the down weight's input. The shared expert's weights keep their own
 shapes (under tensor parallelism its intermediate is the rank's slice, while expert-parallel experts are whole).
 Left alone: a shared expert of other tokens, a gate|up output or a gate or up slice read elsewhere too (it must be
@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from fxglm5.passes import fuse_shared_add_into_moe
-from fxglm5.passes.graph_utils import aten, is_op, op_args, replace_with_call, rewrite_each, shape_of
+from fxglm5.passes.graph_utils import aten, is_op, op_args, replace_with_call, rewrite_each, shape_of, through
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
@@ -61,7 +61,7 @@ def _shared_expert(moe: fx.Node) -> tuple | None:
     if d["bias"] is not None or not is_op(gate_up, torch.ops.fxglm5.fp8_linear.default):
         return None
     g = op_args(gate_up)
-    if (g["x"] is not op_args(moe)["x"] or g["bias"] is not None or g["act_quant"] != d["act_quant"]
+    if (through(g["x"]) is not through(op_args(moe)["x"]) or g["bias"] is not None or g["act_quant"] != d["act_quant"]
             or set(gate_up.users) != {d["gate"], d["up"]}):
         return None
     gate, up, inter = _columns(d["gate"], gate_up), _columns(d["up"], gate_up), shape_of(d["weight"])[-1]
