@@ -11,12 +11,14 @@ splits, so their bits; a decode MoE layer is then the router, gate|up, down and 
 scan size (prefill) the shared expert keeps its own launches.
 
 Matched: an ``fxglm5::moe_fp8_add`` whose addend is a ``silu_mul_fp8_linear`` without bias read by it only, whose gate
-and up are step-1 slices of the last dim of one ``fp8_linear`` (without bias, of the MoE's own tokens, the same
-node through aliases and casts to its own dtype, with the down GEMM's ``act_quant``) that nothing else reads: the gate its first columns, the up half as many
-from a column past them, both as wide as the down weight's input. The shared expert's weights keep their own
-shapes (under tensor parallelism its intermediate is the rank's slice, while expert-parallel experts are whole).
-Left alone: a shared expert of other tokens, a gate|up output or a gate or up slice read elsewhere too (it must be
-written), halves that overlap or are not the down GEMM's width. Exact: the reference is the chain it replaces.
+and up are step-1 slices of the last dim of one ``fp8_linear`` (without bias, of the MoE's own tokens: the same node
+through aliases and casts to its own dtype) that nothing else reads: the gate its first columns, the up half as many
+from a column past them, both as wide as the down weight's input; both GEMMs with the MoE's ``act_quant`` (the
+shared role's A mode is its GEMMs'). The shared expert's weights keep their own shapes (under tensor parallelism
+its intermediate is the rank's slice, while expert-parallel experts are whole). Left alone: no shared expert, a
+shared expert of other tokens, a gate|up output, a gate or up slice or a shared output read elsewhere too (it must
+be written), halves that overlap or are not the down GEMM's width, another act_quant. Exact: the reference is the
+chain it replaces.
 Runs after fuse_shared_input_gemms (gate and up one stacked GEMM), fuse_silu_mul_into_down (the gate in the down
 GEMM) and fuse_shared_add_into_moe (the add in the MoE).
 """
@@ -51,7 +53,7 @@ def _columns(part: fx.Node, whole: fx.Node) -> tuple[int, int] | None:
 
 
 def _shared_expert(moe: fx.Node) -> tuple | None:
-    """The shared expert's (gate|up weight, its scales, down weight, its scales, act_quant, up_start) where the
+    """The shared expert's (gate|up weight, its scales, down weight, its scales, up_start) where the
     addend of ``moe`` (a moe_fp8_add) is one as matched (see the module doc)."""
     down = op_args(moe)["addend"]
     if not is_op(down, torch.ops.fxglm5.silu_mul_fp8_linear.default) or len(down.users) != 1:
@@ -61,13 +63,14 @@ def _shared_expert(moe: fx.Node) -> tuple | None:
     if d["bias"] is not None or not is_op(gate_up, torch.ops.fxglm5.fp8_linear.default):
         return None
     g = op_args(gate_up)
-    if (through(g["x"]) is not through(op_args(moe)["x"]) or g["bias"] is not None or g["act_quant"] != d["act_quant"]
-            or set(gate_up.users) != {d["gate"], d["up"]}):
+    routed = op_args(moe)
+    if (through(g["x"]) is not through(routed["x"]) or g["bias"] is not None
+            or not g["act_quant"] == d["act_quant"] == routed["act_quant"] or set(gate_up.users) != {d["gate"], d["up"]}):
         return None
     gate, up, inter = _columns(d["gate"], gate_up), _columns(d["up"], gate_up), shape_of(d["weight"])[-1]
     if gate != (0, inter) or up is None or up[1] - up[0] != inter or up[0] < inter:
         return None
-    return g["weight"], g["weight_scale_inv"], d["weight"], d["weight_scale_inv"], d["act_quant"], up[0]
+    return g["weight"], g["weight_scale_inv"], d["weight"], d["weight_scale_inv"], up[0]
 
 
 @register_pass("fuse_kernels", expected=expected_fusions)

@@ -333,7 +333,7 @@ def test_moe_fp8_shared_runs_the_shared_gemms_in_the_moe_launches(monkeypatch, t
     assert launched == ["_gemm_kernel", "_gemm_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
     assert torch.equal(fused, separate)
     tol = 3e-2 if act_quant else 2e-2  # W8A8: the kernels quantize bf16 rows, the reference float32 ones
-    assert _rel(fused, ref.moe_fp8_shared(*routed, act_quant, w13, s13, w2, s2, act_quant, up_start)) < tol
+    assert _rel(fused, ref.moe_fp8_shared(*routed, act_quant, w13, s13, w2, s2, up_start)) < tol
 
 
 @pytest.mark.parametrize("tokens, dtype", [(5, torch.float32), (20, torch.bfloat16)], ids=["float32", "prefill"])
@@ -351,7 +351,7 @@ def test_moe_fp8_shared_float32_and_past_the_scan(monkeypatch, tokens, dtype):
     assert launched.count("_gemm_kernel") == (2 if tokens > 16 else 0)
     assert torch.equal(fused, moe.moe_fp8(*routed, True, addend=moe.shared_expert(routed[0], shared)))
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    assert _rel(fused, ref.moe_fp8_shared(*routed, True, w13, s13, w2, s2, True, up_start)) < tol
+    assert _rel(fused, ref.moe_fp8_shared(*routed, True, w13, s13, w2, s2, up_start)) < tol
 
 
 @pytest.mark.parametrize("call, message", [

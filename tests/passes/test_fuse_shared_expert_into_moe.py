@@ -1,7 +1,10 @@
 """fuse_shared_expert_into_moe: moe_fp8_add(x, ..., silu_mul_fp8_linear(slices of fp8_linear(x))) ->
 fxglm5::moe_fp8_shared (tests/passes/template.py's checks; near misses: no shared expert, a shared expert of other
-tokens, its gate read elsewhere too, its output read elsewhere too), the op's reference against the chain, and the
-Triton op against the chain's own launches (the decode MoE's launches, its bits)."""
+tokens, its gate read elsewhere too, its output read elsewhere too, its GEMMs W8A8 where the routed experts' are
+not), the op's reference against the chain, and halves that do not fit refused by name (the Triton op against the
+shared expert's own launches: tests/kernels/test_kernels_fused.py)."""
+
+import copy
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from fxglm5.errors import InputError
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.moe import MoE, route
 from fxglm5.passes import REGISTRY, PassContext, PassManager, run_pipeline
+from fxglm5.passes.graph_utils import is_op, set_op_args
 from tests.helpers import randomize_
 from tests.passes.template import PassTemplate, export_small, small_dims
 
@@ -69,9 +73,15 @@ class TestFuseSharedExpertIntoMoe(PassTemplate):
     name = "fuse_shared_expert_into_moe"
     matches = {"fp8": 3, "shared": 3, "bf16": 3, "bf16ckpt": 0}
     ops = {"fp8": CAST, "shared": CAST, "bf16": THREE, "bf16ckpt": {}}
-    near_misses = ("no_shared", "other_tokens", "gate_read_twice", "shared_read_twice")
+    near_misses = ("no_shared", "other_tokens", "gate_read_twice", "shared_read_twice", "act_quant")
 
     def near_miss(self, case):
+        if case == "act_quant":  # the shared expert's GEMMs W8A8, the routed experts' not: the graph is the reference
+            gm = fused_graph(randomize_(SharedMoE()))
+            for node in gm.graph.nodes:
+                if is_op(node, torch.ops.fxglm5.fp8_linear.default, torch.ops.fxglm5.silu_mul_fp8_linear.default):
+                    set_op_args(node, act_quant=True)
+            return gm, copy.deepcopy(gm), (_x(3, 7),), CFG
         module = randomize_(SharedMoE(case))
         gm = fused_graph(module)
         ops = {n.target for n in gm.graph.nodes}  # what the passes before this one make of it: the near pattern
@@ -120,7 +130,7 @@ def test_the_reference_is_the_chain_it_replaces(act_quant):
     shared = torch.ops.fxglm5.silu_mul_fp8_linear(gate_up[:, :96], gate_up[:, up_start:up_start + 96], w2, s2, None,
                                                   act_quant)
     chain = torch.ops.fxglm5.moe_fp8_add(*routed, act_quant, shared)
-    fused = torch.ops.fxglm5.moe_fp8_shared(*routed, act_quant, w13, s13, w2, s2, act_quant, up_start)
+    fused = torch.ops.fxglm5.moe_fp8_shared(*routed, act_quant, w13, s13, w2, s2, up_start)
     assert torch.equal(fused, chain)
 
 
@@ -133,6 +143,6 @@ def test_halves_that_do_not_fit_apart_are_refused_by_name(monkeypatch, up_start)
 
     routed, (w13, s13, w2, s2), _ = _layer()
     with pytest.raises(InputError, match="moe_fp8_shared up_start"):
-        torch.ops.fxglm5.moe_fp8_shared(*routed, True, w13, s13, w2, s2, True, up_start)
+        torch.ops.fxglm5.moe_fp8_shared(*routed, True, w13, s13, w2, s2, up_start)
     with pytest.raises(InputError, match="moe_fp8_shared up_start"):
         moe_fp8(*routed, True, shared=SharedExpert(w13, s13, w2, s2, True, up_start))

@@ -100,13 +100,13 @@ def shared_halves(gate_up: Tensor, inter: int, up_start: int) -> tuple[Tensor, T
 
 def moe_fp8_shared(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Optional[Tensor], w2: Tensor,
                    w2_scale: Optional[Tensor], act_quant: bool, shared_w13: Tensor, shared_w13_scale: Tensor,
-                   shared_w2: Tensor, shared_w2_scale: Tensor, shared_act_quant: bool, up_start: int) -> Tensor:
+                   shared_w2: Tensor, shared_w2_scale: Tensor, up_start: int) -> Tensor:
     """The MoE layer whole, as the chain it replaces computes it: the shared expert's stacked gate|up GEMM, its down
-    GEMM of ``silu(gate) * up`` (:func:`shared_halves`; both GEMMs with ``shared_act_quant``), and ``moe_fp8_add`` of
-    the routed experts with that output as the addend."""
-    gate, up = shared_halves(ref_fp8.fp8_linear(x, shared_w13, shared_w13_scale, None, shared_act_quant),
+    GEMM of ``silu(gate) * up`` (:func:`shared_halves`; both GEMMs with ``act_quant``, as the routed experts), and
+    ``moe_fp8_add`` of the routed experts with that output as the addend."""
+    gate, up = shared_halves(ref_fp8.fp8_linear(x, shared_w13, shared_w13_scale, None, act_quant),
                              shared_w2.shape[-1], up_start)
-    shared = silu_mul_fp8_linear(gate, up, shared_w2, shared_w2_scale, None, shared_act_quant)
+    shared = silu_mul_fp8_linear(gate, up, shared_w2, shared_w2_scale, None, act_quant)
     return moe_fp8_add(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, shared)
 
 
