@@ -26,13 +26,12 @@ VARIANTS = [(launch, tokens, act_quant, shared) for launch in ("gate_up", "down"
 
 
 def _compile(launch: str, tokens: int, act_quant: bool, shared: bool):
+    import torch
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from fxglm5.lowering.triton import fp8_gemm, moe
     from fxglm5.lowering.triton.norm_rope import DTYPE_CODES
-
-    import torch
 
     cfg = moe.pick_moe_config(tokens, TOP_K, EXPERTS)
     assert moe.scans(tokens, cfg)
