@@ -4,6 +4,7 @@ moe_route_local, moe_router (the GEMV and the routing in one launch), and the ga
 on the decode path (the gate applied as A tiles load) and past it (one elementwise kernel first); bad inputs name the
 argument. Small shapes: CI runs it on 2 cores."""
 
+import inspect
 import os
 
 import torch
@@ -322,12 +323,21 @@ def test_moe_fp8_shared_runs_the_shared_gemms_in_the_moe_launches(monkeypatch, t
                 fp8_gemm.lone_launch(*shared.halves(torch.empty(tokens, w13.shape[0])), w2, s2, act_quant,
                                      torch.empty_like(x))[0]]
     assert [launch.meta["SPLIT_K"] > 1 for launch in launches] == [split_k, split_k]
-    launched, run = [], InterpretedFunction.run
-    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
-                        or run(self, *a, **k))
+    launched, arguments, run = [], [], InterpretedFunction.run
+
+    def record(self, *a, **k):
+        launched.append(self.fn.__name__)
+        arguments.append(dict(zip(inspect.signature(self.fn).parameters, a)) | k)
+        return run(self, *a, **k)
+
+    monkeypatch.setattr(InterpretedFunction, "run", record)
     fused = moe.moe_fp8(*routed, act_quant, shared=shared)
     assert launched == ["_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
     assert not fp8_parts.tile_counters(x.device, 1).any()
+    gate_up = arguments[0]  # its routed tiles' counters (blocks x column tiles, where split) below the shared ones'
+    if split_k:
+        routed_counters = gate_up["num_blocks"] * -(-gate_up["N"] // gate_up["BLOCK_N"])
+        assert gate_up["s_cnt_ptr"].data_ptr() - gate_up["cnt_ptr"].data_ptr() >= 4 * routed_counters
     launched.clear()
     separate = moe.moe_fp8(*routed, act_quant, addend=moe.shared_expert(x, shared))
     assert launched == ["_gemm_kernel", "_gemm_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
