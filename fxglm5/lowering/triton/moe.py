@@ -10,7 +10,8 @@ blocks past the real end return at once. Padding rows carry the sentinel T*k. Up
 align kernel runs (:func:`scans`): a token picks an expert at most once, so each expert fits one block, and each
 GEMM CTA finds its block's expert (the b-th picked one in id order) and entries (in entry order) from the ids
 itself, the align kernel's layout exactly, over min(E, T*k) blocks; a MoE call is then three launches (gate|up,
-down, combine), not four.
+down, combine), not four, and with a shared expert (``fxglm5::moe_fp8_shared``) its two GEMMs run as extra CTAs of
+the first two (fp8_gemm's tile function and launch plan: the bits of their own launches), not two launches more.
 
 Kernels. One grouped GEMM kernel serves both projections: ``GATED`` loads the gate and the up tile of
 the same output columns side by side and writes ``silu(g) * u`` (fp32, in sorted row order; w13's scales
