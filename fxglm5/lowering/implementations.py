@@ -125,6 +125,22 @@ def _moe_fp8_add_triton(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant
     return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, addend=addend)
 
 
+def _moe_shared_supported(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, shared_w13, shared_w13_scale,
+                          shared_w2, shared_w2_scale, up_start):
+    return (_fp8_linear_supported(x, shared_w13, shared_w13_scale, None, act_quant)
+            or _fp8_linear_supported(x, shared_w2, shared_w2_scale, None, act_quant)
+            or _moe_supported(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant))
+
+
+@register("moe_fp8_shared", "triton", _moe_shared_supported)
+def _moe_fp8_shared_triton(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, shared_w13, shared_w13_scale,
+                           shared_w2, shared_w2_scale, up_start):
+    from fxglm5.lowering.triton.moe import SharedExpert, moe_fp8
+
+    shared = SharedExpert(shared_w13, shared_w13_scale, shared_w2, shared_w2_scale, act_quant, up_start)
+    return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, shared=shared)
+
+
 # ---- collectives: torch's functional collectives (gloo / NCCL) on the group the op names, on every device --------
 register("all_reduce", "reference")(all_reduce_c10d)
 register("all_gather", "reference")(all_gather_c10d)

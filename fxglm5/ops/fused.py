@@ -18,6 +18,11 @@ against it. Signatures:
 - ``moe_fp8_add(x [T, H], ids, weights, w13, w13_scale?, w2, w2_scale?, act_quant, addend [T, H]) -> [T, H]``:
   ``moe_fp8(...) + addend``, the routed experts' sum and the shared expert's output added where the routed sum is
   written.
+- ``moe_fp8_shared(x [T, H], ids, weights, w13, w13_scale?, w2, w2_scale?, act_quant, shared_w13 e4m3 [R, H],
+  shared_w13_scale, shared_w2 e4m3 [H, I], shared_w2_scale, up_start) -> [T, H]``: ``moe_fp8_add`` with the shared
+  expert's output as the addend, computed from x: its stacked gate|up GEMM, whose output's first I columns are the
+  gate and the I from ``up_start`` the up half, and ``silu_mul_fp8_linear`` of the two by its down weight, both
+  with ``act_quant``: at decode the shared expert's GEMMs run inside the MoE's grouped GEMM launches.
 - ``silu_mul_fp8_linear(gate [..., I], up [..., I], weight e4m3 [N, I], weight_scale_inv, bias?, act_quant) ->
   [..., N]``: ``fp8_linear(silu(gate) * up, ...)``, the gated MLP's down projection with its activation.
 - ``rms_norm_write_caches(x [N, S, Q], weight [Q], eps, kv_c [N, S, R], k_pe [N, S, dr], kv_cache, k [N, S, D]?,
@@ -114,6 +119,20 @@ def moe_fp8_add(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_scale:
 @moe_fp8_add.register_fake
 def _(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, addend):
     return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, addend.dtype), device=x.device)
+
+
+@torch.library.custom_op("fxglm5::moe_fp8_shared", mutates_args=())
+def moe_fp8_shared(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Optional[Tensor], w2: Tensor,
+                   w2_scale: Optional[Tensor], act_quant: bool, shared_w13: Tensor, shared_w13_scale: Tensor,
+                   shared_w2: Tensor, shared_w2_scale: Tensor, up_start: int) -> Tensor:
+    return ref.moe_fp8_shared(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, shared_w13, shared_w13_scale,
+                              shared_w2, shared_w2_scale, up_start)
+
+
+@moe_fp8_shared.register_fake
+def _(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, shared_w13, shared_w13_scale, shared_w2,
+      shared_w2_scale, up_start):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @torch.library.custom_op("fxglm5::rms_norm_write_caches", mutates_args=("kv_cache", "index_cache"))

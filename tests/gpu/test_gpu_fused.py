@@ -4,7 +4,7 @@ float64 too), moe_route_local over a rank's 32 of 256 experts, the router's GEMV
 (moe_router, also replayed from a CUDA graph), and the gated down GEMMs (dense MLP 1536, shared expert 256
 intermediate features per rank) on the decode path and the prefill path, also replayed from a CUDA graph (the
 split-K counters reset), and a rank's routed experts at decode batches, their split gate|up GEMM reduced by its last
-split CTAs, from a graph."""
+split CTAs, from a graph, alone and with the rank's shared expert run inside their launches (moe_fp8_shared)."""
 
 import pytest
 import torch
@@ -228,3 +228,50 @@ def test_moe_rank_decode_split_gate_up_replays_from_a_cuda_graph(tokens, rank_ex
         weights, ids = moe.moe_route(logits, bias, 8, 1, 1, True, 2.5, offset, experts)
         aligned = moe.moe_fp8(x, ids, weights, w13, s13, w2, s2, True, config=dict(scan=False, SPLIT1=split1))
         assert torch.equal(aligned, eager)
+
+
+@pytest.mark.parametrize("act_quant", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_moe_rank_decode_with_the_shared_expert_in_its_launches(tokens, act_quant, rank_experts):
+    """One TP8 / EP8 rank's MoE layer at decode (fxglm5::moe_fp8_shared): the rank's 32 experts with the shared
+    expert's 1/8 (gate|up 512 x 6144 stacked, down 6144 x 256) as extra CTAs of the routed gate|up and down
+    launches: bit for bit the shared expert's own two launches then moe_fp8_add's, and the reference op's value.
+    Replayed twice from a CUDA graph: the eager bits both times and every arrival counter back at 0."""
+    w13, s13, w2, s2 = rank_experts
+    experts, h = w13.shape[0], w13.shape[2]
+    shared_inter = 2048 // 8
+    g = torch.Generator(device="cuda").manual_seed(tokens + 10)
+    sw13 = (torch.randn(2 * shared_inter, h, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    ss13 = torch.rand(2 * shared_inter // 128, h // 128, device="cuda", generator=g) * 0.01 + 0.002
+    sw2 = (torch.randn(h, shared_inter, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    ss2 = torch.rand(h // 128, shared_inter // 128, device="cuda", generator=g) * 0.01 + 0.002
+    shared = moe.SharedExpert(sw13, ss13, sw2, ss2, act_quant, shared_inter)
+    x = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
+    ids = (torch.rand(tokens, experts + 1, device="cuda", generator=g).topk(8).indices - 1).to(torch.int32)
+    weights = torch.rand(tokens, 8, device="cuda", generator=g)
+    routed = (x, ids, weights, w13, s13, w2, s2, act_quant)
+    assert moe.scans(tokens, moe.pick_moe_config(tokens, 8, experts))
+    joined = moe._shared_launches(x, shared, 0, moe.pick_moe_config(tokens, 8, experts))
+    assert joined is not None and all(launch.meta["SPLIT_K"] > 1 for launch in joined[:2])
+
+    def step():
+        return moe.moe_fp8(*routed, shared=shared)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles outside the capture
+        eager = step()
+        separate = moe.moe_fp8(*routed, addend=moe.shared_expert(x, shared))
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert torch.equal(eager, separate)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        assert int(fp8_parts.tile_counters(x.device, 1).abs().sum()) == 0
+    reference = ref.moe_fp8_shared(*routed, sw13, ss13, sw2, ss2, shared_inter)
+    assert _rel(eager, reference) < 2e-2

@@ -4,6 +4,7 @@ moe_route_local, moe_router (the GEMV and the routing in one launch), and the ga
 on the decode path (the gate applied as A tiles load) and past it (one elementwise kernel first); bad inputs name the
 argument. Small shapes: CI runs it on 2 cores."""
 
+import inspect
 import os
 
 import torch
@@ -278,6 +279,89 @@ def test_silu_mul_fp8_linear_is_the_unfused_chain(m, inter, act_quant, dtype, se
         assert _rel(fused, unfused) < 1e-5
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert _rel(fused, ref.silu_mul_fp8_linear(gate, up, w, s, None, act_quant)) < tol
+
+
+def _moe_with_shared(tokens, dtype, g, experts=8, hidden=256, inter=128, shared_inter=200):
+    """A MoE layer's routed FP8 experts and tokens (ids with -1 entries: experts another rank holds) and its shared
+    expert at its own width (200: a K tail in its down GEMM), gate|up stacked with the gate padded to 256 rows."""
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.5).to(torch.float8_e4m3fn)
+    s13 = torch.rand(experts, 2 * inter // 128, hidden // 128, generator=g) * 0.02 + 0.005
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.5).to(torch.float8_e4m3fn)
+    s2 = torch.rand(experts, hidden // 128, inter // 128, generator=g) * 0.02 + 0.005
+    (gw, gs), (uw, us), (dw, ds) = (_fp8_weight(shared_inter, hidden, g), _fp8_weight(shared_inter, hidden, g),
+                                    _fp8_weight(hidden, shared_inter, g))
+    pad = -(-shared_inter // 128) * 128
+    gate_up = torch.cat([gw, torch.zeros(pad - shared_inter, hidden, dtype=gw.dtype), uw])
+    shared = (gate_up, torch.cat([gs, us]), dw, ds, pad)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids = (torch.rand(tokens, experts + 1, generator=g).topk(2).indices - 1).to(torch.int32)  # -1: remote
+    weights = torch.rand(tokens, 2, generator=g)
+    return (x, ids, weights, w13, s13, w2, s2), shared
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("split_k", [False, True])
+def test_moe_fp8_shared_runs_the_shared_gemms_in_the_moe_launches(monkeypatch, tokens, act_quant, split_k):
+    """Up to BLOCK_M tokens (the routed GEMMs' scan) the shared expert's gate|up and down GEMMs run as extra CTAs of
+    the routed gate|up and down launches: the combine and those two launches, no _gemm_kernel, and the bits of the
+    shared expert's own two launches followed by moe_fp8_add's; with split_k both shared GEMMs (and the routed
+    ones) are split over K, reduced by their last CTAs, whose counters are back at 0; without, none is. Close to
+    the float32 reference chain."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fxglm5.lowering.triton import fp8_parts
+
+    if not split_k:
+        monkeypatch.setitem(fp8_gemm.DECODE, "SPLIT_K", 1)
+        monkeypatch.setitem(moe.MOE_DECODE, "SPLIT1", 1)
+        monkeypatch.setitem(moe.MOE_DECODE, "SPLIT2", 1)
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(tokens))
+    shared = moe.SharedExpert(w13, s13, w2, s2, act_quant, up_start)
+    x = routed[0]
+    launches = [fp8_gemm.lone_launch(x, None, w13, s13, act_quant, torch.empty(tokens, w13.shape[0]))[0],
+                fp8_gemm.lone_launch(*shared.halves(torch.empty(tokens, w13.shape[0])), w2, s2, act_quant,
+                                     torch.empty_like(x))[0]]
+    assert [launch.meta["SPLIT_K"] > 1 for launch in launches] == [split_k, split_k]
+    launched, arguments, run = [], [], InterpretedFunction.run
+
+    def record(self, *a, **k):
+        launched.append(self.fn.__name__)
+        arguments.append(dict(zip(inspect.signature(self.fn).parameters, a)) | k)
+        return run(self, *a, **k)
+
+    monkeypatch.setattr(InterpretedFunction, "run", record)
+    fused = moe.moe_fp8(*routed, act_quant, shared=shared)
+    assert launched == ["_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+    assert not fp8_parts.tile_counters(x.device, 1).any()
+    gate_up = arguments[0]  # its routed tiles' counters (blocks x column tiles, where split) below the shared ones'
+    if split_k:
+        routed_counters = gate_up["num_blocks"] * -(-gate_up["N"] // gate_up["BLOCK_N"])
+        assert gate_up["s_cnt_ptr"].data_ptr() - gate_up["cnt_ptr"].data_ptr() >= 4 * routed_counters
+    launched.clear()
+    separate = moe.moe_fp8(*routed, act_quant, addend=moe.shared_expert(x, shared))
+    assert launched == ["_gemm_kernel", "_gemm_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+    assert torch.equal(fused, separate)
+    tol = 3e-2 if act_quant else 2e-2  # W8A8: the kernels quantize bf16 rows, the reference float32 ones
+    assert _rel(fused, ref.moe_fp8_shared(*routed, act_quant, w13, s13, w2, s2, up_start)) < tol
+
+
+@pytest.mark.parametrize("tokens, dtype", [(5, torch.float32), (20, torch.bfloat16)], ids=["float32", "prefill"])
+def test_moe_fp8_shared_float32_and_past_the_scan(monkeypatch, tokens, dtype):
+    """float32 tokens (IEEE dots, no rounding to a narrower dtype) fuse the same way, bit for bit; past BLOCK_M
+    tokens (the align kernel's sizes) the shared expert keeps its own two launches before the MoE's."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, dtype, torch.Generator().manual_seed(7))
+    shared = moe.SharedExpert(w13, s13, w2, s2, True, up_start)
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    fused = moe.moe_fp8(*routed, True, shared=shared)
+    assert launched.count("_gemm_kernel") == (2 if tokens > 16 else 0)
+    assert torch.equal(fused, moe.moe_fp8(*routed, True, addend=moe.shared_expert(routed[0], shared)))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert _rel(fused, ref.moe_fp8_shared(*routed, True, w13, s13, w2, s2, up_start)) < tol
 
 
 @pytest.mark.parametrize("call, message", [

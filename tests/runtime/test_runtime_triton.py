@@ -11,10 +11,10 @@ from fxglm5.runtime.runner import Runner
 from tests.helpers import random_model
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [7, 1, 8]]  # one longer than index_topk (8)
-# a decode step's MoE layer, launch by launch: the router (GEMV + routing), the shared expert's gate|up and its down
-# (the gate folded in), the routed experts' gate|up (SiLU * up folded in) and down, the combine (+ the shared row)
-DECODE_MOE = ["_router_kernel", "_gemm_kernel", "_gemm_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel",
-              "_combine_kernel"]
+# a decode step's MoE layer, launch by launch: the router (GEMV + routing), the routed experts' gate|up (SiLU * up
+# folded in) with the shared expert's gate|up as extra CTAs, their down GEMMs likewise (the shared one's gate folded
+# in), the combine (+ the shared row)
+DECODE_MOE = ["_router_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
 # one decode step's attention block, from the stacked q_a | kv_a | wk GEMM to o_proj's: the query latent's norm with
 # both cache writes and the indexer's head weights, the stacked q_b | wq_b GEMM, the indexer, the latent MLA, o_proj
 DECODE_ATTENTION = ["_gemm_kernel", "_norm_write_caches_kernel", "_gemm_kernel", "_indexer_logits_kernel",
@@ -25,7 +25,8 @@ DECODE_ATTENTION = ["_gemm_kernel", "_norm_write_caches_kernel", "_gemm_kernel",
 def test_triton_path_same_tokens_as_reference(monkeypatch):
     """... and no RoPE kernel is launched, prefill or decode: every RoPE runs inside the attention ops' kernels (the
     indexer query's in the indexer's logits kernel, which the decode steps launch: their windows exceed the top-k);
-    a decode MoE layer launches DECODE_MOE (issue 45, item 4: the router's GEMV and its routing one launch).
+    a decode MoE layer launches DECODE_MOE (issue 45, item 4: the router's GEMV and its routing one launch, the
+    shared expert's GEMMs inside the routed experts' two launches: four launches, no _gemm_kernel among them).
     The query latent's RMSNorm, both cache writes and the indexer's head weights are one launch per layer and step
     (fuse_cache_writes_into_q_norm, fuse_index_weights_into_q_norm; every step here is GEMV-sized, the prefill's 15
     tokens too): a decode step's attention block is DECODE_ATTENTION, no standalone norm, write or GEMV kernel among

@@ -89,6 +89,27 @@ def moe_fp8_add(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_scale:
     return ref_fp8.moe_any(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant) + addend
 
 
+def shared_halves(gate_up: Tensor, inter: int, up_start: int) -> tuple[Tensor, Tensor]:
+    """(gate, up) of a shared expert's stacked gate|up output: its first ``inter`` columns and the ``inter`` from
+    ``up_start`` (``fuse_shared_input_gemms`` pads the gate to whole 128-row weight blocks before the up half)."""
+    if not 0 < inter <= up_start or up_start + inter > gate_up.shape[-1]:
+        raise InputError(f"moe_fp8_shared up_start: the halves [0, {inter}) and [{up_start}, {up_start + inter}) do "
+                         f"not fit apart in the gate|up GEMM's {gate_up.shape[-1]} output columns")
+    return gate_up[..., :inter], gate_up[..., up_start:up_start + inter]
+
+
+def moe_fp8_shared(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_scale: Optional[Tensor], w2: Tensor,
+                   w2_scale: Optional[Tensor], act_quant: bool, shared_w13: Tensor, shared_w13_scale: Tensor,
+                   shared_w2: Tensor, shared_w2_scale: Tensor, up_start: int) -> Tensor:
+    """The MoE layer whole, as the chain it replaces computes it: the shared expert's stacked gate|up GEMM, its down
+    GEMM of ``silu(gate) * up`` (:func:`shared_halves`; both GEMMs with ``act_quant``, as the routed experts), and
+    ``moe_fp8_add`` of the routed experts with that output as the addend."""
+    gate, up = shared_halves(ref_fp8.fp8_linear(x, shared_w13, shared_w13_scale, None, act_quant),
+                             shared_w2.shape[-1], up_start)
+    shared = silu_mul_fp8_linear(gate, up, shared_w2, shared_w2_scale, None, act_quant)
+    return moe_fp8_add(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, shared)
+
+
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` as the unfused graph computes it: silu rounded to gate's dtype, then the product."""
     return F.silu(gate) * up

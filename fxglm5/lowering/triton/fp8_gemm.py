@@ -29,7 +29,7 @@ loops with runtime bounds, and CI runs these kernels interpreted.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -98,19 +98,18 @@ def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr,
+def gemm_tile(
+    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr, pid, pid_k,
     M, N, K, KG, KG_PER_SPLIT: tl.constexpr,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, stride_um,
     A_MODE: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     FIXUP: tl.constexpr,
     NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl_prologue(PDL)
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    """One CTA of :func:`_gemm_kernel`: output tile ``pid`` (in grouped order), K split ``pid_k``. Its own
+    function so that a kernel of another GEMM can run tiles of this one as extra CTAs (the MoE's grouped GEMMs
+    run the shared expert's, :mod:`fxglm5.lowering.triton.moe`) with this kernel's math, bit for bit."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     # Grouped order: GROUP_M consecutive CTAs share one weight column tile while it is in L2.
@@ -187,6 +186,24 @@ def _gemm_kernel(
                 out_ptrs = out_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
                 tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=c_mask)
                 tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr,
+    M, N, K, KG, KG_PER_SPLIT: tl.constexpr,
+    stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, stride_um,
+    A_MODE: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    FIXUP: tl.constexpr,
+    NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    gemm_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr, tl.program_id(0),
+              tl.program_id(1), M, N, K, KG, KG_PER_SPLIT, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
+              stride_cs, stride_um, A_MODE, GATED_A, DT, DOT_F32, INTERPRET, HAS_BIAS, SPLIT_K, FIXUP, NO_K_MASK,
+              SCALAR_SB, BLOCK_M, BLOCK_N, GROUP_M)
 
 
 @triton.jit
@@ -309,7 +326,7 @@ def fp8_linear(
     kernel = (config or {}).get("kernel")
     if kernel not in (None, "triton", "gluon", "gemv"):
         raise ValueError(f"fp8_linear: config kernel must be 'triton', 'gluon' or 'gemv', got {kernel!r}")
-    if kernel == "gemv" or (kernel is None and fp8_gemv.GEMV["enabled"] and m <= fp8_gemv.ROWS):
+    if runs_gemv(m, kernel):
         if m > fp8_gemv.ROWS:
             raise ValueError(f"fp8_linear: the GEMV serves up to {fp8_gemv.ROWS} rows, got {m}")
         gemv_config = {key: v for key, v in (config or {}).items() if key != "kernel"}
@@ -333,41 +350,85 @@ def fp8_linear(
     return out.view(*lead, n)
 
 
+def runs_gemv(m: int, kernel: Optional[str]) -> bool:
+    """Whether :func:`fp8_linear` of ``m`` rows runs the GEMV (``kernel``: its config's choice, if any)."""
+    return kernel == "gemv" or (kernel is None and fp8_gemv.GEMV["enabled"] and m <= fp8_gemv.ROWS)
+
+
+def lone_launch(x2, u2, weight, weight_scale_inv, act_quant, out, counter_offset=0):
+    """``(launch, config)``: the one :func:`_gemm_kernel` launch ``fp8_linear(x2, weight, weight_scale_inv, None,
+    act_quant, up=u2)`` makes into ``out`` (its default config), the A tile quantized (or widened) and gated in
+    registers, split over K with the FIXUP or not at all; None where that call launches anything else or more (the
+    GEMV, the Gluon kernel, a quant or silu kernel before, the reduce kernel after). A kernel that runs this
+    launch's tiles as extra CTAs of its own (:func:`gemm_tile`) gives fp8_linear's bits without its launch."""
+    m, k = x2.shape
+    if runs_gemv(m, None) or fp8_gemm_hopper.supported(x2, weight, act_quant):
+        return None
+    cfg = pick_config(m, weight.shape[0], k, act_quant, num_sms(x2.device))
+    if (act_quant and not cfg["fused_quant"]) or (u2 is not None and m > GATED_ROWS):
+        return None
+    launch = gemm_launch(x2, x2, 1 if act_quant else 2, u2, weight, weight_scale_inv, None, cfg, out, counter_offset)
+    return None if launch.reduce else (launch, cfg)
+
+
 def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
     """``t`` as [rows, k] with unit column stride (a row-strided view where it already is one)."""
     rows = t.reshape(-1, k)
     return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
-def _launch(x2, u2, weight, weight_scale_inv, bias, act_quant, cfg, out) -> None:
-    """The Triton kernel (and, split over K without FIXUP, the reduce kernel) into ``out`` [m, n]."""
-    (m, k), n = x2.shape, weight.shape[0]
-    kg = triton.cdiv(k, 128)
+class GemmLaunch(NamedTuple):
+    """One :func:`_gemm_kernel` launch: its grid, positional arguments and constexprs (``meta``, without the launch
+    options), and whether the split-K reduce kernel must follow it (split over K without FIXUP)."""
+    grid: tuple[int, int]
+    args: tuple
+    meta: dict
+    reduce: bool
+
+
+def quantized_input(x2, act_quant, cfg):
+    """(A, its scales, A_MODE) of a launch: quantized once by the quant kernel (mode 0), in registers (1), or
+    W8A16 (2, no scales: A stands in for them)."""
     if act_quant and not cfg["fused_quant"]:
-        a, a_s, mode = *quantize_act_1x128(x2), 0
-    else:
-        a, a_s, mode = x2, x2, (1 if act_quant else 2)
+        return *quantize_act_1x128(x2), 0
+    return x2, x2, (1 if act_quant else 2)
+
+
+def gemm_launch(a, a_s, mode, u2, weight, weight_scale_inv, bias, cfg, out, counter_offset=0) -> GemmLaunch:
+    """The launch of ``a`` [m, k] (``quantized_input``'s, ``u2`` the up half of a gated input) by ``weight`` into
+    ``out`` [m, n]; its FIXUP counters start ``counter_offset`` into :func:`tile_counters` (a kernel that runs these
+    tiles beside its own keeps its own counters below)."""
+    (m, k), n = a.shape, weight.shape[0]
+    kg = triton.cdiv(k, 128)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     kg_per_split = triton.cdiv(kg, cfg["SPLIT_K"])
     split = triton.cdiv(kg, kg_per_split)
-    c = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x2.device)
+    c = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     fixup = bool(cfg.get("FIXUP", False)) and split > 1
-    cnt = tile_counters(x2.device, grid[0]) if fixup else c
-    _gemm_kernel[grid](
-        a, a_s, weight, weight_scale_inv, bias if bias is not None else out, c, out, cnt, a if u2 is None else u2,
-        m, n, k, kg, kg_per_split,
-        a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), n, m * n,
-        a.stride(0) if u2 is None else u2.stride(0),
-        A_MODE=mode, GATED_A=u2 is not None, DT=DTYPE_CODES[x2.dtype],
-        DOT_F32=x2.dtype == torch.float32 or settings.triton_interpret(), INTERPRET=settings.triton_interpret(),
-        HAS_BIAS=bias is not None, SPLIT_K=split, FIXUP=fixup, NO_K_MASK=k % 128 == 0 and split * kg_per_split == kg,
-        SCALAR_SB=bn <= 128, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(x2.device),
-    )
-    if split > 1 and not fixup:
+    cnt = tile_counters(a.device, counter_offset + grid[0])[counter_offset:] if fixup else c
+    args = (a, a_s, weight, weight_scale_inv, bias if bias is not None else out, c, out, cnt, a if u2 is None else u2,
+            m, n, k, kg, kg_per_split, a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), n,
+            m * n, a.stride(0) if u2 is None else u2.stride(0))
+    meta = dict(A_MODE=mode, GATED_A=u2 is not None, DT=DTYPE_CODES[out.dtype],
+                DOT_F32=out.dtype == torch.float32 or settings.triton_interpret(),
+                INTERPRET=settings.triton_interpret(), HAS_BIAS=bias is not None, SPLIT_K=split, FIXUP=fixup,
+                NO_K_MASK=k % 128 == 0 and split * kg_per_split == kg, SCALAR_SB=bn <= 128, BLOCK_M=bm, BLOCK_N=bn,
+                GROUP_M=cfg["GROUP_M"])
+    return GemmLaunch(grid, args, meta, split > 1 and not fixup)
+
+
+def _launch(x2, u2, weight, weight_scale_inv, bias, act_quant, cfg, out) -> None:
+    """The Triton kernel (and, split over K without FIXUP, the reduce kernel) into ``out`` [m, n]."""
+    a, a_s, mode = quantized_input(x2, act_quant, cfg)
+    launch = gemm_launch(a, a_s, mode, u2, weight, weight_scale_inv, bias, cfg, out)
+    _gemm_kernel[launch.grid](*launch.args, **launch.meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                              **pdl(x2.device))
+    if launch.reduce:
+        m, n = out.shape
         block = 1024
+        c = launch.args[5]
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            c, bias if bias is not None else out, out, m * n, n, SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block,
-            **pdl(x2.device)
+            c, bias if bias is not None else out, out, m * n, n, SPLIT_K=launch.meta["SPLIT_K"],
+            HAS_BIAS=bias is not None, BLOCK=block, **pdl(x2.device)
         )

@@ -10,7 +10,8 @@ blocks past the real end return at once. Padding rows carry the sentinel T*k. Up
 align kernel runs (:func:`scans`): a token picks an expert at most once, so each expert fits one block, and each
 GEMM CTA finds its block's expert (the b-th picked one in id order) and entries (in entry order) from the ids
 itself, the align kernel's layout exactly, over min(E, T*k) blocks; a MoE call is then three launches (gate|up,
-down, combine), not four.
+down, combine), not four, and with a shared expert (``fxglm5::moe_fp8_shared``) its two GEMMs run as extra CTAs of
+the first two (fp8_gemm's tile function and launch plan: the bits of their own launches), not two launches more.
 
 Kernels. One grouped GEMM kernel serves both projections: ``GATED`` loads the gate and the up tile of
 the same output columns side by side and writes ``silu(g) * u`` (fp32, in sorted row order; w13's scales
@@ -45,7 +46,9 @@ from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.f32_linear import (
     f32_linear, finish_tile, gemv_launch, gemv_partial, gemv_weights, is_gemv,
 )
-from fxglm5.lowering.triton.fp8_gemm import _ab_scale, _b_scale, quantize_act_1x128, row_chunk
+from fxglm5.lowering.triton.fp8_gemm import (
+    GemmLaunch, _ab_scale, _b_scale, fp8_linear, gemm_tile, lone_launch, quantize_act_1x128, row_chunk,
+)
 from fxglm5.lowering.triton.fp8_parts import _dot, _quant_rows, tile_counters
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, round_to
 
@@ -300,10 +303,16 @@ def _moe_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
     n_entries, E, N, K, KG, TOP_K, UP_SB,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm,
+    num_blocks, s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr,
+    S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT: tl.constexpr,
+    s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn, s_stride_cm, s_stride_cs, s_stride_um,
     GATED: tl.constexpr, SPLIT_K: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr,
     INTERPRET: tl.constexpr, K_PER_SPLIT: tl.constexpr, NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, BLOCK_IDS: tl.constexpr,
-    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_E: tl.constexpr, SHARED: tl.constexpr, S_A_MODE: tl.constexpr, S_GATED_A: tl.constexpr,
+    S_DT: tl.constexpr, S_DOT_F32: tl.constexpr, S_INTERPRET: tl.constexpr, S_HAS_BIAS: tl.constexpr,
+    S_SPLIT_K: tl.constexpr, S_FIXUP: tl.constexpr, S_NO_K_MASK: tl.constexpr, S_SCALAR_SB: tl.constexpr,
+    S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr, S_GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """GATED: c[row] = silu(A W_g^T) * (A W_u^T) with A rows gathered from x (token = entry // TOP_K),
     c in sorted row order. GATED over SPLIT_K > 1 splits: c[split, row] = this split's partial [A W_g^T | A W_u^T],
@@ -314,11 +323,25 @@ def _moe_gemm_kernel(
     output); the combine kernel sums the splits.
     Block b's expert and rows come from the align kernel (``block_expert``, ``sorted_ids``) or, with SCAN (at most
     BLOCK_M tokens, so each expert fills at most one block), from the [T*k] ids: the b-th expert in id order that
-    some entry picks, and its entries in entry order, padded with the sentinel ``n_entries``: the same layout."""
+    some entry picks, and its entries in entry order, padded with the sentinel ``n_entries``: the same layout.
+    SHARED: the CTAs past the ``num_blocks`` row blocks run the shared expert's GEMM (the ``s_`` / ``S_`` arguments:
+    ``fp8_gemm._gemm_kernel``'s, its tiles and K splits numbered across those CTAs, the surplus returning at once)
+    with that kernel's own tile function, so its output has the bits of its own launch (:func:`moe_fp8`)."""
     pdl_prologue(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
+    if SHARED:
+        if pid_b >= num_blocks:
+            cta = ((pid_b - num_blocks) * tl.num_programs(1) + pid_n) * tl.num_programs(2) + pid_k
+            tiles = tl.cdiv(S_M, S_BLOCK_M) * tl.cdiv(S_N, S_BLOCK_N)
+            if cta < tiles * S_SPLIT_K:
+                gemm_tile(s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr,
+                          cta % tiles, cta // tiles, S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT, s_stride_am, s_stride_asm,
+                          s_stride_bn, s_stride_bsn, s_stride_cm, s_stride_cs, s_stride_um, S_A_MODE, S_GATED_A, S_DT,
+                          S_DOT_F32, S_INTERPRET, S_HAS_BIAS, S_SPLIT_K, S_FIXUP, S_NO_K_MASK, S_SCALAR_SB, S_BLOCK_M,
+                          S_BLOCK_N, S_GROUP_M)
+            return
     rows = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
     if SCAN:
         offs_i = tl.arange(0, BLOCK_IDS)
@@ -503,10 +526,23 @@ def expert_blocks(topk_ids: torch.Tensor, e: int, cfg: dict) -> Blocks:
     return Blocks(block_expert.numel(), False, ids, e, sorted_ids, block_expert)
 
 
-def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_f32, split=1, h=None):
+def _shared_arguments(shared: GemmLaunch | None, dummy: torch.Tensor) -> tuple[tuple, dict]:
+    """The ``s_`` / ``S_`` arguments of :func:`_moe_gemm_kernel`: the shared expert's launch (``fp8_gemm``'s
+    ``_gemm_kernel`` arguments and constexprs, renamed), or, without one, placeholders no CTA reads."""
+    if shared is None:
+        return (dummy,) * 9 + (1,) * 5 + (0,) * 7, dict(SHARED=False, S_A_MODE=2, S_GATED_A=False, S_DT=0,
+                                                       S_DOT_F32=False, S_INTERPRET=False, S_HAS_BIAS=False,
+                                                       S_SPLIT_K=1, S_FIXUP=False, S_NO_K_MASK=True,
+                                                       S_SCALAR_SB=True, S_BLOCK_M=16, S_BLOCK_N=16, S_GROUP_M=1)
+    return shared.args, dict(SHARED=True, **{f"S_{key}": value for key, value in shared.meta.items()})
+
+
+def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_f32, split=1, h=None, shared=None):
     """One grouped GEMM launch over ``blocks``. A gated launch with ``split > 1`` writes its [split, rows, 2I] fp32
     partials to c and its gated output to ``h`` (the last split of each tile reduces them, counted in
-    :func:`tile_counters`)."""
+    :func:`tile_counters`, the first blocks x column tiles of them). ``shared`` (a ``fp8_gemm.GemmLaunch``): the
+    shared expert's GEMM runs as extra rows of CTAs after the blocks' (its tiles x splits over as many rows of
+    column tiles x splits as they fill; its counters follow the blocks')."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     kdim = w.shape[2]
     kg = triton.cdiv(kdim, 128)
@@ -516,17 +552,20 @@ def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_
     grid = (blocks.count, triton.cdiv(n, bn), split)
     fold = gated and split > 1
     ids = blocks.ids
+    shared_args, shared_meta = _shared_arguments(shared, c)
+    if shared is not None:
+        grid = (grid[0] + triton.cdiv(shared.grid[0] * shared.grid[1], grid[1] * grid[2]), grid[1], grid[2])
     _moe_gemm_kernel[grid](
         a, a_s, w, w_s, ids if blocks.scan else blocks.sorted_ids, ids if blocks.scan else blocks.block_expert, ids,
-        c, h if fold else c, tile_counters(a.device, grid[0] * grid[1]) if fold else c,
+        c, h if fold else c, tile_counters(a.device, blocks.count * grid[1]) if fold else c,
         n_entries, blocks.experts, n, kdim, kg, top_k, triton.cdiv(n, 128),
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
-        c.stride(-2), c.stride(0) if c.dim() == 3 else 0, h.stride(0) if fold else 0,
+        c.stride(-2), c.stride(0) if c.dim() == 3 else 0, h.stride(0) if fold else 0, blocks.count, *shared_args,
         GATED=gated, SPLIT_K=split, A_MODE=mode, DOT_F32=dot_f32,
         INTERPRET=settings.triton_interpret(), K_PER_SPLIT=k_per_split,
         NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, SCAN=blocks.scan, BLOCK_IDS=max(16, triton.next_power_of_2(n_entries)),
-        BLOCK_E=triton.next_power_of_2(blocks.experts + 1),
+        BLOCK_E=triton.next_power_of_2(blocks.experts + 1), **shared_meta,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(a.device),
     )
     return split
@@ -564,16 +603,80 @@ def _moe_elements(t: int, k: int, e: int, h: int, inter: int, config) -> int:
     return max(rows * 2 * inter * split1, _split2(inter, cfg) * t * k * h)
 
 
-def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None, addend=None):
+class SharedExpert(NamedTuple):
+    """A MoE layer's shared expert (``fxglm5::moe_fp8_shared``): its stacked gate|up GEMM ``w13`` [R, H] (block-FP8,
+    ``w13_scale``), whose output's first ``inter`` columns are the gate and the ``inter`` from ``up_start`` the up
+    half, and its down GEMM ``w2`` [H, inter], both with ``act_quant``; under tensor parallelism the rank's slices
+    of its intermediate features (its own widths, not the routed experts')."""
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    act_quant: bool
+    up_start: int
+
+    def halves(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate, up): the column slices of the gate|up GEMM's output [T, R] the down GEMM reads."""
+        return ref_fused.shared_halves(gate_up, self.w2.shape[1], self.up_start)
+
+    def check(self, x: torch.Tensor) -> None:
+        """Both GEMMs' inputs checked as ``fp8_linear`` checks them, and the down GEMM's output x's width."""
+        ref.check_linear_inputs(x, self.w13, self.w13_scale, None)
+        gate, _ = self.halves(x.new_empty(0, self.w13.shape[0]))
+        ref.check_linear_inputs(gate, self.w2, self.w2_scale, None)
+        ref._check(self.w2.shape[0] == x.shape[-1], f"shared w2: {self.w2.shape[0]} output features, the tokens "
+                   f"have {x.shape[-1]}")
+
+
+def shared_expert(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
+    """The shared expert's output [T, H] by its own launches: the gate|up GEMM, then the down GEMM that applies the
+    gate as it loads its A tiles (``fp8_linear(..., up=...)``)."""
+    gate, up = shared.halves(fp8_linear(x, shared.w13, shared.w13_scale, None, shared.act_quant))
+    return fp8_linear(gate, shared.w2, shared.w2_scale, None, shared.act_quant, up=up)
+
+
+def _shared_launches(x, shared: SharedExpert, counter_offset: int, cfg: dict):
+    """(gate|up launch, down launch, the down's output [T, H]) of the shared expert over ``x`` as the MoE's two
+    grouped GEMM launches run them (fp8_gemm's launches, the ones ``shared_expert`` would make, bit for bit; the
+    gate|up's split-K counters from ``counter_offset``, past the routed gate|up's); None where ``shared_expert``
+    launches anything else (the GEMV, a quant or silu kernel, the split-K reduce kernel) or at another warp count."""
+    shared = shared._replace(**{name: getattr(shared, name).contiguous() for name in ("w13", "w13_scale", "w2",
+                                                                                     "w2_scale")})
+    gate_up = torch.empty(x.shape[0], shared.w13.shape[0], dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    first = lone_launch(x, None, shared.w13, shared.w13_scale, shared.act_quant, gate_up, counter_offset)
+    second = lone_launch(*shared.halves(gate_up), shared.w2, shared.w2_scale, shared.act_quant, out)
+    if first is None or second is None or {first[1]["num_warps"], second[1]["num_warps"]} != {cfg["num_warps"]}:
+        return None
+    return first[0], second[0], out
+
+
+def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None, addend=None,
+            shared=None):
     """Routed FP8 experts (see module doc); ``config`` overrides :func:`pick_moe_config`. ``addend`` [T, H] (x's
     dtype): added to the routed sum in the combine kernel (``fxglm5::moe_fp8_add``: the shared expert's output).
     Up to BLOCK_M tokens (decode) the GEMMs scan the ids for their rows and no align kernel runs: three launches,
-    not four (:func:`scans`: every expert then fits one block; above it only a sort finds an expert's blocks)."""
+    not four (:func:`scans`: every expert then fits one block; above it only a sort finds an expert's blocks).
+    ``shared`` (a :class:`SharedExpert`, ``fxglm5::moe_fp8_shared``): the shared expert of x is the addend; where
+    the GEMMs scan, its two GEMMs run as extra CTAs of theirs (:func:`_grouped`; the shared expert's own launches'
+    bits, :func:`_shared_launches`), so a decode MoE call is still three launches, and elsewhere
+    :func:`shared_expert` runs first."""
     t, e, h, inter = ref.check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     k = topk_ids.shape[1]
+    if addend is not None and shared is not None:
+        raise InputError("moe_fp8: an addend or a shared expert, not both")
+    if shared is not None:
+        shared.check(x)
     if addend is not None and (addend.shape != x.shape or addend.dtype != x.dtype):
         raise InputError(f"moe_fp8 addend: {addend.dtype} {tuple(addend.shape)}, the tokens are {x.dtype} "
                          f"{tuple(x.shape)}")
+    cfg = pick_moe_config(t, k, e, config)
+    x = x.contiguous()
+    joined = None
+    if shared is not None and t > 0 and k > 0 and scans(t, cfg):
+        joined = _shared_launches(x, shared, num_blocks(t, k, e, cfg) * triton.cdiv(inter, cfg["BLOCK_N1"]), cfg)
+    if shared is not None:
+        addend = shared_expert(x, shared) if joined is None else joined[2]
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0 or k == 0:
         return out.zero_() if addend is None else out.copy_(addend)
@@ -584,8 +687,6 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
                                        w13_scale, w2, w2_scale, act_quant, config=config,
                                        addend=None if addend is None else addend[i:i + chunk])
         return out
-    cfg = pick_moe_config(t, k, e, config)
-    x = x.contiguous()
     ids = topk_ids.contiguous()
     w13, w13_scale, w2, w2_scale = (z.contiguous() for z in (w13, w13_scale, w2, w2_scale))
     blocks = expert_blocks(ids, e, cfg)
@@ -596,22 +697,22 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     split = _split2(inter, cfg)
     split1 = _split1(blocks.count, h, inter, cfg, num_sms(x.device))
     y = torch.empty(split, t * k, h, dtype=torch.float32, device=x.device)
+    first, second = (None, None) if joined is None else joined[:2]
     if act_quant and not cfg["fused_quant"]:
         a, a_s, mode = *quantize_act_1x128(x), 0
     else:
         a, a_s, mode = x, x, (1 if act_quant else 2)
     if split1 > 1:
         g = torch.empty(split1, rows, 2 * inter, dtype=torch.float32, device=x.device)
-        _grouped(a, a_s, mode, w13, w13_scale, blocks, g, t * k, k, True, cfg, dot_f32, split1,
-                 hmid)
+        _grouped(a, a_s, mode, w13, w13_scale, blocks, g, t * k, k, True, cfg, dot_f32, split1, hmid, first)
     else:
-        _grouped(a, a_s, mode, w13, w13_scale, blocks, hmid, t * k, k, True, cfg, dot_f32)
+        _grouped(a, a_s, mode, w13, w13_scale, blocks, hmid, t * k, k, True, cfg, dot_f32, shared=first)
     if mode == 0:
         hq, hs = quantize_act_1x128(hmid)
-        _grouped(hq, hs, 0, w2, w2_scale, blocks, y, t * k, k, False, cfg, dot_f32, split)
+        _grouped(hq, hs, 0, w2, w2_scale, blocks, y, t * k, k, False, cfg, dot_f32, split, shared=second)
     else:
         _grouped(hmid, hmid, mode, w2, w2_scale, blocks, y, t * k, k, False, cfg,
-                 dot_f32 or h_dtype == torch.float32, split)
+                 dot_f32 or h_dtype == torch.float32, split, shared=second)
     block_h = 1024
     _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, topk_weights.contiguous(),
                                                   out if addend is None else addend.contiguous(), out, h, y.stride(0),
