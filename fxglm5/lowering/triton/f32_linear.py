@@ -130,22 +130,39 @@ def gemv_partial(x_rows, m_mask, w_rows, w_first, first, K, STEPS: tl.constexpr,
 
 
 @triton.jit
+def gemv_tile_start(w_ptr, N, K, stride_wn, pid_n, pid_k, STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """Column tile ``pid_n`` x K split ``pid_k`` of the GEMV, up to the caller's PDL wait: the tile's columns, its
+    weight rows (rows past N re-read the last) and its first K step's weight tile (:func:`gemv_weights`; a K of 0
+    requests nothing)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+    return offs_n, w_rows, gemv_weights(w_rows, pid_k * STEPS, K, BLOCK_K)
+
+
+@triton.jit
+def gemv_tile_sum(x_ptr, stride_xm, M, N, K, offs_n, w_rows, w_first, pid_k, STEPS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The rest of :func:`gemv_tile_start`'s tile, after the PDL wait: this split's partial over every row of x, with
+    the tile's offsets into the [M, N] output and its mask, as :func:`finish_tile` takes them."""
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    acc = gemv_partial(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm, m_mask, w_rows, w_first, pid_k * STEPS, K,
+                       STEPS, BLOCK_K)
+    return acc, offs_m[:, None] * N + offs_n[None, :], m_mask[:, None] & (offs_n < N)[None, :]
+
+
+@triton.jit
 def _f32_gemv_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, s0, s1, s2, s3,
                      NUM_SCALES: tl.constexpr, STEPS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One column tile x one K split: partial[m, n] = sum_k w[n, k] * x[m, k] for every row m (each weight tile
     loaded once); the tile's last split sums the partials."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn  # rows past N re-read the last
-    w = gemv_weights(w_rows, pid_k * STEPS, K, BLOCK_K)
+    offs_n, w_rows, w = gemv_tile_start(w_ptr, N, K, stride_wn, pid_n, pid_k, STEPS, BLOCK_N, BLOCK_K)
     pdl_prologue(PDL)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    acc = gemv_partial(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm, m_mask, w_rows, w, pid_k * STEPS, K, STEPS,
-                       BLOCK_K)
-    finish_tile(acc, ws_ptr, out_ptr, cnt_ptr, offs_m[:, None] * N + offs_n[None, :],
-                m_mask[:, None] & (offs_n < N)[None, :], pid_n, pid_k, M * N, s0, s1, s2, s3, NUM_SCALES, SPLIT)
+    acc, tile, mask = gemv_tile_sum(x_ptr, stride_xm, M, N, K, offs_n, w_rows, w, pid_k, STEPS, BLOCK_M, BLOCK_K)
+    finish_tile(acc, ws_ptr, out_ptr, cnt_ptr, tile, mask, pid_n, pid_k, M * N, s0, s1, s2, s3, NUM_SCALES, SPLIT)
 
 
 @triton.jit

@@ -44,7 +44,7 @@ from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.reference import fused as ref_fused
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.f32_linear import (
-    f32_linear, finish_tile, gemv_launch, gemv_partial, gemv_weights, is_gemv,
+    f32_linear, finish_tile, gemv_launch, gemv_tile_start, gemv_tile_sum, is_gemv,
 )
 from fxglm5.lowering.triton.fp8_gemm import (
     GemmLaunch, _ab_scale, _b_scale, fp8_linear, gemm_tile, lone_launch, quantize_act_1x128, row_chunk,
@@ -127,16 +127,11 @@ def _router_kernel(x_ptr, rw_ptr, part_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr
     stored; the CTA that takes the last routes every row (:func:`_route_rows`, as :func:`_route_kernel` does) and
     resets the counter, so the next call and a CUDA-graph replay start from zero."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = rw_ptr + tl.minimum(offs_n, E - 1).to(tl.int64)[:, None] * stride_rw  # rows past E re-read the last
-    w = gemv_weights(w_rows, pid_k * STEPS, K, BLOCK_K)
+    offs_n, w_rows, w = gemv_tile_start(rw_ptr, E, K, stride_rw, pid_n, pid_k, STEPS, BLOCK_N, BLOCK_K)
     pdl_prologue(PDL)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    acc = gemv_partial(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm, m_mask, w_rows, w, pid_k * STEPS, K, STEPS,
-                       BLOCK_K)
-    if finish_tile(acc, part_ptr, logits_ptr, cnt_ptr, offs_m[:, None] * E + offs_n[None, :],
-                   m_mask[:, None] & (offs_n < E)[None, :], pid_n, pid_k, M * E, 1.0, 1.0, 1.0, 1.0, 0, SPLIT):
+    acc, tile, mask = gemv_tile_sum(x_ptr, stride_xm, M, E, K, offs_n, w_rows, w, pid_k, STEPS, BLOCK_M, BLOCK_K)
+    if finish_tile(acc, part_ptr, logits_ptr, cnt_ptr, tile, mask, pid_n, pid_k, M * E, 1.0, 1.0, 1.0, 1.0, 0,
+                   SPLIT):
         tiles = tl.num_programs(0)
         tl.debug_barrier()  # the tile's logits stored before its arrival is published (as the split partials are)
         if tl.atomic_add(cnt_ptr + tiles, 1, sem="acq_rel", scope="gpu") == tiles - 1:

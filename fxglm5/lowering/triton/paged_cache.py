@@ -21,8 +21,8 @@ import triton.language as tl
 from fxglm5 import settings
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.triton.device import interpreter_compat, num_sms, pdl, pdl_prologue
-from fxglm5.lowering.triton.f32_linear import (MAX_SCALES, f32_linear, finish_tile, gemv_launch, gemv_partial,
-                                               gemv_weights, is_gemv, operands, padded_scales, split_buffers)
+from fxglm5.lowering.triton.f32_linear import (MAX_SCALES, f32_linear, finish_tile, gemv_launch, gemv_tile_start,
+                                               gemv_tile_sum, is_gemv, operands, padded_scales, split_buffers)
 from fxglm5.lowering.triton.norm_rope import (DTYPE_CODES, rms_norm_launch, rms_norm_row, rms_normalize, rotate_pairs,
                                               round_to)
 
@@ -255,9 +255,8 @@ def _norm_write_caches_kernel(
         g = tl.maximum(pid - rows, 0)
         tiles = tl.cdiv(HN, BLOCK_N)
         pid_n, pid_k = g % tiles, g // tiles
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_rows = hw_ptr + tl.minimum(offs_n, HN - 1).to(tl.int64)[:, None] * stride_hw  # rows past N re-read the last
-        w = gemv_weights(w_rows, pid_k * STEPS, tl.where(pid >= rows, HK, 0), BLOCK_K)
+        offs_n, w_rows, w = gemv_tile_start(hw_ptr, HN, tl.where(pid >= rows, HK, 0), stride_hw, pid_n, pid_k, STEPS,
+                                            BLOCK_N, BLOCK_K)
     pdl_prologue(PDL)
     if pid < rows:
         t = pid % T
@@ -271,12 +270,10 @@ def _norm_write_caches_kernel(
             _index_row(t, k_ptr, k_slot_ptr, i8_ptr, i32_ptr, k_w_ptr, k_b_ptr, k_cos_ptr, k_sin_ptr, stride_k,
                        k_stride_c, KD, K_HALF, k_eps, D, BS, K_NORM, K_ROPE, K_DT, K_EXACT, K_BF16)
     elif WEIGHTS:
-        offs_m = tl.arange(0, BLOCK_M)
-        m_mask = offs_m < HM
-        acc = gemv_partial(hx_ptr + offs_m.to(tl.int64)[:, None] * stride_hx, m_mask, w_rows, w, pid_k * STEPS, HK,
-                           STEPS, BLOCK_K)
-        finish_tile(acc, hws_ptr, hout_ptr, hcnt_ptr, offs_m[:, None] * HN + offs_n[None, :],
-                    m_mask[:, None] & (offs_n < HN)[None, :], pid_n, pid_k, HM * HN, s0, s1, s2, s3, NUM_SCALES, SPLIT)
+        acc, tile, mask = gemv_tile_sum(hx_ptr, stride_hx, HM, HN, HK, offs_n, w_rows, w, pid_k, STEPS, BLOCK_M,
+                                        BLOCK_K)
+        finish_tile(acc, hws_ptr, hout_ptr, hcnt_ptr, tile, mask, pid_n, pid_k, HM * HN, s0, s1, s2, s3, NUM_SCALES,
+                    SPLIT)
 
 
 @triton.jit
