@@ -26,9 +26,7 @@ from fxglm5.errors import CheckpointError, InputError
 from fxglm5.lowering.reference import fp8 as ref_fp8
 from fxglm5.model.config import Glm5Config
 from fxglm5.model.layers import Linear
-from fxglm5.model.modeling import Glm5ForCausalLM
 from fxglm5.model.moe import StackedExperts
-from fxglm5.model.tiny import make_tiny_checkpoint
 from fxglm5.runtime.options import RunnerOptions
 from fxglm5.runtime.runner import Runner
 from tests import export_cache
@@ -46,16 +44,6 @@ GEMMS = {"fp8_linear": 13, "silu_mul_fp8_linear": 1, "moe_fp8_shared": 3}
 
 def gemms(act_quant: bool) -> dict:
     return {(op, act_quant): n for op, n in GEMMS.items()}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-fp8"), fp8=True)
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return Glm5ForCausalLM.from_pretrained(ckpt, dtype=torch.float32, progress=False)
 
 
 @pytest.fixture(scope="module")

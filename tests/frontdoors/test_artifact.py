@@ -29,16 +29,6 @@ SERVE = dict(kv_cache="fp8", block_size=16, max_cache_tokens=512)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-fp8"), fp8=True)
-
-
-@pytest.fixture(scope="module")
-def model(ckpt):
-    return Glm5ForCausalLM.from_pretrained(ckpt, dtype=torch.float32, progress=False)
-
-
-@pytest.fixture(scope="module")
 def served(model):
     """The in-memory Runner's tokens for PROMPTS (fp8 cache, 16-token blocks): what an artifact of the checkpoint,
     captured by kind or whole, must generate."""
