@@ -339,7 +339,7 @@ def fp8_linear(
                          f"{x2.dtype} on {x2.device}, weight {tuple(weight.shape)}, act_quant={act_quant})")
     sms = num_sms(x.device)
     cfg = pick_config(m, n, k, act_quant, sms, config)
-    if u2 is not None and (gluon_ok or m > GATED_ROWS or (act_quant and not cfg["fused_quant"])):
+    if u2 is not None and (gluon_ok or not gates_in_kernel(m, act_quant, cfg)):
         x2, u2 = silu_mul(x2, u2), None
     if gluon_ok:
         a, a_s = quantize_act_1x128(x2)
@@ -348,6 +348,12 @@ def fp8_linear(
         return out.view(*lead, n)
     _launch(x2, u2, weight, weight_scale_inv, bias, act_quant, cfg, out)
     return out.view(*lead, n)
+
+
+def gates_in_kernel(m: int, act_quant: bool, cfg: dict) -> bool:
+    """Whether the Triton kernel applies a gated input's ``silu(gate) * up`` as it loads each A tile: up to
+    GATED_ROWS rows, where A is widened (W8A16) or quantized in registers, not by the quant kernel before it."""
+    return m <= GATED_ROWS and not (act_quant and not cfg["fused_quant"])
 
 
 def runs_gemv(m: int, kernel: Optional[str]) -> bool:
@@ -365,7 +371,7 @@ def lone_launch(x2, u2, weight, weight_scale_inv, act_quant, out, counter_offset
     if runs_gemv(m, None) or fp8_gemm_hopper.supported(x2, weight, act_quant):
         return None
     cfg = pick_config(m, weight.shape[0], k, act_quant, num_sms(x2.device))
-    if (act_quant and not cfg["fused_quant"]) or (u2 is not None and m > GATED_ROWS):
+    if (act_quant and not cfg["fused_quant"]) or (u2 is not None and not gates_in_kernel(m, act_quant, cfg)):
         return None
     launch = gemm_launch(x2, x2, 1 if act_quant else 2, u2, weight, weight_scale_inv, None, cfg, out, counter_offset)
     return None if launch.reduce else (launch, cfg)
