@@ -303,7 +303,9 @@ GEMM_SWEEP["gemv_rank"] = (  # the tiled split-K kernel (today's decode path) ag
     + [dict(kernel="gemv", **c) for c in (
         dict(BLOCK_N=32), dict(BLOCK_N=128), dict(num_warps=4), dict(num_stages=2), dict(num_stages=6),
         dict(CTAS_PER_SM=1), dict(CTAS_PER_SM=4), dict(CTAS_PER_SM=4, num_warps=4, BLOCK_N=32),
-        dict(M_PAD=16), dict(M_PAD=16, BLOCK_N=128, num_warps=4), dict(M_PAD=16, CTAS_PER_SM=4, num_warps=4))])
+        dict(M_PAD=16), dict(M_PAD=16, BLOCK_N=128, num_warps=4), dict(M_PAD=16, CTAS_PER_SM=4, num_warps=4),
+        dict(PREFETCH=True), dict(PREFETCH=True, CTAS_PER_SM=4), dict(PREFETCH=True, BLOCK_N=128),
+        dict(PREFETCH=True, CTAS_PER_SM=4, num_warps=4))])
 MOE_SWEEP = {  # regime -> (token counts, configs); the first config is the committed default
     "decode": ((1, 64), [dict(), dict(SPLIT1=1), dict(CTAS_PER_SM1=8), dict(num_stages=4), dict(SPLIT2=4)]),
     "prefill": ((2048,), [dict(BLOCK_M=bm, BLOCK_N1=n1, BLOCK_N2=n2, num_warps=w, num_stages=st)

@@ -48,14 +48,14 @@ def _counters_are_zero():
 @settings(deadline=None)
 @given(m=st.integers(1, 16), nk=st.sampled_from([(192, 320), (64, 128), (576, 256), (130, 200), (40, 384)]),
        act_quant=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), bias=st.booleans(),
-       ctas=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**16))
-def test_gemv_matches_the_reference(m, nk, act_quant, dtype, bias, ctas, seed):
+       ctas=st.sampled_from([1, 4, 16]), prefetch=st.booleans(), seed=st.integers(0, 2**16))
+def test_gemv_matches_the_reference(m, nk, act_quant, dtype, bias, ctas, prefetch, seed):
     n, k = nk
     w, s = _weight(n, k, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(m, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    out = fp8_gemm.fp8_linear(x, w, s, b, act_quant, config=dict(kernel="gemv", CTAS_PER_SM=ctas))
+    out = fp8_gemm.fp8_linear(x, w, s, b, act_quant, config=dict(kernel="gemv", CTAS_PER_SM=ctas, PREFETCH=prefetch))
     assert out.shape == (m, n) and out.dtype == dtype
     assert _rel(out, ref.fp8_linear(x, w, s, b, act_quant)) < _tol(dtype)
     assert _counters_are_zero()
@@ -64,15 +64,19 @@ def test_gemv_matches_the_reference(m, nk, act_quant, dtype, bias, ctas, seed):
 @pytest.mark.parametrize("m", [1, 3, 9])
 def test_split_k_really_splits_with_a_ragged_last_split(m):
     """K = 640 is 5 steps; 4 CTAs per SM (4 SMs on the CPU) over 3 column tiles gives 5 splits of one step at
-    BLOCK_N 64, and 3 steps per split (a ragged last split of 2) when asked for 2 splits' worth."""
+    BLOCK_N 64, and 3 steps per split (a ragged last split of 2) when asked for 2 splits' worth. With PREFETCH (the
+    next step's tile requested before this step's math) the bits are the same: a prefetch past a split's steps is
+    never used, and past K it loads zeros."""
     w, s = _weight(192, 640, 7)
     x = torch.randn(m, 640)
     want = ref.fp8_linear(x, w, s, None, True)
     for ctas, splits in ((4, 5), (1.5, 2)):
         plan = fp8_gemv.plan(m, 192, 640, 4, dict(CTAS_PER_SM=ctas, BLOCK_N=64))
         assert plan["SPLIT_K"] == splits
-        out = fp8_gemm.fp8_linear(x, w, s, None, True, config=dict(kernel="gemv", CTAS_PER_SM=ctas, BLOCK_N=64))
+        out, prefetched = (fp8_gemm.fp8_linear(x, w, s, None, True, config=dict(
+            kernel="gemv", CTAS_PER_SM=ctas, BLOCK_N=64, PREFETCH=prefetch)) for prefetch in (False, True))
         assert _rel(out, want) < 1e-5
+        assert torch.equal(prefetched, out)
     assert _counters_are_zero()
 
 

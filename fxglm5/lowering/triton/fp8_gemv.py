@@ -35,7 +35,9 @@ ROWS = 16  # the most rows a call may have
 # CTAs per SM of the one wave, the column tile per row count (M_PAD x BLOCK_N x 128 fp32 products in registers stay
 # at 8192 for the FMA path), warps and pipeline stages. Not yet tuned on a GPU: the decode step's variant ``gemv``
 # (bench/rank_at_depth.py) measures it against the tiled kernel.
-GEMV = dict(enabled=False, CTAS_PER_SM=2, BLOCK_N={1: 64, 2: 32, 4: 16, 16: 64}, num_warps=8, num_stages=4)
+# PREFETCH: the next K step's weight tile requested before this step's math (two tiles in flight a CTA).
+GEMV = dict(enabled=False, CTAS_PER_SM=2, BLOCK_N={1: 64, 2: 32, 4: 16, 16: 64}, num_warps=8, num_stages=4,
+            PREFETCH=False)
 
 
 @triton.jit
@@ -88,7 +90,7 @@ def _gemv_kernel(a_ptr, u_ptr, b_ptr, bs_ptr, bias_ptr, ws_ptr, out_ptr, cnt_ptr
                  KG_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  A_MODE: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, USE_DOT: tl.constexpr,
                  F32: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, NO_K_MASK: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -105,11 +107,24 @@ def _gemv_kernel(a_ptr, u_ptr, b_ptr, bs_ptr, bias_ptr, ws_ptr, out_ptr, cnt_ptr
     rows_a = tl.minimum(offs_m, M - 1)
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
     u_ptrs = u_ptr + rows_a[:, None] * stride_um + offs_k[None, :]
-    acc = _step(_load_x(a_ptrs, u_ptrs, kg0, K, NO_K_MASK, GATED_A, DT), b, s_b, A_MODE, USE_DOT, F32, INTERPRET)
-    for i in range(1, KG_PER_SPLIT):
-        b, s_b = _load_w(b_ptrs, bs_row, kg0 + i, K, KG, NO_K_MASK)
-        acc += _step(_load_x(a_ptrs, u_ptrs, kg0 + i, K, NO_K_MASK, GATED_A, DT), b, s_b, A_MODE, USE_DOT, F32,
-                     INTERPRET)
+    if PREFETCH:
+        # the next K step's weight tile is requested before this step's math, so two tiles are in flight a CTA
+        # (the software pipeliner stages only loads that feed an MMA, not the FMA path's). The request after a
+        # split's last step is never used; clamped to the last K step, it stays in bounds (a ragged split's steps
+        # past K meet zero activations whatever tile they hold)
+        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        for i in range(0, KG_PER_SPLIT):
+            b_next, s_next = _load_w(b_ptrs, bs_row, tl.minimum(kg0 + i + 1, KG - 1), K, KG, NO_K_MASK)
+            acc += _step(_load_x(a_ptrs, u_ptrs, kg0 + i, K, NO_K_MASK, GATED_A, DT), b, s_b, A_MODE, USE_DOT,
+                         F32, INTERPRET)
+            b, s_b = b_next, s_next
+    else:
+        acc = _step(_load_x(a_ptrs, u_ptrs, kg0, K, NO_K_MASK, GATED_A, DT), b, s_b, A_MODE, USE_DOT, F32,
+                    INTERPRET)
+        for i in range(1, KG_PER_SPLIT):
+            b, s_b = _load_w(b_ptrs, bs_row, kg0 + i, K, KG, NO_K_MASK)
+            acc += _step(_load_x(a_ptrs, u_ptrs, kg0 + i, K, NO_K_MASK, GATED_A, DT), b, s_b, A_MODE, USE_DOT,
+                         F32, INTERPRET)
     c_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tile = offs_m[:, None] * N + offs_n[None, :]
     if SPLIT_K == 1:
@@ -174,5 +189,6 @@ def launch(x2, u2, weight, weight_scale_inv, bias, act_quant: bool, out, sms: in
         KG_PER_SPLIT=per_split, SPLIT_K=split, M_PAD=c["M_PAD"], BLOCK_N=c["BLOCK_N"], A_MODE=1 if act_quant else 2,
         GATED_A=u2 is not None, DT=DTYPE_CODES[x2.dtype], USE_DOT=c["M_PAD"] == 16,
         F32=x2.dtype == torch.float32 or interpret, INTERPRET=interpret, HAS_BIAS=bias is not None,
-        NO_K_MASK=k % 128 == 0 and split * per_split == kg, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        NO_K_MASK=k % 128 == 0 and split * per_split == kg, PREFETCH=c["PREFETCH"], num_warps=c["num_warps"],
+        num_stages=c["num_stages"],
         **pdl(x2.device))
