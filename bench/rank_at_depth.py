@@ -112,6 +112,8 @@ VARIANTS = {
     "moe_split": ({}, {"moe.MOE_DECODE": {"CTAS_PER_SM1": 16, "SPLIT2": 4}}),  # more K splits, for few experts
     "gemv": ({}, {"fp8_gemv.GEMV": {"enabled": True}}),  # the decode GEMV (fp8_gemv.py) up to 16 rows
     "gemv_pdl": ({"FXGLM5_PDL": "1"}, {"fp8_gemv.GEMV": {"enabled": True}}),  # ... its weights loaded before the wait
+    # ... and the next K step's weight tile requested before each step's math (fp8_gemv's PREFETCH)
+    "gemv_prefetch_pdl": ({"FXGLM5_PDL": "1"}, {"fp8_gemv.GEMV": {"enabled": True, "PREFETCH": True}}),
 }
 
 
