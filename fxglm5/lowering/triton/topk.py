@@ -40,7 +40,7 @@ from fxglm5.lowering.triton.device import interpreter_compat, num_sms, pdl, pdl_
 
 interpreter_compat()
 
-__all__ = ["topk_from_logits", "multi_segment_length", "SEGMENT_MAX"]
+__all__ = ["topk_from_logits", "multi_segment_length", "one_round", "SEGMENT_MAX"]
 
 
 
@@ -404,6 +404,17 @@ def _segment_length(topk: int, chunk: int | None, interp: bool) -> int:
         raise InputError(f"topk_from_logits: topk={topk} needs segments of {seg} > SEGMENT_MAX={SEGMENT_MAX}"
                          " entries; use method='multi'")
     return seg
+
+
+def one_round(length: int, topk: int, interp: bool) -> tuple[int, int] | None:
+    """``(C, BIN_C)`` of the selection :func:`topk_from_logits` launches by default over rows of ``length`` scores
+    where it is one round of the segments method (one CTA a row, the whole row in its registers as four C-long
+    chunks; BIN_C as that round sets it, whatever the warps), else None (longer rows: more rounds, or the multi
+    radix). The indexer's one-launch kernel runs this round (``indexer._indexer_topk_kernel``)."""
+    if length > SEGMENT_MAX or length > _segment_length(topk, None, interp):
+        return None
+    C, _, bin_c = _round_shape(_segment_len(length), None, interp)
+    return C, bin_c
 
 
 def _tournament(x, pos, topk, out, seg, num_warps, interp):
