@@ -378,14 +378,16 @@ LOGITS_BYTES_PER_ELEMENT = 4
 
 # The one-launch kernel serves decode steps: up to ONE_LAUNCH_ROWS tokens whose logits rows (the block table's
 # width in keys) are at most ONE_LAUNCH_KEYS long and take one round of the segment top-k (topk.one_round).
-# Keys: the round holds its row in registers, a key and its index per entry, 64 keys a thread in the 4-warp
-# programs of the logits configurations at 8192 keys (230 to 250 registers, no spill: ptxas for sm_90,
-# tests/kernels/test_indexer_topk_compile.py); at 16384 they spill 360 to 456 bytes, and 8 warps would hold 243 to
-# 247 registers a thread, one program an SM, against the logits kernel's three. Rows: each program of the launch
-# carries those registers, which cost the logits programs occupancy (two or three an SM instead of three) that a
-# decode step's grid (16 tokens x 8192 keys: 128 to 512 programs) still fits in one or two waves, as a prefill's
-# thousands of programs would not; 16 is the decode batch the other one-launch kernels serve
-# (f32_linear.MAX_GEMV_ROWS). Longer rows or more tokens: the logits kernel, then the top-k's own launches.
+# Keys: the round holds its row in registers, a key and its index per entry: at 8192 keys, 64 of each a thread in the
+# 4-warp programs of most logits configurations, 230 to 250 registers a thread and no spill (ptxas for sm_90, Triton
+# 3.6: tests/kernels/test_indexer_topk_compile.py); at 16384 keys the 4-warp programs spill 360 to 456 bytes a
+# thread, and 8 warps would hold 243 to 247 registers a thread: one program an SM, where the logits kernel alone
+# (144 to 148) fits three. Rows: every program of the launch carries the round's registers, so two or three logits
+# programs fit an SM instead of three: a decode step's grid (16 tokens x 8192 keys: 64 to 512 programs, by the
+# configuration) still runs in one or two waves, a prefill's thousands of programs would run in more; 16 is the
+# decode batch of the step's other one-launch kernels (f32_linear.MAX_GEMV_ROWS). Longer rows or more tokens: the
+# logits kernel, then the top-k's own launches. None of this is timed yet (a GPU run would say whether 16384-key
+# rows at 8 warps, or more tokens, gain).
 ONE_LAUNCH_ROWS = 16
 ONE_LAUNCH_KEYS = 8192
 
