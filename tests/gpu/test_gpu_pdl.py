@@ -167,7 +167,7 @@ def test_attention_chain_is_the_same_with_and_without_pdl(method, monkeypatch):
     if not _sm90_or_later():
         pytest.skip("programmatic dependent launch needs sm_90 or later")
     st = _attention_state()
-    assert (indexer.one_launch_round(len(REQ), st["logits"].shape[1], TOPK, False) is None) == (method != "one_launch")
+    assert indexer.one_launch_round(len(REQ), st["logits"].shape[1], TOPK, False) is not None  # a decode step's shape
 
     def run():
         st["cache"].copy_(st["cache0"])

@@ -181,7 +181,8 @@ def test_the_step_takes_one_launch_only_where_it_applies(monkeypatch, tokens, wi
     bt = (torch.randperm(width, generator=g) + 1).to(torch.int32)[None]
     cache = torch.zeros(width + 1, bs, 132, dtype=torch.uint8)
     p = torch.arange(width * bs)
-    ref.write_indexer_cache(cache, torch.randn(width * bs, 128, generator=g), ref.slots_from_positions(bt, 0 * p, p, bs))
+    slots = ref.slots_from_positions(bt, torch.zeros_like(p), p, bs)
+    ref.write_indexer_cache(cache, torch.randn(width * bs, 128, generator=g), slots)
     req = torch.zeros(tokens, dtype=torch.int32)
     pos = torch.randint(0, width * bs, (tokens,), generator=g, dtype=torch.int32)
     q = torch.randn(tokens, 2, 128, generator=g).bfloat16()

@@ -15,15 +15,15 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
    Output slots past ``min(topk, positions[t] + 1)`` are -1. No host sync, no data-dependent shapes: every
    buffer is sized by the arguments, so the kernels can be captured in a CUDA graph.
 
-A decode step (:func:`one_launch_round`: up to 16 tokens, logits rows of at most 8192 keys, which the segment
-top-k selects in one round) runs both in one launch, ``_indexer_topk_kernel``: the logits programs, each row's last
-one (a ticket on a per-row counter) selecting that row with the top-k kernel's own code, so the indices and their
-order are the two launches' under the same logits configuration (issue 45, item 5: a decode layer's attention
-block one launch shorter). Every logits path takes it: FP8 gathers or TMA boxes, the exact mode's keys. The choice is made here, from the step's
-shapes, inside ``fxglm5::rtp_indexer``'s Triton body (``indexer_topk_paged``, which
-``fxglm5.lowering.reference.paged_steps.indexer_step`` calls): the op, its inputs and its result are unchanged, so
-no graph op and no pass; a pass would only move this shape test from the kernel set into the graph, where the
-decode graphs' width buckets would have to be known, while the kernel set sees each call's shapes.
+A decode step (:func:`one_launch_round`: up to 16 tokens, logits rows of at most 8192 keys, which the segment top-k
+selects in one round) runs both in one launch, ``_indexer_topk_kernel``: the logits programs, each row's last one (a
+ticket on a per-row counter) selecting that row with the top-k kernel's own code, so the indices and their order are
+the two launches' under the same logits configuration (issue 45, item 5: a decode layer's attention block one launch
+shorter). Every logits path takes it: FP8 gathers or TMA boxes, the exact mode's keys. The choice is made here, from the
+step's shapes, inside ``fxglm5::rtp_indexer``'s Triton body (``indexer_topk_paged``, which
+``fxglm5.lowering.reference.paged_steps.indexer_step`` calls): the op, its inputs and its result are unchanged, so no
+graph op and no pass. A pass could not make the choice: it rests on the token count and the block table's width,
+which the exported graph holds as dynamic sizes; each call (each decode graph's capture) has them.
 """
 
 from __future__ import annotations
