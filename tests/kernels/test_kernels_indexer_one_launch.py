@@ -118,12 +118,16 @@ def _assert_reference_sets(sel, want):
     assert torch.equal(sel.long().sort(dim=1).values, want.long().sort(dim=1).values)
 
 
+# the interpreter's logits launch (32 keys a program), and 16 keys a program: up to 4 programs a row take tickets
+CONFIGS = [None, dict(BLOCK_N=16, TILES=1)]
+
+
 @given(decode_steps(), st.sampled_from([1, 2, 4]), st.integers(1, 20), st.sampled_from(["floats", "ints", "zeros"]),
-       st.booleans())
-def test_one_launch_selects_as_the_two_launches_fp8(s, HI, K, kind, rotate):
+       st.booleans(), st.sampled_from(CONFIGS))
+def test_one_launch_selects_as_the_two_launches_fp8(s, HI, K, kind, rotate, cfg):
     cache, q, w = _step(s, HI, kind)
     rope = _rope(q.shape[0], s["g"]) if rotate else None
-    one, two, logits = _one_and_two_launches(s, q, w, cache, K, rope)
+    one, two, logits = _one_and_two_launches(s, q, w, cache, K, rope, cfg)
     assert torch.equal(one, two)
     _assert_tie_rule(one, logits, s["pos"], K)
     if kind != "floats" and not rotate:  # exact scores: the reference's logits are the kernels', bit for bit
@@ -156,6 +160,27 @@ def test_one_launch_selects_as_the_two_launches_tma(s, HI, K, tiles, kind):
     _assert_tie_rule(one, logits, s["pos"], K)
     if kind == "ints":
         _assert_reference_sets(one, ref.indexer_topk_paged(q, w, cache, s["bt"], s["req"], s["pos"], K))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_one_launch_keeps_the_two_launches_order(cfg):
+    """At top-20 of 64 distinct scores every row comes out as two increasing runs (the keys above the round's last
+    bin, then the bin's selected keys): the one launch lists the same indices in the same order, which the round's
+    chunks and bins (topk.one_round) decide."""
+    g = torch.Generator().manual_seed(0)
+    bs, width, K = 8, 8, 20
+    bt = (torch.randperm(width, generator=g) + 1).to(torch.int32)[None]
+    cache = torch.zeros(width + 1, bs, 132, dtype=torch.uint8)
+    p = torch.arange(width * bs)
+    ref.write_indexer_cache(cache, torch.randn(width * bs, 128, generator=g),
+                            ref.slots_from_positions(bt, torch.zeros_like(p), p, bs))
+    s = dict(bs=bs, bt=bt, req=torch.zeros(4, dtype=torch.int32), pos=torch.tensor([63, 50, 40, 30], dtype=torch.int32))
+    q = torch.randn(4, 2, 128, generator=g).bfloat16()
+    w = torch.randn(4, 2, generator=g)
+    one, two, logits = _one_and_two_launches(s, q, w, cache, K, cfg=cfg)
+    assert torch.equal(one, two)
+    assert [int((one[t, 1:] < one[t, :-1]).sum()) for t in range(4)] == [1, 1, 1, 1]  # two runs a row
+    _assert_tie_rule(one, logits, s["pos"], K)
 
 
 def _launched(monkeypatch, call) -> list[str]:
