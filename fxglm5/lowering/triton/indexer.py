@@ -174,8 +174,6 @@ def _logits_program(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, kc_ptr, ks_pt
             tl.store(o_row + offs_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs_n < max_len)
 
 
-
-
 @triton.jit(do_not_specialize=["T_BUCKET"])  # an autotune key only: no recompiles per value
 def _indexer_logits_kernel(
     q_ptr, stride_qt, stride_qh, w_ptr, stride_wt,
@@ -210,7 +208,7 @@ def _indexer_topk_kernel(
     F32DOT: tl.constexpr, C: tl.constexpr, BIN_C: tl.constexpr, PDL: tl.constexpr, PROMOTE: tl.constexpr = 128,
     USE_TMA: tl.constexpr = False, EXACT: tl.constexpr = False, ROPE_Q: tl.constexpr = False, DT: tl.constexpr = 0,
 ):
-    """The logits and the top-k of a decode step in one launch (:func:`one_launch_rows`): the grid and the programs
+    """The logits and the top-k of a decode step in one launch (:func:`one_launch_round`): the grid and the programs
     of :func:`_indexer_logits_kernel`, then each program of row t takes a ticket on the row's counter ``cnt[t]``
     once its logits are stored, and the program that takes the row's last ticket selects the row's top-k with the
     segment top-k's single round (``topk.select_segment`` over the whole row, the four C-long chunks and BIN_C of
