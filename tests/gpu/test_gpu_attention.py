@@ -635,7 +635,7 @@ def test_indexer_rows_that_fit_in_topk_in_a_cuda_graph(method):
     out = torch.empty(6, TOPK, dtype=torch.int32, device="cuda")
 
     def step():
-        if method == "segments":  # the composed op (segments at this length)
+        if method == "segments":  # the composed op (at this length and batch: one launch, the segments' round)
             indexer.indexer_topk_paged(q, w, kc, bt, req, pos, TOPK, validate=False, logits_buf=logits, out=out)
         else:
             indexer.indexer_logits_paged(q, w, kc, bt, req, pos, out=logits, validate=False)
@@ -760,6 +760,127 @@ def test_indexer_tie_rule_at_glm5_shape():
         assert int((logits[t, :n] == 0).sum()) > TOPK and bool((logits[t, :n] <= 0).all()), t  # ties at the top
         want = topk_lowest_index_ties(logits[t:t + 1, :n], TOPK)[1][0]
         assert torch.equal(o[t].long().sort().values, want.sort().values), t
+
+
+def _decode_indexer_step(T, context, seed, exact=False):
+    """A decode step of T tokens at GLM-5's indexer shapes, one request each, on a block table as wide as the decode
+    graphs' width bucket (a power of two of blocks): token 0 at the context's last position, then a window that
+    just fits in the top-2048 (2048 keys) and one just past it, the rest anywhere in the context; the last token
+    of 8 or more has a zero query (every score +0.0 or -0.0: one tie, its selection positions 0..2047). The
+    query's RoPE runs in the kernel (the serving path). FP8 keys, or ``exact`` bfloat16 ones."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    width = triton.next_power_of_2(-(-context // BS))
+    perm = (torch.randperm(T * width, device="cuda", generator=g) + 1).to(torch.int32)
+    bt = perm.view(T, width)
+    kc = (torch.zeros(T * width + 1, BS, 128, dtype=torch.bfloat16, device="cuda") if exact
+          else torch.zeros(T * width + 1, BS, 132, dtype=torch.uint8, device="cuda"))
+    req_all = torch.arange(T, device="cuda").repeat_interleave(context)
+    slots = ref.slots_from_positions(bt, req_all, torch.arange(context, device="cuda").repeat(T), BS)
+    keys = torch.randn(T * context, 128, device="cuda", generator=g)
+    if exact:
+        ref.write_exact_index_keys(kc, keys, slots)
+    else:
+        ref.write_indexer_cache(kc, keys, slots)
+    pos = torch.randint(0, context, (T,), device="cuda", generator=g, dtype=torch.int32)
+    pos[0] = context - 1
+    pos[1:3] = torch.tensor([TOPK - 1, TOPK], device="cuda", dtype=torch.int32)[:T - 1]
+    q = torch.randn(T, HI, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    if T >= 8:
+        q[-1] = 0
+    w = torch.randn(T, HI, device="cuda", generator=g) * HI ** -0.5 * 128 ** -0.5
+    return dict(q=q, w=w, kc=kc, bt=bt, req=torch.arange(T, device="cuda", dtype=torch.int32), pos=pos,
+                rope=_rope_tables(T, 32))
+
+
+def _two_launches(st, cfg):
+    """The logits kernel under ``cfg`` then the top-k's own launches: (selection, logits)."""
+    from fxglm5.lowering.triton import indexer
+
+    logits = indexer.indexer_logits_paged(st["q"], st["w"], st["kc"], st["bt"], st["req"], st["pos"], validate=False,
+                                          skip_window=TOPK, rope=st["rope"], cfg=cfg)
+    return indexer.topk_from_logits(logits, st["pos"], TOPK, validate=False), logits
+
+
+def _assert_tie_rule(sel, logits, pos):
+    """Each row: its window's top-2048 by the tie rule over the kernels' own scores (its window in order where it
+    fits), -1 after."""
+    from fxglm5.lowering.reference.attention import topk_lowest_index_ties
+
+    for t in range(sel.shape[0]):
+        n = int(pos[t]) + 1
+        k = min(TOPK, n)
+        assert (sel[t, k:] == -1).all(), t
+        if n <= TOPK:
+            assert torch.equal(sel[t, :k], torch.arange(n, device="cuda", dtype=torch.int32)), t
+        else:
+            want = topk_lowest_index_ties(logits[t:t + 1, :n], k)[1][0]
+            assert torch.equal(sel[t, :k].long().sort().values, want.sort().values), t
+
+
+@pytest.mark.parametrize("T", [1, 8, 16])
+@pytest.mark.parametrize("context", [2049, 4096, 8192, 16384])
+def test_indexer_one_launch_at_glm5_shapes(T, context):
+    """A decode step's indexer in one launch (issue 45, item 5) where its block table's rows (the width bucket: 64,
+    64, 128 and 256 blocks) are at most 8192 keys (indexer.ONE_LAUNCH_KEYS), else the two launches: the selection
+    the logits kernel under the same configuration (the one the autotuner picked for the launch) and the top-k's
+    launches give, bit for bit (the same indices in the same order), exact by the tie rule over those logits.
+    Called twice back to back, then replayed twice from a CUDA graph over new queries and positions: the two
+    launches' bits every time, and the rows' counters back at 0."""
+    from fxglm5.lowering.triton import fp8_parts, indexer
+
+    st = _decode_indexer_step(T, context, seed=T + context)
+    max_len = st["bt"].shape[1] * BS
+    one = indexer.one_launch_round(T, max_len, TOPK, False) is not None
+    assert one == (max_len <= 8192)
+    logits = torch.empty(T, max_len, device="cuda")
+    out = torch.empty(T, TOPK, dtype=torch.int32, device="cuda")
+
+    def step():
+        return indexer.indexer_topk_paged(st["q"], st["w"], st["kc"], st["bt"], st["req"], st["pos"], TOPK,
+                                          validate=False, logits_buf=logits, out=out, rope=st["rope"])
+
+    def check(sel):
+        torch.cuda.synchronize()
+        cfg = indexer.tuned_config(one_launch=one)
+        want, own = _two_launches(st, cfg)
+        assert torch.equal(sel, want)
+        _assert_tie_rule(sel, own, st["pos"])
+        assert int(fp8_parts.tile_counters(sel.device, T)[:T].abs().sum()) == 0
+
+    for _ in range(2):
+        check(step().clone())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sel = step()
+    for seed in range(2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        st["q"].copy_(torch.randn(st["q"].shape, device="cuda", generator=g))
+        st["pos"].copy_(torch.randint(0, context, (T,), device="cuda", generator=g, dtype=torch.int32))
+        out.fill_(-7)
+        logits.fill_(float("nan"))
+        graph.replay()
+        check(sel)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["fp8", "exact"])
+@pytest.mark.parametrize("context", [4096, 8192])
+def test_indexer_one_launch_every_config(context, exact):
+    """Every logits configuration the autotuner may launch (those the cache allows: no TMA over the exact mode's
+    bfloat16 keys), given explicitly to the one launch and to the logits kernel: the same selection, bit for bit,
+    16 tokens."""
+    from fxglm5.lowering.triton import indexer
+
+    st = _decode_indexer_step(16, context, seed=context, exact=exact)
+    assert indexer.one_launch_round(16, st["bt"].shape[1] * BS, TOPK, False) is not None
+    configs = indexer._fitting_configs(indexer._LOGITS_CONFIGS, {}, BS=BS, EXACT=exact)
+    assert len(configs) == (4 if exact else 8)
+    for c in configs:
+        cfg = indexer._config_dict(c)
+        sel = indexer.indexer_topk_paged(st["q"], st["w"], st["kc"], st["bt"], st["req"], st["pos"], TOPK,
+                                         validate=False, rope=st["rope"], cfg=cfg)
+        want, own = _two_launches(st, cfg)
+        assert torch.equal(sel, want), cfg
+        _assert_tie_rule(sel, own, st["pos"])
 
 
 def test_decode_kernels_capture_in_cuda_graph():

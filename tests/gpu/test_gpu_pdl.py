@@ -125,9 +125,13 @@ def _attention_chain(st: dict, method: str):
         kv = (q8.float().view(t, R // 128, 128) * s8[:, :, None]).view(t, R).to(torch.bfloat16)
         paged_cache.write_latent_cache(st["cache"], kv, st["k_pe"], st["slots"], validate=False)
         q = paged_cache.latent_query(o, st["w_uk"], st["q_pe"])
-        logits = indexer.indexer_logits_paged(st["qi"], st["w"], st["kc"], st["bt"], st["req"], st["pos"],
-                                              out=st["logits"], validate=False, skip_window=TOPK)
-        top = topk.topk_from_logits(logits, st["pos"], TOPK, out=st["top"], method=method, validate=False)
+        if method == "one_launch":  # the decode step's logits and top-k in one launch
+            top = indexer.indexer_topk_paged(st["qi"], st["w"], st["kc"], st["bt"], st["req"], st["pos"], TOPK,
+                                             validate=False, logits_buf=st["logits"], out=st["top"])
+        else:
+            logits = indexer.indexer_logits_paged(st["qi"], st["w"], st["kc"], st["bt"], st["req"], st["pos"],
+                                                  out=st["logits"], validate=False, skip_window=TOPK)
+            top = topk.topk_from_logits(logits, st["pos"], TOPK, out=st["top"], method=method, validate=False)
         o = sparse_mla.sparse_mla_paged(q, st["cache"], st["bt"], st["req"], top, SCALE, validate=False,
                                         w_uv=st["w_uv"])
         dense = mla.mla_decode_paged(q, st["cache"], st["bt"], st["req"], st["pos"], SCALE, validate=False, cfg={})
@@ -139,11 +143,15 @@ def _attention_kernels(method: str) -> dict:
     """The kernels :func:`_attention_chain` launches, by name."""
     kernels = {"1x128 quantization": fp8_gemm._quant_kernel, "latent write": paged_cache._write_latent_fp8_kernel,
                "latent query": paged_cache._latent_query_kernel, "index write": paged_cache._write_index_kernel,
-               "indexer logits": indexer._indexer_logits_kernel, "MLA": mla._mla_fwd_kernel,
-               "MLA combine": mla._mla_combine_kernel, "MLA combine with W_UV": mla._mla_combine_project_kernel}
+               "MLA": mla._mla_fwd_kernel, "MLA combine": mla._mla_combine_kernel,
+               "MLA combine with W_UV": mla._mla_combine_project_kernel}
+    if method == "one_launch":
+        kernels["indexer logits and top-k"] = indexer._indexer_topk_kernel
+    else:
+        kernels["indexer logits"] = indexer._indexer_logits_kernel
     if method == "segments":
         kernels["segment top-k"] = topk._segment_topk_kernel
-    else:
+    elif method == "multi":
         kernels.update({"radix histogram": topk._radix_hist_kernel, "radix count": topk._radix_count_kernel,
                         "radix write": topk._radix_write_kernel})
     if device.capability(torch.device("cuda")) == (9, 0):  # mla_hopper.supported: the sparse MLA's kernel there
@@ -151,14 +159,15 @@ def _attention_kernels(method: str) -> dict:
     return kernels
 
 
-@pytest.mark.parametrize("method", ["segments", "multi"])
+@pytest.mark.parametrize("method", ["segments", "multi", "one_launch"])
 def test_attention_chain_is_the_same_with_and_without_pdl(method, monkeypatch):
-    """The attention kernels of a decode step (both top-k methods), eagerly and from a CUDA graph, give bitwise the
-    results of plain launches; one token's window fits in the top-k, so the indexer's and the top-k's early exits
-    (after their prologue) run too."""
+    """The attention kernels of a decode step (both top-k methods after the logits kernel, and the decode step's
+    one launch of both), eagerly and from a CUDA graph, give bitwise the results of plain launches; one token's
+    window fits in the top-k, so the indexer's and the top-k's early exits (after their prologue) run too."""
     if not _sm90_or_later():
         pytest.skip("programmatic dependent launch needs sm_90 or later")
     st = _attention_state()
+    assert indexer.one_launch_round(len(REQ), st["logits"].shape[1], TOPK, False) is not None  # a decode step's shape
 
     def run():
         st["cache"].copy_(st["cache0"])
@@ -188,14 +197,16 @@ def test_attention_chain_is_the_same_with_and_without_pdl(method, monkeypatch):
 
 def test_tiny_model_decodes_the_same_with_pdl(monkeypatch):
     """The whole paged step, prefill and decode. Its decode contexts (11 to 19 and 3 to 11 tokens) pass the tiny
-    preset's index_topk of 8, so the indexer scores and the segment top-k select; the caches are written and the
-    sparse MLA (the Gluon kernel on sm_90, bf16) reads them, with ``launch_pdl`` where the flag is on."""
+    preset's index_topk of 8, so the indexer scores and selects (every step here in one launch: 14 tokens at most, a
+    short block table); the caches are written and the sparse MLA (the Gluon kernel on sm_90, bf16) reads them, with
+    ``launch_pdl`` where the flag is on."""
     model = random_model(Glm5Config.preset("tiny"), torch.bfloat16).cuda()
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [7, 1, 8]]
     hopper = device.capability(torch.device("cuda")) == (9, 0)
     kernels = {"norm and cache writes": paged_cache._norm_write_caches_kernel,
-               "latent query": paged_cache._latent_query_kernel, "indexer logits": indexer._indexer_logits_kernel,
-               "segment top-k": topk._segment_topk_kernel, "MLA combine with W_UV": mla._mla_combine_project_kernel,
+               "latent query": paged_cache._latent_query_kernel,
+               "indexer logits and top-k": indexer._indexer_topk_kernel,
+               "MLA combine with W_UV": mla._mla_combine_project_kernel,
                "MLA": mla_hopper._mla_hopper_kernel if hopper else mla._mla_fwd_kernel}
     runs = {}
     for flag in ("0", "1"):

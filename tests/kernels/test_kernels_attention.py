@@ -583,11 +583,11 @@ def test_indexer_topk_paged_row_chunks_select_as_one_call(s, K):
     whole = tindexer.indexer_topk_paged(q, w, kc, s["bt"], req, pos, K)
     row_bytes = s["bt"].shape[1] * s["bs"] * tindexer.LOGITS_BYTES_PER_ELEMENT
     calls = []
-    real = tindexer.indexer_logits_paged
+    real = tindexer._launch  # the logits launch, or the decode step's one launch of logits and top-k
     limit = row_bytes + 1
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fp8_gemm, "INT32_ELEMENTS", limit)
-        mp.setattr(tindexer, "indexer_logits_paged", lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k))
+        mp.setattr(tindexer, "_launch", lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k))
         chunked = tindexer.indexer_topk_paged(q, w, kc, s["bt"], req, pos, K)
     assert calls == [1] * len(req)
     assert torch.equal(chunked, whole)

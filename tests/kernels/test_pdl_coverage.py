@@ -171,7 +171,8 @@ def test_every_launched_kernel_takes_part_in_pdl():
         launched |= names
     assert not problems, "\n".join(problems)
     # the decode chain's kernels are among those seen, so a launch the scan stopped finding would show here
-    for name in ("indexer._indexer_logits_kernel", "topk._segment_topk_kernel", "topk._radix_write_kernel",
+    for name in ("indexer._indexer_logits_kernel", "indexer._indexer_topk_kernel", "topk._segment_topk_kernel",
+                 "topk._radix_write_kernel",
                  "mla._mla_fwd_kernel", "mla._mla_combine_kernel", "mla._mla_combine_project_kernel",
                  "mla_hopper._mla_hopper_kernel",
                  "paged_cache._write_latent_fp8_kernel", "paged_cache._write_index_kernel",

@@ -16,15 +16,18 @@ PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [7, 1, 8]]  # one lo
 # in), the combine (+ the shared row)
 DECODE_MOE = ["_router_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
 # one decode step's attention block, from the stacked q_a | kv_a | wk GEMM to o_proj's: the query latent's norm with
-# both cache writes and the indexer's head weights, the stacked q_b | wq_b GEMM, the indexer, the latent MLA, o_proj
-DECODE_ATTENTION = ["_gemm_kernel", "_norm_write_caches_kernel", "_gemm_kernel", "_indexer_logits_kernel",
-                    "_segment_topk_kernel", "_latent_query_kernel", "_mla_fwd_kernel", "_mla_combine_project_kernel",
-                    "_gemm_kernel"]
+# both cache writes and the indexer's head weights, the stacked q_b | wq_b GEMM, the indexer (its logits and top-k in
+# one launch), the latent MLA, o_proj
+DECODE_ATTENTION = ["_gemm_kernel", "_norm_write_caches_kernel", "_gemm_kernel", "_indexer_topk_kernel",
+                    "_latent_query_kernel", "_mla_fwd_kernel", "_mla_combine_project_kernel", "_gemm_kernel"]
 
 
 def test_triton_path_same_tokens_as_reference(monkeypatch):
     """... and no RoPE kernel is launched, prefill or decode: every RoPE runs inside the attention ops' kernels (the
-    indexer query's in the indexer's logits kernel, which the decode steps launch: their windows exceed the top-k);
+    indexer query's in the indexer's kernel, which the decode steps launch: their windows exceed the top-k);
+    the indexer's logits and top-k are one launch in every step here (issue 45, item 5: at most 16 tokens, rows of
+    one top-k round), the 3-token prompt's rows (their windows fit in the top-k) selected without scores beside the
+    other prompt's;
     a decode MoE layer launches DECODE_MOE (issue 45, item 4: the router's GEMV and its routing one launch, the
     shared expert's GEMMs inside the routed experts' two launches: four launches, no _gemm_kernel among them).
     The query latent's RMSNorm, both cache writes and the indexer's head weights are one launch per layer and step
@@ -47,7 +50,8 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
         outputs[backend] = runner.generate(PROMPTS, 3)
     assert backends == {"reference": "reference", "triton": "triton/reference"}
     assert outputs["triton"] == outputs["reference"]
-    assert "_indexer_logits_kernel" in launched and "_rope_kernel" not in launched
+    assert "_indexer_topk_kernel" in launched and "_rope_kernel" not in launched
+    assert "_indexer_logits_kernel" not in launched and "_segment_topk_kernel" not in launched
     # every step's router (the prefill's 15 tokens and each decode step's 2, all GEMV-sized) is one launch: the GEMV's
     # last CTA routes (moe_router), no route kernel after the router's GEMV
     assert launched.count("_router_kernel") == 3 and "_route_kernel" not in launched

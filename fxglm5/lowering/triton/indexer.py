@@ -14,6 +14,16 @@ Same signature and semantics as :func:`fxglm5.lowering.reference.paged.indexer_t
 2. ``topk_from_logits`` (:mod:`fxglm5.lowering.triton.topk`): the exact top-k of those rows.
    Output slots past ``min(topk, positions[t] + 1)`` are -1. No host sync, no data-dependent shapes: every
    buffer is sized by the arguments, so the kernels can be captured in a CUDA graph.
+
+A decode step (:func:`one_launch_round`: up to 16 tokens, logits rows of at most 8192 keys, which the segment top-k
+selects in one round) runs both in one launch, ``_indexer_topk_kernel``: the logits programs, each row's last one (a
+ticket on a per-row counter) selecting that row with the top-k kernel's own code, so the indices and their order are
+the two launches' under the same logits configuration (issue 45, item 5: a decode layer's attention block one launch
+shorter). Every logits path takes it: FP8 gathers or TMA boxes, the exact mode's keys. The choice is made here, from the
+step's shapes, inside ``fxglm5::rtp_indexer``'s Triton body (``indexer_topk_paged``, which
+``fxglm5.lowering.reference.paged_steps.indexer_step`` calls): the op, its inputs and its result are unchanged, so no
+graph op and no pass. A pass could not make the choice: it rests on the token count and the block table's width,
+which the exported graph holds as dynamic sizes; each call (each decode graph's capture) has them.
 """
 
 from __future__ import annotations
@@ -29,13 +39,15 @@ from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.reference.norm_rope import validate_rope
 from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_gemm import row_chunk
+from fxglm5.lowering.triton.fp8_parts import tile_counters
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, rotate_pairs
 from fxglm5.lowering.triton.paged_cache import rope_launch_args, e4m3_bits, pow2_scale
-from fxglm5.lowering.triton.topk import SEGMENT_MAX, topk_from_logits
+from fxglm5.lowering.triton.topk import SEGMENT_MAX, one_round, select_segment, topk_from_logits, window_row
 
 interpreter_compat()
 
-__all__ = ["indexer_logits_paged", "topk_from_logits", "indexer_topk_paged", "exact_indexer_topk_paged", "SEGMENT_MAX"]
+__all__ = ["indexer_logits_paged", "topk_from_logits", "indexer_topk_paged", "exact_indexer_topk_paged",
+           "one_launch_round", "SEGMENT_MAX"]
 
 
 
@@ -76,29 +88,21 @@ def _rotated_query(q_row, dd, hmask, cos_row, sin_row, HALF, DT: tl.constexpr):
     return tl.where((pair < HALF)[None, :], turned, tl.where(is_even, even, odd))
 
 
-@triton.jit(do_not_specialize=["T_BUCKET"])  # an autotune key only: no recompiles per value
-def _indexer_logits_kernel(
-    q_ptr, stride_qt, stride_qh, w_ptr, stride_wt,
-    kc_ptr, ks_ptr, n_key_rows,
-    bt_ptr, stride_bt, req_ptr, pos_ptr, cos_ptr, sin_ptr, stride_c, HALF,
-    o_ptr, stride_ot, HI, max_len, skip_window, T_BUCKET,
-    BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    F32DOT: tl.constexpr, PDL: tl.constexpr, PROMOTE: tl.constexpr = 128, USE_TMA: tl.constexpr = False,
-    EXACT: tl.constexpr = False, ROPE_Q: tl.constexpr = False, DT: tl.constexpr = 0,
-):
-    # before the skip_window exit: a grid whose rows all skip would otherwise complete ahead of its predecessor
-    pdl_prologue(PDL)
+@triton.jit
+def _logits_program(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, kc_ptr, ks_ptr, n_key_rows, bt_ptr, stride_bt,
+                    req_ptr, cos_ptr, sin_ptr, stride_c, HALF, o_row, HI, max_len, t, pb, n_valid, BS: tl.constexpr,
+                    BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, F32DOT: tl.constexpr,
+                    PROMOTE: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr, ROPE_Q: tl.constexpr,
+                    DT: tl.constexpr):
+    """Program ``(t, pb)``'s logits: token t's scores of key positions ``pb * BLOCK_N * TILES`` onwards, TILES tiles
+    of BLOCK_N keys, stored to its row ``o_row`` (-inf past the window of ``n_valid`` keys). Both indexer kernels
+    run it (:func:`_indexer_logits_kernel`, :func:`_indexer_topk_kernel`): the same launch configuration computes
+    the same bits in either."""
     D: tl.constexpr = 128
     KEY_ALIGN: tl.constexpr = 16 if BS % 4 == 0 else 4
-    t = tl.program_id(0)
-    pb = tl.program_id(1)
     t64 = t.to(tl.int64)
     req = tl.load(req_ptr + t).to(tl.int64)
-    n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
-    if n_valid <= skip_window:  # the top-k takes this row's whole window without reading its scores
-        return
     n_first = pb * (BLOCK_N * TILES)
-    o_row = o_ptr + t64 * stride_ot
     # cache hints: the logits (a few MB) are re-read by the top-k right after, the streamed keys (hundreds of MB)
     # never; the attention table was measured with them (their effect on the top-k was within noise:
     # docs/perf/attention_notes.md)
@@ -170,6 +174,70 @@ def _indexer_logits_kernel(
             tl.store(o_row + offs_n, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=offs_n < max_len)
 
 
+@triton.jit(do_not_specialize=["T_BUCKET"])  # an autotune key only: no recompiles per value
+def _indexer_logits_kernel(
+    q_ptr, stride_qt, stride_qh, w_ptr, stride_wt,
+    kc_ptr, ks_ptr, n_key_rows,
+    bt_ptr, stride_bt, req_ptr, pos_ptr, cos_ptr, sin_ptr, stride_c, HALF,
+    o_ptr, stride_ot, HI, max_len, skip_window, T_BUCKET,
+    BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    F32DOT: tl.constexpr, PDL: tl.constexpr, PROMOTE: tl.constexpr = 128, USE_TMA: tl.constexpr = False,
+    EXACT: tl.constexpr = False, ROPE_Q: tl.constexpr = False, DT: tl.constexpr = 0,
+):
+    """A program per (token, TILES * BLOCK_N key positions): :func:`_logits_program`; rows whose window holds at
+    most ``skip_window`` keys are left as they were."""
+    # before the skip_window exit: a grid whose rows all skip would otherwise complete ahead of its predecessor
+    pdl_prologue(PDL)
+    t = tl.program_id(0)
+    n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
+    if n_valid <= skip_window:  # the top-k takes this row's whole window without reading its scores
+        return
+    _logits_program(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, kc_ptr, ks_ptr, n_key_rows, bt_ptr, stride_bt,
+                    req_ptr, cos_ptr, sin_ptr, stride_c, HALF, o_ptr + t.to(tl.int64) * stride_ot, HI, max_len, t,
+                    tl.program_id(1), n_valid, BS, BLOCK_HI, BLOCK_N, TILES, F32DOT, PROMOTE, USE_TMA, EXACT, ROPE_Q,
+                    DT)
+
+
+@triton.jit(do_not_specialize=["T_BUCKET"])
+def _indexer_topk_kernel(
+    q_ptr, stride_qt, stride_qh, w_ptr, stride_wt,
+    kc_ptr, ks_ptr, n_key_rows,
+    bt_ptr, stride_bt, req_ptr, pos_ptr, cos_ptr, sin_ptr, stride_c, HALF,
+    o_ptr, stride_ot, HI, max_len, T_BUCKET, sel_ptr, stride_st, bin_ptr, cnt_ptr, topk,
+    BS: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    F32DOT: tl.constexpr, C: tl.constexpr, BIN_C: tl.constexpr, PDL: tl.constexpr, PROMOTE: tl.constexpr = 128,
+    USE_TMA: tl.constexpr = False, EXACT: tl.constexpr = False, ROPE_Q: tl.constexpr = False, DT: tl.constexpr = 0,
+):
+    """The logits and the top-k of a decode step in one launch (:func:`one_launch_round`): the grid and the programs
+    of :func:`_indexer_logits_kernel`, then each program of row t takes a ticket on the row's counter ``cnt[t]``
+    once its logits are stored, and the program that takes the row's last ticket selects the row's top-k with the
+    segment top-k's single round (``topk.select_segment`` over the whole row, the four C-long chunks and BIN_C of
+    ``topk.one_round``: the code and constants ``_segment_topk_kernel`` runs, so the same indices in the same
+    order), reading the other programs' logits from L2 (.cg), and resets the counter (the next call and a
+    CUDA-graph replay start from zero). A row whose window fits in ``topk`` computes no logits: its first program
+    writes the window's positions (``topk.window_row``)."""
+    pdl_prologue(PDL)  # before the fitting rows' early exit
+    t = tl.program_id(0)
+    pb = tl.program_id(1)
+    t64 = t.to(tl.int64)
+    n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
+    n_sel = tl.minimum(n_valid, max_len)  # the window the top-k sees in a row of max_len scores
+    sel_row = sel_ptr + t64 * stride_st
+    if n_sel <= topk:
+        if pb == 0:
+            window_row(sel_row, n_sel, topk, C)
+        return
+    o_row = o_ptr + t64 * stride_ot
+    _logits_program(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, kc_ptr, ks_ptr, n_key_rows, bt_ptr, stride_bt,
+                    req_ptr, cos_ptr, sin_ptr, stride_c, HALF, o_row, HI, max_len, t, pb, n_valid, BS, BLOCK_HI,
+                    BLOCK_N, TILES, F32DOT, PROMOTE, USE_TMA, EXACT, ROPE_Q, DT)
+    tl.debug_barrier()  # the tile's logits stored before its arrival is published
+    if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+        select_segment(o_row, o_row, o_row, sel_row, sel_row, bin_ptr + t64 * (8 * BIN_C), 0, max_len, n_sel, topk,
+                       C, False, False, BIN_C, ".cg")
+        tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
+
+
 _GATHER_DEFAULT = triton.Config({"BLOCK_N": 128, "TILES": 4}, num_warps=4, num_stages=1)
 _TMA_DEFAULT = triton.Config({"BLOCK_N": 64, "TILES": 16, "USE_TMA": True}, num_warps=4, num_stages=3)
 _LOGITS_CONFIGS = [
@@ -195,15 +263,20 @@ def _fitting_configs(configs, named_args, **kwargs):
 
 
 # T_BUCKET (the token count rounded up to a power of two) is only a key: the best program length depends on how
-# many programs the tokens make, so a launch tuned at 64 tokens is not reused for one
+# many programs the tokens make, so a launch tuned at 64 tokens is not reused for one. The one-launch kernel is tuned
+# on its own (its programs carry the top-k's registers, and its last programs select)
 _indexer_logits_tuned = triton.autotune(configs=_LOGITS_CONFIGS, key=["HI", "max_len", "BS", "T_BUCKET"],
                                         prune_configs_by={"early_config_prune": _fitting_configs})(
     _indexer_logits_kernel)
+_indexer_topk_tuned = triton.autotune(configs=_LOGITS_CONFIGS, key=["HI", "max_len", "BS", "T_BUCKET"],
+                                      prune_configs_by={"early_config_prune": _fitting_configs})(
+    _indexer_topk_kernel)
 
 
-def tuned_config():
-    """The logits configuration the autotuner picked last (None before the first GPU call)."""
-    bc = getattr(_indexer_logits_tuned, "best_config", None)
+def tuned_config(one_launch: bool = False):
+    """The configuration the autotuner picked last for the logits kernel (``one_launch``: for the kernel that also
+    selects, :func:`one_launch_round`); None before the first GPU call."""
+    bc = getattr(_indexer_topk_tuned if one_launch else _indexer_logits_tuned, "best_config", None)
     return None if bc is None else _config_dict(bc)
 
 
@@ -221,45 +294,54 @@ def indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, m
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, 1)
         if rope is not None:
             validate_rope(q, *rope)
-    T, HI, _ = q.shape
-    bs = k_cache.shape[1]
+    T = q.shape[0]
     if max_len is None:
-        max_len = block_table.shape[1] * bs
+        max_len = block_table.shape[1] * k_cache.shape[1]
     if out is None:
         out = torch.empty(T, max_len, dtype=torch.float32, device=q.device)
-    if T == 0 or max_len == 0:
-        return out
+    if T and max_len:
+        _launch(q, weights, k_cache, block_table, req_idx, positions, max_len, out, cfg, rope, (skip_window,))
+    return out
+
+
+def _launch(q, weights, k_cache, block_table, req_idx, positions, max_len, out, cfg, rope, tail, select=None):
+    """Launch the logits kernel over the logits rows ``out`` (``tail`` = its arguments after the token bucket:
+    ``(skip_window,)``) or, given ``select`` = (C, BIN_C), the one-launch kernel (``tail``: the selection's output,
+    its row stride, the bin scratch, the row counters, topk)."""
+    T, HI, _ = q.shape
+    bs = k_cache.shape[1]
     if q.stride(-1) != 1:
         q = q.contiguous()
     interp = settings.triton_interpret() or q.device.type != "cuda"
     exact = k_cache.dtype != torch.uint8
     # the exact mode multiplies on tensor cores where queries and keys share a 16-bit dtype, else in IEEE float32
     f32dot = interp or (exact and not (q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float16)))
-    BLOCK_HI = max(16, triton.next_power_of_2(HI))
     cos, sin, stride_c, half = rope_launch_args(rope, q)
+    bucket = triton.next_power_of_2(T)
     args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache,
             k_cache if exact else k_cache.view(torch.float32),
             k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, cos, sin, stride_c, half,
-            out, out.stride(0), HI, max_len, skip_window, triton.next_power_of_2(T))
-    rotate = dict(ROPE_Q=rope is not None, DT=DTYPE_CODES[q.dtype])
+            out, out.stride(0), HI, max_len, *((bucket, *tail) if select else (*tail, bucket)))
+    const = dict(BS=bs, BLOCK_HI=max(16, triton.next_power_of_2(HI)), F32DOT=f32dot, EXACT=exact,
+                 ROPE_Q=rope is not None, DT=DTYPE_CODES[q.dtype], **(dict(C=select[0], BIN_C=select[1]) if select
+                                                                     else {}))
     if not interp and not cfg and not settings.no_autotune():
         grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
         ensure_tma_allocator()
-        _indexer_logits_tuned[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, F32DOT=f32dot, EXACT=exact, **rotate,
-                                    **pdl(q.device))
-    else:
-        c = _launch_config(bs, cfg, interp, exact)
-        use_tma = bool(c.get("USE_TMA", False))
-        if use_tma and (exact or not tma_tiles_fit(bs, c["BLOCK_N"])):
-            raise InputError(f"indexer logits: USE_TMA needs the FP8 cache and a block size that is a multiple of 32 "
-                             f"and of BLOCK_N (cache {k_cache.dtype}, block size {bs}, BLOCK_N {c['BLOCK_N']})")
-        if use_tma:
-            ensure_tma_allocator()
-        grid = (T, triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]))
-        _indexer_logits_kernel[grid](*args, BS=bs, BLOCK_HI=BLOCK_HI, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"],
-                                     F32DOT=f32dot, PROMOTE=c.get("PROMOTE", 128), USE_TMA=use_tma, EXACT=exact,
-                                     **rotate, num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl(q.device))
-    return out
+        tuner = _indexer_topk_tuned if select else _indexer_logits_tuned
+        tuner[grid](*args, **const, **pdl(q.device))
+        return
+    c = _launch_config(bs, cfg, interp, exact)
+    use_tma = bool(c.get("USE_TMA", False))
+    if use_tma and (exact or not tma_tiles_fit(bs, c["BLOCK_N"])):
+        raise InputError(f"indexer logits: USE_TMA needs the FP8 cache and a block size that is a multiple of 32 "
+                         f"and of BLOCK_N (cache {k_cache.dtype}, block size {bs}, BLOCK_N {c['BLOCK_N']})")
+    if use_tma:
+        ensure_tma_allocator()
+    grid = (T, triton.cdiv(max_len, c["BLOCK_N"] * c["TILES"]))
+    kernel = _indexer_topk_kernel if select else _indexer_logits_kernel
+    kernel[grid](*args, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"], PROMOTE=c.get("PROMOTE", 128), USE_TMA=use_tma,
+                 **const, num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl(q.device))
 
 
 def _config_dict(c: triton.Config) -> dict:
@@ -292,10 +374,41 @@ def tma_tiles_fit(block_size: int, block_n: int) -> bool:
 LOGITS_BYTES_PER_ELEMENT = 4
 
 
+# The one-launch kernel serves decode steps: up to ONE_LAUNCH_ROWS tokens whose logits rows (the block table's
+# width in keys) are at most ONE_LAUNCH_KEYS long and take one round of the segment top-k (topk.one_round).
+# Keys: the round holds its row in registers, a key and its index per entry: at 8192 keys, 64 of each a thread in the
+# 4-warp programs of most logits configurations, 230 to 250 registers a thread and no spill (ptxas for sm_90, Triton
+# 3.6: tests/kernels/test_indexer_topk_compile.py); at 16384 keys the 4-warp programs spill 360 to 456 bytes a
+# thread, and 8 warps would hold 243 to 247 registers a thread: one program an SM, where the logits kernel alone
+# (144 to 148) fits three. Rows: every program of the launch carries the round's registers, so two or three logits
+# programs fit an SM instead of three: a decode step's grid (16 tokens x 8192 keys: 64 to 512 programs, by the
+# configuration) still runs in one or two waves, a prefill's thousands of programs would run in more; 16 is the
+# decode batch of the step's other one-launch kernels (f32_linear.MAX_GEMV_ROWS). Longer rows or more tokens: the
+# logits kernel, then the top-k's own launches. None of this is timed yet (a GPU run would say whether 16384-key
+# rows at 8 warps, or more tokens, gain).
+ONE_LAUNCH_ROWS = 16
+ONE_LAUNCH_KEYS = 8192
+
+
+def one_launch_round(tokens: int, max_len: int, topk: int, interp: bool) -> tuple[int, int] | None:
+    """``(C, BIN_C)`` of the top-k round that :func:`indexer_topk_paged` runs inside its logits launch for a step of
+    ``tokens`` rows of ``max_len`` scores (``topk.one_round``: what ``topk_from_logits`` would launch on them), or
+    None where the step takes the two launches."""
+    if tokens > ONE_LAUNCH_ROWS or max_len > ONE_LAUNCH_KEYS:
+        return None
+    return one_round(max_len, topk, interp)
+
+
 def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk: int, *, validate: bool = True,
-                       logits_buf: torch.Tensor | None = None, out: torch.Tensor | None = None, rope=None):
+                       logits_buf: torch.Tensor | None = None, out: torch.Tensor | None = None, rope=None,
+                       cfg: dict | None = None):
     """DSA lightning indexer -> int32 [T, topk] positions (any order), -1 padded; ``rope`` = (cos, sin) [T, R/2]
-    rotates the queries inside the logits kernel (:func:`indexer_logits_paged`)."""
+    rotates the queries inside the logits kernel (:func:`indexer_logits_paged`); ``cfg``: the logits launch's
+    configuration (else autotuned on the GPU).
+
+    A decode step (:func:`one_launch_round`) runs one launch, ``_indexer_topk_kernel``: the logits kernel's
+    programs, the last program of each row selecting its top-k; the indices, and their order, are those of the
+    logits kernel under the same configuration followed by ``topk_from_logits``. Other steps launch those two."""
     if validate:
         ref.validate_indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, topk)
         if rope is not None:
@@ -308,11 +421,20 @@ def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, top
             e = min(T, s + rows)
             tables = None if rope is None else (rope[0][s:e], rope[1][s:e])
             indexer_topk_paged(q[s:e], weights[s:e], k_cache, block_table, req_idx[s:e], positions[s:e], topk,
-                               validate=False, out=out[s:e], rope=tables)
+                               validate=False, out=out[s:e], rope=tables, cfg=cfg)
         return out
-    logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
-                                  validate=False, skip_window=topk, rope=rope)
-    return topk_from_logits(logits, positions, topk, out=out, validate=False)
+    select = one_launch_round(T, max_len, topk, settings.triton_interpret() or q.device.type != "cuda")
+    if select is None or T == 0 or max_len == 0:
+        logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
+                                      validate=False, skip_window=topk, rope=rope, cfg=cfg)
+        return topk_from_logits(logits, positions, topk, out=out, validate=False)
+    logits = logits_buf if logits_buf is not None else torch.empty(T, max_len, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
+    bins = torch.empty(T, 8 * select[1], dtype=torch.int32, device=q.device)
+    tail = (out, out.stride(0), bins, tile_counters(q.device, T), topk)
+    _launch(q, weights, k_cache, block_table, req_idx, positions, max_len, logits, cfg, rope, tail, select)
+    return out
 
 
 def exact_indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk: int, *,

@@ -40,7 +40,7 @@ from fxglm5.lowering.triton.device import interpreter_compat, num_sms, pdl, pdl_
 
 interpreter_compat()
 
-__all__ = ["topk_from_logits", "multi_segment_length", "SEGMENT_MAX"]
+__all__ = ["topk_from_logits", "multi_segment_length", "one_round", "SEGMENT_MAX"]
 
 
 
@@ -53,12 +53,13 @@ def _float_key(x):
 
 
 @triton.jit
-def _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER: tl.constexpr, C: tl.constexpr):
-    """Keys and row indices of entries ``j0 .. j0+C-1`` of a row's list: the logits row itself, or (GATHER) the
-    previous round's candidates, whose indices (-1 = none) and keys it wrote side by side (read back
-    contiguously rather than gathered from the logits row). Order-preserving uint32 keys; entries past the
-    window, past the list or without a candidate get key 0, below every float's key (-inf maps to
-    0x007FFFFF), so they are never counted or selected."""
+def _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER: tl.constexpr, C: tl.constexpr,
+                  CACHE: tl.constexpr):
+    """Keys and row indices of entries ``j0 .. j0+C-1`` of a row's list: the logits row itself (loaded with the
+    cache modifier ``CACHE``), or (GATHER) the previous round's candidates, whose indices (-1 = none) and keys it
+    wrote side by side (read back contiguously rather than gathered from the logits row). Order-preserving uint32
+    keys; entries past the window, past the list or without a candidate get key 0, below every float's key (-inf
+    maps to 0x007FFFFF), so they are never counted or selected."""
     j = j0 + tl.arange(0, C)
     if GATHER:
         ids = tl.load(ids_row + j, mask=j < n_list, other=-1)
@@ -66,16 +67,17 @@ def _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER: tl.cons
         return tl.where(ids >= 0, key, 0), ids
     else:
         m = j < n_valid
-        return tl.where(m, _float_key(tl.load(x_row + j, mask=m, other=0.0)), 0), j
+        return tl.where(m, _float_key(tl.load(x_row + j, mask=m, other=0.0, cache_modifier=CACHE)), 0), j
 
 
 @triton.jit
-def _segment_chunks(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER: tl.constexpr, C: tl.constexpr):
+def _segment_chunks(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER: tl.constexpr, C: tl.constexpr,
+                    CACHE: tl.constexpr):
     """A segment's entries ``j0 .. j0+4C-1`` as four register chunks: (keys, indices) x 4."""
-    k0, i0 = _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER, C)
-    k1, i1 = _segment_keys(x_row, ids_row, keys_row, j0 + C, n_list, n_valid, GATHER, C)
-    k2, i2 = _segment_keys(x_row, ids_row, keys_row, j0 + 2 * C, n_list, n_valid, GATHER, C)
-    k3, i3 = _segment_keys(x_row, ids_row, keys_row, j0 + 3 * C, n_list, n_valid, GATHER, C)
+    k0, i0 = _segment_keys(x_row, ids_row, keys_row, j0, n_list, n_valid, GATHER, C, CACHE)
+    k1, i1 = _segment_keys(x_row, ids_row, keys_row, j0 + C, n_list, n_valid, GATHER, C, CACHE)
+    k2, i2 = _segment_keys(x_row, ids_row, keys_row, j0 + 2 * C, n_list, n_valid, GATHER, C, CACHE)
+    k3, i3 = _segment_keys(x_row, ids_row, keys_row, j0 + 3 * C, n_list, n_valid, GATHER, C, CACHE)
     return k0, i0, k1, i1, k2, i2, k3, i3
 
 
@@ -208,10 +210,61 @@ def _window_slots(orow, j, n_valid, topk):
 
 
 @triton.jit
+def window_row(orow, n_valid, topk, C: tl.constexpr):
+    """All ``topk`` output slots of a row whose whole causal window (``n_valid`` keys) is its selection, C at a
+    time: ``0 .. n_valid-1``, then -1. No score is read."""
+    for c0 in range(0, topk, C):
+        _window_slots(orow, c0 + tl.arange(0, C), n_valid, topk)
+
+
+@triton.jit
+def select_segment(x_row, ids_row, keys_row, o_row, ko_row, brow, sg, n_list, n_valid, topk, C: tl.constexpr,
+                   GATHER: tl.constexpr, KEEP: tl.constexpr, BIN_C: tl.constexpr, CACHE: tl.constexpr):
+    """One CTA's selection over segment ``sg`` (4*C list entries) of one row whose window exceeds ``topk``: the
+    whole of :func:`_segment_topk_kernel`'s work on a row (that kernel's docstring states it), shared with the
+    indexer's one-launch kernel (``indexer._indexer_topk_kernel``), which runs it in the program that finished
+    a row's logits. Rows: ``x_row`` (the scores, loaded with the cache modifier ``CACHE``), ``ids_row`` /
+    ``keys_row`` (GATHER: the previous round's candidates), ``o_row`` / ``ko_row`` (the output indices / kept keys),
+    ``brow`` (this CTA's 8*BIN_C-entry bin scratch, the last round's)."""
+    k0, i0, k1, i1, k2, i2, k3, i3 = _segment_chunks(x_row, ids_row, keys_row, sg * (4 * C), n_list, n_valid, GATHER,
+                                                     C, CACHE)
+    k_eff = tl.minimum(topk, tl.sum(_count_ge(k0, k1, k2, k3, tl.full([], 1, tl.uint32)), 0))
+    zero = tl.zeros([], tl.int32)
+    thr, n_lo, n_hi, step = _narrow(k0, k1, k2, k3, k_eff, tl.zeros([], tl.uint32), zero + 4 * C, zero, zero,
+                                    4 * BIN_C)
+    # the bin [thr, top] holds at most 4*BIN_C keys, or one key value when all 32 bits are fixed (exact), or its
+    # keys are all selected (n_lo == k_eff: decided, however many); the n_hi keys above it are all selected
+    exact = (step == 16).to(tl.int32)
+    decided = exact | (n_lo == k_eff).to(tl.int32)
+    quota = k_eff - n_hi
+    if KEEP:
+        width = topk + 4 * BIN_C
+        orow = o_row + sg * width
+        okrow = ko_row + sg * width
+        ties = tl.where(exact == 1, quota, 4 * C)
+        gb, eb = _place(k0, i0, thr, 0, 0, ties, orow, okrow, True)
+        gb, eb = _place(k1, i1, thr, gb, eb, ties, orow, okrow, True)
+        gb, eb = _place(k2, i2, thr, gb, eb, ties, orow, okrow, True)
+        gb, eb = _place(k3, i3, thr, gb, eb, ties, orow, okrow, True)
+        _pad(orow, okrow, gb + tl.minimum(eb, ties), width, True, C)
+    else:
+        low_bits = tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * tl.minimum(step, 15)).to(tl.uint32)
+        top = tl.where(exact == 1, thr, thr | low_bits)
+        ab, bb = _split_bin(k0, i0, thr, top, decided, n_hi, quota, 0, 0, o_row, brow, 4 * BIN_C)
+        ab, bb = _split_bin(k1, i1, thr, top, decided, n_hi, quota, ab, bb, o_row, brow, 4 * BIN_C)
+        ab, bb = _split_bin(k2, i2, thr, top, decided, n_hi, quota, ab, bb, o_row, brow, 4 * BIN_C)
+        ab, bb = _split_bin(k3, i3, thr, top, decided, n_hi, quota, ab, bb, o_row, brow, 4 * BIN_C)
+        if decided == 0:
+            _select_in_bin(brow, bb, thr, step, k_eff, n_hi, o_row, BIN_C)
+        _pad(o_row, o_row, k_eff, topk, False, C)
+
+
+@triton.jit
 def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr, o_ptr, ko_ptr, stride_ot, bin_ptr,
                          L, n_list, topk, C: tl.constexpr, GATHER: tl.constexpr, KEEP: tl.constexpr,
                          BIN_C: tl.constexpr, PDL: tl.constexpr):
-    """One CTA per (row, segment of 4*C list entries), the segment in registers as four C-long chunks.
+    """One CTA per (row, segment of 4*C list entries), the segment in registers as four C-long chunks
+    (:func:`select_segment`).
 
     The search narrows the bin holding the segment's k-th key over all 4*C keys only until the bin holds at most
     4*BIN_C of them (a few steps at GLM-5's shapes). Then:
@@ -231,7 +284,7 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
       split pass writes its first ``topk - above`` keys straight to the output.
 
     A row whose window fits in ``topk`` reads nothing: its rounds that keep candidates write none, and the last
-    round writes the window's positions in order."""
+    round writes the window's positions in order (:func:`window_row`)."""
     pdl_prologue(PDL)  # before the fitting rows' early exit (a grid of them only would end ahead of its predecessor)
     t = tl.program_id(0)
     sg = tl.program_id(1)
@@ -239,45 +292,11 @@ def _segment_topk_kernel(x_ptr, stride_xt, ids_ptr, kin_ptr, stride_it, pos_ptr,
     n_valid = tl.minimum(tl.load(pos_ptr + t).to(tl.int32) + 1, L)
     if n_valid <= topk:
         if not KEEP:
-            for c0 in range(0, topk, C):
-                _window_slots(o_ptr + t64 * stride_ot, c0 + tl.arange(0, C), n_valid, topk)
+            window_row(o_ptr + t64 * stride_ot, n_valid, topk, C)
         return
-    x_row = x_ptr + t64 * stride_xt
-    ids_row = ids_ptr + t64 * stride_it
-    keys_row = kin_ptr + t64 * stride_it
-    k0, i0, k1, i1, k2, i2, k3, i3 = _segment_chunks(x_row, ids_row, keys_row, sg * (4 * C), n_list, n_valid, GATHER,
-                                                     C)
-    k_eff = tl.minimum(topk, tl.sum(_count_ge(k0, k1, k2, k3, tl.full([], 1, tl.uint32)), 0))
-    zero = tl.zeros([], tl.int32)
-    thr, n_lo, n_hi, step = _narrow(k0, k1, k2, k3, k_eff, tl.zeros([], tl.uint32), zero + 4 * C, zero, zero,
-                                    4 * BIN_C)
-    # the bin [thr, top] holds at most 4*BIN_C keys, or one key value when all 32 bits are fixed (exact), or its
-    # keys are all selected (n_lo == k_eff: decided, however many); the n_hi keys above it are all selected
-    exact = (step == 16).to(tl.int32)
-    decided = exact | (n_lo == k_eff).to(tl.int32)
-    quota = k_eff - n_hi
-    if KEEP:
-        width = topk + 4 * BIN_C
-        orow = o_ptr + t64 * stride_ot + sg * width
-        okrow = ko_ptr + t64 * stride_ot + sg * width
-        ties = tl.where(exact == 1, quota, 4 * C)
-        gb, eb = _place(k0, i0, thr, 0, 0, ties, orow, okrow, True)
-        gb, eb = _place(k1, i1, thr, gb, eb, ties, orow, okrow, True)
-        gb, eb = _place(k2, i2, thr, gb, eb, ties, orow, okrow, True)
-        gb, eb = _place(k3, i3, thr, gb, eb, ties, orow, okrow, True)
-        _pad(orow, okrow, gb + tl.minimum(eb, ties), width, True, C)
-    else:
-        orow = o_ptr + t64 * stride_ot
-        low_bits = tl.full([], 0xFFFFFFFF, tl.uint32) >> (2 * tl.minimum(step, 15)).to(tl.uint32)
-        top = tl.where(exact == 1, thr, thr | low_bits)
-        brow = bin_ptr + t64 * (8 * BIN_C)
-        ab, bb = _split_bin(k0, i0, thr, top, decided, n_hi, quota, 0, 0, orow, brow, 4 * BIN_C)
-        ab, bb = _split_bin(k1, i1, thr, top, decided, n_hi, quota, ab, bb, orow, brow, 4 * BIN_C)
-        ab, bb = _split_bin(k2, i2, thr, top, decided, n_hi, quota, ab, bb, orow, brow, 4 * BIN_C)
-        ab, bb = _split_bin(k3, i3, thr, top, decided, n_hi, quota, ab, bb, orow, brow, 4 * BIN_C)
-        if decided == 0:
-            _select_in_bin(brow, bb, thr, step, k_eff, n_hi, orow, BIN_C)
-        _pad(orow, orow, k_eff, topk, False, C)
+    select_segment(x_ptr + t64 * stride_xt, ids_ptr + t64 * stride_it, kin_ptr + t64 * stride_it,
+                   o_ptr + t64 * stride_ot, ko_ptr + t64 * stride_ot, bin_ptr + t64 * (8 * BIN_C), sg, n_list,
+                   n_valid, topk, C, GATHER, KEEP, BIN_C, "")
 
 
 @triton.jit
@@ -385,6 +404,17 @@ def _segment_length(topk: int, chunk: int | None, interp: bool) -> int:
         raise InputError(f"topk_from_logits: topk={topk} needs segments of {seg} > SEGMENT_MAX={SEGMENT_MAX}"
                          " entries; use method='multi'")
     return seg
+
+
+def one_round(length: int, topk: int, interp: bool) -> tuple[int, int] | None:
+    """``(C, BIN_C)`` of the selection :func:`topk_from_logits` launches by default over rows of ``length`` scores
+    where it is one round of the segments method (one CTA a row, the whole row in its registers as four C-long
+    chunks; BIN_C as that round sets it, whatever the warps), else None (longer rows: more rounds, or the multi
+    radix). The indexer's one-launch kernel runs this round (``indexer._indexer_topk_kernel``)."""
+    if length > SEGMENT_MAX or length > _segment_length(topk, None, interp):
+        return None
+    C, _, bin_c = _round_shape(_segment_len(length), None, interp)
+    return C, bin_c
 
 
 def _tournament(x, pos, topk, out, seg, num_warps, interp):
