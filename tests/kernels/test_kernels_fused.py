@@ -304,8 +304,9 @@ def _moe_with_shared(tokens, dtype, g, experts=8, hidden=256, inter=128, shared_
 @pytest.mark.parametrize("split_k", [False, True])
 def test_moe_fp8_shared_runs_the_shared_gemms_in_the_moe_launches(monkeypatch, tokens, act_quant, split_k):
     """Up to BLOCK_M tokens (the routed GEMMs' scan) the shared expert's gate|up and down GEMMs run as extra CTAs of
-    the routed gate|up and down launches: the combine and those two launches, no _gemm_kernel, and the bits of the
-    shared expert's own two launches followed by moe_fp8_add's; with split_k both shared GEMMs (and the routed
+    the routed gate|up and down launches, and the down launch combines: those two launches, no _gemm_kernel, no
+    _combine_kernel, and the bits of the shared expert's own two launches followed by moe_fp8_add's (and of the
+    combine kernel's, after the align kernel's layout); with split_k both shared GEMMs (and the routed
     ones) are split over K, reduced by their last CTAs, whose counters are back at 0; without, none is. Close to
     the float32 reference chain."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -332,7 +333,7 @@ def test_moe_fp8_shared_runs_the_shared_gemms_in_the_moe_launches(monkeypatch, t
 
     monkeypatch.setattr(InterpretedFunction, "run", record)
     fused = moe.moe_fp8(*routed, act_quant, shared=shared)
-    assert launched == ["_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+    assert launched == ["_moe_gemm_kernel", "_moe_gemm_kernel"]
     assert not fp8_parts.tile_counters(x.device, 1).any()
     gate_up = arguments[0]  # its routed tiles' counters (blocks x column tiles, where split) below the shared ones'
     if split_k:
@@ -340,10 +341,53 @@ def test_moe_fp8_shared_runs_the_shared_gemms_in_the_moe_launches(monkeypatch, t
         assert gate_up["s_cnt_ptr"].data_ptr() - gate_up["cnt_ptr"].data_ptr() >= 4 * routed_counters
     launched.clear()
     separate = moe.moe_fp8(*routed, act_quant, addend=moe.shared_expert(x, shared))
-    assert launched == ["_gemm_kernel", "_gemm_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+    assert launched == ["_gemm_kernel", "_gemm_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel"]
     assert torch.equal(fused, separate)
+    launched.clear()  # and today's combine launch after the align kernel's layout: the same bits
+    aligned = moe.moe_fp8(*routed, act_quant, addend=moe.shared_expert(x, shared), config=dict(scan=False))
+    assert launched[-4:] == ["_align_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+    assert torch.equal(fused, aligned)
+    assert not fp8_parts.tile_counters(x.device, 1).any()
     tol = 3e-2 if act_quant else 2e-2  # W8A8: the kernels quantize bf16 rows, the reference float32 ones
     assert _rel(fused, ref.moe_fp8_shared(*routed, act_quant, w13, s13, w2, s2, up_start)) < tol
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("extra", ["none", "addend", "shared"])
+@pytest.mark.parametrize("split2", [1, 3])
+def test_the_down_launch_combines_what_the_combine_kernel_did(monkeypatch, tokens, extra, split2):
+    """Up to BLOCK_M tokens the down launch combines: each (block, column tile)'s last K split and each finished
+    shared tile take a ticket per token, the ticket that completes a token's count (its local slots, + the shared
+    tile) combines its tile; tokens with no local expert are written too (zeros, the addend, the shared row:
+    token 0 here). No combine launch, the bits of the combine kernel after the align kernel's layout (the same
+    per-element sums), and every counter back at zero for the next call."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fxglm5.lowering.triton import fp8_parts
+
+    monkeypatch.setitem(moe.MOE_DECODE, "SPLIT2", split2)
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(9))
+    x, ids = routed[0], routed[1].clone()
+    ids[0] = -1  # a token none of whose experts this rank holds
+    if tokens > 1:
+        ids[1] = torch.tensor([3, 5], dtype=torch.int32)  # a token with two local experts
+    routed = (x, ids, *routed[2:])
+    shared = moe.SharedExpert(w13, s13, w2, s2, False, up_start)
+    addend = torch.randn(x.shape, generator=torch.Generator().manual_seed(10)).to(x.dtype)
+    kwargs = {"none": {}, "addend": {"addend": addend}, "shared": {"shared": shared}}[extra]
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    fused = moe.moe_fp8(*routed, False, **kwargs)
+    assert launched == ["_moe_gemm_kernel", "_moe_gemm_kernel"]
+    assert not fp8_parts.tile_counters(x.device, 1).any()
+    if extra == "shared":
+        kwargs = {"addend": moe.shared_expert(x, shared)}
+    launched.clear()
+    aligned = moe.moe_fp8(*routed, False, config=dict(scan=False), **kwargs)
+    assert launched[-4:] == ["_align_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+    assert torch.equal(fused, aligned)
+    assert torch.equal(fused[0], kwargs["addend"][0] if kwargs else torch.zeros_like(fused[0]))
 
 
 @pytest.mark.parametrize("tokens, dtype", [(5, torch.float32), (20, torch.bfloat16)], ids=["float32", "prefill"])

@@ -9,9 +9,10 @@ rows, never by the data, so there is no host sync and the whole MoE can be captu
 blocks past the real end return at once. Padding rows carry the sentinel T*k. Up to BLOCK_M tokens (decode) no
 align kernel runs (:func:`scans`): a token picks an expert at most once, so each expert fits one block, and each
 GEMM CTA finds its block's expert (the b-th picked one in id order) and entries (in entry order) from the ids
-itself, the align kernel's layout exactly, over min(E, T*k) blocks; a MoE call is then three launches (gate|up,
-down, combine), not four, and with a shared expert (``fxglm5::moe_fp8_shared``) its two GEMMs run as extra CTAs of
-the first two (fp8_gemm's tile function and launch plan: the bits of their own launches), not two launches more.
+itself, the align kernel's layout exactly, over min(E, T*k) blocks, and the down launch combines (each token's
+output tile written by the CTA whose ticket completes it, :func:`_combine_tickets`): a MoE call is then two launches
+(gate|up, down), not four, and with a shared expert (``fxglm5::moe_fp8_shared``) its two GEMMs run as extra CTAs of
+those two (fp8_gemm's tile function and launch plan: the bits of their own launches), not two launches more.
 
 Kernels. One grouped GEMM kernel serves both projections: ``GATED`` loads the gate and the up tile of
 the same output columns side by side and writes ``silu(g) * u`` (fp32, in sorted row order; w13's scales
@@ -20,8 +21,9 @@ per K step whatever I is); the down projection reads those rows back and writes 
 output to its own (token, slot) row, optionally split over K (``SPLIT2``: more CTAs when only a few
 experts are touched). The gated GEMM can be split over K too (``SPLIT1``, decode): its splits write fp32
 gate|up partials and the last split to finish each tile sums them in a fixed order and applies the gate (the
-split-K fixup of :mod:`fxglm5.lowering.triton.fp8_gemm`, counters from ``tile_counters``); a combine kernel sums
-the splits and the k slots with the routing weights in a fixed order (deterministic, no atomics; ids of -1, expert-parallel padding, are skipped). The A/B scaling scheme is the one of
+split-K fixup of :mod:`fxglm5.lowering.triton.fp8_gemm`, counters from ``tile_counters``); the combine sums the
+splits and the k slots with the routing weights in a fixed order (deterministic; ids of -1, expert-parallel
+padding, are skipped), in its own kernel or, up to BLOCK_M tokens, in the down launch. The A/B scaling scheme is the one of
 :mod:`fxglm5.lowering.triton.fp8_gemm` (BLOCK_K = 128, one scale pair per K step), and so is the choice
 to load padding rows (a real row, never stored) instead of masking them; only a K tail (H or I not a
 multiple of 128) is masked, and only where it exists (``NO_K_MASK``). Decode (few tokens) is bound
@@ -296,18 +298,19 @@ def align_by_expert(topk_ids: torch.Tensor, e: int, block_m: int, use_triton: bo
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
-    n_entries, E, N, K, KG, TOP_K, UP_SB,
+    tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm,
     num_blocks, s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr,
     S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT: tl.constexpr,
     s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn, s_stride_cm, s_stride_cs, s_stride_um,
-    GATED: tl.constexpr, SPLIT_K: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr,
     INTERPRET: tl.constexpr, K_PER_SPLIT: tl.constexpr, NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, BLOCK_IDS: tl.constexpr,
     BLOCK_E: tl.constexpr, SHARED: tl.constexpr, S_A_MODE: tl.constexpr, S_GATED_A: tl.constexpr,
     S_DT: tl.constexpr, S_DOT_F32: tl.constexpr, S_INTERPRET: tl.constexpr, S_HAS_BIAS: tl.constexpr,
     S_SPLIT_K: tl.constexpr, S_FIXUP: tl.constexpr, S_NO_K_MASK: tl.constexpr, S_SCALAR_SB: tl.constexpr,
-    S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr, S_GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr, S_GROUP_M: tl.constexpr, COMBINE: tl.constexpr,
+    ADD: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
 ):
     """GATED: c[row] = silu(A W_g^T) * (A W_u^T) with A rows gathered from x (token = entry // TOP_K),
     c in sorted row order. GATED over SPLIT_K > 1 splits: c[split, row] = this split's partial [A W_g^T | A W_u^T],
@@ -321,7 +324,12 @@ def _moe_gemm_kernel(
     some entry picks, and its entries in entry order, padded with the sentinel ``n_entries``: the same layout.
     SHARED: the CTAs past the ``num_blocks`` row blocks run the shared expert's GEMM (the ``s_`` / ``S_`` arguments:
     ``fp8_gemm._gemm_kernel``'s, its tiles and K splits numbered across those CTAs, the surplus returning at once)
-    with that kernel's own tile function, so its output has the bits of its own launch (:func:`moe_fp8`)."""
+    with that kernel's own tile function, so its output has the bits of its own launch (:func:`moe_fp8`).
+    COMBINE (not GATED, at most BLOCK_M tokens): the combine runs in this launch (:func:`_combine_tickets`): each
+    (block, column tile)'s last K split (an acq_rel ticket on ``cnt``, as the gated fold's) and each finished shared
+    tile take a ticket per token on ``tcnt``, and the CTA that completes a token's count writes ``out`` from the
+    partials c, the routing weights ``tw`` and, with ADD, ``add`` (the shared expert's output, or a given addend);
+    CTA (0, j, 0) writes column tile j of the tokens with nothing to wait for (no local expert, no shared one)."""
     pdl_prologue(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -331,12 +339,26 @@ def _moe_gemm_kernel(
             cta = ((pid_b - num_blocks) * tl.num_programs(1) + pid_n) * tl.num_programs(2) + pid_k
             tiles = tl.cdiv(S_M, S_BLOCK_M) * tl.cdiv(S_N, S_BLOCK_N)
             if cta < tiles * S_SPLIT_K:
-                gemm_tile(s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr,
-                          cta % tiles, cta // tiles, S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT, s_stride_am, s_stride_asm,
-                          s_stride_bn, s_stride_bsn, s_stride_cm, s_stride_cs, s_stride_um, S_A_MODE, S_GATED_A, S_DT,
-                          S_DOT_F32, S_INTERPRET, S_HAS_BIAS, S_SPLIT_K, S_FIXUP, S_NO_K_MASK, S_SCALAR_SB, S_BLOCK_M,
-                          S_BLOCK_N, S_GROUP_M)
+                finished = gemm_tile(s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr,
+                                     s_up_ptr, cta % tiles, cta // tiles, S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT,
+                                     s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn, s_stride_cm, s_stride_cs,
+                                     s_stride_um, S_A_MODE, S_GATED_A, S_DT, S_DOT_F32, S_INTERPRET, S_HAS_BIAS,
+                                     S_SPLIT_K, S_FIXUP, S_NO_K_MASK, S_SCALAR_SB, S_BLOCK_M, S_BLOCK_N, S_GROUP_M)
+                if COMBINE:  # one M tile, the routed tiles' columns (moe_fp8 checks): tile = column tile
+                    if finished:
+                        tokens = tl.arange(0, BLOCK_M)
+                        cols = (cta % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+                        _combine_tickets(tcnt_ptr, tokens, tokens < S_M, cta % tiles, c_ptr, ids_ptr, tw_ptr, add_ptr,
+                                         out_ptr, cols, cols < N, N, stride_cs, TOP_K, SPLIT_K, ADD, DT, True)
             return
+    if COMBINE and not SHARED:
+        if (pid_b == 0) & (pid_k == 0):
+            tokens = tl.arange(0, BLOCK_M)
+            real = tokens < n_entries // TOP_K
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _combine_rows(c_ptr, ids_ptr, tw_ptr, add_ptr, out_ptr, tokens,
+                          real & (_local_slots(ids_ptr, tokens, real, TOP_K) == 0), cols, cols < N, N, stride_cs,
+                          TOP_K, SPLIT_K, ADD, DT)
     rows = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
     if SCAN:
         offs_i = tl.arange(0, BLOCK_IDS)
@@ -435,30 +457,86 @@ def _moe_gemm_kernel(
         c_rows = entry
     c_ptrs = c_ptr + pid_k * stride_cs + c_rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    if COMBINE:
+        last = True
+        if SPLIT_K > 1:  # the tile's last split takes its tokens' tickets once every split's partial is stored
+            tl.debug_barrier()
+            cnt = cnt_ptr + pid_b * tl.num_programs(1) + pid_n
+            last = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+            if last:
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+        if last:
+            _combine_tickets(tcnt_ptr, entry // TOP_K, valid, pid_n, c_ptr, ids_ptr, tw_ptr, add_ptr, out_ptr,
+                             offs_n, n_mask, N, stride_cs, TOP_K, SPLIT_K, ADD, DT, SHARED)
+
+
+@triton.jit
+def _combine_rows(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, tokens, rows, cols, col_mask, H, stride_ys,
+                  TOP_K: tl.constexpr, SPLIT: tl.constexpr, ADD: tl.constexpr, DT: tl.constexpr):
+    """out[t, cols] for the tokens ``tokens`` [R] (``rows``: the ones to write) = sum_j w[t, j] * sum_s y[s, t*k + j]
+    over the slots with id >= 0, in that fixed order (deterministic); with ``ADD``, rounded to the output dtype and
+    then + add[t] (the shared expert's row), the unfused graph's two rounding points. Every element's operations
+    are the same whatever R and the column count, so :func:`_combine_kernel` (one token a program) and the down
+    launch's combining CTAs (a tile's tokens at once, :func:`_combine_tickets`) give the same bits. Loads from L2
+    (.cg): in the down launch y and add were written by other CTAs of the grid."""
+    t64 = tokens.to(tl.int64)
+    mask = rows[:, None] & col_mask[None, :]
+    acc = tl.zeros((tokens.shape[0], cols.shape[0]), dtype=tl.float32)
+    for j in range(TOP_K):  # a loop, not unrolled: every slot's loads issued at once would take 255 registers
+        ok = tl.load(ids_ptr + tokens * TOP_K + j, mask=rows, other=-1) >= 0
+        wj = tl.load(w_ptr + tokens * TOP_K + j, mask=rows, other=0.0)
+        y = tl.zeros((tokens.shape[0], cols.shape[0]), dtype=tl.float32)
+        for sp in tl.static_range(SPLIT):
+            y += tl.load(y_ptr + sp * stride_ys + (t64 * TOP_K + j)[:, None] * H + cols[None, :],
+                         mask=mask & ok[:, None], other=0.0, cache_modifier=".cg")
+        acc += tl.where(ok, wj, 0.0)[:, None] * y
+    if ADD:
+        extra = tl.load(add_ptr + t64[:, None] * H + cols[None, :], mask=mask, other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
+        acc = round_to(round_to(acc, DT) + extra, DT)
+    tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _local_slots(ids_ptr, tokens, rows, TOP_K: tl.constexpr):
+    """[R] the slots of each token of ``tokens`` whose expert this rank holds (id >= 0), 0 past ``rows``."""
+    n = tl.zeros(tokens.shape, dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        n += (tl.load(ids_ptr + tokens * TOP_K + j, mask=rows, other=-1) >= 0).to(tl.int32)
+    return n
+
+
+@triton.jit
+def _combine_tickets(cnt_ptr, tokens, rows, tile, y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, cols, col_mask, H,
+                     stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr, ADD: tl.constexpr, DT: tl.constexpr,
+                     SHARED: tl.constexpr):
+    """The down launch's combine (no combine launch, no waiting): this CTA has just written its part of column tile
+    ``tile`` of the tokens ``tokens`` [R] (``rows``: the real ones): an expert's rows for those tokens, all K splits
+    summed, or the shared expert's output. Publish it (barrier, then an acq_rel add: the split-K FIXUP's pattern)
+    as one ticket on each token's counter ``cnt[t, tile]``; a token's output tile is complete after its local slots'
+    tiles and, with ``SHARED``, the shared expert's, so the CTA whose ticket completes that count combines the
+    token's tile (:func:`_combine_rows`, reading the others' rows from L2) and resets its counter for the next call
+    and CUDA-graph replay (no one else touches it in this launch)."""
+    tl.debug_barrier()
+    counters = cnt_ptr + tokens * tl.num_programs(1) + tile
+    taken = tl.atomic_add(counters, 1, mask=rows, sem="acq_rel", scope="gpu")
+    last = rows & (taken == _local_slots(ids_ptr, tokens, rows, TOP_K) + SHARED - 1)
+    if tl.max(last.to(tl.int32), axis=0) > 0:
+        _combine_rows(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, tokens, last, cols, col_mask, H, stride_ys, TOP_K,
+                      SPLIT, ADD, DT)
+        tl.atomic_xchg(counters, 0, mask=last, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _combine_kernel(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, H, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
                     BLOCK_H: tl.constexpr, ADD: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = sum_j w[t, j] * sum_s y[s, t*k + j] over slots with id >= 0, fixed order (deterministic); with
-    ``ADD``, rounded to the output dtype and then + add[t] (the shared expert's row), the unfused graph's two
-    rounding points, in the same kernel."""
+    """The combine of token ``program_id(0)``'s columns ``program_id(1)`` (:func:`_combine_rows`): its own launch
+    where the down GEMM does not combine (past the scan's tokens, or shared tiles that do not line up)."""
     pdl_prologue(PDL)
-    t = tl.program_id(0)
+    t = tl.program_id(0) + tl.arange(0, 1)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = offs < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        ok = tl.load(ids_ptr + t * TOP_K + j) >= 0
-        wj = tl.load(w_ptr + t * TOP_K + j)
-        y = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for sp in tl.static_range(SPLIT):
-            y += tl.load(y_ptr + sp * stride_ys + (t * TOP_K + j).to(tl.int64) * H + offs, mask=mask & ok, other=0.0)
-        acc += tl.where(ok, wj, 0.0) * y
-    if ADD:
-        extra = tl.load(add_ptr + t.to(tl.int64) * H + offs, mask=mask, other=0.0).to(tl.float32)
-        acc = round_to(round_to(acc, DT) + extra, DT)
-    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _combine_rows(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, t, t >= 0, offs, offs < H, H, stride_ys, TOP_K, SPLIT,
+                  ADD, DT)
 
 
 # Regime defaults, the winners of the H200 sweeps (decode: docs/perf/fp8_gemm_moe.md, kernels_gemm_moe_v2; both:
@@ -532,12 +610,24 @@ def _shared_arguments(shared: GemmLaunch | None, dummy: torch.Tensor) -> tuple[t
     return shared.args, dict(SHARED=True, **{f"S_{key}": value for key, value in shared.meta.items()})
 
 
-def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_f32, split=1, h=None, shared=None):
+class Combine(NamedTuple):
+    """The combine run by the down launch (:func:`_combine_tickets`): the routing weights [T, k], the addend [T, H]
+    (the shared expert's output, or None) and the output [T, H]."""
+    weights: torch.Tensor
+    addend: torch.Tensor | None
+    out: torch.Tensor
+
+
+def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_f32, split=1, h=None, shared=None,
+             combine=None):
     """One grouped GEMM launch over ``blocks``. A gated launch with ``split > 1`` writes its [split, rows, 2I] fp32
     partials to c and its gated output to ``h`` (the last split of each tile reduces them, counted in
     :func:`tile_counters`, the first blocks x column tiles of them). ``shared`` (a ``fp8_gemm.GemmLaunch``): the
     shared expert's GEMM runs as extra rows of CTAs after the blocks' (its tiles x splits over as many rows of
-    column tiles x splits as they fill; its counters follow the blocks')."""
+    column tiles x splits as they fill; its counters follow the blocks'). ``combine`` (the down launch, a
+    :class:`Combine`): the launch writes the MoE's output itself, its (block, column tile) counters first in
+    :func:`tile_counters`, then a [T, column tiles] of token counters (:func:`combine_counters`), then the shared
+    expert's."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     kdim = w.shape[2]
     kg = triton.cdiv(kdim, 128)
@@ -550,20 +640,34 @@ def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_
     shared_args, shared_meta = _shared_arguments(shared, c)
     if shared is not None:
         grid = (grid[0] + triton.cdiv(shared.grid[0] * shared.grid[1], grid[1] * grid[2]), grid[1], grid[2])
+    cnt = tcnt = c
+    if fold:
+        cnt = tile_counters(a.device, blocks.count * grid[1])
+    if combine is not None:
+        cnt = tile_counters(a.device, combine_counters(blocks.count, n_entries // top_k, grid[1]))
+        tcnt = cnt[blocks.count * grid[1]:]
+    tw, addend, out = combine if combine is not None else (c, None, c)
     _moe_gemm_kernel[grid](
         a, a_s, w, w_s, ids if blocks.scan else blocks.sorted_ids, ids if blocks.scan else blocks.block_expert, ids,
-        c, h if fold else c, tile_counters(a.device, blocks.count * grid[1]) if fold else c,
-        n_entries, blocks.experts, n, kdim, kg, top_k, triton.cdiv(n, 128),
+        c, h if fold else c, cnt, tw, out if addend is None else addend, out, tcnt,
+        n_entries, blocks.experts, n, kdim, kg, triton.cdiv(n, 128),
         a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
         c.stride(-2), c.stride(0) if c.dim() == 3 else 0, h.stride(0) if fold else 0, blocks.count, *shared_args,
-        GATED=gated, SPLIT_K=split, A_MODE=mode, DOT_F32=dot_f32,
+        TOP_K=top_k, GATED=gated, SPLIT_K=split, A_MODE=mode, DOT_F32=dot_f32,
         INTERPRET=settings.triton_interpret(), K_PER_SPLIT=k_per_split,
         NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, SCAN=blocks.scan, BLOCK_IDS=max(16, triton.next_power_of_2(n_entries)),
-        BLOCK_E=triton.next_power_of_2(blocks.experts + 1), **shared_meta,
+        BLOCK_E=triton.next_power_of_2(blocks.experts + 1), **shared_meta, COMBINE=combine is not None,
+        ADD=combine is not None and addend is not None, DT=DTYPE_CODES[out.dtype] if combine is not None else 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(a.device),
     )
     return split
+
+
+def combine_counters(blocks: int, t: int, column_tiles: int) -> int:
+    """The counters of a combining down launch: a (block, column tile)'s K splits, then a (token, column tile)'s
+    tickets (the shared expert's FIXUP counters follow them)."""
+    return (blocks + t) * column_tiles
 
 
 def _splits(kg: int, want: int) -> int:
@@ -630,31 +734,40 @@ def shared_expert(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
     return fp8_linear(gate, shared.w2, shared.w2_scale, None, shared.act_quant, up=up)
 
 
-def _shared_launches(x, shared: SharedExpert, counter_offset: int, cfg: dict):
+def _shared_launches(x, shared: SharedExpert, counter_offsets: tuple[int, int], cfg: dict):
     """(gate|up launch, down launch, the down's output [T, H]) of the shared expert over ``x`` as the MoE's two
-    grouped GEMM launches run them (fp8_gemm's launches, the ones ``shared_expert`` would make, bit for bit; the
-    gate|up's split-K counters from ``counter_offset``, past the routed gate|up's); None where ``shared_expert``
+    grouped GEMM launches run them (fp8_gemm's launches, the ones ``shared_expert`` would make, bit for bit; their
+    split-K counters from ``counter_offsets``, past the routed launches' own); None where ``shared_expert``
     launches anything else (the GEMV, a quant or silu kernel, the split-K reduce kernel) or at another warp count."""
     shared = shared._replace(**{name: getattr(shared, name).contiguous() for name in ("w13", "w13_scale", "w2",
                                                                                      "w2_scale")})
     gate_up = torch.empty(x.shape[0], shared.w13.shape[0], dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
-    first = lone_launch(x, None, shared.w13, shared.w13_scale, shared.act_quant, gate_up, counter_offset)
-    second = lone_launch(*shared.halves(gate_up), shared.w2, shared.w2_scale, shared.act_quant, out)
+    first = lone_launch(x, None, shared.w13, shared.w13_scale, shared.act_quant, gate_up, counter_offsets[0])
+    second = lone_launch(*shared.halves(gate_up), shared.w2, shared.w2_scale, shared.act_quant, out,
+                         counter_offsets[1])
     if first is None or second is None or {first[1]["num_warps"], second[1]["num_warps"]} != {cfg["num_warps"]}:
         return None
     return first[0], second[0], out
+
+
+def _lines_up(down: GemmLaunch, h: int, cfg: dict) -> bool:
+    """Whether the shared expert's down tiles are the routed down's column tiles (one M tile, the same width), so
+    that a finished shared tile can take the tickets of the down launch's combine."""
+    return down.meta["BLOCK_N"] == cfg["BLOCK_N2"] and down.grid[0] == triton.cdiv(h, cfg["BLOCK_N2"])
 
 
 def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None, addend=None,
             shared=None):
     """Routed FP8 experts (see module doc); ``config`` overrides :func:`pick_moe_config`. ``addend`` [T, H] (x's
     dtype): added to the routed sum in the combine kernel (``fxglm5::moe_fp8_add``: the shared expert's output).
-    Up to BLOCK_M tokens (decode) the GEMMs scan the ids for their rows and no align kernel runs: three launches,
-    not four (:func:`scans`: every expert then fits one block; above it only a sort finds an expert's blocks).
-    ``shared`` (a :class:`SharedExpert`, ``fxglm5::moe_fp8_shared``): the shared expert of x is the addend; where
-    the GEMMs scan, its two GEMMs run as extra CTAs of theirs (:func:`_grouped`; the shared expert's own launches'
-    bits, :func:`_shared_launches`), so a decode MoE call is still three launches, and elsewhere
+    Up to BLOCK_M tokens (decode) the GEMMs scan the ids for their rows and no align kernel runs, and the down
+    launch combines (:func:`_combine_tickets`, the combine kernel's bits): two launches, not four (:func:`scans`:
+    every expert then fits one block; above it only a sort finds an expert's blocks). ``shared`` (a
+    :class:`SharedExpert`, ``fxglm5::moe_fp8_shared``): the shared expert of x is the addend; where the GEMMs scan,
+    its two GEMMs run as extra CTAs of theirs (:func:`_grouped`; the shared expert's own launches' bits,
+    :func:`_shared_launches`), so a decode MoE call is still two launches (its down tiles take the combine's tickets
+    where they are the routed down's column tiles, :func:`_lines_up`; else the combine kernel runs), and elsewhere
     :func:`shared_expert` runs first."""
     t, e, h, inter = ref.check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
     k = topk_ids.shape[1]
@@ -669,7 +782,9 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     x = x.contiguous()
     joined = None
     if shared is not None and t > 0 and k > 0 and scans(t, cfg):
-        joined = _shared_launches(x, shared, num_blocks(t, k, e, cfg) * triton.cdiv(inter, cfg["BLOCK_N1"]), cfg)
+        blocks_max = num_blocks(t, k, e, cfg)
+        joined = _shared_launches(x, shared, (blocks_max * triton.cdiv(inter, cfg["BLOCK_N1"]),
+                                              combine_counters(blocks_max, t, triton.cdiv(h, cfg["BLOCK_N2"]))), cfg)
     if shared is not None:
         addend = shared_expert(x, shared) if joined is None else joined[2]
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
@@ -702,12 +817,18 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
         _grouped(a, a_s, mode, w13, w13_scale, blocks, g, t * k, k, True, cfg, dot_f32, split1, hmid, first)
     else:
         _grouped(a, a_s, mode, w13, w13_scale, blocks, hmid, t * k, k, True, cfg, dot_f32, shared=first)
+    combine = None
+    if blocks.scan and (joined is None or _lines_up(second, h, cfg)):
+        combine = Combine(topk_weights.contiguous(), None if addend is None else addend.contiguous(), out)
     if mode == 0:
         hq, hs = quantize_act_1x128(hmid)
-        _grouped(hq, hs, 0, w2, w2_scale, blocks, y, t * k, k, False, cfg, dot_f32, split, shared=second)
+        _grouped(hq, hs, 0, w2, w2_scale, blocks, y, t * k, k, False, cfg, dot_f32, split, shared=second,
+                 combine=combine)
     else:
         _grouped(hmid, hmid, mode, w2, w2_scale, blocks, y, t * k, k, False, cfg,
-                 dot_f32 or h_dtype == torch.float32, split, shared=second)
+                 dot_f32 or h_dtype == torch.float32, split, shared=second, combine=combine)
+    if combine is not None:
+        return out
     block_h = 1024
     _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, topk_weights.contiguous(),
                                                   out if addend is None else addend.contiguous(), out, h, y.stride(0),
