@@ -1,8 +1,9 @@
 """The fuse_kernels stage's ops (fxglm5.ops.fused) in Triton, interpreted on the CPU, against their references (the
 chains they replace): add_rms_norm, f32_linear (the GEMV and the 3xTF32 GEMM, split-K fix-up, scales in turn),
-moe_route_local, moe_router (the GEMV and the routing in one launch), and the gated down GEMM silu_mul_fp8_linear
-on the decode path (the gate applied as A tiles load) and past it (one elementwise kernel first); bad inputs name the
-argument. Small shapes: CI runs it on 2 cores."""
+moe_route_local, moe_router (the GEMV and the routing in one launch), the gated down GEMM silu_mul_fp8_linear
+on the decode path (the gate applied as A tiles load) and past it (one elementwise kernel first), the MoE with its
+shared expert (moe_fp8_shared: the shared GEMMs in the routed launches, the combine in the down launch) and with its
+router too (moe_router_fp8_shared: the router in the gate|up launch); bad inputs name the argument. Small shapes: CI runs it on 2 cores."""
 
 import inspect
 import os
@@ -406,6 +407,73 @@ def test_moe_fp8_shared_float32_and_past_the_scan(monkeypatch, tokens, dtype):
     assert torch.equal(fused, moe.moe_fp8(*routed, True, addend=moe.shared_expert(routed[0], shared)))
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert _rel(fused, ref.moe_fp8_shared(*routed, True, w13, s13, w2, s2, up_start)) < tol
+
+
+def _router_of(x, experts, seed, offset):
+    """A router over 3 * ``experts`` experts (float32 weight, small bias), top-2, ids local to ``experts`` of them
+    from ``offset`` (None: global ids, ``experts`` then all of them)."""
+    g = torch.Generator().manual_seed(seed)
+    total = experts if offset is None else 3 * experts
+    return moe.Router(torch.randn(total, x.shape[1], generator=g) / 16, 0.01 * torch.randn(total, generator=g), 2, 1,
+                      1, True, 2.5, None if offset is None else torch.tensor(offset, dtype=torch.int32), experts)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("offset", [None, 8], ids=["global", "local"])
+@pytest.mark.parametrize("split_k", [False, True])
+def test_moe_router_fp8_routes_in_the_gate_up_launch(monkeypatch, tokens, act_quant, offset, split_k):
+    """Up to BLOCK_M (and MAX_GEMV_ROWS) tokens the router's tiles, the shared expert's gate|up and the routed
+    gate|up are tasks of one launch, then the down launch combines: two launches, the bits of the router's own launch
+    followed by moe_fp8's (the routed tiles read the ids the routing CTA wrote in the same launch); the router's, the
+    GEMMs' and the tasks' counters are back at 0; with split_k the router, both gate|up GEMMs and the down are split
+    over K. Close to the reference op."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fxglm5.lowering.triton import fp8_parts, tasks
+
+    if not split_k:
+        monkeypatch.setitem(fp8_gemm.DECODE, "SPLIT_K", 1)
+        monkeypatch.setitem(moe.MOE_DECODE, "SPLIT1", 1)
+        monkeypatch.setitem(moe.MOE_DECODE, "SPLIT2", 1)
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(3))
+    x, experts = routed[0], routed[3:]
+    router = _router_of(x, experts[0].shape[0], tokens, offset)
+    shared = moe.SharedExpert(w13, s13, w2, s2, act_quant, up_start)
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    fused = moe.moe_router_fp8(x, router, *experts, act_quant, shared=shared)
+    assert launched == ["_router_gate_up_kernel", "_moe_gemm_kernel"]
+    assert not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 1).any()
+    launched.clear()
+    weights, ids = moe.moe_router(x, *router)
+    assert (ids >= 0).any()
+    assert torch.equal(fused, moe.moe_fp8(x, ids, weights, *experts, act_quant, shared=shared))
+    assert launched == ["_router_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel"]
+    reference = ref.moe_router_fp8_shared(x, *router, *experts, act_quant, w13, s13, w2, s2, up_start)
+    assert _rel(fused, reference) < (3e-2 if act_quant else 2e-2)
+
+
+@pytest.mark.parametrize("tokens, n_group", [(17, 1), (4, 2)], ids=["prefill", "group_limited"])
+def test_moe_router_fp8_keeps_the_router_launches_where_it_does_not_join(monkeypatch, tokens, n_group):
+    """Past BLOCK_M tokens (the router's float32 GEMM and route kernel, the align kernel) and with group-limited
+    routing (the reference's router) the router keeps its own launches before moe_fp8's: no router-and-gate|up
+    launch, the chain's bits."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(4))
+    x, experts = routed[0], routed[3:]
+    router = _router_of(x, experts[0].shape[0], tokens, 8)._replace(n_group=n_group)
+    shared = moe.SharedExpert(w13, s13, w2, s2, True, up_start)
+    assert not moe.router_joins(x, router, experts[0].shape[0])
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    fused = moe.moe_router_fp8(x, router, *experts, True, shared=shared)
+    assert "_router_gate_up_kernel" not in launched and "_router_kernel" not in launched
+    weights, ids = moe.moe_router(x, *router)
+    assert torch.equal(fused, moe.moe_fp8(x, ids, weights, *experts, True, shared=shared))
 
 
 @pytest.mark.parametrize("call, message", [
