@@ -6,14 +6,15 @@ intermediate features per rank) on the decode path and the prefill path, also re
 split-K counters reset), and a rank's routed experts at decode batches, their split gate|up GEMM reduced by its last
 split CTAs, from a graph, alone and with the rank's shared expert run inside their launches (moe_fp8_shared), and
 the combine run by the down launch (each token's output tile by the CTA whose ticket completes it) against the
-combine kernel after the align kernel's layout."""
+combine kernel after the align kernel's layout, and the router run as the first tasks of the gate|up launch
+(moe_router_fp8_shared) against the router's own launch followed by the MoE's."""
 
 import pytest
 import torch
 
 from fxglm5.lowering.reference import fp8 as ref_fp8
 from fxglm5.lowering.reference import fused as ref
-from fxglm5.lowering.triton import f32_linear, fp8_gemm, fp8_parts, moe, norm_rope
+from fxglm5.lowering.triton import f32_linear, fp8_gemm, fp8_parts, moe, norm_rope, tasks
 from tests.helpers import tf32_rounded
 
 pytestmark = pytest.mark.gpu
@@ -338,3 +339,59 @@ def test_moe_rank_decode_combines_in_the_down_launch(tokens, shared, act_quant, 
         torch.cuda.synchronize()
         assert torch.equal(out, separate())
         assert int(fp8_parts.tile_counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("act_quant", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_moe_rank_decode_routes_in_the_gate_up_launch(tokens, act_quant, rank_experts):
+    """A TP8 / EP8 rank's MoE layer with its router at decode (fxglm5::moe_router_fp8_shared): GLM-5's router (256
+    experts of 6144, top-8, x 2.5, ids local to rank 7's 32 experts), the rank's experts and the shared expert's
+    TP8 slice, in two launches: the router's tiles, the shared gate|up and the routed gate|up as tasks of one launch
+    (the routed tiles spin until the routing CTA signals), then the down launch with the combine. Bit for bit the
+    router's own launch followed by moe_fp8's, 20 calls in a row (the tasks' interleavings differ from call to
+    call), then from a CUDA graph replayed twice over new tokens; every counter (the GEMMs' and the tasks') back at 0
+    after each; the reference op's value."""
+    w13, s13, w2, s2 = rank_experts
+    experts, h = w13.shape[0], w13.shape[2]
+    g = torch.Generator(device="cuda").manual_seed(tokens + 30)
+    shared = _shared_expert_of_rank(g, act_quant)
+    router = moe.Router(torch.randn(256, h, device="cuda", generator=g) / h ** 0.5,
+                        0.01 * torch.randn(256, device="cuda", generator=g), 8, 1, 1, True, 2.5,
+                        torch.tensor(32 * 7, dtype=torch.int32, device="cuda"), experts)
+    router.correction_bias[32 * 7:32 * 7 + 3] += 1.0  # every token picks three of the rank's experts, and five others
+    x = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
+    routed = (w13, s13, w2, s2, act_quant)
+    assert moe.router_joins(x, router, experts)
+
+    def fused():
+        return moe.moe_router_fp8(x, router, *routed, shared=shared)
+
+    def separate():
+        weights, ids = moe.moe_router(x, *router)
+        return moe.moe_fp8(x, ids, weights, *routed, shared=shared)
+
+    def counters_at_zero():
+        return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 1).any()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles outside the capture
+        eager, want = fused(), separate()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert torch.equal(eager, want) and counters_at_zero()
+    for _ in range(20):
+        assert torch.equal(fused(), want)
+    torch.cuda.synchronize()
+    assert counters_at_zero()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused()
+    for seed in range(2):
+        x.copy_(torch.randn(tokens, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, separate()) and counters_at_zero()
+    reference = ref.moe_router_fp8_shared(x, *router, *routed, shared.w13, shared.w13_scale, shared.w2,
+                                          shared.w2_scale, shared.up_start)
+    assert _rel(out, reference) < 2e-2
