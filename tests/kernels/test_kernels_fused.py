@@ -455,6 +455,27 @@ def test_moe_router_fp8_routes_in_the_gate_up_launch(monkeypatch, tokens, act_qu
     assert _rel(fused, reference) < (3e-2 if act_quant else 2e-2)
 
 
+@pytest.mark.parametrize("tokens", [3, 17])
+def test_moe_router_fp8_steered_ids_replace_the_routers(monkeypatch, tokens):
+    """bench/routing_load.py's steered load: the experts take the given ids, the router still runs in its launch
+    (two launches at decode) and its weights are used: moe_fp8 of those ids and the router's weights, bit for bit."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(6))
+    x, experts = routed[0], routed[3:]
+    router = _router_of(x, experts[0].shape[0], tokens, 8)
+    shared = moe.SharedExpert(w13, s13, w2, s2, False, up_start)
+    steered = routed[1]  # ids of the test's own
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    out = moe.moe_router_fp8(x, router, *experts, False, shared=shared, steered_ids=steered)
+    assert ("_router_gate_up_kernel" in launched) == (tokens <= 16)
+    weights, ids = moe.moe_router(x, *router)
+    assert not torch.equal(ids, steered)
+    assert torch.equal(out, moe.moe_fp8(x, steered, weights, *experts, False, shared=shared))
+
+
 @pytest.mark.parametrize("tokens, n_group", [(17, 1), (4, 2)], ids=["prefill", "group_limited"])
 def test_moe_router_fp8_keeps_the_router_launches_where_it_does_not_join(monkeypatch, tokens, n_group):
     """Past BLOCK_M tokens (the router's float32 GEMM and route kernel, the align kernel) and with group-limited

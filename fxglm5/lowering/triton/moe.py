@@ -563,8 +563,8 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _router_gate_up_kernel(
-    x_ptr, rw_ptr, part_ptr, logits_ptr, rcnt_ptr, bias_ptr, offset_ptr, task_ptr, R_E, stride_xm, stride_rw,
-    num_local, scaling, num_n, num_k, shared_rows,
+    x_ptr, rw_ptr, part_ptr, logits_ptr, rcnt_ptr, bias_ptr, rids_ptr, offset_ptr, task_ptr, R_E, stride_xm,
+    stride_rw, num_local, scaling, num_n, num_k, shared_rows,
     a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
     tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm,
@@ -586,7 +586,8 @@ def _router_gate_up_kernel(
     """The router and the gated grouped GEMM in one launch (up to BLOCK_M tokens, :func:`moe_fp8` with a
     ``router``), a launch of tasks (:mod:`fxglm5.lowering.triton.tasks`): each CTA takes a task id. Tasks
     [0, R_TILES * R_SPLIT) are the router's expert tiles x K splits (:func:`_router_tile`; the CTA that routes
-    writes the weights ``tw`` and the ``ids`` and signals dependency 0); then the shared expert's gate|up CTAs
+    writes the weights ``tw`` and the ids ``rids``, the ``ids`` the GEMMs read unless a benchmark steers them, and
+    signals dependency 0); then the shared expert's gate|up CTAs
     (``shared_rows`` rows of num_n x num_k tasks, :func:`_grouped_cta` past ``num_blocks``), which need no routing;
     then the routed blocks' CTAs, which wait for the routing before they read the ids (from L2) to find their
     expert. Every task waits only on tasks before it, so the launch cannot deadlock (tasks' module doc). The PDL
@@ -596,7 +597,7 @@ def _router_gate_up_kernel(
     if task < R_TILES * R_SPLIT:
         pid_n, pid_k = task % R_TILES, task // R_TILES
         offs_n, w_rows, w = gemv_tile_start(rw_ptr, R_E, K, stride_rw, pid_n, pid_k, R_STEPS, R_BLOCK_N, R_BLOCK_K)
-        _router_tile(x_ptr, part_ptr, logits_ptr, rcnt_ptr, bias_ptr, tw_ptr, ids_ptr, offset_ptr, task_ptr,
+        _router_tile(x_ptr, part_ptr, logits_ptr, rcnt_ptr, bias_ptr, tw_ptr, rids_ptr, offset_ptr, task_ptr,
                      n_entries // TOP_K, R_E, K, stride_xm, num_local, scaling, pid_n, pid_k, R_TILES, offs_n, w_rows,
                      w, R_STEPS, R_SPLIT, R_BLOCK_M, R_BLOCK_K, TOP_K, R_BLOCK_E, R_BLOCK_TOPK, ROUTE_ROWS, RENORM,
                      LOCAL, True)
@@ -815,10 +816,10 @@ def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_
     if router is None:
         _moe_gemm_kernel[grid](*args, **meta, **pdl(a.device))
         return split
-    x2, rw, part, logits, rcnt, bias, _, _, offset, _, e, _, stride_xm, stride_rw, num_local, scaling = router.args
+    x2, rw, part, logits, rcnt, bias, _, rids, offset, _, e, _, stride_xm, stride_rw, num_local, scaling = router.args
     _router_gate_up_kernel[(router.grid[0] * router.grid[1] + grid[0] * grid[1] * grid[2],)](
-        x2, rw, part, logits, rcnt, bias, offset, tasks.counters(a.device, 1), e, stride_xm, stride_rw, num_local,
-        scaling, grid[1], grid[2], grid[0] - blocks.count, *args, R_TILES=router.grid[0],
+        x2, rw, part, logits, rcnt, bias, rids, offset, tasks.counters(a.device, 1), e, stride_xm, stride_rw,
+        num_local, scaling, grid[1], grid[2], grid[0] - blocks.count, *args, R_TILES=router.grid[0],
         **{f"R_{key}": router.meta[key] for key in ("STEPS", "SPLIT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_E",
                                                     "BLOCK_TOPK")},
         ROUTE_ROWS=router.meta["ROUTE_ROWS"], RENORM=router.meta["RENORM"], LOCAL=router.meta["LOCAL"], **meta,
@@ -920,7 +921,7 @@ def _lines_up(down: GemmLaunch, h: int, cfg: dict) -> bool:
 
 
 def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None, addend=None,
-            shared=None, router=None):
+            shared=None, router=None, router_ids=None):
     """Routed FP8 experts (see module doc); ``config`` overrides :func:`pick_moe_config`. ``addend`` [T, H] (x's
     dtype): added to the routed sum in the combine kernel (``fxglm5::moe_fp8_add``: the shared expert's output).
     Up to BLOCK_M tokens (decode) the GEMMs scan the ids for their rows and no align kernel runs, and the down
@@ -933,7 +934,8 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     :func:`shared_expert` runs first. ``router`` (a :class:`Router`, only where :func:`router_joins`):
     ``topk_ids`` and ``topk_weights`` are empty and the router fills them in the gate|up launch
     (:func:`_router_gate_up_kernel`), which its expert tiles wait for: a decode MoE layer, router included, in two
-    launches (:func:`moe_router_fp8`)."""
+    launches (:func:`moe_router_fp8`); ``router_ids`` (default ``topk_ids``): where the router writes its ids (a
+    steered benchmark gives ids of its own as ``topk_ids``, and the router's go to a buffer no one reads)."""
     t, e, h, inter = ref.check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, router is None)
     k = topk_ids.shape[1]
     if addend is not None and shared is not None:
@@ -975,7 +977,7 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     first, second = (None, None) if joined is None else joined[:2]
     if router is not None:  # the router's counters follow the gate|up launch's (the routed tiles', the shared's)
         offset = blocks.count * triton.cdiv(inter, cfg["BLOCK_N1"]) + (0 if first is None else first.grid[0])
-        router = _router_launch(x, router, offset, (topk_weights, ids))
+        router = _router_launch(x, router, offset, (topk_weights, ids if router_ids is None else router_ids))
     if act_quant and not cfg["fused_quant"]:
         a, a_s, mode = *quantize_act_1x128(x), 0
     else:
@@ -1020,15 +1022,22 @@ def router_joins(x: torch.Tensor, router: Router, e: int, config=None) -> bool:
     return scans(t, cfg) and gemv_warps == cfg["num_warps"]
 
 
-def moe_router_fp8(x, router: Router, w13, w13_scale, w2, w2_scale, act_quant=True, *, shared=None, config=None):
+def moe_router_fp8(x, router: Router, w13, w13_scale, w2, w2_scale, act_quant=True, *, shared=None, config=None,
+                   steered_ids=None):
     """``fxglm5::moe_router_fp8_shared`` (with ``shared``): the router (:func:`moe_router`) and the routed experts
     with the shared expert (:func:`moe_fp8`) over the same tokens x [T, H]. Where :func:`router_joins` (decode), two
     launches: the router's tiles, the shared expert's gate|up and the routed gate|up in one launch of tasks
     (:func:`_router_gate_up_kernel`), then the down GEMMs with the combine; each piece has its own launches' bits.
-    Elsewhere the router's launch(es), then :func:`moe_fp8`'s."""
+    Elsewhere the router's launch(es), then :func:`moe_fp8`'s. ``steered_ids`` (int32 [T, k], benchmarks only:
+    bench/routing_load.py): the experts take these ids instead of the router's, the router still running in its
+    launch (its weights are used)."""
     if not router_joins(x, router, w13.shape[0], config):
         weights, ids = moe_router(x, *router)
+        ids = ids if steered_ids is None else steered_ids
         return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, config=config, shared=shared)
     weights, ids = routing_outputs(x.shape[0], router.top_k, x.device)
-    return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, config=config, shared=shared,
-                   router=router)
+    if steered_ids is None:
+        return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, config=config, shared=shared,
+                       router=router)
+    return moe_fp8(x, steered_ids, weights, w13, w13_scale, w2, w2_scale, act_quant, config=config, shared=shared,
+                   router=router, router_ids=ids)
