@@ -12,7 +12,10 @@ GEMM CTA finds its block's expert (the b-th picked one in id order) and entries 
 itself, the align kernel's layout exactly, over min(E, T*k) blocks, and the down launch combines (each token's
 output tile written by the CTA whose ticket completes it, :func:`_combine_tickets`): a MoE call is then two launches
 (gate|up, down), not four, and with a shared expert (``fxglm5::moe_fp8_shared``) its two GEMMs run as extra CTAs of
-those two (fp8_gemm's tile function and launch plan: the bits of their own launches), not two launches more.
+those two (fp8_gemm's tile function and launch plan: the bits of their own launches), not two launches more. With
+its router too (``fxglm5::moe_router_fp8_shared``, :func:`moe_router_fp8`) the router's GEMV tiles are the first
+tasks of the gate|up launch (:func:`_router_gate_up_kernel`, :mod:`fxglm5.lowering.triton.tasks`): the MoE layer,
+router included, is still two launches.
 
 Kernels. One grouped GEMM kernel serves both projections: ``GATED`` loads the gate and the up tile of
 the same output columns side by side and writes ``silu(g) * u`` (fp32, in sorted row order; w13's scales
