@@ -376,13 +376,15 @@ def _grouped_cta(
     S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr, S_GROUP_M: tl.constexpr, COMBINE: tl.constexpr,
     ADD: tl.constexpr, DT: tl.constexpr,
 ):
-    """GATED: c[row] = silu(A W_g^T) * (A W_u^T) with A rows gathered from x (token = entry // TOP_K),
+    """One CTA of the grouped GEMM: (pid_b, pid_n, pid_k) of a (blocks [+ shared rows], num_n, num_k) grid, as
+    :func:`_moe_gemm_kernel` launches it or :func:`_router_gate_up_kernel` numbers its tasks.
+    GATED: c[row] = silu(A W_g^T) * (A W_u^T) with A rows gathered from x (token = entry // TOP_K),
     c in sorted row order. GATED over SPLIT_K > 1 splits: c[split, row] = this split's partial [A W_g^T | A W_u^T],
     and the last split to finish a (block, column tile) sums the tile's partials in split order, applies the gate
     and writes h[row] (the gated output), then resets the tile's counter ``cnt[pid_b * num_n + pid_n]``; the fold
     of the gate into the GEMM saves a launch per MoE call (decode, where the gate|up GEMM is split).
     Not GATED: c[split, entry] = partial A W^T over this split's K groups, A in sorted row order (the GATED
-    output); the combine kernel sums the splits.
+    output); the combine (its kernel, or this launch with COMBINE) sums the splits.
     Block b's expert and rows come from the align kernel (``block_expert``, ``sorted_ids``) or, with SCAN (at most
     BLOCK_M tokens, so each expert fills at most one block), from the [T*k] ids: the b-th expert in id order that
     some entry picks, and its entries in entry order, padded with the sentinel ``n_entries``: the same layout.
@@ -393,9 +395,7 @@ def _grouped_cta(
     (block, column tile)'s last K split (an acq_rel ticket on ``cnt``, as the gated fold's) and each finished shared
     tile take a ticket per token on ``tcnt``, and the CTA that completes a token's count writes ``out`` from the
     partials c, the routing weights ``tw`` and, with ADD, ``add`` (the shared expert's output, or a given addend);
-    CTA (0, j, 0) writes column tile j of the tokens with nothing to wait for (no local expert, no shared one).
-    One CTA of the grouped GEMM: (pid_b, pid_n, pid_k) of a (blocks [+ shared rows], num_n, num_k) grid, as
-    :func:`_moe_gemm_kernel` launches it or :func:`_router_gate_up_kernel` numbers its tasks."""
+    CTA (0, j, 0) writes column tile j of the tokens with nothing to wait for (no local expert, no shared one)."""
     if SHARED:
         if pid_b >= num_blocks:
             cta = ((pid_b - num_blocks) * num_n + pid_n) * num_k + pid_k
@@ -981,6 +981,8 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     if router is not None:  # the router's counters follow the gate|up launch's (the routed tiles', the shared's)
         offset = blocks.count * triton.cdiv(inter, cfg["BLOCK_N1"]) + (0 if first is None else first.grid[0])
         router = _router_launch(x, router, offset, (topk_weights, ids if router_ids is None else router_ids))
+        if router is None or not blocks.scan:
+            raise ValueError("moe_fp8: a router where it does not join the gate|up launch (see router_joins)")
     if act_quant and not cfg["fused_quant"]:
         a, a_s, mode = *quantize_act_1x128(x), 0
     else:
