@@ -84,7 +84,7 @@ def finish_tile(acc, ws_ptr, out_ptr, cnt_ptr, tile, mask, counter, pid_k, MN, s
     range: scaled and stored where K is not split; else the partial goes to its workspace slice and the tile's last
     CTA to arrive sums the slices in split order, applies the scales and resets the tile's counter. Returns whether
     this CTA wrote the tile (every CTA where K is not split, the tile's last split where it is): a kernel that goes
-    on from the finished output (``moe._router_kernel``) goes on in that CTA."""
+    on from the finished output (``moe._router_tile``) goes on in that CTA."""
     if SPLIT == 1:
         tl.store(out_ptr + tile, _scaled(acc, s0, s1, s2, s3, NUM_SCALES), mask=mask)
         wrote = True
