@@ -16,8 +16,9 @@ Why it cannot deadlock, whatever the grid's size and however many CTAs are resid
 decoupled look-back): ids are handed out in the order CTAs reach the queue, so a CTA that holds id i knows that
 every id below i was taken by a CTA that is already running, one that will not give its SM back before it ends.
 A task waits only on smaller ids, so by induction on the id every awaited task runs to its end: task 0 waits on
-nothing, and task i waits on tasks that all finish. Program ids give no such order: the hardware may start
-program 9 while program 3 waits for an SM that program 9, spinning, holds.
+nothing, and task i waits on tasks that all finish. Program ids give no such order: the hardware may run
+program 9 before program 3 has started, and if program 9 spins on program 3 in the last free slot of the GPU,
+program 3 never starts.
 
 Why the reset is safe: a CTA's ``done`` increment is its last access to the queue and to the dependency counters
 (every take, wait and signal of it came before, and the increment is acq_rel), so the CTA whose increment brings
