@@ -14,7 +14,10 @@ the mean one.
 wraps the router ops' implementations (``moe_route``, ``moe_route_local`` and ``moe_router``, every backend) before
 the compile binds them. The real router still runs (its kernel stays in the step and its weights are used); only its
 expert ids are replaced, by a static tensor per layer, so the substitution adds no kernel and replays inside a CUDA
-graph. Calls whose token count is not a steered batch (a prefill) pass through.
+graph. Calls whose token count is not a steered batch (a prefill) pass through. The MoE op that holds its router
+(``moe_router_fp8_shared``, fuse_router_into_moe) is wrapped too: its experts take the pattern's ids, its router
+still runs in its launch (the Triton op's ``steered_ids``; on the reference backend, ``moe_router`` then
+``moe_fp8_shared`` with the pattern).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import dataclasses
 import torch
 
 ROUTER_OPS = ("moe_route", "moe_route_local", "moe_router")
+FUSED_ROUTER_OPS = ("moe_router_fp8_shared",)  # (x, the router's 9 arguments, the experts')
 
 
 @dataclasses.dataclass
@@ -93,11 +97,12 @@ class SteeredRouting:
     def __enter__(self):
         from fxglm5.lowering import implementations as table
 
-        for op in ROUTER_OPS:
+        for op in ROUTER_OPS + FUSED_ROUTER_OPS:
+            wrap = self._wrap if op in ROUTER_OPS else self._wrap_fused
             for backend, impl in table.implementations(op).items():
                 self._saved[(op, backend)] = table._IMPLS.get(op, {}).get(backend)
                 table._IMPLS.setdefault(op, {})[backend] = dataclasses.replace(
-                    impl, fn=self._wrap(impl.fn), unchecked=impl.unchecked and self._wrap(impl.unchecked))
+                    impl, fn=wrap(impl.fn, backend), unchecked=impl.unchecked and wrap(impl.unchecked, backend))
         return self
 
     def __exit__(self, *exc):
@@ -110,14 +115,31 @@ class SteeredRouting:
                 table._IMPLS[op][backend] = impl
         self._saved.clear()
 
-    def _wrap(self, route):
+    def _next(self, rows: int, top_k: int) -> torch.Tensor | None:
+        """The ids of the next steered MoE layer of a ``rows``-row step, or None where ``rows`` is not steered."""
+        pattern = self.patterns.get(rows)
+        if pattern is None or top_k != pattern.shape[2]:
+            return None
+        layer = self.calls[rows] % pattern.shape[0]
+        self.calls[rows] += 1
+        return pattern[layer]
+
+    def _wrap(self, route, backend):
         def steered(*args, **kwargs):
             weights, ids = route(*args, **kwargs)
-            pattern = self.patterns.get(ids.shape[0])
-            if pattern is None or ids.shape[1] != pattern.shape[2]:
-                return weights, ids
-            layer = self.calls[ids.shape[0]] % pattern.shape[0]
-            self.calls[ids.shape[0]] += 1
-            return weights, pattern[layer]
+            pattern = self._next(*ids.shape)
+            return weights, ids if pattern is None else pattern
+
+        return steered
+
+    def _wrap_fused(self, moe, backend):
+        def steered(x, *args):
+            pattern = self._next(x.shape[0], args[2])
+            if pattern is None:
+                return moe(x, *args)
+            if backend != "reference":
+                return moe(x, *args, steered_ids=pattern)
+            weights, _ = torch.ops.fxglm5.moe_router(x, *args[:9])
+            return torch.ops.fxglm5.moe_fp8_shared(x, pattern, weights, *args[9:])
 
         return steered

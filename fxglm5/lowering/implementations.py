@@ -141,6 +141,28 @@ def _moe_fp8_shared_triton(x, ids, weights, w13, w13_scale, w2, w2_scale, act_qu
     return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, shared=shared)
 
 
+def _moe_router_shared_supported(x, router_weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling,
+                                 expert_offset, num_local, w13, w13_scale, w2, w2_scale, act_quant, shared_w13,
+                                 shared_w13_scale, shared_w2, shared_w2_scale, up_start):
+    return (_f32_linear_supported(x, router_weight, [])
+            or _moe_shared_supported(x, None, None, w13, w13_scale, w2, w2_scale, act_quant, shared_w13,
+                                     shared_w13_scale, shared_w2, shared_w2_scale, up_start))
+
+
+@register("moe_router_fp8_shared", "triton", _moe_router_shared_supported)
+def _moe_router_fp8_shared_triton(x, router_weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling,
+                                  expert_offset, num_local, w13, w13_scale, w2, w2_scale, act_quant, shared_w13,
+                                  shared_w13_scale, shared_w2, shared_w2_scale, up_start, steered_ids=None):
+    """``steered_ids``: benchmarks only (bench/routing_load.py's steered load, ``moe_router_fp8``)."""
+    from fxglm5.lowering.triton.moe import Router, SharedExpert, moe_router_fp8
+
+    router = Router(router_weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset,
+                    num_local)
+    shared = SharedExpert(shared_w13, shared_w13_scale, shared_w2, shared_w2_scale, act_quant, up_start)
+    return moe_router_fp8(x, router, w13, w13_scale, w2, w2_scale, act_quant, shared=shared,
+                          steered_ids=steered_ids)
+
+
 # ---- collectives: torch's functional collectives (gloo / NCCL) on the group the op names, on every device --------
 register("all_reduce", "reference")(all_reduce_c10d)
 register("all_gather", "reference")(all_gather_c10d)

@@ -23,6 +23,11 @@ against it. Signatures:
   expert's output as the addend, computed from x: its stacked gate|up GEMM, whose output's first I columns are the
   gate and the I from ``up_start`` the up half, and ``silu_mul_fp8_linear`` of the two by its down weight, both
   with ``act_quant``: at decode the shared expert's GEMMs run inside the MoE's grouped GEMM launches.
+- ``moe_router_fp8_shared(x [T, H], router_weight f32 [E, H], correction_bias, top_k, n_group, topk_group,
+  renormalize, scaling, expert_offset int32 []?, num_local, w13, w13_scale?, w2, w2_scale?, act_quant, shared_w13,
+  shared_w13_scale, shared_w2, shared_w2_scale, up_start) -> [T, H]``: ``moe_fp8_shared`` of x with the ids and
+  weights of ``moe_router`` of x: the MoE layer with its router, at decode two launches (the router's tiles beside
+  the expert GEMMs' gate|up, which wait for the routing; the down GEMMs with the combine).
 - ``silu_mul_fp8_linear(gate [..., I], up [..., I], weight e4m3 [N, I], weight_scale_inv, bias?, act_quant) ->
   [..., N]``: ``fp8_linear(silu(gate) * up, ...)``, the gated MLP's down projection with its activation.
 - ``rms_norm_write_caches(x [N, S, Q], weight [Q], eps, kv_c [N, S, R], k_pe [N, S, dr], kv_cache, k [N, S, D]?,
@@ -132,6 +137,23 @@ def moe_fp8_shared(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_sca
 @moe_fp8_shared.register_fake
 def _(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, shared_w13, shared_w13_scale, shared_w2,
       shared_w2_scale, up_start):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("fxglm5::moe_router_fp8_shared", mutates_args=())
+def moe_router_fp8_shared(x: Tensor, router_weight: Tensor, correction_bias: Tensor, top_k: int, n_group: int,
+                          topk_group: int, renormalize: bool, scaling: float, expert_offset: Optional[Tensor],
+                          num_local: int, w13: Tensor, w13_scale: Optional[Tensor], w2: Tensor,
+                          w2_scale: Optional[Tensor], act_quant: bool, shared_w13: Tensor, shared_w13_scale: Tensor,
+                          shared_w2: Tensor, shared_w2_scale: Tensor, up_start: int) -> Tensor:
+    return ref.moe_router_fp8_shared(x, router_weight, correction_bias, top_k, n_group, topk_group, renormalize,
+                                     scaling, expert_offset, num_local, w13, w13_scale, w2, w2_scale, act_quant,
+                                     shared_w13, shared_w13_scale, shared_w2, shared_w2_scale, up_start)
+
+
+@moe_router_fp8_shared.register_fake
+def _(x, router_weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset, num_local,
+      w13, w13_scale, w2, w2_scale, act_quant, shared_w13, shared_w13_scale, shared_w2, shared_w2_scale, up_start):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 

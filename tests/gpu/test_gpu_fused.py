@@ -4,14 +4,17 @@ float64 too), moe_route_local over a rank's 32 of 256 experts, the router's GEMV
 (moe_router, also replayed from a CUDA graph), and the gated down GEMMs (dense MLP 1536, shared expert 256
 intermediate features per rank) on the decode path and the prefill path, also replayed from a CUDA graph (the
 split-K counters reset), and a rank's routed experts at decode batches, their split gate|up GEMM reduced by its last
-split CTAs, from a graph, alone and with the rank's shared expert run inside their launches (moe_fp8_shared)."""
+split CTAs, from a graph, alone and with the rank's shared expert run inside their launches (moe_fp8_shared), and
+the combine run by the down launch (each token's output tile by the CTA whose ticket completes it) against the
+combine kernel after the align kernel's layout, and the router run as the first tasks of the gate|up launch
+(moe_router_fp8_shared) against the router's own launch followed by the MoE's."""
 
 import pytest
 import torch
 
 from fxglm5.lowering.reference import fp8 as ref_fp8
 from fxglm5.lowering.reference import fused as ref
-from fxglm5.lowering.triton import f32_linear, fp8_gemm, fp8_parts, moe, norm_rope
+from fxglm5.lowering.triton import f32_linear, fp8_gemm, fp8_parts, moe, norm_rope, tasks
 from tests.helpers import tf32_rounded
 
 pytestmark = pytest.mark.gpu
@@ -251,7 +254,7 @@ def test_moe_rank_decode_with_the_shared_expert_in_its_launches(tokens, act_quan
     weights = torch.rand(tokens, 8, device="cuda", generator=g)
     routed = (x, ids, weights, w13, s13, w2, s2, act_quant)
     assert moe.scans(tokens, moe.pick_moe_config(tokens, 8, experts))
-    joined = moe._shared_launches(x, shared, 0, moe.pick_moe_config(tokens, 8, experts))
+    joined = moe._shared_launches(x, shared, (0, 0), moe.pick_moe_config(tokens, 8, experts))
     assert joined is not None and all(launch.meta["SPLIT_K"] > 1 for launch in joined[:2])
 
     def step():
@@ -275,3 +278,120 @@ def test_moe_rank_decode_with_the_shared_expert_in_its_launches(tokens, act_quan
         assert int(fp8_parts.tile_counters(x.device, 1).abs().sum()) == 0
     reference = ref.moe_fp8_shared(*routed, sw13, ss13, sw2, ss2, shared_inter)
     assert _rel(eager, reference) < 2e-2
+
+
+def _shared_expert_of_rank(g, act_quant):
+    """The shared expert's TP8 slice at GLM-5's widths: gate|up 512 x 6144 stacked, down 6144 x 256."""
+    h, shared_inter = 6144, 2048 // 8
+    sw13 = (torch.randn(2 * shared_inter, h, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    ss13 = torch.rand(2 * shared_inter // 128, h // 128, device="cuda", generator=g) * 0.01 + 0.002
+    sw2 = (torch.randn(h, shared_inter, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    ss2 = torch.rand(h // 128, shared_inter // 128, device="cuda", generator=g) * 0.01 + 0.002
+    return moe.SharedExpert(sw13, ss13, sw2, ss2, act_quant, shared_inter)
+
+
+def _rank_ids(tokens, experts, g):
+    """Top-8 ids local to a rank of ``experts`` (-1: another rank's), token 0 routed to no local expert."""
+    ids = (torch.rand(tokens, experts + 1, device="cuda", generator=g).topk(8).indices - 1).to(torch.int32)
+    ids[0] = -1
+    return ids
+
+
+@pytest.mark.parametrize("act_quant", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "routed_only"])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_moe_rank_decode_combines_in_the_down_launch(tokens, shared, act_quant, rank_experts):
+    """A rank's MoE layer at decode (EP8's 32 experts, GLM-5 widths, with or without the shared expert's TP8 slice):
+    the down launch combines (two launches, no combine kernel), bit for bit today's separate launches (the shared
+    expert's own two, then the align kernel, the two grouped GEMMs at the same K splits and the combine kernel),
+    token 0 routed to no local expert. Replayed twice from a CUDA graph over new ids (other ticket counts per
+    token): the separate launches' bits each time, and every counter back at 0."""
+    w13, s13, w2, s2 = rank_experts
+    experts, h = w13.shape[0], w13.shape[2]
+    g = torch.Generator(device="cuda").manual_seed(tokens + 20)
+    expert = _shared_expert_of_rank(g, act_quant) if shared else None
+    x = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
+    ids = _rank_ids(tokens, experts, g)
+    weights = torch.rand(tokens, 8, device="cuda", generator=g)
+    routed = (x, ids, weights, w13, s13, w2, s2, act_quant)
+    cfg = moe.pick_moe_config(tokens, 8, experts)
+    split1 = moe._split1(moe.num_blocks(tokens, 8, experts, cfg), h, w2.shape[2], cfg,
+                         torch.cuda.get_device_properties(0).multi_processor_count)
+
+    def separate():
+        addend = None if expert is None else moe.shared_expert(x, expert)
+        return moe.moe_fp8(*routed, addend=addend, config=dict(scan=False, SPLIT1=split1))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles outside the capture
+        eager, want = moe.moe_fp8(*routed, shared=expert), separate()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert torch.equal(eager, want)
+    assert int(fp8_parts.tile_counters(x.device, 1).abs().sum()) == 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.moe_fp8(*routed, shared=expert)
+    for seed in range(2):
+        ids.copy_(_rank_ids(tokens, experts, torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, separate())
+        assert int(fp8_parts.tile_counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("act_quant", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_moe_rank_decode_routes_in_the_gate_up_launch(tokens, act_quant, rank_experts):
+    """A TP8 / EP8 rank's MoE layer with its router at decode (fxglm5::moe_router_fp8_shared): GLM-5's router (256
+    experts of 6144, top-8, x 2.5, ids local to rank 7's 32 experts), the rank's experts and the shared expert's
+    TP8 slice, in two launches: the router's tiles, the shared gate|up and the routed gate|up as tasks of one launch
+    (the routed tiles spin until the routing CTA signals), then the down launch with the combine. Bit for bit the
+    router's own launch followed by moe_fp8's, 20 calls in a row (the tasks' interleavings differ from call to
+    call), then from a CUDA graph replayed twice over new tokens; every counter (the GEMMs' and the tasks') back at 0
+    after each; the reference op's value."""
+    w13, s13, w2, s2 = rank_experts
+    experts, h = w13.shape[0], w13.shape[2]
+    g = torch.Generator(device="cuda").manual_seed(tokens + 30)
+    shared = _shared_expert_of_rank(g, act_quant)
+    router = moe.Router(torch.randn(256, h, device="cuda", generator=g) / h ** 0.5,
+                        0.01 * torch.randn(256, device="cuda", generator=g), 8, 1, 1, True, 2.5,
+                        torch.tensor(32 * 7, dtype=torch.int32, device="cuda"), experts)
+    router.correction_bias[32 * 7:32 * 7 + 3] += 1.0  # every token picks three of the rank's experts, and five others
+    x = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
+    routed = (w13, s13, w2, s2, act_quant)
+    assert moe.router_joins(x, router, experts)
+
+    def fused():
+        return moe.moe_router_fp8(x, router, *routed, shared=shared)
+
+    def separate():
+        weights, ids = moe.moe_router(x, *router)
+        return moe.moe_fp8(x, ids, weights, *routed, shared=shared)
+
+    def counters_at_zero():
+        return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 1).any()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles outside the capture
+        eager, want = fused(), separate()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert torch.equal(eager, want) and counters_at_zero()
+    for _ in range(20):
+        assert torch.equal(fused(), want)
+    torch.cuda.synchronize()
+    assert counters_at_zero()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused()
+    for seed in range(2):
+        x.copy_(torch.randn(tokens, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, separate()) and counters_at_zero()
+    reference = ref.moe_router_fp8_shared(x, *router, *routed, shared.w13, shared.w13_scale, shared.w2,
+                                          shared.w2_scale, shared.up_start)
+    assert _rel(out, reference) < 2e-2

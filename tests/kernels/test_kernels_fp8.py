@@ -311,14 +311,15 @@ RAGGED_IDS = [[0, 1, 2], [0, 1, 3], [0, 5, 1], [0, 2, -1], [-1, -1, -1], [5, 0, 
 
 
 GEMMS_AND_COMBINE = ["_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+GEMMS = ["_moe_gemm_kernel", "_moe_gemm_kernel"]  # up to BLOCK_M tokens the down launch combines
 
 
 @pytest.mark.parametrize("scan", [True, False])
 @pytest.mark.parametrize("act_quant,dtype,split1", [(True, torch.bfloat16, 3), (False, torch.float32, 2)])
 def test_moe_fp8_split_gate_up_reduced_by_its_last_split(monkeypatch, act_quant, dtype, split1, scan):
     """SPLIT1 > 1: the gate|up GEMM's last split CTA of each (block, column tile) sums the partials and applies the
-    gate, so a call launches the two GEMMs and the combine only (and the align kernel where the GEMMs do not scan
-    the ids). Ragged expert loads, an expert no token picks, slots and a whole token routed to no local expert (-1,
+    gate, so a call launches the two GEMMs only where they scan the ids (the down launch combines), else the align
+    kernel, the two GEMMs and the combine. Ragged expert loads, an expert no token picks, slots and a whole token routed to no local expert (-1,
     expert parallelism); the counters end at zero."""
     t, e, k, inter, h = 7, 6, 3, 256, 384
     _, tw, w13, s13, w2, s2 = _moe_case(t, e, k, inter, h, 11)
@@ -333,7 +334,7 @@ def test_moe_fp8_split_gate_up_reduced_by_its_last_split(monkeypatch, act_quant,
     monkeypatch.setattr(moe, "_grouped", spy)
     names = _launched(monkeypatch)
     out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=dict(SPLIT1=split1, scan=scan))
-    assert names == ([] if scan else ["_align_kernel"]) + GEMMS_AND_COMBINE
+    assert names == (GEMMS if scan else ["_align_kernel"] + GEMMS_AND_COMBINE)
     assert splits[0] == (True, split1)  # the gated GEMM really was split
     want = ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant)
     assert _rel(out, want) < _tol(dtype, act_quant)
@@ -357,8 +358,8 @@ def _scan_case_ids(t, seed):
     (True, torch.bfloat16, 2, True), (False, torch.float32, 1, True), (True, torch.float32, 3, False),
     (False, torch.bfloat16, 2, True), (True, torch.bfloat16, 1, True)])
 def test_moe_fp8_scan_finds_the_align_layout(monkeypatch, t, act_quant, dtype, split1, fused_quant):
-    """Up to BLOCK_M tokens the GEMMs find their blocks from the ids and no align kernel runs (gate|up, down and
-    combine are the launches); each CTA finds the align kernel's layout (the b-th picked expert in id order, its
+    """Up to BLOCK_M tokens the GEMMs find their blocks from the ids and no align kernel runs (gate|up and down, which
+    combines, are the launches); each CTA finds the align kernel's layout (the b-th picked expert in id order, its
     entries in entry order), so the result is the align path's bit for bit, and the reference's value. Above
     BLOCK_M tokens the align kernel runs. Ragged loads, an expert no token picks, -1 slots, a full block at t = 16."""
     e, k, inter, h = 6, 3, 128, 256
@@ -385,11 +386,11 @@ def test_moe_fp8_scan_finds_the_align_layout(monkeypatch, t, act_quant, dtype, s
         return names
 
     out = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=cfg)
-    assert kernels(1) == ([] if t <= 16 else ["_align_kernel"]) + GEMMS_AND_COMBINE
+    assert kernels(1) == (GEMMS if t <= 16 else ["_align_kernel"] + GEMMS_AND_COMBINE)
     assert _rel(out, ref.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant)) < _tol(dtype, act_quant)
     if t <= 16:
         aligned = moe.moe_fp8(x, ids, tw, w13, s13, w2, s2, act_quant, config=dict(cfg, scan=False))
-        assert kernels(2)[3:] == ["_align_kernel"] + GEMMS_AND_COMBINE
+        assert kernels(2)[2:] == ["_align_kernel"] + GEMMS_AND_COMBINE
         assert torch.equal(out, aligned)
         rows = (moe.align_by_expert(ids, e, 16)[0] < t * k).nonzero().flatten()  # the align layout's real rows
         assert torch.equal(gated[0][rows], gated[1][rows])  # every entry's gate|up output at the same row

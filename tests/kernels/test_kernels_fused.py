@@ -1,8 +1,9 @@
 """The fuse_kernels stage's ops (fxglm5.ops.fused) in Triton, interpreted on the CPU, against their references (the
 chains they replace): add_rms_norm, f32_linear (the GEMV and the 3xTF32 GEMM, split-K fix-up, scales in turn),
-moe_route_local, moe_router (the GEMV and the routing in one launch), and the gated down GEMM silu_mul_fp8_linear
-on the decode path (the gate applied as A tiles load) and past it (one elementwise kernel first); bad inputs name the
-argument. Small shapes: CI runs it on 2 cores."""
+moe_route_local, moe_router (the GEMV and the routing in one launch), the gated down GEMM silu_mul_fp8_linear
+on the decode path (the gate applied as A tiles load) and past it (one elementwise kernel first), the MoE with its
+shared expert (moe_fp8_shared: the shared GEMMs in the routed launches, the combine in the down launch) and with its
+router too (moe_router_fp8_shared: the router in the gate|up launch); bad inputs name the argument. Small shapes: CI runs it on 2 cores."""
 
 import inspect
 import os
@@ -304,8 +305,9 @@ def _moe_with_shared(tokens, dtype, g, experts=8, hidden=256, inter=128, shared_
 @pytest.mark.parametrize("split_k", [False, True])
 def test_moe_fp8_shared_runs_the_shared_gemms_in_the_moe_launches(monkeypatch, tokens, act_quant, split_k):
     """Up to BLOCK_M tokens (the routed GEMMs' scan) the shared expert's gate|up and down GEMMs run as extra CTAs of
-    the routed gate|up and down launches: the combine and those two launches, no _gemm_kernel, and the bits of the
-    shared expert's own two launches followed by moe_fp8_add's; with split_k both shared GEMMs (and the routed
+    the routed gate|up and down launches, and the down launch combines: those two launches, no _gemm_kernel, no
+    _combine_kernel, and the bits of the shared expert's own two launches followed by moe_fp8_add's (and of the
+    combine kernel's, after the align kernel's layout); with split_k both shared GEMMs (and the routed
     ones) are split over K, reduced by their last CTAs, whose counters are back at 0; without, none is. Close to
     the float32 reference chain."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -332,7 +334,7 @@ def test_moe_fp8_shared_runs_the_shared_gemms_in_the_moe_launches(monkeypatch, t
 
     monkeypatch.setattr(InterpretedFunction, "run", record)
     fused = moe.moe_fp8(*routed, act_quant, shared=shared)
-    assert launched == ["_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+    assert launched == ["_moe_gemm_kernel", "_moe_gemm_kernel"]
     assert not fp8_parts.tile_counters(x.device, 1).any()
     gate_up = arguments[0]  # its routed tiles' counters (blocks x column tiles, where split) below the shared ones'
     if split_k:
@@ -340,10 +342,53 @@ def test_moe_fp8_shared_runs_the_shared_gemms_in_the_moe_launches(monkeypatch, t
         assert gate_up["s_cnt_ptr"].data_ptr() - gate_up["cnt_ptr"].data_ptr() >= 4 * routed_counters
     launched.clear()
     separate = moe.moe_fp8(*routed, act_quant, addend=moe.shared_expert(x, shared))
-    assert launched == ["_gemm_kernel", "_gemm_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+    assert launched == ["_gemm_kernel", "_gemm_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel"]
     assert torch.equal(fused, separate)
+    launched.clear()  # and today's combine launch after the align kernel's layout: the same bits
+    aligned = moe.moe_fp8(*routed, act_quant, addend=moe.shared_expert(x, shared), config=dict(scan=False))
+    assert launched[-4:] == ["_align_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+    assert torch.equal(fused, aligned)
+    assert not fp8_parts.tile_counters(x.device, 1).any()
     tol = 3e-2 if act_quant else 2e-2  # W8A8: the kernels quantize bf16 rows, the reference float32 ones
     assert _rel(fused, ref.moe_fp8_shared(*routed, act_quant, w13, s13, w2, s2, up_start)) < tol
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize("extra", ["none", "addend", "shared"])
+@pytest.mark.parametrize("split2", [1, 3])
+def test_the_down_launch_combines_what_the_combine_kernel_did(monkeypatch, tokens, extra, split2):
+    """Up to BLOCK_M tokens the down launch combines: each (block, column tile)'s last K split and each finished
+    shared tile take a ticket per token, the ticket that completes a token's count (its local slots, + the shared
+    tile) combines its tile; tokens with no local expert are written too (zeros, the addend, the shared row:
+    token 0 here). No combine launch, the bits of the combine kernel after the align kernel's layout (the same
+    per-element sums), and every counter back at zero for the next call."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fxglm5.lowering.triton import fp8_parts
+
+    monkeypatch.setitem(moe.MOE_DECODE, "SPLIT2", split2)
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(9))
+    x, ids = routed[0], routed[1].clone()
+    ids[0] = -1  # a token none of whose experts this rank holds
+    if tokens > 1:
+        ids[1] = torch.tensor([3, 5], dtype=torch.int32)  # a token with two local experts
+    routed = (x, ids, *routed[2:])
+    shared = moe.SharedExpert(w13, s13, w2, s2, False, up_start)
+    addend = torch.randn(x.shape, generator=torch.Generator().manual_seed(10)).to(x.dtype)
+    kwargs = {"none": {}, "addend": {"addend": addend}, "shared": {"shared": shared}}[extra]
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    fused = moe.moe_fp8(*routed, False, **kwargs)
+    assert launched == ["_moe_gemm_kernel", "_moe_gemm_kernel"]
+    assert not fp8_parts.tile_counters(x.device, 1).any()
+    if extra == "shared":
+        kwargs = {"addend": moe.shared_expert(x, shared)}
+    launched.clear()
+    aligned = moe.moe_fp8(*routed, False, config=dict(scan=False), **kwargs)
+    assert launched[-4:] == ["_align_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+    assert torch.equal(fused, aligned)
+    assert torch.equal(fused[0], kwargs["addend"][0] if kwargs else torch.zeros_like(fused[0]))
 
 
 @pytest.mark.parametrize("tokens, dtype", [(5, torch.float32), (20, torch.bfloat16)], ids=["float32", "prefill"])
@@ -362,6 +407,94 @@ def test_moe_fp8_shared_float32_and_past_the_scan(monkeypatch, tokens, dtype):
     assert torch.equal(fused, moe.moe_fp8(*routed, True, addend=moe.shared_expert(routed[0], shared)))
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert _rel(fused, ref.moe_fp8_shared(*routed, True, w13, s13, w2, s2, up_start)) < tol
+
+
+def _router_of(x, experts, seed, offset):
+    """A router over 3 * ``experts`` experts (float32 weight, small bias), top-2, ids local to ``experts`` of them
+    from ``offset`` (None: global ids, ``experts`` then all of them)."""
+    g = torch.Generator().manual_seed(seed)
+    total = experts if offset is None else 3 * experts
+    return moe.Router(torch.randn(total, x.shape[1], generator=g) / 16, 0.01 * torch.randn(total, generator=g), 2, 1,
+                      1, True, 2.5, None if offset is None else torch.tensor(offset, dtype=torch.int32), experts)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("offset", [None, 8], ids=["global", "local"])
+@pytest.mark.parametrize("split_k", [False, True])
+def test_moe_router_fp8_routes_in_the_gate_up_launch(monkeypatch, tokens, act_quant, offset, split_k):
+    """Up to BLOCK_M (and MAX_GEMV_ROWS) tokens the router's tiles, the shared expert's gate|up and the routed
+    gate|up are tasks of one launch, then the down launch combines: two launches, the bits of the router's own launch
+    followed by moe_fp8's (the routed tiles read the ids the routing CTA wrote in the same launch); the router's, the
+    GEMMs' and the tasks' counters are back at 0; with split_k the router, both gate|up GEMMs and the down are split
+    over K. Close to the reference op."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fxglm5.lowering.triton import fp8_parts, tasks
+
+    if not split_k:
+        monkeypatch.setitem(fp8_gemm.DECODE, "SPLIT_K", 1)
+        monkeypatch.setitem(moe.MOE_DECODE, "SPLIT1", 1)
+        monkeypatch.setitem(moe.MOE_DECODE, "SPLIT2", 1)
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(3))
+    x, experts = routed[0], routed[3:]
+    router = _router_of(x, experts[0].shape[0], tokens, offset)
+    shared = moe.SharedExpert(w13, s13, w2, s2, act_quant, up_start)
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    fused = moe.moe_router_fp8(x, router, *experts, act_quant, shared=shared)
+    assert launched == ["_router_gate_up_kernel", "_moe_gemm_kernel"]
+    assert not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 1).any()
+    launched.clear()
+    weights, ids = moe.moe_router(x, *router)
+    assert (ids >= 0).any()
+    assert torch.equal(fused, moe.moe_fp8(x, ids, weights, *experts, act_quant, shared=shared))
+    assert launched == ["_router_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel"]
+    reference = ref.moe_router_fp8_shared(x, *router, *experts, act_quant, w13, s13, w2, s2, up_start)
+    assert _rel(fused, reference) < (3e-2 if act_quant else 2e-2)
+
+
+@pytest.mark.parametrize("tokens", [3, 17])
+def test_moe_router_fp8_steered_ids_replace_the_routers(monkeypatch, tokens):
+    """bench/routing_load.py's steered load: the experts take the given ids, the router still runs in its launch
+    (two launches at decode) and its weights are used: moe_fp8 of those ids and the router's weights, bit for bit."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(6))
+    x, experts = routed[0], routed[3:]
+    router = _router_of(x, experts[0].shape[0], tokens, 8)
+    shared = moe.SharedExpert(w13, s13, w2, s2, False, up_start)
+    steered = routed[1]  # ids of the test's own
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    out = moe.moe_router_fp8(x, router, *experts, False, shared=shared, steered_ids=steered)
+    assert ("_router_gate_up_kernel" in launched) == (tokens <= 16)
+    weights, ids = moe.moe_router(x, *router)
+    assert not torch.equal(ids, steered)
+    assert torch.equal(out, moe.moe_fp8(x, steered, weights, *experts, False, shared=shared))
+
+
+@pytest.mark.parametrize("tokens, n_group", [(17, 1), (4, 2)], ids=["prefill", "group_limited"])
+def test_moe_router_fp8_keeps_the_router_launches_where_it_does_not_join(monkeypatch, tokens, n_group):
+    """Past BLOCK_M tokens (the router's float32 GEMM and route kernel, the align kernel) and with group-limited
+    routing (the reference's router) the router keeps its own launches before moe_fp8's: no router-and-gate|up
+    launch, the chain's bits."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(4))
+    x, experts = routed[0], routed[3:]
+    router = _router_of(x, experts[0].shape[0], tokens, 8)._replace(n_group=n_group)
+    shared = moe.SharedExpert(w13, s13, w2, s2, True, up_start)
+    assert not moe.router_joins(x, router, experts[0].shape[0])
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    fused = moe.moe_router_fp8(x, router, *experts, True, shared=shared)
+    assert "_router_gate_up_kernel" not in launched and "_router_kernel" not in launched
+    weights, ids = moe.moe_router(x, *router)
+    assert torch.equal(fused, moe.moe_fp8(x, ids, weights, *experts, True, shared=shared))
 
 
 @pytest.mark.parametrize("call, message", [

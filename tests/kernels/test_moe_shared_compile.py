@@ -3,12 +3,12 @@ compiled for sm_90 without a GPU (Triton's bundled ptxas) at one GLM-5 TP8 / EP8
 features, 32 local experts of 2048 intermediate features, top-8 (the GEMMs' scan), the shared expert's 2048
 intermediate features sliced by 8 (its gate|up 512 x 6144, its down 6144 x 256), on an H100's 132 SMs, both
 launches (gate|up with the routed split-K fold beside the shared gate|up's FIXUP; down with the shared down's gated A
-loads), W8A16 and W8A8, at 1 and 8 tokens: no local-memory spills, at least two CTAs an SM by registers, the PDL
-wait, and the shared tiles' acq_rel ticket beside the routed fold's.
+loads and the combine, as launched up to BLOCK_M tokens), W8A16 and W8A8, at 1 and 8 tokens: no local-memory spills,
+at least two CTAs an SM by registers, the PDL wait, and the shared tiles' acq_rel tickets beside the routed ones.
 
 Registers a thread, without / with the shared role, when written: gate|up W8A16 168 / 252 at 1 token, 224 / 221 at
-8; gate|up W8A8 about 220 either way; down 128 / 128-138 (the down launch alone spills 4 bytes at 8 tokens W8A8,
-with the shared role it does not). The W8A16 gate|up launch at 1 token thus drops from three CTAs an SM (its 72 KiB
+8; gate|up W8A8 about 220 either way; down with the combine W8A16 128 / 128, W8A8 149 / 158-160 (the combine's loop
+over the slots is not unrolled: unrolled, its loads took 255 registers and spilled). The W8A16 gate|up launch at 1 token thus drops from three CTAs an SM (its 72 KiB
 of shared memory's bound) to two: what that costs is the GPU's to measure (tests/gpu/test_gpu_fused.py)."""
 
 import re
@@ -52,7 +52,7 @@ def _compile(launch: str, tokens: int, act_quant: bool, shared: bool):
     kg, s_kg = k // 128, s_k // 128
     s_cfg = fp8_gemm.pick_config(tokens, s_n, s_k, act_quant, H100_SMS)
     s_split = triton.cdiv(s_kg, triton.cdiv(s_kg, s_cfg["SPLIT_K"]))
-    ints = {"n_entries": entries, "E": EXPERTS, "N": n, "K": k, "KG": kg, "TOP_K": TOP_K, "UP_SB": up_sb,
+    ints = {"n_entries": entries, "E": EXPERTS, "N": n, "K": k, "KG": kg, "UP_SB": up_sb,
             "stride_am": k, "stride_asm": k, "stride_we": (2 * n if gated else n) * k, "stride_wn": k,
             "stride_wse": (2 * n if gated else n) // 128 * kg, "stride_wsn": kg, "stride_cm": c_stride[0],
             "stride_cs": c_stride[1], "stride_hm": c_stride[2], "num_blocks": blocks}
@@ -61,19 +61,20 @@ def _compile(launch: str, tokens: int, act_quant: bool, shared: bool):
                  "s_stride_bsn": s_kg, "s_stride_cm": s_n, "s_stride_cs": tokens * s_n, "s_stride_um": s_a_stride}
     sig = {"a_ptr": f"*{a_type}", "as_ptr": f"*{a_type}", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "sorted_ptr": "*i32",
            "block_expert_ptr": "*i32", "ids_ptr": "*i32", "c_ptr": "*fp32", "h_ptr": f"*{h_type}" if gated else "*fp32",
-           "cnt_ptr": "*i32", **{name: "i32" for name in ints}, "s_a_ptr": "*bf16", "s_as_ptr": "*bf16",
+           "cnt_ptr": "*i32", "tw_ptr": "*fp32", "add_ptr": "*bf16", "out_ptr": "*bf16", "tcnt_ptr": "*i32",
+           **{name: "i32" for name in ints}, "s_a_ptr": "*bf16", "s_as_ptr": "*bf16",
            "s_b_ptr": "*fp8e4nv", "s_bs_ptr": "*fp32", "s_bias_ptr": "*bf16", "s_c_ptr": "*fp32", "s_out_ptr": "*bf16",
            "s_cnt_ptr": "*i32", "s_up_ptr": "*bf16", **{name: "i32" for name in s_ints},
            "S_KG_PER_SPLIT": "constexpr", **{name: "i32" for name in s_strides}}
     mode = 1 if act_quant else 2
-    const = dict(S_KG_PER_SPLIT=triton.cdiv(s_kg, s_split), GATED=gated, SPLIT_K=split, A_MODE=mode, DOT_F32=False,
+    const = dict(S_KG_PER_SPLIT=triton.cdiv(s_kg, s_split), TOP_K=TOP_K, GATED=gated, SPLIT_K=split, A_MODE=mode, DOT_F32=False,
                  INTERPRET=False, K_PER_SPLIT=triton.cdiv(kg, split), NO_K_MASK=True, SCALAR_SB=True,
                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N1" if gated else "BLOCK_N2"], SCAN=True,
                  BLOCK_IDS=max(16, triton.next_power_of_2(entries)), BLOCK_E=triton.next_power_of_2(EXPERTS + 1),
                  SHARED=shared, S_A_MODE=mode, S_GATED_A=not gated, S_DT=DTYPE_CODES[torch.bfloat16], S_DOT_F32=False,
                  S_INTERPRET=False, S_HAS_BIAS=False, S_SPLIT_K=s_split, S_FIXUP=s_split > 1, S_NO_K_MASK=True,
                  S_SCALAR_SB=True, S_BLOCK_M=s_cfg["BLOCK_M"], S_BLOCK_N=s_cfg["BLOCK_N"], S_GROUP_M=s_cfg["GROUP_M"],
-                 PDL=True)
+                 COMBINE=not gated, ADD=shared, DT=DTYPE_CODES[torch.bfloat16], PDL=True)
     sig.update({name: "constexpr" for name in const})
     names = list(sig)
     values = {**ints, **s_ints, **s_strides}
@@ -108,4 +109,5 @@ def test_the_shared_role_compiles_for_hopper_without_spills(reports, variant):
     assert _registers(r) * 128 * 2 <= 65536, r["ptxas"]  # 4 warps: two CTAs an SM
     assert "griddepcontrol.wait" in r["ptx"]
     tickets = len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", r["ptx"]))
-    assert tickets == len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", alone["ptx"])) + 1, "the shared tiles' ticket"
+    # the shared tiles' FIXUP ticket and, in the down launch, their tickets of the combine
+    assert tickets == len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", alone["ptx"])) + 1 + (variant[0] == "down")

@@ -5,6 +5,8 @@ recorded: on the node (``meta['fxglm5_backend']``), in the pass's details, and i
 import copy
 import dataclasses
 
+import re
+
 import pytest
 import torch
 
@@ -30,8 +32,9 @@ class TestLower(PassTemplate):
     # rms_norm_write_caches), the FP8 linears as fuse_shared_input_gemms leaves them (36 -> 20, the shared-indexer
     # model's 32 -> 20) less the 3 shared experts' 2 each, inside their MoE (1 of the 14 left silu_mul_fp8_linear),
     # the indexers (their head weights' f32_linears are inside rms_norm_write_caches, the routers' inside moe_router),
-    # the 4 attention ops, 3 routers and 3 MoE (no RoPE: the cache stage folded every one into the attention ops)
-    matches = {"fp8": 13 + 14 + 4 + 4 + 3 + 3, "shared": 13 + 14 + 2 + 4 + 3 + 3, "bf16": 41}
+    # the 4 attention ops and 3 MoE with their routers (no RoPE: the cache stage folded every one into the attention
+    # ops; fuse_router_into_moe every router into its MoE)
+    matches = {"fp8": 13 + 14 + 4 + 4 + 3, "shared": 13 + 14 + 2 + 4 + 3, "bf16": 38}
     ops = {"fp8": {}, "shared": {}}  # the nodes keep their ops (a bound op counts as the op it implements)
     near_misses = ("aten_rms_norm",)
 
@@ -109,7 +112,9 @@ def test_inspect_prints_what_runs_where(capsys):
     assert "  fp8_linear: triton x13\n" in out and "  sparse_mla: reference x4\n" in out
     assert "  silu_mul_fp8_linear: triton x1\n" in out and "  add_rms_norm: triton x8\n" in out
     assert "fuse_kernels fuse_shared_add_into_moe matches=3 (expected 3)" in out
-    assert "  moe_fp8_shared: triton x3\n" in out and "fuse_kernels fuse_shared_expert_into_moe matches=3 (expected 3)" in out
+    assert "fuse_kernels fuse_shared_expert_into_moe matches=3 (expected 3)" in out
+    assert "  moe_router_fp8_shared: triton x3\n" in out
+    assert re.search(r"fuse_kernels fuse_router_into_moe +matches=3 \(expected 3\)", out)
 
 
 def test_a_choice_reading_a_run_time_input_is_left_to_each_call(monkeypatch):

@@ -11,10 +11,11 @@ from fxglm5.runtime.runner import Runner
 from tests.helpers import random_model
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [7, 1, 8]]  # one longer than index_topk (8)
-# a decode step's MoE layer, launch by launch: the router (GEMV + routing), the routed experts' gate|up (SiLU * up
-# folded in) with the shared expert's gate|up as extra CTAs, their down GEMMs likewise (the shared one's gate folded
-# in), the combine (+ the shared row)
-DECODE_MOE = ["_router_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel", "_combine_kernel"]
+# a decode step's MoE layer, launch by launch: the router (GEMV + routing) as the first tasks of the routed experts'
+# gate|up launch (SiLU * up folded in; the shared expert's gate|up as more tasks; the routed tiles wait for the
+# routing), then their down GEMMs likewise (the shared one's gate folded in) with the combine (+ the shared row), each
+# token's output tile combined by the CTA that finishes it
+DECODE_MOE = ["_router_gate_up_kernel", "_moe_gemm_kernel"]
 # one decode step's attention block, from the stacked q_a | kv_a | wk GEMM to o_proj's: the query latent's norm with
 # both cache writes and the indexer's head weights, the stacked q_b | wq_b GEMM, the indexer (its logits and top-k in
 # one launch), the latent MLA, o_proj
@@ -28,8 +29,9 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     the indexer's logits and top-k are one launch in every step here (issue 45, item 5: at most 16 tokens, rows of
     one top-k round), the 3-token prompt's rows (their windows fit in the top-k) selected without scores beside the
     other prompt's;
-    a decode MoE layer launches DECODE_MOE (issue 45, item 4: the router's GEMV and its routing one launch, the
-    shared expert's GEMMs inside the routed experts' two launches: four launches, no _gemm_kernel among them).
+    a decode MoE layer launches DECODE_MOE (issue 45, item 4: the router's GEMV and its routing inside the experts'
+    gate|up launch, the shared expert's GEMMs inside the routed experts' two launches, the combine in the down
+    launch: two launches, no _gemm_kernel or _combine_kernel among them).
     The query latent's RMSNorm, both cache writes and the indexer's head weights are one launch per layer and step
     (fuse_cache_writes_into_q_norm, fuse_index_weights_into_q_norm; every step here is GEMV-sized, the prefill's 15
     tokens too): a decode step's attention block is DECODE_ATTENTION, no standalone norm, write or GEMV kernel among
@@ -52,11 +54,13 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     assert outputs["triton"] == outputs["reference"]
     assert "_indexer_topk_kernel" in launched and "_rope_kernel" not in launched
     assert "_indexer_logits_kernel" not in launched and "_segment_topk_kernel" not in launched
-    # every step's router (the prefill's 15 tokens and each decode step's 2, all GEMV-sized) is one launch: the GEMV's
-    # last CTA routes (moe_router), no route kernel after the router's GEMV
-    assert launched.count("_router_kernel") == 3 and "_route_kernel" not in launched
-    last = len(launched) - 1 - launched[::-1].index("_router_kernel")
-    assert launched[last:launched.index("_combine_kernel", last) + 1] == DECODE_MOE
+    # every step's router (the prefill's 15 tokens and each decode step's 2, all GEMV-sized) runs in its experts'
+    # gate|up launch: the GEMV's last CTA routes, no router or route kernel of its own
+    assert launched.count("_router_gate_up_kernel") == 3 and "_route_kernel" not in launched
+    assert "_router_kernel" not in launched
+    last = len(launched) - 1 - launched[::-1].index("_router_gate_up_kernel")
+    assert launched[last:last + len(DECODE_MOE)] == DECODE_MOE
+    assert "_combine_kernel" not in launched  # every step's tokens fit the down launch's combine
     assert "_write_latent_fp8_kernel" not in launched and "_write_index_kernel" not in launched
     assert "_f32_gemv_kernel" not in launched
     assert launched.count("_norm_write_caches_kernel") == 2 * 3  # both layers, the prefill and two decode steps

@@ -170,8 +170,10 @@ def moe_route(
     return weights * scaling_factor, ids.to(torch.int32)
 
 
-def check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale) -> tuple[int, int, int, int]:
-    """Validate moe_fp8 arguments; returns (T, E, H, I)."""
+def check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
+                     ids_given: bool = True) -> tuple[int, int, int, int]:
+    """Validate moe_fp8 arguments; returns (T, E, H, I). ``ids_given=False``: topk_ids is a buffer the router
+    writes in the experts' own launch, so it holds no values to check yet."""
     _check_tensor("x", x, ACT_DTYPES, 2)
     t, h = x.shape
     _check_tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2)
@@ -189,7 +191,7 @@ def check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale) ->
     _check(tuple(w2.shape[1:]) == (h, inter), f"w2: shape {tuple(w2.shape)}, expected ({e}, {h}, {inter})")
     for name, tt in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
         _check(tt.device == x.device, f"{name}: on {tt.device}, x is on {x.device}")
-    if topk_ids.device.type == "cpu" or not torch.cuda.is_current_stream_capturing():
+    if ids_given and (topk_ids.device.type == "cpu" or not torch.cuda.is_current_stream_capturing()):
         if topk_ids.numel():
             lo, hi = int(topk_ids.min()), int(topk_ids.max())
             _check(lo >= -1 and hi < e, f"topk_ids: values must be in [-1, {e}), got min {lo} max {hi}")

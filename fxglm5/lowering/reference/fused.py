@@ -110,6 +110,19 @@ def moe_fp8_shared(x: Tensor, ids: Tensor, weights: Tensor, w13: Tensor, w13_sca
     return moe_fp8_add(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, shared)
 
 
+def moe_router_fp8_shared(x: Tensor, router_weight: Tensor, correction_bias: Tensor, top_k: int, n_group: int,
+                          topk_group: int, renormalize: bool, scaling: float, expert_offset: Optional[Tensor],
+                          num_local: int, w13: Tensor, w13_scale: Optional[Tensor], w2: Tensor,
+                          w2_scale: Optional[Tensor], act_quant: bool, shared_w13: Tensor, shared_w13_scale: Tensor,
+                          shared_w2: Tensor, shared_w2_scale: Tensor, up_start: int) -> Tensor:
+    """The MoE layer whole, its router included, as the chain it replaces computes it: ``moe_router`` of x, then
+    ``moe_fp8_shared`` of x with those ids and weights."""
+    weights, ids = moe_router(x, router_weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling,
+                              expert_offset, num_local)
+    return moe_fp8_shared(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, shared_w13, shared_w13_scale,
+                          shared_w2, shared_w2_scale, up_start)
+
+
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` as the unfused graph computes it: silu rounded to gate's dtype, then the product."""
     return F.silu(gate) * up

@@ -8,8 +8,9 @@ of each column tile summing the partials in a fixed order (deterministic), apply
 reference does and writing the tile (the split-K fix-up of :mod:`fxglm5.lowering.triton.fp8_gemm`): one launch
 where the unfused graph ran a cast, a cuBLAS GEMM (a SIMT kernel and a split-K reduction at 8 rows) and a kernel
 per scale. The MoE router's GEMV runs inside ``moe._router_kernel`` (``fxglm5::moe_router``), whose last CTA then
-routes the rows: it launches the same tiles and splits (:func:`gemv_launch`) over the same helpers, so its logits are
-this kernel's bit for bit. (Why not a Triton IEEE float32 ``tl.dot`` for every row count: on an H200 it takes 23 us
+routes the rows, and as the first tasks of ``moe._router_gate_up_kernel`` (``fxglm5::moe_router_fp8_shared``): both
+run the same tiles and splits (:func:`gemv_launch`) over the same helpers, so their logits are this kernel's bit for
+bit. (Why not a Triton IEEE float32 ``tl.dot`` for every row count: on an H200 it takes 23 us
 a call at batch 1 and 300 us at 2048 rows, against 5.6 / 68 us for cuBLAS: bench/results/rank_at_depth/README.md. At
 8 rows the cuBLAS path cost about 1.1 ms of an H100's 39-layer decode step:
 bench/results/rank_at_depth_busiest_h100_0f645d0.)
@@ -83,7 +84,7 @@ def finish_tile(acc, ws_ptr, out_ptr, cnt_ptr, tile, mask, counter, pid_k, MN, s
     range: scaled and stored where K is not split; else the partial goes to its workspace slice and the tile's last
     CTA to arrive sums the slices in split order, applies the scales and resets the tile's counter. Returns whether
     this CTA wrote the tile (every CTA where K is not split, the tile's last split where it is): a kernel that goes
-    on from the finished output (``moe._router_kernel``) goes on in that CTA."""
+    on from the finished output (``moe._router_tile``) goes on in that CTA."""
     if SPLIT == 1:
         tl.store(out_ptr + tile, _scaled(acc, s0, s1, s2, s3, NUM_SCALES), mask=mask)
         wrote = True

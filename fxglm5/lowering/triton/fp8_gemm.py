@@ -109,7 +109,9 @@ def gemm_tile(
 ):
     """One CTA of :func:`_gemm_kernel`: output tile ``pid`` (in grouped order), K split ``pid_k``. Its own
     function so that a kernel of another GEMM can run tiles of this one as extra CTAs (the MoE's grouped GEMMs
-    run the shared expert's, :mod:`fxglm5.lowering.triton.moe`) with this kernel's math, bit for bit."""
+    run the shared expert's, :mod:`fxglm5.lowering.triton.moe`) with this kernel's math, bit for bit. Returns
+    whether this CTA wrote the tile's output (unsplit, or the FIXUP's last split; a split without FIXUP leaves it
+    to the reduce kernel): the CTA that may go on from the finished tile in the same launch (the MoE's combine)."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     # Grouped order: GROUP_M consecutive CTAs share one weight column tile while it is in L2.
@@ -162,7 +164,9 @@ def gemm_tile(
             acc += _dot(a, tl.trans(b.to(a.dtype)), DOT_F32) * _b_scale(s_b, SCALAR_SB)
 
     c_mask = m_mask[:, None] & n_mask[None, :]
+    finished = False
     if SPLIT_K == 1:
+        finished = True
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
@@ -177,7 +181,8 @@ def gemm_tile(
             # partials are read back from L2 (.cg), where other SMs' stores are coherent.
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
+            finished = arrived == SPLIT_K - 1
+            if finished:
                 tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for sp in range(0, SPLIT_K):
                     tot += tl.load(ws_tile + sp * stride_cs, mask=c_mask, other=0.0, cache_modifier=".cg")
@@ -186,6 +191,7 @@ def gemm_tile(
                 out_ptrs = out_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
                 tl.store(out_ptrs, tot.to(out_ptr.dtype.element_ty), mask=c_mask)
                 tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+    return finished
 
 
 @triton.jit

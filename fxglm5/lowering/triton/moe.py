@@ -9,9 +9,13 @@ rows, never by the data, so there is no host sync and the whole MoE can be captu
 blocks past the real end return at once. Padding rows carry the sentinel T*k. Up to BLOCK_M tokens (decode) no
 align kernel runs (:func:`scans`): a token picks an expert at most once, so each expert fits one block, and each
 GEMM CTA finds its block's expert (the b-th picked one in id order) and entries (in entry order) from the ids
-itself, the align kernel's layout exactly, over min(E, T*k) blocks; a MoE call is then three launches (gate|up,
-down, combine), not four, and with a shared expert (``fxglm5::moe_fp8_shared``) its two GEMMs run as extra CTAs of
-the first two (fp8_gemm's tile function and launch plan: the bits of their own launches), not two launches more.
+itself, the align kernel's layout exactly, over min(E, T*k) blocks, and the down launch combines (each token's
+output tile written by the CTA whose ticket completes it, :func:`_combine_tickets`): a MoE call is then two launches
+(gate|up, down), not four, and with a shared expert (``fxglm5::moe_fp8_shared``) its two GEMMs run as extra CTAs of
+those two (fp8_gemm's tile function and launch plan: the bits of their own launches), not two launches more. With
+its router too (``fxglm5::moe_router_fp8_shared``, :func:`moe_router_fp8`) the router's GEMV tiles are the first
+tasks of the gate|up launch (:func:`_router_gate_up_kernel`, :mod:`fxglm5.lowering.triton.tasks`): the MoE layer,
+router included, is still two launches.
 
 Kernels. One grouped GEMM kernel serves both projections: ``GATED`` loads the gate and the up tile of
 the same output columns side by side and writes ``silu(g) * u`` (fp32, in sorted row order; w13's scales
@@ -20,8 +24,9 @@ per K step whatever I is); the down projection reads those rows back and writes 
 output to its own (token, slot) row, optionally split over K (``SPLIT2``: more CTAs when only a few
 experts are touched). The gated GEMM can be split over K too (``SPLIT1``, decode): its splits write fp32
 gate|up partials and the last split to finish each tile sums them in a fixed order and applies the gate (the
-split-K fixup of :mod:`fxglm5.lowering.triton.fp8_gemm`, counters from ``tile_counters``); a combine kernel sums
-the splits and the k slots with the routing weights in a fixed order (deterministic, no atomics; ids of -1, expert-parallel padding, are skipped). The A/B scaling scheme is the one of
+split-K fixup of :mod:`fxglm5.lowering.triton.fp8_gemm`, counters from ``tile_counters``); the combine sums the
+splits and the k slots with the routing weights in a fixed order (deterministic; ids of -1, expert-parallel
+padding, are skipped), in its own kernel or, up to BLOCK_M tokens, in the down launch. The A/B scaling scheme is the one of
 :mod:`fxglm5.lowering.triton.fp8_gemm` (BLOCK_K = 128, one scale pair per K step), and so is the choice
 to load padding rows (a real row, never stored) instead of masking them; only a K tail (H or I not a
 multiple of 128) is masked, and only where it exists (``NO_K_MASK``). Decode (few tokens) is bound
@@ -42,6 +47,7 @@ from fxglm5 import settings
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.reference import fused as ref_fused
+from fxglm5.lowering.triton import tasks
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.f32_linear import (
     f32_linear, finish_tile, gemv_launch, gemv_tile_start, gemv_tile_sum, is_gemv,
@@ -115,24 +121,22 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, offset_ptr, E, num_local
 
 
 @triton.jit
-def _router_kernel(x_ptr, rw_ptr, part_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr, offset_ptr, M, E, K,
-                   stride_xm, stride_rw, num_local, scaling, STEPS: tl.constexpr, SPLIT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, RENORM: tl.constexpr,
-                   LOCAL: tl.constexpr, PDL: tl.constexpr):
-    """The router in one launch (up to MAX_GEMV_ROWS tokens): f32_linear's GEMV of the M rows of x by the router
-    weight rw [E, K] (one expert tile x one K split per CTA, the tile's last split summing the partials in split
-    order: ``f32_linear._f32_gemv_kernel``'s sums, bit for bit, into the [M, E] logits), then a ticket on the
-    step's counter ``cnt[tiles]`` (after the tiles' own) taken by each tile's finishing CTA once its logits are
-    stored; the CTA that takes the last routes every row (:func:`_route_rows`, as :func:`_route_kernel` does) and
-    resets the counter, so the next call and a CUDA-graph replay start from zero."""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_n, w_rows, w = gemv_tile_start(rw_ptr, E, K, stride_rw, pid_n, pid_k, STEPS, BLOCK_N, BLOCK_K)
-    pdl_prologue(PDL)
+def _router_tile(x_ptr, part_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr, offset_ptr, task_ptr, M, E, K,
+                 stride_xm, num_local, scaling, pid_n, pid_k, tiles, offs_n, w_rows, w, STEPS: tl.constexpr,
+                 SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
+                 BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, RENORM: tl.constexpr,
+                 LOCAL: tl.constexpr, SIGNAL: tl.constexpr):
+    """Expert tile ``pid_n`` (of ``tiles``) x K split ``pid_k`` of the router, after the PDL wait (``w``: its first
+    weight tile, :func:`gemv_tile_start`): f32_linear's GEMV of the M rows of x by the router weight [E, K], the
+    tile's last split summing the partials in split order (``f32_linear._f32_gemv_kernel``'s sums, bit for bit,
+    into the [M, E] logits), then a ticket on the step's counter ``cnt[tiles]`` (after the tiles' own) taken by
+    each tile's finishing CTA once its logits are stored; the CTA that takes the last routes every row
+    (:func:`_route_rows`, as :func:`_route_kernel` does), resets the counter, so the next call and a CUDA-graph
+    replay start from zero, and with SIGNAL publishes the routing to the tasks that wait on it (``tasks.signal`` of
+    dependency 0 of ``task_ptr``)."""
     acc, tile, mask = gemv_tile_sum(x_ptr, stride_xm, M, E, K, offs_n, w_rows, w, pid_k, STEPS, BLOCK_M, BLOCK_K)
     if finish_tile(acc, part_ptr, logits_ptr, cnt_ptr, tile, mask, pid_n, pid_k, M * E, 1.0, 1.0, 1.0, 1.0, 0,
                    SPLIT):
-        tiles = tl.num_programs(0)
         tl.debug_barrier()  # the tile's logits stored before its arrival is published (as the split partials are)
         if tl.atomic_add(cnt_ptr + tiles, 1, sem="acq_rel", scope="gpu") == tiles - 1:
             for r0 in tl.static_range(0, BLOCK_M, ROUTE_ROWS):
@@ -140,6 +144,24 @@ def _router_kernel(x_ptr, rw_ptr, part_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr
                 _route_rows(logits_ptr, rows, rows < M, bias_ptr, w_ptr, ids_ptr, offset_ptr, E, num_local,
                             scaling, TOP_K, BLOCK_E, BLOCK_TOPK, RENORM, LOCAL)
             tl.atomic_xchg(cnt_ptr + tiles, 0, sem="relaxed", scope="gpu")
+            if SIGNAL:
+                tasks.signal(task_ptr, 0)
+
+
+@triton.jit
+def _router_kernel(x_ptr, rw_ptr, part_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr, offset_ptr, M, E, K,
+                   stride_xm, stride_rw, num_local, scaling, STEPS: tl.constexpr, SPLIT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, RENORM: tl.constexpr,
+                   LOCAL: tl.constexpr, PDL: tl.constexpr):
+    """The router in one launch (up to MAX_GEMV_ROWS tokens): one :func:`_router_tile` a program, its first weight
+    tile requested before the PDL wait."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n, w_rows, w = gemv_tile_start(rw_ptr, E, K, stride_rw, pid_n, pid_k, STEPS, BLOCK_N, BLOCK_K)
+    pdl_prologue(PDL)
+    _router_tile(x_ptr, part_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr, offset_ptr, cnt_ptr, M, E, K,
+                 stride_xm, num_local, scaling, pid_n, pid_k, tl.num_programs(0), offs_n, w_rows, w, STEPS, SPLIT,
+                 BLOCK_M, BLOCK_K, TOP_K, BLOCK_E, BLOCK_TOPK, ROUTE_ROWS, RENORM, LOCAL, False)
 
 
 def _route_launch(top_k: int, e: int, renormalize: bool, expert_offset) -> dict:
@@ -183,33 +205,76 @@ def router_fuses(rows: int, n_group: int) -> bool:
     return is_gemv(rows) and n_group == 1
 
 
+class Router(NamedTuple):
+    """A MoE layer's router, as ``fxglm5::moe_router`` takes it: the float32 weight [E, H], the correction bias and
+    the routing's settings; ``expert_offset`` (an int32 scalar tensor, or None) makes the ids local to experts
+    [offset, offset + num_local)."""
+    weight: torch.Tensor
+    correction_bias: torch.Tensor
+    top_k: int
+    n_group: int
+    topk_group: int
+    renormalize: bool
+    scaling: float
+    expert_offset: torch.Tensor | None = None
+    num_local: int = 0
+
+
+class RouterLaunch(NamedTuple):
+    """The router's launch (:func:`_router_tile`'s arguments, its constexprs and its (expert tiles, K splits) grid)
+    writing the routing weights ``w`` and ``ids``."""
+    grid: tuple[int, int]
+    args: tuple
+    meta: dict
+    w: torch.Tensor
+    ids: torch.Tensor
+
+
+def _router_launch(x, router: Router, counter_offset: int = 0, out=None) -> RouterLaunch | None:
+    """The one-launch router's arguments over ``x`` (checked as :func:`moe_router` checks them), its expert tiles'
+    counters and the step's ``counter_offset`` into :func:`tile_counters`, writing into ``out`` (weights, ids) if
+    given; None where it does not fuse (:func:`router_fuses`)."""
+    weight = router.weight
+    ref_fused.validate_f32_linear(x, weight, [])
+    e, k = weight.shape
+    rows = x.numel() // k
+    if not router_fuses(rows, router.n_group):
+        return None
+    logits = torch.empty(rows, e, dtype=torch.float32, device=x.device)
+    ref.check_route_inputs(logits, router.correction_bias, router.top_k, router.n_group, router.topk_group)
+    ref._check(e <= 1024, f"weight: {e} experts, the Triton router handles at most 1024")
+    x2, weight = x.reshape(rows, k).contiguous(), weight.contiguous()
+    w, ids = routing_outputs(rows, router.top_k, x.device) if out is None else out
+    grid, cfg = gemv_launch(e, k, rows, num_sms(x.device))
+    part = torch.empty(cfg["SPLIT"], rows, e, dtype=torch.float32, device=x.device) if cfg["SPLIT"] > 1 else logits
+    counters = tile_counters(x.device, counter_offset + grid[0] + 1)[counter_offset:]  # the tiles', the step's
+    local = router.expert_offset is not None
+    args = (x2, weight, part, logits, counters, router.correction_bias.contiguous(), w, ids,
+            router.expert_offset if local else ids, rows, e, k, x2.stride(0), weight.stride(0), int(router.num_local),
+            float(router.scaling))
+    meta = dict(BLOCK_TOPK=triton.next_power_of_2(router.top_k), ROUTE_ROWS=min(cfg["BLOCK_M"], ROUTE_ROWS),
+                **_route_launch(router.top_k, e, router.renormalize, router.expert_offset), **cfg)
+    return RouterLaunch(grid, args, meta, w, ids)
+
+
+def routing_outputs(rows: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (weights float32 [rows, k], ids int32 [rows, k]) of a routing."""
+    return (torch.empty(rows, top_k, dtype=torch.float32, device=device),
+            torch.empty(rows, top_k, dtype=torch.int32, device=device))
+
+
 def moe_router(x, weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling_factor,
                expert_offset=None, num_local=0):
     """``fxglm5::moe_router``: the router's float32 logits ``x.float() @ weight.T`` routed as :func:`moe_route` does
     (ids local to experts [offset, offset + num_local) with ``expert_offset``); one launch where
     :func:`router_fuses`, else f32_linear's kernel then the route kernel."""
-    ref_fused.validate_f32_linear(x, weight, [])
-    e, k = weight.shape
-    rows = x.numel() // k
-    if not router_fuses(rows, n_group):
+    launch = _router_launch(x, Router(weight, correction_bias, top_k, n_group, topk_group, renormalize,
+                                      scaling_factor, expert_offset, num_local))
+    if launch is None:
         return moe_route(f32_linear(x, weight, [], validate=False), correction_bias, top_k, n_group, topk_group,
                          renormalize, scaling_factor, expert_offset, num_local)
-    logits = torch.empty(rows, e, dtype=torch.float32, device=x.device)
-    ref.check_route_inputs(logits, correction_bias, top_k, n_group, topk_group)
-    ref._check(e <= 1024, f"weight: {e} experts, the Triton router handles at most 1024")
-    x2, weight = x.reshape(rows, k).contiguous(), weight.contiguous()
-    w = torch.empty(rows, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(rows, top_k, dtype=torch.int32, device=x.device)
-    grid, cfg = gemv_launch(e, k, rows, num_sms(x.device))
-    part = torch.empty(cfg["SPLIT"], rows, e, dtype=torch.float32, device=x.device) if cfg["SPLIT"] > 1 else logits
-    counters = tile_counters(x.device, grid[0] + 1)  # one per expert tile, then the step's
-    local = expert_offset is not None
-    _router_kernel[grid](x2, weight, part, logits, counters, correction_bias.contiguous(), w, ids,
-                         expert_offset if local else ids, rows, e, k, x2.stride(0), weight.stride(0), int(num_local),
-                         float(scaling_factor), BLOCK_TOPK=triton.next_power_of_2(top_k),
-                         ROUTE_ROWS=min(cfg["BLOCK_M"], ROUTE_ROWS),
-                         **_route_launch(top_k, e, renormalize, expert_offset), **cfg, **pdl(x.device))
-    return w, ids
+    _router_kernel[launch.grid](*launch.args, **launch.meta, **pdl(x.device))
+    return launch.w, launch.ids
 
 
 # --------------------------------------------------------------------------------------- alignment
@@ -294,53 +359,73 @@ def align_by_expert(topk_ids: torch.Tensor, e: int, block_m: int, use_triton: bo
 
 # -------------------------------------------------------------------------------------- grouped GEMM
 @triton.jit
-def _moe_gemm_kernel(
+def _grouped_cta(
+    pid_b, pid_n, pid_k, num_n, num_k,
     a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
-    n_entries, E, N, K, KG, TOP_K, UP_SB,
+    tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm,
     num_blocks, s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr,
     S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT: tl.constexpr,
     s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn, s_stride_cm, s_stride_cs, s_stride_um,
-    GATED: tl.constexpr, SPLIT_K: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr,
     INTERPRET: tl.constexpr, K_PER_SPLIT: tl.constexpr, NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, BLOCK_IDS: tl.constexpr,
     BLOCK_E: tl.constexpr, SHARED: tl.constexpr, S_A_MODE: tl.constexpr, S_GATED_A: tl.constexpr,
     S_DT: tl.constexpr, S_DOT_F32: tl.constexpr, S_INTERPRET: tl.constexpr, S_HAS_BIAS: tl.constexpr,
     S_SPLIT_K: tl.constexpr, S_FIXUP: tl.constexpr, S_NO_K_MASK: tl.constexpr, S_SCALAR_SB: tl.constexpr,
-    S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr, S_GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr, S_GROUP_M: tl.constexpr, COMBINE: tl.constexpr,
+    ADD: tl.constexpr, DT: tl.constexpr,
 ):
-    """GATED: c[row] = silu(A W_g^T) * (A W_u^T) with A rows gathered from x (token = entry // TOP_K),
+    """One CTA of the grouped GEMM: (pid_b, pid_n, pid_k) of a (blocks [+ shared rows], num_n, num_k) grid, as
+    :func:`_moe_gemm_kernel` launches it or :func:`_router_gate_up_kernel` numbers its tasks.
+    GATED: c[row] = silu(A W_g^T) * (A W_u^T) with A rows gathered from x (token = entry // TOP_K),
     c in sorted row order. GATED over SPLIT_K > 1 splits: c[split, row] = this split's partial [A W_g^T | A W_u^T],
     and the last split to finish a (block, column tile) sums the tile's partials in split order, applies the gate
     and writes h[row] (the gated output), then resets the tile's counter ``cnt[pid_b * num_n + pid_n]``; the fold
     of the gate into the GEMM saves a launch per MoE call (decode, where the gate|up GEMM is split).
     Not GATED: c[split, entry] = partial A W^T over this split's K groups, A in sorted row order (the GATED
-    output); the combine kernel sums the splits.
+    output); the combine (its kernel, or this launch with COMBINE) sums the splits.
     Block b's expert and rows come from the align kernel (``block_expert``, ``sorted_ids``) or, with SCAN (at most
     BLOCK_M tokens, so each expert fills at most one block), from the [T*k] ids: the b-th expert in id order that
     some entry picks, and its entries in entry order, padded with the sentinel ``n_entries``: the same layout.
     SHARED: the CTAs past the ``num_blocks`` row blocks run the shared expert's GEMM (the ``s_`` / ``S_`` arguments:
     ``fp8_gemm._gemm_kernel``'s, its tiles and K splits numbered across those CTAs, the surplus returning at once)
-    with that kernel's own tile function, so its output has the bits of its own launch (:func:`moe_fp8`)."""
-    pdl_prologue(PDL)
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    with that kernel's own tile function, so its output has the bits of its own launch (:func:`moe_fp8`).
+    COMBINE (not GATED, at most BLOCK_M tokens): the combine runs in this launch (:func:`_combine_tickets`): each
+    (block, column tile)'s last K split (an acq_rel ticket on ``cnt``, as the gated fold's) and each finished shared
+    tile take a ticket per token on ``tcnt``, and the CTA that completes a token's count writes ``out`` from the
+    partials c, the routing weights ``tw`` and, with ADD, ``add`` (the shared expert's output, or a given addend);
+    CTA (0, j, 0) writes column tile j of the tokens with nothing to wait for (no local expert, no shared one)."""
     if SHARED:
         if pid_b >= num_blocks:
-            cta = ((pid_b - num_blocks) * tl.num_programs(1) + pid_n) * tl.num_programs(2) + pid_k
+            cta = ((pid_b - num_blocks) * num_n + pid_n) * num_k + pid_k
             tiles = tl.cdiv(S_M, S_BLOCK_M) * tl.cdiv(S_N, S_BLOCK_N)
             if cta < tiles * S_SPLIT_K:
-                gemm_tile(s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr,
-                          cta % tiles, cta // tiles, S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT, s_stride_am, s_stride_asm,
-                          s_stride_bn, s_stride_bsn, s_stride_cm, s_stride_cs, s_stride_um, S_A_MODE, S_GATED_A, S_DT,
-                          S_DOT_F32, S_INTERPRET, S_HAS_BIAS, S_SPLIT_K, S_FIXUP, S_NO_K_MASK, S_SCALAR_SB, S_BLOCK_M,
-                          S_BLOCK_N, S_GROUP_M)
+                finished = gemm_tile(s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr,
+                                     s_up_ptr, cta % tiles, cta // tiles, S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT,
+                                     s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn, s_stride_cm, s_stride_cs,
+                                     s_stride_um, S_A_MODE, S_GATED_A, S_DT, S_DOT_F32, S_INTERPRET, S_HAS_BIAS,
+                                     S_SPLIT_K, S_FIXUP, S_NO_K_MASK, S_SCALAR_SB, S_BLOCK_M, S_BLOCK_N, S_GROUP_M)
+                if COMBINE:  # one M tile, the routed tiles' columns (moe_fp8 checks): tile = column tile
+                    if finished:
+                        tokens = tl.arange(0, BLOCK_M)
+                        cols = (cta % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+                        _combine_tickets(tcnt_ptr, tokens, tokens < S_M, cta % tiles, num_n, c_ptr, ids_ptr, tw_ptr,
+                                         add_ptr, out_ptr, cols, cols < N, N, stride_cs, TOP_K, SPLIT_K, ADD, DT, True)
             return
+    if COMBINE and not SHARED:
+        if (pid_b == 0) & (pid_k == 0):
+            tokens = tl.arange(0, BLOCK_M)
+            real = tokens < n_entries // TOP_K
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _combine_rows(c_ptr, ids_ptr, tw_ptr, add_ptr, out_ptr, tokens,
+                          real & (_local_slots(ids_ptr, tokens, real, TOP_K) == 0), cols, cols < N, N, stride_cs,
+                          TOP_K, SPLIT_K, ADD, DT)
     rows = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
     if SCAN:
         offs_i = tl.arange(0, BLOCK_IDS)
-        ids = tl.load(ids_ptr + offs_i, mask=offs_i < n_entries, other=-1)
+        # from L2: in the router's launch another CTA wrote them (:func:`_router_gate_up_kernel`)
+        ids = tl.load(ids_ptr + offs_i, mask=offs_i < n_entries, other=-1, cache_modifier=".cg")
         key = tl.where(ids >= 0, ids, E)  # -1 (no local expert) and padding lanes -> bucket E, never picked
         eo = tl.arange(0, BLOCK_E)
         picked = (tl.histogram(key, BLOCK_E) > 0) & (eo < E)
@@ -415,7 +500,7 @@ def _moe_gemm_kernel(
         tl.store(c_ptrs + pid_k * stride_cs, acc, mask=c_mask)
         tl.store(c_ptrs + pid_k * stride_cs + N, acc_u, mask=c_mask)
         tl.debug_barrier()
-        cnt = cnt_ptr + pid_b * tl.num_programs(1) + pid_n
+        cnt = cnt_ptr + pid_b * num_n + pid_n
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
             gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -435,30 +520,177 @@ def _moe_gemm_kernel(
         c_rows = entry
     c_ptrs = c_ptr + pid_k * stride_cs + c_rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    if COMBINE:
+        last = True
+        if SPLIT_K > 1:  # the tile's last split takes its tokens' tickets once every split's partial is stored
+            tl.debug_barrier()
+            cnt = cnt_ptr + pid_b * num_n + pid_n
+            last = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+            if last:
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+        if last:
+            _combine_tickets(tcnt_ptr, entry // TOP_K, valid, pid_n, num_n, c_ptr, ids_ptr, tw_ptr, add_ptr,
+                             out_ptr, offs_n, n_mask, N, stride_cs, TOP_K, SPLIT_K, ADD, DT, SHARED)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
+    tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm,
+    num_blocks, s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr,
+    S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT: tl.constexpr,
+    s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn, s_stride_cm, s_stride_cs, s_stride_um,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr,
+    INTERPRET: tl.constexpr, K_PER_SPLIT: tl.constexpr, NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, BLOCK_IDS: tl.constexpr,
+    BLOCK_E: tl.constexpr, SHARED: tl.constexpr, S_A_MODE: tl.constexpr, S_GATED_A: tl.constexpr,
+    S_DT: tl.constexpr, S_DOT_F32: tl.constexpr, S_INTERPRET: tl.constexpr, S_HAS_BIAS: tl.constexpr,
+    S_SPLIT_K: tl.constexpr, S_FIXUP: tl.constexpr, S_NO_K_MASK: tl.constexpr, S_SCALAR_SB: tl.constexpr,
+    S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr, S_GROUP_M: tl.constexpr, COMBINE: tl.constexpr,
+    ADD: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
+):
+    """The grouped GEMM launch: one :func:`_grouped_cta` a program."""
+    pdl_prologue(PDL)
+    _grouped_cta(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), tl.num_programs(2),
+                a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
+                tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB, stride_am, stride_asm,
+                stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm, num_blocks,
+                s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr, S_M,
+                S_N, S_K, S_KG, S_KG_PER_SPLIT, s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn,
+                s_stride_cm, s_stride_cs, s_stride_um, TOP_K, GATED, SPLIT_K, A_MODE, DOT_F32, INTERPRET,
+                K_PER_SPLIT, NO_K_MASK, SCALAR_SB, BLOCK_M, BLOCK_N, SCAN, BLOCK_IDS, BLOCK_E, SHARED, S_A_MODE,
+                S_GATED_A, S_DT, S_DOT_F32, S_INTERPRET, S_HAS_BIAS, S_SPLIT_K, S_FIXUP, S_NO_K_MASK,
+                S_SCALAR_SB, S_BLOCK_M, S_BLOCK_N, S_GROUP_M, COMBINE, ADD, DT)
+
+
+@triton.jit
+def _router_gate_up_kernel(
+    x_ptr, rw_ptr, part_ptr, logits_ptr, rcnt_ptr, bias_ptr, rids_ptr, offset_ptr, task_ptr, R_E, stride_xm,
+    stride_rw, num_local, scaling, num_n, num_k, shared_rows,
+    a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
+    tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm,
+    num_blocks, s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr,
+    S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT: tl.constexpr,
+    s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn, s_stride_cm, s_stride_cs, s_stride_um,
+    TOP_K: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, A_MODE: tl.constexpr, DOT_F32: tl.constexpr,
+    INTERPRET: tl.constexpr, K_PER_SPLIT: tl.constexpr, NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, BLOCK_IDS: tl.constexpr,
+    BLOCK_E: tl.constexpr, SHARED: tl.constexpr, S_A_MODE: tl.constexpr, S_GATED_A: tl.constexpr,
+    S_DT: tl.constexpr, S_DOT_F32: tl.constexpr, S_INTERPRET: tl.constexpr, S_HAS_BIAS: tl.constexpr,
+    S_SPLIT_K: tl.constexpr, S_FIXUP: tl.constexpr, S_NO_K_MASK: tl.constexpr, S_SCALAR_SB: tl.constexpr,
+    S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr, S_GROUP_M: tl.constexpr, COMBINE: tl.constexpr,
+    ADD: tl.constexpr, DT: tl.constexpr,
+    R_TILES: tl.constexpr, R_STEPS: tl.constexpr, R_SPLIT: tl.constexpr, R_BLOCK_M: tl.constexpr,
+    R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_BLOCK_E: tl.constexpr, R_BLOCK_TOPK: tl.constexpr,
+    ROUTE_ROWS: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr,
+):
+    """The router and the gated grouped GEMM in one launch (up to BLOCK_M tokens, :func:`moe_fp8` with a
+    ``router``), a launch of tasks (:mod:`fxglm5.lowering.triton.tasks`): each CTA takes a task id. Tasks
+    [0, R_TILES * R_SPLIT) are the router's expert tiles x K splits (:func:`_router_tile`; the CTA that routes
+    writes the weights ``tw`` and the ids ``rids``, the ``ids`` the GEMMs read unless a benchmark steers them, and
+    signals dependency 0); then the shared expert's gate|up CTAs
+    (``shared_rows`` rows of num_n x num_k tasks, :func:`_grouped_cta` past ``num_blocks``), which need no routing;
+    then the routed blocks' CTAs, which wait for the routing before they read the ids (from L2) to find their
+    expert. Every task waits only on tasks before it, so the launch cannot deadlock (tasks' module doc). The PDL
+    wait comes first: a task's weights are known only once its id is taken."""
+    pdl_prologue(PDL)
+    task = tasks.take(task_ptr)
+    if task < R_TILES * R_SPLIT:
+        pid_n, pid_k = task % R_TILES, task // R_TILES
+        offs_n, w_rows, w = gemv_tile_start(rw_ptr, R_E, K, stride_rw, pid_n, pid_k, R_STEPS, R_BLOCK_N, R_BLOCK_K)
+        _router_tile(x_ptr, part_ptr, logits_ptr, rcnt_ptr, bias_ptr, tw_ptr, rids_ptr, offset_ptr, task_ptr,
+                     n_entries // TOP_K, R_E, K, stride_xm, num_local, scaling, pid_n, pid_k, R_TILES, offs_n, w_rows,
+                     w, R_STEPS, R_SPLIT, R_BLOCK_M, R_BLOCK_K, TOP_K, R_BLOCK_E, R_BLOCK_TOPK, ROUTE_ROWS, RENORM,
+                     LOCAL, True)
+    else:
+        cta = task - R_TILES * R_SPLIT
+        row = cta // (num_n * num_k)
+        pid_b = num_blocks + row
+        if row >= shared_rows:
+            pid_b = row - shared_rows
+            tasks.wait(task_ptr, 0, 1)
+        _grouped_cta(pid_b, cta % (num_n * num_k) // num_k, cta % num_k, num_n, num_k,
+                a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
+                tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB, stride_am, stride_asm,
+                stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm, num_blocks,
+                s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr, S_M,
+                S_N, S_K, S_KG, S_KG_PER_SPLIT, s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn,
+                s_stride_cm, s_stride_cs, s_stride_um, TOP_K, GATED, SPLIT_K, A_MODE, DOT_F32, INTERPRET,
+                K_PER_SPLIT, NO_K_MASK, SCALAR_SB, BLOCK_M, BLOCK_N, SCAN, BLOCK_IDS, BLOCK_E, SHARED, S_A_MODE,
+                S_GATED_A, S_DT, S_DOT_F32, S_INTERPRET, S_HAS_BIAS, S_SPLIT_K, S_FIXUP, S_NO_K_MASK,
+                S_SCALAR_SB, S_BLOCK_M, S_BLOCK_N, S_GROUP_M, COMBINE, ADD, DT)
+    tasks.finish(task_ptr, 1)
+
+
+@triton.jit
+def _combine_rows(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, tokens, rows, cols, col_mask, H, stride_ys,
+                  TOP_K: tl.constexpr, SPLIT: tl.constexpr, ADD: tl.constexpr, DT: tl.constexpr):
+    """out[t, cols] for the tokens ``tokens`` [R] (``rows``: the ones to write) = sum_j w[t, j] * sum_s y[s, t*k + j]
+    over the slots with id >= 0, in that fixed order (deterministic); with ``ADD``, rounded to the output dtype and
+    then + add[t] (the shared expert's row), the unfused graph's two rounding points. Every element's operations
+    are the same whatever R and the column count, so :func:`_combine_kernel` (one token a program) and the down
+    launch's combining CTAs (a tile's tokens at once, :func:`_combine_tickets`) give the same bits. Loads from L2
+    (.cg): in the down launch y and add were written by other CTAs of the grid."""
+    t64 = tokens.to(tl.int64)
+    mask = rows[:, None] & col_mask[None, :]
+    acc = tl.zeros((tokens.shape[0], cols.shape[0]), dtype=tl.float32)
+    for j in range(TOP_K):  # a loop, not unrolled: every slot's loads issued at once would take 255 registers
+        ok = tl.load(ids_ptr + tokens * TOP_K + j, mask=rows, other=-1) >= 0
+        wj = tl.load(w_ptr + tokens * TOP_K + j, mask=rows, other=0.0)
+        y = tl.zeros((tokens.shape[0], cols.shape[0]), dtype=tl.float32)
+        for sp in tl.static_range(SPLIT):
+            y += tl.load(y_ptr + sp * stride_ys + (t64 * TOP_K + j)[:, None] * H + cols[None, :],
+                         mask=mask & ok[:, None], other=0.0, cache_modifier=".cg")
+        acc += tl.where(ok, wj, 0.0)[:, None] * y
+    if ADD:
+        extra = tl.load(add_ptr + t64[:, None] * H + cols[None, :], mask=mask, other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
+        acc = round_to(round_to(acc, DT) + extra, DT)
+    tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _local_slots(ids_ptr, tokens, rows, TOP_K: tl.constexpr):
+    """[R] the slots of each token of ``tokens`` whose expert this rank holds (id >= 0), 0 past ``rows``."""
+    n = tl.zeros(tokens.shape, dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        n += (tl.load(ids_ptr + tokens * TOP_K + j, mask=rows, other=-1) >= 0).to(tl.int32)
+    return n
+
+
+@triton.jit
+def _combine_tickets(cnt_ptr, tokens, rows, tile, num_n, y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, cols, col_mask, H,
+                     stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr, ADD: tl.constexpr, DT: tl.constexpr,
+                     SHARED: tl.constexpr):
+    """The down launch's combine (no combine launch, no waiting): this CTA has just written its part of column tile
+    ``tile`` (of ``num_n``) of the tokens ``tokens`` [R] (``rows``: the real ones): an expert's rows for those
+    tokens, all K splits summed, or the shared expert's output. Publish it (barrier, then an acq_rel add: the split-K FIXUP's pattern)
+    as one ticket on each token's counter ``cnt[t, tile]``; a token's output tile is complete after its local slots'
+    tiles and, with ``SHARED``, the shared expert's, so the CTA whose ticket completes that count combines the
+    token's tile (:func:`_combine_rows`, reading the others' rows from L2) and resets its counter for the next call
+    and CUDA-graph replay (no one else touches it in this launch)."""
+    tl.debug_barrier()
+    counters = cnt_ptr + tokens * num_n + tile
+    taken = tl.atomic_add(counters, 1, mask=rows, sem="acq_rel", scope="gpu")
+    last = rows & (taken == _local_slots(ids_ptr, tokens, rows, TOP_K) + SHARED - 1)
+    if tl.max(last.to(tl.int32), axis=0) > 0:
+        _combine_rows(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, tokens, last, cols, col_mask, H, stride_ys, TOP_K,
+                      SPLIT, ADD, DT)
+        tl.atomic_xchg(counters, 0, mask=last, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _combine_kernel(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, H, stride_ys, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
                     BLOCK_H: tl.constexpr, ADD: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = sum_j w[t, j] * sum_s y[s, t*k + j] over slots with id >= 0, fixed order (deterministic); with
-    ``ADD``, rounded to the output dtype and then + add[t] (the shared expert's row), the unfused graph's two
-    rounding points, in the same kernel."""
+    """The combine of token ``program_id(0)``'s columns ``program_id(1)`` (:func:`_combine_rows`): its own launch
+    where the down GEMM does not combine (past the scan's tokens, or shared tiles that do not line up)."""
     pdl_prologue(PDL)
-    t = tl.program_id(0)
+    t = tl.program_id(0) + tl.arange(0, 1)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = offs < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        ok = tl.load(ids_ptr + t * TOP_K + j) >= 0
-        wj = tl.load(w_ptr + t * TOP_K + j)
-        y = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for sp in tl.static_range(SPLIT):
-            y += tl.load(y_ptr + sp * stride_ys + (t * TOP_K + j).to(tl.int64) * H + offs, mask=mask & ok, other=0.0)
-        acc += tl.where(ok, wj, 0.0) * y
-    if ADD:
-        extra = tl.load(add_ptr + t.to(tl.int64) * H + offs, mask=mask, other=0.0).to(tl.float32)
-        acc = round_to(round_to(acc, DT) + extra, DT)
-    tl.store(out_ptr + t.to(tl.int64) * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _combine_rows(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, t, t >= 0, offs, offs < H, H, stride_ys, TOP_K, SPLIT,
+                  ADD, DT)
 
 
 # Regime defaults, the winners of the H200 sweeps (decode: docs/perf/fp8_gemm_moe.md, kernels_gemm_moe_v2; both:
@@ -532,12 +764,25 @@ def _shared_arguments(shared: GemmLaunch | None, dummy: torch.Tensor) -> tuple[t
     return shared.args, dict(SHARED=True, **{f"S_{key}": value for key, value in shared.meta.items()})
 
 
-def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_f32, split=1, h=None, shared=None):
+class Combine(NamedTuple):
+    """The combine run by the down launch (:func:`_combine_tickets`): the routing weights [T, k], the addend [T, H]
+    (the shared expert's output, or None) and the output [T, H]."""
+    weights: torch.Tensor
+    addend: torch.Tensor | None
+    out: torch.Tensor
+
+
+def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_f32, split=1, h=None, shared=None,
+             combine=None, router=None):
     """One grouped GEMM launch over ``blocks``. A gated launch with ``split > 1`` writes its [split, rows, 2I] fp32
     partials to c and its gated output to ``h`` (the last split of each tile reduces them, counted in
     :func:`tile_counters`, the first blocks x column tiles of them). ``shared`` (a ``fp8_gemm.GemmLaunch``): the
     shared expert's GEMM runs as extra rows of CTAs after the blocks' (its tiles x splits over as many rows of
-    column tiles x splits as they fill; its counters follow the blocks')."""
+    column tiles x splits as they fill; its counters follow the blocks'). ``combine`` (the down launch, a
+    :class:`Combine`): the launch writes the MoE's output itself, its (block, column tile) counters first in
+    :func:`tile_counters`, then a [T, column tiles] of token counters (:func:`combine_counters`), then the shared
+    expert's. ``router`` (the gated launch over the scan, a :class:`RouterLaunch` writing ``blocks.ids``): the
+    router's tiles run first in the same launch (:func:`_router_gate_up_kernel`)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     kdim = w.shape[2]
     kg = triton.cdiv(kdim, 128)
@@ -550,20 +795,45 @@ def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_
     shared_args, shared_meta = _shared_arguments(shared, c)
     if shared is not None:
         grid = (grid[0] + triton.cdiv(shared.grid[0] * shared.grid[1], grid[1] * grid[2]), grid[1], grid[2])
-    _moe_gemm_kernel[grid](
-        a, a_s, w, w_s, ids if blocks.scan else blocks.sorted_ids, ids if blocks.scan else blocks.block_expert, ids,
-        c, h if fold else c, tile_counters(a.device, blocks.count * grid[1]) if fold else c,
-        n_entries, blocks.experts, n, kdim, kg, top_k, triton.cdiv(n, 128),
-        a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
-        c.stride(-2), c.stride(0) if c.dim() == 3 else 0, h.stride(0) if fold else 0, blocks.count, *shared_args,
-        GATED=gated, SPLIT_K=split, A_MODE=mode, DOT_F32=dot_f32,
-        INTERPRET=settings.triton_interpret(), K_PER_SPLIT=k_per_split,
-        NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, SCAN=blocks.scan, BLOCK_IDS=max(16, triton.next_power_of_2(n_entries)),
-        BLOCK_E=triton.next_power_of_2(blocks.experts + 1), **shared_meta,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(a.device),
-    )
+    cnt = tcnt = c
+    if fold:
+        cnt = tile_counters(a.device, blocks.count * grid[1])
+    if combine is not None:
+        cnt = tile_counters(a.device, combine_counters(blocks.count, n_entries // top_k, grid[1]))
+        tcnt = cnt[blocks.count * grid[1]:]
+    tw, addend, out = combine if combine is not None else (c if router is None else router.w, None, c)
+    args = (a, a_s, w, w_s, ids if blocks.scan else blocks.sorted_ids, ids if blocks.scan else blocks.block_expert,
+            ids, c, h if fold else c, cnt, tw, out if addend is None else addend, out, tcnt,
+            n_entries, blocks.experts, n, kdim, kg, triton.cdiv(n, 128),
+            a.stride(0), a_s.stride(0), w.stride(0), w.stride(1), w_s.stride(0), w_s.stride(1),
+            c.stride(-2), c.stride(0) if c.dim() == 3 else 0, h.stride(0) if fold else 0, blocks.count, *shared_args)
+    meta = dict(TOP_K=top_k, GATED=gated, SPLIT_K=split, A_MODE=mode, DOT_F32=dot_f32,
+                INTERPRET=settings.triton_interpret(), K_PER_SPLIT=k_per_split,
+                NO_K_MASK=kdim % 128 == 0 and k_per_split * split == kg, SCALAR_SB=bn <= 128,
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=bn, SCAN=blocks.scan,
+                BLOCK_IDS=max(16, triton.next_power_of_2(n_entries)),
+                BLOCK_E=triton.next_power_of_2(blocks.experts + 1), **shared_meta, COMBINE=combine is not None,
+                ADD=combine is not None and addend is not None,
+                DT=DTYPE_CODES[out.dtype] if combine is not None else 0,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if router is None:
+        _moe_gemm_kernel[grid](*args, **meta, **pdl(a.device))
+        return split
+    x2, rw, part, logits, rcnt, bias, _, rids, offset, _, e, _, stride_xm, stride_rw, num_local, scaling = router.args
+    _router_gate_up_kernel[(router.grid[0] * router.grid[1] + grid[0] * grid[1] * grid[2],)](
+        x2, rw, part, logits, rcnt, bias, rids, offset, tasks.counters(a.device, 1), e, stride_xm, stride_rw,
+        num_local, scaling, grid[1], grid[2], grid[0] - blocks.count, *args, R_TILES=router.grid[0],
+        **{f"R_{key}": router.meta[key] for key in ("STEPS", "SPLIT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_E",
+                                                    "BLOCK_TOPK")},
+        ROUTE_ROWS=router.meta["ROUTE_ROWS"], RENORM=router.meta["RENORM"], LOCAL=router.meta["LOCAL"], **meta,
+        **pdl(a.device))
     return split
+
+
+def combine_counters(blocks: int, t: int, column_tiles: int) -> int:
+    """The counters of a combining down launch: a (block, column tile)'s K splits, then a (token, column tile)'s
+    tickets (the shared expert's FIXUP counters follow them)."""
+    return (blocks + t) * column_tiles
 
 
 def _splits(kg: int, want: int) -> int:
@@ -630,33 +900,46 @@ def shared_expert(x: torch.Tensor, shared: SharedExpert) -> torch.Tensor:
     return fp8_linear(gate, shared.w2, shared.w2_scale, None, shared.act_quant, up=up)
 
 
-def _shared_launches(x, shared: SharedExpert, counter_offset: int, cfg: dict):
+def _shared_launches(x, shared: SharedExpert, counter_offsets: tuple[int, int], cfg: dict):
     """(gate|up launch, down launch, the down's output [T, H]) of the shared expert over ``x`` as the MoE's two
-    grouped GEMM launches run them (fp8_gemm's launches, the ones ``shared_expert`` would make, bit for bit; the
-    gate|up's split-K counters from ``counter_offset``, past the routed gate|up's); None where ``shared_expert``
+    grouped GEMM launches run them (fp8_gemm's launches, the ones ``shared_expert`` would make, bit for bit; their
+    split-K counters from ``counter_offsets``, past the routed launches' own); None where ``shared_expert``
     launches anything else (the GEMV, a quant or silu kernel, the split-K reduce kernel) or at another warp count."""
     shared = shared._replace(**{name: getattr(shared, name).contiguous() for name in ("w13", "w13_scale", "w2",
                                                                                      "w2_scale")})
     gate_up = torch.empty(x.shape[0], shared.w13.shape[0], dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
-    first = lone_launch(x, None, shared.w13, shared.w13_scale, shared.act_quant, gate_up, counter_offset)
-    second = lone_launch(*shared.halves(gate_up), shared.w2, shared.w2_scale, shared.act_quant, out)
+    first = lone_launch(x, None, shared.w13, shared.w13_scale, shared.act_quant, gate_up, counter_offsets[0])
+    second = lone_launch(*shared.halves(gate_up), shared.w2, shared.w2_scale, shared.act_quant, out,
+                         counter_offsets[1])
     if first is None or second is None or {first[1]["num_warps"], second[1]["num_warps"]} != {cfg["num_warps"]}:
         return None
     return first[0], second[0], out
 
 
+def _lines_up(down: GemmLaunch, h: int, cfg: dict) -> bool:
+    """Whether the shared expert's down tiles are the routed down's column tiles (one M tile, the same width), so
+    that a finished shared tile can take the tickets of the down launch's combine."""
+    return down.meta["BLOCK_N"] == cfg["BLOCK_N2"] and down.grid[0] == triton.cdiv(h, cfg["BLOCK_N2"])
+
+
 def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None, addend=None,
-            shared=None):
+            shared=None, router=None, router_ids=None):
     """Routed FP8 experts (see module doc); ``config`` overrides :func:`pick_moe_config`. ``addend`` [T, H] (x's
     dtype): added to the routed sum in the combine kernel (``fxglm5::moe_fp8_add``: the shared expert's output).
-    Up to BLOCK_M tokens (decode) the GEMMs scan the ids for their rows and no align kernel runs: three launches,
-    not four (:func:`scans`: every expert then fits one block; above it only a sort finds an expert's blocks).
-    ``shared`` (a :class:`SharedExpert`, ``fxglm5::moe_fp8_shared``): the shared expert of x is the addend; where
-    the GEMMs scan, its two GEMMs run as extra CTAs of theirs (:func:`_grouped`; the shared expert's own launches'
-    bits, :func:`_shared_launches`), so a decode MoE call is still three launches, and elsewhere
-    :func:`shared_expert` runs first."""
-    t, e, h, inter = ref.check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)
+    Up to BLOCK_M tokens (decode) the GEMMs scan the ids for their rows and no align kernel runs, and the down
+    launch combines (:func:`_combine_tickets`, the combine kernel's bits): two launches, not four (:func:`scans`:
+    every expert then fits one block; above it only a sort finds an expert's blocks). ``shared`` (a
+    :class:`SharedExpert`, ``fxglm5::moe_fp8_shared``): the shared expert of x is the addend; where the GEMMs scan,
+    its two GEMMs run as extra CTAs of theirs (:func:`_grouped`; the shared expert's own launches' bits,
+    :func:`_shared_launches`), so a decode MoE call is still two launches (its down tiles take the combine's tickets
+    where they are the routed down's column tiles, :func:`_lines_up`; else the combine kernel runs), and elsewhere
+    :func:`shared_expert` runs first. ``router`` (a :class:`Router`, only where :func:`router_joins`):
+    ``topk_ids`` and ``topk_weights`` are empty and the router fills them in the gate|up launch
+    (:func:`_router_gate_up_kernel`), which its expert tiles wait for: a decode MoE layer, router included, in two
+    launches (:func:`moe_router_fp8`); ``router_ids`` (default ``topk_ids``): where the router writes its ids (a
+    steered benchmark gives ids of its own as ``topk_ids``, and the router's go to a buffer no one reads)."""
+    t, e, h, inter = ref.check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, router is None)
     k = topk_ids.shape[1]
     if addend is not None and shared is not None:
         raise InputError("moe_fp8: an addend or a shared expert, not both")
@@ -669,7 +952,9 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     x = x.contiguous()
     joined = None
     if shared is not None and t > 0 and k > 0 and scans(t, cfg):
-        joined = _shared_launches(x, shared, num_blocks(t, k, e, cfg) * triton.cdiv(inter, cfg["BLOCK_N1"]), cfg)
+        blocks_max = num_blocks(t, k, e, cfg)
+        joined = _shared_launches(x, shared, (blocks_max * triton.cdiv(inter, cfg["BLOCK_N1"]),
+                                              combine_counters(blocks_max, t, triton.cdiv(h, cfg["BLOCK_N2"]))), cfg)
     if shared is not None:
         addend = shared_expert(x, shared) if joined is None else joined[2]
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
@@ -693,24 +978,71 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     split1 = _split1(blocks.count, h, inter, cfg, num_sms(x.device))
     y = torch.empty(split, t * k, h, dtype=torch.float32, device=x.device)
     first, second = (None, None) if joined is None else joined[:2]
+    if router is not None:  # the router's counters follow the gate|up launch's (the routed tiles', the shared's)
+        offset = blocks.count * triton.cdiv(inter, cfg["BLOCK_N1"]) + (0 if first is None else first.grid[0])
+        router = _router_launch(x, router, offset, (topk_weights, ids if router_ids is None else router_ids))
+        if router is None or not blocks.scan:
+            raise ValueError("moe_fp8: a router where it does not join the gate|up launch (see router_joins)")
     if act_quant and not cfg["fused_quant"]:
         a, a_s, mode = *quantize_act_1x128(x), 0
     else:
         a, a_s, mode = x, x, (1 if act_quant else 2)
     if split1 > 1:
         g = torch.empty(split1, rows, 2 * inter, dtype=torch.float32, device=x.device)
-        _grouped(a, a_s, mode, w13, w13_scale, blocks, g, t * k, k, True, cfg, dot_f32, split1, hmid, first)
+        _grouped(a, a_s, mode, w13, w13_scale, blocks, g, t * k, k, True, cfg, dot_f32, split1, hmid, first,
+                 router=router)
     else:
-        _grouped(a, a_s, mode, w13, w13_scale, blocks, hmid, t * k, k, True, cfg, dot_f32, shared=first)
+        _grouped(a, a_s, mode, w13, w13_scale, blocks, hmid, t * k, k, True, cfg, dot_f32, shared=first,
+                 router=router)
+    combine = None
+    if blocks.scan and (joined is None or _lines_up(second, h, cfg)):
+        combine = Combine(topk_weights.contiguous(), None if addend is None else addend.contiguous(), out)
     if mode == 0:
         hq, hs = quantize_act_1x128(hmid)
-        _grouped(hq, hs, 0, w2, w2_scale, blocks, y, t * k, k, False, cfg, dot_f32, split, shared=second)
+        _grouped(hq, hs, 0, w2, w2_scale, blocks, y, t * k, k, False, cfg, dot_f32, split, shared=second,
+                 combine=combine)
     else:
         _grouped(hmid, hmid, mode, w2, w2_scale, blocks, y, t * k, k, False, cfg,
-                 dot_f32 or h_dtype == torch.float32, split, shared=second)
+                 dot_f32 or h_dtype == torch.float32, split, shared=second, combine=combine)
+    if combine is not None:
+        return out
     block_h = 1024
     _combine_kernel[(t, triton.cdiv(h, block_h))](y, ids, topk_weights.contiguous(),
                                                   out if addend is None else addend.contiguous(), out, h, y.stride(0),
                                                   TOP_K=k, SPLIT=split, BLOCK_H=block_h, ADD=addend is not None,
                                                   DT=DTYPE_CODES[x.dtype], **pdl(x.device))
     return out
+
+
+def router_joins(x: torch.Tensor, router: Router, e: int, config=None) -> bool:
+    """Whether :func:`moe_router_fp8` runs the router in the gate|up launch: where the router is one launch
+    (:func:`router_fuses`: up to MAX_GEMV_ROWS tokens, n_group 1) and the expert GEMMs scan the ids (up to
+    BLOCK_M tokens) at the GEMV's warp count (a launch has one), with tokens and slots to route. Elsewhere (prefill,
+    group-limited routing) the router keeps its own launch(es)."""
+    t, k = x.shape[0], router.top_k
+    if t == 0 or k == 0 or not router_fuses(t, router.n_group):
+        return False
+    cfg = pick_moe_config(t, k, e, config)
+    gemv_warps = gemv_launch(router.weight.shape[0], x.shape[1], t, num_sms(x.device))[1]["num_warps"]
+    return scans(t, cfg) and gemv_warps == cfg["num_warps"]
+
+
+def moe_router_fp8(x, router: Router, w13, w13_scale, w2, w2_scale, act_quant=True, *, shared=None, config=None,
+                   steered_ids=None):
+    """``fxglm5::moe_router_fp8_shared`` (with ``shared``): the router (:func:`moe_router`) and the routed experts
+    with the shared expert (:func:`moe_fp8`) over the same tokens x [T, H]. Where :func:`router_joins` (decode), two
+    launches: the router's tiles, the shared expert's gate|up and the routed gate|up in one launch of tasks
+    (:func:`_router_gate_up_kernel`), then the down GEMMs with the combine; each piece has its own launches' bits.
+    Elsewhere the router's launch(es), then :func:`moe_fp8`'s. ``steered_ids`` (int32 [T, k], benchmarks only:
+    bench/routing_load.py): the experts take these ids instead of the router's, the router still running in its
+    launch (its weights are used)."""
+    if not router_joins(x, router, w13.shape[0], config):
+        weights, ids = moe_router(x, *router)
+        ids = ids if steered_ids is None else steered_ids
+        return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, config=config, shared=shared)
+    weights, ids = routing_outputs(x.shape[0], router.top_k, x.device)
+    if steered_ids is None:
+        return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, config=config, shared=shared,
+                       router=router)
+    return moe_fp8(x, steered_ids, weights, w13, w13_scale, w2, w2_scale, act_quant, config=config, shared=shared,
+                   router=router, router_ids=ids)
