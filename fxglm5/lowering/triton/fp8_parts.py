@@ -1,14 +1,17 @@
 """The pieces the block-FP8 GEMM kernels share (:mod:`fp8_gemm`, :mod:`fp8_gemv`, the MoE and float32 GEMV kernels):
 in-register 1x128 activation quantization with exact e4m3 rounding, the MMA with its interpreter-safe float32 form,
-the gated MLP's ``silu(gate) * up`` at the unfused graph's rounding points, and the split-K arrival counters."""
+the A tile's load with what is applied as it loads (the gated MLP's ``silu(gate) * up`` at the unfused graph's
+rounding points, or the residual add and RMSNorm of ``add_rms_norm``), and the split-K arrival counters."""
 
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from fxglm5.lowering.triton.norm_rope import round_to
+from fxglm5.lowering.triton.norm_rope import rms_rstd, rms_scale, round_to
 
 
 @triton.jit
@@ -62,6 +65,95 @@ def _silu_mul(gate, up, DT: tl.constexpr):
     g = gate.to(tl.float32)
     act = round_to(g / (1.0 + tl.exp(-g)), DT)
     return round_to(act * up.to(tl.float32), DT).to(gate.dtype)
+
+
+class NormedA(NamedTuple):
+    """A GEMM's A operand given as ``add_rms_norm``'s normed rows of ``x + residual`` (``fxglm5::add_rms_norm_fp8_linear``
+    at decode): the kernel forms each A tile from x's and the residual's tiles as it loads them (:func:`load_a`) and
+    writes the sum (the next residual) and, where ``normed`` is given, the normed rows too."""
+
+    residual: torch.Tensor  # [m, k], unit column stride, x's dtype
+    weight: torch.Tensor  # [k], the norm's weight
+    eps: float
+    total: torch.Tensor  # [m, k] contiguous, written: round(x + residual)
+    normed: Optional[torch.Tensor]  # [m, k] contiguous, written where given: the A operand itself
+
+    def kernel_args(self, rows: int, tile_rows: int) -> dict:
+        """The keyword arguments of a kernel that takes the norm (:func:`fp8_gemm.gemm_tile`, the GEMV) for ``rows``
+        rows in row tiles of ``tile_rows``: NORM_ROWS, the rows a tile's :func:`add_rms_rstd` sums, is the next power
+        of two of its real rows (a decode call of 1 row in a 16-row MMA tile sums 1 row, not 16)."""
+        return dict(nw_ptr=self.weight, sum_ptr=self.total, normed_ptr=self.normed, eps=float(self.eps), NORM_A=True,
+                    NORM_ROWS=triton.next_power_of_2(min(rows, tile_rows)))
+
+
+@triton.jit
+def add_rms_rstd(x_ptr, r_ptr, first_row, M, stride_x, stride_r, K, eps, K_STEPS: tl.constexpr,
+                 ROWS: tl.constexpr, TILE_ROWS: tl.constexpr, DT: tl.constexpr):
+    """The RMSNorm factor (:func:`rms_rstd`) of each of a row tile's TILE_ROWS rows ``min(first_row + i, M - 1)`` of
+    ``total = round(x + r)`` (rounded to the dtype as the add rounds it) over all K of its values (``K_STEPS``
+    128-wide steps cover K). Only the tile's first ROWS rows are summed, the rest of the tile repeating row M - 1: at
+    decode the tile holds fewer real rows than it has (1 row in a 16-row MMA tile), and the full rows read here,
+    which every CTA of the GEMM reads once, are the cost of the norm in the GEMM. The sums run in chunks of
+    2048 / ROWS columns, elementwise, then across the chunk: another order than ``add_rms_norm``'s one reduction over
+    the row, so the factor may differ from that kernel's by an ulp (and a normed value that rounds near a tie with
+    it by one unit of the dtype)."""
+    BLOCK: tl.constexpr = 2048 // ROWS
+    STEPS: tl.constexpr = (K_STEPS * 128 + BLOCK - 1) // BLOCK
+    rows = tl.minimum(first_row + tl.arange(0, ROWS), M - 1)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    for i in range(0, STEPS):
+        cols = i * BLOCK + offs
+        mask = (cols < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        t = round_to(x + r, DT)
+        acc += t * t
+    rstd = rms_rstd(tl.sum(acc, axis=1), K, eps)
+    if ROWS == TILE_ROWS:
+        return rstd
+    # row i of the tile is summed row min(i, M - 1 - first_row) (< ROWS: the host makes ROWS cover the tile's rows)
+    pick = tl.minimum(tl.arange(0, TILE_ROWS), M - 1 - first_row)
+    return tl.sum(tl.where(pick[:, None] == tl.arange(0, ROWS)[None, :], rstd[None, :], 0.0), axis=1)
+
+
+@triton.jit
+def _add_rms_tile(x, r, w, rstd, sum_ptr, normed_ptr, offs, store, DT: tl.constexpr):
+    """The A tile of normed rows of ``total = round(x + r)`` (``rstd``: :func:`add_rms_rstd` of its rows, ``w`` the
+    norm weight's columns), in x's dtype: what add_rms_norm writes, up to the factor's ulp. Where ``store`` it also
+    writes total (and the normed values, where ``normed_ptr`` is given) at ``offs``."""
+    t = round_to(x.to(tl.float32) + r.to(tl.float32), DT)
+    a = rms_scale(t, rstd[:, None], w.to(tl.float32)[None, :], DT)
+    tl.store(sum_ptr + offs, t.to(sum_ptr.dtype.element_ty), mask=store)
+    if normed_ptr is not None:
+        tl.store(normed_ptr + offs, a.to(normed_ptr.dtype.element_ty), mask=store)
+    return a.to(x.dtype)
+
+
+@triton.jit
+def load_a(a_ptrs, u_ptrs, kg, K, NO_K_MASK: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, nw_ptr=None,
+           rstd=None, sum_ptr=None, normed_ptr=None, out_offs=None, store=None, NORM_A: tl.constexpr = False):
+    """K step ``kg``'s A tile [rows, 128] (zero past K): x's tile, or ``silu(gate) * up`` for a gated input (GATED_A:
+    ``a_ptrs`` the gate, ``u_ptrs`` up), or the RMSNorm of ``x + residual`` (NORM_A: ``u_ptrs`` the residual, ``nw_ptr``
+    the norm weight, ``rstd`` the rows' factors; it writes the step's sum, and normed values, at ``out_offs`` shifted to
+    the step, where ``store``: :func:`_add_rms_tile`)."""
+    if NO_K_MASK:
+        a = tl.load(a_ptrs + kg * 128)
+        if GATED_A:
+            a = _silu_mul(a, tl.load(u_ptrs + kg * 128), DT)
+        if NORM_A:
+            a = _add_rms_tile(a, tl.load(u_ptrs + kg * 128), tl.load(nw_ptr + kg * 128 + tl.arange(0, 128)), rstd,
+                              sum_ptr, normed_ptr, out_offs + kg * 128, store, DT)
+    else:
+        k_mask = tl.arange(0, 128) < K - kg * 128
+        a = tl.load(a_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
+        if GATED_A:  # silu(0) * 0 = 0 past K
+            a = _silu_mul(a, tl.load(u_ptrs + kg * 128, mask=k_mask[None, :], other=0.0), DT)
+        if NORM_A:  # 0 * rstd * 0 = 0 past K
+            a = _add_rms_tile(a, tl.load(u_ptrs + kg * 128, mask=k_mask[None, :], other=0.0),
+                              tl.load(nw_ptr + kg * 128 + tl.arange(0, 128), mask=k_mask, other=0.0), rstd, sum_ptr,
+                              normed_ptr, out_offs + kg * 128, store & k_mask[None, :], DT)
+    return a
 
 
 _COUNTERS: dict = {}
