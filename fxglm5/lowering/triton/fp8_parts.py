@@ -89,14 +89,14 @@ class NormedA(NamedTuple):
 @triton.jit
 def add_rms_rstd(x_ptr, r_ptr, first_row, M, stride_x, stride_r, K, eps, K_STEPS: tl.constexpr,
                  ROWS: tl.constexpr, TILE_ROWS: tl.constexpr, DT: tl.constexpr):
-    """The RMSNorm factor (:func:`rms_rstd`) of each of a row tile's TILE_ROWS rows ``min(first_row + i, M - 1)`` of
-    ``total = round(x + r)`` (rounded to the dtype as the add rounds it) over all K of its values (``K_STEPS``
-    128-wide steps cover K). Only the tile's first ROWS rows are summed, the rest of the tile repeating row M - 1: at
-    decode the tile holds fewer real rows than it has (1 row in a 16-row MMA tile), and the full rows read here,
-    which every CTA of the GEMM reads once, are the cost of the norm in the GEMM. The sums run in chunks of
-    2048 / ROWS columns, elementwise, then across the chunk: another order than ``add_rms_norm``'s one reduction over
-    the row, so the factor may differ from that kernel's by an ulp (and a normed value that rounds near a tie with
-    it by one unit of the dtype)."""
+    """The RMSNorm factor (:func:`rms_rstd`) of each of a row tile's TILE_ROWS rows ``first_row + i`` of ``total =
+    round(x + r)`` (rounded to the dtype as the add rounds it) over all K of its values (``K_STEPS`` 128-wide steps
+    cover K). Only the tile's first ROWS rows are summed (the host makes them cover its rows below M), the others get
+    0: at decode the tile has more rows than the step (1 row in a 16-row MMA tile), and the full rows read here,
+    which every CTA of the GEMM reads, are the cost of the norm in the GEMM. The sums run in chunks of 2048 / ROWS
+    columns, elementwise, then across the chunk: another order than ``add_rms_norm``'s one reduction over the row, so
+    the factor may differ from that kernel's by an ulp (and a normed value within that of a rounding boundary of the
+    dtype by one unit of it)."""
     BLOCK: tl.constexpr = 2048 // ROWS
     STEPS: tl.constexpr = (K_STEPS * 128 + BLOCK - 1) // BLOCK
     rows = tl.minimum(first_row + tl.arange(0, ROWS), M - 1)
@@ -112,9 +112,8 @@ def add_rms_rstd(x_ptr, r_ptr, first_row, M, stride_x, stride_r, K, eps, K_STEPS
     rstd = rms_rstd(tl.sum(acc, axis=1), K, eps)
     if ROWS == TILE_ROWS:
         return rstd
-    # row i of the tile is summed row min(i, M - 1 - first_row) (< ROWS: the host makes ROWS cover the tile's rows)
-    pick = tl.minimum(tl.arange(0, TILE_ROWS), M - 1 - first_row)
-    return tl.sum(tl.where(pick[:, None] == tl.arange(0, ROWS)[None, :], rstd[None, :], 0.0), axis=1)
+    # the tile's rows past ROWS lie past M: their A values are never stored, a factor of 0 serves them
+    return tl.sum(tl.where(tl.arange(0, TILE_ROWS)[:, None] == tl.arange(0, ROWS)[None, :], rstd[None, :], 0.0), axis=1)
 
 
 @triton.jit
