@@ -6,10 +6,11 @@ against it. Signatures:
 
 - ``add_rms_norm(x [..., D], residual [..., D], weight [D], eps) -> (normed [..., D], x + residual)``: the residual
   add and the RMSNorm that reads it (both outputs: the sum is the next residual).
-- ``add_rms_norm_fp8_linear(x [..., D], residual [..., D], norm_weight [D], eps, weight e4m3 [N, D], weight_scale_inv,
-  bias?, act_quant, keep_normed) -> (out [..., N], x + residual, normed [..., D] or [..., 0])``: ``add_rms_norm`` and the
-  block-FP8 GEMM of its normed rows, ``fp8_linear(normed, weight, ...)``; the normed rows themselves are returned where
-  ``keep_normed`` (another op reads them too), else an empty [..., 0] (an op returns a fixed tuple of tensors).
+- ``add_rms_norm_fp8_linear(x [..., D], residual [..., D], norm_weight [D], eps, weight e4m3 [N, D],
+  weight_scale_inv, bias?, act_quant, keep_normed) -> (out [..., N], x + residual, normed [..., D] or [..., 0])``:
+  ``add_rms_norm`` and the block-FP8 GEMM of its normed rows, ``fp8_linear(normed, weight, ...)``; the normed rows
+  themselves are returned where ``keep_normed`` (another op reads them too), else an empty [..., 0] (an op returns a
+  fixed tuple of tensors).
 - ``f32_linear(x [..., K], weight f32 [N, K], scales: float[]) -> f32 [..., N]``: ``x.float() @ weight.T`` times each
   scale in turn (the MoE router's logits; the DSA indexer's head weights, ``weights_proj(x.float()) * a * b``).
 - ``moe_route_local(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset int32

@@ -42,7 +42,7 @@ from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.triton import fp8_gemm_hopper, fp8_gemv
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_parts import (
-    NormedA, _dot, _quant_rows, _silu_mul, add_rms_rstd, load_a, tile_counters,
+    NormedA, _dot, _quant_rows, _silu_mul, add_rms_rstd, load_a, tile_counters, write_add_rms,
 )
 from fxglm5.lowering.reference.fused import validate_add_rms_norm
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, add_rms_norm
@@ -147,16 +147,13 @@ def gemm_tile(
     if NORM_A:
         rstd = add_rms_rstd(a_ptr, up_ptr, pid_m * BLOCK_M, M, stride_am, stride_um, K, eps, SPLIT_K * KG_PER_SPLIT,
                             NORM_ROWS, BLOCK_M, DT)
-        out_offs = offs_m[:, None] * K + offs_k[None, :]
-        store = (pid_n == 0) & m_mask[:, None]
     else:
-        rstd, out_offs, store = None, None, None
+        rstd = None
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, KG_PER_SPLIT):
         kg = pid_k * KG_PER_SPLIT + i
-        a = load_a(a_ptrs, u_ptrs, kg, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, sum_ptr, normed_ptr, out_offs, store,
-                   NORM_A)
+        a = load_a(a_ptrs, u_ptrs, kg, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, NORM_A)
         if NO_K_MASK:  # K % 128 == 0 and the splits tile KG exactly
             b = tl.load(b_ptrs + kg * 128)
             s_b = tl.load(bs_ptrs + kg)
@@ -172,6 +169,10 @@ def gemm_tile(
             acc += _dot(q, tl.trans(b), INTERPRET) * _ab_scale(s_a, s_b, SCALAR_SB)
         else:
             acc += _dot(a, tl.trans(b.to(a.dtype)), DOT_F32) * _b_scale(s_b, SCALAR_SB)
+    if NORM_A:
+        if pid_n == 0:
+            write_add_rms(a_ptrs, u_ptrs, nw_ptr, rstd, sum_ptr, normed_ptr, offs_m[:, None] * K + offs_k[None, :],
+                          m_mask[:, None], pid_k * KG_PER_SPLIT, K, KG_PER_SPLIT, DT)
 
     c_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:

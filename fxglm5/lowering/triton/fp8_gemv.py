@@ -28,7 +28,9 @@ import triton.language as tl
 
 from fxglm5 import settings
 from fxglm5.lowering.triton.device import pdl, pdl_prologue
-from fxglm5.lowering.triton.fp8_parts import NormedA, _dot, _quant_rows, add_rms_rstd, load_a, tile_counters
+from fxglm5.lowering.triton.fp8_parts import (
+    NormedA, _dot, _quant_rows, add_rms_rstd, load_a, tile_counters, write_add_rms,
+)
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES
 
 ROWS = 16  # the most rows a call may have
@@ -96,11 +98,8 @@ def _gemv_kernel(a_ptr, u_ptr, b_ptr, bs_ptr, bias_ptr, ws_ptr, out_ptr, cnt_ptr
     if NORM_A:  # A = the RMSNorm of x + residual (u): its rows' factors over all of K first, by every CTA
         rstd = add_rms_rstd(a_ptr, u_ptr, 0, M, stride_am, stride_um, K, eps, SPLIT_K * KG_PER_SPLIT, NORM_ROWS,
                             M_PAD, DT)
-        # column tile 0's CTAs write the sum (and the normed rows) of their K steps: every value once
-        out_offs = offs_m[:, None] * K + offs_k[None, :]
-        store = (pid_n == 0) & (offs_m < M)[:, None]
     else:
-        rstd, out_offs, store = None, None, None
+        rstd = None
     if PREFETCH:
         # the next K step's weight tile is requested before this step's math, so two tiles are in flight a CTA
         # (the software pipeliner stages only loads that feed an MMA, not the FMA path's). The request after a
@@ -109,19 +108,20 @@ def _gemv_kernel(a_ptr, u_ptr, b_ptr, bs_ptr, bias_ptr, ws_ptr, out_ptr, cnt_ptr
         acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
         for i in range(0, KG_PER_SPLIT):
             b_next, s_next = _load_w(b_ptrs, bs_row, tl.minimum(kg0 + i + 1, KG - 1), K, KG, NO_K_MASK)
-            a = load_a(a_ptrs, u_ptrs, kg0 + i, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, sum_ptr, normed_ptr,
-                       out_offs, store, NORM_A)
+            a = load_a(a_ptrs, u_ptrs, kg0 + i, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, NORM_A)
             acc += _step(a, b, s_b, A_MODE, USE_DOT, F32, INTERPRET)
             b, s_b = b_next, s_next
     else:
-        a = load_a(a_ptrs, u_ptrs, kg0, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, sum_ptr, normed_ptr, out_offs, store,
-                   NORM_A)
+        a = load_a(a_ptrs, u_ptrs, kg0, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, NORM_A)
         acc = _step(a, b, s_b, A_MODE, USE_DOT, F32, INTERPRET)
         for i in range(1, KG_PER_SPLIT):
             b, s_b = _load_w(b_ptrs, bs_row, kg0 + i, K, KG, NO_K_MASK)
-            a = load_a(a_ptrs, u_ptrs, kg0 + i, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, sum_ptr, normed_ptr,
-                       out_offs, store, NORM_A)
+            a = load_a(a_ptrs, u_ptrs, kg0 + i, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, NORM_A)
             acc += _step(a, b, s_b, A_MODE, USE_DOT, F32, INTERPRET)
+    if NORM_A:
+        if pid_n == 0:  # column tile 0's CTAs write the sum (and the normed rows) of their K steps: every value once
+            write_add_rms(a_ptrs, u_ptrs, nw_ptr, rstd, sum_ptr, normed_ptr, offs_m[:, None] * K + offs_k[None, :],
+                          (offs_m < M)[:, None], kg0, K, KG_PER_SPLIT, DT)
     c_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tile = offs_m[:, None] * N + offs_n[None, :]
     if SPLIT_K == 1:
