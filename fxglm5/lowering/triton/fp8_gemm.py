@@ -39,12 +39,12 @@ from fxglm5 import settings
 from fxglm5.contracts import FP8_BLOCK
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fp8 as ref
+from fxglm5.lowering.reference.fused import validate_add_rms_norm
 from fxglm5.lowering.triton import fp8_gemm_hopper, fp8_gemv
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_parts import (
     NormedA, _dot, _quant_rows, _silu_mul, add_rms_rstd, load_a, tile_counters, write_add_rms,
 )
-from fxglm5.lowering.reference.fused import validate_add_rms_norm
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, add_rms_norm
 
 BLOCK_K = FP8_BLOCK  # one weight-scale column and one activation-scale group per K step

@@ -17,7 +17,8 @@ averaged 12 us for about 2 us of bytes (bench/results/session21). This kernel:
 
 Activations as in the tiled kernel: ``act_quant`` quantizes each row 1x128 to e4m3 in registers (W8A8, the
 checkpoint's recipe), otherwise the e4m3 tile is widened to the activation dtype (W8A16); a gated input
-(``silu(gate) * up``) is formed as the tile is loaded.
+(``silu(gate) * up``), or the RMSNorm of a residual sum (``fp8_gemm.add_rms_norm_fp8_linear``: each CTA first sums
+its rows' squares, after the wait on the previous kernel), is formed as the tile is loaded.
 """
 
 from __future__ import annotations
