@@ -3,14 +3,15 @@
 Inside a CUDA graph the profiler sees each kernel, not the layers, so the layers are found in the sequence itself:
 - an anchor: the first kernel of the step whose name occurs exactly once per decoder layer (the attention block
   has several: the RoPE, the indexer's logits and top-k, the MLA kernel);
-- each layer begins at its input norm, the last residual-add norm (a name holding ``add_rms_norm``) before its
-  anchor; the first layer has no residual to add, so it begins at the first norm of the step (a name holding
-  ``norm``). Between two anchors lie the previous layer's post-attention norm and MLP, then this layer's input
-  norm, so the last add-norm before an anchor is the input norm;
+- the first layer has no residual to add, so it begins at the first norm of the step (a name holding ``norm``);
+  every other layer's anchor stands as far from its input norm, a residual-add norm (a name holding
+  ``add_rms_norm``), or, where that norm runs inside the attention block's first GEMM (fuse_add_rms_norm_into_gemm:
+  no kernel of its own), it begins one kernel later, with that GEMM;
 - a layer ends where the next begins; the last layer is as long as the one before it of its kind.
 
 Every layer of a kind must then launch the same kernels (the first layer may differ in its first, the norm
-without the add); otherwise the step has no such structure and the caller keeps only its totals. Each kernel's
+without the add, or, where the others' input norm runs in their first GEMM, in its first two: its norm, then its
+GEMM); otherwise the step has no such structure and the caller keeps only its totals. Each kernel's
 device time is its mean over the layers of its kind, the first layer left out where the kind has others.
 """
 
@@ -48,7 +49,7 @@ def split_layers(step: list[tuple[str, float]], dense: int, moe: int) -> dict | 
         lo, hi = used[0][1], used[0][2]
         shape = names[lo:hi]
         if any(names[a:b] != shape for _, a, b in used) or any(
-                names[a + 1:b] != shape[1:] for i, a, b in layers if i == 0):
+                names[b - len(shape) + 1:b] != shape[1:] for i, a, b in layers if i == 0):
             return None
         out[kind] = [dict(kernel=shape[j], us=round(sum(step[a + j][1] for _, a, _ in used) / len(used), 2))
                      for j in range(len(shape))]
@@ -66,8 +67,9 @@ def _layer_starts(names: list[str], layers: int) -> list[int] | None:
         return None
     starts = [first]
     for prev, here in zip(anchors, anchors[1:]):
-        norm = next((i for i in range(here - 1, prev, -1) if "add_rms_norm" in names[i]), None)
-        if norm is None:
+        norm = here - (anchors[0] - first)
+        start = norm if "add_rms_norm" in names[norm] else norm + 1
+        if start <= prev:
             return None
-        starts.append(norm)
+        starts.append(start)
     return starts

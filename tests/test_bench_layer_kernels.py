@@ -45,3 +45,18 @@ def test_moe_only_and_no_structure():
     broken[60] = ("an_extra_kernel", 1.0)  # one MoE layer launches something the others do not
     assert split_layers(broken, 3, 5) is None
     assert split_layers([("a", 1.0), ("b", 1.0)], 1, 1) is None  # no kernel once a layer
+
+
+def test_input_norms_inside_the_attention_gemm():
+    """With fuse_add_rms_norm_into_gemm a layer's input norm runs inside its first GEMM (no kernel of its own), and so
+    does a dense layer's MLP norm; a MoE layer's MLP norm still launches. Each layer then begins with that GEMM, as far
+    from its anchor as the first layer's own norm-less GEMM: the windows are the layers, not shifted to the MoE's
+    norm (the last add-norm before each anchor) nor lost where a dense layer has none."""
+    attention = ["fp8_gemm_qkv_normed"] + ATTENTION[1:-1]
+    dense = attention + ["fp8_gemm_gate_up_normed", "silu_mul_down"]
+    moe = attention + ["add_rms_norm", "f32_linear", "moe_route", "moe_gemm", "moe_gemm", "combine_add"]
+    layers = [["rms_norm", "fp8_gemm_qkv"] + dense[1:]] + [dense] * 2 + [moe] * 5
+    s = [(n, 1.0) for n in ["embedding", *(k for layer in layers for k in layer), "rms_norm", "lm_head"]]
+    out = split_layers(s, 3, 5)
+    assert [k["kernel"] for k in out["dense"]] == dense and [k["kernel"] for k in out["moe"]] == moe
+    assert out["prologue"] == 1 and out["epilogue"] == 2

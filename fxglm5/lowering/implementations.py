@@ -264,6 +264,16 @@ def _add_rms_norm_triton(x, residual, weight, eps):
     return add_rms_norm(x, residual, weight, eps)
 
 
+@register("add_rms_norm_fp8_linear", "triton",
+          lambda x, residual, norm_weight, eps, weight, scale, bias, act_quant, keep_normed:
+          _norm_supported(x, norm_weight, eps) or _norm_supported(residual, norm_weight, eps)
+          or _fp8_linear_supported(x, weight, scale, bias, act_quant))
+def _add_rms_norm_fp8_linear_triton(x, residual, norm_weight, eps, weight, scale, bias, act_quant, keep_normed):
+    from fxglm5.lowering.triton.fp8_gemm import add_rms_norm_fp8_linear
+
+    return add_rms_norm_fp8_linear(x, residual, norm_weight, eps, weight, scale, bias, act_quant, keep_normed)
+
+
 def _f32_linear_supported(x, weight, scales):
     from fxglm5.lowering.triton.f32_linear import MAX_SCALES
 

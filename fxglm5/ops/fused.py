@@ -6,6 +6,11 @@ against it. Signatures:
 
 - ``add_rms_norm(x [..., D], residual [..., D], weight [D], eps) -> (normed [..., D], x + residual)``: the residual
   add and the RMSNorm that reads it (both outputs: the sum is the next residual).
+- ``add_rms_norm_fp8_linear(x [..., D], residual [..., D], norm_weight [D], eps, weight e4m3 [N, D],
+  weight_scale_inv, bias?, act_quant, keep_normed) -> (out [..., N], x + residual, normed [..., D] or [..., 0])``:
+  ``add_rms_norm`` and the block-FP8 GEMM of its normed rows, ``fp8_linear(normed, weight, ...)``; the normed rows
+  themselves are returned where ``keep_normed`` (another op reads them too), else an empty [..., 0] (an op returns a
+  fixed tuple of tensors).
 - ``f32_linear(x [..., K], weight f32 [N, K], scales: float[]) -> f32 [..., N]``: ``x.float() @ weight.T`` times each
   scale in turn (the MoE router's logits; the DSA indexer's head weights, ``weights_proj(x.float()) * a * b``).
 - ``moe_route_local(logits, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset int32
@@ -65,6 +70,22 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
 def _(x, residual, weight, eps):
     total = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
     return torch.empty_like(total), total
+
+
+@torch.library.custom_op("fxglm5::add_rms_norm_fp8_linear", mutates_args=())
+def add_rms_norm_fp8_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                            weight_scale_inv: Tensor, bias: Optional[Tensor], act_quant: bool,
+                            keep_normed: bool) -> tuple[Tensor, Tensor, Tensor]:
+    out, total, normed = ref.add_rms_norm_fp8_linear(x, residual, norm_weight, eps, weight, weight_scale_inv, bias,
+                                                     act_quant, keep_normed)
+    return out.contiguous(), total.contiguous(), normed.contiguous()
+
+
+@add_rms_norm_fp8_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, weight_scale_inv, bias, act_quant, keep_normed):
+    total = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    normed = torch.empty_like(total) if keep_normed else total.new_empty(*x.shape[:-1], 0)
+    return total.new_empty(*x.shape[:-1], weight.shape[0]), total, normed
 
 
 @torch.library.custom_op("fxglm5::f32_linear", mutates_args=())

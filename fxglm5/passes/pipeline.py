@@ -14,8 +14,9 @@ first load-time stage: an exported artifact stores match + fuse only, so it stay
 The fuse_kernels stage is the decode step's kernel count: each of its passes turns a chain that ran as several
 small kernels (an add and a norm, a cast and a float32 GEMV and two scalar multiplies, five ops of expert-id glue,
 the router's GEMV and its routing, a silu and a multiply before a GEMM, the shared expert's add after the MoE and
-its GEMMs beside the MoE's, the router beside the experts' GEMMs, the query latent's norm and the two cache writes beside it, the indexer's head weights
-beside those) into one op of ``fxglm5.ops.fused`` whose reference is that chain. It runs on the device graph only
+its GEMMs beside the MoE's, the router beside the experts' GEMMs, the query latent's norm and the two cache writes
+beside it, the indexer's head weights beside those, a residual add and norm before the GEMM that reads them) into one
+op of ``fxglm5.ops.fused`` whose reference is that chain. It runs on the device graph only
 (after shard and cache), where the chains are final; the lower stage then binds kernels.
 """
 
@@ -51,12 +52,13 @@ PIPELINE: dict[Stage, tuple[str, ...]] = {
     # routers: the router's ids made local before any GEMM is stacked, then its logits' GEMV folded into it (both
     # router ops), the gate folded into the down GEMM once gate and up are slices of one stacked GEMM, the shared
     # expert's add and then its two GEMMs into the MoE, then the router into that MoE op, the residual adds last
-    # (what they read no longer changes); the cache writes join the query's norm once the cache stage has folded their producers into the cached ops,
-    # then the indexer's head weights join that op
+    # (what they read no longer changes), then each add + norm into the one stacked GEMM that reads it; the cache
+    # writes join the query's norm once the cache stage has folded their producers into the cached ops, then the
+    # indexer's head weights join that op
     Stage.FUSE_KERNELS: ("fuse_f32_linear", "fuse_local_experts_into_route", "fuse_f32_linear_into_route",
                          "fuse_shared_input_gemms", "fuse_cache_writes_into_q_norm", "fuse_index_weights_into_q_norm",
                          "fuse_silu_mul_into_down", "fuse_shared_add_into_moe", "fuse_shared_expert_into_moe",
-                         "fuse_router_into_moe", "fuse_add_rms_norm"),
+                         "fuse_router_into_moe", "fuse_add_rms_norm", "fuse_add_rms_norm_into_gemm"),
     Stage.LOWER: ("lower",),
 }
 

@@ -1,5 +1,7 @@
 """The fuse_kernels stage's Triton kernels at GLM-5's per-rank shapes (TP8 / EP8) on the GPU, against the torch
-references: add_rms_norm at 6144, the router's and the indexer head weights' f32_linear (its 3xTF32 GEMM against
+references: add_rms_norm at 6144, alone and in the A loads of the decode GEMMs that read it (the attention's
+q_a | kv_a | wk, a dense MLP's gate | up: add_rms_norm_fp8_linear, also replayed from a CUDA graph), the router's and
+the indexer head weights' f32_linear (its 3xTF32 GEMM against
 float64 too), moe_route_local over a rank's 32 of 256 experts, the router's GEMV and routing in one launch
 (moe_router, also replayed from a CUDA graph), and the gated down GEMMs (dense MLP 1536, shared expert 256
 intermediate features per rank) on the decode path and the prefill path, also replayed from a CUDA graph (the
@@ -146,6 +148,97 @@ def test_silu_mul_fp8_linear(rows, inter, fixup):
     unfused = fp8_gemm.fp8_linear(ref.silu_mul(gate, up), w, s, None, False, config=config)
     assert torch.equal(fused, unfused)
     assert _rel(fused, ref.silu_mul_fp8_linear(gate, up, w, s, None, False)) < 1e-2
+
+
+NORMED_GEMMS = [(2752, True), (3072, False)]  # q_a | kv_a | wk (2048 + 576 + 128, the normed rows kept), gate | up
+
+
+def _normed_gemm_inputs(rows, n, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x, r = (torch.randn(rows, 6144, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(6144, device="cuda", generator=g)).to(torch.bfloat16)
+    w = (torch.randn(n, 6144, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-n // 128), 48, device="cuda", generator=g) * 0.01 + 0.002
+    return x, r, nw, w, s
+
+
+def _one_launch(monkeypatch):
+    """add_rms_norm_fp8_linear may not fall back to add_rms_norm's kernel (the first of the launches it replaces)."""
+    def fallback(*args, **kwargs):
+        raise AssertionError("add_rms_norm_fp8_linear ran add_rms_norm's kernel: not the decode path")
+
+    monkeypatch.setattr(fp8_gemm, "add_rms_norm", fallback)
+
+
+def _assert_normed_close(normed, want, bound):
+    """Normed rows against add_rms_norm's kernel's: at most ``bound`` of the values differ, each by one bf16 unit."""
+    off = normed != want
+    assert off.float().mean().item() <= bound
+    assert ((normed.float() - want.float()).abs() <= want.float().abs() * 2 ** -7)[off].all()
+    return off
+
+
+@pytest.mark.parametrize("kernel", ["triton", "gemv"])
+@pytest.mark.parametrize("act_quant", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("rows", [1, 8, 16])
+@pytest.mark.parametrize("n, keep_normed", NORMED_GEMMS, ids=["q_a_kv_a_wk", "dense_gate_up"])
+def test_add_rms_norm_fp8_linear_against_its_two_launches(monkeypatch, n, keep_normed, rows, act_quant, kernel):
+    """One TP8 rank's residual add + RMSNorm in the A loads of the GEMM that reads it (fxglm5::add_rms_norm_fp8_linear,
+    one launch of the tiled kernel or the GEMV) against add_rms_norm's kernel then fp8_linear's: the sum bitwise; the
+    normed rows equal but where the two kernels' sums of squares (in other orders) give factors an ulp apart and a
+    value rounds differently for it (at most 1 in 1000 values, each one bf16 unit off); the output bitwise the same
+    GEMM's of the fused op's own normed rows (its A operand), so bitwise the two launches' where the normed rows are
+    equal, within 1e-2 where not; the reference op's value within 1e-2. Replayed from a CUDA graph on new rows: an
+    eager call's bits each time, the split-K counters back at 0."""
+    _one_launch(monkeypatch)
+    x, r, nw, w, s = _normed_gemm_inputs(rows, n, rows + n)
+    config = dict(kernel=kernel)
+
+    def step():
+        return fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-5, w, s, None, act_quant, True, config=config)
+
+    out, total, normed = step()
+    want_normed, want_total = norm_rope.add_rms_norm(x, r, nw, 1e-5)
+    want = fp8_gemm.fp8_linear(want_normed, w, s, None, act_quant, config=config)
+    assert torch.equal(total, want_total)
+    off = _assert_normed_close(normed, want_normed, 1e-3)
+    assert torch.equal(out, fp8_gemm.fp8_linear(normed, w, s, None, act_quant, config=config))
+    assert torch.equal(out, want) if not off.any() else _rel(out, want) < 1e-2
+    reference = ref.add_rms_norm_fp8_linear(x, r, nw, 1e-5, w, s, None, act_quant, keep_normed)
+    assert _rel(out, reference[0]) < 1e-2 and reference[2].shape[-1] == (6144 if keep_normed else 0)
+    alone = fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-5, w, s, None, act_quant, keep_normed, config=config)
+    assert torch.equal(alone[0], out) and torch.equal(alone[1], total) and alone[2].shape == reference[2].shape
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for seed in range(2):
+        new = _normed_gemm_inputs(rows, n, 100 + seed)
+        x.copy_(new[0])
+        r.copy_(new[1])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(outs, step()))
+        assert int(fp8_parts.tile_counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("kernel", ["triton", "gemv"])
+def test_add_rms_norm_in_the_gemm_differs_from_its_kernel_rarely(monkeypatch, kernel, capsys):
+    """How often the normed rows (the GEMM's A operand) differ from add_rms_norm's kernel's on the GPU, whose
+    reductions run in their own orders: 64 draws of 16 rows of 6144 bf16 values, at most 1 in 10000 values, each one
+    bf16 unit off. The counts are printed for the record."""
+    _one_launch(monkeypatch)
+    values = values_off = rows_off = 0
+    for seed in range(64):
+        x, r, nw, w, s = _normed_gemm_inputs(16, 2752, 1000 + seed)
+        normed = fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-5, w, s, None, False, True,
+                                                  config=dict(kernel=kernel))[2]
+        off = _assert_normed_close(normed, norm_rope.add_rms_norm(x, r, nw, 1e-5)[0], 1e-3)
+        values, values_off = values + off.numel(), values_off + int(off.sum())
+        rows_off += int(off.any(1).sum())
+    with capsys.disabled():
+        print(f"\nadd_rms_norm in the {kernel} GEMM: {values_off} of {values} normed values, in {rows_off} of "
+              f"{64 * 16} rows, differ from add_rms_norm's kernel's")
+    assert values_off <= values * 1e-4
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 64, 2048])

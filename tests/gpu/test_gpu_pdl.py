@@ -1,6 +1,7 @@
 """Programmatic dependent launch (FXGLM5_PDL=1) on the GPU: the decode path's Triton and Gluon kernels launched so
 that each may start while its predecessor drains give the same results as plain launches, eagerly and replayed from a
-CUDA graph: a chain of 40 dependent GEMM / norm kernels and a chain through the attention kernels at GLM-5's shapes
+CUDA graph: a chain of dependent GEMM / norm kernels (half of its residual add + norms in the A loads of the GEMM
+after them, add_rms_norm_fp8_linear, at decode) and a chain through the attention kernels at GLM-5's shapes
 (each reading what the one before wrote, where a missing wait would read stale data), and the tiny model's decode
 steps, token for token and bitwise. Each kernel of the chains is checked to have been compiled with ``launch_pdl``,
 so the option reached Triton's launcher through every launch path (the autotuners, the Gluon kernel)."""
@@ -53,11 +54,16 @@ def test_pdl_is_on_only_where_asked(monkeypatch):
 
 
 def _chain(x, w, s, norm_w, router):
-    """40 dependent launches: norm -> GEMM -> norm ... -> a float32 GEMV at the end, each reading the last output."""
+    """Dependent launches: add + norm -> GEMM -> norm ... -> a float32 GEMV at the end, each reading the last output;
+    every other add + norm inside the GEMM (one launch at decode, whose every CTA reads the rows the kernel before it
+    wrote)."""
     h = x
-    for _ in range(10):
-        normed, h = norm_rope.add_rms_norm(h, x, norm_w, 1e-5)
-        h = fp8_gemm.fp8_linear(normed, w, s, None, False, config={"FIXUP": True})
+    for i in range(10):
+        if i % 2:
+            h = fp8_gemm.add_rms_norm_fp8_linear(h, x, norm_w, 1e-5, w, s, None, False, config={"FIXUP": True})[0]
+        else:
+            normed, h = norm_rope.add_rms_norm(h, x, norm_w, 1e-5)
+            h = fp8_gemm.fp8_linear(normed, w, s, None, False, config={"FIXUP": True})
         h = norm_rope.rms_norm(h, norm_w, 1e-5)
     return f32_linear.f32_linear(h, router, [0.5])
 

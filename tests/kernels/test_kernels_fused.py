@@ -497,6 +497,153 @@ def test_moe_router_fp8_keeps_the_router_launches_where_it_does_not_join(monkeyp
     assert torch.equal(fused, moe.moe_fp8(x, ids, weights, *experts, True, shared=shared))
 
 
+def _add_norm_inputs(m, k, dtype, g, lead=()):
+    """x and the residual as row-strided views (the halves of one [..., m, 2k] tensor: the kernel reads rows at their
+    stride) and the norm's weight."""
+    both = (torch.randn(*lead, m, 2 * k, generator=g) * 2).to(dtype)
+    return both[..., :k], both[..., k:], (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+
+
+def _assert_normed_close(normed, want, dtype):
+    """The fused kernel's normed rows against add_rms_norm's kernel's. Its sums of squares run in another order, so a
+    row's factor may be an ulp apart: in float32 every value of such a row differs (rel 1e-6), in bf16 only a value
+    that close to a rounding boundary, by one unit (test_add_rms_norm_in_the_gemm_at_glm5_width measures how often):
+    at most 1 in 1000 values, each one unit of bf16 off."""
+    if dtype == torch.float32:
+        assert _rel(normed, want) < 1e-6
+        return
+    off = normed != want
+    assert off.float().mean().item() <= 1e-3
+    assert ((normed.float() - want.float()).abs() <= want.float().abs() * 2 ** -7)[off].all()
+
+
+class _Launches(list):
+    """The interpreted kernels launched inside the ``with`` block, by name (hypothesis' tests take no monkeypatch)."""
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self._run = run = InterpretedFunction.run
+        InterpretedFunction.run = lambda fn, *a, **k: self.append(fn.fn.__name__) or run(fn, *a, **k)
+        return self
+
+    def __exit__(self, *exc):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        InterpretedFunction.run = self._run
+
+
+def _norm_gemm_chain(x, r, nw, w, s, bias, act_quant, config=None):
+    """add_rms_norm's kernel, then fp8_linear on its normed rows: the two launches the fused op replaces."""
+    normed, total = norm_rope.add_rms_norm(x, r, nw, 1e-6)
+    return fp8_gemm.fp8_linear(normed, w, s, bias, act_quant, config=config), total, normed
+
+
+@given(m=st.integers(1, 16), nk=st.sampled_from([(192, 384), (130, 300), (576, 256), (64, 640)]),
+       act_quant=st.booleans(), dtype=DTYPES, kernel=st.sampled_from(["triton", "gemv"]), seed=st.integers(0, 2**16))
+def test_add_rms_norm_fp8_linear_is_one_launch_of_the_chain_at_decode(m, nk, act_quant, dtype, kernel, seed):
+    """Up to 16 rows one launch of either decode GEMM (the tiled kernel split over K with its in-kernel fix-up, or the
+    GEMV) computes add_rms_norm -> fp8_linear: the sum bitwise (each value written by column tile 0's CTAs; N and K
+    tails), the normed rows as add_rms_norm's up to the order of the sum of squares, and the output bitwise what the
+    same GEMM gives on those normed rows (its A operand is what it writes); without keep_normed the same output and
+    sum, the normed output empty."""
+    n, k = nk
+    g = torch.Generator().manual_seed(seed)
+    x, r, nw = _add_norm_inputs(m, k, dtype, g)
+    w, s = _fp8_weight(n, k, g)
+    config = dict(kernel=kernel)
+    with _Launches() as launched:
+        out, total, normed = fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, None, act_quant, True,
+                                                              config=config)
+    assert launched == ["_gemm_kernel" if kernel == "triton" else "_gemv_kernel"]
+    assert (out.shape, total.shape, normed.shape) == ((m, n), (m, k), (m, k))
+    _, want_total, want_normed = _norm_gemm_chain(x, r, nw, w, s, None, act_quant)
+    assert torch.equal(total, want_total)
+    _assert_normed_close(normed, want_normed, dtype)
+    assert torch.equal(out, fp8_gemm.fp8_linear(normed, w, s, None, act_quant, config=config))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert _rel(out, ref.add_rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, None, act_quant, False)[0]) < tol
+    alone = fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, None, act_quant, False, config=config)
+    assert torch.equal(alone[0], out) and torch.equal(alone[1], total) and alone[2].shape == (m, 0)
+
+
+@pytest.mark.parametrize("config", [dict(kernel="triton", SPLIT_K=2), dict(kernel="triton", SPLIT_K=2, FIXUP=False),
+                                    dict(kernel="gemv", CTAS_PER_SM=1.5, BLOCK_N=64)],
+                         ids=["fixup", "reduce_kernel", "gemv"])
+@pytest.mark.parametrize("m", [1, 7, 16])
+def test_add_rms_norm_fp8_linear_over_ragged_splits_with_bias(config, m):
+    """K = 640 is 5 K steps, split 3 + 2 (a ragged last split, whose steps past K load nothing and write nothing):
+    every value of the sum is written once, the output is the same GEMM's on the normed rows, bias included, and the
+    split-K counters are left at zero."""
+    from fxglm5.lowering.triton import fp8_gemv, fp8_parts
+
+    g = torch.Generator().manual_seed(m)
+    x, r, nw = _add_norm_inputs(m, 640, torch.bfloat16, g)
+    w, s = _fp8_weight(192, 640, g)
+    bias = torch.randn(192, generator=g).to(torch.bfloat16)
+    if config["kernel"] == "gemv":
+        plan = fp8_gemv.plan(m, 192, 640, 4, config)
+        assert (plan["SPLIT_K"], plan["KG_PER_SPLIT"]) == (2, 3)
+    out, total, normed = fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, bias, True, True, config=config)
+    _, want_total, want_normed = _norm_gemm_chain(x, r, nw, w, s, bias, True)
+    assert torch.equal(total, want_total)
+    _assert_normed_close(normed, want_normed, torch.bfloat16)
+    assert torch.equal(out, fp8_gemm.fp8_linear(normed, w, s, bias, True, config=config))
+    counters = fp8_parts._COUNTERS.get(("cpu", None))
+    assert counters is None or int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("m, x_dtype, r_dtype", [
+    (17, torch.bfloat16, torch.bfloat16), (40, torch.float32, torch.float32), (3, torch.bfloat16, torch.float32),
+], ids=["past_decode", "prefill_float32", "mixed_dtypes"])
+def test_add_rms_norm_fp8_linear_past_the_decode_path_is_the_two_kernels(m, x_dtype, r_dtype):
+    """More than 16 rows, or a sum whose dtype is not x's (x bf16 + a float32 residual: the sum and the GEMM's input
+    are float32), launches add_rms_norm's kernel and then fp8_linear's: the chain's bits, sum and normed rows
+    included."""
+    g = torch.Generator().manual_seed(m)
+    x, _, nw = _add_norm_inputs(m, 256, x_dtype, g)
+    r = torch.randn(m, 256, generator=g).to(r_dtype)
+    w, s = _fp8_weight(192, 256, g)
+    with _Launches() as launched:
+        got = fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, None, True, True)
+    assert launched[0] == "_add_rms_norm_kernel" and "_add_rms_norm_kernel" not in launched[1:]
+    for a, b in zip(got, _norm_gemm_chain(x, r, nw, w, s, None, True)):
+        assert torch.equal(a, b)
+
+
+def test_add_rms_norm_fp8_linear_keeps_leading_dims():
+    """[2, 3, K] rows (6: the decode path) give [2, 3, N], [2, 3, K] and [2, 3, 0] without keep_normed."""
+    g = torch.Generator().manual_seed(5)
+    x, r, nw = _add_norm_inputs(3, 256, torch.bfloat16, g, lead=(2,))
+    w, s = _fp8_weight(130, 256, g)
+    out, total, normed = fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, None, False, False)
+    assert (out.shape, total.shape, normed.shape) == ((2, 3, 130), (2, 3, 256), (2, 3, 0))
+    assert torch.equal(total, x + r)
+    want = _norm_gemm_chain(x.reshape(6, 256), r.reshape(6, 256), nw, w, s, None, False)[0]
+    assert _rel(out.reshape(6, 130), want) < 1e-2
+
+
+@pytest.mark.parametrize("kernel", ["triton", "gemv"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rms_norm_in_the_gemm_at_glm5_width(kernel, dtype):
+    """At GLM-5's hidden size (6144 values a row: 48 K steps, the sums of squares in 6 chunks of 1024 at 1 row, 96
+    chunks of 64 at 16) on random rows, how often the fused normed rows differ from add_rms_norm's kernel's, the
+    interpreter's sums against numpy's. Measured when written (6 draws of 1, 8 and 16 rows each, both kernels): none of
+    the 1843200 bf16 values; 28 and 23 of 150 float32 rows (tiled, GEMV) a factor's ulp off, so most values of them;
+    bounded as :func:`_assert_normed_close` says.
+    The GPU's own orders are tests/gpu/test_gpu_fused.py's to measure. Two K splits (CTAs) keep it quick."""
+    g = torch.Generator().manual_seed(11)
+    w, s = _fp8_weight(64, 6144, g)
+    config = dict(kernel=kernel, **(dict(SPLIT_K=2) if kernel == "triton" else dict(CTAS_PER_SM=0.5)))
+    for m in (1, 16):
+        x, r, nw = _add_norm_inputs(m, 6144, dtype, g)
+        out, total, normed = fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, None, True, True, config=config)
+        _, want_total, want_normed = _norm_gemm_chain(x, r, nw, w, s, None, True)
+        assert torch.equal(total, want_total)
+        _assert_normed_close(normed, want_normed, dtype)
+        assert torch.equal(out, fp8_gemm.fp8_linear(normed, w, s, None, True, config=config))
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: norm_rope.add_rms_norm(torch.ones(2, 8), torch.ones(2, 4), torch.ones(8), 1e-6), "add_rms_norm residual"),
     (lambda: f32_linear.f32_linear(torch.ones(2, 8), torch.ones(4, 8, dtype=torch.bfloat16), []), "f32_linear weight"),
@@ -507,6 +654,12 @@ def test_moe_router_fp8_keeps_the_router_launches_where_it_does_not_join(monkeyp
      "correction_bias"),
     (lambda: fp8_gemm.fp8_linear(torch.ones(2, 128), *_fp8_weight(128, 128, torch.Generator()), None, False,
                                  up=torch.ones(2, 64)), "up:"),
+    (lambda: fp8_gemm.add_rms_norm_fp8_linear(torch.ones(2, 128), torch.ones(2, 64), torch.ones(128), 1e-6,
+                                              *_fp8_weight(128, 128, torch.Generator())), "add_rms_norm residual"),
+    (lambda: fp8_gemm.add_rms_norm_fp8_linear(torch.ones(2, 128), torch.ones(2, 128), torch.ones(64), 1e-6,
+                                              *_fp8_weight(128, 128, torch.Generator())), "add_rms_norm weight"),
+    (lambda: fp8_gemm.add_rms_norm_fp8_linear(torch.ones(2, 128), torch.ones(2, 128), torch.ones(128), 1e-6,
+                                              *_fp8_weight(128, 256, torch.Generator())), "x: last dim"),
 ])
 def test_bad_inputs_name_the_argument(call, message):
     with pytest.raises(InputError, match=message):

@@ -81,7 +81,7 @@ def test_moe_fp8_plain_and_quantized_agree():
 OPCHECKED = ["fp8_linear", "moe_route", "moe_fp8", "mla", "indexer_topk", "sparse_mla", "rms_norm", "rope_interleaved",
              "all_reduce", "all_gather",  # the collectives at world 1 here; over gloo ranks in tests/parallel
              "add_rms_norm", "f32_linear", "moe_route_local", "moe_router", "silu_mul_fp8_linear",
-             "moe_fp8_add", "moe_fp8_shared", "moe_router_fp8_shared"]  # fxglm5.ops.fused
+             "moe_fp8_add", "moe_fp8_shared", "moe_router_fp8_shared", "add_rms_norm_fp8_linear"]  # fxglm5.ops.fused
 OPCHECKED_CACHED = ["rtp_indexer", "rtp_sparse_mla", "rtp_mla"]  # tests/ops/test_cache_layout.py::test_opcheck_cached_ops
 OPCHECKED_WRITES = ["rms_norm_write_caches"]  # fxglm5.ops.fused, tests/ops/test_norm_write_caches.py::test_opcheck
 
@@ -123,6 +123,9 @@ def test_opcheck(name):
         "silu_mul_fp8_linear": (torch.randn(3, 200), torch.randn(3, 200), (torch.randn(150, 200) * 0.1).to(
             torch.float8_e4m3fn), torch.rand(2, 2), None, True),
     }
+    # the GEMM of the sum's normed rows (200 features: a K tail), the normed rows kept
+    cases["add_rms_norm_fp8_linear"] = (torch.randn(B, S, 200), torch.randn(B, S, 200), torch.rand(200) + 0.5, 1e-6,
+                                        *cases["fp8_linear"][1:], True)
     cases["moe_fp8_add"] = (*cases["moe_fp8"], torch.randn(5, hd))  # the shared expert's row added in the combine
     # the shared expert's stacked gate|up (an intermediate of 96, the gate padded to 128 rows) and down GEMMs
     cases["moe_fp8_shared"] = (*cases["moe_fp8"], (torch.randn(224, hd) * 0.1).to(torch.float8_e4m3fn),
@@ -133,6 +136,6 @@ def test_opcheck(name):
                                       2.5, torch.tensor(4, dtype=torch.int32), 4, *cases["moe_fp8_shared"][3:])
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     if name in ("fp8_linear", "moe_fp8", "moe_fp8_add", "moe_fp8_shared", "moe_router_fp8_shared",
-                "silu_mul_fp8_linear"):
+                "silu_mul_fp8_linear", "add_rms_norm_fp8_linear"):
         utils = utils[1:]  # test_schema's alias checker multiplies tensors, which CPU float8 does not support
     opcheck(getattr(torch.ops.fxglm5, name).default, cases[name], test_utils=utils)

@@ -16,11 +16,14 @@ PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [7, 1, 8]]  # one lo
 # routing), then their down GEMMs likewise (the shared one's gate folded in) with the combine (+ the shared row), each
 # token's output tile combined by the CTA that finishes it
 DECODE_MOE = ["_router_gate_up_kernel", "_moe_gemm_kernel"]
-# one decode step's attention block, from the stacked q_a | kv_a | wk GEMM to o_proj's: the query latent's norm with
-# both cache writes and the indexer's head weights, the stacked q_b | wq_b GEMM, the indexer (its logits and top-k in
-# one launch), the latent MLA, o_proj
+# one decode step's attention block, from the stacked q_a | kv_a | wk GEMM (the residual add and the input norm in
+# its A loads) to o_proj's: the query latent's norm with both cache writes and the indexer's head weights, the stacked
+# q_b | wq_b GEMM, the indexer (its logits and top-k in one launch), the latent MLA, o_proj; after the dense layer's
+# MLP (its add and norm in its stacked gate | up GEMM, the gated down GEMM) and before the MoE layer's MLP norm, the
+# one add_rms_norm launch left
 DECODE_ATTENTION = ["_gemm_kernel", "_norm_write_caches_kernel", "_gemm_kernel", "_indexer_topk_kernel",
                     "_latent_query_kernel", "_mla_fwd_kernel", "_mla_combine_project_kernel", "_gemm_kernel"]
+DENSE_MLP = ["_gemm_kernel", "_gemm_kernel"]
 
 
 def test_triton_path_same_tokens_as_reference(monkeypatch):
@@ -35,7 +38,10 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     The query latent's RMSNorm, both cache writes and the indexer's head weights are one launch per layer and step
     (fuse_cache_writes_into_q_norm, fuse_index_weights_into_q_norm; every step here is GEMV-sized, the prefill's 15
     tokens too): a decode step's attention block is DECODE_ATTENTION, no standalone norm, write or GEMV kernel among
-    them."""
+    them. The residual adds and norms before the MoE layer's attention and the dense layer's MLP run inside the
+    GEMMs that read them (fuse_add_rms_norm_into_gemm; up to 16 rows, the prefill's 15 too): one add_rms_norm launch
+    a step is left, the MoE layer's MLP norm, and the dense layer's MLP then the MoE layer's attention follow each
+    other without one."""
     from triton.runtime.interpreter import InterpretedFunction
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors: the Triton bindings need the interpreter
@@ -65,8 +71,10 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     assert "_f32_gemv_kernel" not in launched
     assert launched.count("_norm_write_caches_kernel") == 2 * 3  # both layers, the prefill and two decode steps
     last = len(launched) - launched[::-1].index("_norm_write_caches_kernel") - 1  # the last decode step's layer 1
-    at = DECODE_ATTENTION.index("_norm_write_caches_kernel")
-    assert launched[last - at:last - at + len(DECODE_ATTENTION)] == DECODE_ATTENTION
+    at = DECODE_ATTENTION.index("_norm_write_caches_kernel") + len(DENSE_MLP)
+    assert launched[last - at:last - at + len(DENSE_MLP + DECODE_ATTENTION) + 1] == (
+        DENSE_MLP + DECODE_ATTENTION + ["_add_rms_norm_kernel"])
+    assert launched.count("_add_rms_norm_kernel") == 3  # the MoE layer's MLP norm, in each of the 3 steps
 
 
 @pytest.mark.parametrize("max_step_tokens, tiles", [(None, [40, 40]), (16, [16, 16, 16, 16])],

@@ -31,6 +31,17 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
     return ref_norm_rope.rms_norm(total, weight, eps), total
 
 
+def add_rms_norm_fp8_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                            weight_scale_inv: Tensor, bias: Optional[Tensor], act_quant: bool,
+                            keep_normed: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The residual add, the next block's RMSNorm and the block-FP8 GEMM that reads it: ``(fp8_linear(normed, weight,
+    ...), total, normed)`` of ``normed, total = add_rms_norm(x, residual, norm_weight, eps)``, the chain it replaces;
+    ``normed`` is returned where ``keep_normed`` (another op reads it too), else an empty [..., 0]."""
+    normed, total = add_rms_norm(x, residual, norm_weight, eps)
+    out = ref_fp8.fp8_linear(normed, weight, weight_scale_inv, bias, act_quant)
+    return out, total, normed if keep_normed else normed.new_empty(*normed.shape[:-1], 0)
+
+
 def validate_f32_linear(x: Tensor, weight: Tensor, scales: Sequence[float], max_scales: int | None = None) -> None:
     if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 1:
         raise InputError(f"f32_linear x: expected a floating-point tensor, got {getattr(x, 'dtype', type(x))}")

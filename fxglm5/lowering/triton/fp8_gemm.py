@@ -39,10 +39,13 @@ from fxglm5 import settings
 from fxglm5.contracts import FP8_BLOCK
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fp8 as ref
+from fxglm5.lowering.reference.fused import validate_add_rms_norm
 from fxglm5.lowering.triton import fp8_gemm_hopper, fp8_gemv
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
-from fxglm5.lowering.triton.fp8_parts import _dot, _quant_rows, _silu_mul, tile_counters
-from fxglm5.lowering.triton.norm_rope import DTYPE_CODES
+from fxglm5.lowering.triton.fp8_parts import (
+    NormedA, _dot, _quant_rows, _silu_mul, add_rms_rstd, load_a, tile_counters, write_add_rms,
+)
+from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, add_rms_norm
 
 BLOCK_K = FP8_BLOCK  # one weight-scale column and one activation-scale group per K step
 # The kernels index their tensors with int32 offsets: no tensor a launch touches may reach 2^31 elements (a
@@ -106,12 +109,17 @@ def gemm_tile(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
     FIXUP: tl.constexpr,
     NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    nw_ptr=None, sum_ptr=None, normed_ptr=None, eps=0.0, NORM_A: tl.constexpr = False, NORM_ROWS: tl.constexpr = 1,
 ):
     """One CTA of :func:`_gemm_kernel`: output tile ``pid`` (in grouped order), K split ``pid_k``. Its own
     function so that a kernel of another GEMM can run tiles of this one as extra CTAs (the MoE's grouped GEMMs
     run the shared expert's, :mod:`fxglm5.lowering.triton.moe`) with this kernel's math, bit for bit. Returns
     whether this CTA wrote the tile's output (unsplit, or the FIXUP's last split; a split without FIXUP leaves it
-    to the reduce kernel): the CTA that may go on from the finished tile in the same launch (the MoE's combine)."""
+    to the reduce kernel): the CTA that may go on from the finished tile in the same launch (the MoE's combine).
+
+    NORM_A (``fp8_parts.NormedA.kernel_args``): A is the RMSNorm of ``a + up`` (up the residual), formed as each tile
+    loads after the CTA has summed its rows' squares over all of K (``fp8_parts.add_rms_rstd``); the CTAs of column
+    tile 0 write the sum (and the normed rows) of their K steps, so every value is written once."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     # Grouped order: GROUP_M consecutive CTAs share one weight column tile while it is in L2.
@@ -138,20 +146,21 @@ def gemm_tile(
     else:
         bs_ptrs = bs_ptr + (rows_b // 128) * stride_bsn
 
+    if NORM_A:
+        rstd = add_rms_rstd(a_ptr, up_ptr, pid_m * BLOCK_M, M, stride_am, stride_um, K, eps, SPLIT_K * KG_PER_SPLIT,
+                            NORM_ROWS, BLOCK_M, DT)
+    else:
+        rstd = None
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, KG_PER_SPLIT):
         kg = pid_k * KG_PER_SPLIT + i
+        a = load_a(a_ptrs, u_ptrs, kg, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, NORM_A)
         if NO_K_MASK:  # K % 128 == 0 and the splits tile KG exactly
-            a = tl.load(a_ptrs + kg * 128)
-            if GATED_A:
-                a = _silu_mul(a, tl.load(u_ptrs + kg * 128), DT)
             b = tl.load(b_ptrs + kg * 128)
             s_b = tl.load(bs_ptrs + kg)
         else:  # K tail, or steps past KG in a ragged last split (fully masked: no traffic)
             k_mask = offs_k < K - kg * 128
-            a = tl.load(a_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
-            if GATED_A:  # silu(0) * 0 = 0 past K
-                a = _silu_mul(a, tl.load(u_ptrs + kg * 128, mask=k_mask[None, :], other=0.0), DT)
             b = tl.load(b_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
             s_b = tl.load(bs_ptrs + kg, mask=kg < KG, other=0.0)
         if A_MODE == 0:
@@ -162,6 +171,10 @@ def gemm_tile(
             acc += _dot(q, tl.trans(b), INTERPRET) * _ab_scale(s_a, s_b, SCALAR_SB)
         else:
             acc += _dot(a, tl.trans(b.to(a.dtype)), DOT_F32) * _b_scale(s_b, SCALAR_SB)
+    if NORM_A:
+        if pid_n == 0:
+            write_add_rms(a_ptrs, u_ptrs, nw_ptr, rstd, sum_ptr, normed_ptr, offs_m[:, None] * K + offs_k[None, :],
+                          m_mask[:, None], pid_k * KG_PER_SPLIT, K, KG_PER_SPLIT, DT)
 
     c_mask = m_mask[:, None] & n_mask[None, :]
     finished = False
@@ -204,12 +217,13 @@ def _gemm_kernel(
     FIXUP: tl.constexpr,
     NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr,
+    nw_ptr=None, sum_ptr=None, normed_ptr=None, eps=0.0, NORM_A: tl.constexpr = False, NORM_ROWS: tl.constexpr = 1,
 ):
     pdl_prologue(PDL)
     gemm_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr, tl.program_id(0),
               tl.program_id(1), M, N, K, KG, KG_PER_SPLIT, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
               stride_cs, stride_um, A_MODE, GATED_A, DT, DOT_F32, INTERPRET, HAS_BIAS, SPLIT_K, FIXUP, NO_K_MASK,
-              SCALAR_SB, BLOCK_M, BLOCK_N, GROUP_M)
+              SCALAR_SB, BLOCK_M, BLOCK_N, GROUP_M, nw_ptr, sum_ptr, normed_ptr, eps, NORM_A, NORM_ROWS)
 
 
 @triton.jit
@@ -362,6 +376,54 @@ def gates_in_kernel(m: int, act_quant: bool, cfg: dict) -> bool:
     return m <= GATED_ROWS and not (act_quant and not cfg["fused_quant"])
 
 
+NORM_ROWS = fp8_gemv.ROWS  # up to this many rows (decode) a normed input's RMSNorm is formed in the GEMM's A loads
+
+
+def add_rms_norm_fp8_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                            act_quant: bool = True, keep_normed: bool = False, *,
+                            config: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fxglm5::add_rms_norm_fp8_linear``: ``(fp8_linear(normed), total, normed or [..., 0])`` of ``normed, total =
+    add_rms_norm(x, residual, norm_weight, eps)``, ``normed`` returned where ``keep_normed``; all contiguous.
+
+    Up to NORM_ROWS rows, where the GEMM forms its A tiles in registers (the GEMV, or the Triton kernel quantizing or
+    widening A as it loads: :func:`gates_in_kernel`) and x and residual share a dtype, one launch: every CTA sums its
+    rows' squares of ``round(x + residual)`` over the whole row, then forms each A tile as the norm's normed values
+    (``fp8_parts.load_a``), and column tile 0's CTAs write the sum (and the normed rows). The A operand is what
+    ``add_rms_norm``'s kernel writes except where the two sums of squares, taken in different orders, round to
+    factors an ulp apart and a normed value lies that close to a rounding boundary of the dtype (it then differs by
+    one unit of it; tests/kernels/test_kernels_fused.py measures how often). Otherwise (prefill) ``add_rms_norm``'s
+    kernel, then :func:`fp8_linear`: the chain's bits."""
+    validate_add_rms_norm(x, residual, norm_weight, eps)
+    ref.check_linear_inputs(x, weight, weight_scale_inv, bias)
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    m = x.numel() // k if k else 0
+    kernel = (config or {}).get("kernel")
+    fused = 0 < m <= NORM_ROWS and residual.dtype == x.dtype and kernel != "gluon"
+    if fused and not runs_gemv(m, kernel):
+        cfg = pick_config(m, n, k, act_quant, num_sms(x.device), config)
+        fused = gates_in_kernel(m, act_quant, cfg)
+    if not fused:
+        normed, total = add_rms_norm(x, residual, norm_weight, eps, validate=False)
+        out = fp8_linear(normed, weight, weight_scale_inv, bias, act_quant, config=config)
+        return out, total, normed if keep_normed else normed.new_empty(*lead, 0)
+    x2, r2 = _rows(x, k), _rows(residual, k)
+    total = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    normed = torch.empty_like(total) if keep_normed else None
+    norm = NormedA(r2, norm_weight.contiguous(), eps, total, normed)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    weight, weight_scale_inv = weight.contiguous(), weight_scale_inv.contiguous()
+    if runs_gemv(m, kernel):
+        gemv_config = {key: v for key, v in (config or {}).items() if key != "kernel"}
+        fp8_gemv.launch(x2, None, weight, weight_scale_inv, bias, act_quant, out, num_sms(x.device), gemv_config,
+                        norm)
+    else:
+        _launch(x2, None, weight, weight_scale_inv, bias, act_quant, cfg, out, norm)
+    kept = normed.view(x.shape) if keep_normed else x.new_empty(*lead, 0)
+    return out.view(*lead, n), total.view(x.shape), kept
+
+
 def runs_gemv(m: int, kernel: Optional[str]) -> bool:
     """Whether :func:`fp8_linear` of ``m`` rows runs the GEMV (``kernel``: its config's choice, if any)."""
     return kernel == "gemv" or (kernel is None and fp8_gemv.GEMV["enabled"] and m <= fp8_gemv.ROWS)
@@ -391,11 +453,13 @@ def _rows(t: torch.Tensor, k: int) -> torch.Tensor:
 
 class GemmLaunch(NamedTuple):
     """One :func:`_gemm_kernel` launch: its grid, positional arguments and constexprs (``meta``, without the launch
-    options), and whether the split-K reduce kernel must follow it (split over K without FIXUP)."""
+    options), whether the split-K reduce kernel must follow it (split over K without FIXUP), and the norm's keyword
+    arguments where A is a normed input (``fp8_parts.NormedA.kernel_args``)."""
     grid: tuple[int, int]
     args: tuple
     meta: dict
     reduce: bool
+    norm: Optional[dict] = None
 
 
 def quantized_input(x2, act_quant, cfg):
@@ -406,10 +470,12 @@ def quantized_input(x2, act_quant, cfg):
     return x2, x2, (1 if act_quant else 2)
 
 
-def gemm_launch(a, a_s, mode, u2, weight, weight_scale_inv, bias, cfg, out, counter_offset=0) -> GemmLaunch:
-    """The launch of ``a`` [m, k] (``quantized_input``'s, ``u2`` the up half of a gated input) by ``weight`` into
-    ``out`` [m, n]; its FIXUP counters start ``counter_offset`` into :func:`tile_counters` (a kernel that runs these
-    tiles beside its own keeps its own counters below)."""
+def gemm_launch(a, a_s, mode, u2, weight, weight_scale_inv, bias, cfg, out, counter_offset=0,
+                norm: Optional[NormedA] = None) -> GemmLaunch:
+    """The launch of ``a`` [m, k] (``quantized_input``'s, ``u2`` the up half of a gated input; ``norm``: A is the
+    RMSNorm of ``a + norm.residual``, A formed in registers) by ``weight`` into ``out`` [m, n]; its FIXUP counters
+    start ``counter_offset`` into :func:`tile_counters` (a kernel that runs these tiles beside its own keeps its own
+    counters below)."""
     (m, k), n = a.shape, weight.shape[0]
     kg = triton.cdiv(k, 128)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -419,23 +485,24 @@ def gemm_launch(a, a_s, mode, u2, weight, weight_scale_inv, bias, cfg, out, coun
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     fixup = bool(cfg.get("FIXUP", False)) and split > 1
     cnt = tile_counters(a.device, counter_offset + grid[0])[counter_offset:] if fixup else c
-    args = (a, a_s, weight, weight_scale_inv, bias if bias is not None else out, c, out, cnt, a if u2 is None else u2,
-            m, n, k, kg, kg_per_split, a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), n,
-            m * n, a.stride(0) if u2 is None else u2.stride(0))
+    second = u2 if norm is None else norm.residual  # the A loads' second operand, if any
+    args = (a, a_s, weight, weight_scale_inv, bias if bias is not None else out, c, out, cnt,
+            a if second is None else second, m, n, k, kg, kg_per_split, a.stride(0), a_s.stride(0), weight.stride(0),
+            weight_scale_inv.stride(0), n, m * n, a.stride(0) if second is None else second.stride(0))
     meta = dict(A_MODE=mode, GATED_A=u2 is not None, DT=DTYPE_CODES[out.dtype],
                 DOT_F32=out.dtype == torch.float32 or settings.triton_interpret(),
                 INTERPRET=settings.triton_interpret(), HAS_BIAS=bias is not None, SPLIT_K=split, FIXUP=fixup,
                 NO_K_MASK=k % 128 == 0 and split * kg_per_split == kg, SCALAR_SB=bn <= 128, BLOCK_M=bm, BLOCK_N=bn,
                 GROUP_M=cfg["GROUP_M"])
-    return GemmLaunch(grid, args, meta, split > 1 and not fixup)
+    return GemmLaunch(grid, args, meta, split > 1 and not fixup, None if norm is None else norm.kernel_args(m, bm))
 
 
-def _launch(x2, u2, weight, weight_scale_inv, bias, act_quant, cfg, out) -> None:
+def _launch(x2, u2, weight, weight_scale_inv, bias, act_quant, cfg, out, norm: Optional[NormedA] = None) -> None:
     """The Triton kernel (and, split over K without FIXUP, the reduce kernel) into ``out`` [m, n]."""
     a, a_s, mode = quantized_input(x2, act_quant, cfg)
-    launch = gemm_launch(a, a_s, mode, u2, weight, weight_scale_inv, bias, cfg, out)
-    _gemm_kernel[launch.grid](*launch.args, **launch.meta, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                              **pdl(x2.device))
+    launch = gemm_launch(a, a_s, mode, u2, weight, weight_scale_inv, bias, cfg, out, norm=norm)
+    _gemm_kernel[launch.grid](*launch.args, **launch.meta, **(launch.norm or {}), num_warps=cfg["num_warps"],
+                              num_stages=cfg["num_stages"], **pdl(x2.device))
     if launch.reduce:
         m, n = out.shape
         block = 1024

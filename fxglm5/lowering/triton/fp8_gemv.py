@@ -17,7 +17,8 @@ averaged 12 us for about 2 us of bytes (bench/results/session21). This kernel:
 
 Activations as in the tiled kernel: ``act_quant`` quantizes each row 1x128 to e4m3 in registers (W8A8, the
 checkpoint's recipe), otherwise the e4m3 tile is widened to the activation dtype (W8A16); a gated input
-(``silu(gate) * up``) is formed as the tile is loaded.
+(``silu(gate) * up``), or the RMSNorm of a residual sum (``fp8_gemm.add_rms_norm_fp8_linear``: each CTA first sums
+its rows' squares, after the wait on the previous kernel), is formed as the tile is loaded.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import triton.language as tl
 
 from fxglm5 import settings
 from fxglm5.lowering.triton.device import pdl, pdl_prologue
-from fxglm5.lowering.triton.fp8_parts import _dot, _quant_rows, _silu_mul, tile_counters
+from fxglm5.lowering.triton.fp8_parts import (
+    NormedA, _dot, _quant_rows, add_rms_rstd, load_a, tile_counters, write_add_rms,
+)
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES
 
 ROWS = 16  # the most rows a call may have
@@ -48,21 +51,6 @@ def _load_w(b_ptrs, bs_ptr, kg, K, KG, NO_K_MASK: tl.constexpr):
     k_mask = tl.arange(0, 128) < K - kg * 128
     return (tl.load(b_ptrs + kg * 128, mask=k_mask[None, :], other=0.0),
             tl.load(bs_ptr + kg, mask=kg < KG, other=0.0))
-
-
-@triton.jit
-def _load_x(a_ptrs, u_ptrs, kg, K, NO_K_MASK: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr):
-    """K step ``kg``'s activation tile [M_PAD, 128] (``silu(gate) * up`` for a gated input; zero past K)."""
-    if NO_K_MASK:
-        a = tl.load(a_ptrs + kg * 128)
-        if GATED_A:
-            a = _silu_mul(a, tl.load(u_ptrs + kg * 128), DT)
-    else:
-        k_mask = tl.arange(0, 128) < K - kg * 128
-        a = tl.load(a_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
-        if GATED_A:
-            a = _silu_mul(a, tl.load(u_ptrs + kg * 128, mask=k_mask[None, :], other=0.0), DT)
-    return a
 
 
 @triton.jit
@@ -90,7 +78,8 @@ def _gemv_kernel(a_ptr, u_ptr, b_ptr, bs_ptr, bias_ptr, ws_ptr, out_ptr, cnt_ptr
                  KG_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                  A_MODE: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, USE_DOT: tl.constexpr,
                  F32: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr, NO_K_MASK: tl.constexpr,
-                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                 PREFETCH: tl.constexpr, PDL: tl.constexpr, nw_ptr=None, sum_ptr=None, normed_ptr=None, eps=0.0,
+                 NORM_A: tl.constexpr = False, NORM_ROWS: tl.constexpr = 1):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,6 +96,11 @@ def _gemv_kernel(a_ptr, u_ptr, b_ptr, bs_ptr, bias_ptr, ws_ptr, out_ptr, cnt_ptr
     rows_a = tl.minimum(offs_m, M - 1)
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
     u_ptrs = u_ptr + rows_a[:, None] * stride_um + offs_k[None, :]
+    if NORM_A:  # A = the RMSNorm of x + residual (u): its rows' factors over all of K first, by every CTA
+        rstd = add_rms_rstd(a_ptr, u_ptr, 0, M, stride_am, stride_um, K, eps, SPLIT_K * KG_PER_SPLIT, NORM_ROWS,
+                            M_PAD, DT)
+    else:
+        rstd = None
     if PREFETCH:
         # the next K step's weight tile is requested before this step's math, so two tiles are in flight a CTA
         # (the software pipeliner stages only loads that feed an MMA, not the FMA path's). The request after a
@@ -115,16 +109,20 @@ def _gemv_kernel(a_ptr, u_ptr, b_ptr, bs_ptr, bias_ptr, ws_ptr, out_ptr, cnt_ptr
         acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
         for i in range(0, KG_PER_SPLIT):
             b_next, s_next = _load_w(b_ptrs, bs_row, tl.minimum(kg0 + i + 1, KG - 1), K, KG, NO_K_MASK)
-            acc += _step(_load_x(a_ptrs, u_ptrs, kg0 + i, K, NO_K_MASK, GATED_A, DT), b, s_b, A_MODE, USE_DOT,
-                         F32, INTERPRET)
+            a = load_a(a_ptrs, u_ptrs, kg0 + i, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, NORM_A)
+            acc += _step(a, b, s_b, A_MODE, USE_DOT, F32, INTERPRET)
             b, s_b = b_next, s_next
     else:
-        acc = _step(_load_x(a_ptrs, u_ptrs, kg0, K, NO_K_MASK, GATED_A, DT), b, s_b, A_MODE, USE_DOT, F32,
-                    INTERPRET)
+        a = load_a(a_ptrs, u_ptrs, kg0, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, NORM_A)
+        acc = _step(a, b, s_b, A_MODE, USE_DOT, F32, INTERPRET)
         for i in range(1, KG_PER_SPLIT):
             b, s_b = _load_w(b_ptrs, bs_row, kg0 + i, K, KG, NO_K_MASK)
-            acc += _step(_load_x(a_ptrs, u_ptrs, kg0 + i, K, NO_K_MASK, GATED_A, DT), b, s_b, A_MODE, USE_DOT,
-                         F32, INTERPRET)
+            a = load_a(a_ptrs, u_ptrs, kg0 + i, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, NORM_A)
+            acc += _step(a, b, s_b, A_MODE, USE_DOT, F32, INTERPRET)
+    if NORM_A:
+        if pid_n == 0:  # column tile 0's CTAs write the sum (and the normed rows) of their K steps: every value once
+            write_add_rms(a_ptrs, u_ptrs, nw_ptr, rstd, sum_ptr, normed_ptr, offs_m[:, None] * K + offs_k[None, :],
+                          (offs_m < M)[:, None], kg0, K, KG_PER_SPLIT, DT)
     c_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tile = offs_m[:, None] * N + offs_n[None, :]
     if SPLIT_K == 1:
@@ -170,9 +168,11 @@ def plan(m: int, n: int, k: int, sms: int, config: dict | None = None) -> dict:
     return dict(cfg, M_PAD=m_pad, BLOCK_N=bn, KG_PER_SPLIT=per_split, SPLIT_K=triton.cdiv(kg, per_split))
 
 
-def launch(x2, u2, weight, weight_scale_inv, bias, act_quant: bool, out, sms: int, config: dict | None = None) -> None:
-    """``out`` [m, n] = the block-FP8 linear of ``x2`` [m, k] (m <= ROWS; ``u2``: the gated input's up half), the
-    inputs checked and laid out by :func:`fp8_gemm.fp8_linear`."""
+def launch(x2, u2, weight, weight_scale_inv, bias, act_quant: bool, out, sms: int, config: dict | None = None,
+           norm: NormedA | None = None) -> None:
+    """``out`` [m, n] = the block-FP8 linear of ``x2`` [m, k] (m <= ROWS; ``u2``: the gated input's up half; ``norm``:
+    the input is the RMSNorm of ``x2 + norm.residual``, its sum written), the inputs checked and laid out by
+    :func:`fp8_gemm.fp8_linear` (:func:`fp8_gemm.add_rms_norm_fp8_linear`)."""
     (m, k), n = x2.shape, weight.shape[0]
     if not 0 < m <= ROWS:
         raise ValueError(f"fp8 gemv: {m} rows; the GEMV serves 1 to {ROWS}")
@@ -182,13 +182,13 @@ def launch(x2, u2, weight, weight_scale_inv, bias, act_quant: bool, out, sms: in
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else out
     cnt = tile_counters(x2.device, grid[0]) if split > 1 else out
     interpret = settings.triton_interpret()
+    second = u2 if norm is None else norm.residual  # the A loads' second operand, if any
     _gemv_kernel[grid](
-        x2, x2 if u2 is None else u2, weight, weight_scale_inv, out if bias is None else bias, ws, out, cnt,
-        m, n, k, kg, x2.stride(0), x2.stride(0) if u2 is None else u2.stride(0), weight.stride(0),
+        x2, x2 if second is None else second, weight, weight_scale_inv, out if bias is None else bias, ws, out, cnt,
+        m, n, k, kg, x2.stride(0), x2.stride(0) if second is None else second.stride(0), weight.stride(0),
         weight_scale_inv.stride(0),
         KG_PER_SPLIT=per_split, SPLIT_K=split, M_PAD=c["M_PAD"], BLOCK_N=c["BLOCK_N"], A_MODE=1 if act_quant else 2,
         GATED_A=u2 is not None, DT=DTYPE_CODES[x2.dtype], USE_DOT=c["M_PAD"] == 16,
         F32=x2.dtype == torch.float32 or interpret, INTERPRET=interpret, HAS_BIAS=bias is not None,
         NO_K_MASK=k % 128 == 0 and split * per_split == kg, PREFETCH=c["PREFETCH"], num_warps=c["num_warps"],
-        num_stages=c["num_stages"],
-        **pdl(x2.device))
+        num_stages=c["num_stages"], **({} if norm is None else norm.kernel_args(m, c["M_PAD"])), **pdl(x2.device))

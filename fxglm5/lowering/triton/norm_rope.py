@@ -20,7 +20,7 @@ interpreter_compat()
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 __all__ = ["DTYPE_CODES", "add_rms_norm", "rms_norm", "rms_norm_launch", "rope_interleaved", "round_to",
-           "rms_normalize", "rms_norm_row", "rotate_pairs"]
+           "rms_normalize", "rms_norm_row", "rms_rstd", "rms_scale", "rotate_pairs"]
 
 
 @triton.jit
@@ -35,11 +35,22 @@ def round_to(y, DT: tl.constexpr):
 
 
 @triton.jit
+def rms_rstd(sum_sq, n, eps):
+    """The factor RMSNorm scales by, ``1 / sqrt(sum_sq / n + eps)`` (correctly rounded), from the sum of squares of
+    the n values."""
+    return tl.math.div_rn(1.0, tl.sqrt_rn(sum_sq / n + eps))
+
+
+@triton.jit
+def rms_scale(x, r, w, DT: tl.constexpr):
+    """The normed values of float32 x scaled by its rows' ``r`` (:func:`rms_rstd`): ``round(w * round(x * r))``."""
+    return round_to(w * round_to(x * r, DT), DT)
+
+
+@triton.jit
 def rms_normalize(x, w, eps, n, DT: tl.constexpr):
     """GLM-5's RMSNorm of the float32 tile x (padding entries 0) over all its n real values; w the weights (0 pad)."""
-    ms = tl.sum(tl.reshape(x * x, (x.numel,)), axis=0) / n
-    r = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
-    return round_to(w * round_to(x * r, DT), DT)
+    return rms_scale(x, rms_rstd(tl.sum(tl.reshape(x * x, (x.numel,)), axis=0), n, eps), w, DT)
 
 
 @triton.jit
