@@ -2,6 +2,7 @@
 
     python bench/kernels.py --only gemm,moe      # writes bench/results/kernels_gemm_moe.{json,md}
     python bench/kernels.py --only fused         # the shared-input GEMMs stacked into one (qkv_a, ...) vs apart
+    python bench/kernels.py --only norm_gemm     # the residual add + RMSNorm in the decode GEMM vs its own kernel
 
 Decode rows (M <= 16, MoE batch 1/64) are timed as CUDA-graph replays where every captured call reads a
 different weight copy (or routes to different experts), so weights come from HBM, not L2; bandwidth is
@@ -157,6 +158,42 @@ def bench_fused(res: Results, args):
                     separate_pct_copy=100 * (nbytes + (len(members) - 1) * m * k * 2) / separate / 1e3 / res.copy_gbs,
                     TFLOPS=2 * m * sum(members) * k / fused / 1e6)
             del x
+        torch.cuda.empty_cache()
+
+
+NORMED_GEMMS = [  # (name, N, K, keep_normed): a TP8 rank's GEMMs fuse_add_rms_norm_into_gemm gives their add + norm
+    ("qkv_a: q_a | kv_a | idx wk", 2048 + 576 + 128, 6144, True),
+    ("dense gate | up / 8", 3072, 6144, False),
+]
+
+
+@section("norm_gemm")
+def bench_norm_gemm(res: Results, args):
+    """add_rms_norm_fp8_linear (one launch up to fp8_gemm.NORM_ROWS rows: every CTA sums its rows' squares over the
+    whole row, then forms its A tiles as the normed rows) against add_rms_norm's kernel then fp8_linear's, W8A16 and
+    W8A8, the same rows (hot in L2, as an all-reduce leaves them), the same cold-weight rotation, both CUDA-graph
+    replays: where the norm in the GEMM stops paying (the rows every CTA reads grow with M), NORM_ROWS should stop."""
+    from fxglm5.lowering.triton.fp8_gemm import NORM_ROWS, add_rms_norm_fp8_linear, fp8_linear
+    from fxglm5.lowering.triton.norm_rope import add_rms_norm
+
+    for name, n, k, keep in NORMED_GEMMS:
+        wbytes = n * k + 4 * (-(-n // 128)) * (-(-k // 128))
+        for m in [int(v) for v in args.norm_m.split(",")]:
+            x, r = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            nw = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+            for act_quant in (False, True):
+                copies, nxt = rotating(lambda i: _weights(n, k), None, bytes_per_copy=wbytes)
+
+                def two_launches():
+                    return fp8_linear(add_rms_norm(x, r, nw, 1e-5)[0], *nxt(), None, act_quant)
+
+                separate = time_graph_us(two_launches, calls_per_graph=len(copies))
+                fused = time_graph_us(lambda: add_rms_norm_fp8_linear(x, r, nw, 1e-5, *nxt(), None, act_quant, keep),
+                                      calls_per_graph=len(copies))
+                del copies
+                res.add(section="norm_gemm", shape=f"{name} {n}x{k}", M=m, act_quant=act_quant, fused_us=fused,
+                        separate_us=separate, x_fused_vs_separate=separate / fused, in_gemm=m <= NORM_ROWS)
+            del x, r
         torch.cuda.empty_cache()
 
 
@@ -402,6 +439,7 @@ def main():
     p.add_argument("--gemm-m", default="1,4,16,4096")
     p.add_argument("--moe-t", default="1,64,2048")
     p.add_argument("--fused-m", default="1,16,64,4096", help="token counts of the fused-GEMM section")
+    p.add_argument("--norm-m", default="1,2,4,8,16", help="rows of the norm_gemm section")
     p.add_argument("--regimes", default=None, help="sweep only these regimes (comma-separated): "
                    + ",".join(GEMM_SWEEP))
     p.add_argument("--name", default=None, help="results name (default kernels_<sections>)")

@@ -1,9 +1,11 @@
 """The fuse_kernels stage's ops (fxglm5.ops.fused) in Triton, interpreted on the CPU, against their references (the
-chains they replace): add_rms_norm, f32_linear (the GEMV and the 3xTF32 GEMM, split-K fix-up, scales in turn),
-moe_route_local, moe_router (the GEMV and the routing in one launch), the gated down GEMM silu_mul_fp8_linear
-on the decode path (the gate applied as A tiles load) and past it (one elementwise kernel first), the MoE with its
-shared expert (moe_fp8_shared: the shared GEMMs in the routed launches, the combine in the down launch) and with its
-router too (moe_router_fp8_shared: the router in the gate|up launch); bad inputs name the argument. Small shapes: CI runs it on 2 cores."""
+chains they replace): add_rms_norm, alone and in the A loads of the decode GEMM that reads it
+(add_rms_norm_fp8_linear: both decode kernels, against the two launches), f32_linear (the GEMV and the 3xTF32 GEMM,
+split-K fix-up, scales in turn), moe_route_local, moe_router (the GEMV and the routing in one launch), the gated down
+GEMM silu_mul_fp8_linear on the decode path (the gate applied as A tiles load) and past it (one elementwise kernel
+first), the MoE with its shared expert (moe_fp8_shared: the shared GEMMs in the routed launches, the combine in the
+down launch) and with its router too (moe_router_fp8_shared: the router in the gate|up launch); bad inputs name the
+argument. Small shapes: CI runs it on 2 cores."""
 
 import inspect
 import os
