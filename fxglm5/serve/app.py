@@ -222,9 +222,13 @@ async def _events(request, loop: EngineLoop, keys, inbox, reply: _Reply):
 
 
 def _listen(settings: ServeSettings) -> socket.socket:
+    """The server's socket, bound and already listening: the URL is printed before uvicorn's loop starts (at --tp
+    the engine's thread may hold the interpreter a while then), and a client that connects in between must wait in
+    the backlog until uvicorn accepts, not be refused (uvicorn's own listen() on this socket changes nothing else)."""
     sock = socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((settings.host, settings.port))
+    sock.listen()
     return sock
 
 
