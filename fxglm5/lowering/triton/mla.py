@@ -554,6 +554,8 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
         w_uv = w_uv.to(q.dtype)
         if w_uv.stride(-1) != 1:
             w_uv = w_uv.contiguous()
+    if fused and hopper and not mla_hopper.project_supported(w_uv):
+        fused = False  # the Hopper MLA, then the Triton combine
     _LAST["fused"] = fused
     if hopper:
         _LAST["impl"] = "hopper"
