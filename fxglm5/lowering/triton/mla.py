@@ -24,7 +24,13 @@ cache layouts (compute dtype 576 / FP8 ds_mla 656 bytes):
   path: many tokens already fill the machine; queries of a prefill re-read their prefix tiles, mostly from L2);
 - W_UV in the combine (``w_uv``, the paged programs' decode): the combine also multiplies the merged latent output
   by W_UV and writes the value heads, and a single split writes partials too, so the attention of a decode step
-  ends in one Triton kernel instead of the combine and a cuBLAS GEMM outside the PDL chain.
+  ends in one Triton kernel instead of the combine and a cuBLAS GEMM outside the PDL chain;
+- the MLA and that combine in one launch (up to 16 tokens, :func:`project_fuses`): a launch of tasks
+  (:mod:`fxglm5.lowering.triton.tasks`, :func:`_mla_project_kernel`) whose split tasks store their partials and
+  signal their token tile's counter, and whose combine tasks (the combine's tiles, W_UV still spread over many
+  CTAs) wait for every split of their tokens; the two kernels' code (:func:`_mla_split`,
+  :func:`_combine_project_tile`), so their bits. On Hopper the Gluon kernel's form of it
+  (``mla_hopper._mla_hopper_project_kernel``).
 The number of splits is a function of the shapes only (``T``, ``H``, the block-table width), never of data,
 so the launch is CUDA-graph safe (no host sync); buffers are sized by the arguments.
 On Hopper, ``launch_mla`` runs :mod:`fxglm5.lowering.triton.mla_hopper` instead (a Gluon kernel with the same

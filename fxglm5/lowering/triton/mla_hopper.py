@@ -22,6 +22,11 @@ states the layouts:
   two tiles in flight (bf16 one);
 - the MMAs are asynchronous, and the loop order is the one measured fastest (see the kernel).
 
+Up to 16 tokens with W_UV (decode), ``_mla_hopper_project_kernel`` runs this kernel's programs as the split tasks of
+a launch of tasks (:mod:`fxglm5.lowering.triton.tasks`, whose @triton.jit helpers Gluon compiles as they are) and
+the combine with W_UV as its last tasks, in Gluon (:func:`_project_tile`: Triton's combine tile cannot be called
+from Gluon, whose ``arange`` and ``zeros`` need layouts): one launch where there were two.
+
 Gluon kernels do not run under ``TRITON_INTERPRET=1``, so this path is checked on the GPU only
 (tests/gpu/test_gpu_attention.py, against the reference op and the Triton kernel); the Triton kernel stays the
 CPU-tested path and the fallback for every other shape, dtype and device.
