@@ -28,14 +28,17 @@ SCALE = 1.0 / 16
 CPU = torch.device("cpu")
 
 
-def _step(T, qdtype, fp8, seed, heads=2, V=24, RA=48):
-    """Two requests' latent rows (150 and 40 positions, 16-row blocks) in a compute-dtype (float32) or FP8 ds_mla
-    cache, T decode tokens spread over their positions, top-k lists of 12 (a quarter unused, token 1's all unused),
-    W_UV [heads, V, RA of the 512 latent columns]: widths that are no powers of two, so every mask of the combine
-    is exercised."""
+def _step(T, qdtype, fp8, seed, heads=2, V=72, RA=48):
+    """Two requests' latent rows (150 and 40 positions, 16-row blocks; block tables 130 blocks wide, as a graph's
+    width bucket: dense attention reaches 33 splits of 64) in a compute-dtype (float32) or FP8 ds_mla cache, T
+    decode tokens spread over their positions, top-k lists of 140 (up to 3 splits; a quarter unused, token 1's all
+    unused), W_UV [heads, V, RA of the 512 latent columns]: widths that are no powers of two, V over two or three
+    tiles of outputs, so every mask and index of the combine is exercised."""
     g = torch.Generator().manual_seed(seed)
     bs, lens = 16, [150, 40]
-    bt = torch.tensor([[3, 1, 4, 6, 9, 2, 5, 8, 7, 10], [11, 13, 12, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    bt = torch.zeros(2, 130, dtype=torch.int32)
+    bt[0, :10] = torch.tensor([3, 1, 4, 6, 9, 2, 5, 8, 7, 10])
+    bt[1, :3] = torch.tensor([11, 13, 12])
     cache = torch.zeros(14, bs, 656, dtype=torch.uint8) if fp8 else torch.zeros(14, bs, 576)
     for b, n in enumerate(lens):
         p = torch.arange(n)
@@ -43,8 +46,8 @@ def _step(T, qdtype, fp8, seed, heads=2, V=24, RA=48):
                                ref.slots_from_positions(bt, torch.full_like(p, b), p, bs))
     req = (torch.arange(T) % 2).int()
     pos = (torch.rand(T, generator=g) * torch.tensor(lens)[req.long()]).int()
-    topk = (torch.rand(T, 12, generator=g) * (pos.unsqueeze(1) + 1)).int()
-    topk[torch.rand(T, 12, generator=g) < 0.25] = -1
+    topk = (torch.rand(T, 140, generator=g) * (pos.unsqueeze(1) + 1)).int()
+    topk[torch.rand(T, 140, generator=g) < 0.25] = -1
     topk[min(1, T - 1)] = -1
     q = torch.randn(T, heads, 576, generator=g).to(qdtype)
     w_uv = (torch.randn(heads, V, RA, generator=g) * RA**-0.5).to(qdtype)
@@ -77,7 +80,7 @@ def test_one_launch_gives_the_two_launches_bits(T, num_splits, qdtype, fp8, spar
     launched.clear()
     one = mla.launch_mla(q, cache, bt, req, keys, SCALE, sparse=sparse, num_splits=num_splits, w_uv=w_uv)
     assert launched == ["_mla_project_kernel"] and mla._LAST["fused"]
-    assert one.shape == (T, 2, 24) and one.dtype == qdtype
+    assert one.shape == (T, 2, 72) and one.dtype == qdtype
     assert torch.equal(one, two)
     assert not tasks.counters(CPU, mla.FUSE_MAX_TOKENS).any()
     attend = ref.sparse_mla_paged if sparse else ref.mla_paged
@@ -118,7 +121,7 @@ def test_the_choice_is_made_per_call(monkeypatch):
         mla.launch_mla(q[:4], cache, bt, req[:4], pos[:4], SCALE, sparse=False, fuse=True)
 
 
-@pytest.mark.parametrize("T, num_splits, tile", [(5, 3, 1), (16, 3, 16)])
+@pytest.mark.parametrize("T, num_splits, tile", [(5, 3, 1), (16, 3, 16), (16, 40, 1)])
 def test_each_combine_task_waits_for_every_split_of_its_tokens(T, num_splits, tile, monkeypatch):
     """The dependencies, recorded: every split task signals its token tile's counter (dependency t // BT), and every
     combine task waits on its own tile's counter for all of that tile's splits (tokens x head blocks x splits),
@@ -145,12 +148,13 @@ def test_each_combine_task_waits_for_every_split_of_its_tokens(T, num_splits, ti
     monkeypatch.setattr(tasks, "wait", recorded_wait)
     monkeypatch.setattr(tasks, "signal", recorded_signal)
     mla.launch_mla(q, cache, bt, req, pos, SCALE, sparse=False, num_splits=num_splits, w_uv=w_uv)
-    assert num_splits == triton.cdiv(bt.shape[1] * 16, triton.cdiv(triton.cdiv(bt.shape[1] * 16, num_splits), 64) * 64)
+    keys = bt.shape[1] * 16
+    num_splits = triton.cdiv(keys, triton.cdiv(triton.cdiv(keys, num_splits), 64) * 64)  # the launch's, of 64 keys
     S_PAD, BT, BV, BK = mla.project_tiles(T, num_splits, w_uv.shape[2])
     assert BT == tile
     tiles = triton.cdiv(T, BT)
     assert signals == [t // BT for t in range(T) for _ in range(num_splits)]  # one head block (2 heads)
     per_tile = [(min(BT, T - i * BT) * num_splits) for i in range(tiles)]
-    tasks_per_tile = 2 * triton.cdiv(24, BV)  # heads x V tiles
+    tasks_per_tile = 2 * triton.cdiv(72, BV)  # heads x V tiles
     assert waits == [(i, per_tile[i], per_tile[i]) for i in range(tiles) for _ in range(tasks_per_tile)]
     assert not counters.any()
