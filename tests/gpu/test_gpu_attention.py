@@ -537,7 +537,7 @@ def test_absorbed_weights_in_the_latent_query_and_the_combine(cdtype, T):
 
 # The Triton kernels' launch in the one-launch comparisons: the combine's own launch runs mla.COMBINE_WARPS (4) warps,
 # so at these warps the one launch runs the two launches' code at their warps, hence their bits
-TRITON_ONE_LAUNCH = dict(BLOCK_N=32, num_warps=4, num_stages=2)
+TRITON_ONE_LAUNCH = dict(BLOCK_N=32, num_warps=4, num_stages=3)  # mla._project_cfg's at 8 heads
 
 
 def _one_launch_step(T, context, cdtype, seed):
@@ -585,6 +585,7 @@ def test_mla_and_w_uv_combine_in_one_launch_at_tp8_shapes(kernel, cdtype, contex
     if kernel == "hopper":
         _hopper_only()
     cache, bt, st = _one_launch_step(T, context, cdtype, seed=T + context + (cdtype == torch.uint8))
+    assert mla._project_cfg(st["q"], True, 16, None) == TRITON_ONE_LAUNCH  # the launch off Hopper, untuned
     counters = tasks.counters(torch.device("cuda"), mla.FUSE_MAX_TOKENS)
 
     def check(ones):

@@ -621,19 +621,19 @@ def _combine_project(po, plse, w_uv, out, num_splits):
 
 
 def _project_cfg(q, sparse: bool, block_h: int, cfg: dict | None) -> dict:
-    """The launch of :func:`_mla_project_kernel`: an explicit ``cfg`` as it is (TMA only when asked for), else
-    :func:`_default_cfg` (no autotuning: a launch of tasks holds both roles' code, and where it serves on a GPU,
-    off Hopper, it has not been timed), at ``COMBINE_WARPS`` warps up to 16 heads a program (GLM-5's TP8 rank: the
-    combine tasks then run at the warps of the combine's own launch, so the two launches' bits where the MLA's
-    launch runs those warps too; 16 x 512 float32 accumulators need no more)."""
+    """The launch of :func:`_mla_project_kernel`: an explicit ``cfg`` as it is (TMA only when asked for), else no
+    autotuning (a launch of tasks holds both roles' code, and where it serves on a GPU, off Hopper, it has not been
+    timed): up to 16 heads a program (GLM-5's TP8 rank), 32-row gathered tiles, dense too, at ``COMBINE_WARPS`` warps
+    (the combine tasks then run at the warps of the combine's own launch, so the two launches' bits where the MLA's
+    launch runs that configuration too; compiled for sm_90 it spills nothing, where the dense TMA tiles of 64 rows
+    spilled at 4 and 8 warps, as the MLA's own launch does); else :func:`_default_cfg`."""
     if cfg:
         c = dict(USE_TMA=False)
         c.update({k: v for k, v in cfg.items() if k != "BLOCK_H"})
         return c
-    c = dict(_default_cfg(q, sparse))
-    if q.device.type == "cuda" and block_h <= 16:
-        c["num_warps"] = COMBINE_WARPS
-    return c
+    if q.device.type == "cuda" and not settings.triton_interpret() and block_h <= 16 and q.dtype != torch.float32:
+        return dict(BLOCK_N=32, num_warps=COMBINE_WARPS, num_stages=3)
+    return dict(_default_cfg(q, sparse))
 
 
 def _launch_triton_project(q, cache, block_table, req_idx, pos_or_topk, scale, po, plse, w_uv, out, BLOCK_H,
