@@ -87,10 +87,12 @@ def _project_report(tag: str, sparse: bool, fp8: bool, heads: int, tokens: int, 
 
 
 # ("project", sparse, fp8, heads, tokens, splits): the one-launch MLA + W_UV combine at a TP8 rank's 8 heads (sparse
-# top-2048 at 1 token: 32 splits; at 16: 8; dense 32k at 1 token: 256 splits, 4 tokens: 64), 16 heads, and 64
+# top-2048 at 1 token: 32 splits, at 16: 8; dense 32k at 1 token: 256 splits, at 4: 64; the largest token x split
+# tiles of the split pick, 16 x 29 and 3 x 88 padded to 16 x 32 and 4 x 128), 16 heads, and 64
 PROJECT = [("project", True, True, 8, 1, 32), ("project", True, False, 8, 16, 8), ("project", False, True, 8, 4, 64),
-           ("project", False, False, 8, 1, 256), ("project", True, True, 16, 16, 8),
-           ("project", True, True, 64, 1, 32), ("project", False, False, 64, 16, 8)]
+           ("project", False, False, 8, 1, 256), ("project", False, True, 8, 16, 29), ("project", False, False, 8, 3, 88),
+           ("project", True, True, 16, 16, 8), ("project", True, True, 64, 1, 32), ("project", False, False, 64, 16, 8),
+           ("project", False, True, 64, 16, 29)]
 
 
 def _reports_of_every_variant() -> dict[str, dict]:

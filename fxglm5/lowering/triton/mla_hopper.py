@@ -492,10 +492,22 @@ MMA_ROWS = gl.constexpr(16)  # the tokens of a combine tile, padded to mma_v2's 
 
 
 @gluon.constexpr_function
-def _merge_layout(NW):
-    """[tokens, splits, latent columns] partial tiles: 16-byte loads along the columns, 4 splits x 8 column groups a
-    warp, the warps along the columns."""
-    return gl.BlockedLayout([1, 1, 4], [1, 4, 8], [1, 1, NW], [2, 1, 0])
+def _merge_layout(TB, SC, BKM, NW):
+    """[TB tokens, SC splits, BKM latent columns] partial tiles: 16-byte loads along the columns, the lanes and then
+    the warps over the columns, the splits, then the tokens, as far as each extent goes (no thread holds a copy of
+    another's values, which at 16 columns took every register)."""
+    tk = min(8, BKM // 4)
+    ts = min(32 // tk, SC)
+    wk = min(NW, BKM // (4 * tk))
+    wt = min(NW // wk, max(1, TB // (32 // (tk * ts))))
+    return gl.BlockedLayout([1, 1, 4], [32 // (tk * ts), ts, tk], [wt, NW // (wk * wt), wk], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _chunk_layout(BKM, NW):
+    """[rows, BKM] bf16 chunks of W_UV and of the merged rows: 16-byte vectors along the columns."""
+    tpc = min(32, BKM // 8)
+    return gl.BlockedLayout([1, 8], [32 // tpc, tpc], [NW, 1], [1, 0])
 
 
 @gluon.constexpr_function
@@ -506,66 +518,77 @@ def _project_layout(NW):
 
 @gluon.jit
 def _project_tile(c, T, H, V, num_splits, po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, RA: gl.constexpr,
-                  RA_PAD: gl.constexpr, TB: gl.constexpr, S_PAD: gl.constexpr, BKM: gl.constexpr, BV: gl.constexpr,
-                  NW: gl.constexpr):
+                  RA_PAD: gl.constexpr, TB: gl.constexpr, S_PAD: gl.constexpr, BKM: gl.constexpr, SC: gl.constexpr,
+                  BV: gl.constexpr, NW: gl.constexpr):
     """Combine task ``c`` of :func:`_mla_hopper_project_kernel`: head ``c // n_v``, outputs ``BV * (c % n_v) ..`` of
     every token (at most 16). The Gluon form of ``mla._combine_project_tile`` (Gluon cannot call it: Triton's
     ``tl.arange`` and ``tl.zeros`` need a layout here), the same math in another summation order: W_UV[h]'s BV x RA
     slice is copied to shared memory (cp.async, rows past V zero-filled) while the tokens' split partials merge by
-    their log-sum-exps (all splits at once, BKM latent columns at a time, read from L2), each merged latent row
+    their log-sum-exps (SC splits x BKM latent columns a tile, read from L2: :func:`project_tiles`), each merged row
     rounded to bf16 (where the two launches store it) into a 16-row shared tile (rows past the tokens zero), then
     out[t, h, v] = sum_k o[t, k] W_UV[h, v, k] on the tensor cores (mma_v2, float32 accumulation, one rounding)."""
     n_v = gl.cdiv(V, BV)
     h = c // n_v
     v0 = (c % n_v) * BV
-    # W_UV[h, v0 .. v0 + BV, :RA] -> w_s (rows past V, columns past RA: zeros)
-    w_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NW, 1], [1, 0])
-    sw_l: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
-    w_s = gl.allocate_shared_memory(gl.bfloat16, [BV, RA_PAD], sw_l)
-    # the merged rows, BKM columns a chunk; unswizzled: the merge stores the tokens' rows alone (no slice may cut a
+    # W_UV[h, v0 .. v0 + BV, :RA] -> w_s, BKM columns a chunk (rows past V, columns past RA: zeros)
+    NCH: gl.constexpr = RA_PAD // BKM
+    w_l: gl.constexpr = _chunk_layout(BKM, NW)
+    w_s = gl.allocate_shared_memory(gl.bfloat16, [NCH, BV, BKM], gl.SwizzledSharedLayout(8, 1, min(8, BKM // 8),
+                                                                                         [1, 0]))
+    # the merged rows, the same chunks; unswizzled: the merge stores the tokens' rows alone (no slice may cut a
     # swizzle pattern's rows)
-    o_s = gl.allocate_shared_memory(gl.bfloat16, [RA_PAD // BKM, MMA_ROWS, BKM], gl.SwizzledSharedLayout(1, 1, 1,
-                                                                                                       [1, 0]))
+    o_s = gl.allocate_shared_memory(gl.bfloat16, [NCH, MMA_ROWS, BKM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     wv = v0 + gl.arange(0, BV, layout=gl.SliceLayout(1, w_l))
-    wk = gl.arange(0, RA_PAD, layout=gl.SliceLayout(0, w_l))
-    w_rows = w_ptr + h.to(gl.int64) * s_w_h + wv.to(gl.int64)[:, None] * s_w_v + wk[None, :]
-    async_copy.async_copy_global_to_shared(w_s, w_rows, mask=(wv < V)[:, None] & (wk < RA)[None, :])
+    wk = gl.arange(0, BKM, layout=gl.SliceLayout(0, w_l))
+    w_rows = w_ptr + h.to(gl.int64) * s_w_h + wv.to(gl.int64)[:, None] * s_w_v
+    for i in gl.static_range(NCH):
+        async_copy.async_copy_global_to_shared(w_s.index(i), w_rows + (i * BKM + wk)[None, :],
+                                               mask=(wv < V)[:, None] & ((i * BKM + wk) < RA)[None, :])
     async_copy.commit_group()
     if TB < MMA_ROWS:  # the MMA's rows past the tokens
-        for i in gl.static_range(RA_PAD // BKM):
+        for i in gl.static_range(NCH):
             o_s.index(i).store(gl.zeros([MMA_ROWS, BKM], gl.bfloat16, w_l))
         gl.thread_barrier()
 
-    # the merge weights of each token's splits (mla._split_weights)
-    m3: gl.constexpr = _merge_layout(NW)
+    # the merge weights of each token's splits (mla._split_weights): their max and sum over every split first
+    m3: gl.constexpr = _merge_layout(TB, SC, BKM, NW)
     m2: gl.constexpr = gl.SliceLayout(2, m3)
     t = gl.arange(0, TB, layout=gl.SliceLayout(1, m2))
+    rows = t.to(gl.int64)[:, None] * num_splits
+    tm = (t < T)[:, None]
     sp = gl.arange(0, S_PAD, layout=gl.SliceLayout(0, m2))
-    base = (t.to(gl.int64)[:, None] * num_splits + sp[None, :]) * H + h  # [TB, S_PAD]
-    lse = gl.load(plse_ptr + base, mask=(t < T)[:, None] & (sp < num_splits)[None, :], other=float("-inf"),
-                  cache_modifier=".cg")
+    lse = gl.load(plse_ptr + (rows + sp[None, :]) * H + h, mask=tm & (sp < num_splits)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
     m = gl.max(lse, 1)
-    w = gl.exp2(lse - gl.where(m == float("-inf"), 0.0, m)[:, None])
-    wsum = gl.sum(w, 1)
+    m = gl.where(m == float("-inf"), 0.0, m)[:, None]
+    wsum = gl.sum(gl.exp2(lse - m), 1)
     den = gl.convert_layout(gl.where(wsum > 0.0, wsum, 1.0), gl.SliceLayout(1, gl.SliceLayout(1, m3)))
-    take = (w > 0.0)[:, :, None]
+    # then, BKM latent columns at a time, the partials of SC splits at a time (at most 32 values a thread)
+    sc = gl.arange(0, SC, layout=gl.SliceLayout(0, m2))
     k = gl.arange(0, BKM, layout=gl.SliceLayout(0, gl.SliceLayout(1, m3)))
-    for i in range(RA_PAD // BKM):  # a loop, not unrolled: one chunk's partials in registers at a time
+    for i in range(RA_PAD // BKM):  # loops, not unrolled: one tile of partials in registers at a time
         kk = i * BKM + k
-        po = gl.load(po_ptr + base[:, :, None] * 512 + kk[None, None, :], mask=take & (kk < RA)[None, None, :],
-                     other=0.0, cache_modifier=".cg")
-        o = gl.sum(po * w[:, :, None], 1) / den[:, None]  # [TB, BKM]
-        o_s.index(i).slice(0, TB, 0).store(o.to(gl.bfloat16))
+        o = gl.zeros([TB, BKM], gl.float32, gl.SliceLayout(1, m3))
+        for s0 in range(0, num_splits, SC):
+            base = (rows + (s0 + sc)[None, :]) * H + h  # [TB, SC]
+            lse_c = gl.load(plse_ptr + base, mask=tm & ((s0 + sc) < num_splits)[None, :], other=float("-inf"),
+                            cache_modifier=".cg")
+            w = gl.exp2(lse_c - m)
+            po = gl.load(po_ptr + base[:, :, None] * 512 + kk[None, None, :],
+                         mask=(w > 0.0)[:, :, None] & (kk < RA)[None, None, :], other=0.0, cache_modifier=".cg")
+            o += gl.sum(po * w[:, :, None], 1)
+        o_s.index(i).slice(0, TB, 0).store((o / den[:, None]).to(gl.bfloat16))
     async_copy.wait_group(0)
     gl.thread_barrier()  # the merged rows and W_UV's slice in shared memory, for every warp
 
     acc_l: gl.constexpr = _project_layout(NW)
     acc = gl.zeros([MMA_ROWS, BV], gl.float32, acc_l)
-    KC: gl.constexpr = 64 if BKM > 64 else BKM
-    for k0 in gl.static_range(0, RA_PAD, KC):
-        a = o_s.index(k0 // BKM).slice(k0 % BKM, KC, 1).load(gl.DotOperandLayout(0, acc_l, 2))
-        b = w_s.slice(k0, KC, 1).permute((1, 0)).load(gl.DotOperandLayout(1, acc_l, 2))
-        acc = mma_v2(a, b, acc)
+    KC: gl.constexpr = min(64, BKM)
+    for i in range(NCH):  # a loop, not unrolled: at most 64 columns of operands in registers at a time
+        for j in gl.static_range(BKM // KC):
+            a = o_s.index(i).slice(j * KC, KC, 1).load(gl.DotOperandLayout(0, acc_l, 2))
+            b = w_s.index(i).slice(j * KC, KC, 1).permute((1, 0)).load(gl.DotOperandLayout(1, acc_l, 2))
+            acc = mma_v2(a, b, acc)
     ot = gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, acc_l)).to(gl.int64)
     ov = v0 + gl.arange(0, BV, layout=gl.SliceLayout(0, acc_l))
     gl.store(o_ptr + (ot[:, None] * H + h) * V + ov[None, :], acc.to(o_ptr.dtype.element_ty),
@@ -580,7 +603,7 @@ def _mla_hopper_project_kernel(
     w_ptr, o_ptr, s_w_h, s_w_v, T, V, task_ptr,
     BS: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr, BLOCK: gl.constexpr, STAGES_: gl.constexpr,
     ROWS: gl.constexpr, KEYS_AS_ROWS: gl.constexpr, RA: gl.constexpr, RA_PAD: gl.constexpr, TB: gl.constexpr,
-    S_PAD: gl.constexpr, BKM: gl.constexpr, BV: gl.constexpr, PDL: gl.constexpr,
+    S_PAD: gl.constexpr, BKM: gl.constexpr, SC: gl.constexpr, BV: gl.constexpr, PDL: gl.constexpr,
 ):
     """The split-KV MLA and its combine with W_UV in one launch of tasks (:mod:`fxglm5.lowering.triton.tasks`; up
     to 16 tokens, ``mla.project_fuses``): tasks [0, T x num_splits) are :func:`_mla_hopper_kernel`'s (token, split)
@@ -600,7 +623,7 @@ def _mla_hopper_project_kernel(
     else:
         tasks.wait(task_ptr, 0, splits)
         _project_tile(task - splits, T, H, V, num_splits, po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, RA, RA_PAD,
-                      TB, S_PAD, BKM, BV, NW)
+                      TB, S_PAD, BKM, SC, BV, NW)
     tasks.finish(task_ptr, 1)
 
 
@@ -614,13 +637,15 @@ def project_supported(w_uv) -> bool:
 def project_tiles(T: int, num_splits: int, RA: int, keys_as_rows: bool) -> dict:
     """The combine tile's constants: every token (at most 16) in one tile, BV outputs a task (32: 8 heads x 8 tiles
     of GLM-5's 256 give 64 tasks, each reading 32 KB of W_UV; 64 at 8 warps: a column block a warp), partial tiles
-    of at most 32 values a thread."""
+    [TB tokens, SC splits, BKM latent columns] of at most 32 values a thread (every split at once where they fit,
+    with at least 16 columns)."""
     nw = 4 if keys_as_rows else 8
     tb = triton.next_power_of_2(T)
     s_pad = max(2, triton.next_power_of_2(num_splits))
     ra_pad = max(64, triton.next_power_of_2(RA))
-    return dict(RA=RA, RA_PAD=ra_pad, TB=tb, S_PAD=s_pad, BKM=max(16, min(ra_pad, 32 * 32 * nw // (tb * s_pad))),
-                BV=8 * nw)
+    values = 32 * 32 * nw  # 32 a thread
+    bkm = max(16, min(ra_pad, values // (tb * s_pad)))
+    return dict(RA=RA, RA_PAD=ra_pad, TB=tb, S_PAD=s_pad, BKM=bkm, SC=min(s_pad, values // (tb * bkm)), BV=8 * nw)
 
 
 def launch_project(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split_len: int, num_splits: int,
