@@ -517,13 +517,14 @@ def _project_layout(NW):
 
 
 @gluon.jit
-def _project_tile(c, T, H, V, num_splits, po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, RA: gl.constexpr,
+def _project_tile(c, task_ptr, T, H, V, num_splits, po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, RA: gl.constexpr,
                   RA_PAD: gl.constexpr, TB: gl.constexpr, S_PAD: gl.constexpr, BKM: gl.constexpr, SC: gl.constexpr,
                   BV: gl.constexpr, NW: gl.constexpr):
     """Combine task ``c`` of :func:`_mla_hopper_project_kernel`: head ``c // n_v``, outputs ``BV * (c % n_v) ..`` of
     every token (at most 16). The Gluon form of ``mla._combine_project_tile`` (Gluon cannot call it: Triton's
     ``tl.arange`` and ``tl.zeros`` need a layout here), the same math in another summation order: W_UV[h]'s BV x RA
-    slice is copied to shared memory (cp.async, rows past V zero-filled) while the tokens' split partials merge by
+    slice is copied to shared memory (cp.async, rows past V zero-filled, issued before the task waits for the split
+    tasks' signals: ``tasks.wait`` of dependency 0 for all T x num_splits) while the tokens' split partials merge by
     their log-sum-exps (SC splits x BKM latent columns a tile, read from L2: :func:`project_tiles`), each merged row
     rounded to bf16 (where the two launches store it) into a 16-row shared tile (rows past the tokens zero), then
     out[t, h, v] = sum_k o[t, k] W_UV[h, v, k] on the tensor cores (mma_v2, float32 accumulation, one rounding)."""
@@ -548,7 +549,7 @@ def _project_tile(c, T, H, V, num_splits, po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h,
     if TB < MMA_ROWS:  # the MMA's rows past the tokens
         for i in gl.static_range(NCH):
             o_s.index(i).store(gl.zeros([MMA_ROWS, BKM], gl.bfloat16, w_l))
-        gl.thread_barrier()
+    tasks.wait(task_ptr, 0, T * num_splits)  # every split's partial, W_UV's copy in flight meanwhile (and a barrier)
 
     # the merge weights of each token's splits (mla._split_weights): their max and sum over every split first
     m3: gl.constexpr = _merge_layout(TB, SC, BKM, NW)
@@ -610,7 +611,8 @@ def _mla_hopper_project_kernel(
     programs (:func:`_mla_split`, token by token), each storing its partial and log-sum-exp and then signalling
     dependency 0 (``tasks.signal``, a @triton.jit helper: scalar atomics and a barrier, which Gluon compiles as
     they are); the rest are the (head, V tile) combine tasks (:func:`_project_tile`), each waiting until all
-    T x num_splits partials are signalled. A task waits only on tasks before it, so the launch cannot deadlock."""
+    T x num_splits partials are signalled (its W_UV slice already on its way). A task waits only on tasks before it,
+    so the launch cannot deadlock."""
     gluon_pdl_prologue(PDL)
     NW: gl.constexpr = 4 if KEYS_AS_ROWS else 8
     task = tasks.take(task_ptr)
@@ -621,9 +623,8 @@ def _mla_hopper_project_kernel(
                    split_len, num_splits, n_rows, BS, False, SPARSE, FP8, BLOCK, STAGES_, ROWS, KEYS_AS_ROWS)
         tasks.signal(task_ptr, 0)
     else:
-        tasks.wait(task_ptr, 0, splits)
-        _project_tile(task - splits, T, H, V, num_splits, po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, RA, RA_PAD,
-                      TB, S_PAD, BKM, SC, BV, NW)
+        _project_tile(task - splits, task_ptr, T, H, V, num_splits, po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, RA,
+                      RA_PAD, TB, S_PAD, BKM, SC, BV, NW)
     tasks.finish(task_ptr, 1)
 
 
