@@ -493,8 +493,8 @@ def project_fuses(T: int, w_uv) -> bool:
     ``mla_hopper._mla_hopper_project_kernel``): up to ``FUSE_MAX_TOKENS`` tokens (decode) with W_UV to apply. Chosen
     per call inside the op (as the indexer's one-launch logits + top-k is), not by a pass: the graph's op is the same
     either way, only its launches differ, and the choice depends on the step's token count, which a pass over the
-    graph (dynamic token dims) does not know. Past 16 tokens the two launches stay: the combine's own grid then
-    fills the GPU, and the W_UV path there is mostly the prefill's, which does not split."""
+    graph (dynamic token dims) does not know. Past 16 tokens (decode batches of a rank are at most that) the two
+    launches stay, and so a launch's token tiles, whose dependency counters its last CTA resets, stay at most 16."""
     return w_uv is not None and 0 < T <= FUSE_MAX_TOKENS
 
 
