@@ -22,7 +22,7 @@ DECODE_MOE = ["_router_gate_up_kernel", "_moe_gemm_kernel"]
 # MLP (its add and norm in its stacked gate | up GEMM, the gated down GEMM) and before the MoE layer's MLP norm, the
 # one add_rms_norm launch left
 DECODE_ATTENTION = ["_gemm_kernel", "_norm_write_caches_kernel", "_gemm_kernel", "_indexer_topk_kernel",
-                    "_latent_query_kernel", "_mla_fwd_kernel", "_mla_combine_project_kernel", "_gemm_kernel"]
+                    "_latent_query_kernel", "_mla_project_kernel", "_gemm_kernel"]
 DENSE_MLP = ["_gemm_kernel", "_gemm_kernel"]
 
 
@@ -67,6 +67,7 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     last = len(launched) - 1 - launched[::-1].index("_router_gate_up_kernel")
     assert launched[last:last + len(DECODE_MOE)] == DECODE_MOE
     assert "_combine_kernel" not in launched  # every step's tokens fit the down launch's combine
+    assert "_mla_combine_project_kernel" not in launched  # W_UV in the MLA's launch (decode), or cuBLAS's (prefill)
     assert "_write_latent_fp8_kernel" not in launched and "_write_index_kernel" not in launched
     assert "_f32_gemv_kernel" not in launched
     assert launched.count("_norm_write_caches_kernel") == 2 * 3  # both layers, the prefill and two decode steps
