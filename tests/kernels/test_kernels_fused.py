@@ -722,6 +722,7 @@ def test_fp8_linear_latent_query_runs_the_latent_query_in_the_gemm_launch(monkey
     def record(self, *a, **k):
         if self.fn is tasks.wait.fn:  # (head, signals awaited, signals there)
             waits.append((value(a[1]), value(a[2]), int(counters[tasks.DEPS.value + value(a[1])])))
+            assert waits[-1][2] >= waits[-1][1], waits[-1]  # else the interpreted spin never ends
         if self.fn is tasks.signal.fn:
             signals.append(value(a[1]))
         return call(self, *a, **k)

@@ -26,9 +26,9 @@ NEAR_MISSES = ("read_twice", "other_gemm", "rope_first", "computed", "torch_gemm
 class Fp8QueryMLA(CanonicalMLA):
     """CanonicalMLA with GLM-5's query: q_b a block-FP8 GEMM (fxglm5::fp8_linear) of the RMS-normed query latent whose
     query heads come first and 40 more columns after them (the stacked wq_b's part; the output reads them), its heads
-    sliced, viewed and split [q_nope | q_pe]. ``variant`` makes a near miss: q_nope also added to the output
-    ("read_twice"), q_pe from another GEMM (of x, "other_gemm"), each head [q_pe | q_nope] ("rope_first"), q_nope
-    computed (scaled, "computed")."""
+    sliced, viewed and split [q_nope | q_pe]; "offset": the 40 other columns first, the heads after them. Another
+    ``variant`` makes a near miss: q_nope also added to the output ("read_twice"), q_pe from another GEMM (of x,
+    "other_gemm"), each head [q_pe | q_nope] ("rope_first"), q_nope computed (scaled, "computed")."""
 
     def __init__(self, variant=None):
         super().__init__(q_norm=True)
@@ -46,7 +46,9 @@ class Fp8QueryMLA(CanonicalMLA):
         cos, sin = angles.cos(), angles.sin()
         q_latent = ops.rms_norm(self.q_a(x), self.q_a_norm, 1e-6)
         q_all = ops.fp8_linear(q_latent, self.qb_weight, self.qb_scale, None, False)
-        q = q_all[..., :h * (dn + dr)].view(b, s, h, dn + dr)
+        start = 40 if self.variant == "offset" else 0
+        others = q_all[..., :40] if start else q_all[..., h * (dn + dr):]
+        q = q_all[..., start:start + h * (dn + dr)].view(b, s, h, dn + dr)
         if self.variant == "rope_first":
             q_pe, q_nope = q.split([dr, dn], dim=-1)
         else:
@@ -60,7 +62,7 @@ class Fp8QueryMLA(CanonicalMLA):
         k_pe = ops.rope_interleaved(self.k_pe(x).view(b, s, 1, dr), cos, sin).squeeze(2)
         kv_c = ops.rms_norm(self.kv_c(x), self.kv_norm, 1e-6)
         out = ops.mla(q_nope, q_pe, kv_c, k_pe, self.w_uk, self.w_uv, 0.3).reshape(b, s, -1)
-        out = out + q_all[..., h * (dn + dr):h * (dn + dr) + out.shape[-1]]
+        out = out + others[..., :out.shape[-1]]
         if self.variant == "read_twice":
             out = out + q_nope.reshape(b, s, -1)[..., :out.shape[-1]]
         return out
@@ -107,14 +109,16 @@ def test_what_each_layer_takes():
         assert len(indexers) == sum(indexed)
 
 
-def test_the_small_module_fuses():
+@pytest.mark.parametrize("variant, q_start", [(None, 0), ("offset", 40)])
+def test_the_small_module_fuses(variant, q_start):
     """The near misses differ from a module whose one query fuses only by what makes them near misses: its stacked
-    GEMM (40 columns after the heads, read by the output) becomes the op, which takes its heads from column 0."""
-    gm = canonical_graph("fuse_latent_query_into_q_b", canonical_mla(Fp8QueryMLA))
+    GEMM (40 more columns, read by the output, after the heads or before them) becomes the op, which takes its heads
+    from their first column; the graph computes what it did, bit for bit."""
+    gm = canonical_graph("fuse_latent_query_into_q_b", canonical_mla(Fp8QueryMLA, variant=variant))
     reference = copy.deepcopy(gm)
     assert run_one(gm, "fuse_latent_query_into_q_b").num_matches == 1
     (fused,) = _fused(gm)
-    assert (op_args(fused)["q_start"], op_args(fused)["rope_dim"]) == (0, 16)
+    assert (op_args(fused)["q_start"], op_args(fused)["rope_dim"]) == (q_start, 16)
     attention = next(n for n in gm.graph.nodes if n.target is ops.rtp_mla.default)
     assert op_args(attention)["q_latent"].args == (fused, 1)
     args = paged_args(gm, seqs([6, 3]), torch.float32)
@@ -180,8 +184,8 @@ def test_the_reference_is_the_chain_it_replaces(dtype, rope, act_quant):
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse_mla", "mla"])
 def test_the_attention_ops_attend_with_the_query_given(sparse):
     """rtp_sparse_mla / rtp_mla given ``q_latent`` (the fused op's query) give what they give making it themselves
-    from q_nope, q_pe, W_UK and the RoPE tables, bit for bit, and write the same cache rows; a query of another
-    shape or dtype is refused, naming it."""
+    from q_nope, q_pe, W_UK and the RoPE tables, bit for bit, and write the same cache rows (another query gives
+    another output: the one given attends); a query of another shape or dtype is refused, naming it."""
     x, weight, scale, w_uk, (cos, sin) = _query_chain(torch.float32)
     out, q = ops.fp8_linear_latent_query(x, weight, scale, None, False, w_uk, 0, 16, cos, sin)
     q_nope, q_pe = ref_fused.query_heads(out, 0, 4, 24, 16)
@@ -202,6 +206,7 @@ def test_the_attention_ops_attend_with_the_query_given(sparse):
 
     (made, cache), (given, given_cache) = attend(), attend(q_latent=q)
     assert torch.equal(given, made) and torch.equal(given_cache, cache)
+    assert not torch.allclose(attend(q_latent=q * 2)[0], made, rtol=1e-3)  # the query given is the one attending
     for bad in (q[..., :512], q.bfloat16()):
         with pytest.raises(InputError, match="q_latent"):
             attend(q_latent=bad)
