@@ -4,8 +4,9 @@ chains they replace): add_rms_norm, alone and in the A loads of the decode GEMM 
 split-K fix-up, scales in turn), moe_route_local, moe_router (the GEMV and the routing in one launch), the gated down
 GEMM silu_mul_fp8_linear on the decode path (the gate applied as A tiles load) and past it (one elementwise kernel
 first), the MoE with its shared expert (moe_fp8_shared: the shared GEMMs in the routed launches, the combine in the
-down launch) and with its router too (moe_router_fp8_shared: the router in the gate|up launch); bad inputs name the
-argument. Small shapes: CI runs it on 2 cores."""
+down launch) and with its router too (moe_router_fp8_shared: the router in the gate|up launch), the q_b GEMM with the
+latent query of its heads (fp8_linear_latent_query: the query's programs as the last tasks of the GEMM's launch);
+bad inputs name the argument. Small shapes: CI runs it on 2 cores."""
 
 import inspect
 import os
