@@ -10,6 +10,11 @@ for its token, and so does the horizontally fused kernel of :func:`rms_norm_writ
 roles: the query latent's RMSNorm (``norm_rope.rms_norm_row``), the latent row, the indexer key, and at decode the
 indexer's head weights (``f32_linear``'s GEMV helpers over its grid). The launches build their arguments once
 (``_latent_launch``, ``_index_launch``, ``norm_rope.rms_norm_launch``, ``_weights_launch``), in the helpers' order.
+
+The attention's latent query (``[q_nope . W_UK | rope(q_pe)]``) is a tile function too (:func:`latent_query_tile`),
+run by its own launch (:func:`latent_query`) or, up to LATENT_QUERY_ROWS tokens, as the last tasks of the q_b GEMM's
+launch that produces q_nope and q_pe (:func:`fp8_linear_latent_query`, ``fp8_gemm.gemm_tile`` for the GEMM's tiles,
+:mod:`fxglm5.lowering.triton.tasks` for the dependency of each head's programs on its columns' tiles).
 """
 
 from __future__ import annotations
