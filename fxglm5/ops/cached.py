@@ -36,6 +36,11 @@ query assembly instead of as separate kernels; absent, the inputs are taken as f
 ``group`` / ``world`` (rtp_indexer, from ``indexer_topk``'s: the pass ``shard_indexer``): the tensor-parallel group
 over whose ranks a prefill-sized step's top-k is split; every rank still writes every key (``paged_steps``).
 
+``q_latent`` (rtp_sparse_mla / rtp_mla) [N, S, H, 576]: the latent query ``[q_nope . W_UK | q_pe]`` (q_pe rotated by
+``rope_cos`` / ``rope_sin`` where given) made already, by ``fxglm5::fp8_linear_latent_query`` with the GEMM that
+produced q_nope and q_pe (``fxglm5.ops.fused``, the pass ``fuse_latent_query_into_q_b``), so the op makes none and
+attends with it; q_nope, q_pe and w_uk still name what it was made from (their shapes are still validated).
+
 ``written`` (every op): this step's rows are in the cache already, written (and validated) by
 ``fxglm5::rms_norm_write_caches`` (``fxglm5.ops.fused``, the pass ``fuse_cache_writes_into_q_norm``), so the op
 writes nothing and only attends; its write arguments still name what was written. The write precedes the op: the
@@ -87,10 +92,11 @@ def rtp_sparse_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_u
                    topk_pos: Tensor, scale: float, kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor,
                    req_idx: Tensor, positions: Tensor, max_positions: int, rope_cos: Optional[Tensor] = None,
                    rope_sin: Optional[Tensor] = None, kv_norm_weight: Optional[Tensor] = None,
-                   kv_norm_eps: float = 0.0, written: bool = False) -> Tensor:
+                   kv_norm_eps: float = 0.0, written: bool = False,
+                   q_latent: Optional[Tensor] = None) -> Tensor:
     return sparse_mla_step(paged, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping,
                            block_table, req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight,
-                           kv_norm_eps, written)
+                           kv_norm_eps, written, q_latent)
 
 
 @rtp_sparse_mla.register_fake
@@ -104,9 +110,10 @@ def _(q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapp
 def rtp_mla(q_nope: Tensor, q_pe: Tensor, kv_c: Tensor, k_pe: Tensor, w_uk: Tensor, w_uv: Tensor, scale: float,
             kv_cache: Tensor, slot_mapping: Tensor, block_table: Tensor, req_idx: Tensor, positions: Tensor,
             max_positions: int, rope_cos: Optional[Tensor] = None, rope_sin: Optional[Tensor] = None,
-            kv_norm_weight: Optional[Tensor] = None, kv_norm_eps: float = 0.0, written: bool = False) -> Tensor:
+            kv_norm_weight: Optional[Tensor] = None, kv_norm_eps: float = 0.0, written: bool = False,
+            q_latent: Optional[Tensor] = None) -> Tensor:
     return mla_step(paged, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table, req_idx,
-                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps, written)
+                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps, written, q_latent)
 
 
 @rtp_mla.register_fake

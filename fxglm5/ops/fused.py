@@ -33,6 +33,12 @@ against it. Signatures:
   shared_w13_scale, shared_w2, shared_w2_scale, up_start) -> [T, H]``: ``moe_fp8_shared`` of x with the ids and
   weights of ``moe_router`` of x: the MoE layer with its router, at decode two launches (the router's tiles beside
   the expert GEMMs' gate|up, which wait for the routing; the down GEMMs with the combine).
+- ``fp8_linear_latent_query(x [..., K], weight e4m3 [N, K], weight_scale_inv, bias?, act_quant, w_uk [H, nope, R],
+  q_start, rope_dim, rope_cos?, rope_sin?) -> (out [..., N], q [..., H, 576])``: ``fp8_linear(x, weight, ...)`` and
+  the latent query of the H query heads its output holds from column ``q_start`` (each ``nope`` q_nope columns,
+  then ``rope_dim`` q_pe columns): ``[q_nope . W_UK | q_pe]`` per head, q_pe rotated by the [..., rope_dim / 2]
+  tables where given, as the cached attention ops make it (``fxglm5.ops.cached``), which then take it as their
+  ``q_latent``: the q_b | wq_b GEMM with its latent query, at decode one launch.
 - ``silu_mul_fp8_linear(gate [..., I], up [..., I], weight e4m3 [N, I], weight_scale_inv, bias?, act_quant) ->
   [..., N]``: ``fp8_linear(silu(gate) * up, ...)``, the gated MLP's down projection with its activation.
 - ``rms_norm_write_caches(x [N, S, Q], weight [Q], eps, kv_c [N, S, R], k_pe [N, S, dr], kv_cache, k [N, S, D]?,
@@ -123,6 +129,22 @@ def moe_router(x: Tensor, weight: Tensor, correction_bias: Tensor, top_k: int, n
 def _(x, weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset, num_local):
     t = x.shape[0]
     return x.new_empty(t, top_k, dtype=torch.float32), x.new_empty(t, top_k, dtype=torch.int32)
+
+
+@torch.library.custom_op("fxglm5::fp8_linear_latent_query", mutates_args=())
+def fp8_linear_latent_query(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, bias: Optional[Tensor],
+                            act_quant: bool, w_uk: Tensor, q_start: int, rope_dim: int,
+                            rope_cos: Optional[Tensor] = None,
+                            rope_sin: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    out, q = ref.fp8_linear_latent_query(x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim,
+                                         rope_cos, rope_sin)
+    return out.contiguous(), q.contiguous()
+
+
+@fp8_linear_latent_query.register_fake
+def _(x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim, rope_cos=None, rope_sin=None):
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    return out, x.new_empty(*x.shape[:-1], w_uk.shape[0], paged.LATENT_DIM)
 
 
 @torch.library.custom_op("fxglm5::silu_mul_fp8_linear", mutates_args=())

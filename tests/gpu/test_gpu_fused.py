@@ -9,7 +9,9 @@ split-K counters reset), and a rank's routed experts at decode batches, their sp
 split CTAs, from a graph, alone and with the rank's shared expert run inside their launches (moe_fp8_shared), and
 the combine run by the down launch (each token's output tile by the CTA whose ticket completes it) against the
 combine kernel after the align kernel's layout, and the router run as the first tasks of the gate|up launch
-(moe_router_fp8_shared) against the router's own launch followed by the MoE's."""
+(moe_router_fp8_shared) against the router's own launch followed by the MoE's, and the latent query run as the last
+tasks of the q_b | wq_b GEMM's launch (fp8_linear_latent_query) against the GEMM's launch followed by the latent
+query's, also replayed from a CUDA graph."""
 
 import pytest
 import torch
@@ -488,3 +490,68 @@ def test_moe_rank_decode_routes_in_the_gate_up_launch(tokens, act_quant, rank_ex
     reference = ref.moe_router_fp8_shared(x, *router, *routed, shared.w13, shared.w13_scale, shared.w2,
                                           shared.w2_scale, shared.up_start)
     assert _rel(out, reference) < 2e-2
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["no_pdl", "pdl"])
+@pytest.mark.parametrize("act_quant", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("tokens", [1, 8, 16, 64])
+def test_q_b_gemm_runs_the_latent_query_in_its_launch(monkeypatch, tokens, act_quant, pdl):
+    """A TP8 rank's q_b | wq_b GEMM at decode with the latent query of its heads (fxglm5::fp8_linear_latent_query):
+    GLM-5's 8 heads of 192 + 64 query columns, then the indexer's 32 x 128, over the query latent's 2048 features,
+    W_UK [8, 192, 512] and the RoPE tables of 64 features (bf16 tokens). Up to 16 tokens one launch: the GEMM's tiles
+    (split over K, each tile's last split signalling its head) and then the latent query's 128 programs (8 heads x 16
+    column tiles), each spinning until its head's two tiles are done. Bit for bit fp8_linear's launch followed by the
+    latent query's (what the attention op's body launched), both outputs, 20 calls in a row (the tasks' interleavings
+    differ from call to call), then from a CUDA graph replayed twice over new tokens; every counter (the split-K and
+    the tasks') back at 0 after each; without and with programmatic dependent launch; close to the reference op.
+    At 64 tokens (prefill) the two launches themselves."""
+    from fxglm5.lowering.triton import paged_cache
+
+    monkeypatch.setenv("FXGLM5_PDL", pdl)
+    heads, nope, rope_dim, n = 8, 192, 64, 8 * 256 + 32 * 128
+    g = torch.Generator(device="cuda").manual_seed(tokens + 50)
+    w = (torch.randn(n, 2048, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    s = torch.rand(n // 128, 2048 // 128, device="cuda", generator=g) * 0.02 + 0.005
+    w_uk = (torch.randn(heads, nope, 512, device="cuda", generator=g) / nope ** 0.5).bfloat16()
+    angles = torch.rand(tokens, rope_dim // 2, device="cuda", generator=g) * 100
+    rope = (angles.cos(), angles.sin())
+    x = torch.randn(tokens, 2048, device="cuda", generator=g).bfloat16()
+    joins = paged_cache.latent_query_joins(x, w, s, None, act_quant, torch.empty(tokens, n, dtype=x.dtype,
+                                                                                device="cuda"))
+    assert (joins is not None) == (tokens <= 16)
+
+    def fused():
+        return paged_cache.fp8_linear_latent_query(x, w, s, None, act_quant, w_uk, 0, rope_dim, rope)
+
+    def separate():
+        out = fp8_gemm.fp8_linear(x, w, s, None, act_quant)
+        q_nope, q_pe = ref.query_heads(out, 0, heads, nope, rope_dim)
+        return out, paged_cache.latent_query(q_nope, w_uk, q_pe, rope)
+
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+    def counters_at_zero():
+        return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, heads).any()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles outside the capture
+        eager, want = fused(), separate()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert same(eager, want) and counters_at_zero()
+    for _ in range(20):
+        assert same(fused(), want)
+    torch.cuda.synchronize()
+    assert counters_at_zero()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused()
+    for seed in range(2):
+        x.copy_(torch.randn(tokens, 2048, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same(out, separate()) and counters_at_zero()
+    ref_out, ref_q = ref.fp8_linear_latent_query(x, w, s, None, act_quant, w_uk, 0, rope_dim, *rope)
+    assert _rel(out[0], ref_out) < 2e-2 and _rel(out[1], ref_q) < 2e-2

@@ -4,8 +4,9 @@ chains they replace): add_rms_norm, alone and in the A loads of the decode GEMM 
 split-K fix-up, scales in turn), moe_route_local, moe_router (the GEMV and the routing in one launch), the gated down
 GEMM silu_mul_fp8_linear on the decode path (the gate applied as A tiles load) and past it (one elementwise kernel
 first), the MoE with its shared expert (moe_fp8_shared: the shared GEMMs in the routed launches, the combine in the
-down launch) and with its router too (moe_router_fp8_shared: the router in the gate|up launch); bad inputs name the
-argument. Small shapes: CI runs it on 2 cores."""
+down launch) and with its router too (moe_router_fp8_shared: the router in the gate|up launch), the q_b GEMM with the
+latent query of its heads (fp8_linear_latent_query: the query's programs as the last tasks of the GEMM's launch);
+bad inputs name the argument. Small shapes: CI runs it on 2 cores."""
 
 import inspect
 import os
@@ -666,3 +667,111 @@ def test_add_rms_norm_in_the_gemm_at_glm5_width(kernel, dtype):
 def test_bad_inputs_name_the_argument(call, message):
     with pytest.raises(InputError, match=message):
         call()
+
+
+# the q_b | wq_b GEMM with the latent query of its heads (fp8_linear_latent_query): 3 heads of 40 + 32 columns from
+# column 100 (head 0 on column tiles 0 and 1, head 1 on tile 1, head 2 on tiles 1 and 2 of 128), 60 more columns
+# after them (the indexer's query), K = 256 (two K steps: split in two on the interpreter's 4 SMs), W_UK [3, 40, 96]
+LQ_HEADS, LQ_NOPE, LQ_ROPE, LQ_START, LQ_N, LQ_K = 3, 40, 32, 100, 376, 256
+
+
+def _latent_query_inputs(tokens, dtype, seed, rope=True, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, LQ_K, generator=g).to(dtype)
+    w, s = _fp8_weight(LQ_N, LQ_K, g)
+    w_uk = (torch.randn(LQ_HEADS, LQ_NOPE, 96, generator=g) / 6).to(dtype)
+    angles = torch.rand(tokens, LQ_ROPE // 2, generator=g) * 10
+    b = torch.randn(LQ_N, generator=g).to(dtype) if bias else None
+    return x, w, s, b, w_uk, ((angles.cos(), angles.sin()) if rope else None)
+
+
+def _separate_launches(x, w, s, bias, act_quant, w_uk, rope):
+    """fp8_linear, then the latent query of its heads (the attention op's body: its own launch over views)."""
+    from fxglm5.lowering.triton import paged_cache
+
+    out = fp8_gemm.fp8_linear(x, w, s, bias, act_quant)
+    q_nope, q_pe = ref.query_heads(out, LQ_START, LQ_HEADS, LQ_NOPE, LQ_ROPE)
+    return out, paged_cache.latent_query(q_nope, w_uk, q_pe, rope)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("split_k", [False, True])
+@pytest.mark.parametrize("dtype, rope, bias", [(torch.bfloat16, True, False), (torch.float32, False, True)],
+                         ids=["bf16_rope", "float32_bias"])
+def test_fp8_linear_latent_query_runs_the_latent_query_in_the_gemm_launch(monkeypatch, tokens, act_quant, split_k,
+                                                                          dtype, rope, bias):
+    """Up to 16 tokens the GEMM's tiles and the latent query's programs are tasks of one launch: the bits of
+    fp8_linear's launch followed by the latent query's, the GEMM's output and the query both. Each head's programs wait
+    for exactly the signals of the tiles its columns lie on (heads across tile boundaries, 1 or 2 tiles a head: every
+    wait finds its count reached, never exceeded, in the interpreter's order), one signal per finished tile per head
+    (with split_k only the CTA that completes a tile signals); the tasks' and the split-K counters are back at 0.
+    Close to the reference op."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fxglm5.lowering.triton import fp8_parts, paged_cache, tasks
+
+    if not split_k:
+        monkeypatch.setitem(fp8_gemm.DECODE, "SPLIT_K", 1)
+    x, w, s, b, w_uk, rope_args = _latent_query_inputs(tokens, dtype, tokens, rope, bias)
+    counters = tasks.counters(x.device, LQ_HEADS)
+    waits, signals, call = [], [], InterpretedFunction.__call__
+
+    def value(v):
+        return int(v.handle.data.reshape(-1)[0]) if hasattr(v, "handle") else int(v)
+
+    def record(self, *a, **k):
+        if self.fn is tasks.wait.fn:  # (head, signals awaited, signals there)
+            waits.append((value(a[1]), value(a[2]), int(counters[tasks.DEPS.value + value(a[1])])))
+            assert waits[-1][2] >= waits[-1][1], waits[-1]  # else the interpreted spin never ends
+        if self.fn is tasks.signal.fn:
+            signals.append(value(a[1]))
+        return call(self, *a, **k)
+
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    monkeypatch.setattr(InterpretedFunction, "__call__", record)
+    out, q = paged_cache.fp8_linear_latent_query(x, w, s, b, act_quant, w_uk, LQ_START, LQ_ROPE, rope_args)
+    assert launched == ["_gemm_latent_query_kernel"]
+    assert len(waits) == LQ_HEADS * 16 and {(h, n) for h, n, _ in waits} == {(0, 2), (1, 1), (2, 2)}
+    assert all(there == awaited for _, awaited, there in waits)
+    assert sorted(signals) == [0, 0, 1, 2, 2]
+    assert not fp8_parts.tile_counters(x.device, 1).any() and not counters.any()
+    launched.clear()
+    want_out, want_q = _separate_launches(x, w, s, b, act_quant, w_uk, rope_args)
+    assert launched[-2:] == ["_gemm_kernel", "_latent_query_kernel"]
+    assert torch.equal(out, want_out) and torch.equal(q, want_q)
+    tables = (None, None) if rope_args is None else rope_args
+    ref_out, ref_q = ref.fp8_linear_latent_query(x, w, s, b, act_quant, w_uk, LQ_START, LQ_ROPE, *tables)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert _rel(out, ref_out) < tol and _rel(q, ref_q) < tol
+
+
+@pytest.mark.parametrize("case", ["prefill", "gemv", "lead_dims"])
+def test_fp8_linear_latent_query_elsewhere_is_the_two_launches(monkeypatch, case):
+    """Past 16 tokens (the latent query's prefill tiles) and where the GEMM is the GEMV, the op is fp8_linear's
+    launches and then the latent query's, with their bits; [2, 3, K] tokens (the decode path) come back as [2, 3, N] and
+    [2, 3, H, 576], the flattened call's values."""
+    from fxglm5.lowering.triton import fp8_gemv, paged_cache
+
+    tokens = 17 if case == "prefill" else 6
+    if case == "gemv":
+        monkeypatch.setitem(fp8_gemv.GEMV, "enabled", True)
+    x, w, s, b, w_uk, rope_args = _latent_query_inputs(tokens, torch.bfloat16, 9)
+    with _Launches() as launched:
+        if case == "lead_dims":
+            out, q = paged_cache.fp8_linear_latent_query(x.view(2, 3, LQ_K), w, s, b, True, w_uk, LQ_START, LQ_ROPE,
+                                                         rope_args)
+        else:
+            out, q = paged_cache.fp8_linear_latent_query(x, w, s, b, True, w_uk, LQ_START, LQ_ROPE, rope_args)
+    if case == "lead_dims":
+        assert launched == ["_gemm_latent_query_kernel"]
+    else:  # fp8_linear's launches (at 17 rows the split-K reduce kernel after the GEMM's), then the latent query's
+        assert launched[0] == ("_gemm_kernel" if case == "prefill" else "_gemv_kernel")
+        assert launched[-1] == "_latent_query_kernel" and "_gemm_latent_query_kernel" not in launched
+    want_out, want_q = _separate_launches(x, w, s, b, True, w_uk, rope_args)
+    if case == "lead_dims":
+        assert out.shape == (2, 3, LQ_N) and q.shape == (2, 3, LQ_HEADS, 576)
+        out, q = out.view(tokens, LQ_N), q.view(tokens, LQ_HEADS, 576)
+    assert torch.equal(out, want_out) and torch.equal(q, want_q)

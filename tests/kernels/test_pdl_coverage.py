@@ -177,7 +177,8 @@ def test_every_launched_kernel_takes_part_in_pdl():
                  "mla._mla_project_kernel", "mla_hopper._mla_hopper_kernel", "mla_hopper._mla_hopper_project_kernel",
                  "paged_cache._write_latent_fp8_kernel", "paged_cache._write_index_kernel",
                  "paged_cache._norm_write_caches_kernel",
-                 "paged_cache._latent_query_kernel", "fp8_gemm._quant_kernel", "moe._moe_gemm_kernel",
+                 "paged_cache._latent_query_kernel", "paged_cache._gemm_latent_query_kernel",
+                 "fp8_gemm._quant_kernel", "moe._moe_gemm_kernel", "moe._router_gate_up_kernel",
                  "moe._router_kernel", "f32_linear._f32_gemv_kernel"):
         assert name in launched, name
     stale = (set(EXEMPT) | set(BEFORE_PROLOGUE)) - launched

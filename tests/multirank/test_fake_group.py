@@ -142,7 +142,8 @@ def test_bench_rank_at_depth_tiny_runs_its_whole_flow(tmp_path, ep):
     assert top_k["ttft8k"]["bytes"] == top_k["tpot64x2k"]["bytes"] == 0
     assert run0["weights_gb"] and run0["kv_bytes_per_token"] == 4 * (656 + 132)
     assert detail["act_quant"] is False and "W8A16 FP8 GEMMs" in detail["setup"]  # fxglm5's default
-    assert run0["fp8_gemms"] == {"fp8_linear act_quant=False": 9, "add_rms_norm_fp8_linear act_quant=False": 4,
+    assert run0["fp8_gemms"] == {"fp8_linear act_quant=False": 5, "fp8_linear_latent_query act_quant=False": 4,
+                                 "add_rms_norm_fp8_linear act_quant=False": 4,
                                  "silu_mul_fp8_linear act_quant=False": 1, "moe_router_fp8_shared act_quant=False": 3}
     tpot = run0["points"]["tpot8x32k"]
     assert len(tpot["steps_ms"]) == 8 and tpot["step_bytes"] > 0
@@ -183,8 +184,9 @@ def test_bench_rank_at_depth_tiny_act_quant_runs_w8a8_gemms_and_says_so(tmp_path
         detail = json.load(f)
     assert table["command"].endswith("python bench/rank_at_depth.py " + " ".join(flags))
     assert [(r["point"], r["status"]) for r in table["rows"]] == [("ttft8k", "measured"), ("tpot8x2k", "measured")]
-    gemms = {"fp8_linear act_quant=True": 9, "add_rms_norm_fp8_linear act_quant=True": 4,
-             "silu_mul_fp8_linear act_quant=True": 1, "moe_router_fp8_shared act_quant=True": 3}
+    gemms = {"fp8_linear act_quant=True": 5, "fp8_linear_latent_query act_quant=True": 4,
+             "add_rms_norm_fp8_linear act_quant=True": 4, "silu_mul_fp8_linear act_quant=True": 1,
+             "moe_router_fp8_shared act_quant=True": 3}
     assert detail["act_quant"] is True and detail["runs"][0]["fp8_gemms"] == gemms
     notes = (tmp_path / f"{name}.md").read_text()
-    assert "bf16 compute, W8A8 FP8 GEMMs (--act-quant" in notes and "FP8 GEMM ops: fp8_linear act_quant=True x9" in notes
+    assert "bf16 compute, W8A8 FP8 GEMMs (--act-quant" in notes and "FP8 GEMM ops: fp8_linear act_quant=True x5" in notes

@@ -221,3 +221,6 @@ def test_opcheck_cached_ops(latent, index):
                    torch.randn(2, 8, 512, generator=gen), torch.randn(2, 4, 512, generator=gen))
     torch.library.opcheck(ops.rtp_sparse_mla.default, (*latent_args, top, 0.1, kv, *context))
     torch.library.opcheck(ops.rtp_mla.default, (*latent_args, 0.1, kv, *context))
+    made = {"q_latent": torch.randn(1, T, 2, 576, generator=gen)}  # the latent query given (fp8_linear_latent_query's)
+    torch.library.opcheck(ops.rtp_sparse_mla.default, (*latent_args, top, 0.1, kv, *context), made)
+    torch.library.opcheck(ops.rtp_mla.default, (*latent_args, 0.1, kv, *context), made)

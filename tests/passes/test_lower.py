@@ -31,7 +31,8 @@ class TestLower(PassTemplate):
     # every fxglm5 node left by the cache and fuse_kernels stages: 13 norms (7 of them now add_rms_norm, 4
     # rms_norm_write_caches) less the 4 add_rms_norm inside the GEMM that reads them, the FP8 linears as
     # fuse_shared_input_gemms leaves them (36 -> 20, the shared-indexer model's 32 -> 20) less the 3 shared experts' 2
-    # each, inside their MoE (1 of the 14 left silu_mul_fp8_linear, 4 add_rms_norm_fp8_linear), the indexers (their
+    # each, inside their MoE (1 of the 14 left silu_mul_fp8_linear, 4 add_rms_norm_fp8_linear, 4 the q_b GEMMs with
+    # their latent query, fp8_linear_latent_query), the indexers (their
     # head weights' f32_linears are inside rms_norm_write_caches, the routers' inside moe_router), the 4 attention ops
     # and 3 MoE with their routers (no RoPE: the cache stage folded every one into the attention ops;
     # fuse_router_into_moe every router into its MoE)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fxglm5.contracts import KV_LORA_RANK, ROPE_DIM
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fp8 as ref_fp8
 from fxglm5.lowering.reference import norm_rope as ref_norm_rope
@@ -146,3 +147,62 @@ def silu_mul_fp8_linear(gate: Tensor, up: Tensor, weight: Tensor, weight_scale_i
         raise InputError(f"silu_mul_fp8_linear up: {up.dtype} {tuple(up.shape)} does not match gate's "
                          f"{gate.dtype} {tuple(gate.shape)}")
     return ref_fp8.fp8_linear(silu_mul(gate, up), weight, weight_scale_inv, bias, act_quant)
+
+
+def query_heads(out: Tensor, q_start: int, heads: int, nope: int, rope_dim: int) -> tuple[Tensor, Tensor]:
+    """(q_nope [..., H, nope], q_pe [..., H, rope_dim]): the query heads of a GEMM's output ``out`` [..., N] from
+    column ``q_start`` (each head ``nope + rope_dim`` columns, q_nope first), as the graph takes them (a slice of the
+    last dim, a view into heads, a split): views of ``out``."""
+    q = out[..., q_start:q_start + heads * (nope + rope_dim)]
+    q_nope, q_pe = q.view(*q.shape[:-1], heads, nope + rope_dim).split([nope, rope_dim], dim=-1)
+    return q_nope, q_pe
+
+
+def validate_fp8_linear_latent_query(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, bias: Optional[Tensor],
+                                     w_uk: Tensor, q_start: int, rope_dim: int, rope_cos: Optional[Tensor],
+                                     rope_sin: Optional[Tensor]) -> None:
+    """The GEMM's inputs as ``fp8_linear`` checks them, then the query heads' layout in its output, W_UK and the RoPE
+    tables as the cached attention ops check them (``paged_steps``), each error naming its argument."""
+    ref_fp8.check_linear_inputs(x, weight, weight_scale_inv, bias)
+    if not isinstance(w_uk, Tensor) or w_uk.dim() != 3 or not w_uk.is_floating_point() or w_uk.device != x.device:
+        raise InputError(f"fp8_linear_latent_query w_uk: expected a floating-point [H, nope, R] tensor on x's device, "
+                         f"got {getattr(w_uk, 'dtype', type(w_uk))} {tuple(getattr(w_uk, 'shape', ()))}")
+    heads, nope, rank = w_uk.shape
+    if rank > KV_LORA_RANK:
+        raise InputError(f"fp8_linear_latent_query w_uk: {rank} latent columns exceed the cache layout's "
+                         f"{KV_LORA_RANK}")
+    if not 0 < rope_dim <= ROPE_DIM or rope_dim % 2:
+        raise InputError(f"fp8_linear_latent_query rope_dim: {rope_dim}, expected an even width in (0, {ROPE_DIM}]")
+    n = weight.shape[0]
+    if q_start < 0 or q_start + heads * (nope + rope_dim) > n:
+        raise InputError(f"fp8_linear_latent_query q_start: the {heads} query heads of {nope} + {rope_dim} columns "
+                         f"from column {q_start} do not fit in the GEMM's {n} output columns")
+    if (rope_cos is None) != (rope_sin is None):
+        raise InputError("fp8_linear_latent_query rope_cos / rope_sin: give both or neither")
+    if rope_cos is not None:
+        for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+            if (not isinstance(t, Tensor) or t.dtype != torch.float32 or t.device != x.device
+                    or tuple(t.shape) != (*x.shape[:-1], rope_dim // 2)):
+                raise InputError(f"fp8_linear_latent_query {name}: expected float32 {(*x.shape[:-1], rope_dim // 2)} "
+                                 f"on x's device (the tokens', half of rope_dim), got "
+                                 f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+
+
+def fp8_linear_latent_query(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, bias: Optional[Tensor],
+                            act_quant: bool, w_uk: Tensor, q_start: int, rope_dim: int,
+                            rope_cos: Optional[Tensor] = None, rope_sin: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """The q_b (| wq_b) GEMM and the latent query of its query heads, as the chain it replaces computes them:
+    ``out = fp8_linear(x, weight, ...)`` (contiguous, as the op returns it), then the cached attention ops' latent
+    query ``[q_nope . W_UK | rope(q_pe)]`` of :func:`query_heads` of it (``paged.latent_query`` over the tokens
+    flattened, as ``paged_steps`` flattens them). Returns (out [..., N], the latent query [..., H, 576])."""
+    from fxglm5.lowering.reference import paged  # paged imports this module
+
+    validate_fp8_linear_latent_query(x, weight, weight_scale_inv, bias, w_uk, q_start, rope_dim, rope_cos, rope_sin)
+    out = ref_fp8.fp8_linear(x, weight, weight_scale_inv, bias, act_quant).contiguous()
+    q_nope, q_pe = query_heads(out, q_start, w_uk.shape[0], w_uk.shape[1], rope_dim)
+    lead = q_nope.shape[:-2]
+    tokens = q_nope.shape[:-2].numel()
+    rope = None if rope_cos is None else (rope_cos.reshape(tokens, -1), rope_sin.reshape(tokens, -1))
+    q = paged.latent_query(q_nope.reshape(tokens, *q_nope.shape[-2:]), w_uk, q_pe.reshape(tokens, *q_pe.shape[-2:]),
+                           rope)
+    return out, q.view(*lead, *q.shape[1:])

@@ -169,10 +169,12 @@ def _check_latent_cache(kv_cache, slot_mapping, block_table, req_idx, positions,
 
 
 def _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table, req_idx,
-                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps, written, validate):
+                    positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps, written, validate,
+                    q_latent=None):
     """Validate everything (unless ``validate`` is False), then return the [T, H, 576] queries and ``write()``,
     which stores this step's rows (nothing where they are ``written`` already: ``fxglm5::rms_norm_write_caches``
-    wrote and validated them).
+    wrote and validated them). The queries are the kernel set's latent query of q_nope, W_UK and q_pe, or, given
+    ``q_latent`` [N, S, H, 576], that one (``fxglm5::fp8_linear_latent_query`` made it with their GEMM).
 
     The write is deferred so that the caller validates its attention arguments (which need the queries)
     before anything already cached is touched."""
@@ -198,7 +200,16 @@ def _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_m
         _check_latent_cache(kv_cache, slot_mapping, block_table, req_idx, positions, max_positions)
         if not written:
             paged.validate_write_latent_cache(kv_cache, kv, pe, slot_mapping, norm, rope)
-    q = kern.latent_query(_flat(q_nope, "q_nope", 4), w_uk, _flat(q_pe, "q_pe", 4), rope)
+        if q_latent is not None and (not isinstance(q_latent, Tensor) or q_latent.dtype != q_nope.dtype
+                                     or tuple(q_latent.shape) != (*q_nope.shape[:3], paged.LATENT_DIM)
+                                     or q_latent.device != q_nope.device):
+            raise InputError(f"q_latent: expected {q_nope.dtype} {(*q_nope.shape[:3], paged.LATENT_DIM)} on "
+                             f"q_nope's device (the latent query of q_nope's heads), got "
+                             f"{getattr(q_latent, 'dtype', type(q_latent))} {tuple(getattr(q_latent, 'shape', ()))}")
+    if q_latent is None:
+        q = kern.latent_query(_flat(q_nope, "q_nope", 4), w_uk, _flat(q_pe, "q_pe", 4), rope)
+    else:
+        q = _flat(q_latent, "q_latent", 4)
 
     def write():
         if not written:
@@ -214,11 +225,11 @@ def _value_heads(o: Tensor, w_uv: Tensor, like: Tensor) -> Tensor:
 
 def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale, kv_cache, slot_mapping, block_table,
                     req_idx, positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None,
-                    kv_norm_eps=0.0, written=False, *, validate=True):
+                    kv_norm_eps=0.0, written=False, q_latent=None, *, validate=True):
     """rtp_sparse_mla's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
     q, write = _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
                                req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps,
-                               written, validate)
+                               written, validate, q_latent)
     top = _flat(topk_pos, "topk_pos", 3)
     if validate:
         paged.validate_sparse_mla_paged(q, kv_cache, block_table, req_idx, top, scale)
@@ -231,11 +242,11 @@ def sparse_mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, topk_pos, scale,
 
 def mla_step(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, scale, kv_cache, slot_mapping, block_table, req_idx,
              positions, max_positions, rope_cos=None, rope_sin=None, kv_norm_weight=None, kv_norm_eps=0.0,
-             written=False, *, validate=True):
+             written=False, q_latent=None, *, validate=True):
     """rtp_mla's body over a kernel set ``kern`` (``paged`` = torch reference, or the Triton twins)."""
     q, write = _prepare_latent(kern, q_nope, q_pe, kv_c, k_pe, w_uk, w_uv, kv_cache, slot_mapping, block_table,
                                req_idx, positions, max_positions, rope_cos, rope_sin, kv_norm_weight, kv_norm_eps,
-                               written, validate)
+                               written, validate, q_latent)
     if validate:
         paged.validate_mla_paged(q, kv_cache, block_table, req_idx, positions, scale)
     write()

@@ -429,8 +429,8 @@ def runs_gemv(m: int, kernel: Optional[str]) -> bool:
     return kernel == "gemv" or (kernel is None and fp8_gemv.GEMV["enabled"] and m <= fp8_gemv.ROWS)
 
 
-def lone_launch(x2, u2, weight, weight_scale_inv, act_quant, out, counter_offset=0):
-    """``(launch, config)``: the one :func:`_gemm_kernel` launch ``fp8_linear(x2, weight, weight_scale_inv, None,
+def lone_launch(x2, u2, weight, weight_scale_inv, act_quant, out, counter_offset=0, bias=None):
+    """``(launch, config)``: the one :func:`_gemm_kernel` launch ``fp8_linear(x2, weight, weight_scale_inv, bias,
     act_quant, up=u2)`` makes into ``out`` (its default config), the A tile quantized (or widened) and gated in
     registers, split over K with the FIXUP or not at all; None where that call launches anything else or more (the
     GEMV, the Gluon kernel, a quant or silu kernel before, the reduce kernel after). A kernel that runs this
@@ -441,7 +441,7 @@ def lone_launch(x2, u2, weight, weight_scale_inv, act_quant, out, counter_offset
     cfg = pick_config(m, weight.shape[0], k, act_quant, num_sms(x2.device))
     if (act_quant and not cfg["fused_quant"]) or (u2 is not None and not gates_in_kernel(m, act_quant, cfg)):
         return None
-    launch = gemm_launch(x2, x2, 1 if act_quant else 2, u2, weight, weight_scale_inv, None, cfg, out, counter_offset)
+    launch = gemm_launch(x2, x2, 1 if act_quant else 2, u2, weight, weight_scale_inv, bias, cfg, out, counter_offset)
     return None if launch.reduce else (launch, cfg)
 
 

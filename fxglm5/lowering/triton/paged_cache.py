@@ -10,6 +10,11 @@ for its token, and so does the horizontally fused kernel of :func:`rms_norm_writ
 roles: the query latent's RMSNorm (``norm_rope.rms_norm_row``), the latent row, the indexer key, and at decode the
 indexer's head weights (``f32_linear``'s GEMV helpers over its grid). The launches build their arguments once
 (``_latent_launch``, ``_index_launch``, ``norm_rope.rms_norm_launch``, ``_weights_launch``), in the helpers' order.
+
+The attention's latent query (``[q_nope . W_UK | rope(q_pe)]``) is a tile function too (:func:`latent_query_tile`),
+run by its own launch (:func:`latent_query`) or, up to LATENT_QUERY_ROWS tokens, as the last tasks of the q_b GEMM's
+launch that produces q_nope and q_pe (:func:`fp8_linear_latent_query`, ``fp8_gemm.gemm_tile`` for the GEMM's tiles,
+:mod:`fxglm5.lowering.triton.tasks` for the dependency of each head's programs on its columns' tiles).
 """
 
 from __future__ import annotations
@@ -20,9 +25,12 @@ import triton.language as tl
 
 from fxglm5 import settings
 from fxglm5.lowering.reference import paged as ref
+from fxglm5.lowering.reference.fused import query_heads
+from fxglm5.lowering.triton import tasks
 from fxglm5.lowering.triton.device import interpreter_compat, num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.f32_linear import (MAX_SCALES, f32_linear, finish_tile, gemv_launch, gemv_tile_start,
                                                gemv_tile_sum, is_gemv, operands, padded_scales, split_buffers)
+from fxglm5.lowering.triton.fp8_gemm import fp8_linear, gemm_tile, lone_launch
 from fxglm5.lowering.triton.norm_rope import (DTYPE_CODES, rms_norm_launch, rms_norm_row, rms_normalize, rotate_pairs,
                                               round_to)
 
@@ -30,9 +38,13 @@ interpreter_compat()
 
 
 __all__ = ["write_latent_cache", "write_indexer_cache", "write_exact_index_keys", "write_index_keys",
-           "rms_norm_write_caches", "latent_query",
+           "rms_norm_write_caches", "latent_query", "fp8_linear_latent_query",
            "slots_from_positions", "pow2_scale", "e4m3_bits", "bf16_bits", "rope_launch_args", "WRITE_WARPS"]
 
+# the latent query's launch: its warps, and up to how many tokens its decode tiles (16 tokens x 32 columns) serve, the
+# rows up to which the q_b GEMM's launch runs it (fp8_linear_latent_query)
+LATENT_QUERY_WARPS = 4
+LATENT_QUERY_ROWS = 16
 # the warps of every cache-write launch, standalone or in rms_norm_write_caches' kernel: a row's sums (its RMS, the
 # LayerNorm's mean and variance, the FP8 amax) reduce over the same thread layout, so both give the same bits
 WRITE_WARPS = 4
@@ -277,16 +289,17 @@ def _norm_write_caches_kernel(
 
 
 @triton.jit
-def _latent_query_kernel(qn_ptr, w_ptr, pe_ptr, cos_ptr, sin_ptr, out_ptr, s_qn_t, s_qn_h, s_w_h, s_w_d, s_pe_t, s_pe_h,
-                         stride_c, T, H, D, RA, RP, HALF, R: tl.constexpr, DR: tl.constexpr, BT: tl.constexpr,
-                         BR: tl.constexpr, BK: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr,
-                         DT_PE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    # program (token tile, head, column tile): out[t, h, cols] = q_nope[t, h] . W_UK[h][:, cols] (zero past RA),
-    # float32 accumulation rounded once to the model's dtype; column tile 0 also writes the rotated q_pe
-    pdl_prologue(PDL)
-    h = tl.program_id(1)
-    ct = tl.program_id(2)
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
+def latent_query_tile(tt, h, ct, qn_ptr, w_ptr, pe_ptr, cos_ptr, sin_ptr, out_ptr, s_qn_t, s_qn_h, s_w_h, s_w_d,
+                      s_pe_t, s_pe_h, stride_c, T, H, D, RA, RP, HALF, R: tl.constexpr, DR: tl.constexpr,
+                      BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr,
+                      DT_PE: tl.constexpr, IEEE: tl.constexpr):
+    """Program (token tile ``tt``, head ``h``, column tile ``ct``) of the latent query: out[t, h, cols] = q_nope[t, h]
+    . W_UK[h][:, cols] (zero past RA), float32 accumulation rounded once to the model's dtype; column tile 0 also
+    writes the rotated q_pe. Its own function so that :func:`_latent_query_kernel` and the q_b GEMM's launch
+    (:func:`_gemm_latent_query_kernel`, where another CTA of the launch wrote q_nope and q_pe) run the same code, bit
+    for bit; q_nope and q_pe are read from L2 (``.cg``: another SM's stores are coherent there, not in this SM's L1;
+    a program reads each of its values once, so the standalone launch loses nothing by it)."""
+    t = tt * BT + tl.arange(0, BT)
     tm = (t < T)[:, None]
     t64 = t.to(tl.int64)[:, None]
     cols = ct * BR + tl.arange(0, BR)[None, :]
@@ -296,7 +309,7 @@ def _latent_query_kernel(qn_ptr, w_ptr, pe_ptr, cos_ptr, sin_ptr, out_ptr, s_qn_
     acc = tl.zeros([BT, BR], tl.float32)
     for k0 in range(0, D, BK):
         k = k0 + ok
-        a = tl.load(qn_row + k[None, :], mask=tm & (k[None, :] < D), other=0.0)
+        a = tl.load(qn_row + k[None, :], mask=tm & (k[None, :] < D), other=0.0, cache_modifier=".cg")
         b = tl.load(w_col + k[:, None] * s_w_d, mask=(k[:, None] < D) & (cols < RA), other=0.0)
         if IEEE:  # float32 models, and the interpreter (whose bf16 tl.dot is wrong): exact float32 products
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -308,8 +321,8 @@ def _latent_query_kernel(qn_ptr, w_ptr, pe_ptr, cos_ptr, sin_ptr, out_ptr, s_qn_
         op = tl.arange(0, DR // 2)[None, :]
         pm = tm & (op < RP // 2)
         pe_row = pe_ptr + t64 * s_pe_t + h * s_pe_h
-        even = tl.load(pe_row + 2 * op, mask=pm, other=0.0).to(tl.float32)
-        odd = tl.load(pe_row + 2 * op + 1, mask=pm, other=0.0).to(tl.float32)
+        even = tl.load(pe_row + 2 * op, mask=pm, other=0.0, cache_modifier=".cg").to(tl.float32)
+        odd = tl.load(pe_row + 2 * op + 1, mask=pm, other=0.0, cache_modifier=".cg").to(tl.float32)
         if ROPE:
             cm = tm & (op < HALF)
             c = tl.load(cos_ptr + t64 * stride_c + op, mask=cm, other=1.0)
@@ -317,6 +330,19 @@ def _latent_query_kernel(qn_ptr, w_ptr, pe_ptr, cos_ptr, sin_ptr, out_ptr, s_qn_
             even, odd = rotate_pairs(even, odd, c, s, DT_PE)
         tl.store(out_row + R + 2 * op, even.to(out_ptr.dtype.element_ty), mask=tm)
         tl.store(out_row + R + 2 * op + 1, odd.to(out_ptr.dtype.element_ty), mask=tm)
+
+
+@triton.jit
+def _latent_query_kernel(qn_ptr, w_ptr, pe_ptr, cos_ptr, sin_ptr, out_ptr, s_qn_t, s_qn_h, s_w_h, s_w_d, s_pe_t, s_pe_h,
+                         stride_c, T, H, D, RA, RP, HALF, R: tl.constexpr, DR: tl.constexpr, BT: tl.constexpr,
+                         BR: tl.constexpr, BK: tl.constexpr, ROPE: tl.constexpr, DT: tl.constexpr,
+                         DT_PE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """The latent query's launch: one :func:`latent_query_tile` a program of the (token tiles, heads, column tiles)
+    grid."""
+    pdl_prologue(PDL)
+    latent_query_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), qn_ptr, w_ptr, pe_ptr, cos_ptr, sin_ptr,
+                      out_ptr, s_qn_t, s_qn_h, s_w_h, s_w_d, s_pe_t, s_pe_h, stride_c, T, H, D, RA, RP, HALF, R, DR,
+                      BT, BR, BK, ROPE, DT, DT_PE, IEEE)
 
 
 def _contig_rows(x):
@@ -465,6 +491,23 @@ def rms_norm_write_caches(x, weight, eps, kv_cache, kv_c, k_pe, slot_mapping, in
     return out if head_weights is None else (out, weights)
 
 
+def _latent_query_launch(q_nope, w_uk, q_pe, rope, out) -> tuple[tuple, tuple, dict]:
+    """(grid, positional arguments, constexprs) of the latent query of q_nope [T, H, D] and q_pe [T, H, <=64] (views
+    with unit column stride) into ``out`` [T, H, 576]: :func:`latent_query_tile`'s arguments after the program's
+    indices, and its (token tiles, heads, column tiles) grid, 16 tokens x 32 columns up to LATENT_QUERY_ROWS tokens,
+    64 x 64 above."""
+    T, H, D = q_nope.shape
+    w_uk = _contig_rows(w_uk.to(q_nope.dtype))
+    cos, sin, stride_c, half = rope_launch_args(rope, q_pe)
+    bt, br = (16, 32) if T <= LATENT_QUERY_ROWS else (64, 64)
+    args = (q_nope, w_uk, q_pe, cos, sin, out, q_nope.stride(0), q_nope.stride(1), w_uk.stride(0), w_uk.stride(1),
+            q_pe.stride(0), q_pe.stride(1), stride_c, T, H, D, w_uk.shape[2], q_pe.shape[2], half)
+    meta = dict(R=ref.KV_LORA_RANK, DR=ref.ROPE_DIM, BT=bt, BR=br, BK=min(64, max(16, triton.next_power_of_2(D))),
+                ROPE=rope is not None, DT=DTYPE_CODES[q_nope.dtype], DT_PE=DTYPE_CODES[q_pe.dtype],
+                IEEE=q_nope.dtype == torch.float32 or settings.triton_interpret())
+    return (triton.cdiv(T, bt), H, ref.KV_LORA_RANK // br), args, meta
+
+
 def latent_query(q_nope, w_uk, q_pe, rope=None):
     """``[q_nope . W_UK | q_pe]`` [T, H, 576] in q_nope's dtype, in one kernel: the per-head product (float32
     accumulation, one rounding, as the reference's einsum) and q_pe rotated (``rope`` = (cos, sin)).
@@ -472,22 +515,115 @@ def latent_query(q_nope, w_uk, q_pe, rope=None):
     The grid is (token tiles, heads, column tiles of the 512): at decode (T = 1, 8 heads) the 32-column tiles give
     128 programs, each reading its [D, 32] slice of W_UK once; column tile 0 also writes the rope part. Above 16
     tokens the tiles grow to 64 tokens x 64 columns, a tensor-core GEMM at any prefill length, and the product is
-    written once into the concatenated rows (no separate [T, H, 512] tensor to write and copy)."""
+    written once into the concatenated rows (no separate [T, H, 512] tensor to write and copy). Up to 16 tokens the
+    q_b GEMM's launch can run these programs itself (:func:`fp8_linear_latent_query`)."""
     T, H = q_nope.shape[:2]
     out = torch.empty(T, H, ref.LATENT_DIM, dtype=q_nope.dtype, device=q_nope.device)
     if T == 0:
         return out
-    q_nope, q_pe, w_uk = _contig_rows(q_nope), _contig_rows(q_pe), _contig_rows(w_uk.to(q_nope.dtype))
-    cos, sin, stride_c, half = rope_launch_args(rope, q_pe)
-    D = q_nope.shape[2]
-    bt, br = (16, 32) if T <= 16 else (64, 64)
-    _latent_query_kernel[(triton.cdiv(T, bt), H, ref.KV_LORA_RANK // br)](
-        q_nope, w_uk, q_pe, cos, sin, out, q_nope.stride(0), q_nope.stride(1), w_uk.stride(0), w_uk.stride(1),
-        q_pe.stride(0), q_pe.stride(1), stride_c, T, H, D, w_uk.shape[2], q_pe.shape[2], half, R=ref.KV_LORA_RANK,
-        DR=ref.ROPE_DIM, BT=bt, BR=br, BK=min(64, max(16, triton.next_power_of_2(D))), ROPE=rope is not None,
-        DT=DTYPE_CODES[q_nope.dtype], DT_PE=DTYPE_CODES[q_pe.dtype],
-        IEEE=q_nope.dtype == torch.float32 or settings.triton_interpret(), num_warps=4, **pdl(q_nope.device))
+    grid, args, meta = _latent_query_launch(_contig_rows(q_nope), w_uk, _contig_rows(q_pe), rope, out)
+    _latent_query_kernel[grid](*args, **meta, num_warps=LATENT_QUERY_WARPS, **pdl(q_nope.device))
     return out
+
+
+@triton.jit
+def _gemm_latent_query_kernel(
+        a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr, M, N, K, KG,
+        KG_PER_SPLIT: tl.constexpr, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, stride_um,
+        qn_ptr, w_ptr, pe_ptr, cos_ptr, sin_ptr, q_ptr, s_qn_t, s_qn_h, s_w_h, s_w_d, s_pe_t, s_pe_h, stride_c, T,
+        H: tl.constexpr, D, RA, RP, HALF, task_ptr, q_start, head_cols,
+        A_MODE: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr, NO_K_MASK: tl.constexpr,
+        SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+        R: tl.constexpr, DR: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, ROPE: tl.constexpr,
+        Q_DT: tl.constexpr, DT_PE: tl.constexpr, IEEE: tl.constexpr, SIGNALS: tl.constexpr, PDL: tl.constexpr):
+    """fxglm5::fp8_linear_latent_query in one launch of tasks (:mod:`fxglm5.lowering.triton.tasks`): each CTA takes a
+    task id. Tasks [0, tiles * SPLIT_K) are the GEMM's output tiles x K splits (``fp8_gemm.gemm_tile`` with
+    ``_gemm_kernel``'s arguments, the tile fastest; the GEMM has one M tile, so a tile is a column tile); the CTA
+    that completes a tile (unsplit, or its FIXUP's last split) signals dependency h of each query head h whose
+    ``head_cols`` columns from ``q_start + h * head_cols`` (q_nope, then q_pe) the tile holds (at most ``SIGNALS``).
+    The tasks after them are the latent query's programs (:func:`latent_query_tile` with :func:`_latent_query_kernel`'s
+    arguments, ``q_ptr`` its output and ``Q_DT`` its dtype code), head by head (token tile, then column tile,
+    fastest): each waits until every tile of its head's columns has signalled, then reads them from L2. A task waits
+    only on tasks before it, so the launch cannot deadlock; the last CTA resets the H dependency counters. The PDL
+    wait comes first: a task's role is known only once its id is taken."""
+    pdl_prologue(PDL)
+    task = tasks.take(task_ptr)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    if task < tiles * SPLIT_K:
+        tile = task % tiles
+        if gemm_tile(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr, tile, task // tiles, M,
+                     N, K, KG, KG_PER_SPLIT, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs,
+                     stride_um, A_MODE, GATED_A, DT, DOT_F32, INTERPRET, HAS_BIAS, SPLIT_K, FIXUP, NO_K_MASK,
+                     SCALAR_SB, BLOCK_M, BLOCK_N, GROUP_M):
+            first = tl.maximum(tile * BLOCK_N - q_start, 0) // head_cols  # the first head the tile's columns meet
+            for i in tl.static_range(SIGNALS):
+                if (first + i < H) & (q_start + (first + i) * head_cols < (tile + 1) * BLOCK_N):
+                    tasks.signal(task_ptr, first + i)
+    else:
+        query = task - tiles * SPLIT_K
+        h = query // (tl.cdiv(T, BT) * (R // BR))
+        start = q_start + h * head_cols
+        tasks.wait(task_ptr, h, (start + head_cols - 1) // BLOCK_N - start // BLOCK_N + 1)
+        latent_query_tile(query // (R // BR) % tl.cdiv(T, BT), h, query % (R // BR), qn_ptr, w_ptr, pe_ptr, cos_ptr,
+                          sin_ptr, q_ptr, s_qn_t, s_qn_h, s_w_h, s_w_d, s_pe_t, s_pe_h, stride_c, T, H, D, RA, RP,
+                          HALF, R, DR, BT, BR, BK, ROPE, Q_DT, DT_PE, IEEE)
+    tasks.finish(task_ptr, H)
+
+
+def latent_query_joins(x2, weight, weight_scale_inv, bias, act_quant, out):
+    """``(launch, config)`` of the GEMM where :func:`fp8_linear_latent_query` runs the latent query in its launch,
+    else None: up to LATENT_QUERY_ROWS tokens (the latent query's decode tiles), where ``fp8_linear`` is one
+    ``_gemm_kernel`` launch (``fp8_gemm.lone_launch``: not the GEMV, the Gluon kernel, a quant kernel before or the
+    reduce kernel after) of one M tile at the latent query's warp count (a launch has one)."""
+    m, n = x2.shape[0], weight.shape[0]
+    if not 0 < m <= LATENT_QUERY_ROWS:
+        return None
+    lone = lone_launch(x2, None, weight, weight_scale_inv, act_quant, out, bias=bias)
+    if lone is None:
+        return None
+    launch, cfg = lone
+    one_m_tile = launch.grid[0] == triton.cdiv(n, launch.meta["BLOCK_N"])
+    return lone if one_m_tile and cfg["num_warps"] == LATENT_QUERY_WARPS else None
+
+
+def fp8_linear_latent_query(x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim, rope=None):
+    """``fxglm5::fp8_linear_latent_query`` (the caller validated): ``(fp8_linear(x, weight, ...) [..., N], the latent
+    query [..., H, 576])`` of the H query heads the GEMM's output holds from column ``q_start`` (each q_nope [D], then
+    q_pe [rope_dim]), as :func:`latent_query` makes it from those columns (W_UK [H, D, R], ``rope`` = (cos, sin)
+    [tokens, rope_dim / 2]).
+
+    Where :func:`latent_query_joins` (decode) one launch (:func:`_gemm_latent_query_kernel`): the GEMM's tiles and the
+    latent query's programs are tasks of it, each query head's programs waiting for the GEMM tiles of its columns,
+    each with its own launch's tile function and warps, so the bits of ``fp8_linear`` followed by
+    :func:`latent_query`, one launch and its gap fewer per attention layer. Why the GEMM's launch and not the MLA's:
+    the latent query reads only the GEMM's query columns, and at decode its 128 programs (8 heads x 16 column tiles)
+    run beside the GEMM's last tiles instead of after the indexer. Elsewhere (prefill, the GEMV, a GEMM of several
+    launches) ``fp8_linear``, then :func:`latent_query`: the chain's launches and bits."""
+    n, k = weight.shape
+    heads, nope = w_uk.shape[:2]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    m = x2.shape[0]
+    weight, weight_scale_inv = weight.contiguous(), weight_scale_inv.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    joined = latent_query_joins(x2, weight, weight_scale_inv, bias, act_quant, out)
+    if joined is None:
+        out = fp8_linear(x2, weight, weight_scale_inv, bias, act_quant)
+        q_nope, q_pe = query_heads(out, q_start, heads, nope, rope_dim)
+        return out.view(*lead, n), latent_query(q_nope, w_uk, q_pe, rope).view(*lead, heads, ref.LATENT_DIM)
+    gemm, cfg = joined
+    q = torch.empty(m, heads, ref.LATENT_DIM, dtype=x.dtype, device=x.device)
+    q_nope, q_pe = (_contig_rows(t) for t in query_heads(out, q_start, heads, nope, rope_dim))
+    grid, args, meta = _latent_query_launch(q_nope, w_uk, q_pe, rope, q)
+    meta["Q_DT"] = meta.pop("DT")
+    head_cols = nope + rope_dim
+    _gemm_latent_query_kernel[(gemm.grid[0] * gemm.grid[1] + grid[0] * grid[1] * grid[2],)](
+        *gemm.args, *args, tasks.counters(x.device, heads), q_start, head_cols, **gemm.meta, **meta,
+        SIGNALS=triton.cdiv(gemm.meta["BLOCK_N"] - 1, head_cols) + 1, num_warps=LATENT_QUERY_WARPS,
+        num_stages=cfg["num_stages"], **pdl(x.device))
+    return out.view(*lead, n), q.view(*lead, heads, ref.LATENT_DIM)
 
 
 def slots_from_positions(block_table, req_idx, positions, block_size: int = 64, *, validate: bool = True):

@@ -1,7 +1,9 @@
 """Tasks inside one launch: a CTA takes a dynamic task id, a task may wait on tasks before it, and the launch
 cleans up after itself. The seed of the persistent decode kernel (docs/perf/persistent_decode_layer.md: tasks,
 dependencies as counters in global memory, consumers spinning on them), first used to run the MoE router and the
-expert GEMMs that read its routing in one launch (``moe._router_gate_up_kernel``).
+expert GEMMs that read its routing in one launch (``moe._router_gate_up_kernel``), then the q_b GEMM and the latent
+query of its heads (``paged_cache._gemm_latent_query_kernel``: one dependency a head, signalled by each GEMM tile that
+holds its columns).
 
 Vocabulary:
 - a **task** is one CTA's work; its id is **taken** from the launch's queue counter (:func:`take`), not read from
@@ -78,6 +80,10 @@ def finish(counters_ptr, NUM_DEPS: tl.constexpr):
 
 
 _COUNTERS: dict = {}
+# the counters a buffer holds at least: a launch that needs more replaces it, and a CUDA graph captured before that
+# would replay over the freed one, so the first buffer is made large enough for every launch there is (the latent
+# query's one dependency a head: GLM-5's 64 at TP1)
+MIN_COUNTERS = 1024
 
 
 def counters(device: torch.device, deps: int) -> torch.Tensor:
@@ -86,7 +92,7 @@ def counters(device: torch.device, deps: int) -> torch.Tensor:
     key = (device.type, device.index)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < DEPS.value + deps:
-        buf = torch.zeros(max(DEPS.value + deps, 64), dtype=torch.int32, device=device)
+        buf = torch.zeros(max(DEPS.value + deps, MIN_COUNTERS), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf
 
