@@ -649,6 +649,14 @@ def project_tiles(T: int, num_splits: int, RA: int, keys_as_rows: bool) -> dict:
     return dict(RA=RA, RA_PAD=ra_pad, TB=tb, S_PAD=s_pad, BKM=bkm, SC=min(s_pad, values // (tb * bkm)), BV=8 * nw)
 
 
+def _cache_args(cache, pos_or_topk, sparse: bool):
+    """(block size, FP8, the cache's latent / rope / scale views, the top-k lists' row stride and width) of a launch."""
+    fp8 = cache.dtype == torch.uint8
+    views = ((cache.view(torch.float8_e4m3fn), cache.view(torch.bfloat16), cache.view(torch.float32)) if fp8
+             else (cache, cache, cache))
+    return cache.shape[1], fp8, views, (pos_or_topk.stride(0), pos_or_topk.shape[1]) if sparse else (0, 0)
+
+
 def launch_project(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split_len: int, num_splits: int,
                    po, plse, w_uv, out, counters, *, sparse: bool, keys_as_rows: bool | None = None):
     """Launch :func:`_mla_hopper_project_kernel`: the (token, split) tasks, then H x ceil(V / BV) combine tasks
@@ -656,11 +664,7 @@ def launch_project(q, cache, block_table, req_idx, pos_or_topk, scale_log2: floa
     rows, keys_as_rows = rows_for(q.shape[1], keys_as_rows)
     T, H = q.shape[0], q.shape[1]
     V = w_uv.shape[1]
-    bs = cache.shape[1]
-    fp8 = cache.dtype == torch.uint8
-    lat, pe, sc = ((cache.view(torch.float8_e4m3fn), cache.view(torch.bfloat16), cache.view(torch.float32)) if fp8
-                   else (cache, cache, cache))
-    stride_pt, K = (pos_or_topk.stride(0), pos_or_topk.shape[1]) if sparse else (0, 0)
+    bs, fp8, (lat, pe, sc), (stride_pt, K) = _cache_args(cache, pos_or_topk, sparse)
     tiles = project_tiles(T, num_splits, w_uv.shape[2], keys_as_rows)
     grid = (T * num_splits + H * triton.cdiv(V, tiles["BV"]),)
     _mla_hopper_project_kernel[grid](
@@ -670,6 +674,7 @@ def launch_project(q, cache, block_table, req_idx, pos_or_topk, scale_log2: floa
         BS=bs, SPARSE=sparse, FP8=fp8, BLOCK=BLOCK_N, STAGES_=STAGES, ROWS=rows, KEYS_AS_ROWS=keys_as_rows, **tiles,
         num_warps=4 if keys_as_rows else 8, **pdl(q.device))
 
+
 def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split_len: int, num_splits: int,
            out, po, plse, *, sparse: bool, direct: bool, keys_as_rows: bool | None = None):
     """One program per (token, split); writes ``out`` directly (``direct``: one split, no W_UV to apply after
@@ -677,11 +682,7 @@ def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split
     sparse: the [T, K] listed positions (-1 = unused). ``keys_as_rows``: see :func:`rows_for`."""
     rows, keys_as_rows = rows_for(q.shape[1], keys_as_rows)
     T = q.shape[0]
-    bs = cache.shape[1]
-    fp8 = cache.dtype == torch.uint8
-    lat, pe, sc = ((cache.view(torch.float8_e4m3fn), cache.view(torch.bfloat16), cache.view(torch.float32)) if fp8
-                   else (cache, cache, cache))
-    stride_pt, K = (pos_or_topk.stride(0), pos_or_topk.shape[1]) if sparse else (0, 0)
+    bs, fp8, (lat, pe, sc), (stride_pt, K) = _cache_args(cache, pos_or_topk, sparse)
     _mla_hopper_kernel[(T, num_splits)](
         q, q.stride(0), q.stride(1), q.shape[1], lat, pe, sc, block_table, block_table.stride(0), req_idx, pos_or_topk,
         stride_pt, K, out, out.stride(0), out.stride(1), po, plse,
