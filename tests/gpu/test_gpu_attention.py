@@ -535,6 +535,96 @@ def test_absorbed_weights_in_the_latent_query_and_the_combine(cdtype, T):
         _close(o, o_ref)
 
 
+# The Triton kernels' launch in the one-launch comparisons: the combine's own launch runs mla.COMBINE_WARPS (4) warps,
+# so at these warps the one launch runs the two launches' code at their warps, hence their bits
+TRITON_ONE_LAUNCH = dict(BLOCK_N=32, num_warps=4, num_stages=3)  # mla._project_cfg's at 8 heads
+
+
+def _one_launch_step(T, context, cdtype, seed):
+    """A decode step at a TP8 rank of GLM-5: T tokens over up to three requests of about ``context`` positions
+    (ragged: context, context - 64 - 1, ...; the last positions, round robin), 8 heads of 576-wide latent queries,
+    top-2048 lists (10% unused, a row with none where T > 1), W_UV [8 heads, 256, 512], the latent cache (bf16 or
+    FP8 ds_mla) filled."""
+    lens = [context - 65 * i for i in range(min(T, 3))]
+    bt, nb = _mk_table(lens, seed=seed)
+    cache = torch.zeros(nb, BS, 656 if cdtype == torch.uint8 else 576, dtype=cdtype, device="cuda")
+    _fill(cache, bt, lens, seed=seed)
+    st = _tp8_step(T, lens, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    st["q"] = torch.randn(T, 8, D, device="cuda", generator=g).to(torch.bfloat16)
+    return cache, bt, st
+
+
+def _attend_both(st, cache, bt, cfg, fuse, outs=None):
+    """The sparse (top-k) and the dense MLA of the step with W_UV applied (into ``outs`` if given)."""
+    from fxglm5.lowering.triton import mla
+
+    outs = outs or (None, None)
+    return (mla.launch_mla(st["q"], cache, bt, st["req"], st["topk"], SCALE, sparse=True, cfg=cfg, w_uv=st["w_uv"],
+                           fuse=fuse, out=outs[0]),
+            mla.launch_mla(st["q"], cache, bt, st["req"], st["pos"], SCALE, sparse=False, cfg=cfg, w_uv=st["w_uv"],
+                           fuse=fuse, out=outs[1]))
+
+
+@pytest.mark.parametrize("T", [1, 8, 16])
+@pytest.mark.parametrize("context", [2048, 32768])
+@pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("kernel", ["triton", "hopper"])
+def test_mla_and_w_uv_combine_in_one_launch_at_tp8_shapes(kernel, cdtype, context, T):
+    """Issue 45, item 5: the split-KV MLA and its combine with W_UV in one launch of tasks (``mla._mla_project_kernel``;
+    on Hopper the Gluon ``mla_hopper._mla_hopper_project_kernel``) at a TP8 rank's shapes, sparse (top-2048) and
+    dense, against the two launches (the MLA writing partials, then ``_mla_combine_project_kernel``): the Triton
+    launch bit for bit (its tasks run the two launches' code at their warps: TRITON_ONE_LAUNCH); the Gluon launch's
+    own combine tile (mma_v2 over the merged rows, another summation order) within a rounding and bit-equal almost
+    everywhere; both within _close of the reference op. Called twice back to back, then captured in a CUDA graph and
+    replayed twice over new queries, positions and top-k lists: the two launches' outputs every time, and the task
+    counters back at 0."""
+    from fxglm5.lowering.triton import mla, tasks
+
+    cfg = TRITON_ONE_LAUNCH if kernel == "triton" else None
+    if kernel == "hopper":
+        _hopper_only()
+    cache, bt, st = _one_launch_step(T, context, cdtype, seed=T + context + (cdtype == torch.uint8))
+    assert mla._project_cfg(st["q"], True, 16, None) == TRITON_ONE_LAUNCH  # the launch off Hopper, untuned
+    counters = tasks.counters(torch.device("cuda"), mla.FUSE_MAX_TOKENS)
+
+    def check(ones):
+        torch.cuda.synchronize()
+        assert int(counters.abs().sum()) == 0
+        twos = _attend_both(st, cache, bt, cfg, fuse=False)
+        assert mla._LAST["impl"] == kernel and not mla._LAST["fused"]
+        for one, two in zip(ones, twos):
+            assert one.shape == (T, 8, 256) and torch.isfinite(one).all()
+            if kernel == "triton":
+                assert torch.equal(one, two)
+            else:
+                _mostly_equal(one, two, 2.0**-7)
+        assert T == 1 or ones[0][1].abs().max().item() == 0.0  # no listed position: zeros
+        wants = (ref.sparse_mla_paged(st["q"], cache, bt, st["req"], st["topk"], SCALE, w_uv=st["w_uv"]),
+                 ref.mla_paged(st["q"], cache, bt, st["req"], st["pos"], SCALE, w_uv=st["w_uv"]))
+        for one, want in zip(ones, wants):
+            _close(one, want)
+
+    for _ in range(2):
+        ones = _attend_both(st, cache, bt, cfg, fuse=None)
+        assert mla._LAST["impl"] == kernel and mla._LAST["fused"]
+        check([o.clone() for o in ones])
+    outs = tuple(torch.full_like(o, float("nan")) for o in ones)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _attend_both(st, cache, bt, cfg, fuse=None, outs=outs)
+    for seed in range(2):
+        new = _tp8_step(T, [context], seed=seed + 100)  # other positions and lists, within each request's own
+        pos = torch.minimum(new["pos"], st["pos"])
+        st["pos"].copy_(pos)
+        st["topk"].copy_(torch.minimum(new["topk"], pos.unsqueeze(1)))
+        st["q"].copy_(torch.randn(st["q"].shape, device="cuda").to(torch.bfloat16))
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        check([o.clone() for o in outs])
+
+
 @pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8])
 def test_sparse_mla(cdtype):
     from fxglm5.lowering.triton import sparse_mla

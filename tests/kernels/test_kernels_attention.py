@@ -451,13 +451,14 @@ def _latent_step(T, sparse):
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["mla", "sparse_mla"])
 @pytest.mark.parametrize("T, launches", [
-    (2, ["_latent_query_kernel", "_write_latent_fp8_kernel", "_mla_fwd_kernel", "_mla_combine_project_kernel"]),
+    (2, ["_latent_query_kernel", "_write_latent_fp8_kernel", "_mla_project_kernel"]),
     (8, ["_latent_query_kernel", "_write_latent_fp8_kernel", "_mla_fwd_kernel", "einsum"]),
 ], ids=["decode", "prefill"])
 def test_latent_attention_step_launches(sparse, T, launches, monkeypatch):
-    """The attention of a decode step over the Triton kernel set is four Triton launches and no torch GEMM: W_UK is
-    applied in the latent query kernel and W_UV in the combine (before: an einsum, the query kernel, the cache write,
-    the MLA, the combine at several splits, an einsum). A prefill-shaped step (2 x SMs tokens, 8 on CPU) keeps
+    """The attention of a decode step over the Triton kernel set is three Triton launches and no torch GEMM: W_UK is
+    applied in the latent query kernel and W_UV in the combine, which runs in the MLA's launch (``_mla_project_kernel``;
+    before: an einsum, the query kernel, the cache write, the MLA, the combine at several splits, an einsum; then
+    the MLA and its combine as two launches). A prefill-shaped step (2 x SMs tokens, 8 on CPU) keeps
     cuBLAS's GEMM for W_UV after the MLA's one pass. Both give the reference kernel set's output (float32: to rtol
     1e-5, the GEMMs' summation order aside)."""
     from triton.runtime.interpreter import InterpretedFunction

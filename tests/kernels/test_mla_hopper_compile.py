@@ -58,9 +58,47 @@ FEW_HEADS = [(False, True, False, 8), (True, True, False, 8), (False, False, Fal
 WITH_PDL = [(True, True, False, 64, True), (False, False, False, 8, True)]
 
 
+def _compile_project(sparse: bool, fp8: bool, heads: int, tokens: int, splits: int):
+    """The split-KV MLA with its W_UV combine in one launch (``_mla_hopper_project_kernel``), as ``launch_project``
+    launches it with PDL for ``tokens`` tokens, ``splits`` splits and GLM-5's W_UV (512 latent columns)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {"q_ptr": "*bf16", "stride_qt": "i32", "stride_qh": "i32", "H": "i32",
+           "lat_ptr": "*fp8e4nv" if fp8 else "*bf16", "pe_ptr": "*bf16", "sc_ptr": "*fp32" if fp8 else "*bf16",
+           "bt_ptr": "*i32", "stride_bt": "i32", "req_ptr": "*i32", "pos_ptr": "*i32", "stride_pt": "i32", "K": "i32",
+           "po_ptr": "*fp32",
+           "plse_ptr": "*fp32", "sm_scale_log2": "fp32", "split_len": "i32", "num_splits": "i32", "n_rows": "i32",
+           "w_ptr": "*bf16", "o_ptr": "*bf16", "s_w_h": "i32", "s_w_v": "i32", "T": "i32", "V": "i32",
+           "task_ptr": "*i32"}
+    rows, keys_as_rows = mla_hopper.rows_for(heads)
+    const = dict(BS=64, SPARSE=sparse, FP8=fp8, BLOCK=mla_hopper.BLOCK_N, STAGES_=mla_hopper.STAGES, ROWS=rows,
+                 KEYS_AS_ROWS=keys_as_rows, **mla_hopper.project_tiles(tokens, splits, 512, keys_as_rows), PDL=True)
+    sig.update({name: "constexpr" for name in const})
+    names = list(sig)
+    aligned = [n for n in names if n.endswith("_ptr")] + ["s_w_h", "s_w_v"]  # W_UV's strides: 256 x 512, 512
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = GluonASTSource(mla_hopper._mla_hopper_project_kernel, sig, const, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if keys_as_rows else 8})
+
+
+def _project_report(tag: str, sparse: bool, fp8: bool, heads: int, tokens: int, splits: int) -> dict:
+    return ptxas_report(_compile_project(sparse, fp8, heads, tokens, splits))
+
+
+# ("project", sparse, fp8, heads, tokens, splits): the one-launch MLA + W_UV combine at a TP8 rank's 8 heads (sparse
+# top-2048 at 1 token: 32 splits, at 16: 8; dense 32k at 1 token: 256 splits, at 4: 64; the largest token x split
+# tiles of the split pick, 16 x 29 and 3 x 88 padded to 16 x 32 and 4 x 128), 16 heads, and 64
+PROJECT = [("project", True, True, 8, 1, 32), ("project", True, False, 8, 16, 8), ("project", False, True, 8, 4, 64),
+           ("project", False, False, 8, 1, 256), ("project", False, True, 8, 16, 29), ("project", False, False, 8, 3, 88),
+           ("project", True, True, 16, 16, 8), ("project", True, True, 64, 1, 32), ("project", False, False, 64, 16, 8),
+           ("project", False, True, 64, 16, 29)]
+
+
 def _reports_of_every_variant() -> dict[str, dict]:
-    """:func:`_report` of each variant of WIDE, FEW_HEADS and WITH_PDL by ``repr(variant)``."""
-    return report_each(WIDE + FEW_HEADS + WITH_PDL, _report)
+    """:func:`_report` of each variant of WIDE, FEW_HEADS and WITH_PDL, and :func:`_project_report` of each of
+    PROJECT, by ``repr(variant)``."""
+    return {**report_each(WIDE + FEW_HEADS + WITH_PDL, _report), **report_each(PROJECT, _project_report)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,6 +157,33 @@ def test_pdl_prologue_waits_before_the_first_memory_access(variant):
     assert "griddepcontrol" not in plain["ptx"]
     registers = re.compile(r"Used (\d+) registers")
     assert registers.search(r["ptxas"]).group(1) == registers.search(plain["ptxas"]).group(1)
+
+
+@pytest.mark.parametrize("variant", PROJECT, ids=lambda v: "-".join(map(str, v[1:])))
+def test_the_mla_and_its_w_uv_combine_compile_as_one_launch(variant):
+    """The split-KV MLA and its combine with W_UV in one launch of tasks (``_mla_hopper_project_kernel``): fits shared
+    memory in the same bytes as the MLA's own launch (the combine's W_UV slice and merged rows reuse the split role's
+    buffers), no spills, no serialized MMAs; the split tasks' MMAs those of the MLA's launch, the combine's mma_v2
+    (m16n8k16: the tokens padded to 16 rows); the PDL wait before the queue's atomic and every memory access, the
+    split tasks' release signal, the combine tasks' acquire spin, the partials read from L2 (``ld.global.cg``) and
+    W_UV's slice copied with 16-byte cp.async; the last CTA's reset (an acq_rel count of the finished CTAs)."""
+    _, sparse, fp8, heads, tokens, splits = variant
+    r = _fits(variant)
+    plain = _reports().get(repr((sparse, fp8, False, heads)))  # the MLA's own launch, where WIDE / FEW_HEADS has it
+    assert plain is None or r["shared"] == plain["shared"], (r["shared"], plain["shared"])
+    ptx = r["ptx"]
+    mmas = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+    rows, keys_as_rows = mla_hopper.rows_for(heads)
+    assert mmas == ({f"m64n{rows}k16"} if keys_as_rows else {"m64n32k16", "m64n128k16"}), mmas
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    wait, queue = ptx.find("griddepcontrol.wait;"), ptx.find("atom.global.gpu.relaxed.add")
+    first_access = min(i for i in (ptx.find(op) for op in ("ld.global", "cp.async", "st.global")) if i >= 0)
+    assert 0 <= wait < queue < first_access, (wait, queue, first_access)
+    assert "atom.global.gpu.release.add" in ptx, "the split tasks' signal"
+    assert "ld.global.gpu.acquire" in ptx, "the combine tasks' spin (an add of 0: an acquire load)"
+    assert "ld.global.cg" in ptx, "the partials read from L2"
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx), "W_UV's 16-byte copies"
+    assert "atom.global.gpu.acq_rel.add" in ptx, "the finished CTAs' count"
 
 
 def test_rows_for_pads_few_heads_to_the_mma_n():

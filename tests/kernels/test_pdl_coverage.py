@@ -174,7 +174,7 @@ def test_every_launched_kernel_takes_part_in_pdl():
     for name in ("indexer._indexer_logits_kernel", "indexer._indexer_topk_kernel", "topk._segment_topk_kernel",
                  "topk._radix_write_kernel",
                  "mla._mla_fwd_kernel", "mla._mla_combine_kernel", "mla._mla_combine_project_kernel",
-                 "mla_hopper._mla_hopper_kernel",
+                 "mla._mla_project_kernel", "mla_hopper._mla_hopper_kernel", "mla_hopper._mla_hopper_project_kernel",
                  "paged_cache._write_latent_fp8_kernel", "paged_cache._write_index_kernel",
                  "paged_cache._norm_write_caches_kernel",
                  "paged_cache._latent_query_kernel", "paged_cache._gemm_latent_query_kernel",

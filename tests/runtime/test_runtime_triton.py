@@ -19,10 +19,11 @@ DECODE_MOE = ["_router_gate_up_kernel", "_moe_gemm_kernel"]
 # one decode step's attention block, from the stacked q_a | kv_a | wk GEMM (the residual add and the input norm in
 # its A loads) to o_proj's: the query latent's norm with both cache writes and the indexer's head weights, the stacked
 # q_b | wq_b GEMM with the latent query (W_UK, q_pe's RoPE) as the last tasks of its launch, the indexer (its logits
-# and top-k in one launch), the latent MLA, o_proj: seven launches; after the dense layer's MLP (its add and norm in its
-# stacked gate | up GEMM, the gated down GEMM) and before the MoE layer's MLP norm, the one add_rms_norm launch left
+# and top-k in one launch), the latent MLA with its W_UV combine in one launch, o_proj: six launches; after the dense
+# layer's MLP (its add and norm in its stacked gate | up GEMM, the gated down GEMM) and before the MoE layer's MLP
+# norm, the one add_rms_norm launch left
 DECODE_ATTENTION = ["_gemm_kernel", "_norm_write_caches_kernel", "_gemm_latent_query_kernel", "_indexer_topk_kernel",
-                    "_mla_fwd_kernel", "_mla_combine_project_kernel", "_gemm_kernel"]
+                    "_mla_project_kernel", "_gemm_kernel"]
 DENSE_MLP = ["_gemm_kernel", "_gemm_kernel"]
 
 
@@ -38,9 +39,10 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     The query latent's RMSNorm, both cache writes and the indexer's head weights are one launch per layer and step
     (fuse_cache_writes_into_q_norm, fuse_index_weights_into_q_norm; every step here is GEMV-sized, the prefill's 15
     tokens too), and the latent query runs in the q_b | wq_b GEMM's launch (fuse_latent_query_into_q_b; up to 16
-    tokens, the prefill's 15 too): a decode step's attention block is DECODE_ATTENTION, no standalone norm, write,
-    GEMV or latent query kernel among them: with the MoE layer's MLP norm and DECODE_MOE a decode MoE layer is ten
-    launches (issue 45, item 5: from eleven). The residual adds and norms before the MoE layer's attention and the dense layer's MLP run inside the
+    tokens, the prefill's 15 too), as the W_UV combine runs in the MLA's: a decode step's attention block is
+    DECODE_ATTENTION, no standalone norm, write, GEMV, latent query or combine kernel among them: with the MoE layer's
+    MLP norm and DECODE_MOE a decode MoE layer is nine launches (issue 45, item 5: ten with the latent query's own
+    launch). The residual adds and norms before the MoE layer's attention and the dense layer's MLP run inside the
     GEMMs that read them (fuse_add_rms_norm_into_gemm; up to 16 rows, the prefill's 15 too): one add_rms_norm launch
     a step is left, the MoE layer's MLP norm, and the dense layer's MLP then the MoE layer's attention follow each
     other without one."""
@@ -69,6 +71,7 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     last = len(launched) - 1 - launched[::-1].index("_router_gate_up_kernel")
     assert launched[last:last + len(DECODE_MOE)] == DECODE_MOE
     assert "_combine_kernel" not in launched  # every step's tokens fit the down launch's combine
+    assert "_mla_combine_project_kernel" not in launched  # W_UV in the MLA's launch (decode), or cuBLAS's (prefill)
     assert "_write_latent_fp8_kernel" not in launched and "_write_index_kernel" not in launched
     assert "_f32_gemv_kernel" not in launched
     assert launched.count("_norm_write_caches_kernel") == 2 * 3  # both layers, the prefill and two decode steps
@@ -78,7 +81,7 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     assert launched[last - at:last - at + len(DENSE_MLP + DECODE_ATTENTION) + 1] == (
         DENSE_MLP + DECODE_ATTENTION + ["_add_rms_norm_kernel"])
     assert launched.count("_add_rms_norm_kernel") == 3  # the MoE layer's MLP norm, in each of the 3 steps
-    assert len(DECODE_ATTENTION) + 1 + len(DECODE_MOE) == 10  # a decode MoE layer's launches
+    assert len(DECODE_ATTENTION) + 1 + len(DECODE_MOE) == 9  # a decode MoE layer's launches
 
 
 @pytest.mark.parametrize("max_step_tokens, tiles", [(None, [40, 40]), (16, [16, 16, 16, 16])],

@@ -24,7 +24,13 @@ cache layouts (compute dtype 576 / FP8 ds_mla 656 bytes):
   path: many tokens already fill the machine; queries of a prefill re-read their prefix tiles, mostly from L2);
 - W_UV in the combine (``w_uv``, the paged programs' decode): the combine also multiplies the merged latent output
   by W_UV and writes the value heads, and a single split writes partials too, so the attention of a decode step
-  ends in one Triton kernel instead of the combine and a cuBLAS GEMM outside the PDL chain.
+  ends in one Triton kernel instead of the combine and a cuBLAS GEMM outside the PDL chain;
+- the MLA and that combine in one launch (up to 16 tokens, :func:`project_fuses`): a launch of tasks
+  (:mod:`fxglm5.lowering.triton.tasks`, :func:`_mla_project_kernel`) whose split tasks store their partials and
+  signal their token tile's counter, and whose combine tasks (the combine's tiles, W_UV still spread over many
+  CTAs) wait for every split of their tokens; the two kernels' code (:func:`_mla_split`,
+  :func:`_combine_project_tile`), so their bits. On Hopper the Gluon kernel's form of it
+  (``mla_hopper._mla_hopper_project_kernel``).
 The number of splits is a function of the shapes only (``T``, ``H``, the block-table width), never of data,
 so the launch is CUDA-graph safe (no host sync); buffers are sized by the arguments.
 On Hopper, ``launch_mla`` runs :mod:`fxglm5.lowering.triton.mla_hopper` instead (a Gluon kernel with the same
@@ -46,7 +52,7 @@ import triton.language as tl
 
 from fxglm5 import settings
 from fxglm5.lowering.reference import paged as ref
-from fxglm5.lowering.triton import mla_hopper
+from fxglm5.lowering.triton import mla_hopper, tasks
 from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat, num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, round_to
 
@@ -56,6 +62,8 @@ __all__ = ["mla_paged", "mla_decode_paged", "mla_prefill_paged", "launch_mla", "
            "dispatch_num_splits", "into"]
 
 LOG2E = 1.4426950408889634
+FUSE_MAX_TOKENS = 16  # up to this many tokens the combine with W_UV runs in the MLA's launch (project_fuses)
+COMBINE_WARPS = 4  # the warps of the combine's own launch
 
 
 @triton.jit
@@ -196,7 +204,8 @@ def softmax_accumulate(qk, m_i, m_safe, l_i, acc_a, acc_b, k_a, k_b, IEEE: tl.co
 
 
 @triton.jit
-def _mla_fwd_kernel(
+def _mla_split(
+    t, hb, sp,
     q_ptr, stride_qt, stride_qh,
     cache_ptr, c32_ptr, c16_ptr,
     bt_ptr, stride_bt, req_ptr,
@@ -204,16 +213,12 @@ def _mla_fwd_kernel(
     o_ptr, stride_ot, stride_oh,
     po_ptr, plse_ptr,
     H, sm_scale_log2, split_len, num_splits, n_rows,
-    BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, N_HB: tl.constexpr,
-    FP8: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    USE_TMA: tl.constexpr = False,
+    BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    pdl_prologue(PDL)
+    """Token ``t``'s head block ``hb`` over split ``sp`` of its keys: the output (DIRECT) or the split's normalized
+    partial and log-sum-exp. The body of :func:`_mla_fwd_kernel` and of :func:`_mla_project_kernel`'s split tasks."""
     R: tl.constexpr = 512
-    pid = tl.program_id(0)  # head blocks of one token are adjacent: they share the cache tiles through L2
-    t = pid // N_HB
-    hb = pid % N_HB
-    sp = tl.program_id(1)
     t64 = t.to(tl.int64)
     req = tl.load(req_ptr + t).to(tl.int64)
 
@@ -286,6 +291,26 @@ def _mla_fwd_kernel(
 
 
 @triton.jit
+def _mla_fwd_kernel(
+    q_ptr, stride_qt, stride_qh,
+    cache_ptr, c32_ptr, c16_ptr,
+    bt_ptr, stride_bt, req_ptr,
+    pos_ptr, stride_pt, K,
+    o_ptr, stride_ot, stride_oh,
+    po_ptr, plse_ptr,
+    H, sm_scale_log2, split_len, num_splits, n_rows,
+    BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, N_HB: tl.constexpr,
+    FP8: tl.constexpr, SPARSE: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    USE_TMA: tl.constexpr = False,
+):
+    pdl_prologue(PDL)
+    pid = tl.program_id(0)  # head blocks of one token are adjacent: they share the cache tiles through L2
+    _mla_split(pid // N_HB, pid % N_HB, tl.program_id(1), q_ptr, stride_qt, stride_qh, cache_ptr, c32_ptr, c16_ptr,
+               bt_ptr, stride_bt, req_ptr, pos_ptr, stride_pt, K, o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr, H,
+               sm_scale_log2, split_len, num_splits, n_rows, BS, BLOCK_H, BLOCK_N, FP8, SPARSE, DIRECT, IEEE, USE_TMA)
+
+
+@triton.jit
 def _split_weights(lse):
     """The merge weights of the splits' log-sum-exps (last axis; -inf: an empty split, weight 0) and their sum
     (kept as a size-1 last axis; 0 where every split is empty)."""
@@ -313,32 +338,32 @@ def _mla_combine_kernel(po_ptr, plse_ptr, o_ptr, stride_ot, stride_oh, H, num_sp
 
 
 @triton.jit
-def _mla_combine_project_kernel(po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, T, H, V, RA, num_splits,
-                                R: tl.constexpr, S_PAD: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                                BK: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    """The combine with W_UV applied: program (token tile, head, tile of the V outputs) merges its tokens' split
-    partials (all splits at once, BK latent columns at a time), rounds the merged latent output to the model's
-    dtype (where the unfused path stores it) and multiplies it by W_UV[h] (float32 accumulation, one rounding at
-    the end). BT = 1 is a GEMV on the CUDA cores (decode: a 16-row MMA would not pay for itself); BT >= 16 a
-    tensor-core tl.dot."""
-    pdl_prologue(PDL)
-    h = tl.program_id(1)
-    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+def _combine_project_tile(pid_t, h, pid_v, po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, T, H, V, RA, num_splits,
+                          R: tl.constexpr, S_PAD: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+                          DT: tl.constexpr, IEEE: tl.constexpr, CACHE: tl.constexpr):
+    """The combine with W_UV applied, one tile (token tile ``pid_t``, head ``h``, tile ``pid_v`` of the V outputs):
+    merges its tokens' split partials (all splits at once, BK latent columns at a time), rounds the merged latent
+    output to the model's dtype (where the unfused path stores it) and multiplies it by W_UV[h] (float32
+    accumulation, one rounding at the end). BT = 1 is a GEMV on the CUDA cores (decode: a 16-row MMA would not pay
+    for itself); BT >= 16 a tensor-core tl.dot. ``CACHE``: the partials' loads' cache modifier (".cg" where another
+    CTA of the same launch wrote them: :func:`_mla_project_kernel`). The body of :func:`_mla_combine_project_kernel`
+    and of :func:`_mla_project_kernel`'s combine tasks."""
+    t = (pid_t * BT + tl.arange(0, BT)).to(tl.int64)
     tm = t < T
     sp = tl.arange(0, S_PAD)
     base = (t[:, None] * num_splits + sp[None, :]) * H + h  # [BT, S_PAD]
     w, wsum = _split_weights(tl.load(plse_ptr + base, mask=tm[:, None] & (sp[None, :] < num_splits),
-                                     other=float("-inf")))
+                                     other=float("-inf"), cache_modifier=CACHE))
     den = tl.where(wsum > 0.0, wsum, 1.0)
     take = (w > 0.0)[:, :, None]
-    v = tl.program_id(2) * BV + tl.arange(0, BV)
+    v = pid_v * BV + tl.arange(0, BV)
     w_cols = w_ptr + h.to(tl.int64) * s_w_h + v[None, :] * s_w_v  # W_UV[h, v, k] as a [BK, BV] tile
     kk = tl.arange(0, BK)
     acc = tl.zeros([BT, BV], tl.float32)
     for k0 in range(0, RA, BK):
         k = k0 + kk
         po = tl.load(po_ptr + base[:, :, None] * R + k[None, None, :], mask=take & (k < RA)[None, None, :],
-                     other=0.0)
+                     other=0.0, cache_modifier=CACHE)
         o = round_to(tl.sum(po * w[:, :, None], 1) / den, DT)  # [BT, BK]
         wt = tl.load(w_cols + k[:, None], mask=(k[:, None] < RA) & (v[None, :] < V), other=0.0)
         if BT == 1:
@@ -349,6 +374,54 @@ def _mla_combine_project_kernel(po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, T,
             acc = tl.dot(o.to(wt.dtype), wt, acc)
     out = o_ptr + (t[:, None] * H + h) * V + v[None, :]
     tl.store(out, round_to(acc, DT).to(o_ptr.dtype.element_ty), mask=tm[:, None] & (v[None, :] < V))
+
+
+@triton.jit
+def _mla_combine_project_kernel(po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, T, H, V, RA, num_splits,
+                                R: tl.constexpr, S_PAD: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                                BK: tl.constexpr, DT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """The combine with W_UV applied (:func:`_combine_project_tile`): program (token tile, head, tile of the V
+    outputs)."""
+    pdl_prologue(PDL)
+    _combine_project_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h,
+                          s_w_v, T, H, V, RA, num_splits, R, S_PAD, BT, BV, BK, DT, IEEE, "")
+
+
+@triton.jit
+def _mla_project_kernel(
+    q_ptr, stride_qt, stride_qh, cache_ptr, c32_ptr, c16_ptr, bt_ptr, stride_bt, req_ptr, pos_ptr, stride_pt, K,
+    po_ptr, plse_ptr, H, sm_scale_log2, split_len, num_splits, n_rows,
+    w_ptr, o_ptr, s_w_h, s_w_v, T, V, RA, task_ptr,
+    BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, N_HB: tl.constexpr, FP8: tl.constexpr,
+    SPARSE: tl.constexpr, IEEE: tl.constexpr, USE_TMA: tl.constexpr, S_PAD: tl.constexpr, BT: tl.constexpr,
+    BV: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, MAX_DEPS: tl.constexpr, PDL: tl.constexpr,
+):
+    """The split-KV MLA and its combine with W_UV in one launch of tasks (:mod:`fxglm5.lowering.triton.tasks`; up
+    to ``FUSE_MAX_TOKENS`` tokens, :func:`project_fuses`). Each CTA takes a task id: tasks [0, T x N_HB x
+    num_splits) are the (token, head block, split) programs of :func:`_mla_fwd_kernel` (:func:`_mla_split`, token
+    by token), each storing its partial and log-sum-exp, then signalling its token tile's counter (dependency
+    ``t // BT``); the rest are the (token tile, head, V tile) programs of :func:`_mla_combine_project_kernel`
+    (:func:`_combine_project_tile`), each waiting until every split of its tile's tokens has signalled, then reading
+    the partials from L2. A task waits only on tasks before it, so the launch cannot deadlock (tasks' module doc).
+    The same code as the two launches, so their bits where the launches run the same warps."""
+    pdl_prologue(PDL)
+    task = tasks.take(task_ptr)
+    splits = T * N_HB * num_splits
+    if task < splits:
+        pid = task // num_splits
+        t = pid // N_HB
+        _mla_split(t, pid % N_HB, task % num_splits, q_ptr, stride_qt, stride_qh, cache_ptr, c32_ptr, c16_ptr, bt_ptr,
+                   stride_bt, req_ptr, pos_ptr, stride_pt, K, o_ptr, 0, 0, po_ptr, plse_ptr, H, sm_scale_log2,
+                   split_len, num_splits, n_rows, BS, BLOCK_H, BLOCK_N, FP8, SPARSE, False, IEEE, USE_TMA)
+        tasks.signal(task_ptr, t // BT)
+    else:
+        c = task - splits
+        n_v = tl.cdiv(V, BV)
+        pid_t = c // (H * n_v)
+        tasks.wait(task_ptr, pid_t, tl.minimum(BT, T - pid_t * BT) * N_HB * num_splits)
+        _combine_project_tile(pid_t, c // n_v % H, c % n_v, po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, T, H, V, RA,
+                              num_splits, 512, S_PAD, BT, BV, BK, DT, IEEE, ".cg")
+    tasks.finish(task_ptr, MAX_DEPS)
 
 
 # GPU launch configurations, picked per (H, K, num_splits, dtypes) by triton.autotune at the first call (an
@@ -415,22 +488,39 @@ def _default_cfg(q, sparse):
     return dict(BLOCK_N=64, num_warps=8, num_stages=2, USE_TMA=True)
 
 
+def project_fuses(T: int, w_uv) -> bool:
+    """Whether the combine with W_UV runs in the MLA's launch (:func:`_mla_project_kernel`, the Hopper kernel's
+    ``mla_hopper._mla_hopper_project_kernel``): up to ``FUSE_MAX_TOKENS`` tokens (decode) with W_UV to apply. Chosen
+    per call inside the op (as the indexer's one-launch logits + top-k is), not by a pass: the graph's op is the same
+    either way, only its launches differ, and the choice depends on the step's token count, which a pass over the
+    graph (dynamic token dims) does not know. Past 16 tokens (decode batches of a rank are at most that) the two
+    launches stay, and so a launch's token tiles, whose dependency counters its last CTA resets, stay at most 16."""
+    return w_uv is not None and 0 < T <= FUSE_MAX_TOKENS
+
+
 def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, sparse: bool,
                num_splits: int | None = None, out: torch.Tensor | None = None, cfg: dict | None = None,
-               w_uv: torch.Tensor | None = None):
+               w_uv: torch.Tensor | None = None, fuse: bool | None = None):
     """Launch MLA (dense or sparse). ``num_splits=None`` picks from the shapes only.
 
     With ``w_uv`` [H, V, R] the output is the value heads [T, H, V] (:func:`fxglm5.lowering.reference.paged.project_out`
     of the latent output): the attention kernel always writes split partials (one split too) and the combine applies
     W_UV (:func:`_mla_combine_project_kernel`), so a decode step's attention ends in that one kernel, inside the PDL
-    chain, where the unfused path ran the combine (at more than one split) and then a cuBLAS GEMM.
+    chain, where the unfused path ran the combine (at more than one split) and then a cuBLAS GEMM. Up to
+    ``FUSE_MAX_TOKENS`` tokens (``fuse=None``: :func:`project_fuses`) the attention and that combine are one launch
+    of tasks (:func:`_mla_project_kernel`, on Hopper ``mla_hopper.launch_project``); ``fuse=False`` keeps the two
+    launches (the comparison the tests make), ``fuse=True`` asks for the one (W_UV and at most 16 tokens).
 
     ``cfg=None`` takes the Hopper kernel where it applies (:func:`mla_hopper.supported`), else the Triton
-    kernel autotuned; ``cfg={"kernel": "hopper"}`` forces the Hopper kernel (an error where it does not apply),
-    ``{"kernel": "hopper64"}`` with the heads as its 64 MMA rows whatever their count (:func:`mla_hopper.rows_for`);
-    ``cfg={}`` forces the autotuned Triton kernel, any other ``cfg`` one explicit Triton launch."""
+    kernel autotuned (the one-launch kernel: :func:`_project_cfg`); ``cfg={"kernel": "hopper"}`` forces the Hopper
+    kernel (an error where it does not apply), ``{"kernel": "hopper64"}`` with the heads as its 64 MMA rows whatever
+    their count (:func:`mla_hopper.rows_for`); ``cfg={}`` forces the autotuned Triton kernel, any other ``cfg`` one
+    explicit Triton launch."""
     T, H, _ = q.shape
     R = 512
+    fused = project_fuses(T, w_uv) if fuse is None else fuse
+    if fused and not project_fuses(T, w_uv):
+        raise ValueError(f"launch_mla: fuse=True needs W_UV and at most {FUSE_MAX_TOKENS} tokens, not {T}")
     if out is None:
         out = torch.empty(T, H, R if w_uv is None else w_uv.shape[1], dtype=q.dtype, device=q.device)
     if T == 0:
@@ -466,19 +556,37 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     if force_hopper and not hopper_ok:
         raise ValueError(f"launch_mla: cfg={cfg} asks for the Hopper kernel, which does not serve these inputs "
                          f"(q {tuple(q.shape)} {q.dtype} on {q.device}, cache {cache.dtype})")
+    if w_uv is not None:
+        w_uv = w_uv.to(q.dtype)
+        if w_uv.stride(-1) != 1:
+            w_uv = w_uv.contiguous()
+    if fused and hopper and not mla_hopper.project_supported(w_uv):
+        fused = False  # the Hopper MLA, then the Triton combine
+    _LAST["fused"] = fused
     if hopper:
         _LAST["impl"] = "hopper"
         _LAST["rows"] = mla_hopper.rows_for(H, keys_as_rows)
         _LAST["splits"] = num_splits
         ensure_tma_allocator()
-        mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len, num_splits,
-                          out, po, plse, sparse=sparse, direct=direct, keys_as_rows=keys_as_rows)
+        if fused:
+            mla_hopper.launch_project(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len,
+                                      num_splits, po, plse, w_uv, out, tasks.counters(q.device, FUSE_MAX_TOKENS),
+                                      sparse=sparse, keys_as_rows=keys_as_rows)
+        else:
+            mla_hopper.launch(q, cache, block_table, req_idx, pos_or_topk, float(scale) * LOG2E, split_len,
+                              num_splits, out, po, plse, sparse=sparse, direct=direct, keys_as_rows=keys_as_rows)
+    elif fused:
+        _LAST["impl"] = "triton"
+        _launch_triton_project(q, cache, block_table, req_idx, pos_or_topk, scale, po, plse, w_uv, out, BLOCK_H,
+                               num_splits, split_len, sparse, cfg)
     else:
         _LAST["impl"] = "triton"
         _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, plse, BLOCK_H, num_splits,
                        split_len, sparse, direct, cfg)
+    if fused:
+        return out
     if w_uv is not None:
-        _combine_project(po, plse, w_uv.to(q.dtype), out, num_splits)
+        _combine_project(po, plse, w_uv, out, num_splits)
     elif not direct:
         S_PAD = max(2, triton.next_power_of_2(num_splits))
         BLOCK_D = 128 if S_PAD <= 16 else min(64, 4096 // S_PAD)  # at most 4096 partials a program past 16 splits
@@ -487,22 +595,72 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     return out
 
 
-def _combine_project(po, plse, w_uv, out, num_splits):
-    """Launch :func:`_mla_combine_project_kernel`. Token tiles of 16 or 64 (tensor-core MMAs) where the tokens
-    fill them and the [tokens, splits, columns] partial tile stays within 8K values; else one token a program (a
-    GEMV: at decode 8 heads x 8 tiles of 32 outputs give 64 programs, each reading its 32 x 512 slice of W_UV)."""
-    T, H, V = out.shape
-    RA = w_uv.shape[2]
-    if w_uv.stride(-1) != 1:
-        w_uv = w_uv.contiguous()
+def project_tiles(T: int, num_splits: int, RA: int) -> tuple[int, int, int, int]:
+    """(S_PAD, BT, BV, BK) of the combine with W_UV (:func:`_combine_project_tile`): token tiles of 16 or 64
+    (tensor-core MMAs) where the tokens fill them and the [tokens, splits, columns] partial tile stays within 8K
+    values; else one token a program (a GEMV: at decode 8 heads x 8 tiles of 32 outputs give 64 programs, each
+    reading its 32 x 512 slice of W_UV)."""
     S_PAD = max(2, triton.next_power_of_2(num_splits))
     BT = 64 if T >= 64 and S_PAD <= 8 else 16 if T >= 16 and S_PAD <= 32 else 1
     BV = 32 if BT == 1 else 64
     BK = max(16, min(128, 8192 // (BT * S_PAD), triton.next_power_of_2(RA)))
+    return S_PAD, BT, BV, BK
+
+
+def _combine_project(po, plse, w_uv, out, num_splits):
+    """Launch :func:`_mla_combine_project_kernel` over the tiles of :func:`project_tiles` (``COMBINE_WARPS`` warps)."""
+    T, H, V = out.shape
+    RA = w_uv.shape[2]
+    if w_uv.stride(-1) != 1:
+        w_uv = w_uv.contiguous()
+    S_PAD, BT, BV, BK = project_tiles(T, num_splits, RA)
     _mla_combine_project_kernel[(triton.cdiv(T, BT), H, triton.cdiv(V, BV))](
         po, plse, w_uv, out, w_uv.stride(0), w_uv.stride(1), T, H, V, RA, num_splits, R=512, S_PAD=S_PAD, BT=BT,
         BV=BV, BK=BK, DT=DTYPE_CODES[out.dtype], IEEE=out.dtype == torch.float32 or settings.triton_interpret(),
-        num_warps=4, **pdl(out.device))
+        num_warps=COMBINE_WARPS, **pdl(out.device))
+
+
+def _project_cfg(q, sparse: bool, block_h: int, cfg: dict | None) -> dict:
+    """The launch of :func:`_mla_project_kernel`: an explicit ``cfg`` as it is (TMA only when asked for), else no
+    autotuning (a launch of tasks holds both roles' code, and where it serves on a GPU, off Hopper, it has not been
+    timed): up to 16 heads a program (GLM-5's TP8 rank), 32-row gathered tiles, dense too, at ``COMBINE_WARPS`` warps
+    (the combine tasks then run at the warps of the combine's own launch, so the two launches' bits where the MLA's
+    launch runs that configuration too; compiled for sm_90 it spills nothing, where the dense TMA tiles of 64 rows
+    spilled at 4 and 8 warps, as the MLA's own launch does); else :func:`_default_cfg`."""
+    if cfg:
+        c = dict(USE_TMA=False)
+        c.update({k: v for k, v in cfg.items() if k != "BLOCK_H"})
+        return c
+    if q.device.type == "cuda" and not settings.triton_interpret() and block_h <= 16 and q.dtype != torch.float32:
+        return dict(BLOCK_N=32, num_warps=COMBINE_WARPS, num_stages=3)
+    return dict(_default_cfg(q, sparse))
+
+
+def _launch_triton_project(q, cache, block_table, req_idx, pos_or_topk, scale, po, plse, w_uv, out, BLOCK_H,
+                           num_splits, split_len, sparse, cfg):
+    """Launch :func:`_mla_project_kernel`: the split tasks (the grid of :func:`_launch_triton`, token by token),
+    then the combine's tiles (:func:`project_tiles`), one CTA each."""
+    T, H, _ = q.shape
+    V, RA = w_uv.shape[1], w_uv.shape[2]
+    bs = cache.shape[1]
+    c8, c32, c16, fp8 = cache_views(cache)
+    K, stride_pt = (pos_or_topk.shape[1], pos_or_topk.stride(0)) if sparse else (0, 0)
+    n_hb = triton.cdiv(H, BLOCK_H)
+    S_PAD, BT, BV, BK = project_tiles(T, num_splits, RA)
+    c = _project_cfg(q, sparse, BLOCK_H, cfg)
+    if c.get("USE_TMA") and cache.data_ptr() % 16 != 0:
+        c["USE_TMA"] = False
+    if c.get("USE_TMA"):
+        ensure_tma_allocator()
+    grid = (T * n_hb * num_splits + triton.cdiv(T, BT) * H * triton.cdiv(V, BV),)
+    _mla_project_kernel[grid](
+        q, q.stride(0), q.stride(1), c8, c32, c16, block_table, block_table.stride(0), req_idx, pos_or_topk, stride_pt,
+        K, po, plse, H, float(scale) * LOG2E, split_len, num_splits, cache.shape[0] * bs,
+        w_uv, out, w_uv.stride(0), w_uv.stride(1), T, V, RA, tasks.counters(q.device, FUSE_MAX_TOKENS),
+        BS=bs, BLOCK_H=BLOCK_H, BLOCK_N=c["BLOCK_N"], N_HB=n_hb, FP8=fp8, SPARSE=sparse,
+        IEEE=(q.dtype == torch.float32) or settings.triton_interpret(), USE_TMA=bool(c.get("USE_TMA", False)),
+        S_PAD=S_PAD, BT=BT, BV=BV, BK=BK, DT=DTYPE_CODES[out.dtype], MAX_DEPS=FUSE_MAX_TOKENS,
+        num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl(q.device))
 
 
 def _launch_triton(q, cache, block_table, req_idx, pos_or_topk, scale, out, po, plse, BLOCK_H, num_splits,

@@ -22,6 +22,11 @@ states the layouts:
   two tiles in flight (bf16 one);
 - the MMAs are asynchronous, and the loop order is the one measured fastest (see the kernel).
 
+Up to 16 tokens with W_UV (decode), ``_mla_hopper_project_kernel`` runs this kernel's programs as the split tasks of
+a launch of tasks (:mod:`fxglm5.lowering.triton.tasks`, whose @triton.jit helpers Gluon compiles as they are) and
+the combine with W_UV as its last tasks, in Gluon (:func:`_project_tile`: Triton's combine tile cannot be called
+from Gluon, whose ``arange`` and ``zeros`` need layouts): one launch where there were two.
+
 Gluon kernels do not run under ``TRITON_INTERPRET=1``, so this path is checked on the GPU only
 (tests/gpu/test_gpu_attention.py, against the reference op and the Triton kernel); the Triton kernel stays the
 CPU-tested path and the fallback for every other shape, dtype and device.
@@ -30,9 +35,10 @@ CPU-tested path and the fallback for every other shape, dtype and device.
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -41,9 +47,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from fxglm5.lowering.triton import tasks
 from fxglm5.lowering.triton.device import capability, gluon_pdl_prologue, pdl
 
-__all__ = ["supported", "launch"]
+__all__ = ["supported", "launch", "project_supported", "launch_project"]
 
 MAX_HEADS = 64  # the MMA rows of one program
 SMALL_HEADS = 16  # up to this many heads, the keys are the MMA rows (:func:`rows_for`)
@@ -312,15 +319,17 @@ def _store_rows(ptr, rows, hmask, acc, col0, layout: gl.constexpr, KA: gl.conste
 
 
 @gluon.jit
-def _mla_hopper_kernel(
-    q_ptr, stride_qt, stride_qh, H,
+def _mla_split(
+    t, sp, q_ptr, stride_qt, stride_qh, H,
     lat_ptr, pe_ptr, sc_ptr, bt_ptr, stride_bt, req_ptr, pos_ptr, stride_pt, K,
     o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr,
     sm_scale_log2, split_len, num_splits, n_rows,
     BS: gl.constexpr, DIRECT: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr, BLOCK: gl.constexpr,
-    STAGES_: gl.constexpr, ROWS: gl.constexpr, KEYS_AS_ROWS: gl.constexpr, PDL: gl.constexpr,
+    STAGES_: gl.constexpr, ROWS: gl.constexpr, KEYS_AS_ROWS: gl.constexpr,
 ):
-    gluon_pdl_prologue(PDL)
+    """Token ``t`` over split ``sp`` of its keys, every head: the output (DIRECT) or the split's normalized partial
+    and log-sum-exp. The body of :func:`_mla_hopper_kernel` and of :func:`_mla_hopper_project_kernel`'s split
+    tasks."""
     # heads as MMA rows (ROWS = 64, two warpgroups) or, for a few heads, keys as MMA rows (one warpgroup, the
     # ROWS padded heads as N): the same loop either way, the scores and outputs transposed
     NW: gl.constexpr = 4 if KEYS_AS_ROWS else 8
@@ -339,8 +348,6 @@ def _mla_hopper_kernel(
     # dequantization and QK^T, so FP8 issues the tile after next at that point
     AHEAD: gl.constexpr = 2 if FP8 else 1
 
-    t = gl.program_id(0)
-    sp = gl.program_id(1)
     t64 = t.to(gl.int64)
     req = gl.load(req_ptr + t).to(gl.int64)
     if SPARSE:
@@ -465,6 +472,203 @@ def _mla_hopper_kernel(
         lse_heads = gl.arange(0, ROWS, layout=gl.SliceLayout(KA, s_l)).to(gl.int64)
         gl.store(plse_ptr + (t64 * num_splits + sp) * H + lse_heads, lse, mask=lse_heads < H)
 
+
+@gluon.jit
+def _mla_hopper_kernel(
+    q_ptr, stride_qt, stride_qh, H,
+    lat_ptr, pe_ptr, sc_ptr, bt_ptr, stride_bt, req_ptr, pos_ptr, stride_pt, K,
+    o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr,
+    sm_scale_log2, split_len, num_splits, n_rows,
+    BS: gl.constexpr, DIRECT: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr, BLOCK: gl.constexpr,
+    STAGES_: gl.constexpr, ROWS: gl.constexpr, KEYS_AS_ROWS: gl.constexpr, PDL: gl.constexpr,
+):
+    gluon_pdl_prologue(PDL)
+    _mla_split(gl.program_id(0), gl.program_id(1), q_ptr, stride_qt, stride_qh, H, lat_ptr, pe_ptr, sc_ptr, bt_ptr,
+               stride_bt, req_ptr, pos_ptr, stride_pt, K, o_ptr, stride_ot, stride_oh, po_ptr, plse_ptr, sm_scale_log2,
+               split_len, num_splits, n_rows, BS, DIRECT, SPARSE, FP8, BLOCK, STAGES_, ROWS, KEYS_AS_ROWS)
+
+
+MMA_ROWS = gl.constexpr(16)  # the tokens of a combine tile, padded to mma_v2's M
+
+
+@gluon.constexpr_function
+def _merge_layout(TB, SC, BKM, NW):
+    """[TB tokens, SC splits, BKM latent columns] partial tiles: 16-byte loads along the columns, the lanes and then
+    the warps over the columns, the splits, then the tokens, as far as each extent goes (no thread holds a copy of
+    another's values, which at 16 columns took every register)."""
+    tk = min(8, BKM // 4)
+    ts = min(32 // tk, SC)
+    wk = min(NW, BKM // (4 * tk))
+    wt = min(NW // wk, max(1, TB // (32 // (tk * ts))))
+    return gl.BlockedLayout([1, 1, 4], [32 // (tk * ts), ts, tk], [wt, NW // (wk * wt), wk], [2, 1, 0])
+
+
+@gluon.constexpr_function
+def _chunk_layout(BKM, NW):
+    """[rows, BKM] bf16 chunks of W_UV and of the merged rows: 16-byte vectors along the columns."""
+    tpc = min(32, BKM // 8)
+    return gl.BlockedLayout([1, 8], [32 // tpc, tpc], [NW, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _project_layout(NW):
+    """The projection's accumulator [16 tokens, BV outputs]: mma_v2 (m16n8k16), one n8 column block a warp."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NW], instr_shape=[16, 8])
+
+
+@gluon.jit
+def _project_tile(c, task_ptr, T, H, V, num_splits, po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, RA: gl.constexpr,
+                  RA_PAD: gl.constexpr, TB: gl.constexpr, S_PAD: gl.constexpr, BKM: gl.constexpr, SC: gl.constexpr,
+                  BV: gl.constexpr, NW: gl.constexpr):
+    """Combine task ``c`` of :func:`_mla_hopper_project_kernel`: head ``c // n_v``, outputs ``BV * (c % n_v) ..`` of
+    every token (at most 16). The Gluon form of ``mla._combine_project_tile`` (Gluon cannot call it: Triton's
+    ``tl.arange`` and ``tl.zeros`` need a layout here), the same math in another summation order: W_UV[h]'s BV x RA
+    slice is copied to shared memory (cp.async, rows past V zero-filled, issued before the task waits for the split
+    tasks' signals: ``tasks.wait`` of dependency 0 for all T x num_splits) while the tokens' split partials merge by
+    their log-sum-exps (SC splits x BKM latent columns a tile, read from L2: :func:`project_tiles`), each merged row
+    rounded to bf16 (where the two launches store it) into a 16-row shared tile (rows past the tokens zero), then
+    out[t, h, v] = sum_k o[t, k] W_UV[h, v, k] on the tensor cores (mma_v2, float32 accumulation, one rounding)."""
+    n_v = gl.cdiv(V, BV)
+    h = c // n_v
+    v0 = (c % n_v) * BV
+    # W_UV[h, v0 .. v0 + BV, :RA] -> w_s, BKM columns a chunk (rows past V, columns past RA: zeros)
+    NCH: gl.constexpr = RA_PAD // BKM
+    w_l: gl.constexpr = _chunk_layout(BKM, NW)
+    w_s = gl.allocate_shared_memory(gl.bfloat16, [NCH, BV, BKM], gl.SwizzledSharedLayout(8, 1, min(8, BKM // 8),
+                                                                                         [1, 0]))
+    # the merged rows, the same chunks; unswizzled: the merge stores the tokens' rows alone (no slice may cut a
+    # swizzle pattern's rows)
+    o_s = gl.allocate_shared_memory(gl.bfloat16, [NCH, MMA_ROWS, BKM], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    wv = v0 + gl.arange(0, BV, layout=gl.SliceLayout(1, w_l))
+    wk = gl.arange(0, BKM, layout=gl.SliceLayout(0, w_l))
+    w_rows = w_ptr + h.to(gl.int64) * s_w_h + wv.to(gl.int64)[:, None] * s_w_v
+    for i in gl.static_range(NCH):
+        async_copy.async_copy_global_to_shared(w_s.index(i), w_rows + (i * BKM + wk)[None, :],
+                                               mask=(wv < V)[:, None] & ((i * BKM + wk) < RA)[None, :])
+    async_copy.commit_group()
+    if TB < MMA_ROWS:  # the MMA's rows past the tokens
+        for i in gl.static_range(NCH):
+            o_s.index(i).store(gl.zeros([MMA_ROWS, BKM], gl.bfloat16, w_l))
+    tasks.wait(task_ptr, 0, T * num_splits)  # every split's partial, W_UV's copy in flight meanwhile (and a barrier)
+
+    # the merge weights of each token's splits (mla._split_weights): their max and sum over every split first
+    m3: gl.constexpr = _merge_layout(TB, SC, BKM, NW)
+    m2: gl.constexpr = gl.SliceLayout(2, m3)
+    t = gl.arange(0, TB, layout=gl.SliceLayout(1, m2))
+    rows = t.to(gl.int64)[:, None] * num_splits
+    tm = (t < T)[:, None]
+    sp = gl.arange(0, S_PAD, layout=gl.SliceLayout(0, m2))
+    lse = gl.load(plse_ptr + (rows + sp[None, :]) * H + h, mask=tm & (sp < num_splits)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
+    m = gl.max(lse, 1)
+    m = gl.where(m == float("-inf"), 0.0, m)[:, None]
+    wsum = gl.sum(gl.exp2(lse - m), 1)
+    den = gl.convert_layout(gl.where(wsum > 0.0, wsum, 1.0), gl.SliceLayout(1, gl.SliceLayout(1, m3)))
+    # then, BKM latent columns at a time, the partials of SC splits at a time (at most 32 values a thread)
+    sc = gl.arange(0, SC, layout=gl.SliceLayout(0, m2))
+    k = gl.arange(0, BKM, layout=gl.SliceLayout(0, gl.SliceLayout(1, m3)))
+    for i in range(RA_PAD // BKM):  # loops, not unrolled: one tile of partials in registers at a time
+        kk = i * BKM + k
+        o = gl.zeros([TB, BKM], gl.float32, gl.SliceLayout(1, m3))
+        for s0 in range(0, num_splits, SC):
+            base = (rows + (s0 + sc)[None, :]) * H + h  # [TB, SC]
+            lse_c = gl.load(plse_ptr + base, mask=tm & ((s0 + sc) < num_splits)[None, :], other=float("-inf"),
+                            cache_modifier=".cg")
+            w = gl.exp2(lse_c - m)
+            po = gl.load(po_ptr + base[:, :, None] * 512 + kk[None, None, :],
+                         mask=(w > 0.0)[:, :, None] & (kk < RA)[None, None, :], other=0.0, cache_modifier=".cg")
+            o += gl.sum(po * w[:, :, None], 1)
+        o_s.index(i).slice(0, TB, 0).store((o / den[:, None]).to(gl.bfloat16))
+    async_copy.wait_group(0)
+    gl.thread_barrier()  # the merged rows and W_UV's slice in shared memory, for every warp
+
+    acc_l: gl.constexpr = _project_layout(NW)
+    acc = gl.zeros([MMA_ROWS, BV], gl.float32, acc_l)
+    KC: gl.constexpr = min(64, BKM)
+    for i in range(NCH):  # a loop, not unrolled: at most 64 columns of operands in registers at a time
+        for j in gl.static_range(BKM // KC):
+            a = o_s.index(i).slice(j * KC, KC, 1).load(gl.DotOperandLayout(0, acc_l, 2))
+            b = w_s.index(i).slice(j * KC, KC, 1).permute((1, 0)).load(gl.DotOperandLayout(1, acc_l, 2))
+            acc = mma_v2(a, b, acc)
+    ot = gl.arange(0, MMA_ROWS, layout=gl.SliceLayout(1, acc_l)).to(gl.int64)
+    ov = v0 + gl.arange(0, BV, layout=gl.SliceLayout(0, acc_l))
+    gl.store(o_ptr + (ot[:, None] * H + h) * V + ov[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=(ot < T)[:, None] & (ov < V)[None, :])
+
+
+@gluon.jit
+def _mla_hopper_project_kernel(
+    q_ptr, stride_qt, stride_qh, H,
+    lat_ptr, pe_ptr, sc_ptr, bt_ptr, stride_bt, req_ptr, pos_ptr, stride_pt, K,
+    po_ptr, plse_ptr, sm_scale_log2, split_len, num_splits, n_rows,
+    w_ptr, o_ptr, s_w_h, s_w_v, T, V, task_ptr,
+    BS: gl.constexpr, SPARSE: gl.constexpr, FP8: gl.constexpr, BLOCK: gl.constexpr, STAGES_: gl.constexpr,
+    ROWS: gl.constexpr, KEYS_AS_ROWS: gl.constexpr, RA: gl.constexpr, RA_PAD: gl.constexpr, TB: gl.constexpr,
+    S_PAD: gl.constexpr, BKM: gl.constexpr, SC: gl.constexpr, BV: gl.constexpr, PDL: gl.constexpr,
+):
+    """The split-KV MLA and its combine with W_UV in one launch of tasks (:mod:`fxglm5.lowering.triton.tasks`; up
+    to 16 tokens, ``mla.project_fuses``): tasks [0, T x num_splits) are :func:`_mla_hopper_kernel`'s (token, split)
+    programs (:func:`_mla_split`, token by token), each storing its partial and log-sum-exp and then signalling
+    dependency 0 (``tasks.signal``, a @triton.jit helper: scalar atomics and a barrier, which Gluon compiles as
+    they are); the rest are the (head, V tile) combine tasks (:func:`_project_tile`), each waiting until all
+    T x num_splits partials are signalled (its W_UV slice already on its way). A task waits only on tasks before it,
+    so the launch cannot deadlock."""
+    gluon_pdl_prologue(PDL)
+    NW: gl.constexpr = 4 if KEYS_AS_ROWS else 8
+    task = tasks.take(task_ptr)
+    splits = T * num_splits
+    if task < splits:
+        _mla_split(task // num_splits, task % num_splits, q_ptr, stride_qt, stride_qh, H, lat_ptr, pe_ptr, sc_ptr,
+                   bt_ptr, stride_bt, req_ptr, pos_ptr, stride_pt, K, o_ptr, 0, 0, po_ptr, plse_ptr, sm_scale_log2,
+                   split_len, num_splits, n_rows, BS, False, SPARSE, FP8, BLOCK, STAGES_, ROWS, KEYS_AS_ROWS)
+        tasks.signal(task_ptr, 0)
+    else:
+        _project_tile(task - splits, task_ptr, T, H, V, num_splits, po_ptr, plse_ptr, w_ptr, o_ptr, s_w_h, s_w_v, RA,
+                      RA_PAD, TB, S_PAD, BKM, SC, BV, NW)
+    tasks.finish(task_ptr, 1)
+
+
+def project_supported(w_uv) -> bool:
+    """W_UV [H, V, RA] the Hopper combine tile serves (besides :func:`supported`): bf16, contiguous, RA a multiple
+    of 16 (GLM-5: 512), so its rows are whole 16-byte copies."""
+    return (w_uv.dtype == torch.bfloat16 and w_uv.is_contiguous() and w_uv.shape[2] % 16 == 0
+            and w_uv.data_ptr() % 16 == 0)
+
+
+def project_tiles(T: int, num_splits: int, RA: int, keys_as_rows: bool) -> dict:
+    """The combine tile's constants: every token (at most 16) in one tile, BV outputs a task (32: 8 heads x 8 tiles
+    of GLM-5's 256 give 64 tasks, each reading 32 KB of W_UV; 64 at 8 warps: a column block a warp), partial tiles
+    [TB tokens, SC splits, BKM latent columns] of at most 32 values a thread (every split at once where they fit,
+    with at least 16 columns)."""
+    nw = 4 if keys_as_rows else 8
+    tb = triton.next_power_of_2(T)
+    s_pad = max(2, triton.next_power_of_2(num_splits))
+    ra_pad = max(64, triton.next_power_of_2(RA))
+    values = 32 * 32 * nw  # 32 a thread
+    bkm = max(16, min(ra_pad, values // (tb * s_pad)))
+    return dict(RA=RA, RA_PAD=ra_pad, TB=tb, S_PAD=s_pad, BKM=bkm, SC=min(s_pad, values // (tb * bkm)), BV=8 * nw)
+
+
+def launch_project(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split_len: int, num_splits: int,
+                   po, plse, w_uv, out, counters, *, sparse: bool, keys_as_rows: bool | None = None):
+    """Launch :func:`_mla_hopper_project_kernel`: the (token, split) tasks, then H x ceil(V / BV) combine tasks
+    writing the value heads ``out`` [T, H, V]; ``counters``: ``tasks.counters`` (zeros, left zeros)."""
+    rows, keys_as_rows = rows_for(q.shape[1], keys_as_rows)
+    T, H = q.shape[0], q.shape[1]
+    V = w_uv.shape[1]
+    bs = cache.shape[1]
+    fp8 = cache.dtype == torch.uint8
+    lat, pe, sc = ((cache.view(torch.float8_e4m3fn), cache.view(torch.bfloat16), cache.view(torch.float32)) if fp8
+                   else (cache, cache, cache))
+    stride_pt, K = (pos_or_topk.stride(0), pos_or_topk.shape[1]) if sparse else (0, 0)
+    tiles = project_tiles(T, num_splits, w_uv.shape[2], keys_as_rows)
+    grid = (T * num_splits + H * triton.cdiv(V, tiles["BV"]),)
+    _mla_hopper_project_kernel[grid](
+        q, q.stride(0), q.stride(1), H, lat, pe, sc, block_table, block_table.stride(0), req_idx, pos_or_topk,
+        stride_pt, K, po, plse, scale_log2, split_len, num_splits, cache.shape[0] * bs,
+        w_uv, out, w_uv.stride(0), w_uv.stride(1), T, V, counters,
+        BS=bs, SPARSE=sparse, FP8=fp8, BLOCK=BLOCK_N, STAGES_=STAGES, ROWS=rows, KEYS_AS_ROWS=keys_as_rows, **tiles,
+        num_warps=4 if keys_as_rows else 8, **pdl(q.device))
 
 def launch(q, cache, block_table, req_idx, pos_or_topk, scale_log2: float, split_len: int, num_splits: int,
            out, po, plse, *, sparse: bool, direct: bool, keys_as_rows: bool | None = None):
