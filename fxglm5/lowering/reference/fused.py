@@ -188,21 +188,37 @@ def validate_fp8_linear_latent_query(x: Tensor, weight: Tensor, weight_scale_inv
                                  f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
 
 
+def pad_last(x: Tensor, width: int) -> Tensor:
+    """``x`` zero-padded on its last dim to ``width``."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def latent_query(q_nope, w_uk, q_pe, rope=None) -> torch.Tensor:
+    """``[q_nope . W_UK | q_pe]`` [T, H, 576] per head in q_nope's dtype: q_nope [T, H, D] times W_UK [H, D, <=512],
+    q_pe [T, H, <=64] rotated (``rope`` = (cos, sin) [T, DR/2]), each part zero-padded to 512 / 64.
+
+    The product runs in the model's dtype, not float32: a bf16 model's MLA kernels take bf16 queries (the Hopper
+    kernel only those), as every MLA serving kernel does (float32 accumulation, one rounding: a batched GEMM on
+    tensor cores, the constant W_UK never converted per call); float32 models stay exact."""
+    q_abs = torch.einsum("thd,hdr->thr", q_nope, w_uk.to(q_nope.dtype))
+    if rope is not None:
+        q_pe = ref_norm_rope.rope_interleaved(q_pe, *rope)
+    return torch.cat([pad_last(q_abs, KV_LORA_RANK), pad_last(q_pe.to(q_abs.dtype), ROPE_DIM)], dim=-1)
+
+
 def fp8_linear_latent_query(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, bias: Optional[Tensor],
                             act_quant: bool, w_uk: Tensor, q_start: int, rope_dim: int,
                             rope_cos: Optional[Tensor] = None, rope_sin: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """The q_b (| wq_b) GEMM and the latent query of its query heads, as the chain it replaces computes them:
     ``out = fp8_linear(x, weight, ...)`` (contiguous, as the op returns it), then the cached attention ops' latent
-    query ``[q_nope . W_UK | rope(q_pe)]`` of :func:`query_heads` of it (``paged.latent_query`` over the tokens
+    query ``[q_nope . W_UK | rope(q_pe)]`` of :func:`query_heads` of it (:func:`latent_query` over the tokens
     flattened, as ``paged_steps`` flattens them). Returns (out [..., N], the latent query [..., H, 576])."""
-    from fxglm5.lowering.reference import paged  # paged imports this module
-
     validate_fp8_linear_latent_query(x, weight, weight_scale_inv, bias, w_uk, q_start, rope_dim, rope_cos, rope_sin)
     out = ref_fp8.fp8_linear(x, weight, weight_scale_inv, bias, act_quant).contiguous()
     q_nope, q_pe = query_heads(out, q_start, w_uk.shape[0], w_uk.shape[1], rope_dim)
     lead = q_nope.shape[:-2]
     tokens = q_nope.shape[:-2].numel()
     rope = None if rope_cos is None else (rope_cos.reshape(tokens, -1), rope_sin.reshape(tokens, -1))
-    q = paged.latent_query(q_nope.reshape(tokens, *q_nope.shape[-2:]), w_uk, q_pe.reshape(tokens, *q_pe.shape[-2:]),
+    q = latent_query(q_nope.reshape(tokens, *q_nope.shape[-2:]), w_uk, q_pe.reshape(tokens, *q_pe.shape[-2:]),
                            rope)
     return out, q.view(*lead, *q.shape[1:])

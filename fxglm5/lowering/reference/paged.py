@@ -37,6 +37,8 @@ from fxglm5.contracts import (COMPUTE_DTYPES, FP8_BLOCK, FP8_MAX, FP8_ROPE_OFFSE
                               INDEX_DIM, INDEX_ROW_BYTES, KV_LORA_RANK, LATENT_DIM, ROPE_DIM, topk_lowest_index_ties)
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fused, norm_rope
+# latent_query: a paged step's kernel, defined beside the fused op whose reference it is part of
+from fxglm5.lowering.reference.fused import latent_query, pad_last
 
 FP8_GROUP = FP8_BLOCK
 AMAX_FLOOR = 1e-10
@@ -262,30 +264,13 @@ def validate_write_latent_cache(cache, kv_c, k_pe, slot_mapping, norm=None, rope
     _validate_slots(slot_mapping, cache.shape[0] * cache.shape[1], "slot_mapping", allow_negative=True)
 
 
-def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
-    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
-
-
 def prepare_latent_rows(kv_c, k_pe, norm=None, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The values a latent row stores: kv_c RMS-normed (``norm``), k_pe rotated (``rope``), zero-padded to 512 / 64."""
     if norm is not None:
         kv_c = norm_rope.rms_norm(kv_c, *norm)
     if rope is not None:
         k_pe = norm_rope.rope_interleaved(k_pe, *rope)
-    return _pad_last(kv_c, KV_LORA_RANK), _pad_last(k_pe, ROPE_DIM)
-
-
-def latent_query(q_nope, w_uk, q_pe, rope=None) -> torch.Tensor:
-    """``[q_nope . W_UK | q_pe]`` [T, H, 576] per head in q_nope's dtype: q_nope [T, H, D] times W_UK [H, D, <=512],
-    q_pe [T, H, <=64] rotated (``rope`` = (cos, sin) [T, DR/2]), each part zero-padded to 512 / 64.
-
-    The product runs in the model's dtype, not float32: a bf16 model's MLA kernels take bf16 queries (the Hopper
-    kernel only those), as every MLA serving kernel does (float32 accumulation, one rounding: a batched GEMM on
-    tensor cores, the constant W_UK never converted per call); float32 models stay exact."""
-    q_abs = torch.einsum("thd,hdr->thr", q_nope, w_uk.to(q_nope.dtype))
-    if rope is not None:
-        q_pe = norm_rope.rope_interleaved(q_pe, *rope)
-    return torch.cat([_pad_last(q_abs, KV_LORA_RANK), _pad_last(q_pe.to(q_abs.dtype), ROPE_DIM)], dim=-1)
+    return pad_last(kv_c, KV_LORA_RANK), pad_last(k_pe, ROPE_DIM)
 
 
 def validate_project_out(q, w_uv):
@@ -359,7 +344,7 @@ def prepare_index_keys(k, norm=None, rope=None) -> torch.Tensor:
         k = norm_rope.layer_norm(k, *norm)
     if rope is not None:
         k = norm_rope.rope_interleaved(k, *rope)
-    return _pad_last(k, INDEX_DIM)
+    return pad_last(k, INDEX_DIM)
 
 
 def indexer_cache_parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
