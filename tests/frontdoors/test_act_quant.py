@@ -80,14 +80,21 @@ def test_the_runner_compiles_w8a8_gemms_and_serves_the_reference_w8a8_logits(mod
     assert act_quant_ops(w8a16.program.graph) == gemms(False)
     plain = w8a16.run([list(p) for p in PROMPTS], NEW)
     w8a8_reference(model, monkeypatch)
-    apart = 0.0
+    apart, rows = 0.0, []
     for seq, other in zip(seqs, plain):
         ref = reference_logits(model, seq)
         assert seq.output == ref.argmax(dim=1).tolist()
         scale = ref.abs().max().item()
-        torch.testing.assert_close(torch.stack(seq.logits), ref, rtol=1e-4, atol=1e-4 * scale)
+        rows += [((got - want).abs().max() / scale).item() for got, want in zip(seq.logits, ref)]
         apart = max(apart, (other.logits[0] - ref[0]).abs().max().item() / scale)  # the same prompt's prefill
     assert apart > 100 * 1e-4  # W8A16 is another computation: the option reached the compile
+    # The W8A8 math, row by row, but for at most one near tie: the fused ops' references sum in another order than
+    # the eager model (the add + RMSNorm of fuse_add_rms_norm_into_gemm), and where the float32 results differ by an
+    # ulp an activation can land on either side of an FP8 rounding step. Which rows do is the CPU's BLAS's choice:
+    # none on an Intel Xeon, one step of eight 0.0053 of the logits' scale apart on an AMD EPYC. A tie moves one
+    # row, still well inside W8A16's distance; a wrong recipe moves every row by that much.
+    assert sum(d > 1e-4 for d in rows) <= 1, rows
+    assert max(rows) < apart / 2, (rows, apart)
 
 
 def test_runner_options_take_act_quant_as_a_bool_only():
