@@ -1,14 +1,17 @@
 """The router and the gate|up GEMMs in one launch of tasks (``moe._router_gate_up_kernel``) compiled for sm_90
-without a GPU (Triton's bundled ptxas), launched as ``moe.moe_router_fp8`` launches it (its arguments taken from
-the host code over meta tensors) at one GLM-5 TP8 / EP8 rank's decode shapes: the router's 256 experts of 6144
-features with its ids local to the rank's 32 experts of 2048 intermediate features, top-8, the shared expert's
-TP8 slice (gate|up 512 x 6144), on an H100's 132 SMs, W8A16 and W8A8, at 1, 8 and 16 tokens: no local-memory
-spills, the PDL wait first, the task queue's atomic, the routing's release signal and the routed tiles' acquire
-spin, the routed ids read from L2, and at least two CTAs an SM by registers (the gate|up launch's own bound: a
-launch of tasks holds every role's code, and the largest sets the registers). Compiled as launched with PDL.
+without a GPU (Triton's bundled ptxas), launched as ``moe.add_rms_norm_moe_router_fp8`` launches it (its arguments
+taken from the host code over meta tensors; the residual add and RMSNorm as its first tasks, the decode MoE layer's
+launch) at one GLM-5 TP8 / EP8 rank's decode shapes: the router's 256 experts of 6144 features with its ids local to
+the rank's 32 experts of 2048 intermediate features, top-8, the shared expert's TP8 slice (gate|up 512 x 6144), on
+an H100's 132 SMs, W8A16 and W8A8, at 1, 8 and 16 tokens (and at 16 W8A8 as ``moe.moe_router_fp8`` launches it,
+without the norm): no local-memory spills, the PDL wait first, the task queue's atomic, the routing's and the norm's
+release signals and the spins on them, the routed ids and the normed rows read from L2, and at least two CTAs an
+SM by registers (the gate|up launch's own bound: a launch of tasks holds every role's code, and the largest sets the
+registers). Compiled as launched with PDL.
 
 Registers a thread when written: 255 at 1 token W8A16 (the gate|up launch with the shared role alone took 252),
-220 at 16 tokens W8A8; none spilled; shared memory 72 KiB (W8A16) and 76 KiB (W8A8), the gate|up launch's own."""
+220 at 16 tokens W8A8, with the norm's tasks as without them (its rows a chunk of 1024 columns at a time: 8 values a
+thread); none spilled; shared memory 72 KiB (W8A16) and 76 KiB (W8A8), the gate|up launch's own."""
 
 import collections
 import re

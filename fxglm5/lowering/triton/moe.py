@@ -15,7 +15,9 @@ output tile written by the CTA whose ticket completes it, :func:`_combine_ticket
 those two (fp8_gemm's tile function and launch plan: the bits of their own launches), not two launches more. With
 its router too (``fxglm5::moe_router_fp8_shared``, :func:`moe_router_fp8`) the router's GEMV tiles are the first
 tasks of the gate|up launch (:func:`_router_gate_up_kernel`, :mod:`fxglm5.lowering.triton.tasks`): the MoE layer,
-router included, is still two launches.
+router included, is still two launches; and with the residual add and RMSNorm before it
+(``fxglm5::add_rms_norm_moe_router_fp8_shared``, :func:`add_rms_norm_moe_router_fp8`) the norm's rows are the first
+tasks of that launch: two launches still.
 
 Kernels. One grouped GEMM kernel serves both projections: ``GATED`` loads the gate and the up tile of
 the same output columns side by side and writes ``silu(g) * u`` (fp32, in sorted row order; w13's scales
