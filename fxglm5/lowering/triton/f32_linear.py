@@ -111,7 +111,7 @@ def gemv_weights(w_rows, step, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(x_rows, m_mask, w, step, K, BLOCK_K: tl.constexpr, CACHE: tl.constexpr = ""):
+def _gemv_step(x_rows, m_mask, w, step, K, BLOCK_K: tl.constexpr, CACHE: tl.constexpr = None):
     """One K step's exact float32 products, summed over the step: [BLOCK_M, BLOCK_N] from x's rows (read in their
     own dtype, widened in registers, with the cache modifier ``CACHE``) and the step's weight tile ``w`` (every row
     served from that one load)."""
@@ -123,7 +123,7 @@ def _gemv_step(x_rows, m_mask, w, step, K, BLOCK_K: tl.constexpr, CACHE: tl.cons
 
 @triton.jit
 def gemv_partial(x_rows, m_mask, w_rows, w_first, first, K, STEPS: tl.constexpr, BLOCK_K: tl.constexpr,
-                 CACHE: tl.constexpr = ""):
+                 CACHE: tl.constexpr = None):
     """partial[m, n] = sum_k w[n, k] * x[m, k] over the STEPS K steps from ``first`` (one CTA's split), the steps
     summed in order; ``w_first``: the first step's weight tile, loaded by the caller (:func:`gemv_weights`, before
     its PDL wait); x read with the cache modifier ``CACHE``."""
@@ -146,7 +146,7 @@ def gemv_tile_start(w_ptr, N, K, stride_wn, pid_n, pid_k, STEPS: tl.constexpr, B
 
 @triton.jit
 def gemv_tile_sum(x_ptr, stride_xm, M, N, K, offs_n, w_rows, w_first, pid_k, STEPS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr = ""):
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr = None):
     """The rest of :func:`gemv_tile_start`'s tile, after the PDL wait: this split's partial over every row of x (read
     with the cache modifier ``CACHE``: ".cg" where another CTA of the launch wrote x), with the tile's offsets into
     the [M, N] output and its mask, as :func:`finish_tile` takes them."""

@@ -110,7 +110,7 @@ def gemm_tile(
     FIXUP: tl.constexpr,
     NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     nw_ptr=None, sum_ptr=None, normed_ptr=None, eps=0.0, NORM_A: tl.constexpr = False, NORM_ROWS: tl.constexpr = 1,
-    A_CACHE: tl.constexpr = "",
+    A_CACHE: tl.constexpr = None,
 ):
     """One CTA of :func:`_gemm_kernel`: output tile ``pid`` (in grouped order), K split ``pid_k``. Its own
     function so that a kernel of another GEMM can run tiles of this one as extra CTAs (the MoE's grouped GEMMs

@@ -129,7 +129,7 @@ def _add_rms(x, r, w, rstd, DT: tl.constexpr):
 
 @triton.jit
 def load_a(a_ptrs, u_ptrs, kg, K, NO_K_MASK: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, nw_ptr=None,
-           rstd=None, NORM_A: tl.constexpr = False, CACHE: tl.constexpr = ""):
+           rstd=None, NORM_A: tl.constexpr = False, CACHE: tl.constexpr = None):
     """K step ``kg``'s A tile [rows, 128] (zero past K): x's tile, or ``silu(gate) * up`` for a gated input (GATED_A:
     ``a_ptrs`` the gate, ``u_ptrs`` up), or the RMSNorm of ``x + residual`` (NORM_A: ``u_ptrs`` the residual, ``nw_ptr``
     the norm weight, ``rstd`` the rows' factors). ``CACHE``: x's loads' cache modifier (".cg" where another CTA of the

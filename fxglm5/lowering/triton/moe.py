@@ -128,7 +128,7 @@ def _router_tile(x_ptr, part_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr,
                  stride_xm, num_local, scaling, pid_n, pid_k, tiles, offs_n, w_rows, w, STEPS: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
                  BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, RENORM: tl.constexpr,
-                 LOCAL: tl.constexpr, SIGNAL: tl.constexpr, X_CACHE: tl.constexpr = ""):
+                 LOCAL: tl.constexpr, SIGNAL: tl.constexpr, X_CACHE: tl.constexpr = None):
     """Expert tile ``pid_n`` (of ``tiles``) x K split ``pid_k`` of the router, after the PDL wait (``w``: its first
     weight tile, :func:`gemv_tile_start`): f32_linear's GEMV of the M rows of x by the router weight [E, K], the
     tile's last split summing the partials in split order (``f32_linear._f32_gemv_kernel``'s sums, bit for bit,
@@ -379,7 +379,7 @@ def _grouped_cta(
     S_DT: tl.constexpr, S_DOT_F32: tl.constexpr, S_INTERPRET: tl.constexpr, S_HAS_BIAS: tl.constexpr,
     S_SPLIT_K: tl.constexpr, S_FIXUP: tl.constexpr, S_NO_K_MASK: tl.constexpr, S_SCALAR_SB: tl.constexpr,
     S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr, S_GROUP_M: tl.constexpr, COMBINE: tl.constexpr,
-    ADD: tl.constexpr, DT: tl.constexpr, A_CACHE: tl.constexpr = "",
+    ADD: tl.constexpr, DT: tl.constexpr, A_CACHE: tl.constexpr = None,
 ):
     """One CTA of the grouped GEMM: (pid_b, pid_n, pid_k) of a (blocks [+ shared rows], num_n, num_k) grid, as
     :func:`_moe_gemm_kernel` launches it or :func:`_router_gate_up_kernel` numbers its tasks.
