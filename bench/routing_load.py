@@ -14,20 +14,23 @@ the mean one.
 wraps the router ops' implementations (``moe_route``, ``moe_route_local`` and ``moe_router``, every backend) before
 the compile binds them. The real router still runs (its kernel stays in the step and its weights are used); only its
 expert ids are replaced, by a static tensor per layer, so the substitution adds no kernel and replays inside a CUDA
-graph. Calls whose token count is not a steered batch (a prefill) pass through. The MoE op that holds its router
-(``moe_router_fp8_shared``, fuse_router_into_moe) is wrapped too: its experts take the pattern's ids, its router
-still runs in its launch (the Triton op's ``steered_ids``; on the reference backend, ``moe_router`` then
-``moe_fp8_shared`` with the pattern).
+graph. Calls whose token count is not a steered batch (a prefill) pass through. The MoE ops that hold their router
+(``moe_router_fp8_shared``, fuse_router_into_moe; ``add_rms_norm_moe_router_fp8_shared``, its residual add and norm
+too, fuse_add_rms_norm_into_moe) are wrapped too: their experts take the pattern's ids, their router still runs in
+its launch (the Triton op's ``steered_ids``; on the reference backend, the norm where the op has one, ``moe_router``,
+then ``moe_fp8_shared`` with the pattern).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 ROUTER_OPS = ("moe_route", "moe_route_local", "moe_router")
-FUSED_ROUTER_OPS = ("moe_router_fp8_shared",)  # (x, the router's 9 arguments, the experts')
+# op -> the arguments before the router's 9 and the experts': (x,), or (x, residual, norm weight, eps)
+FUSED_ROUTER_OPS = {"moe_router_fp8_shared": 1, "add_rms_norm_moe_router_fp8_shared": 4}
 
 
 @dataclasses.dataclass
@@ -97,8 +100,8 @@ class SteeredRouting:
     def __enter__(self):
         from fxglm5.lowering import implementations as table
 
-        for op in ROUTER_OPS + FUSED_ROUTER_OPS:
-            wrap = self._wrap if op in ROUTER_OPS else self._wrap_fused
+        for op in ROUTER_OPS + tuple(FUSED_ROUTER_OPS):
+            wrap = self._wrap if op in ROUTER_OPS else functools.partial(self._wrap_fused, op)
             for backend, impl in table.implementations(op).items():
                 self._saved[(op, backend)] = table._IMPLS.get(op, {}).get(backend)
                 table._IMPLS.setdefault(op, {})[backend] = dataclasses.replace(
@@ -132,14 +135,22 @@ class SteeredRouting:
 
         return steered
 
-    def _wrap_fused(self, moe, backend):
+    def _wrap_fused(self, op, moe, backend):
+        lead = FUSED_ROUTER_OPS[op]
+
         def steered(x, *args):
-            pattern = self._next(x.shape[0], args[2])
+            router, experts = args[lead - 1:lead + 8], args[lead + 8:]
+            pattern = self._next(x.numel() // x.shape[-1], router[2])
             if pattern is None:
                 return moe(x, *args)
             if backend != "reference":
                 return moe(x, *args, steered_ids=pattern)
-            weights, _ = torch.ops.fxglm5.moe_router(x, *args[:9])
-            return torch.ops.fxglm5.moe_fp8_shared(x, pattern, weights, *args[9:])
+            if lead == 1:
+                weights, _ = torch.ops.fxglm5.moe_router(x, *router)
+                return torch.ops.fxglm5.moe_fp8_shared(x, pattern, weights, *experts)
+            normed, total = torch.ops.fxglm5.add_rms_norm(x, *args[:lead - 1])
+            tokens = normed.reshape(-1, normed.shape[-1])
+            weights, _ = torch.ops.fxglm5.moe_router(tokens, *router)
+            return torch.ops.fxglm5.moe_fp8_shared(tokens, pattern, weights, *experts), total
 
         return steered

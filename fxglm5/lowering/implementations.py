@@ -163,6 +163,33 @@ def _moe_router_fp8_shared_triton(x, router_weight, correction_bias, top_k, n_gr
                           steered_ids=steered_ids)
 
 
+def _add_norm_moe_supported(x, residual, norm_weight, eps, router_weight, correction_bias, top_k, n_group,
+                            topk_group, renormalize, scaling, expert_offset, num_local, w13, w13_scale, w2, w2_scale,
+                            act_quant, shared_w13, shared_w13_scale, shared_w2, shared_w2_scale, up_start):
+    if x.dtype != residual.dtype:
+        return f"x is {x.dtype}, the residual {residual.dtype}"
+    return (_norm_supported(x, norm_weight, eps)
+            or _moe_router_shared_supported(x, router_weight, correction_bias, top_k,
+                                            n_group, topk_group, renormalize, scaling, expert_offset, num_local, w13,
+                                            w13_scale, w2, w2_scale, act_quant, shared_w13, shared_w13_scale,
+                                            shared_w2, shared_w2_scale, up_start))
+
+
+@register("add_rms_norm_moe_router_fp8_shared", "triton", _add_norm_moe_supported)
+def _add_rms_norm_moe_router_fp8_shared_triton(x, residual, norm_weight, eps, router_weight, correction_bias, top_k,
+                                               n_group, topk_group, renormalize, scaling, expert_offset, num_local,
+                                               w13, w13_scale, w2, w2_scale, act_quant, shared_w13, shared_w13_scale,
+                                               shared_w2, shared_w2_scale, up_start, steered_ids=None):
+    """``steered_ids``: benchmarks only (bench/routing_load.py's steered load, ``moe_router_fp8``)."""
+    from fxglm5.lowering.triton.moe import Router, SharedExpert, add_rms_norm_moe_router_fp8
+
+    router = Router(router_weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset,
+                    num_local)
+    shared = SharedExpert(shared_w13, shared_w13_scale, shared_w2, shared_w2_scale, act_quant, up_start)
+    return add_rms_norm_moe_router_fp8(x, residual, norm_weight, eps, router, w13, w13_scale, w2, w2_scale, act_quant,
+                                       shared=shared, steered_ids=steered_ids)
+
+
 # ---- collectives: torch's functional collectives (gloo / NCCL) on the group the op names, on every device --------
 register("all_reduce", "reference")(all_reduce_c10d)
 register("all_gather", "reference")(all_gather_c10d)

@@ -33,6 +33,11 @@ against it. Signatures:
   shared_w13_scale, shared_w2, shared_w2_scale, up_start) -> [T, H]``: ``moe_fp8_shared`` of x with the ids and
   weights of ``moe_router`` of x: the MoE layer with its router, at decode two launches (the router's tiles beside
   the expert GEMMs' gate|up, which wait for the routing; the down GEMMs with the combine).
+- ``add_rms_norm_moe_router_fp8_shared(x [..., H], residual [..., H], norm_weight [H], eps, the router's and the
+  experts' arguments of moe_router_fp8_shared) -> (out [N, H], x + residual)``: ``add_rms_norm`` and
+  ``moe_router_fp8_shared`` of its normed rows flattened to [N, H] (N the rows of x): the post-attention residual
+  add and RMSNorm with the MoE layer that alone reads the normed rows; at decode the add and norm are the first
+  tasks of the MoE's first launch.
 - ``fp8_linear_latent_query(x [..., K], weight e4m3 [N, K], weight_scale_inv, bias?, act_quant, w_uk [H, nope, R],
   q_start, rope_dim, rope_cos?, rope_sin?) -> (out [..., N], q [..., H, 576])``: ``fp8_linear(x, weight, ...)`` and
   the latent query of the H query heads its output holds from column ``q_start`` (each ``nope`` q_nope columns,
@@ -198,6 +203,29 @@ def moe_router_fp8_shared(x: Tensor, router_weight: Tensor, correction_bias: Ten
 def _(x, router_weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling, expert_offset, num_local,
       w13, w13_scale, w2, w2_scale, act_quant, shared_w13, shared_w13_scale, shared_w2, shared_w2_scale, up_start):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("fxglm5::add_rms_norm_moe_router_fp8_shared", mutates_args=())
+def add_rms_norm_moe_router_fp8_shared(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
+                                       router_weight: Tensor, correction_bias: Tensor, top_k: int, n_group: int,
+                                       topk_group: int, renormalize: bool, scaling: float,
+                                       expert_offset: Optional[Tensor], num_local: int, w13: Tensor,
+                                       w13_scale: Optional[Tensor], w2: Tensor, w2_scale: Optional[Tensor],
+                                       act_quant: bool, shared_w13: Tensor, shared_w13_scale: Tensor, shared_w2: Tensor,
+                                       shared_w2_scale: Tensor, up_start: int) -> tuple[Tensor, Tensor]:
+    out, total = ref.add_rms_norm_moe_router_fp8_shared(
+        x, residual, norm_weight, eps, router_weight, correction_bias, top_k, n_group, topk_group, renormalize,
+        scaling, expert_offset, num_local, w13, w13_scale, w2, w2_scale, act_quant, shared_w13, shared_w13_scale,
+        shared_w2, shared_w2_scale, up_start)
+    return out.contiguous(), total.contiguous()
+
+
+@add_rms_norm_moe_router_fp8_shared.register_fake
+def _(x, residual, norm_weight, eps, router_weight, correction_bias, top_k, n_group, topk_group, renormalize, scaling,
+      expert_offset, num_local, w13, w13_scale, w2, w2_scale, act_quant, shared_w13, shared_w13_scale, shared_w2,
+      shared_w2_scale, up_start):
+    total = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    return total.new_empty(total.numel() // x.shape[-1], x.shape[-1]), total
 
 
 @torch.library.custom_op("fxglm5::rms_norm_write_caches", mutates_args=("kv_cache", "index_cache"))

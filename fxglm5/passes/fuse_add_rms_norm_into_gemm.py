@@ -15,7 +15,7 @@ stacked gate|up GEMM. Other readers of the normed rows (a layer's indexer head w
 fuse_index_weights_into_q_norm gave the query norm's op) read the fused op's third output (``keep_normed``); readers
 of the sum its second. Left alone: a norm that reads no sum (the first layer's input norm, on the embedding); normed
 rows that no fp8_linear reads, which is the MoE layers' input to the router and the experts (not matched: that norm
-is another fusion's, with the MoE kernels); normed rows two fp8_linears read (GEMMs fuse_shared_input_gemms could not
+is another fusion's, with the MoE kernels: fuse_add_rms_norm_into_moe, which runs just before this pass); normed rows two fp8_linears read (GEMMs fuse_shared_input_gemms could not
 stack, such as two of another ``act_quant``: which one would take the norm is no better than the other); a GEMM whose
 weights, scales or bias are computed after the sum (constants are moved up to the fused op, which stands where the
 norm stood). Exact: the reference is add_rms_norm and fp8_linear as before.

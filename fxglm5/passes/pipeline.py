@@ -16,7 +16,7 @@ small kernels (an add and a norm, a cast and a float32 GEMV and two scalar multi
 the router's GEMV and its routing, a silu and a multiply before a GEMM, the shared expert's add after the MoE and
 its GEMMs beside the MoE's, the router beside the experts' GEMMs, the query latent's norm and the two cache writes
 beside it, the indexer's head weights beside those, the latent query beside the q_b GEMM, a residual add and norm
-before the GEMM that reads them) into one op of ``fxglm5.ops.fused`` whose reference is that chain. It runs on the
+before the MoE or the GEMM that reads them) into one op of ``fxglm5.ops.fused`` whose reference is that chain. It runs on the
 device graph only (after shard and cache), where the chains are final; the lower stage then binds kernels.
 """
 
@@ -52,14 +52,16 @@ PIPELINE: dict[Stage, tuple[str, ...]] = {
     # routers: the router's ids made local before any GEMM is stacked, then its logits' GEMV folded into it (both
     # router ops), the gate folded into the down GEMM once gate and up are slices of one stacked GEMM, the shared
     # expert's add and then its two GEMMs into the MoE, then the router into that MoE op, the residual adds last
-    # (what they read no longer changes), then each add + norm into the one stacked GEMM that reads it; the cache
+    # (what they read no longer changes), then each add + norm into the MoE op that reads it, or into the one stacked
+    # GEMM that reads it; the cache
     # writes join the query's norm once the cache stage has folded their producers into the cached ops, then the
     # indexer's head weights join that op; then the latent query joins the stacked q_b GEMM whose query heads it
     # reads (after the norm's pass, which finds the norm through the query as a view of that GEMM)
     Stage.FUSE_KERNELS: ("fuse_f32_linear", "fuse_local_experts_into_route", "fuse_f32_linear_into_route",
                          "fuse_shared_input_gemms", "fuse_cache_writes_into_q_norm", "fuse_index_weights_into_q_norm",
                          "fuse_latent_query_into_q_b", "fuse_silu_mul_into_down", "fuse_shared_add_into_moe", "fuse_shared_expert_into_moe",
-                         "fuse_router_into_moe", "fuse_add_rms_norm", "fuse_add_rms_norm_into_gemm"),
+                         "fuse_router_into_moe", "fuse_add_rms_norm", "fuse_add_rms_norm_into_moe",
+                         "fuse_add_rms_norm_into_gemm"),
     Stage.LOWER: ("lower",),
 }
 

@@ -9,7 +9,9 @@ split-K counters reset), and a rank's routed experts at decode batches, their sp
 split CTAs, from a graph, alone and with the rank's shared expert run inside their launches (moe_fp8_shared), and
 the combine run by the down launch (each token's output tile by the CTA whose ticket completes it) against the
 combine kernel after the align kernel's layout, and the router run as the first tasks of the gate|up launch
-(moe_router_fp8_shared) against the router's own launch followed by the MoE's, and the latent query run as the last
+(moe_router_fp8_shared) against the router's own launch followed by the MoE's, with the residual add and norm
+before it as the first tasks of that launch (add_rms_norm_moe_router_fp8_shared) against add_rms_norm's kernel, the
+router's launch and the MoE's, and the latent query run as the last
 tasks of the q_b | wq_b GEMM's launch (fp8_linear_latent_query) against the GEMM's launch followed by the latent
 query's, also replayed from a CUDA graph."""
 
@@ -490,6 +492,79 @@ def test_moe_rank_decode_routes_in_the_gate_up_launch(tokens, act_quant, rank_ex
     reference = ref.moe_router_fp8_shared(x, *router, *routed, shared.w13, shared.w13_scale, shared.w2,
                                           shared.w2_scale, shared.up_start)
     assert _rel(out, reference) < 2e-2
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["no_pdl", "pdl"])
+@pytest.mark.parametrize("act_quant", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_moe_rank_decode_norms_in_the_gate_up_launch(monkeypatch, tokens, act_quant, pdl, rank_experts):
+    """A TP8 / EP8 rank's MoE layer at decode with the residual add and RMSNorm before it
+    (fxglm5::add_rms_norm_moe_router_fp8_shared): GLM-5's hidden 6144 (bf16 attention output, residual and norm
+    weight), its router (256 experts of 6144, top-8, x 2.5, ids local to rank 7's 32 experts), the rank's experts and
+    the shared expert's TP8 slice, in two launches: the norm's rows (a task each, signalling), the router's tiles and
+    the shared gate|up (spinning until every row is normed), the routed gate|up (until the routing) in one launch of
+    tasks, then the down launch with the combine. Bit for bit the separate launches (add_rms_norm's kernel, at its
+    own warp count, the router's launch, moe_fp8's two), both outputs (the MoE's and the sum, the next residual), 20
+    calls in a row (the tasks' interleavings differ from call to call), then from a CUDA graph replayed twice over new
+    attention outputs and residuals; every counter (the GEMMs' and the tasks') back at 0 after each; without and with
+    programmatic dependent launch; the reference op's sum, and close to its MoE output."""
+    monkeypatch.setenv("FXGLM5_PDL", pdl)
+    w13, s13, w2, s2 = rank_experts
+    experts, h = w13.shape[0], w13.shape[2]
+    g = torch.Generator(device="cuda").manual_seed(tokens + 60)
+    shared = _shared_expert_of_rank(g, act_quant)
+    router = moe.Router(torch.randn(256, h, device="cuda", generator=g) / h ** 0.5,
+                        0.01 * torch.randn(256, device="cuda", generator=g), 8, 1, 1, True, 2.5,
+                        torch.tensor(32 * 7, dtype=torch.int32, device="cuda"), experts)
+    router.correction_bias[32 * 7:32 * 7 + 3] += 1.0  # every token picks three of the rank's experts, and five others
+    x, r = torch.empty(tokens, h, device="cuda", dtype=torch.bfloat16), torch.empty(tokens, h, device="cuda",
+                                                                                    dtype=torch.bfloat16)
+    nw = (1 + 0.1 * torch.randn(h, device="cuda", generator=g)).bfloat16()
+    routed = (w13, s13, w2, s2, act_quant)
+
+    def draw(gen):  # an attention output and a residual stream four times its size
+        x.copy_(torch.randn(tokens, h, device="cuda", generator=gen))
+        r.copy_(4 * torch.randn(tokens, h, device="cuda", generator=gen))
+
+    draw(g)
+    assert moe.router_joins(x, router, experts)
+
+    def fused():
+        return moe.add_rms_norm_moe_router_fp8(x, r, nw, 1e-5, router, *routed, shared=shared)
+
+    def separate():
+        normed, total = norm_rope.add_rms_norm(x, r, nw, 1e-5)
+        weights, ids = moe.moe_router(normed, *router)
+        return moe.moe_fp8(normed, ids, weights, *routed, shared=shared), total
+
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+    def counters_at_zero():
+        return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 2).any()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles outside the capture
+        eager, want = fused(), separate()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert same(eager, want) and counters_at_zero()
+    for _ in range(20):
+        assert same(fused(), want)
+    torch.cuda.synchronize()
+    assert counters_at_zero()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused()
+    for seed in range(2):
+        draw(torch.Generator(device="cuda").manual_seed(seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same(out, separate()) and counters_at_zero()
+    reference = ref.add_rms_norm_moe_router_fp8_shared(x, r, nw, 1e-5, *router, *routed, shared.w13,
+                                                       shared.w13_scale, shared.w2, shared.w2_scale, shared.up_start)
+    assert torch.equal(out[1], reference[1]) and _rel(out[0], reference[0]) < 2e-2
 
 
 @pytest.mark.parametrize("pdl", ["0", "1"], ids=["no_pdl", "pdl"])

@@ -4,7 +4,9 @@ chains they replace): add_rms_norm, alone and in the A loads of the decode GEMM 
 split-K fix-up, scales in turn), moe_route_local, moe_router (the GEMV and the routing in one launch), the gated down
 GEMM silu_mul_fp8_linear on the decode path (the gate applied as A tiles load) and past it (one elementwise kernel
 first), the MoE with its shared expert (moe_fp8_shared: the shared GEMMs in the routed launches, the combine in the
-down launch) and with its router too (moe_router_fp8_shared: the router in the gate|up launch), the q_b GEMM with the
+down launch) and with its router too (moe_router_fp8_shared: the router in the gate|up launch) and the residual add
+and norm before it (add_rms_norm_moe_router_fp8_shared: the norm's rows as the first tasks of that launch, add_rms_norm's
+row function and its fixed order of sums), the q_b GEMM with the
 latent query of its heads (fp8_linear_latent_query: the query's programs as the last tasks of the GEMM's launch);
 bad inputs name the argument. Small shapes: CI runs it on 2 cores."""
 
@@ -479,6 +481,94 @@ def test_moe_router_fp8_steered_ids_replace_the_routers(monkeypatch, tokens):
     assert torch.equal(out, moe.moe_fp8(x, steered, weights, *experts, False, shared=shared))
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("split_k", [False, True])
+def test_add_rms_norm_moe_router_fp8_norms_in_the_gate_up_launch(monkeypatch, tokens, act_quant, split_k):
+    """Up to 16 tokens (BLOCK_M, MAX_GEMV_ROWS) the residual add and RMSNorm before the MoE are the first tasks of the
+    router / gate|up launch of tasks, a token row each, and the MoE layer is two launches: the bits of add_rms_norm's
+    kernel followed by moe_router_fp8's launches, both outputs (the MoE's, the sum); the router's, the GEMMs' and the
+    tasks' counters back at 0. x and the residual are row-strided views ([1, 5, H] at 5 tokens: the op flattens the
+    rows). Close to the reference op, whose sum is the same."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fxglm5.lowering.triton import fp8_parts, tasks
+
+    if not split_k:
+        monkeypatch.setitem(fp8_gemm.DECODE, "SPLIT_K", 1)
+        monkeypatch.setitem(moe.MOE_DECODE, "SPLIT1", 1)
+        monkeypatch.setitem(moe.MOE_DECODE, "SPLIT2", 1)
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(3))
+    experts, h = routed[3:], routed[0].shape[1]
+    x, r, nw = _add_norm_inputs(tokens, h, torch.bfloat16, torch.Generator().manual_seed(tokens),
+                                lead=(1,) if tokens == 5 else ())
+    router = _router_of(routed[0], experts[0].shape[0], tokens, 8)
+    shared = moe.SharedExpert(w13, s13, w2, s2, act_quant, up_start)
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    out, total = moe.add_rms_norm_moe_router_fp8(x, r, nw, 1e-5, router, *experts, act_quant, shared=shared)
+    assert launched == ["_router_gate_up_kernel", "_moe_gemm_kernel"]
+    assert not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 2).any()
+    launched.clear()
+    normed, want_total = norm_rope.add_rms_norm(x, r, nw, 1e-5)
+    want = moe.moe_router_fp8(normed.reshape(-1, h), router, *experts, act_quant, shared=shared)
+    assert launched == ["_add_rms_norm_kernel", "_router_gate_up_kernel", "_moe_gemm_kernel"]
+    assert torch.equal(out, want) and torch.equal(total, want_total) and total.shape == x.shape
+    reference = ref.add_rms_norm_moe_router_fp8_shared(x, r, nw, 1e-5, *router, *experts, act_quant, w13, s13, w2,
+                                                       s2, up_start)
+    assert torch.equal(total, reference[1]) and _rel(out, reference[0]) < (3e-2 if act_quant else 2e-2)
+
+
+@pytest.mark.parametrize("tokens, n_group, config", [(17, 1, None), (4, 2, None), (4, 1, {"fused_quant": False})],
+                         ids=["prefill", "group_limited", "quant_kernel"])
+def test_add_rms_norm_moe_router_fp8_keeps_the_norm_launch_where_it_does_not_join(monkeypatch, tokens, n_group,
+                                                                                   config):
+    """Where the router keeps its own launches (past 16 tokens, group-limited routing) and where the tokens are
+    quantized by a kernel of their own before the gate|up launch (W8A8 with the in-register quantization off), the
+    norm's own kernel runs first, once, then moe_router_fp8's launches over its rows: that chain's bits."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(4))
+    experts, h = routed[3:], routed[0].shape[1]
+    x, r, nw = _add_norm_inputs(tokens, h, torch.bfloat16, torch.Generator().manual_seed(1))
+    router = _router_of(routed[0], experts[0].shape[0], tokens, 8)._replace(n_group=n_group)
+    shared = moe.SharedExpert(w13, s13, w2, s2, True, up_start)
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    out, total = moe.add_rms_norm_moe_router_fp8(x, r, nw, 1e-5, router, *experts, True, shared=shared, config=config)
+    assert launched[0] == "_add_rms_norm_kernel" and "_add_rms_norm_kernel" not in launched[1:]
+    assert ("_router_gate_up_kernel" in launched) == (config is not None)  # the router joins, the norm does not
+    normed, want_total = norm_rope.add_rms_norm(x, r, nw, 1e-5)
+    want = moe.moe_router_fp8(normed, router, *experts, True, shared=shared, config=config)
+    assert torch.equal(out, want) and torch.equal(total, want_total)
+
+
+def test_add_rms_norm_moe_router_fp8_steered_ids_replace_the_routers(monkeypatch):
+    """bench/routing_load.py's steered load with the norm in the launch: the experts take the given ids, the router
+    still runs (on the normed rows) and its weights are used: moe_fp8 of the normed rows, those ids and the router's
+    weights, bit for bit, in two launches."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(3, torch.bfloat16, torch.Generator().manual_seed(6))
+    experts, h, steered = routed[3:], routed[0].shape[1], routed[1]
+    x, r, nw = _add_norm_inputs(3, h, torch.bfloat16, torch.Generator().manual_seed(2))
+    router = _router_of(routed[0], experts[0].shape[0], 3, 8)
+    shared = moe.SharedExpert(w13, s13, w2, s2, False, up_start)
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    out, total = moe.add_rms_norm_moe_router_fp8(x, r, nw, 1e-5, router, *experts, False, shared=shared,
+                                                 steered_ids=steered)
+    assert launched == ["_router_gate_up_kernel", "_moe_gemm_kernel"]
+    normed, want_total = norm_rope.add_rms_norm(x, r, nw, 1e-5)
+    weights, ids = moe.moe_router(normed, *router)
+    assert not torch.equal(ids, steered)
+    assert torch.equal(out, moe.moe_fp8(normed, steered, weights, *experts, False, shared=shared))
+    assert torch.equal(total, want_total)
+
+
 @pytest.mark.parametrize("tokens, n_group", [(17, 1), (4, 2)], ids=["prefill", "group_limited"])
 def test_moe_router_fp8_keeps_the_router_launches_where_it_does_not_join(monkeypatch, tokens, n_group):
     """Past BLOCK_M tokens (the router's float32 GEMM and route kernel, the align kernel) and with group-limited
@@ -498,6 +588,36 @@ def test_moe_router_fp8_keeps_the_router_launches_where_it_does_not_join(monkeyp
     assert "_router_gate_up_kernel" not in launched and "_router_kernel" not in launched
     weights, ids = moe.moe_router(x, *router)
     assert torch.equal(fused, moe.moe_fp8(x, ids, weights, *experts, True, shared=shared))
+
+
+def _add_rms_norm_in_order(x, r, w, eps):
+    """add_rms_norm's normed rows recomputed with torch in the order ``norm_rope.add_rms_norm_row`` sums in: the squares
+    of the sum (rounded to the dtype) added elementwise chunk by chunk (1024 columns, zero past D), then the chunk's
+    values in pairs level by level; every float32 operation rounded as the kernel rounds it."""
+    t = (x + r).float()
+    d = t.shape[-1]
+    chunk = min(1024, 1 << (d - 1).bit_length())
+    sq = torch.nn.functional.pad(t * t, (0, -d % chunk))
+    acc = torch.zeros(*t.shape[:-1], chunk)
+    for i in range(sq.shape[-1] // chunk):
+        acc = acc + sq[..., i * chunk:(i + 1) * chunk]
+    while acc.shape[-1] > 1:
+        acc = acc[..., 0::2] + acc[..., 1::2]
+    rstd = 1.0 / torch.sqrt(acc / d + eps)
+    return (w.float() * (t * rstd).to(x.dtype).float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("d, dtype", [(2560, torch.bfloat16), (6144, torch.bfloat16), (200, torch.float32)])
+def test_add_rms_norm_sums_the_squares_in_a_fixed_order(d, dtype):
+    """The kernel's sum of squares has one order whatever its warp count (elementwise over chunks, then pairwise), the
+    one the MoE's norm tasks share (another warp count): its normed rows are that order's, recomputed with torch,
+    bit for bit (a last chunk of 512 at 2560; a float32 row of 200 in one chunk of 256)."""
+    g = torch.Generator().manual_seed(d)
+    x, r = (torch.randn(5, d, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)
+    normed, total = norm_rope.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(total, x + r)
+    assert torch.equal(normed, _add_rms_norm_in_order(x, r, w, 1e-5))
 
 
 def _add_norm_inputs(m, k, dtype, g, lead=()):

@@ -179,7 +179,9 @@ def test_every_launched_kernel_takes_part_in_pdl():
                  "paged_cache._norm_write_caches_kernel",
                  "paged_cache._latent_query_kernel", "paged_cache._gemm_latent_query_kernel",
                  "fp8_gemm._quant_kernel", "moe._moe_gemm_kernel", "moe._router_gate_up_kernel",
-                 "moe._router_kernel", "f32_linear._f32_gemv_kernel"):
+                 "moe._router_kernel", "f32_linear._f32_gemv_kernel",
+                 # the MoE layer's norm where it is not the first tasks of _router_gate_up_kernel (its own launch)
+                 "norm_rope._add_rms_norm_kernel"):
         assert name in launched, name
     stale = (set(EXEMPT) | set(BEFORE_PROLOGUE)) - launched
     assert not stale, f"exemptions of kernels no module launches: {stale}"

@@ -144,7 +144,8 @@ def test_bench_rank_at_depth_tiny_runs_its_whole_flow(tmp_path, ep):
     assert detail["act_quant"] is False and "W8A16 FP8 GEMMs" in detail["setup"]  # fxglm5's default
     assert run0["fp8_gemms"] == {"fp8_linear act_quant=False": 5, "fp8_linear_latent_query act_quant=False": 4,
                                  "add_rms_norm_fp8_linear act_quant=False": 4,
-                                 "silu_mul_fp8_linear act_quant=False": 1, "moe_router_fp8_shared act_quant=False": 3}
+                                 "silu_mul_fp8_linear act_quant=False": 1,
+                                 "add_rms_norm_moe_router_fp8_shared act_quant=False": 3}
     tpot = run0["points"]["tpot8x32k"]
     assert len(tpot["steps_ms"]) == 8 and tpot["step_bytes"] > 0
     assert "synthetic" in detail["context"] and "rank_at_depth_tiny" in (
@@ -159,10 +160,11 @@ def test_bench_rank_at_depth_tiny_runs_its_whole_flow(tmp_path, ep):
     # one layer of each kind, in order (bench/layer_kernels.py on the step's real sequence: 1 dense + 3 MoE layers)
     layers = tpot["profile"]["layer_kernels"]
     dense, moe = ([k["kernel"] for k in layers[kind]] for kind in ("dense", "moe"))
-    # a MoE layer begins with its attention's first GEMM, the residual add and input norm in it; its MLP norm launches
+    # a MoE layer begins with its attention's first GEMM, the residual add and input norm in it; the steered router
+    # of the reference backend runs add_rms_norm_moe_router_fp8_shared as its chain (bench/routing_load.py): its MLP
+    # norm, the router, the MoE
     assert dense[0] == "fxglm5::rms_norm" and moe[0] == "fxglm5::add_rms_norm_fp8_linear"
     assert "fxglm5::add_rms_norm_fp8_linear" in dense and "fxglm5::add_rms_norm" in moe
-    # the steered router of the reference backend runs moe_router_fp8_shared as its chain (bench/routing_load.py)
     assert "fxglm5::silu_mul_fp8_linear" in dense and "fxglm5::moe_fp8_shared" in moe
     assert "fxglm5::moe_fp8_shared" not in dense and "fxglm5::silu_mul_fp8_linear" not in moe  # the shared expert's
     # GEMMs are the MoE's
@@ -186,7 +188,7 @@ def test_bench_rank_at_depth_tiny_act_quant_runs_w8a8_gemms_and_says_so(tmp_path
     assert [(r["point"], r["status"]) for r in table["rows"]] == [("ttft8k", "measured"), ("tpot8x2k", "measured")]
     gemms = {"fp8_linear act_quant=True": 5, "fp8_linear_latent_query act_quant=True": 4,
              "add_rms_norm_fp8_linear act_quant=True": 4, "silu_mul_fp8_linear act_quant=True": 1,
-             "moe_router_fp8_shared act_quant=True": 3}
+             "add_rms_norm_moe_router_fp8_shared act_quant=True": 3}
     assert detail["act_quant"] is True and detail["runs"][0]["fp8_gemms"] == gemms
     notes = (tmp_path / f"{name}.md").read_text()
     assert "bf16 compute, W8A8 FP8 GEMMs (--act-quant" in notes and "FP8 GEMM ops: fp8_linear act_quant=True x5" in notes

@@ -82,7 +82,7 @@ OPCHECKED = ["fp8_linear", "moe_route", "moe_fp8", "mla", "indexer_topk", "spars
              "all_reduce", "all_gather",  # the collectives at world 1 here; over gloo ranks in tests/parallel
              "add_rms_norm", "f32_linear", "moe_route_local", "moe_router", "silu_mul_fp8_linear",
              "moe_fp8_add", "moe_fp8_shared", "moe_router_fp8_shared", "add_rms_norm_fp8_linear",
-             "fp8_linear_latent_query"]  # fxglm5.ops.fused
+             "fp8_linear_latent_query", "add_rms_norm_moe_router_fp8_shared"]  # fxglm5.ops.fused
 OPCHECKED_CACHED = ["rtp_indexer", "rtp_sparse_mla", "rtp_mla"]  # tests/ops/test_cache_layout.py::test_opcheck_cached_ops
 OPCHECKED_WRITES = ["rms_norm_write_caches"]  # fxglm5.ops.fused, tests/ops/test_norm_write_caches.py::test_opcheck
 
@@ -135,12 +135,16 @@ def test_opcheck(name):
     # the router of the MoE's tokens (5 x 128, 8 experts: ids local to experts [4, 8)), then that MoE layer
     cases["moe_router_fp8_shared"] = (cases["moe_fp8"][0], torch.randn(8, hd), torch.randn(8) * 0.1, 2, 1, 1, True,
                                       2.5, torch.tensor(4, dtype=torch.int32), 4, *cases["moe_fp8_shared"][3:])
+    # the residual add and norm of the MoE's tokens [B, S, 128] (B * S = 6 rows), then that MoE layer with its router
+    cases["add_rms_norm_moe_router_fp8_shared"] = (torch.randn(B, S, hd), torch.randn(B, S, hd), torch.rand(hd) + 0.5,
+                                                   1e-6, *cases["moe_router_fp8_shared"][1:])
     # the q_b | wq_b GEMM (3 heads of 16 + 8 query columns from column 0, 78 more after them) with its heads' latent
     # query (W_UK [3, 16, 40]) and their RoPE tables [B, S, 4]
     cases["fp8_linear_latent_query"] = (torch.randn(B, S, 200), *cases["fp8_linear"][1:], torch.randn(H, 16, 40), 0,
                                         DR, torch.randn(B, S, DR // 2), torch.randn(B, S, DR // 2))
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     if name in ("fp8_linear", "moe_fp8", "moe_fp8_add", "moe_fp8_shared", "moe_router_fp8_shared",
-                "silu_mul_fp8_linear", "add_rms_norm_fp8_linear", "fp8_linear_latent_query"):
+                "silu_mul_fp8_linear", "add_rms_norm_fp8_linear", "fp8_linear_latent_query",
+                "add_rms_norm_moe_router_fp8_shared"):
         utils = utils[1:]  # test_schema's alias checker multiplies tensors, which CPU float8 does not support
     opcheck(getattr(torch.ops.fxglm5, name).default, cases[name], test_utils=utils)

@@ -32,13 +32,14 @@ BEFORE = PIPELINE[Stage.FUSE_KERNELS][:PIPELINE[Stage.FUSE_KERNELS].index(PASS)]
 class NormedInput(nn.Module):
     """``h = x + y`` normalized and read by two FP8 GEMMs (stacked into one by fuse_shared_input_gemms), plus a third
     reader of the normed rows and ``h`` itself (the residual); ``variant`` makes a near miss: a norm of x alone
-    ("no_sum") or the normed rows fed to a MoE layer ("moe")."""
+    ("no_sum") or the normed rows fed to a MoE layer ("moe": one without a shared expert, whose norm
+    fuse_add_rms_norm_into_moe leaves to this pass; with one, that pass takes the norm first)."""
 
     def __init__(self, variant=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(CFG.hidden_size), requires_grad=False)
         self.a, self.b = (Linear(CFG.hidden_size, n, True, torch.float32) for n in (128, 72))
-        self.moe = MoE(CFG, torch.float32) if variant == "moe" else None
+        self.moe = MoE(CFG.replace(n_shared_experts=0), torch.float32) if variant == "moe" else None
         self.variant = variant
 
     def forward(self, x, y):

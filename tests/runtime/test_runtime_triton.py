@@ -11,8 +11,9 @@ from fxglm5.runtime.runner import Runner
 from tests.helpers import random_model
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [7, 1, 8]]  # one longer than index_topk (8)
-# a decode step's MoE layer, launch by launch: the router (GEMV + routing) as the first tasks of the routed experts'
-# gate|up launch (SiLU * up folded in; the shared expert's gate|up as more tasks; the routed tiles wait for the
+# a decode step's MoE layer, launch by launch: the residual add and the MLP's RMSNorm (a token row a task), then the
+# router (GEMV + routing), as the first tasks of the routed experts' gate|up launch (SiLU * up folded in; the shared
+# expert's gate|up as more tasks; the router's and the shared tiles wait for the norm, the routed tiles for the
 # routing), then their down GEMMs likewise (the shared one's gate folded in) with the combine (+ the shared row), each
 # token's output tile combined by the CTA that finishes it
 DECODE_MOE = ["_router_gate_up_kernel", "_moe_gemm_kernel"]
@@ -21,7 +22,7 @@ DECODE_MOE = ["_router_gate_up_kernel", "_moe_gemm_kernel"]
 # q_b | wq_b GEMM with the latent query (W_UK, q_pe's RoPE) as the last tasks of its launch, the indexer (its logits
 # and top-k in one launch), the latent MLA with its W_UV combine as the last tasks of its launch, o_proj: six
 # launches; after the dense layer's MLP (its add and norm in its stacked gate | up GEMM, the gated down GEMM) and
-# before the MoE layer's MLP norm, the one add_rms_norm launch left
+# before the MoE layer's MLP (its add and norm in the MoE's first launch): no add_rms_norm launch left
 DECODE_ATTENTION = ["_gemm_kernel", "_norm_write_caches_kernel", "_gemm_latent_query_kernel", "_indexer_topk_kernel",
                     "_mla_project_kernel", "_gemm_kernel"]
 DENSE_MLP = ["_gemm_kernel", "_gemm_kernel"]
@@ -35,17 +36,19 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     other prompt's;
     a decode MoE layer launches DECODE_MOE (issue 45, item 4: the router's GEMV and its routing inside the experts'
     gate|up launch, the shared expert's GEMMs inside the routed experts' two launches, the combine in the down
-    launch: two launches, no _gemm_kernel or _combine_kernel among them).
+    launch: two launches, no _gemm_kernel or _combine_kernel among them; items 4-5: the residual add and the MLP's
+    RMSNorm before it are the first tasks of its gate|up launch, fuse_add_rms_norm_into_moe, up to 16 tokens, the
+    prefill's 15 too).
     The query latent's RMSNorm, both cache writes and the indexer's head weights are one launch per layer and step
     (fuse_cache_writes_into_q_norm, fuse_index_weights_into_q_norm; every step here is GEMV-sized, the prefill's 15
     tokens too), and the latent query runs in the q_b | wq_b GEMM's launch (fuse_latent_query_into_q_b; up to 16
     tokens, the prefill's 15 too): a decode step's attention block is DECODE_ATTENTION, no standalone norm, write,
     GEMV or latent query kernel among them, and the MLA's W_UV combine runs in the MLA's launch (up to 16 tokens, chosen
-    per call): with the MoE layer's MLP norm and DECODE_MOE a decode MoE layer is nine launches (issue 45, item 5:
-    from eleven). The residual adds and norms before the MoE layer's attention and the dense layer's MLP run inside the
-    GEMMs that read them (fuse_add_rms_norm_into_gemm; up to 16 rows, the prefill's 15 too): one add_rms_norm launch
-    a step is left, the MoE layer's MLP norm, and the dense layer's MLP then the MoE layer's attention follow each
-    other without one."""
+    per call): with DECODE_MOE a decode MoE layer is eight launches (issue 45, item 5: from nine, the MLP norm's
+    launch gone). The residual adds and norms before the MoE layer's attention and the dense layer's MLP run inside the
+    GEMMs that read them (fuse_add_rms_norm_into_gemm; up to 16 rows, the prefill's 15 too), and the MoE layer's MLP
+    norm in the MoE's first launch: no add_rms_norm launch is left in any step, and the dense layer's MLP, the MoE
+    layer's attention and its MoE follow each other without one."""
     from triton.runtime.interpreter import InterpretedFunction
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors: the Triton bindings need the interpreter
@@ -78,10 +81,10 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     assert launched.count("_gemm_latent_query_kernel") == 2 * 3 and "_latent_query_kernel" not in launched
     last = len(launched) - launched[::-1].index("_norm_write_caches_kernel") - 1  # the last decode step's layer 1
     at = DECODE_ATTENTION.index("_norm_write_caches_kernel") + len(DENSE_MLP)
-    assert launched[last - at:last - at + len(DENSE_MLP + DECODE_ATTENTION) + 1] == (
-        DENSE_MLP + DECODE_ATTENTION + ["_add_rms_norm_kernel"])
-    assert launched.count("_add_rms_norm_kernel") == 3  # the MoE layer's MLP norm, in each of the 3 steps
-    assert len(DECODE_ATTENTION) + 1 + len(DECODE_MOE) == 9  # a decode MoE layer's launches
+    assert launched[last - at:last - at + len(DENSE_MLP + DECODE_ATTENTION + DECODE_MOE)] == (
+        DENSE_MLP + DECODE_ATTENTION + DECODE_MOE)
+    assert "_add_rms_norm_kernel" not in launched  # the MoE layer's MLP norm in its gate|up launch, all 3 steps
+    assert len(DECODE_ATTENTION) + len(DECODE_MOE) == 8  # a decode MoE layer's launches
 
 
 @pytest.mark.parametrize("max_step_tokens, tiles", [(None, [40, 40]), (16, [16, 16, 16, 16])],

@@ -135,6 +135,23 @@ def moe_router_fp8_shared(x: Tensor, router_weight: Tensor, correction_bias: Ten
                           shared_w2, shared_w2_scale, up_start)
 
 
+def add_rms_norm_moe_router_fp8_shared(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float,
+                                       router_weight: Tensor, correction_bias: Tensor, top_k: int, n_group: int,
+                                       topk_group: int, renormalize: bool, scaling: float,
+                                       expert_offset: Optional[Tensor], num_local: int, w13: Tensor,
+                                       w13_scale: Optional[Tensor], w2: Tensor, w2_scale: Optional[Tensor],
+                                       act_quant: bool, shared_w13: Tensor, shared_w13_scale: Tensor, shared_w2: Tensor,
+                                       shared_w2_scale: Tensor, up_start: int) -> tuple[Tensor, Tensor]:
+    """The residual add, the post-attention RMSNorm and the MoE layer that reads it, as the chain it replaces computes
+    them: ``(moe_router_fp8_shared(normed.reshape(-1, H), ...), total)`` of ``normed, total = add_rms_norm(x,
+    residual, norm_weight, eps)``."""
+    normed, total = add_rms_norm(x, residual, norm_weight, eps)
+    out = moe_router_fp8_shared(normed.reshape(-1, normed.shape[-1]), router_weight, correction_bias, top_k, n_group,
+                                topk_group, renormalize, scaling, expert_offset, num_local, w13, w13_scale, w2,
+                                w2_scale, act_quant, shared_w13, shared_w13_scale, shared_w2, shared_w2_scale, up_start)
+    return out, total
+
+
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` as the unfused graph computes it: silu rounded to gate's dtype, then the product."""
     return F.silu(gate) * up

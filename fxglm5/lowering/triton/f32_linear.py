@@ -111,22 +111,25 @@ def gemv_weights(w_rows, step, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_step(x_rows, m_mask, w, step, K, BLOCK_K: tl.constexpr):
+def _gemv_step(x_rows, m_mask, w, step, K, BLOCK_K: tl.constexpr, CACHE: tl.constexpr = None):
     """One K step's exact float32 products, summed over the step: [BLOCK_M, BLOCK_N] from x's rows (read in their
-    own dtype, widened in registers) and the step's weight tile ``w`` (every row served from that one load)."""
+    own dtype, widened in registers, with the cache modifier ``CACHE``) and the step's weight tile ``w`` (every row
+    served from that one load)."""
     offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
-    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0,
+                cache_modifier=CACHE).to(tl.float32)
     return tl.sum(x[:, None, :] * w[None, :, :], axis=2)
 
 
 @triton.jit
-def gemv_partial(x_rows, m_mask, w_rows, w_first, first, K, STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
+def gemv_partial(x_rows, m_mask, w_rows, w_first, first, K, STEPS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 CACHE: tl.constexpr = None):
     """partial[m, n] = sum_k w[n, k] * x[m, k] over the STEPS K steps from ``first`` (one CTA's split), the steps
     summed in order; ``w_first``: the first step's weight tile, loaded by the caller (:func:`gemv_weights`, before
-    its PDL wait)."""
-    acc = _gemv_step(x_rows, m_mask, w_first, first, K, BLOCK_K)
+    its PDL wait); x read with the cache modifier ``CACHE``."""
+    acc = _gemv_step(x_rows, m_mask, w_first, first, K, BLOCK_K, CACHE)
     for i in range(1, STEPS):
-        acc += _gemv_step(x_rows, m_mask, gemv_weights(w_rows, first + i, K, BLOCK_K), first + i, K, BLOCK_K)
+        acc += _gemv_step(x_rows, m_mask, gemv_weights(w_rows, first + i, K, BLOCK_K), first + i, K, BLOCK_K, CACHE)
     return acc
 
 
@@ -143,13 +146,14 @@ def gemv_tile_start(w_ptr, N, K, stride_wn, pid_n, pid_k, STEPS: tl.constexpr, B
 
 @triton.jit
 def gemv_tile_sum(x_ptr, stride_xm, M, N, K, offs_n, w_rows, w_first, pid_k, STEPS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The rest of :func:`gemv_tile_start`'s tile, after the PDL wait: this split's partial over every row of x, with
-    the tile's offsets into the [M, N] output and its mask, as :func:`finish_tile` takes them."""
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, CACHE: tl.constexpr = None):
+    """The rest of :func:`gemv_tile_start`'s tile, after the PDL wait: this split's partial over every row of x (read
+    with the cache modifier ``CACHE``: ".cg" where another CTA of the launch wrote x), with the tile's offsets into
+    the [M, N] output and its mask, as :func:`finish_tile` takes them."""
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     acc = gemv_partial(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm, m_mask, w_rows, w_first, pid_k * STEPS, K,
-                       STEPS, BLOCK_K)
+                       STEPS, BLOCK_K, CACHE)
     return acc, offs_m[:, None] * N + offs_n[None, :], m_mask[:, None] & (offs_n < N)[None, :]
 
 

@@ -110,6 +110,7 @@ def gemm_tile(
     FIXUP: tl.constexpr,
     NO_K_MASK: tl.constexpr, SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     nw_ptr=None, sum_ptr=None, normed_ptr=None, eps=0.0, NORM_A: tl.constexpr = False, NORM_ROWS: tl.constexpr = 1,
+    A_CACHE: tl.constexpr = None,
 ):
     """One CTA of :func:`_gemm_kernel`: output tile ``pid`` (in grouped order), K split ``pid_k``. Its own
     function so that a kernel of another GEMM can run tiles of this one as extra CTAs (the MoE's grouped GEMMs
@@ -119,7 +120,8 @@ def gemm_tile(
 
     NORM_A (``fp8_parts.NormedA.kernel_args``): A is the RMSNorm of ``a + up`` (up the residual), formed as each tile
     loads after the CTA has summed its rows' squares over all of K (``fp8_parts.add_rms_rstd``); the CTAs of column
-    tile 0 write the sum (and the normed rows) of their K steps, so every value is written once."""
+    tile 0 write the sum (and the normed rows) of their K steps, so every value is written once. ``A_CACHE``: the A
+    tiles' cache modifier (".cg" where another CTA of the launch wrote A: the MoE's norm tasks)."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     # Grouped order: GROUP_M consecutive CTAs share one weight column tile while it is in L2.
@@ -155,7 +157,7 @@ def gemm_tile(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, KG_PER_SPLIT):
         kg = pid_k * KG_PER_SPLIT + i
-        a = load_a(a_ptrs, u_ptrs, kg, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, NORM_A)
+        a = load_a(a_ptrs, u_ptrs, kg, K, NO_K_MASK, GATED_A, DT, nw_ptr, rstd, NORM_A, A_CACHE)
         if NO_K_MASK:  # K % 128 == 0 and the splits tile KG exactly
             b = tl.load(b_ptrs + kg * 128)
             s_b = tl.load(bs_ptrs + kg)

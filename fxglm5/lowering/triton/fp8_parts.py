@@ -129,12 +129,13 @@ def _add_rms(x, r, w, rstd, DT: tl.constexpr):
 
 @triton.jit
 def load_a(a_ptrs, u_ptrs, kg, K, NO_K_MASK: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, nw_ptr=None,
-           rstd=None, NORM_A: tl.constexpr = False):
+           rstd=None, NORM_A: tl.constexpr = False, CACHE: tl.constexpr = None):
     """K step ``kg``'s A tile [rows, 128] (zero past K): x's tile, or ``silu(gate) * up`` for a gated input (GATED_A:
     ``a_ptrs`` the gate, ``u_ptrs`` up), or the RMSNorm of ``x + residual`` (NORM_A: ``u_ptrs`` the residual, ``nw_ptr``
-    the norm weight, ``rstd`` the rows' factors)."""
+    the norm weight, ``rstd`` the rows' factors). ``CACHE``: x's loads' cache modifier (".cg" where another CTA of the
+    launch wrote x: the MoE's norm tasks, ``moe._router_gate_up_kernel``)."""
     if NO_K_MASK:
-        a = tl.load(a_ptrs + kg * 128)
+        a = tl.load(a_ptrs + kg * 128, cache_modifier=CACHE)
         if GATED_A:
             a = _silu_mul(a, tl.load(u_ptrs + kg * 128), DT)
         if NORM_A:
@@ -142,7 +143,7 @@ def load_a(a_ptrs, u_ptrs, kg, K, NO_K_MASK: tl.constexpr, GATED_A: tl.constexpr
                          DT)[1].to(a.dtype)
     else:
         k_mask = tl.arange(0, 128) < K - kg * 128
-        a = tl.load(a_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
+        a = tl.load(a_ptrs + kg * 128, mask=k_mask[None, :], other=0.0, cache_modifier=CACHE)
         if GATED_A:  # silu(0) * 0 = 0 past K
             a = _silu_mul(a, tl.load(u_ptrs + kg * 128, mask=k_mask[None, :], other=0.0), DT)
         if NORM_A:  # 0 * rstd * 0 = 0 past K

@@ -15,7 +15,9 @@ output tile written by the CTA whose ticket completes it, :func:`_combine_ticket
 those two (fp8_gemm's tile function and launch plan: the bits of their own launches), not two launches more. With
 its router too (``fxglm5::moe_router_fp8_shared``, :func:`moe_router_fp8`) the router's GEMV tiles are the first
 tasks of the gate|up launch (:func:`_router_gate_up_kernel`, :mod:`fxglm5.lowering.triton.tasks`): the MoE layer,
-router included, is still two launches.
+router included, is still two launches; and with the residual add and RMSNorm before it
+(``fxglm5::add_rms_norm_moe_router_fp8_shared``, :func:`add_rms_norm_moe_router_fp8`) the norm's rows are the first
+tasks of that launch: two launches still.
 
 Kernels. One grouped GEMM kernel serves both projections: ``GATED`` loads the gate and the up tile of
 the same output columns side by side and writes ``silu(g) * u`` (fp32, in sorted row order; w13's scales
@@ -47,6 +49,7 @@ from fxglm5 import settings
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fp8 as ref
 from fxglm5.lowering.reference import fused as ref_fused
+from fxglm5.lowering.reference.fused import validate_add_rms_norm
 from fxglm5.lowering.triton import tasks
 from fxglm5.lowering.triton.device import num_sms, pdl, pdl_prologue
 from fxglm5.lowering.triton.f32_linear import (
@@ -56,7 +59,7 @@ from fxglm5.lowering.triton.fp8_gemm import (
     GemmLaunch, _ab_scale, _b_scale, fp8_linear, gemm_tile, lone_launch, quantize_act_1x128, row_chunk,
 )
 from fxglm5.lowering.triton.fp8_parts import _dot, _quant_rows, tile_counters
-from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, round_to
+from fxglm5.lowering.triton.norm_rope import DTYPE_CODES, add_rms_norm, add_rms_norm_launch, add_rms_norm_row, round_to
 
 
 # ----------------------------------------------------------------------------------------- routing
@@ -125,7 +128,7 @@ def _router_tile(x_ptr, part_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr,
                  stride_xm, num_local, scaling, pid_n, pid_k, tiles, offs_n, w_rows, w, STEPS: tl.constexpr,
                  SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
                  BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, RENORM: tl.constexpr,
-                 LOCAL: tl.constexpr, SIGNAL: tl.constexpr):
+                 LOCAL: tl.constexpr, SIGNAL: tl.constexpr, X_CACHE: tl.constexpr = None):
     """Expert tile ``pid_n`` (of ``tiles``) x K split ``pid_k`` of the router, after the PDL wait (``w``: its first
     weight tile, :func:`gemv_tile_start`): f32_linear's GEMV of the M rows of x by the router weight [E, K], the
     tile's last split summing the partials in split order (``f32_linear._f32_gemv_kernel``'s sums, bit for bit,
@@ -133,8 +136,10 @@ def _router_tile(x_ptr, part_ptr, logits_ptr, cnt_ptr, bias_ptr, w_ptr, ids_ptr,
     each tile's finishing CTA once its logits are stored; the CTA that takes the last routes every row
     (:func:`_route_rows`, as :func:`_route_kernel` does), resets the counter, so the next call and a CUDA-graph
     replay start from zero, and with SIGNAL publishes the routing to the tasks that wait on it (``tasks.signal`` of
-    dependency 0 of ``task_ptr``)."""
-    acc, tile, mask = gemv_tile_sum(x_ptr, stride_xm, M, E, K, offs_n, w_rows, w, pid_k, STEPS, BLOCK_M, BLOCK_K)
+    dependency 0 of ``task_ptr``). ``X_CACHE``: x's loads' cache modifier (".cg" where the launch's norm tasks wrote
+    x)."""
+    acc, tile, mask = gemv_tile_sum(x_ptr, stride_xm, M, E, K, offs_n, w_rows, w, pid_k, STEPS, BLOCK_M, BLOCK_K,
+                                    X_CACHE)
     if finish_tile(acc, part_ptr, logits_ptr, cnt_ptr, tile, mask, pid_n, pid_k, M * E, 1.0, 1.0, 1.0, 1.0, 0,
                    SPLIT):
         tl.debug_barrier()  # the tile's logits stored before its arrival is published (as the split partials are)
@@ -374,7 +379,7 @@ def _grouped_cta(
     S_DT: tl.constexpr, S_DOT_F32: tl.constexpr, S_INTERPRET: tl.constexpr, S_HAS_BIAS: tl.constexpr,
     S_SPLIT_K: tl.constexpr, S_FIXUP: tl.constexpr, S_NO_K_MASK: tl.constexpr, S_SCALAR_SB: tl.constexpr,
     S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr, S_GROUP_M: tl.constexpr, COMBINE: tl.constexpr,
-    ADD: tl.constexpr, DT: tl.constexpr,
+    ADD: tl.constexpr, DT: tl.constexpr, A_CACHE: tl.constexpr = None,
 ):
     """One CTA of the grouped GEMM: (pid_b, pid_n, pid_k) of a (blocks [+ shared rows], num_n, num_k) grid, as
     :func:`_moe_gemm_kernel` launches it or :func:`_router_gate_up_kernel` numbers its tasks.
@@ -395,7 +400,9 @@ def _grouped_cta(
     (block, column tile)'s last K split (an acq_rel ticket on ``cnt``, as the gated fold's) and each finished shared
     tile take a ticket per token on ``tcnt``, and the CTA that completes a token's count writes ``out`` from the
     partials c, the routing weights ``tw`` and, with ADD, ``add`` (the shared expert's output, or a given addend);
-    CTA (0, j, 0) writes column tile j of the tokens with nothing to wait for (no local expert, no shared one)."""
+    CTA (0, j, 0) writes column tile j of the tokens with nothing to wait for (no local expert, no shared one).
+    ``A_CACHE``: the A tiles' cache modifier, the routed and the shared ones (".cg" where the norm tasks of
+    :func:`_router_gate_up_kernel` wrote A in the same launch)."""
     if SHARED:
         if pid_b >= num_blocks:
             cta = ((pid_b - num_blocks) * num_n + pid_n) * num_k + pid_k
@@ -405,7 +412,8 @@ def _grouped_cta(
                                      s_up_ptr, cta % tiles, cta // tiles, S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT,
                                      s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn, s_stride_cm, s_stride_cs,
                                      s_stride_um, S_A_MODE, S_GATED_A, S_DT, S_DOT_F32, S_INTERPRET, S_HAS_BIAS,
-                                     S_SPLIT_K, S_FIXUP, S_NO_K_MASK, S_SCALAR_SB, S_BLOCK_M, S_BLOCK_N, S_GROUP_M)
+                                     S_SPLIT_K, S_FIXUP, S_NO_K_MASK, S_SCALAR_SB, S_BLOCK_M, S_BLOCK_N, S_GROUP_M,
+                                     A_CACHE=A_CACHE)
                 if COMBINE:  # one M tile, the routed tiles' columns (moe_fp8 checks): tile = column tile
                     if finished:
                         tokens = tl.arange(0, BLOCK_M)
@@ -464,7 +472,7 @@ def _grouped_cta(
     for i in range(0, K_PER_SPLIT):
         kg = pid_k * K_PER_SPLIT + i
         if NO_K_MASK:
-            a = tl.load(a_ptrs + kg * 128)
+            a = tl.load(a_ptrs + kg * 128, cache_modifier=A_CACHE)
             b = tl.load(b_ptrs + kg * 128)
             s_b = tl.load(bs_ptrs + kg)
             if GATED:
@@ -472,7 +480,7 @@ def _grouped_cta(
                 s_u = tl.load(us_ptrs + kg)
         else:
             k_mask = offs_k < K - kg * 128
-            a = tl.load(a_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
+            a = tl.load(a_ptrs + kg * 128, mask=k_mask[None, :], other=0.0, cache_modifier=A_CACHE)
             b = tl.load(b_ptrs + kg * 128, mask=k_mask[None, :], other=0.0)
             s_b = tl.load(bs_ptrs + kg, mask=kg < KG, other=0.0)
             if GATED:
@@ -568,6 +576,7 @@ def _moe_gemm_kernel(
 def _router_gate_up_kernel(
     x_ptr, rw_ptr, part_ptr, logits_ptr, rcnt_ptr, bias_ptr, rids_ptr, offset_ptr, task_ptr, R_E, stride_xm,
     stride_rw, num_local, scaling, num_n, num_k, shared_rows,
+    n_x_ptr, n_r_ptr, n_w_ptr, n_out_ptr, n_sum_ptr, n_stride_x, n_stride_r, n_d, n_eps, n_rows,
     a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
     tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm,
@@ -584,44 +593,70 @@ def _router_gate_up_kernel(
     ADD: tl.constexpr, DT: tl.constexpr,
     R_TILES: tl.constexpr, R_STEPS: tl.constexpr, R_SPLIT: tl.constexpr, R_BLOCK_M: tl.constexpr,
     R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_BLOCK_E: tl.constexpr, R_BLOCK_TOPK: tl.constexpr,
-    ROUTE_ROWS: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr,
+    ROUTE_ROWS: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, NORM: tl.constexpr,
+    N_CHUNK: tl.constexpr, N_STEPS: tl.constexpr, N_LEVELS: tl.constexpr, N_DT: tl.constexpr, PDL: tl.constexpr,
 ):
     """The router and the gated grouped GEMM in one launch (up to BLOCK_M tokens, :func:`moe_fp8` with a
-    ``router``), a launch of tasks (:mod:`fxglm5.lowering.triton.tasks`): each CTA takes a task id. Tasks
-    [0, R_TILES * R_SPLIT) are the router's expert tiles x K splits (:func:`_router_tile`; the CTA that routes
-    writes the weights ``tw`` and the ids ``rids``, the ``ids`` the GEMMs read unless a benchmark steers them, and
-    signals dependency 0); then the shared expert's gate|up CTAs
+    ``router``), a launch of tasks (:mod:`fxglm5.lowering.triton.tasks`): each CTA takes a task id. With NORM the
+    first ``n_rows`` tasks are the residual add and RMSNorm before the MoE (:func:`moe_fp8`'s ``norm``,
+    ``fxglm5::add_rms_norm_moe_router_fp8_shared``), one token row each (``norm_rope.add_rms_norm_row``, the ``n_``
+    arguments: the standalone kernel's program, bit for bit), writing the sum (the next residual) and the normed row
+    (the MoE's x, ``n_out_ptr``, the memory of ``x_ptr``, ``a_ptr`` and ``s_a_ptr``), then signalling dependency 1.
+    Then tasks [0, R_TILES * R_SPLIT) (counted after the norm's) are the router's expert tiles x K splits
+    (:func:`_router_tile`; the CTA that routes writes the weights ``tw`` and the ids ``rids``, the ``ids`` the GEMMs
+    read unless a benchmark steers them, and signals dependency 0); then the shared expert's gate|up CTAs
     (``shared_rows`` rows of num_n x num_k tasks, :func:`_grouped_cta` past ``num_blocks``), which need no routing;
     then the routed blocks' CTAs, which wait for the routing before they read the ids (from L2) to find their
-    expert. Every task waits only on tasks before it, so the launch cannot deadlock (tasks' module doc). The PDL
-    wait comes first: a task's weights are known only once its id is taken."""
+    expert. With NORM the router's tiles (after requesting their first weight tile) and the shared CTAs wait for
+    every norm task's signal, and every reader of the normed rows reads them from L2 (.cg); the routed CTAs wait
+    for the routing, which the router signals only after it waited for the norm (release / acquire is transitive).
+    Every task waits only on tasks before it, so the launch cannot deadlock (tasks' module doc). The PDL wait comes
+    first: a task's weights are known only once its id is taken."""
     pdl_prologue(PDL)
     task = tasks.take(task_ptr)
-    if task < R_TILES * R_SPLIT:
-        pid_n, pid_k = task % R_TILES, task // R_TILES
-        offs_n, w_rows, w = gemv_tile_start(rw_ptr, R_E, K, stride_rw, pid_n, pid_k, R_STEPS, R_BLOCK_N, R_BLOCK_K)
-        _router_tile(x_ptr, part_ptr, logits_ptr, rcnt_ptr, bias_ptr, tw_ptr, rids_ptr, offset_ptr, task_ptr,
-                     n_entries // TOP_K, R_E, K, stride_xm, num_local, scaling, pid_n, pid_k, R_TILES, offs_n, w_rows,
-                     w, R_STEPS, R_SPLIT, R_BLOCK_M, R_BLOCK_K, TOP_K, R_BLOCK_E, R_BLOCK_TOPK, ROUTE_ROWS, RENORM,
-                     LOCAL, True)
+    norm_task = False
+    if NORM:
+        norm_task = task < n_rows
+    if norm_task:
+        add_rms_norm_row(n_x_ptr, n_r_ptr, n_w_ptr, n_out_ptr, n_sum_ptr, task, n_stride_x, n_stride_r, n_d, n_eps,
+                         N_CHUNK, N_STEPS, N_LEVELS, N_DT)
+        tasks.signal(task_ptr, 1)
     else:
-        cta = task - R_TILES * R_SPLIT
-        row = cta // (num_n * num_k)
-        pid_b = num_blocks + row
-        if row >= shared_rows:
-            pid_b = row - shared_rows
-            tasks.wait(task_ptr, 0, 1)
-        _grouped_cta(pid_b, cta % (num_n * num_k) // num_k, cta % num_k, num_n, num_k,
-                a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
-                tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB, stride_am, stride_asm,
-                stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm, num_blocks,
-                s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr, S_M,
-                S_N, S_K, S_KG, S_KG_PER_SPLIT, s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn,
-                s_stride_cm, s_stride_cs, s_stride_um, TOP_K, GATED, SPLIT_K, A_MODE, DOT_F32, INTERPRET,
-                K_PER_SPLIT, NO_K_MASK, SCALAR_SB, BLOCK_M, BLOCK_N, SCAN, BLOCK_IDS, BLOCK_E, SHARED, S_A_MODE,
-                S_GATED_A, S_DT, S_DOT_F32, S_INTERPRET, S_HAS_BIAS, S_SPLIT_K, S_FIXUP, S_NO_K_MASK,
-                S_SCALAR_SB, S_BLOCK_M, S_BLOCK_N, S_GROUP_M, COMBINE, ADD, DT)
-    tasks.finish(task_ptr, 1)
+        x_cache: tl.constexpr = ".cg" if NORM else ""
+        task -= n_rows
+        if task < R_TILES * R_SPLIT:
+            pid_n, pid_k = task % R_TILES, task // R_TILES
+            offs_n, w_rows, w = gemv_tile_start(rw_ptr, R_E, K, stride_rw, pid_n, pid_k, R_STEPS, R_BLOCK_N,
+                                                R_BLOCK_K)
+            if NORM:
+                tasks.wait(task_ptr, 1, n_rows)
+            _router_tile(x_ptr, part_ptr, logits_ptr, rcnt_ptr, bias_ptr, tw_ptr, rids_ptr, offset_ptr, task_ptr,
+                         n_entries // TOP_K, R_E, K, stride_xm, num_local, scaling, pid_n, pid_k, R_TILES, offs_n,
+                         w_rows, w, R_STEPS, R_SPLIT, R_BLOCK_M, R_BLOCK_K, TOP_K, R_BLOCK_E, R_BLOCK_TOPK,
+                         ROUTE_ROWS, RENORM, LOCAL, True, x_cache)
+        else:
+            cta = task - R_TILES * R_SPLIT
+            row = cta // (num_n * num_k)
+            pid_b = num_blocks + row
+            if row >= shared_rows:
+                pid_b = row - shared_rows
+                tasks.wait(task_ptr, 0, 1)
+            elif NORM:
+                tasks.wait(task_ptr, 1, n_rows)
+            _grouped_cta(pid_b, cta % (num_n * num_k) // num_k, cta % num_k, num_n, num_k,
+                    a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
+                    tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB, stride_am, stride_asm,
+                    stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm, num_blocks,
+                    s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr, S_M,
+                    S_N, S_K, S_KG, S_KG_PER_SPLIT, s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn,
+                    s_stride_cm, s_stride_cs, s_stride_um, TOP_K, GATED, SPLIT_K, A_MODE, DOT_F32, INTERPRET,
+                    K_PER_SPLIT, NO_K_MASK, SCALAR_SB, BLOCK_M, BLOCK_N, SCAN, BLOCK_IDS, BLOCK_E, SHARED, S_A_MODE,
+                    S_GATED_A, S_DT, S_DOT_F32, S_INTERPRET, S_HAS_BIAS, S_SPLIT_K, S_FIXUP, S_NO_K_MASK,
+                    S_SCALAR_SB, S_BLOCK_M, S_BLOCK_N, S_GROUP_M, COMBINE, ADD, DT, x_cache)
+    if NORM:
+        tasks.finish(task_ptr, 2)
+    else:
+        tasks.finish(task_ptr, 1)
 
 
 @triton.jit
@@ -773,7 +808,7 @@ class Combine(NamedTuple):
 
 
 def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_f32, split=1, h=None, shared=None,
-             combine=None, router=None):
+             combine=None, router=None, norm=None):
     """One grouped GEMM launch over ``blocks``. A gated launch with ``split > 1`` writes its [split, rows, 2I] fp32
     partials to c and its gated output to ``h`` (the last split of each tile reduces them, counted in
     :func:`tile_counters`, the first blocks x column tiles of them). ``shared`` (a ``fp8_gemm.GemmLaunch``): the
@@ -782,7 +817,8 @@ def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_
     :class:`Combine`): the launch writes the MoE's output itself, its (block, column tile) counters first in
     :func:`tile_counters`, then a [T, column tiles] of token counters (:func:`combine_counters`), then the shared
     expert's. ``router`` (the gated launch over the scan, a :class:`RouterLaunch` writing ``blocks.ids``): the
-    router's tiles run first in the same launch (:func:`_router_gate_up_kernel`)."""
+    router's tiles run first in the same launch (:func:`_router_gate_up_kernel`); ``norm`` (a :class:`ResidualNorm`
+    writing ``a``, with a ``router`` only): its rows before them, the launch's first tasks."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     kdim = w.shape[2]
     kg = triton.cdiv(kdim, 128)
@@ -820,13 +856,18 @@ def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_
         _moe_gemm_kernel[grid](*args, **meta, **pdl(a.device))
         return split
     x2, rw, part, logits, rcnt, bias, _, rids, offset, _, e, _, stride_xm, stride_rw, num_local, scaling = router.args
-    _router_gate_up_kernel[(router.grid[0] * router.grid[1] + grid[0] * grid[1] * grid[2],)](
-        x2, rw, part, logits, rcnt, bias, rids, offset, tasks.counters(a.device, 1), e, stride_xm, stride_rw,
-        num_local, scaling, grid[1], grid[2], grid[0] - blocks.count, *args, R_TILES=router.grid[0],
+    if norm is None:
+        norm_rows, norm_args, norm_meta = 0, (c,) * 5 + (0, 0, 1, 0.0), dict(CHUNK=1, STEPS=1, LEVELS=0, DT=0)
+    else:
+        norm_rows, norm_args, norm_meta = norm.launch()
+    _router_gate_up_kernel[(norm_rows + router.grid[0] * router.grid[1] + grid[0] * grid[1] * grid[2],)](
+        x2, rw, part, logits, rcnt, bias, rids, offset, tasks.counters(a.device, 2), e, stride_xm, stride_rw,
+        num_local, scaling, grid[1], grid[2], grid[0] - blocks.count, *norm_args, norm_rows, *args,
+        R_TILES=router.grid[0],
         **{f"R_{key}": router.meta[key] for key in ("STEPS", "SPLIT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_E",
                                                     "BLOCK_TOPK")},
-        ROUTE_ROWS=router.meta["ROUTE_ROWS"], RENORM=router.meta["RENORM"], LOCAL=router.meta["LOCAL"], **meta,
-        **pdl(a.device))
+        ROUTE_ROWS=router.meta["ROUTE_ROWS"], RENORM=router.meta["RENORM"], LOCAL=router.meta["LOCAL"],
+        NORM=norm is not None, **{f"N_{key}": value for key, value in norm_meta.items()}, **meta, **pdl(a.device))
     return split
 
 
@@ -924,7 +965,7 @@ def _lines_up(down: GemmLaunch, h: int, cfg: dict) -> bool:
 
 
 def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=True, *, config=None, addend=None,
-            shared=None, router=None, router_ids=None):
+            shared=None, router=None, router_ids=None, norm=None):
     """Routed FP8 experts (see module doc); ``config`` overrides :func:`pick_moe_config`. ``addend`` [T, H] (x's
     dtype): added to the routed sum in the combine kernel (``fxglm5::moe_fp8_add``: the shared expert's output).
     Up to BLOCK_M tokens (decode) the GEMMs scan the ids for their rows and no align kernel runs, and the down
@@ -938,7 +979,11 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     ``topk_ids`` and ``topk_weights`` are empty and the router fills them in the gate|up launch
     (:func:`_router_gate_up_kernel`), which its expert tiles wait for: a decode MoE layer, router included, in two
     launches (:func:`moe_router_fp8`); ``router_ids`` (default ``topk_ids``): where the router writes its ids (a
-    steered benchmark gives ids of its own as ``topk_ids``, and the router's go to a buffer no one reads)."""
+    steered benchmark gives ids of its own as ``topk_ids``, and the router's go to a buffer no one reads).
+    ``norm`` (a :class:`ResidualNorm` whose ``normed`` rows are x, which holds nothing yet): the residual add and
+    RMSNorm that make x, as the first tasks of the router's launch where the router joins it, its shared expert's
+    GEMMs join the MoE's launches and x is quantized in registers (:func:`add_rms_norm_moe_router_fp8`); else its
+    own kernel first."""
     t, e, h, inter = ref.check_moe_inputs(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, router is None)
     k = topk_ids.shape[1]
     if addend is not None and shared is not None:
@@ -955,6 +1000,10 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
         blocks_max = num_blocks(t, k, e, cfg)
         joined = _shared_launches(x, shared, (blocks_max * triton.cdiv(inter, cfg["BLOCK_N1"]),
                                               combine_counters(blocks_max, t, triton.cdiv(h, cfg["BLOCK_N2"]))), cfg)
+    if norm is not None and (router is None or (shared is not None and joined is None)
+                             or (act_quant and not cfg["fused_quant"])):
+        norm.run()  # x is read before the gate|up launch (the shared expert's own launches, the quant kernel)
+        norm = None
     if shared is not None:
         addend = shared_expert(x, shared) if joined is None else joined[2]
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
@@ -990,10 +1039,10 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
     if split1 > 1:
         g = torch.empty(split1, rows, 2 * inter, dtype=torch.float32, device=x.device)
         _grouped(a, a_s, mode, w13, w13_scale, blocks, g, t * k, k, True, cfg, dot_f32, split1, hmid, first,
-                 router=router)
+                 router=router, norm=norm)
     else:
         _grouped(a, a_s, mode, w13, w13_scale, blocks, hmid, t * k, k, True, cfg, dot_f32, shared=first,
-                 router=router)
+                 router=router, norm=norm)
     combine = None
     if blocks.scan and (joined is None or _lines_up(second, h, cfg)):
         combine = Combine(topk_weights.contiguous(), None if addend is None else addend.contiguous(), out)
@@ -1028,21 +1077,65 @@ def router_joins(x: torch.Tensor, router: Router, e: int, config=None) -> bool:
 
 
 def moe_router_fp8(x, router: Router, w13, w13_scale, w2, w2_scale, act_quant=True, *, shared=None, config=None,
-                   steered_ids=None):
+                   steered_ids=None, norm=None):
     """``fxglm5::moe_router_fp8_shared`` (with ``shared``): the router (:func:`moe_router`) and the routed experts
     with the shared expert (:func:`moe_fp8`) over the same tokens x [T, H]. Where :func:`router_joins` (decode), two
     launches: the router's tiles, the shared expert's gate|up and the routed gate|up in one launch of tasks
     (:func:`_router_gate_up_kernel`), then the down GEMMs with the combine; each piece has its own launches' bits.
     Elsewhere the router's launch(es), then :func:`moe_fp8`'s. ``steered_ids`` (int32 [T, k], benchmarks only:
     bench/routing_load.py): the experts take these ids instead of the router's, the router still running in its
-    launch (its weights are used)."""
+    launch (its weights are used). ``norm`` (a :class:`ResidualNorm` making x): see :func:`moe_fp8`; its own kernel
+    first where the router does not join."""
     if not router_joins(x, router, w13.shape[0], config):
+        if norm is not None:
+            norm.run()
         weights, ids = moe_router(x, *router)
         ids = ids if steered_ids is None else steered_ids
         return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, config=config, shared=shared)
     weights, ids = routing_outputs(x.shape[0], router.top_k, x.device)
     if steered_ids is None:
         return moe_fp8(x, ids, weights, w13, w13_scale, w2, w2_scale, act_quant, config=config, shared=shared,
-                       router=router)
+                       router=router, norm=norm)
     return moe_fp8(x, steered_ids, weights, w13, w13_scale, w2, w2_scale, act_quant, config=config, shared=shared,
-                   router=router, router_ids=ids)
+                   router=router, router_ids=ids, norm=norm)
+
+
+class ResidualNorm(NamedTuple):
+    """The residual add and RMSNorm before a MoE layer (``fxglm5::add_rms_norm_moe_router_fp8_shared``): the sum
+    x + residual into ``total`` (the next residual) and its RMSNorm by ``weight`` into ``normed`` (the MoE's tokens),
+    both contiguous in x's shape, as ``norm_rope.add_rms_norm`` writes them."""
+    x: torch.Tensor
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    normed: torch.Tensor
+    total: torch.Tensor
+
+    def launch(self) -> tuple[int, tuple, dict]:
+        """``norm_rope.add_rms_norm_launch``'s (rows, arguments of ``add_rms_norm_row`` but the row, constexprs)."""
+        return add_rms_norm_launch(self.x, self.residual, self.weight, self.eps, (self.normed, self.total))
+
+    def run(self) -> None:
+        """Its own kernel (``norm_rope.add_rms_norm``), where it does not join the MoE's first launch."""
+        add_rms_norm(self.x, self.residual, self.weight, self.eps, validate=False, out=(self.normed, self.total))
+
+
+def add_rms_norm_moe_router_fp8(x, residual, norm_weight, eps, router: Router, w13, w13_scale, w2, w2_scale,
+                                act_quant=True, *, shared=None, config=None, steered_ids=None):
+    """``fxglm5::add_rms_norm_moe_router_fp8_shared`` (with ``shared``): ``(moe_router_fp8(normed.reshape(-1, H)),
+    total)`` of ``normed, total = add_rms_norm(x, residual, norm_weight, eps)``, x and residual [..., H] of one dtype.
+    Where the MoE's first launch is a launch of tasks with the router (:func:`router_joins`: up to 16 tokens, decode)
+    and the shared expert's gate|up GEMM joins it, the add and norm are its first tasks, a token row each
+    (:func:`_router_gate_up_kernel`): a decode MoE layer, its norm included, in two launches, each output the bits
+    of the separate launches (``add_rms_norm``'s kernel shares its row function, whose sums run in an order no warp
+    count changes). Elsewhere (prefill) ``add_rms_norm``'s kernel, then :func:`moe_router_fp8`'s launches.
+    ``steered_ids``: :func:`moe_router_fp8`'s (benchmarks only)."""
+    validate_add_rms_norm(x, residual, norm_weight, eps)
+    if x.dtype != residual.dtype:
+        raise InputError(f"add_rms_norm_moe_router_fp8: x is {x.dtype}, the residual {residual.dtype} (one dtype: "
+                         f"the MoE's tokens)")
+    normed, total = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for _ in range(2))
+    norm = ResidualNorm(x, residual, norm_weight, float(eps), normed, total)
+    out = moe_router_fp8(normed.view(-1, x.shape[-1]), router, w13, w13_scale, w2, w2_scale, act_quant,
+                         shared=shared, config=config, steered_ids=steered_ids, norm=norm)
+    return out, total

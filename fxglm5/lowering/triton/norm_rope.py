@@ -19,8 +19,9 @@ interpreter_compat()
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-__all__ = ["DTYPE_CODES", "add_rms_norm", "rms_norm", "rms_norm_launch", "rope_interleaved", "round_to",
-           "rms_normalize", "rms_norm_row", "rms_rstd", "rms_scale", "rotate_pairs"]
+__all__ = ["DTYPE_CODES", "add_rms_norm", "add_rms_norm_launch", "add_rms_norm_row", "pairwise_sum", "rms_norm",
+           "rms_norm_launch", "rope_interleaved", "round_to", "rms_normalize", "rms_norm_row", "rms_rstd", "rms_scale",
+           "rotate_pairs"]
 
 
 @triton.jit
@@ -79,19 +80,54 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, D, eps, BLOCK: tl.constexp
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, D, eps, BLOCK: tl.constexpr,
-                         DT: tl.constexpr, PDL: tl.constexpr):
-    """One row: the sum x + r rounded to the sum's dtype (as the add rounds it), stored, then normalized."""
+def pairwise_sum(v, LEVELS: tl.constexpr):
+    """The sum of the 2**LEVELS values of the 1-D v, added in pairs level by level (v[2j] + v[2j+1], then the same on
+    those sums): every addition is of two given values, so the float32 result is the same bits whatever the layout of
+    v over threads and warps (``tl.sum``'s order follows the layout, so a kernel at other warps sums otherwise)."""
+    for _ in tl.static_range(LEVELS):
+        v = tl.sum(tl.reshape(v, (v.shape[0] // 2, 2)), axis=1)
+    return tl.sum(v, axis=0)  # one value left: the sum of nothing else
+
+
+@triton.jit
+def add_rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, row, stride_x, stride_r, D, eps, CHUNK: tl.constexpr,
+                     STEPS: tl.constexpr, LEVELS: tl.constexpr, DT: tl.constexpr):
+    """Row ``row`` of ``add_rms_norm``: the sum x + r rounded to the sum's dtype (as the add rounds it) into the
+    contiguous ``sum_ptr``, and its RMSNorm into the contiguous ``out_ptr``, over the STEPS chunks of CHUNK
+    (2**LEVELS) columns covering D. The squares are summed chunk by chunk elementwise, then across the chunk by
+    :func:`pairwise_sum`: a fixed order whatever the warp count, so the standalone kernel (:func:`_add_rms_norm_kernel`)
+    and the norm tasks of the MoE's first launch (``moe._router_gate_up_kernel``, another warp count) write the
+    same bits; a chunk at a time keeps a few values a thread in registers, not the whole row. A second pass forms
+    the sum again (the same operations, the same bits) and writes both outputs."""
+    row = row.to(tl.int64)
+    offs = tl.arange(0, CHUNK)
+    acc = tl.zeros((CHUNK,), dtype=tl.float32)
+    for i in range(0, STEPS):
+        cols = i * CHUNK + offs
+        mask = cols < D
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        t = round_to(x + r, DT)
+        acc += t * t
+    rstd = rms_rstd(pairwise_sum(acc, LEVELS), D, eps)
+    for i in range(0, STEPS):
+        cols = i * CHUNK + offs
+        mask = cols < D
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        t = round_to(x + r, DT)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(sum_ptr + row * D + cols, t.to(sum_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + row * D + cols, rms_scale(t, rstd, w, DT).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, D, eps, CHUNK: tl.constexpr,
+                         STEPS: tl.constexpr, LEVELS: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr):
+    """One row a program: :func:`add_rms_norm_row`."""
     pdl_prologue(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < D
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-    total = round_to(x + r, DT)
-    tl.store(sum_ptr + row * D + offs, total.to(sum_ptr.dtype.element_ty), mask=mask)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * D + offs, rms_normalize(total, w, eps, D, DT).to(out_ptr.dtype.element_ty), mask=mask)
+    add_rms_norm_row(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, tl.program_id(0), stride_x, stride_r, D, eps, CHUNK,
+                     STEPS, LEVELS, DT)
 
 
 @triton.jit
@@ -140,21 +176,37 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                 validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm of x + residual, x + residual), one kernel (see ``fxglm5::add_rms_norm``); both contiguous."""
-    if validate:
-        validate_add_rms_norm(x, residual, weight, eps)
+# the columns add_rms_norm_row sums elementwise before its pairwise sum: 8 values a thread at the MoE launch's 4 warps
+ADD_NORM_CHUNK = 1024
+ADD_NORM_WARPS = 4
+
+
+def add_rms_norm_launch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[int, tuple, dict]:
+    """(rows, the arguments of :func:`add_rms_norm_row` but ``row``, in order, its constexprs) of ``add_rms_norm`` over
+    x's last dim, writing into ``out`` (normed, total: contiguous, x's shape, the sum's dtype) or new tensors
+    (``args[3]``, ``args[4]``)."""
     dtype = torch.promote_types(x.dtype, residual.dtype)
     D = x.shape[-1]
     xs, rs = _rows(x), _rows(residual)
-    out, total = (torch.empty(x.shape, dtype=dtype, device=x.device) for _ in range(2))
-    if xs.shape[0]:
-        block = triton.next_power_of_2(D)
-        _add_rms_norm_kernel[(xs.shape[0],)](xs, rs, weight, out, total, xs.stride(0), rs.stride(0), D, float(eps),
-                                             BLOCK=block, DT=DTYPE_CODES[dtype], num_warps=max(1, min(16, block // 512)),
-                                             **pdl(x.device))
-    return out, total
+    normed, total = out if out is not None else (torch.empty(x.shape, dtype=dtype, device=x.device) for _ in range(2))
+    chunk = min(ADD_NORM_CHUNK, triton.next_power_of_2(D))
+    args = (xs, rs, weight, normed, total, xs.stride(0), rs.stride(0), D, float(eps))
+    return xs.shape[0], args, dict(CHUNK=chunk, STEPS=triton.cdiv(D, chunk), LEVELS=chunk.bit_length() - 1,
+                                   DT=DTYPE_CODES[dtype])
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 validate: bool = True, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm of x + residual, x + residual), one kernel (see ``fxglm5::add_rms_norm``); both contiguous, written
+    into ``out`` (normed, total) where given."""
+    if validate:
+        validate_add_rms_norm(x, residual, weight, eps)
+    rows, args, meta = add_rms_norm_launch(x, residual, weight, eps, out)
+    if rows:
+        _add_rms_norm_kernel[(rows,)](*args, **meta, num_warps=ADD_NORM_WARPS, **pdl(x.device))
+    return args[3], args[4]
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, validate: bool = True) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Tasks inside one launch: a CTA takes a dynamic task id, a task may wait on tasks before it, and the launch
 cleans up after itself. The seed of the persistent decode kernel (docs/perf/persistent_decode_layer.md: tasks,
 dependencies as counters in global memory, consumers spinning on them), first used to run the MoE router and the
-expert GEMMs that read its routing in one launch (``moe._router_gate_up_kernel``), then the q_b GEMM and the latent
-query of its heads (``paged_cache._gemm_latent_query_kernel``: one dependency a head, signalled by each GEMM tile that
-holds its columns).
+expert GEMMs that read its routing in one launch (``moe._router_gate_up_kernel``, whose first tasks are, at decode,
+the residual add and RMSNorm of the MoE's tokens: a second dependency, one signal a row), then the q_b GEMM and the
+latent query of its heads (``paged_cache._gemm_latent_query_kernel``: one dependency a head, signalled by each GEMM
+tile that holds its columns).
 
 Vocabulary:
 - a **task** is one CTA's work; its id is **taken** from the launch's queue counter (:func:`take`), not read from
