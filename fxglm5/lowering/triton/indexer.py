@@ -37,6 +37,7 @@ from fxglm5 import settings
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.reference.norm_rope import validate_rope
+from fxglm5.lowering.triton import tasks
 from fxglm5.lowering.triton.device import ensure_tma_allocator, interpreter_compat, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_gemm import row_chunk
 from fxglm5.lowering.triton.fp8_parts import tile_counters
@@ -70,16 +71,28 @@ def _tile_logits(k8, q8, w, ksc, valid, F32DOT: tl.constexpr, PROMOTE: tl.conste
 
 
 @triton.jit
-def _rotated_query(q_row, dd, hmask, cos_row, sin_row, HALF, DT: tl.constexpr):
+def _query_mask(hmask, dd, QD: tl.constexpr):
+    """The query tile's load mask: its heads, and below 128 features the head's ``QD`` (no mask of the features at
+    128, so the standalone launches' code is what it was)."""
+    m = hmask[:, None]
+    if QD < 128:
+        m = m & (dd < QD)[None, :]
+    return m
+
+
+@triton.jit
+def _rotated_query(q_row, dd, hmask, cos_row, sin_row, HALF, DT: tl.constexpr, QD: tl.constexpr = 128,
+                   Q_CACHE: tl.constexpr = None):
     """One token's [BLOCK_HI, 128] query tile (``q_row``: each head's row, [BLOCK_HI, 1] pointers) with every head's
     first 2 * HALF features turned by interleaved RoPE, in q's dtype: each feature is read with its pair partner,
     the pair is rotated by :func:`~fxglm5.lowering.triton.norm_rope.rotate_pairs` (the standalone ``_rope_kernel``'s
     arithmetic and rounding, so the tile holds the bits that kernel would have stored) and the feature keeps its
-    own half of the result."""
+    own half of the result. Features from ``QD`` (an even head width) on are zero: the padding the op gives a
+    narrower query."""
     pair = dd // 2
-    m = hmask[:, None]
-    even = tl.load(q_row + 2 * pair[None, :], mask=m, other=0.0)
-    odd = tl.load(q_row + 2 * pair[None, :] + 1, mask=m, other=0.0)
+    m = _query_mask(hmask, dd, QD)
+    even = tl.load(q_row + 2 * pair[None, :], mask=m, other=0.0, cache_modifier=Q_CACHE)
+    odd = tl.load(q_row + 2 * pair[None, :] + 1, mask=m, other=0.0, cache_modifier=Q_CACHE)
     c = tl.load(cos_row + pair, mask=pair < HALF, other=1.0)
     s = tl.load(sin_row + pair, mask=pair < HALF, other=0.0)
     e2, o2 = rotate_pairs(even.to(tl.float32), odd.to(tl.float32), c[None, :], s[None, :], DT)
@@ -93,11 +106,13 @@ def _logits_program(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, kc_ptr, ks_pt
                     req_ptr, cos_ptr, sin_ptr, stride_c, HALF, o_row, HI, max_len, t, pb, n_valid, BS: tl.constexpr,
                     BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, F32DOT: tl.constexpr,
                     PROMOTE: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr, ROPE_Q: tl.constexpr,
-                    DT: tl.constexpr):
+                    DT: tl.constexpr, QD: tl.constexpr = 128, Q_CACHE: tl.constexpr = None):
     """Program ``(t, pb)``'s logits: token t's scores of key positions ``pb * BLOCK_N * TILES`` onwards, TILES tiles
-    of BLOCK_N keys, stored to its row ``o_row`` (-inf past the window of ``n_valid`` keys). Both indexer kernels
-    run it (:func:`_indexer_logits_kernel`, :func:`_indexer_topk_kernel`): the same launch configuration computes
-    the same bits in either."""
+    of BLOCK_N keys, stored to its row ``o_row`` (-inf past the window of ``n_valid`` keys). Every indexer kernel
+    runs it (:func:`_indexer_logits_kernel`, and :func:`select_row` for :func:`_indexer_topk_kernel` and the q_b
+    GEMM's launch): the same launch configuration computes the same bits in each. ``QD``: the query heads' width
+    (128, or a narrower head read as if zero-padded to 128); ``Q_CACHE``: the query loads' cache modifier (".cg"
+    where another CTA of the launch wrote the query)."""
     D: tl.constexpr = 128
     KEY_ALIGN: tl.constexpr = 16 if BS % 4 == 0 else 4
     t64 = t.to(tl.int64)
@@ -112,9 +127,10 @@ def _logits_program(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, kc_ptr, ks_pt
         dd = tl.arange(0, D)
         q_row = q_ptr + t64 * stride_qt + hs[:, None] * stride_qh
         if ROPE_Q:  # the query's RoPE (cos / sin: this token's row of the tables), before any use of the query
-            q = _rotated_query(q_row, dd, hmask, cos_ptr + t64 * stride_c, sin_ptr + t64 * stride_c, HALF, DT)
+            q = _rotated_query(q_row, dd, hmask, cos_ptr + t64 * stride_c, sin_ptr + t64 * stride_c, HALF, DT, QD,
+                               Q_CACHE)
         else:
-            q = tl.load(q_row + dd[None, :], mask=hmask[:, None], other=0.0)
+            q = tl.load(q_row + dd[None, :], mask=_query_mask(hmask, dd, QD), other=0.0, cache_modifier=Q_CACHE)
         w = tl.load(w_ptr + t64 * stride_wt + hs, mask=hmask, other=0.0)
         if EXACT:  # the query as it is, the weights alone
             q8 = q
@@ -198,6 +214,46 @@ def _indexer_logits_kernel(
                     DT)
 
 
+@triton.jit
+def select_row(t, pb, programs, q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, kc_ptr, ks_ptr, n_key_rows, bt_ptr,
+               stride_bt, req_ptr, pos_ptr, cos_ptr, sin_ptr, stride_c, HALF, o_ptr, stride_ot, HI, max_len, sel_ptr,
+               stride_st, bin_ptr, cnt_ptr, topk, task_ptr, dep, signals, BS: tl.constexpr, BLOCK_HI: tl.constexpr,
+               BLOCK_N: tl.constexpr, TILES: tl.constexpr, F32DOT: tl.constexpr, C: tl.constexpr,
+               BIN_C: tl.constexpr, PROMOTE: tl.constexpr, USE_TMA: tl.constexpr, EXACT: tl.constexpr,
+               ROPE_Q: tl.constexpr, DT: tl.constexpr, QD: tl.constexpr = 128, Q_CACHE: tl.constexpr = None,
+               WAIT: tl.constexpr = False):
+    """Program ``pb`` of the ``programs`` logits programs of row t, with the row's selection: the whole of a program
+    of :func:`_indexer_topk_kernel`, which the q_b GEMM's launch runs as its last tasks too
+    (``latent_query_indexer``), so both give the same bits. Once its logits are stored the program takes a ticket on
+    the row's counter ``cnt[t]``, and the program that takes the row's last ticket selects the row's top-k with the
+    segment top-k's single round (``topk.select_segment`` over the whole row, the four C-long chunks and BIN_C of
+    ``topk.one_round``: the code and constants ``_segment_topk_kernel`` runs, so the same indices in the same order),
+    reading the other programs' logits from L2 (.cg), and resets the counter (the next call and a CUDA-graph replay
+    start from zero). A row whose window fits in ``topk`` computes no logits: its first program writes the window's
+    positions (``topk.window_row``). ``WAIT``: before reading the query, wait until dependency ``dep`` of the launch's
+    tasks (:mod:`fxglm5.lowering.triton.tasks`, counters ``task_ptr``) has ``signals`` signals (the GEMM tiles that
+    hold the query's columns); a row that fits waits for nothing."""
+    t64 = t.to(tl.int64)
+    n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
+    n_sel = tl.minimum(n_valid, max_len)  # the window the top-k sees in a row of max_len scores
+    sel_row = sel_ptr + t64 * stride_st
+    if n_sel <= topk:
+        if pb == 0:
+            window_row(sel_row, n_sel, topk, C)
+    else:
+        if WAIT:
+            tasks.wait(task_ptr, dep, signals)
+        o_row = o_ptr + t64 * stride_ot
+        _logits_program(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, kc_ptr, ks_ptr, n_key_rows, bt_ptr, stride_bt,
+                        req_ptr, cos_ptr, sin_ptr, stride_c, HALF, o_row, HI, max_len, t, pb, n_valid, BS, BLOCK_HI,
+                        BLOCK_N, TILES, F32DOT, PROMOTE, USE_TMA, EXACT, ROPE_Q, DT, QD, Q_CACHE)
+        tl.debug_barrier()  # the tile's logits stored before its arrival is published
+        if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == programs - 1:
+            select_segment(o_row, o_row, o_row, sel_row, sel_row, bin_ptr + t64 * (8 * BIN_C), 0, max_len, n_sel,
+                           topk, C, False, False, BIN_C, ".cg")
+            tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
+
+
 @triton.jit(do_not_specialize=["T_BUCKET"])
 def _indexer_topk_kernel(
     q_ptr, stride_qt, stride_qh, w_ptr, stride_wt,
@@ -208,34 +264,13 @@ def _indexer_topk_kernel(
     F32DOT: tl.constexpr, C: tl.constexpr, BIN_C: tl.constexpr, PDL: tl.constexpr, PROMOTE: tl.constexpr = 128,
     USE_TMA: tl.constexpr = False, EXACT: tl.constexpr = False, ROPE_Q: tl.constexpr = False, DT: tl.constexpr = 0,
 ):
-    """The logits and the top-k of a decode step in one launch (:func:`one_launch_round`): the grid and the programs
-    of :func:`_indexer_logits_kernel`, then each program of row t takes a ticket on the row's counter ``cnt[t]``
-    once its logits are stored, and the program that takes the row's last ticket selects the row's top-k with the
-    segment top-k's single round (``topk.select_segment`` over the whole row, the four C-long chunks and BIN_C of
-    ``topk.one_round``: the code and constants ``_segment_topk_kernel`` runs, so the same indices in the same
-    order), reading the other programs' logits from L2 (.cg), and resets the counter (the next call and a
-    CUDA-graph replay start from zero). A row whose window fits in ``topk`` computes no logits: its first program
-    writes the window's positions (``topk.window_row``)."""
+    """The logits and the top-k of a decode step in one launch (:func:`one_launch_round`): the grid of
+    :func:`_indexer_logits_kernel`, each program :func:`select_row` of its (row, logits program)."""
     pdl_prologue(PDL)  # before the fitting rows' early exit
-    t = tl.program_id(0)
-    pb = tl.program_id(1)
-    t64 = t.to(tl.int64)
-    n_valid = tl.load(pos_ptr + t).to(tl.int32) + 1
-    n_sel = tl.minimum(n_valid, max_len)  # the window the top-k sees in a row of max_len scores
-    sel_row = sel_ptr + t64 * stride_st
-    if n_sel <= topk:
-        if pb == 0:
-            window_row(sel_row, n_sel, topk, C)
-        return
-    o_row = o_ptr + t64 * stride_ot
-    _logits_program(q_ptr, stride_qt, stride_qh, w_ptr, stride_wt, kc_ptr, ks_ptr, n_key_rows, bt_ptr, stride_bt,
-                    req_ptr, cos_ptr, sin_ptr, stride_c, HALF, o_row, HI, max_len, t, pb, n_valid, BS, BLOCK_HI,
-                    BLOCK_N, TILES, F32DOT, PROMOTE, USE_TMA, EXACT, ROPE_Q, DT)
-    tl.debug_barrier()  # the tile's logits stored before its arrival is published
-    if tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
-        select_segment(o_row, o_row, o_row, sel_row, sel_row, bin_ptr + t64 * (8 * BIN_C), 0, max_len, n_sel, topk,
-                       C, False, False, BIN_C, ".cg")
-        tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed", scope="gpu")
+    select_row(tl.program_id(0), tl.program_id(1), tl.num_programs(1), q_ptr, stride_qt, stride_qh, w_ptr, stride_wt,
+               kc_ptr, ks_ptr, n_key_rows, bt_ptr, stride_bt, req_ptr, pos_ptr, cos_ptr, sin_ptr, stride_c, HALF,
+               o_ptr, stride_ot, HI, max_len, sel_ptr, stride_st, bin_ptr, cnt_ptr, topk, cnt_ptr, 0, 0, BS, BLOCK_HI,
+               BLOCK_N, TILES, F32DOT, C, BIN_C, PROMOTE, USE_TMA, EXACT, ROPE_Q, DT)
 
 
 _GATHER_DEFAULT = triton.Config({"BLOCK_N": 128, "TILES": 4}, num_warps=4, num_stages=1)
@@ -308,23 +343,15 @@ def _launch(q, weights, k_cache, block_table, req_idx, positions, max_len, out, 
     """Launch the logits kernel over the logits rows ``out`` (``tail`` = its arguments after the token bucket:
     ``(skip_window,)``) or, given ``select`` = (C, BIN_C), the one-launch kernel (``tail``: the selection's output,
     its row stride, the bin scratch, the row counters, topk)."""
-    T, HI, _ = q.shape
+    T = q.shape[0]
     bs = k_cache.shape[1]
     if q.stride(-1) != 1:
         q = q.contiguous()
-    interp = settings.triton_interpret() or q.device.type != "cuda"
-    exact = k_cache.dtype != torch.uint8
-    # the exact mode multiplies on tensor cores where queries and keys share a 16-bit dtype, else in IEEE float32
-    f32dot = interp or (exact and not (q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float16)))
-    cos, sin, stride_c, half = rope_launch_args(rope, q)
+    row, const, interp = logits_args(q, weights, k_cache, block_table, req_idx, positions, max_len, out, rope)
     bucket = triton.next_power_of_2(T)
-    args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache,
-            k_cache if exact else k_cache.view(torch.float32),
-            k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, cos, sin, stride_c, half,
-            out, out.stride(0), HI, max_len, *((bucket, *tail) if select else (*tail, bucket)))
-    const = dict(BS=bs, BLOCK_HI=max(16, triton.next_power_of_2(HI)), F32DOT=f32dot, EXACT=exact,
-                 ROPE_Q=rope is not None, DT=DTYPE_CODES[q.dtype], **(dict(C=select[0], BIN_C=select[1]) if select
-                                                                     else {}))
+    args = (*row, *((bucket, *tail) if select else (*tail, bucket)))
+    const.update(dict(C=select[0], BIN_C=select[1]) if select else {})
+    exact = const["EXACT"]
     if not interp and not cfg and not settings.no_autotune():
         grid = lambda meta: (T, triton.cdiv(max_len, meta["BLOCK_N"] * meta["TILES"]))  # noqa: E731
         ensure_tma_allocator()
@@ -342,6 +369,24 @@ def _launch(q, weights, k_cache, block_table, req_idx, positions, max_len, out, 
     kernel = _indexer_topk_kernel if select else _indexer_logits_kernel
     kernel[grid](*args, BLOCK_N=c["BLOCK_N"], TILES=c["TILES"], PROMOTE=c.get("PROMOTE", 128), USE_TMA=use_tma,
                  **const, num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl(q.device))
+
+
+def logits_args(q, weights, k_cache, block_table, req_idx, positions, max_len, out, rope) -> tuple[tuple, dict, bool]:
+    """(the logits kernels' arguments up to ``max_len``, their constexprs of the step, whether Triton interprets) for
+    the queries ``q`` [T, HI, <=128] (unit column stride) over the logits rows ``out``."""
+    HI = q.shape[1]
+    interp = settings.triton_interpret() or q.device.type != "cuda"
+    exact = k_cache.dtype != torch.uint8
+    # the exact mode multiplies on tensor cores where queries and keys share a 16-bit dtype, else in IEEE float32
+    f32dot = interp or (exact and not (q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float16)))
+    cos, sin, stride_c, half = rope_launch_args(rope, q)
+    args = (q, q.stride(0), q.stride(1), weights, weights.stride(0), k_cache,
+            k_cache if exact else k_cache.view(torch.float32),
+            k_cache.numel() // 128, block_table, block_table.stride(0), req_idx, positions, cos, sin, stride_c, half,
+            out, out.stride(0), HI, max_len)
+    const = dict(BS=k_cache.shape[1], BLOCK_HI=max(16, triton.next_power_of_2(HI)), F32DOT=f32dot, EXACT=exact,
+                 ROPE_Q=rope is not None, DT=DTYPE_CODES[q.dtype])
+    return args, const, interp
 
 
 def _config_dict(c: triton.Config) -> dict:
@@ -428,13 +473,20 @@ def indexer_topk_paged(q, weights, k_cache, block_table, req_idx, positions, top
         logits = indexer_logits_paged(q, weights, k_cache, block_table, req_idx, positions, out=logits_buf,
                                       validate=False, skip_window=topk, rope=rope, cfg=cfg)
         return topk_from_logits(logits, positions, topk, out=out, validate=False)
-    logits = logits_buf if logits_buf is not None else torch.empty(T, max_len, dtype=torch.float32, device=q.device)
-    if out is None:
-        out = torch.empty(T, topk, dtype=torch.int32, device=q.device)
-    bins = torch.empty(T, 8 * select[1], dtype=torch.int32, device=q.device)
-    tail = (out, out.stride(0), bins, tile_counters(q.device, T), topk)
+    logits, out, tail = selection_buffers(T, max_len, topk, select, q.device, logits_buf, out)
     _launch(q, weights, k_cache, block_table, req_idx, positions, max_len, logits, cfg, rope, tail, select)
     return out
+
+
+def selection_buffers(T, max_len, topk, select, device, logits=None, out=None, counters=None):
+    """(the logits rows [T, max_len], the selection [T, topk], the one-launch kernel's arguments after the logits
+    rows: the selection, its row stride, the bin scratch of the round ``select`` = (C, BIN_C), the rows' ticket
+    counters (``counters``, else the first T of ``fp8_parts.tile_counters``), topk)."""
+    logits = logits if logits is not None else torch.empty(T, max_len, dtype=torch.float32, device=device)
+    out = out if out is not None else torch.empty(T, topk, dtype=torch.int32, device=device)
+    bins = torch.empty(T, 8 * select[1], dtype=torch.int32, device=device)
+    counters = counters if counters is not None else tile_counters(device, T)
+    return logits, out, (out, out.stride(0), bins, counters, topk)
 
 
 def exact_indexer_topk_paged(q, weights, cache, block_table, req_idx, positions, topk: int, *,

@@ -19,6 +19,8 @@ launch that produces q_nope and q_pe (:func:`fp8_linear_latent_query`, ``fp8_gem
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -527,28 +529,21 @@ def latent_query(q_nope, w_uk, q_pe, rope=None):
 
 
 @triton.jit
-def _gemm_latent_query_kernel(
-        a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr, M, N, K, KG,
+def gemm_latent_query_task(
+        task, a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr, M, N, K, KG,
         KG_PER_SPLIT: tl.constexpr, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, stride_um,
         qn_ptr, w_ptr, pe_ptr, cos_ptr, sin_ptr, q_ptr, s_qn_t, s_qn_h, s_w_h, s_w_d, s_pe_t, s_pe_h, stride_c, T,
-        H: tl.constexpr, D, RA, RP, HALF, task_ptr, q_start, head_cols,
+        H: tl.constexpr, D, RA, RP, HALF, task_ptr, q_start, head_cols, i_start, i_cols,
         A_MODE: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr, NO_K_MASK: tl.constexpr,
         SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
         R: tl.constexpr, DR: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, ROPE: tl.constexpr,
-        Q_DT: tl.constexpr, DT_PE: tl.constexpr, IEEE: tl.constexpr, SIGNALS: tl.constexpr, PDL: tl.constexpr):
-    """fxglm5::fp8_linear_latent_query in one launch of tasks (:mod:`fxglm5.lowering.triton.tasks`): each CTA takes a
-    task id. Tasks [0, tiles * SPLIT_K) are the GEMM's output tiles x K splits (``fp8_gemm.gemm_tile`` with
-    ``_gemm_kernel``'s arguments, the tile fastest; the GEMM has one M tile, so a tile is a column tile); the CTA
-    that completes a tile (unsplit, or its FIXUP's last split) signals dependency h of each query head h whose
-    ``head_cols`` columns from ``q_start + h * head_cols`` (q_nope, then q_pe) the tile holds (at most ``SIGNALS``).
-    The tasks after them are the latent query's programs (:func:`latent_query_tile` with :func:`_latent_query_kernel`'s
-    arguments, ``q_ptr`` its output and ``Q_DT`` its dtype code), head by head (token tile, then column tile,
-    fastest): each waits until every tile of its head's columns has signalled, then reads them from L2. A task waits
-    only on tasks before it, so the launch cannot deadlock; the last CTA resets the H dependency counters. The PDL
-    wait comes first: a task's role is known only once its id is taken."""
-    pdl_prologue(PDL)
-    task = tasks.take(task_ptr)
+        Q_DT: tl.constexpr, DT_PE: tl.constexpr, IEEE: tl.constexpr, SIGNALS: tl.constexpr,
+        INDEX: tl.constexpr = False):
+    """Task ``task`` of :func:`_gemm_latent_query_kernel` (a GEMM tile or a latent query program), its own function
+    so that the launch that also runs the indexer (``latent_query_indexer``) runs these tasks with the same code.
+    ``INDEX``: a finished tile that holds any of the ``i_cols`` columns from ``i_start`` (the indexer's query) also
+    signals dependency H."""
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     if task < tiles * SPLIT_K:
         tile = task % tiles
@@ -560,14 +555,54 @@ def _gemm_latent_query_kernel(
             for i in tl.static_range(SIGNALS):
                 if (first + i < H) & (q_start + (first + i) * head_cols < (tile + 1) * BLOCK_N):
                     tasks.signal(task_ptr, first + i)
+            if INDEX:
+                if (i_start < (tile + 1) * BLOCK_N) & (tile * BLOCK_N < i_start + i_cols):
+                    tasks.signal(task_ptr, H)
     else:
         query = task - tiles * SPLIT_K
         h = query // (tl.cdiv(T, BT) * (R // BR))
         start = q_start + h * head_cols
-        tasks.wait(task_ptr, h, (start + head_cols - 1) // BLOCK_N - start // BLOCK_N + 1)
+        tasks.wait(task_ptr, h, tiles_over(start, head_cols, BLOCK_N))
         latent_query_tile(query // (R // BR) % tl.cdiv(T, BT), h, query % (R // BR), qn_ptr, w_ptr, pe_ptr, cos_ptr,
                           sin_ptr, q_ptr, s_qn_t, s_qn_h, s_w_h, s_w_d, s_pe_t, s_pe_h, stride_c, T, H, D, RA, RP,
                           HALF, R, DR, BT, BR, BK, ROPE, Q_DT, DT_PE, IEEE)
+
+
+@triton.jit
+def tiles_over(start, cols, BLOCK_N: tl.constexpr):
+    """How many column tiles of BLOCK_N hold some of the ``cols`` columns from ``start``: the signals a consumer of
+    those columns waits for (one a finished tile)."""
+    return (start + cols - 1) // BLOCK_N - start // BLOCK_N + 1
+
+
+@triton.jit
+def _gemm_latent_query_kernel(
+        a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr, M, N, K, KG,
+        KG_PER_SPLIT: tl.constexpr, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, stride_um,
+        qn_ptr, w_ptr, pe_ptr, cos_ptr, sin_ptr, q_ptr, s_qn_t, s_qn_h, s_w_h, s_w_d, s_pe_t, s_pe_h, stride_c, T,
+        H: tl.constexpr, D, RA, RP, HALF, task_ptr, q_start, head_cols,
+        A_MODE: tl.constexpr, GATED_A: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr, INTERPRET: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr, NO_K_MASK: tl.constexpr,
+        SCALAR_SB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+        R: tl.constexpr, DR: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, ROPE: tl.constexpr,
+        Q_DT: tl.constexpr, DT_PE: tl.constexpr, IEEE: tl.constexpr, SIGNALS: tl.constexpr, PDL: tl.constexpr):
+    """fxglm5::fp8_linear_latent_query in one launch of tasks (:mod:`fxglm5.lowering.triton.tasks`): each CTA takes a
+    task id and runs :func:`gemm_latent_query_task`. Tasks [0, tiles * SPLIT_K) are the GEMM's output tiles x K splits
+    (``fp8_gemm.gemm_tile`` with ``_gemm_kernel``'s arguments, the tile fastest; the GEMM has one M tile, so a tile is
+    a column tile); the CTA that completes a tile (unsplit, or its FIXUP's last split) signals dependency h of each
+    query head h whose ``head_cols`` columns from ``q_start + h * head_cols`` (q_nope, then q_pe) the tile holds (at
+    most ``SIGNALS``). The tasks after them are the latent query's programs (:func:`latent_query_tile` with
+    :func:`_latent_query_kernel`'s arguments, ``q_ptr`` its output and ``Q_DT`` its dtype code), head by head (token
+    tile, then column tile, fastest): each waits until every tile of its head's columns has signalled, then reads
+    them from L2. A task waits only on tasks before it, so the launch cannot deadlock; the last CTA resets the H
+    dependency counters. The PDL wait comes first: a task's role is known only once its id is taken."""
+    pdl_prologue(PDL)
+    gemm_latent_query_task(
+        tasks.take(task_ptr), a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, out_ptr, cnt_ptr, up_ptr, M, N, K, KG,
+        KG_PER_SPLIT, stride_am, stride_asm, stride_bn, stride_bsn, stride_cm, stride_cs, stride_um, qn_ptr, w_ptr,
+        pe_ptr, cos_ptr, sin_ptr, q_ptr, s_qn_t, s_qn_h, s_w_h, s_w_d, s_pe_t, s_pe_h, stride_c, T, H, D, RA, RP, HALF,
+        task_ptr, q_start, head_cols, 0, 0, A_MODE, GATED_A, DT, DOT_F32, INTERPRET, HAS_BIAS, SPLIT_K, FIXUP,
+        NO_K_MASK, SCALAR_SB, BLOCK_M, BLOCK_N, GROUP_M, R, DR, BT, BR, BK, ROPE, Q_DT, DT_PE, IEEE, SIGNALS)
     tasks.finish(task_ptr, H)
 
 
@@ -600,9 +635,42 @@ def fp8_linear_latent_query(x, weight, weight_scale_inv, bias, act_quant, w_uk, 
     the latent query reads only the GEMM's query columns, and at decode its 128 programs (8 heads x 16 column tiles)
     run beside the GEMM's last tiles instead of after the indexer. Elsewhere (prefill, the GEMV, a GEMM of several
     launches) ``fp8_linear``, then :func:`latent_query`: the chain's launches and bits."""
+    heads, n, lead = w_uk.shape[0], weight.shape[0], x.shape[:-1]
+    joined = joined_launch(x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim, rope, heads)
+    if joined is None:
+        out, q = separate_latent_query(x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim, rope)
+    else:
+        out, q = joined.out, joined.query
+        _gemm_latent_query_kernel[(joined.tasks,)](*joined.args, **joined.meta, **pdl(x.device))
+    return out.view(*lead, n), q.view(*lead, heads, ref.LATENT_DIM)
+
+
+def separate_latent_query(x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim, rope):
+    """fp8_linear's launches, then :func:`latent_query`'s: (out [tokens, N], the latent query [tokens, H, 576])."""
+    heads, nope = w_uk.shape[:2]
+    out = fp8_linear(x.reshape(-1, weight.shape[1]), weight, weight_scale_inv, bias, act_quant)
+    q_nope, q_pe = query_heads(out, q_start, heads, nope, rope_dim)
+    return out, latent_query(q_nope, w_uk, q_pe, rope)
+
+
+class JoinedLaunch(NamedTuple):
+    """The GEMM's and the latent query's tasks of one launch: the GEMM's output [tokens, N] and the latent query
+    [tokens, H, 576] it will write, its tasks (the GEMM's tiles x splits, then the query's programs), the GEMM's
+    output tiles (the FIXUP counters it takes from ``fp8_parts.tile_counters``), the kernel's positional arguments
+    up to ``head_cols`` and its constexprs with the launch options (no PDL's)."""
+    out: torch.Tensor
+    query: torch.Tensor
+    tasks: int
+    tiles: int
+    args: tuple
+    meta: dict
+
+
+def joined_launch(x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim, rope, deps):
+    """:class:`JoinedLaunch` of :func:`fp8_linear_latent_query`'s one launch (``deps``: the task counters it needs,
+    at least the H heads'), or None where :func:`latent_query_joins` says the two launches run."""
     n, k = weight.shape
     heads, nope = w_uk.shape[:2]
-    lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     m = x2.shape[0]
@@ -610,20 +678,17 @@ def fp8_linear_latent_query(x, weight, weight_scale_inv, bias, act_quant, w_uk, 
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     joined = latent_query_joins(x2, weight, weight_scale_inv, bias, act_quant, out)
     if joined is None:
-        out = fp8_linear(x2, weight, weight_scale_inv, bias, act_quant)
-        q_nope, q_pe = query_heads(out, q_start, heads, nope, rope_dim)
-        return out.view(*lead, n), latent_query(q_nope, w_uk, q_pe, rope).view(*lead, heads, ref.LATENT_DIM)
+        return None
     gemm, cfg = joined
     q = torch.empty(m, heads, ref.LATENT_DIM, dtype=x.dtype, device=x.device)
     q_nope, q_pe = (_contig_rows(t) for t in query_heads(out, q_start, heads, nope, rope_dim))
     grid, args, meta = _latent_query_launch(q_nope, w_uk, q_pe, rope, q)
     meta["Q_DT"] = meta.pop("DT")
     head_cols = nope + rope_dim
-    _gemm_latent_query_kernel[(gemm.grid[0] * gemm.grid[1] + grid[0] * grid[1] * grid[2],)](
-        *gemm.args, *args, tasks.counters(x.device, heads), q_start, head_cols, **gemm.meta, **meta,
-        SIGNALS=triton.cdiv(gemm.meta["BLOCK_N"] - 1, head_cols) + 1, num_warps=LATENT_QUERY_WARPS,
-        num_stages=cfg["num_stages"], **pdl(x.device))
-    return out.view(*lead, n), q.view(*lead, heads, ref.LATENT_DIM)
+    meta.update(gemm.meta, SIGNALS=triton.cdiv(gemm.meta["BLOCK_N"] - 1, head_cols) + 1,
+                num_warps=LATENT_QUERY_WARPS, num_stages=cfg["num_stages"])
+    return JoinedLaunch(out, q, gemm.grid[0] * gemm.grid[1] + grid[0] * grid[1] * grid[2], gemm.grid[0],
+                        (*gemm.args, *args, tasks.counters(x.device, deps), q_start, head_cols), meta)
 
 
 def slots_from_positions(block_table, req_idx, positions, block_size: int = 64, *, validate: bool = True):
