@@ -337,15 +337,20 @@ def _moe_router_triton(x, weight, bias, top_k, n_group, topk_group, renormalize,
           _fp8_linear_supported(x, weight, scale, bias, act_quant))
 def _fp8_linear_latent_query_triton(x, weight, scale, bias, act_quant, w_uk, q_start, rope_dim, rope_cos=None,
                                     rope_sin=None):
-    """The tokens' RoPE tables [..., rope_dim / 2] flattened to [tokens, rope_dim / 2], as the cached ops' bodies
-    flatten theirs (``paged_steps``)."""
     from fxglm5.lowering.reference.fused import validate_fp8_linear_latent_query
-    from fxglm5.lowering.triton.paged_cache import fp8_linear_latent_query
 
     validate_fp8_linear_latent_query(x, weight, scale, bias, w_uk, q_start, rope_dim, rope_cos, rope_sin)
-    rope = None if rope_cos is None else (rope_cos.reshape(-1, rope_cos.shape[-1]),
-                                          rope_sin.reshape(-1, rope_sin.shape[-1]))
-    return fp8_linear_latent_query(x, weight, scale, bias, act_quant, w_uk, q_start, rope_dim, rope)
+    return _TRITON_PAGED.fp8_linear_latent_query(x, weight, scale, bias, act_quant, w_uk, q_start, rope_dim, rope_cos,
+                                                 rope_sin)
+
+
+def _latent_query_indexer_supported(x, weight, scale, bias, act_quant, *rest):
+    """The GEMM as the Triton fp8_linear takes it (the indexer's Triton kernels take every index cache)."""
+    return _fp8_linear_supported(x, weight, scale, bias, act_quant)
+
+
+_register_cached_op("fp8_linear_latent_query_indexer", paged_steps.latent_query_indexer_step,
+                    _latent_query_indexer_supported)
 
 
 @register("silu_mul_fp8_linear", "triton",

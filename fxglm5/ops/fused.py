@@ -44,6 +44,16 @@ against it. Signatures:
   then ``rope_dim`` q_pe columns): ``[q_nope . W_UK | q_pe]`` per head, q_pe rotated by the [..., rope_dim / 2]
   tables where given, as the cached attention ops make it (``fxglm5.ops.cached``), which then take it as their
   ``q_latent``: the q_b | wq_b GEMM with its latent query, at decode one launch.
+- ``fp8_linear_latent_query_indexer(x [N, S, K], weight e4m3 [n, K], weight_scale_inv, bias?, act_quant, w_uk,
+  q_start, rope_dim, rope_cos?, rope_sin?, index_start, index_heads, index_dim, weights f32 [N, S, HI], topk,
+  index_cache, slot_mapping, block_table, req_idx, positions, max_positions, rope_q, group?, world) -> (out [N, S, n],
+  q [N, S, H, 576], int32 [N, S, topk])``: ``fp8_linear_latent_query`` and the DSA indexer's top-k as ``rtp_indexer``
+  returns it for the query of ``index_heads`` heads of ``index_dim`` columns from ``index_start`` in the GEMM's output
+  (the stacked wq_b's part, each head zero-padded to 128; turned by the RoPE tables where ``rope_q``), its head
+  ``weights``, over ``index_cache`` (this step's keys already written: ``rms_norm_write_caches`` wrote them, so the op
+  only reads the cache), ``group`` / ``world`` as rtp_indexer's: the q_b | wq_b GEMM with the latent query and the
+  indexer, at decode one launch. The body is ``paged_steps.latent_query_indexer_step``; it validates the indexer's
+  context as rtp_indexer does.
 - ``silu_mul_fp8_linear(gate [..., I], up [..., I], weight e4m3 [N, I], weight_scale_inv, bias?, act_quant) ->
   [..., N]``: ``fp8_linear(silu(gate) * up, ...)``, the gated MLP's down projection with its activation.
 - ``rms_norm_write_caches(x [N, S, Q], weight [Q], eps, kv_c [N, S, R], k_pe [N, S, dr], kv_cache, k [N, S, D]?,
@@ -68,7 +78,7 @@ from torch import Tensor
 
 from fxglm5.lowering.reference import fused as ref
 from fxglm5.lowering.reference import paged
-from fxglm5.lowering.reference.paged_steps import norm_write_caches_step
+from fxglm5.lowering.reference.paged_steps import latent_query_indexer_step, norm_write_caches_step
 
 
 @torch.library.custom_op("fxglm5::add_rms_norm", mutates_args=())
@@ -150,6 +160,29 @@ def fp8_linear_latent_query(x: Tensor, weight: Tensor, weight_scale_inv: Tensor,
 def _(x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim, rope_cos=None, rope_sin=None):
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
     return out, x.new_empty(*x.shape[:-1], w_uk.shape[0], paged.LATENT_DIM)
+
+
+@torch.library.custom_op("fxglm5::fp8_linear_latent_query_indexer", mutates_args=())
+def fp8_linear_latent_query_indexer(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, bias: Optional[Tensor],
+                                    act_quant: bool, w_uk: Tensor, q_start: int, rope_dim: int,
+                                    rope_cos: Optional[Tensor], rope_sin: Optional[Tensor], index_start: int,
+                                    index_heads: int, index_dim: int, weights: Tensor, topk: int, index_cache: Tensor,
+                                    slot_mapping: Tensor, block_table: Tensor, req_idx: Tensor, positions: Tensor,
+                                    max_positions: int, rope_q: bool = False, group: Optional[str] = None,
+                                    world: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    out, q, top = latent_query_indexer_step(
+        paged, x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim, rope_cos, rope_sin, index_start,
+        index_heads, index_dim, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions,
+        max_positions, rope_q, group, world)
+    return out.contiguous(), q.contiguous(), top.contiguous()
+
+
+@fp8_linear_latent_query_indexer.register_fake
+def _(x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim, rope_cos, rope_sin, index_start,
+      index_heads, index_dim, weights, topk, *context):
+    lead = x.shape[:-1]
+    return (x.new_empty(*lead, weight.shape[0]), x.new_empty(*lead, w_uk.shape[0], paged.LATENT_DIM),
+            x.new_empty(*lead, topk, dtype=torch.int32))
 
 
 @torch.library.custom_op("fxglm5::silu_mul_fp8_linear", mutates_args=())

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fxglm5.contracts import KV_LORA_RANK, ROPE_DIM
+from fxglm5.contracts import INDEX_DIM, KV_LORA_RANK, ROPE_DIM
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fp8 as ref_fp8
 from fxglm5.lowering.reference import norm_rope as ref_norm_rope
@@ -173,6 +173,26 @@ def query_heads(out: Tensor, q_start: int, heads: int, nope: int, rope_dim: int)
     q = out[..., q_start:q_start + heads * (nope + rope_dim)]
     q_nope, q_pe = q.view(*q.shape[:-1], heads, nope + rope_dim).split([nope, rope_dim], dim=-1)
     return q_nope, q_pe
+
+
+def index_query(out: Tensor, index_start: int, heads: int, dim: int) -> Tensor:
+    """The indexer's query [..., heads, dim] in a GEMM's output ``out`` [..., N] from column ``index_start`` (the
+    stacked q_b | wq_b GEMM's wq_b part), as the graph takes it (a slice of the last dim, a view into heads)."""
+    return out[..., index_start:index_start + heads * dim].view(*out.shape[:-1], heads, dim)
+
+
+def validate_index_query(x: Tensor, weight: Tensor, index_start: int, heads: int, dim: int) -> None:
+    """The indexer's query heads in the GEMM's output (``fp8_linear_latent_query_indexer``): x [N, S, K] (the
+    indexer's tokens), ``heads`` heads of ``dim`` <= INDEX_DIM columns from ``index_start``, inside the output."""
+    if not isinstance(x, Tensor) or x.dim() != 3:
+        raise InputError(f"fp8_linear_latent_query_indexer x: expected [N, S, K] (the indexer's tokens), got "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    if heads <= 0 or not 0 < dim <= INDEX_DIM or dim % 2:
+        raise InputError(f"fp8_linear_latent_query_indexer index_heads / index_dim: {heads} heads of {dim}, expected "
+                         f"heads of an even width in (0, {INDEX_DIM}]")
+    if index_start < 0 or index_start + heads * dim > weight.shape[0]:
+        raise InputError(f"fp8_linear_latent_query_indexer index_start: the indexer's {heads} heads of {dim} columns "
+                         f"from column {index_start} do not fit in the GEMM's {weight.shape[0]} output columns")
 
 
 def validate_fp8_linear_latent_query(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, bias: Optional[Tensor],

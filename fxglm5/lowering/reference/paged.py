@@ -37,8 +37,9 @@ from fxglm5.contracts import (COMPUTE_DTYPES, FP8_BLOCK, FP8_MAX, FP8_ROPE_OFFSE
                               INDEX_DIM, INDEX_ROW_BYTES, KV_LORA_RANK, LATENT_DIM, ROPE_DIM, topk_lowest_index_ties)
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import fused, norm_rope
-# latent_query: a paged step's kernel, defined beside the fused op whose reference it is part of
-from fxglm5.lowering.reference.fused import latent_query, pad_last
+# latent_query, fp8_linear_latent_query: a paged step's kernels, defined beside the fused ops whose references they are
+# part of
+from fxglm5.lowering.reference.fused import fp8_linear_latent_query, latent_query, pad_last
 
 FP8_GROUP = FP8_BLOCK
 AMAX_FLOOR = 1e-10
@@ -53,6 +54,7 @@ __all__ = [
     "write_index_keys",
     "rms_norm_write_caches",
     "latent_query",
+    "fp8_linear_latent_query",
     "project_out",
     "validate_project_out",
     "prepare_latent_rows",

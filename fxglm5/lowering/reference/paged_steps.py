@@ -22,7 +22,8 @@ from torch import Tensor
 from fxglm5.errors import InputError
 from fxglm5.lowering.reference import norm_rope, paged
 from fxglm5.lowering.reference.collectives import gather_split_rows
-from fxglm5.lowering.reference.fused import validate_f32_linear
+from fxglm5.lowering.reference.fused import (index_query, validate_f32_linear, validate_fp8_linear_latent_query,
+                                             validate_index_query)
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -114,32 +115,82 @@ def indexer_step(kern, q, k, weights, topk, index_cache, slot_mapping, block_tab
     writes every key (its later queries read them all); with a ``group`` of ``world`` ranks a step large enough
     selects on each rank its share of the tokens only (:func:`_selection`). ``rope_q``: the selection rotates the
     query by the key's tables (the kernel set's ``rope`` argument), so no RoPE of its own runs before it.
-    ``written``: an earlier op (``fxglm5::rms_norm_write_caches``) wrote and validated this step's keys."""
+    ``written``: an earlier op (``fxglm5::rms_norm_write_caches``) wrote and validated this step's keys (then ``k``
+    may be None: nothing reads it)."""
+    qf, kf, wf, rope, norm = _indexer_inputs(q, k, weights, rope_cos, rope_sin, k_norm_weight, k_norm_bias,
+                                             k_norm_eps, rope_q, written)
+    if validate:
+        _check_indexer(q, qf, kf, wf, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions,
+                       max_positions, rope, norm, rope_q, written)
+    if not written:
+        kern.write_index_keys(index_cache, kf, slot_mapping, norm=norm, rope=rope)
+    fp8 = index_cache.dtype == torch.uint8
+    select = functools.partial(kern.indexer_topk_paged, validate=False) if fp8 else kern.exact_indexer_topk_paged
+    out = _selection(select, qf, wf, index_cache, block_table, req_idx, positions, topk, group, world,
+                     rope if rope_q else None)
+    return out.view(*q.shape[:2], topk)
+
+
+def _indexer_inputs(q, k, weights, rope_cos, rope_sin, k_norm_weight, k_norm_bias, k_norm_eps, rope_q, written):
+    """rtp_indexer's inputs as its kernels take them: (q [T, HI, 128] zero-padded, k [T, D] (None where ``written``
+    and not given), weights [T, HI], the RoPE tables [T, R/2] or None, the key's LayerNorm or None)."""
     qf = _pad(_flat(q, "q", 4), paged.INDEX_DIM, "q")
-    kf = _flat(k, "k", 3)
+    kf = None if written and k is None else _flat(k, "k", 3)
     wf = _flat(weights, "weights", 3)
     rope = _rope(rope_cos, rope_sin)
     if rope_q and rope is None:
         raise InputError("rope_q: the query's RoPE needs rope_cos / rope_sin")
     norm = None if k_norm_weight is None else (k_norm_weight, k_norm_bias, k_norm_eps)
-    fp8 = index_cache.dtype == torch.uint8
-    if validate:
-        _check_index_cache(index_cache)
-        check_context(index_cache, slot_mapping, block_table, req_idx, positions, max_positions)
-        if not written:
-            _validate_index_write(index_cache, kf, slot_mapping, norm, rope)
-        if fp8:
-            paged.validate_indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk)
-        if tuple(wf.shape) != tuple(qf.shape[:2]):
-            raise InputError(f"weights: shape {tuple(weights.shape)} does not fit q {tuple(q.shape)}")
-        if rope_q:
-            norm_rope.validate_rope(qf, *rope)
+    return qf, kf, wf, rope, norm
+
+
+def _check_indexer(q, qf, kf, wf, weights, topk, index_cache, slot_mapping, block_table, req_idx, positions,
+                   max_positions, rope, norm, rope_q, written) -> None:
+    """rtp_indexer's validation (it syncs with the host), before any write."""
+    _check_index_cache(index_cache)
+    check_context(index_cache, slot_mapping, block_table, req_idx, positions, max_positions)
     if not written:
-        kern.write_index_keys(index_cache, kf, slot_mapping, norm=norm, rope=rope)
-    select = functools.partial(kern.indexer_topk_paged, validate=False) if fp8 else kern.exact_indexer_topk_paged
-    out = _selection(select, qf, wf, index_cache, block_table, req_idx, positions, topk, group, world,
-                     rope if rope_q else None)
-    return out.view(*q.shape[:2], topk)
+        _validate_index_write(index_cache, kf, slot_mapping, norm, rope)
+    if index_cache.dtype == torch.uint8:
+        paged.validate_indexer_topk_paged(qf, wf, index_cache, block_table, req_idx, positions, topk)
+    if tuple(wf.shape) != tuple(qf.shape[:2]):
+        raise InputError(f"weights: shape {tuple(weights.shape)} does not fit q {tuple(q.shape)}")
+    if rope_q:
+        norm_rope.validate_rope(qf, *rope)
+
+
+def latent_query_indexer_step(kern, x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim, rope_cos,
+                              rope_sin, index_start, index_heads, index_dim, weights, topk, index_cache, slot_mapping,
+                              block_table, req_idx, positions, max_positions, rope_q=False, group=None, world=1, *,
+                              validate=True):
+    """``fxglm5::fp8_linear_latent_query_indexer``'s body over a kernel set ``kern``: the chain it replaces,
+    ``fp8_linear_latent_query`` (the kernel set's), then rtp_indexer's body (:func:`indexer_step`, its keys
+    ``written``) over the indexer's query heads in the GEMM's output (``fused.index_query``); where the kernel set
+    runs all three in one launch (the Triton set's ``fp8_linear_latent_query_indexer``, a decode step), that one.
+    Everything is validated first, the indexer's query by a stand-in of its shape (the GEMM has not run yet);
+    ``validate=False`` skips the indexer's host-syncing checks (the GEMM's and the query layout's check shapes only
+    and always run)."""
+    validate_fp8_linear_latent_query(x, weight, weight_scale_inv, bias, w_uk, q_start, rope_dim, rope_cos, rope_sin)
+    validate_index_query(x, weight, index_start, index_heads, index_dim)
+    index = (weights, topk, index_cache, slot_mapping, block_table, req_idx, positions, max_positions, rope_cos,
+             rope_sin, None, None, 0.0, group, world, rope_q, True)
+    if validate:
+        stand_in = x.new_empty(*x.shape[:-1], index_heads, index_dim)
+        qf, kf, wf, rope, norm = _indexer_inputs(stand_in, None, weights, rope_cos, rope_sin, None, None, 0.0, rope_q,
+                                                 True)
+        _check_indexer(stand_in, qf, kf, wf, weights, topk, index_cache, slot_mapping, block_table, req_idx,
+                       positions, max_positions, rope, norm, rope_q, True)
+    joined = getattr(kern, "fp8_linear_latent_query_indexer", None)
+    if joined is not None:
+        result = joined(x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim, rope_cos, rope_sin,
+                        index_start, index_heads, index_dim, weights, topk, index_cache, block_table, req_idx,
+                        positions, rope_q, world)
+        if result is not None:
+            return result
+    out, q = kern.fp8_linear_latent_query(x, weight, weight_scale_inv, bias, act_quant, w_uk, q_start, rope_dim,
+                                          rope_cos, rope_sin)
+    top = indexer_step(kern, index_query(out, index_start, index_heads, index_dim), None, *index, validate=False)
+    return out, q, top
 
 
 def _selection(select, qf, wf, cache, block_table, req_idx, positions, topk, group, world, rope) -> Tensor:

@@ -407,6 +407,13 @@ def _launch_config(block_size: int, cfg: dict | None, interp: bool, exact: bool 
     return dict(base, **(cfg or {}))
 
 
+def gather_config(block_size: int, interp: bool, exact: bool = False) -> dict:
+    """The logits launch a kernel takes that runs the indexer's programs beside other work (``latent_query_indexer``:
+    no autotuner inside a launch of tasks, no TMA): the interpreter's small tiles, else the gather default (4 warps,
+    the warps of the tasks beside it)."""
+    return _launch_config(block_size, {"USE_TMA": False}, interp, exact)
+
+
 def tma_tiles_fit(block_size: int, block_n: int) -> bool:
     """TMA key tiles need 128-byte cache rows at block starts (block size % 32 == 0) and tiles inside a block."""
     return block_size % 32 == 0 and block_size % block_n == 0
