@@ -9,6 +9,7 @@ from fxglm5.passes import fuse_rope_into_indexer_query  # noqa: F401  (registrat
 from fxglm5.passes import fuse_add_rms_norm, fuse_cache_writes_into_q_norm, fuse_f32_linear  # noqa: F401
 from fxglm5.passes import fuse_add_rms_norm_into_gemm, fuse_add_rms_norm_into_moe  # noqa: F401  (registration)
 from fxglm5.passes import fuse_f32_linear_into_route, fuse_index_weights_into_q_norm  # noqa: F401  (registration)
+from fxglm5.passes import fuse_indexer_into_q_b  # noqa: F401  (registration)
 from fxglm5.passes import fuse_latent_query_into_q_b, fuse_local_experts_into_route  # noqa: F401  (registration)
 from fxglm5.passes import fuse_router_into_moe, fuse_shared_expert_into_moe  # noqa: F401  (registration)
 from fxglm5.passes import fuse_shared_add_into_moe, fuse_shared_input_gemms, fuse_silu_mul_into_down, lower  # noqa: F401

@@ -15,7 +15,7 @@ The fuse_kernels stage is the decode step's kernel count: each of its passes tur
 small kernels (an add and a norm, a cast and a float32 GEMV and two scalar multiplies, five ops of expert-id glue,
 the router's GEMV and its routing, a silu and a multiply before a GEMM, the shared expert's add after the MoE and
 its GEMMs beside the MoE's, the router beside the experts' GEMMs, the query latent's norm and the two cache writes
-beside it, the indexer's head weights beside those, the latent query beside the q_b GEMM, a residual add and norm
+beside it, the indexer's head weights beside those, the latent query and the indexer beside the q_b GEMM, a residual add and norm
 before the MoE or the GEMM that reads them) into one op of ``fxglm5.ops.fused`` whose reference is that chain. It runs on the
 device graph only (after shard and cache), where the chains are final; the lower stage then binds kernels.
 """
@@ -56,10 +56,12 @@ PIPELINE: dict[Stage, tuple[str, ...]] = {
     # GEMM that reads it; the cache
     # writes join the query's norm once the cache stage has folded their producers into the cached ops, then the
     # indexer's head weights join that op; then the latent query joins the stacked q_b GEMM whose query heads it
-    # reads (after the norm's pass, which finds the norm through the query as a view of that GEMM)
+    # reads (after the norm's pass, which finds the norm through the query as a view of that GEMM), then the indexer
+    # whose query is that GEMM's wq_b part joins the same op (once its keys and weights are the norm op's)
     Stage.FUSE_KERNELS: ("fuse_f32_linear", "fuse_local_experts_into_route", "fuse_f32_linear_into_route",
                          "fuse_shared_input_gemms", "fuse_cache_writes_into_q_norm", "fuse_index_weights_into_q_norm",
-                         "fuse_latent_query_into_q_b", "fuse_silu_mul_into_down", "fuse_shared_add_into_moe", "fuse_shared_expert_into_moe",
+                         "fuse_latent_query_into_q_b", "fuse_indexer_into_q_b", "fuse_silu_mul_into_down",
+                         "fuse_shared_add_into_moe", "fuse_shared_expert_into_moe",
                          "fuse_router_into_moe", "fuse_add_rms_norm", "fuse_add_rms_norm_into_moe",
                          "fuse_add_rms_norm_into_gemm"),
     Stage.LOWER: ("lower",),
