@@ -33,11 +33,11 @@ class TestLower(PassTemplate):
     # reads them, the FP8 linears as
     # fuse_shared_input_gemms leaves them (36 -> 20, the shared-indexer model's 32 -> 20) less the 3 shared experts' 2
     # each, inside their MoE (1 of the 14 left silu_mul_fp8_linear, 4 add_rms_norm_fp8_linear, 4 the q_b GEMMs with
-    # their latent query, fp8_linear_latent_query), the indexers (their
-    # head weights' f32_linears are inside rms_norm_write_caches, the routers' inside moe_router), the 4 attention ops
-    # and 3 MoE with their routers (no RoPE: the cache stage folded every one into the attention ops;
-    # fuse_router_into_moe every router into its MoE)
-    matches = {"fp8": 6 + 14 + 4 + 4 + 3, "shared": 6 + 14 + 2 + 4 + 3, "bf16": 31}
+    # their latent query and, in each layer with its own indexer, that indexer: fp8_linear_latent_query_indexer, else
+    # fp8_linear_latent_query; the indexers' head weights' f32_linears are inside rms_norm_write_caches, the routers'
+    # inside moe_router), the 4 attention ops and 3 MoE with their routers (no RoPE: the cache stage folded every one
+    # into the attention ops; fuse_router_into_moe every router into its MoE)
+    matches = {"fp8": 6 + 14 + 4 + 3, "shared": 6 + 14 + 4 + 3, "bf16": 27}
     ops = {"fp8": {}, "shared": {}}  # the nodes keep their ops (a bound op counts as the op it implements)
     near_misses = ("aten_rms_norm",)
 

@@ -19,21 +19,21 @@ PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [7, 1, 8]]  # one lo
 DECODE_MOE = ["_router_gate_up_kernel", "_moe_gemm_kernel"]
 # one decode step's attention block, from the stacked q_a | kv_a | wk GEMM (the residual add and the input norm in
 # its A loads) to o_proj's: the query latent's norm with both cache writes and the indexer's head weights, the stacked
-# q_b | wq_b GEMM with the latent query (W_UK, q_pe's RoPE) as the last tasks of its launch, the indexer (its logits
-# and top-k in one launch), the latent MLA with its W_UV combine as the last tasks of its launch, o_proj: six
-# launches; after the dense layer's MLP (its add and norm in its stacked gate | up GEMM, the gated down GEMM) and
-# before the MoE layer's MLP (its add and norm in the MoE's first launch): no add_rms_norm launch left
-DECODE_ATTENTION = ["_gemm_kernel", "_norm_write_caches_kernel", "_gemm_latent_query_kernel", "_indexer_topk_kernel",
+# q_b | wq_b GEMM with the latent query (W_UK, q_pe's RoPE) and then the indexer (its logits and top-k, its query's
+# RoPE) as the last tasks of its launch, the latent MLA with its W_UV combine as the last tasks of its launch,
+# o_proj: five launches; after the dense layer's MLP (its add and norm in its stacked gate | up GEMM, the gated down
+# GEMM) and before the MoE layer's MLP (its add and norm in the MoE's first launch): no add_rms_norm launch left
+DECODE_ATTENTION = ["_gemm_kernel", "_norm_write_caches_kernel", "_gemm_latent_query_indexer_kernel",
                     "_mla_project_kernel", "_gemm_kernel"]
 DENSE_MLP = ["_gemm_kernel", "_gemm_kernel"]
 
 
 def test_triton_path_same_tokens_as_reference(monkeypatch):
     """... and no RoPE kernel is launched, prefill or decode: every RoPE runs inside the attention ops' kernels (the
-    indexer query's in the indexer's kernel, which the decode steps launch: their windows exceed the top-k);
-    the indexer's logits and top-k are one launch in every step here (issue 45, item 5: at most 16 tokens, rows of
-    one top-k round), the 3-token prompt's rows (their windows fit in the top-k) selected without scores beside the
-    other prompt's;
+    indexer query's in the indexer's programs, which the decode steps run: their windows exceed the top-k);
+    the indexer's logits and top-k are the last tasks of the q_b | wq_b GEMM's launch in every step here (issue 45,
+    item 5: at most 16 tokens, rows of one top-k round; fuse_indexer_into_q_b), the 3-token prompt's rows (their
+    windows fit in the top-k) selected without scores beside the other prompt's: no indexer launch of its own;
     a decode MoE layer launches DECODE_MOE (issue 45, item 4: the router's GEMV and its routing inside the experts'
     gate|up launch, the shared expert's GEMMs inside the routed experts' two launches, the combine in the down
     launch: two launches, no _gemm_kernel or _combine_kernel among them; items 4-5: the residual add and the MLP's
@@ -42,10 +42,10 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     The query latent's RMSNorm, both cache writes and the indexer's head weights are one launch per layer and step
     (fuse_cache_writes_into_q_norm, fuse_index_weights_into_q_norm; every step here is GEMV-sized, the prefill's 15
     tokens too), and the latent query runs in the q_b | wq_b GEMM's launch (fuse_latent_query_into_q_b; up to 16
-    tokens, the prefill's 15 too): a decode step's attention block is DECODE_ATTENTION, no standalone norm, write,
-    GEMV or latent query kernel among them, and the MLA's W_UV combine runs in the MLA's launch (up to 16 tokens, chosen
-    per call): with DECODE_MOE a decode MoE layer is eight launches (issue 45, item 5: from nine, the MLP norm's
-    launch gone). The residual adds and norms before the MoE layer's attention and the dense layer's MLP run inside the
+    tokens, the prefill's 15 too), with the indexer after it: a decode step's attention block is DECODE_ATTENTION, no
+    standalone norm, write, GEMV, latent query or indexer kernel among them, and the MLA's W_UV combine runs in the
+    MLA's launch (up to 16 tokens, chosen per call): five launches, and with DECODE_MOE a decode MoE layer is seven
+    (issue 45, item 5: from eight, the indexer's launch gone). The residual adds and norms before the MoE layer's attention and the dense layer's MLP run inside the
     GEMMs that read them (fuse_add_rms_norm_into_gemm; up to 16 rows, the prefill's 15 too), and the MoE layer's MLP
     norm in the MoE's first launch: no add_rms_norm launch is left in any step, and the dense layer's MLP, the MoE
     layer's attention and its MoE follow each other without one."""
@@ -65,7 +65,7 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
         outputs[backend] = runner.generate(PROMPTS, 3)
     assert backends == {"reference": "reference", "triton": "triton/reference"}
     assert outputs["triton"] == outputs["reference"]
-    assert "_indexer_topk_kernel" in launched and "_rope_kernel" not in launched
+    assert "_indexer_topk_kernel" not in launched and "_rope_kernel" not in launched
     assert "_indexer_logits_kernel" not in launched and "_segment_topk_kernel" not in launched
     # every step's router (the prefill's 15 tokens and each decode step's 2, all GEMV-sized) runs in its experts'
     # gate|up launch: the GEMV's last CTA routes, no router or route kernel of its own
@@ -78,13 +78,14 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
     assert "_write_latent_fp8_kernel" not in launched and "_write_index_kernel" not in launched
     assert "_f32_gemv_kernel" not in launched
     assert launched.count("_norm_write_caches_kernel") == 2 * 3  # both layers, the prefill and two decode steps
-    assert launched.count("_gemm_latent_query_kernel") == 2 * 3 and "_latent_query_kernel" not in launched
+    assert launched.count("_gemm_latent_query_indexer_kernel") == 2 * 3 and "_latent_query_kernel" not in launched
+    assert "_gemm_latent_query_kernel" not in launched  # every layer's indexer joined its GEMM's launch
     last = len(launched) - launched[::-1].index("_norm_write_caches_kernel") - 1  # the last decode step's layer 1
     at = DECODE_ATTENTION.index("_norm_write_caches_kernel") + len(DENSE_MLP)
     assert launched[last - at:last - at + len(DENSE_MLP + DECODE_ATTENTION + DECODE_MOE)] == (
         DENSE_MLP + DECODE_ATTENTION + DECODE_MOE)
     assert "_add_rms_norm_kernel" not in launched  # the MoE layer's MLP norm in its gate|up launch, all 3 steps
-    assert len(DECODE_ATTENTION) + len(DECODE_MOE) == 8  # a decode MoE layer's launches
+    assert len(DECODE_ATTENTION) == 5 and len(DECODE_ATTENTION) + len(DECODE_MOE) == 7  # a decode MoE layer's
 
 
 @pytest.mark.parametrize("max_step_tokens, tiles", [(None, [40, 40]), (16, [16, 16, 16, 16])],
