@@ -27,7 +27,7 @@ from tests.kernels.sm90_reports import ptxas_report, report_each, reports_from_s
 H100_SMS = 132
 HEADS, NOPE, ROPE, RANK, Q_LORA, INDEX = 8, 192, 64, 512, 2048, 32 * 128
 VARIANTS = [(tokens, act_quant) for tokens in (1, 8, 16) for act_quant in (False, True)]
-_TYPES = {"bfloat16": "bf16", "float32": "fp32", "int32": "i32", "float8_e4m3fn": "fp8e4nv"}
+_TYPES = {"bfloat16": "bf16", "float32": "fp32", "int32": "i32", "float8_e4m3fn": "fp8e4nv", "uint8": "u8"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 

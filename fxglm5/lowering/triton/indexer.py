@@ -371,11 +371,18 @@ def _launch(q, weights, k_cache, block_table, req_idx, positions, max_len, out, 
                  **const, num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl(q.device))
 
 
-def logits_args(q, weights, k_cache, block_table, req_idx, positions, max_len, out, rope) -> tuple[tuple, dict, bool]:
-    """(the logits kernels' arguments up to ``max_len``, their constexprs of the step, whether Triton interprets) for
-    the queries ``q`` [T, HI, <=128] (unit column stride) over the logits rows ``out``."""
+def interpreted(device: torch.device) -> bool:
+    """Whether the kernels run interpreted for tensors on ``device`` (TRITON_INTERPRET=1, or not a CUDA device)."""
+    return settings.triton_interpret() or device.type != "cuda"
+
+
+def logits_args(q, weights, k_cache, block_table, req_idx, positions, max_len, out, rope,
+                interp: bool | None = None) -> tuple[tuple, dict, bool]:
+    """(the logits kernels' arguments up to ``max_len``, their constexprs of the step, whether Triton interprets:
+    ``interp``, else :func:`interpreted`) for the queries ``q`` [T, HI, <=128] (unit column stride) over the logits
+    rows ``out``."""
     HI = q.shape[1]
-    interp = settings.triton_interpret() or q.device.type != "cuda"
+    interp = interpreted(q.device) if interp is None else interp
     exact = k_cache.dtype != torch.uint8
     # the exact mode multiplies on tensor cores where queries and keys share a 16-bit dtype, else in IEEE float32
     f32dot = interp or (exact and not (q.dtype == k_cache.dtype and q.dtype in (torch.bfloat16, torch.float16)))

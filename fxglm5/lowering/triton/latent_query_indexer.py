@@ -34,14 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fxglm5 import settings
 from fxglm5.lowering.reference import paged as ref
 from fxglm5.lowering.reference.collectives import split_rows
 from fxglm5.lowering.reference.fused import index_query
 from fxglm5.lowering.triton import tasks
 from fxglm5.lowering.triton.device import interpreter_compat, pdl, pdl_prologue
 from fxglm5.lowering.triton.fp8_parts import tile_counters
-from fxglm5.lowering.triton.indexer import gather_config, logits_args, one_launch_round, select_row, selection_buffers
+from fxglm5.lowering.triton.indexer import (gather_config, interpreted, logits_args, one_launch_round, select_row,
+                                           selection_buffers)
 from fxglm5.lowering.triton.paged_cache import gemm_latent_query_task, joined_launch, tiles_over
 
 interpreter_compat()
@@ -104,7 +104,7 @@ def fp8_linear_latent_query_indexer(x, weight, weight_scale_inv, bias, act_quant
     ``fp8_linear_latent_query``'s launches and the indexer's."""
     k = weight.shape[1]
     tokens, max_len = x.numel() // k, block_table.shape[1] * index_cache.shape[1]
-    interp = settings.triton_interpret() or x.device.type != "cuda"
+    interp = interpreted(x.device)
     select = one_launch_round(tokens, max_len, topk, interp)
     if select is None or not tokens or not max_len or split_rows(tokens, world):
         return None
@@ -117,7 +117,7 @@ def fp8_linear_latent_query_indexer(x, weight, weight_scale_inv, bias, act_quant
     logits, top, tail = selection_buffers(tokens, max_len, topk, select, x.device, counters=counters)
     query = index_query(joined.out, index_start, index_heads, index_dim)
     row, const, _ = logits_args(query, weights.reshape(tokens, -1), index_cache, block_table, req_idx, positions,
-                                max_len, logits, rope if rope_q else None)
+                                max_len, logits, rope if rope_q else None, interp)
     cfg = gather_config(index_cache.shape[1], interp, const["EXACT"])
     assert cfg["num_warps"] == joined.meta["num_warps"]  # a launch has one warp count
     programs = tokens * triton.cdiv(max_len, cfg["BLOCK_N"] * cfg["TILES"])
