@@ -13,7 +13,9 @@ combine kernel after the align kernel's layout, and the router run as the first 
 before it as the first tasks of that launch (add_rms_norm_moe_router_fp8_shared) against add_rms_norm's kernel, the
 router's launch and the MoE's, and the latent query run as the last
 tasks of the q_b | wq_b GEMM's launch (fp8_linear_latent_query) against the GEMM's launch followed by the latent
-query's, also replayed from a CUDA graph."""
+query's, also replayed from a CUDA graph, and the DSA indexer run as the tasks after those
+(fp8_linear_latent_query_indexer) against that launch followed by the indexer's, at 2k and 8k contexts, also replayed
+from a CUDA graph."""
 
 import pytest
 import torch
@@ -630,3 +632,111 @@ def test_q_b_gemm_runs_the_latent_query_in_its_launch(monkeypatch, tokens, act_q
         assert same(out, separate()) and counters_at_zero()
     ref_out, ref_q = ref.fp8_linear_latent_query(x, w, s, None, act_quant, w_uk, 0, rope_dim, *rope)
     assert _rel(out[0], ref_out) < 2e-2 and _rel(out[1], ref_q) < 2e-2
+
+
+def _index_step(tokens, ctx, g):
+    """A decode step of ``tokens`` requests over GLM-5's FP8 index cache (64-token blocks, rows of ``ctx`` keys: the
+    block table's width): request r holds ``ctx - 37 * r`` keys (2k: windows of 1493 to 2011 keys, inside the
+    top-2048, and request 0's 2112 past it, the table one block wider; 8k: 7637 to 8192, every row selects) and its
+    token is at its last position."""
+    from fxglm5.lowering.reference import paged
+
+    width = ctx // 64 + (1 if ctx <= 2048 else 0)
+    lens = [min(ctx - 37 * r, width * 64) for r in range(tokens)]
+    if ctx <= 2048:
+        lens[0] = width * 64  # one row past the top-k
+    blocks = sum(-(-n // 64) for n in lens) + 1
+    cache = torch.zeros(blocks, 64, 132, dtype=torch.uint8, device="cuda")
+    table = torch.zeros(tokens, width, dtype=torch.int32, device="cuda")
+    free = (torch.randperm(blocks - 1, device="cuda", generator=g) + 1).int()
+    for r, n in enumerate(lens):
+        table[r, :-(-n // 64)] = free[:-(-n // 64)]
+        free = free[-(-n // 64):]
+        p = torch.arange(n, device="cuda")
+        keys = torch.randn(n, 128, device="cuda", generator=g).bfloat16()
+        paged.write_indexer_cache(cache, keys, paged.slots_from_positions(table, torch.full_like(p, r), p, 64))
+    req = torch.arange(tokens, dtype=torch.int32, device="cuda")
+    pos = torch.tensor([n - 1 for n in lens], dtype=torch.int32, device="cuda")
+    return cache, table, req, pos
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["no_pdl", "pdl"])
+@pytest.mark.parametrize("ctx", [2048, 8192], ids=["2k", "8k"])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_q_b_gemm_runs_the_latent_query_and_the_indexer_in_its_launch(monkeypatch, tokens, ctx, pdl):
+    """A TP8 rank's q_b | wq_b GEMM at decode with the latent query of its heads and the DSA indexer over its wq_b
+    columns (fxglm5::fp8_linear_latent_query_indexer): GLM-5's 8 heads of 192 + 64 query columns, then the indexer's
+    32 x 128 (its query turned by the RoPE tables), over the query latent's 2048 features, top-2048 over an FP8 index
+    cache of 64-token blocks at 2k (rows inside the top-k and one past it) and 8k contexts (bf16 tokens, W8A16). One
+    launch: the GEMM's tiles, the latent query's 128 programs, then the indexer's logits programs, each waiting for
+    the tiles of its query's columns, each row's last selecting it. Bit for bit the latent query's launch followed by
+    the indexer's one launch under the same logits configuration (indexer.gather_config), all three outputs, 20
+    calls in a row (the tasks' interleavings differ from call to call), then from a CUDA graph replayed twice over
+    new tokens; every counter (the tasks', the split-K's, the rows' tickets) back at 0 after each; without and with
+    programmatic dependent launch; the top-k sets close to the reference op's."""
+    import fxglm5.ops  # noqa: F401  (the reference op)
+    from fxglm5.lowering.reference.fused import index_query
+    from fxglm5.lowering.triton import indexer, latent_query_indexer, paged_cache
+
+    monkeypatch.setenv("FXGLM5_PDL", pdl)
+    heads, nope, rope_dim, hi, topk = 8, 192, 64, 32, 2048
+    n = heads * (nope + rope_dim) + hi * 128
+    g = torch.Generator(device="cuda").manual_seed(tokens + ctx)
+    w = (torch.randn(n, 2048, device="cuda", generator=g) * 0.5).to(torch.float8_e4m3fn)
+    s = torch.rand(n // 128, 2048 // 128, device="cuda", generator=g) * 0.02 + 0.005
+    w_uk = (torch.randn(heads, nope, 512, device="cuda", generator=g) / nope ** 0.5).bfloat16()
+    angles = torch.rand(1, tokens, rope_dim // 2, device="cuda", generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    x = torch.randn(1, tokens, 2048, device="cuda", generator=g).bfloat16()
+    weights = torch.randn(1, tokens, hi, device="cuda", generator=g) * hi ** -0.5
+    cache, table, req, pos = _index_step(tokens, ctx, g)
+    start = heads * (nope + rope_dim)
+    assert indexer.one_launch_round(tokens, table.shape[1] * 64, topk, False) is not None
+
+    def fused():
+        return latent_query_indexer.fp8_linear_latent_query_indexer(
+            x, w, s, None, False, w_uk, 0, rope_dim, cos, sin, start, hi, 128, weights, topk, cache, table, req, pos,
+            True, 1)
+
+    def separate():
+        rope = (cos.view(tokens, -1), sin.view(tokens, -1))
+        out, q = paged_cache.fp8_linear_latent_query(x, w, s, None, False, w_uk, 0, rope_dim, rope)
+        top = indexer.indexer_topk_paged(index_query(out, start, hi, 128).reshape(tokens, hi, 128),
+                                         weights.view(tokens, hi), cache, table, req, pos, topk, rope=rope,
+                                         cfg=indexer.gather_config(64, False))
+        return out, q, top.view(1, tokens, topk)
+
+    def same(a, b):
+        return all(torch.equal(u, v) for u, v in zip(a, b))
+
+    def counters_at_zero():
+        return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, heads + 1).any()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles outside the capture
+        eager, want = fused(), separate()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert eager is not None and same(eager, want) and counters_at_zero()
+    for _ in range(20):
+        assert same(fused(), want)
+    torch.cuda.synchronize()
+    assert counters_at_zero()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused()
+    for seed in range(2):
+        x.copy_(torch.randn(1, tokens, 2048, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same(out, separate()) and counters_at_zero()
+    reference = ref.fp8_linear_latent_query(x, w, s, None, False, w_uk, 0, rope_dim, cos, sin)
+    assert _rel(out[0], reference[0]) < 2e-2 and _rel(out[1], reference[1]) < 2e-2
+    slots = torch.full((tokens,), -1, dtype=torch.int32, device="cuda")
+    ref_top = torch.ops.fxglm5.fp8_linear_latent_query_indexer(
+        x, w, s, None, False, w_uk, 0, rope_dim, cos, sin, start, hi, 128, weights, topk, cache, slots, table, req,
+        pos, 1 << 20, True)[2]
+    for row, want_row in zip(out[2][0], ref_top[0]):  # the same set, up to near ties of the FP8 scores
+        got, wanted = set(row.tolist()) - {-1}, set(want_row.tolist()) - {-1}
+        assert len(got) == len(wanted) and len(got & wanted) >= 0.98 * len(wanted)
