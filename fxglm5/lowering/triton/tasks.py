@@ -4,7 +4,9 @@ dependencies as counters in global memory, consumers spinning on them), first us
 expert GEMMs that read its routing in one launch (``moe._router_gate_up_kernel``, whose first tasks are, at decode,
 the residual add and RMSNorm of the MoE's tokens: a second dependency, one signal a row), then the q_b GEMM and the
 latent query of its heads (``paged_cache._gemm_latent_query_kernel``: one dependency a head, signalled by each GEMM
-tile that holds its columns).
+tile that holds its columns), and after them, at decode, the DSA indexer over that GEMM's wq_b columns
+(``latent_query_indexer._gemm_latent_query_indexer_kernel``: one more dependency after the heads', signalled by each
+tile of those columns; each row's selection by a ticket on a counter of its own, which never waits).
 
 Vocabulary:
 - a **task** is one CTA's work; its id is **taken** from the launch's queue counter (:func:`take`), not read from
@@ -83,7 +85,7 @@ def finish(counters_ptr, NUM_DEPS: tl.constexpr):
 _COUNTERS: dict = {}
 # the counters a buffer holds at least: a launch that needs more replaces it, and a CUDA graph captured before that
 # would replay over the freed one, so the first buffer is made large enough for every launch there is (the latent
-# query's one dependency a head: GLM-5's 64 at TP1)
+# query's one dependency a head and the indexer's one after them: GLM-5's 64 + 1 at TP1)
 MIN_COUNTERS = 1024
 
 
