@@ -208,15 +208,16 @@ def collectives(graph) -> list[dict]:
     rank; and, as INDEXER_GATHER, the all_gather inside each rtp_indexer that shard_indexer split (``topk`` int32
     positions per row of the rank's share; it runs only in steps of at least MIN_ROWS_PER_RANK tokens a rank)."""
     found = collections.Counter()
-    names = [a.name for a in torch.ops.fxglm5.rtp_indexer.default._schema.arguments]
+    indexers = ("rtp_indexer", "fp8_linear_latent_query_indexer")  # the second: the indexer inside the q_b GEMM's op
+    names = {op: [a.name for a in getattr(torch.ops.fxglm5, op).default._schema.arguments] for op in indexers}
     for node in graph.graph.nodes:
         op = getattr(node.target, "op", None)
         if op in ("all_reduce", "all_gather"):
             val = node.args[0].meta["val"]
             row = math.prod(int(d) for d in val.shape if isinstance(d, int)) * val.element_size()
             found[(op, row)] += 1
-        elif op == "rtp_indexer":
-            args = {**dict(zip(names, node.args)), **node.kwargs}
+        elif op in indexers:
+            args = {**dict(zip(names[op], node.args)), **node.kwargs}
             if args.get("world", 1) > 1:
                 found[(INDEXER_GATHER, args["topk"] * 4)] += 1
     return [dict(op=op, count=n, bytes_per_row=row) for (op, row), n in sorted(found.items())]

@@ -142,7 +142,7 @@ def test_bench_rank_at_depth_tiny_runs_its_whole_flow(tmp_path, ep):
     assert top_k["ttft8k"]["bytes"] == top_k["tpot64x2k"]["bytes"] == 0
     assert run0["weights_gb"] and run0["kv_bytes_per_token"] == 4 * (656 + 132)
     assert detail["act_quant"] is False and "W8A16 FP8 GEMMs" in detail["setup"]  # fxglm5's default
-    assert run0["fp8_gemms"] == {"fp8_linear act_quant=False": 5, "fp8_linear_latent_query act_quant=False": 4,
+    assert run0["fp8_gemms"] == {"fp8_linear act_quant=False": 5, "fp8_linear_latent_query_indexer act_quant=False": 4,
                                  "add_rms_norm_fp8_linear act_quant=False": 4,
                                  "silu_mul_fp8_linear act_quant=False": 1,
                                  "add_rms_norm_moe_router_fp8_shared act_quant=False": 3}

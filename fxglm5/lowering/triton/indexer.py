@@ -23,7 +23,10 @@ shorter). Every logits path takes it: FP8 gathers or TMA boxes, the exact mode's
 step's shapes, inside ``fxglm5::rtp_indexer``'s Triton body (``indexer_topk_paged``, which
 ``fxglm5.lowering.reference.paged_steps.indexer_step`` calls): the op, its inputs and its result are unchanged, so no
 graph op and no pass. A pass could not make the choice: it rests on the token count and the block table's width,
-which the exported graph holds as dynamic sizes; each call (each decode graph's capture) has them.
+which the exported graph holds as dynamic sizes; each call (each decode graph's capture) has them. Where the
+indexer's query is the wq_b part of the q_b GEMM with its latent query (the pass ``fuse_indexer_into_q_b``), the same
+programs (:func:`select_row`) run as the last tasks of that GEMM's launch (``latent_query_indexer``), chosen per call
+by the same test.
 """
 
 from __future__ import annotations
