@@ -11,13 +11,14 @@ A stage's name is its string value, so ``"match"`` and ``Stage.MATCH`` are the s
 rank's tensor / expert-parallel part of the fused graph, ``PassContext.mapping``; a no-op at world size 1) is the
 first load-time stage: an exported artifact stores match + fuse only, so it stays rank-agnostic.
 
-The fuse_kernels stage is the decode step's kernel count: each of its passes turns a chain that ran as several
-small kernels (an add and a norm, a cast and a float32 GEMV and two scalar multiplies, five ops of expert-id glue,
-the router's GEMV and its routing, a silu and a multiply before a GEMM, the shared expert's add after the MoE and
-its GEMMs beside the MoE's, the router beside the experts' GEMMs, the query latent's norm and the two cache writes
-beside it, the indexer's head weights beside those, the latent query and the indexer beside the q_b GEMM, a residual add and norm
-before the MoE or the GEMM that reads them) into one op of ``fxglm5.ops.fused`` whose reference is that chain. It runs on the
-device graph only (after shard and cache), where the chains are final; the lower stage then binds kernels.
+The fuse_kernels stage is the decode step's kernel count: each of its passes turns a chain that ran as several small
+kernels (an add and a norm, a cast and a float32 GEMV and two scalar multiplies, five ops of expert-id glue, the
+router's GEMV and its routing, a silu and a multiply before a GEMM, the shared expert's add after the MoE and its
+GEMMs beside the MoE's, the router beside the experts' GEMMs, the query latent's norm and the two cache writes
+beside it, the indexer's head weights beside those, the latent query and the indexer beside the q_b GEMM, a residual
+add and norm before the MoE or the GEMM that reads them) into one op of ``fxglm5.ops.fused`` whose reference is that
+chain. It runs on the device graph only (after shard and cache), where the chains are final; the lower stage then
+binds kernels.
 """
 
 from __future__ import annotations

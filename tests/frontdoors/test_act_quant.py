@@ -36,11 +36,11 @@ from tests.paged_helpers import reference_logits
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [7, 1, 8]]
 SERVE = dict(kv_cache="bf16", block_size=16, max_cache_tokens=512, keep_logits=True)
 NEW = 4
-# the tiny model's 4 layers (1 dense, 3 MoE) after the passes: per layer the stacked q_a | kv_a | indexer wk GEMM,
-# the stacked q_b | indexer wq_b with the latent query and the indexer, o_proj and the dense MLP's stacked gate | up, the 4 of them
-# that read a residual add's norm with that add and norm (layers 1-3's q_a | kv_a | wk, layer 0's gate | up); its down
-# projection fused with its SiLU-mul; the routed experts with the shared expert's two GEMMs, its add, the router and
-# the residual add and norm before them
+# the tiny model's 4 layers (1 dense, 3 MoE) after the passes: per layer the stacked q_a | kv_a | indexer wk GEMM, the
+# stacked q_b | indexer wq_b with the latent query and the indexer, o_proj and the dense MLP's stacked gate | up, the
+# 4 of them that read a residual add's norm with that add and norm (layers 1-3's q_a | kv_a | wk, layer 0's gate |
+# up); its down projection fused with its SiLU-mul; the routed experts with the shared expert's two GEMMs, its add,
+# the router and the residual add and norm before them
 GEMMS = {"fp8_linear": 5, "fp8_linear_latent_query_indexer": 4, "add_rms_norm_fp8_linear": 4, "silu_mul_fp8_linear": 1,
          "add_rms_norm_moe_router_fp8_shared": 3}
 

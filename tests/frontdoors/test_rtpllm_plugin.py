@@ -199,9 +199,9 @@ def test_fxglm5_rtp_act_quant_makes_the_plugins_gemms_w8a8(rtp, fp8_ckpt, monkey
     """RTP's config has no activation setting to map (its FP8_PER_BLOCK names the weights' format; its own block-FP8
     linears are always W8A8): the plugin's W8A16 default holds unless FXGLM5_RTP_ACT_QUANT=1, which every rank
     inherits. Set, every FP8 GEMM and MoE of the plugin's program is W8A8 (the tiny model's 4 layers: 13 GEMMs, 4 of
-    them with the residual add and norm before them, 4 with the latent query and the indexer after them, the dense MLP's down
-    projection fused with its SiLU-mul, 3 MoE with their shared expert's GEMMs, their router and their norm) and RTP generates
-    the W8A8 Runner's tokens."""
+    them with the residual add and norm before them, 4 with the latent query and the indexer after them, the dense
+    MLP's down projection fused with its SiLU-mul, 3 MoE with their shared expert's GEMMs, their router and their
+    norm) and RTP generates the W8A8 Runner's tokens."""
     from fxglm5.compiler import act_quant_ops
     from fxglm5.rtpllm.config import act_quant
 

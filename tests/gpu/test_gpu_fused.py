@@ -605,11 +605,22 @@ def test_q_b_gemm_runs_the_latent_query_in_its_launch(monkeypatch, tokens, act_q
         q_nope, q_pe = ref.query_heads(out, 0, heads, nope, rope_dim)
         return out, paged_cache.latent_query(q_nope, w_uk, q_pe, rope)
 
-    def same(a, b):
-        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
     def counters_at_zero():
         return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, heads).any()
+
+    out = _bits_eager_then_replayed(fused, separate, counters_at_zero,
+                                    lambda g: x.copy_(torch.randn(x.shape, device="cuda", generator=g)))
+    ref_out, ref_q = ref.fp8_linear_latent_query(x, w, s, None, act_quant, w_uk, 0, rope_dim, *rope)
+    assert _rel(out[0], ref_out) < 2e-2 and _rel(out[1], ref_q) < 2e-2
+
+
+def _bits_eager_then_replayed(fused, separate, counters_at_zero, draw):
+    """``fused()`` (a tuple of tensors; None fails) against ``separate()`` bit for bit: once, compiled on a side stream
+    (outside any capture), 20 times in a row (a launch of tasks interleaves differently each time), then from a CUDA
+    graph replayed twice after ``draw(generator)`` refills the inputs; every counter back at 0 after each. Returns
+    the graph's outputs."""
+    def same(a, b):
+        return a is not None and all(torch.equal(u, v) for u, v in zip(a, b))
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -626,12 +637,11 @@ def test_q_b_gemm_runs_the_latent_query_in_its_launch(monkeypatch, tokens, act_q
     with torch.cuda.graph(graph):
         out = fused()
     for seed in range(2):
-        x.copy_(torch.randn(tokens, 2048, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        draw(torch.Generator(device="cuda").manual_seed(seed))
         graph.replay()
         torch.cuda.synchronize()
         assert same(out, separate()) and counters_at_zero()
-    ref_out, ref_q = ref.fp8_linear_latent_query(x, w, s, None, act_quant, w_uk, 0, rope_dim, *rope)
-    assert _rel(out[0], ref_out) < 2e-2 and _rel(out[1], ref_q) < 2e-2
+    return out
 
 
 def _index_step(tokens, ctx, g):
@@ -706,31 +716,11 @@ def test_q_b_gemm_runs_the_latent_query_and_the_indexer_in_its_launch(monkeypatc
                                          cfg=indexer.gather_config(64, False))
         return out, q, top.view(1, tokens, topk)
 
-    def same(a, b):
-        return all(torch.equal(u, v) for u, v in zip(a, b))
-
     def counters_at_zero():
         return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, heads + 1).any()
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compiles outside the capture
-        eager, want = fused(), separate()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    assert eager is not None and same(eager, want) and counters_at_zero()
-    for _ in range(20):
-        assert same(fused(), want)
-    torch.cuda.synchronize()
-    assert counters_at_zero()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused()
-    for seed in range(2):
-        x.copy_(torch.randn(1, tokens, 2048, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert same(out, separate()) and counters_at_zero()
+    out = _bits_eager_then_replayed(fused, separate, counters_at_zero,
+                                    lambda g: x.copy_(torch.randn(x.shape, device="cuda", generator=g)))
     reference = ref.fp8_linear_latent_query(x, w, s, None, False, w_uk, 0, rope_dim, cos, sin)
     assert _rel(out[0], reference[0]) < 2e-2 and _rel(out[1], reference[1]) < 2e-2
     slots = torch.full((tokens,), -1, dtype=torch.int32, device="cuda")

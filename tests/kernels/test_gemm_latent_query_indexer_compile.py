@@ -104,7 +104,8 @@ def _report(tokens: int, act_quant: bool, cache: str) -> dict:
     return dict(fused, tasks=grid[0], latent_query_ptxas=alone["ptxas"], latent_query_shared=alone["shared"],
                 latent_query_cg=alone["ptx"].count("ld.global.cg"),
                 latent_query_acq_rel=len(re.findall(_ACQ_REL, alone["ptx"])), indexer_ptxas=indexer["ptxas"],
-                indexer_shared=indexer["shared"], indexer_cg=indexer["ptx"].count("ld.global.cg"), num_warps=kwargs["num_warps"], F32DOT=kwargs["F32DOT"],
+                indexer_shared=indexer["shared"], indexer_cg=indexer["ptx"].count("ld.global.cg"),
+                num_warps=kwargs["num_warps"], F32DOT=kwargs["F32DOT"],
                 split=kwargs["SPLIT_K"], fixup=kwargs["FIXUP"])
 
 

@@ -30,25 +30,24 @@ DENSE_MLP = ["_gemm_kernel", "_gemm_kernel"]
 
 def test_triton_path_same_tokens_as_reference(monkeypatch):
     """... and no RoPE kernel is launched, prefill or decode: every RoPE runs inside the attention ops' kernels (the
-    indexer query's in the indexer's programs, which the decode steps run: their windows exceed the top-k);
-    the indexer's logits and top-k are the last tasks of the q_b | wq_b GEMM's launch in every step here (issue 45,
-    item 5: at most 16 tokens, rows of one top-k round; fuse_indexer_into_q_b), the 3-token prompt's rows (their
-    windows fit in the top-k) selected without scores beside the other prompt's: no indexer launch of its own;
-    a decode MoE layer launches DECODE_MOE (issue 45, item 4: the router's GEMV and its routing inside the experts'
-    gate|up launch, the shared expert's GEMMs inside the routed experts' two launches, the combine in the down
-    launch: two launches, no _gemm_kernel or _combine_kernel among them; items 4-5: the residual add and the MLP's
-    RMSNorm before it are the first tasks of its gate|up launch, fuse_add_rms_norm_into_moe, up to 16 tokens, the
-    prefill's 15 too).
+    indexer query's in the indexer's programs, which the decode steps run: their windows exceed the top-k); the
+    indexer's logits and top-k are the last tasks of the q_b | wq_b GEMM's launch in every step here (issue 45, item
+    5: at most 16 tokens, rows of one top-k round; fuse_indexer_into_q_b), the 3-token prompt's rows (their windows
+    fit in the top-k) selected without scores beside the other prompt's: no indexer launch of its own; a decode MoE
+    layer launches DECODE_MOE (issue 45, item 4: the router's GEMV and its routing inside the experts' gate|up
+    launch, the shared expert's GEMMs inside the routed experts' two launches, the combine in the down launch: two
+    launches, no _gemm_kernel or _combine_kernel among them; items 4-5: the residual add and the MLP's RMSNorm before
+    it are the first tasks of its gate|up launch, fuse_add_rms_norm_into_moe, up to 16 tokens, the prefill's 15 too).
     The query latent's RMSNorm, both cache writes and the indexer's head weights are one launch per layer and step
     (fuse_cache_writes_into_q_norm, fuse_index_weights_into_q_norm; every step here is GEMV-sized, the prefill's 15
     tokens too), and the latent query runs in the q_b | wq_b GEMM's launch (fuse_latent_query_into_q_b; up to 16
     tokens, the prefill's 15 too), with the indexer after it: a decode step's attention block is DECODE_ATTENTION, no
     standalone norm, write, GEMV, latent query or indexer kernel among them, and the MLA's W_UV combine runs in the
     MLA's launch (up to 16 tokens, chosen per call): five launches, and with DECODE_MOE a decode MoE layer is seven
-    (issue 45, item 5: from eight, the indexer's launch gone). The residual adds and norms before the MoE layer's attention and the dense layer's MLP run inside the
-    GEMMs that read them (fuse_add_rms_norm_into_gemm; up to 16 rows, the prefill's 15 too), and the MoE layer's MLP
-    norm in the MoE's first launch: no add_rms_norm launch is left in any step, and the dense layer's MLP, the MoE
-    layer's attention and its MoE follow each other without one."""
+    (issue 45, item 5: from eight, the indexer's launch gone). The residual adds and norms before the MoE layer's
+    attention and the dense layer's MLP run inside the GEMMs that read them (fuse_add_rms_norm_into_gemm; up to 16
+    rows, the prefill's 15 too), and the MoE layer's MLP norm in the MoE's first launch: no add_rms_norm launch is
+    left in any step, and the dense layer's MLP, the MoE layer's attention and its MoE follow each other without one."""
     from triton.runtime.interpreter import InterpretedFunction
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors: the Triton bindings need the interpreter

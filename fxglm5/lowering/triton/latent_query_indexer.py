@@ -30,7 +30,6 @@ standalone launch's autotuner may pick another, whose sums over the heads may ro
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
