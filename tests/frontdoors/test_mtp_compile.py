@@ -18,14 +18,14 @@ PREFILL, BLOCK = 10, 4
 # the shared expert's 3 in FP8 (eh_proj is bf16, as GLM-5-FP8 stores it); the router and the indexer's head weights
 # as f32_linear (the router's then folded into its router: moe_router), the shared expert's gate into its down GEMM,
 # then its two GEMMs into the MoE, then its router, the query latent's norm with both cache writes and the indexer's
-# head weights, the latent query with its q_b | wq_b GEMM, the attention's residual sum into the next norm, which
-# feeds the MoE, so it joins the MoE op and no GEMM
+# head weights, the latent query with its q_b | wq_b GEMM and then the indexer in that op, the attention's residual
+# sum into the next norm, which feeds the MoE, so it joins the MoE op and no GEMM
 MTP_COUNTS = {"match_sparse_mla": 1, "match_mla": 0, "match_rms_norm": 7, "match_rope": 4, "fuse_fp8_linear": 9,
               "fuse_fp8_moe": 1, "insert_paged_cache": 1, "select_sampled_rows": 1,
               "fuse_norm_rope_into_cache_writes": 2, "fuse_rope_into_indexer_query": 1, "fuse_f32_linear": 2,
               "fuse_local_experts_into_route": 0, "fuse_f32_linear_into_route": 1, "fuse_shared_input_gemms": 3,
               "fuse_cache_writes_into_q_norm": 1, "fuse_index_weights_into_q_norm": 1, "fuse_latent_query_into_q_b": 1,
-              "fuse_silu_mul_into_down": 1,
+              "fuse_indexer_into_q_b": 1, "fuse_silu_mul_into_down": 1,
               "fuse_shared_expert_into_moe": 1, "fuse_router_into_moe": 1,
               "fuse_add_rms_norm": 1, "fuse_add_rms_norm_into_moe": 1, "fuse_add_rms_norm_into_gemm": 0}
 

@@ -224,3 +224,12 @@ def test_opcheck_cached_ops(latent, index):
     made = {"q_latent": torch.randn(1, T, 2, 576, generator=gen)}  # the latent query given (fp8_linear_latent_query's)
     torch.library.opcheck(ops.rtp_sparse_mla.default, (*latent_args, top, 0.1, kv, *context), made)
     torch.library.opcheck(ops.rtp_mla.default, (*latent_args, 0.1, kv, *context), made)
+    # the q_b | wq_b GEMM (2 heads of 8 + 64 query columns, then the indexer's 2 heads of 128) with the latent query
+    # and this indexer over the index cache (its keys written already: the op only reads it), both turned by the
+    # tables; no test_schema: its alias checker multiplies tensors, which CPU float8 does not support
+    weight = (torch.randn(2 * 72 + 256, 256, generator=gen) * 0.1).to(torch.float8_e4m3fn)
+    angles = torch.rand(1, T, 32, generator=gen)
+    fused = (torch.randn(1, T, 256, generator=gen), weight, torch.rand(4, 2, generator=gen), None, False,
+             latent_args[4], 0, 64, angles.cos(), angles.sin(), 144, 2, 128, indexer[2], 3, index, *context, True)
+    torch.library.opcheck(ops.fp8_linear_latent_query_indexer.default, fused,
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))

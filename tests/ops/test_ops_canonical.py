@@ -83,7 +83,9 @@ OPCHECKED = ["fp8_linear", "moe_route", "moe_fp8", "mla", "indexer_topk", "spars
              "add_rms_norm", "f32_linear", "moe_route_local", "moe_router", "silu_mul_fp8_linear",
              "moe_fp8_add", "moe_fp8_shared", "moe_router_fp8_shared", "add_rms_norm_fp8_linear",
              "fp8_linear_latent_query", "add_rms_norm_moe_router_fp8_shared"]  # fxglm5.ops.fused
-OPCHECKED_CACHED = ["rtp_indexer", "rtp_sparse_mla", "rtp_mla"]  # tests/ops/test_cache_layout.py::test_opcheck_cached_ops
+# tests/ops/test_cache_layout.py::test_opcheck_cached_ops (fp8_linear_latent_query_indexer: fxglm5.ops.fused, over a
+# cached op's index cache and context)
+OPCHECKED_CACHED = ["rtp_indexer", "rtp_sparse_mla", "rtp_mla", "fp8_linear_latent_query_indexer"]
 OPCHECKED_WRITES = ["rms_norm_write_caches"]  # fxglm5.ops.fused, tests/ops/test_norm_write_caches.py::test_opcheck
 
 
