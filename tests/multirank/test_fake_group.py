@@ -186,7 +186,7 @@ def test_bench_rank_at_depth_tiny_act_quant_runs_w8a8_gemms_and_says_so(tmp_path
         detail = json.load(f)
     assert table["command"].endswith("python bench/rank_at_depth.py " + " ".join(flags))
     assert [(r["point"], r["status"]) for r in table["rows"]] == [("ttft8k", "measured"), ("tpot8x2k", "measured")]
-    gemms = {"fp8_linear act_quant=True": 5, "fp8_linear_latent_query act_quant=True": 4,
+    gemms = {"fp8_linear act_quant=True": 5, "fp8_linear_latent_query_indexer act_quant=True": 4,
              "add_rms_norm_fp8_linear act_quant=True": 4, "silu_mul_fp8_linear act_quant=True": 1,
              "add_rms_norm_moe_router_fp8_shared act_quant=True": 3}
     assert detail["act_quant"] is True and detail["runs"][0]["fp8_gemms"] == gemms
