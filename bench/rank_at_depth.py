@@ -74,6 +74,7 @@ from bench import harness  # noqa: E402
 from bench.layer_kernels import split_layers  # noqa: E402
 from bench.routing_load import SteeredRouting  # noqa: E402
 from bench.serving import GLM5_SERVING  # noqa: E402
+from fxglm5 import settings  # noqa: E402
 from fxglm5.compiler import act_quant_ops  # noqa: E402
 from fxglm5.contracts import FP8_ROW_BYTES, INDEX_ROW_BYTES  # noqa: E402
 from fxglm5.lowering.reference import collectives as split  # noqa: E402
@@ -114,6 +115,10 @@ VARIANTS = {
     "gemv_pdl": ({"FXGLM5_PDL": "1"}, {"fp8_gemv.GEMV": {"enabled": True}}),  # ... its weights loaded before the wait
     # ... and the next K step's weight tile requested before each step's math (fp8_gemv's PREFETCH)
     "gemv_prefetch_pdl": ({"FXGLM5_PDL": "1"}, {"fp8_gemv.GEMV": {"enabled": True, "PREFETCH": True}}),
+    # the decode step's one-launch joins (fxglm5.settings.DECODE_JOINS), all of them or one at a time
+    "joins_all": ({"FXGLM5_DECODE_JOINS": "all"}, {}),
+    "joins_all_pdl": ({"FXGLM5_DECODE_JOINS": "all", "FXGLM5_PDL": "1"}, {}),
+    **{f"join_{name}": ({"FXGLM5_DECODE_JOINS": name}, {}) for name in settings.DECODE_JOINS},
 }
 
 

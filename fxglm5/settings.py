@@ -15,6 +15,11 @@ call is obeyed and importing a kernel module has no hidden dependence on the env
 - ``FXGLM5_SPARSE_MLA_TILE=1|0``: sparse MLA of prefill-shaped steps runs the query-tile kernel
   (``fxglm5.lowering.triton.sparse_mla_tile``) where it applies (default 1); 0 keeps the per-token kernel
   everywhere (to time one against the other in a whole prefill).
+- ``FXGLM5_DECODE_JOINS=name,name,...|all|none``: which one-launch joins of a decode step (at most 16 tokens) run
+  their joined launch; each falls back to the launches of the chain it joins, same op, same graph
+  (:data:`DECODE_JOINS` names them). Default: none of them. On an H100 at 39 layers (bench/results/
+  decode_joins_h100_fee09c4) a B=1 step took 9.45 ms with them and 9.11 ms without the q_b GEMM's two, and each
+  joined kernel took longer than the launches it replaced (the profile there), so they stay opt-in until they win.
 - ``FXGLM5_RTP_ACT_QUANT=1|0``: the RTP-LLM plugin compiles W8A8 FP8 GEMMs (activations quantized 1x128 on the
   fly; default 0: W8A16, as every fxglm5 front door). The plugin's only option channel: RTP parses its own
   arguments strictly, and every process it spawns inherits the environment (``fxglm5.rtpllm.config.act_quant``).
@@ -45,6 +50,38 @@ def pdl() -> bool:
 
 def sparse_mla_tile() -> bool:
     return _flag("FXGLM5_SPARSE_MLA_TILE", default=True)
+
+
+# the one-launch joins a decode step may run, each chosen per call inside its op (the chain's launches otherwise)
+DECODE_JOINS = {
+    "q_b": "the latent query (and, with 'indexer', the indexer) as tasks of the q_b | wq_b GEMM's launch",
+    "indexer": "the indexer's logits and top-k in one launch",
+    "norm_gemm": "a residual add + RMSNorm in the A loads of the GEMM (or GEMV) that reads it",
+    "mla_project": "the MLA's W_UV combine as the last tasks of the MLA's launch",
+}
+DEFAULT_DECODE_JOINS: frozenset = frozenset()
+
+
+def decode_joins() -> frozenset:
+    """The names of :data:`DECODE_JOINS` that run joined (``FXGLM5_DECODE_JOINS``; unset: the default)."""
+    raw = os.environ.get("FXGLM5_DECODE_JOINS")
+    if raw is None:
+        return DEFAULT_DECODE_JOINS
+    names = {n.strip() for n in raw.split(",") if n.strip()}
+    if names == {"all"}:
+        return frozenset(DECODE_JOINS)
+    unknown = names - set(DECODE_JOINS) - {"none"}
+    if unknown:
+        raise ValueError(f"FXGLM5_DECODE_JOINS={raw!r}: unknown {sorted(unknown)}; known: {sorted(DECODE_JOINS)}, "
+                         f"'all' or 'none'")
+    return frozenset(names - {"none"})
+
+
+def joins(name: str) -> bool:
+    """Whether the decode join ``name`` (a key of :data:`DECODE_JOINS`) runs joined."""
+    if name not in DECODE_JOINS:
+        raise KeyError(f"no decode join {name!r}; known: {sorted(DECODE_JOINS)}")
+    return name in decode_joins()
 
 
 def rtp_act_quant() -> bool:

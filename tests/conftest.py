@@ -116,3 +116,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def all_decode_joins(monkeypatch):
+    """Every one-launch join of a decode step on (``FXGLM5_DECODE_JOINS=all``; the default runs none of them: they
+    are opt-in until a GPU run shows them faster, fxglm5.settings): for the tests of the joined kernels."""
+    monkeypatch.setenv("FXGLM5_DECODE_JOINS", "all")

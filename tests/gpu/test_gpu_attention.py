@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_decode_joins")]  # the joined kernels (opt-in)
 
 triton = pytest.importorskip("triton")
 

@@ -25,7 +25,7 @@ from fxglm5.lowering.reference import fused as ref
 from fxglm5.lowering.triton import f32_linear, fp8_gemm, fp8_parts, moe, norm_rope, tasks
 from tests.helpers import tf32_rounded
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_decode_joins")]  # the joined kernels (opt-in)
 ROWS = [1, 8, 64, 4096]
 
 

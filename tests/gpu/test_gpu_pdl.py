@@ -16,7 +16,7 @@ from fxglm5.model.config import Glm5Config
 from fxglm5.runtime.runner import Runner
 from tests.helpers import random_model
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("all_decode_joins")]  # the joined kernels (opt-in)
 
 H, R, DR, HI, BS, TOPK, SCALE = 64, 512, 64, 32, 64, 2048, 1.0 / 16  # GLM-5's attention shapes, 64-token blocks
 DN = 192  # qk_nope_head_dim, here also W_UV's outputs, so that a step's output is the next step's q_nope

@@ -454,6 +454,7 @@ def _latent_step(T, sparse):
     (2, ["_latent_query_kernel", "_write_latent_fp8_kernel", "_mla_project_kernel"]),
     (8, ["_latent_query_kernel", "_write_latent_fp8_kernel", "_mla_fwd_kernel", "einsum"]),
 ], ids=["decode", "prefill"])
+@pytest.mark.usefixtures("all_decode_joins")  # the MLA's W_UV combine in its launch: an opt-in join
 def test_latent_attention_step_launches(sparse, T, launches, monkeypatch):
     """The attention of a decode step over the Triton kernel set is three Triton launches and no torch GEMM: W_UK is
     applied in the latent query kernel and W_UV in the combine, which runs in the MLA's launch (``_mla_project_kernel``;

@@ -12,6 +12,7 @@ bad inputs name the argument. Small shapes: CI runs it on 2 cores."""
 
 import inspect
 import os
+from unittest import mock
 
 import torch
 
@@ -675,7 +676,10 @@ def test_add_rms_norm_fp8_linear_is_one_launch_of_the_chain_at_decode(m, nk, act
     x, r, nw = _add_norm_inputs(m, k, dtype, g)
     w, s = _fp8_weight(n, k, g)
     config = dict(kernel=kernel)
-    with _Launches() as launched:
+    with _Launches() as chain:  # the default: the join is opt-in (settings.DECODE_JOINS), the chain's launches
+        fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, None, act_quant, True, config=config)
+    assert chain[0] == "_add_rms_norm_kernel" and len(chain) >= 2
+    with mock.patch.dict(os.environ, {"FXGLM5_DECODE_JOINS": "norm_gemm"}), _Launches() as launched:
         out, total, normed = fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, None, act_quant, True,
                                                               config=config)
     assert launched == ["_gemm_kernel" if kernel == "triton" else "_gemv_kernel"]
@@ -686,7 +690,8 @@ def test_add_rms_norm_fp8_linear_is_one_launch_of_the_chain_at_decode(m, nk, act
     assert torch.equal(out, fp8_gemm.fp8_linear(normed, w, s, None, act_quant, config=config))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert _rel(out, ref.add_rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, None, act_quant, False)[0]) < tol
-    alone = fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, None, act_quant, False, config=config)
+    with mock.patch.dict(os.environ, {"FXGLM5_DECODE_JOINS": "norm_gemm"}):
+        alone = fp8_gemm.add_rms_norm_fp8_linear(x, r, nw, 1e-6, w, s, None, act_quant, False, config=config)
     assert torch.equal(alone[0], out) and torch.equal(alone[1], total) and alone[2].shape == (m, 0)
 
 
@@ -819,6 +824,7 @@ def _separate_launches(x, w, s, bias, act_quant, w_uk, rope):
 @pytest.mark.parametrize("split_k", [False, True])
 @pytest.mark.parametrize("dtype, rope, bias", [(torch.bfloat16, True, False), (torch.float32, False, True)],
                          ids=["bf16_rope", "float32_bias"])
+@pytest.mark.usefixtures("all_decode_joins")  # an opt-in join (settings.DECODE_JOINS)
 def test_fp8_linear_latent_query_runs_the_latent_query_in_the_gemm_launch(monkeypatch, tokens, act_quant, split_k,
                                                                           dtype, rope, bias):
     """Up to 16 tokens the GEMM's tiles and the latent query's programs are tasks of one launch: the bits of
@@ -869,6 +875,7 @@ def test_fp8_linear_latent_query_runs_the_latent_query_in_the_gemm_launch(monkey
 
 
 @pytest.mark.parametrize("case", ["prefill", "gemv", "lead_dims"])
+@pytest.mark.usefixtures("all_decode_joins")  # elsewhere than decode even with the join on
 def test_fp8_linear_latent_query_elsewhere_is_the_two_launches(monkeypatch, case):
     """Past 16 tokens (the latent query's prefill tiles) and where the GEMM is the GEMV, the op is fp8_linear's
     launches and then the latent query's, with their bits; [2, 3, K] tokens (the decode path) come back as [2, 3, N] and

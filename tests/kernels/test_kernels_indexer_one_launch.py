@@ -25,6 +25,8 @@ from fxglm5.lowering.triton import fp8_parts  # noqa: E402
 from fxglm5.lowering.triton import indexer as tindexer  # noqa: E402
 from fxglm5.lowering.triton import topk as ttopk  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("all_decode_joins")  # the joined kernels (an opt-in, settings.DECODE_JOINS)
+
 MAX_LEN = 64  # logits rows the interpreter's top-k selects in one round (its segments: 128 entries, or 2 * topk)
 
 

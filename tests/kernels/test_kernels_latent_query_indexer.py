@@ -33,6 +33,8 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from fxglm5.lowering import implementations  # noqa: E402
 from fxglm5.lowering.triton import fp8_gemm, fp8_parts, indexer, latent_query_indexer, paged_cache, tasks  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("all_decode_joins")  # the joined kernels (an opt-in, settings.DECODE_JOINS)
+
 # 3 attention heads of 40 + 32 columns from column 100, then the indexer's 4 heads of DI columns from column 316 (on
 # column tiles 2 to 4 or 6 of 128), 20 more columns, over K = 256 (two K steps: split in two on the interpreter's SMs);
 # 3 requests of 40, 5 and 60 cached keys in 16-key blocks (rows of 64 keys: one top-k round) against a top-8

@@ -24,6 +24,8 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from fxglm5.lowering.reference import paged as ref  # noqa: E402
 from fxglm5.lowering.triton import mla, tasks  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("all_decode_joins")  # the joined kernels (an opt-in, settings.DECODE_JOINS)
+
 SCALE = 1.0 / 16
 CPU = torch.device("cpu")
 

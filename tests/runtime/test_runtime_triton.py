@@ -28,6 +28,7 @@ DECODE_ATTENTION = ["_gemm_kernel", "_norm_write_caches_kernel", "_gemm_latent_q
 DENSE_MLP = ["_gemm_kernel", "_gemm_kernel"]
 
 
+@pytest.mark.usefixtures("all_decode_joins")  # the one-launch joins are opt-in (settings.DECODE_JOINS)
 def test_triton_path_same_tokens_as_reference(monkeypatch):
     """... and no RoPE kernel is launched, prefill or decode: every RoPE runs inside the attention ops' kernels (the
     indexer query's in the indexer's programs, which the decode steps run: their windows exceed the top-k); the
@@ -85,6 +86,35 @@ def test_triton_path_same_tokens_as_reference(monkeypatch):
         DENSE_MLP + DECODE_ATTENTION + DECODE_MOE)
     assert "_add_rms_norm_kernel" not in launched  # the MoE layer's MLP norm in its gate|up launch, all 3 steps
     assert len(DECODE_ATTENTION) == 5 and len(DECODE_ATTENTION) + len(DECODE_MOE) == 7  # a decode MoE layer's
+
+
+def test_triton_path_without_the_joins_runs_the_chains(monkeypatch):
+    """The default (no one-launch join: they are opt-in until a GPU run shows them faster, settings.DECODE_JOINS): the
+    same tokens as the reference, and each join's op runs the launches of the chain it joins: the q_b GEMM, then
+    the indexer's logits and top-k launches, then the latent query; the MLA, then its W_UV combine; the residual add
+    and norm before the GEMM that reads it, then that GEMM. The MoE's own launches (its norm, router and combine in
+    them) are not such joins and stay two."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("FXGLM5_DECODE_JOINS", raising=False)
+    cfg = Glm5Config.preset("tiny").replace(num_hidden_layers=2, mlp_layer_types=None, indexer_types=None)
+    model = random_model(cfg, torch.float32)
+    want = Runner(model, kv_cache="fp8", index_cache="fp8", block_size=16, dtype=torch.float32, max_cache_tokens=128,
+                  backend="reference").generate(PROMPTS, 3)
+    launched, launch = [], InterpretedFunction.run
+    runner = Runner(model, kv_cache="fp8", index_cache="fp8", block_size=16, dtype=torch.float32,
+                    max_cache_tokens=128, backend="triton")
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or launch(self, *a, **k))
+    assert runner.generate(PROMPTS, 3) == want
+    joined = {"_gemm_latent_query_indexer_kernel", "_gemm_latent_query_kernel", "_indexer_topk_kernel",
+              "_mla_project_kernel"}
+    assert not joined & set(launched)
+    for chain in ("_latent_query_kernel", "_indexer_logits_kernel", "_mla_combine_project_kernel",
+                  "_add_rms_norm_kernel"):
+        assert chain in launched, chain
+    assert launched.count("_router_gate_up_kernel") == 3  # the MoE's norm joins its gate|up launch still
 
 
 @pytest.mark.parametrize("max_step_tokens, tiles", [(None, [40, 40]), (16, [16, 16, 16, 16])],

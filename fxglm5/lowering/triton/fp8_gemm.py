@@ -402,7 +402,7 @@ def add_rms_norm_fp8_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight
     lead = x.shape[:-1]
     m = x.numel() // k if k else 0
     kernel = (config or {}).get("kernel")
-    fused = 0 < m <= NORM_ROWS and residual.dtype == x.dtype and kernel != "gluon"
+    fused = 0 < m <= NORM_ROWS and residual.dtype == x.dtype and kernel != "gluon" and settings.joins("norm_gemm")
     if fused and not runs_gemv(m, kernel):
         cfg = pick_config(m, n, k, act_quant, num_sms(x.device), config)
         fused = gates_in_kernel(m, act_quant, cfg)

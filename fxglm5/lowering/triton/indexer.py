@@ -456,7 +456,7 @@ def one_launch_round(tokens: int, max_len: int, topk: int, interp: bool) -> tupl
     """``(C, BIN_C)`` of the top-k round that :func:`indexer_topk_paged` runs inside its logits launch for a step of
     ``tokens`` rows of ``max_len`` scores (``topk.one_round``: what ``topk_from_logits`` would launch on them), or
     None where the step takes the two launches."""
-    if tokens > ONE_LAUNCH_ROWS or max_len > ONE_LAUNCH_KEYS:
+    if tokens > ONE_LAUNCH_ROWS or max_len > ONE_LAUNCH_KEYS or not settings.joins("indexer"):  # opt-in
         return None
     return one_round(max_len, topk, interp)
 

@@ -518,7 +518,7 @@ def launch_mla(q, cache, block_table, req_idx, pos_or_topk, scale: float, *, spa
     explicit Triton launch."""
     T, H, _ = q.shape
     R = 512
-    fused = project_fuses(T, w_uv) if fuse is None else fuse
+    fused = project_fuses(T, w_uv) and settings.joins("mla_project") if fuse is None else fuse
     if fused and not project_fuses(T, w_uv):
         raise ValueError(f"launch_mla: fuse=True needs W_UV and at most {FUSE_MAX_TOKENS} tokens, not {T}")
     if out is None:

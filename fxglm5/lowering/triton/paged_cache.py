@@ -612,7 +612,7 @@ def latent_query_joins(x2, weight, weight_scale_inv, bias, act_quant, out):
     ``_gemm_kernel`` launch (``fp8_gemm.lone_launch``: not the GEMV, the Gluon kernel, a quant kernel before or the
     reduce kernel after) of one M tile at the latent query's warp count (a launch has one)."""
     m, n = x2.shape[0], weight.shape[0]
-    if not 0 < m <= LATENT_QUERY_ROWS:
+    if not 0 < m <= LATENT_QUERY_ROWS or not settings.joins("q_b"):  # an opt-in join (settings.DECODE_JOINS)
         return None
     lone = lone_launch(x2, None, weight, weight_scale_inv, act_quant, out, bias=bias)
     if lone is None:
