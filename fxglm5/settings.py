@@ -15,6 +15,9 @@ call is obeyed and importing a kernel module has no hidden dependence on the env
 - ``FXGLM5_SPARSE_MLA_TILE=1|0``: sparse MLA of prefill-shaped steps runs the query-tile kernel
   (``fxglm5.lowering.triton.sparse_mla_tile``) where it applies (default 1); 0 keeps the per-token kernel
   everywhere (to time one against the other in a whole prefill).
+- ``FXGLM5_SPARSE_MLA_TILE_GLUON=1|0``: on Hopper (sm_90) that query-tile kernel is the Gluon one
+  (``fxglm5.lowering.triton.sparse_mla_tile_hopper``) where it applies (default 1); 0 keeps the Triton tile kernel
+  (the A/B of the two).
 - ``FXGLM5_RTP_ACT_QUANT=1|0``: the RTP-LLM plugin compiles W8A8 FP8 GEMMs (activations quantized 1x128 on the
   fly; default 0: W8A16, as every fxglm5 front door). The plugin's only option channel: RTP parses its own
   arguments strictly, and every process it spawns inherits the environment (``fxglm5.rtpllm.config.act_quant``).
@@ -45,6 +48,10 @@ def pdl() -> bool:
 
 def sparse_mla_tile() -> bool:
     return _flag("FXGLM5_SPARSE_MLA_TILE", default=True)
+
+
+def sparse_mla_tile_gluon() -> bool:
+    return _flag("FXGLM5_SPARSE_MLA_TILE_GLUON", default=True)
 
 
 def rtp_act_quant() -> bool:
