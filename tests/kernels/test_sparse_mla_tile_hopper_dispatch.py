@@ -66,6 +66,7 @@ def test_not_supported_elsewhere(hopper, monkeypatch):
     assert not th.supported(_OnCuda(q.float()), C, 8, 8)  # fp32 queries
     assert not th.supported(_OnCuda(torch.zeros(16, 8, 512, dtype=torch.bfloat16)), C, 8, 8)  # not 576 columns
     assert not th.supported(Q, C, 4, 8)  # 32 MMA rows
+    assert not th.supported(_OnCuda(torch.zeros(16, 64, D, dtype=torch.bfloat16)), C, 1, 64)  # one token a tile
     assert not th.supported(Q, _OnCuda(cache.half()), 8, 8)  # fp16 cache
     assert not th.supported(Q, _OnCuda(cache.transpose(0, 1)), 8, 8)  # not contiguous
     flat = torch.zeros(cache.numel() + 1, dtype=torch.bfloat16)

@@ -13,9 +13,10 @@ loop order, from ``mla_hopper._mla_split`` (its helpers, imported):
   queries stay in shared memory for the whole walk;
 - S [64 rows x 64 keys] is laid out ``warps_per_cta=[4, 2]`` (each warpgroup computes 32 key columns once), P goes
   through shared memory to both warpgroups' P @ V, each for its 128 columns of the two [64, 256] accumulators;
-- each walked block's 64 rows are gathered with cp.async through the request's block-table row, two stages ahead
-  of the MMAs (FP8: dequantized into one bf16 tile, two blocks in flight); rows no token of the request lists are
-  zero-filled, so stale cache bytes (NaN included) never reach P @ V;
+- each walked block's 64 rows are gathered with cp.async through the request's block-table row into a ring of two
+  stages, the next block's copies in flight while this one's MMAs run (FP8: dequantized into one bf16 tile, which
+  frees the stage early, so two blocks in flight); rows no token of the request lists are zero-filled, so stale
+  cache bytes (NaN included) never reach P @ V;
 - the counts are loaded straight in the score layout while QK^T runs (no one-hot MMA, whose only purpose in
   Triton was to keep a layout conversion away from the MMAs): an unlisted (row, key) scores -inf, and a row
   that has seen nothing listed takes ``mla_hopper``'s all-masked-tile path (its max is treated as 0).
@@ -47,13 +48,13 @@ NUM_WARPS = 8
 
 def supported(q, cache, block_q: int, heads: int) -> bool:
     """Inputs the Gluon tile serves (everything else takes the Triton tile kernel): bf16 queries of GLM-5's 576
-    columns on an sm_90 GPU, ``block_q`` tokens x ``heads`` (padded) heads filling the 64 MMA rows, a bf16 or FP8
-    (uint8 ds_mla) cache, contiguous and 16-byte aligned (whole 16-byte cp.async copies), and the Gluon tile not
-    switched off (``FXGLM5_SPARSE_MLA_TILE_GLUON=0``)."""
+    columns on an sm_90 GPU, ``block_q`` (at least 2) tokens x ``heads`` (padded) heads filling the 64 MMA rows
+    (the compile test covers 8 x 8 and 4 x 16), a bf16 or FP8 (uint8 ds_mla) cache, contiguous and 16-byte aligned
+    (whole 16-byte cp.async copies), and the Gluon tile not switched off (``FXGLM5_SPARSE_MLA_TILE_GLUON=0``)."""
     return (settings.sparse_mla_tile_gluon() and not settings.triton_interpret() and q.is_cuda
             and capability(q.device) == (9, 0) and q.dtype == torch.bfloat16 and q.dim() == 3 and q.shape[2] == 576
-            and q.stride(2) == 1 and block_q * heads == ROWS and cache.dtype in (torch.bfloat16, torch.uint8)
-            and cache.is_contiguous() and cache.data_ptr() % 16 == 0)
+            and q.stride(2) == 1 and block_q >= 2 and block_q * heads == ROWS
+            and cache.dtype in (torch.bfloat16, torch.uint8) and cache.is_contiguous() and cache.data_ptr() % 16 == 0)
 
 
 @gluon.jit
