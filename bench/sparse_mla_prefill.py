@@ -8,9 +8,10 @@ while that is shorter than the top-k), -1 padded. Rows of the cache no token wro
     python bench/sparse_mla_prefill.py [--ctx 8192] [--heads 8] [--window 512] [--sweep]
 
 Each row: kernel (``per_token``: ``sparse_mla_prefill_paged``, what the paged program ran at a prefill before the
-tile kernel; ``tile``: ``sparse_mla_tile_paged`` with its default launch, ``--sweep`` adds other launches), cache,
-ms per call (CUDA events around eager calls, median of 10 after 3 warm-ups), and the largest difference from the
-per-token kernel's output. Saves ``sparse_mla_prefill.json`` under ``harness.out_dir()``.
+tile kernel; ``tile``: ``sparse_mla_tile_paged``'s Triton tile kernel with its default launch, ``--sweep`` adds
+other launches; ``tile_gluon``: its Gluon tile, ``sparse_mla_tile_hopper``, on sm_90 only), cache, ms per call (CUDA
+events around eager calls, median of 10 after 3 warm-ups), and the largest difference from the per-token kernel's
+output. Saves ``sparse_mla_prefill.json`` under ``harness.out_dir()``.
 """
 
 from __future__ import annotations
@@ -102,14 +103,18 @@ def main() -> None:
         base = sparse_mla.sparse_mla_prefill_paged(q, cache, bt, req, top, SCALE, validate=False)
         rows.append(dict(kernel="per_token", cache=name, ms=_ms(
             lambda: sparse_mla.sparse_mla_prefill_paged(q, cache, bt, req, top, SCALE, validate=False))))
-        for cfg in [None] + (SWEEP if args.sweep else []):
+        gluon = sparse_mla_tile.uses_gluon(q, cache)
+        launches = [("tile", {"kernel": "triton"})] + [("tile", cfg) for cfg in (SWEEP if args.sweep else [])]
+        launches += [("tile_gluon", {"kernel": "gluon"})] if gluon else []
+        for kernel, cfg in launches:
             def tile(cfg=cfg):
                 return sparse_mla_tile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE, validate=False, cfg=cfg)
             diff = (tile().float() - base.float()).abs().max().item()
-            rows.append(dict(kernel="tile", cfg=cfg or "default", cache=name, ms=_ms(tile), max_diff=diff))
-        print(rows[-1 - (len(SWEEP) if args.sweep else 0):], flush=True)
+            shown = "default" if cfg.get("kernel") else cfg
+            rows.append(dict(kernel=kernel, cfg=shown, cache=name, ms=_ms(tile), max_diff=diff))
+        print(rows[-1 - len(launches):], flush=True)
     harness.save_run("sparse_mla_prefill.json", ctx=args.ctx, heads=args.heads, topk=TOPK, window=args.window,
-                     tile_applies=sparse_mla_tile.tile_applies(q, cache, bt, top), rows=rows)
+                     tile_applies=sparse_mla_tile.tile_applies(q, cache, bt, top), gluon_applies=gluon, rows=rows)
 
 
 if __name__ == "__main__":

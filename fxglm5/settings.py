@@ -15,10 +15,13 @@ call is obeyed and importing a kernel module has no hidden dependence on the env
 - ``FXGLM5_SPARSE_MLA_TILE=1|0``: sparse MLA of prefill-shaped steps runs the query-tile kernel
   (``fxglm5.lowering.triton.sparse_mla_tile``) where it applies (default 1); 0 keeps the per-token kernel
   everywhere (to time one against the other in a whole prefill).
+- ``FXGLM5_SPARSE_MLA_TILE_GLUON=1|0``: on Hopper (sm_90) that query-tile kernel is the Gluon one
+  (``fxglm5.lowering.triton.sparse_mla_tile_hopper``) where it applies (default 1); 0 keeps the Triton tile kernel
+  (the A/B of the two).
 - ``FXGLM5_DECODE_JOINS=name,name,...|all|none``: which one-launch joins of a decode step (at most 16 tokens) run
   their joined launch; each falls back to the launches of the chain it joins, same op, same graph
   (:data:`DECODE_JOINS` names them). Default: none of them. On an H100 at 39 layers (bench/results/
-  decode_joins_h100_fee09c4) a B=1 step took 9.45 ms with them and 9.11 ms without the q_b GEMM's two, and each
+  decode_joins_h100_fee09c4) a B=1 step took 9.42 to 9.51 ms with them and 9.18 ms without the q_b GEMM's two, and each
   joined kernel took longer than the launches it replaced (the profile there), so they stay opt-in until they win.
 - ``FXGLM5_RTP_ACT_QUANT=1|0``: the RTP-LLM plugin compiles W8A8 FP8 GEMMs (activations quantized 1x128 on the
   fly; default 0: W8A16, as every fxglm5 front door). The plugin's only option channel: RTP parses its own
@@ -50,6 +53,10 @@ def pdl() -> bool:
 
 def sparse_mla_tile() -> bool:
     return _flag("FXGLM5_SPARSE_MLA_TILE", default=True)
+
+
+def sparse_mla_tile_gluon() -> bool:
+    return _flag("FXGLM5_SPARSE_MLA_TILE_GLUON", default=True)
 
 
 # the one-launch joins a decode step may run, each chosen per call inside its op (the chain's launches otherwise)

@@ -60,3 +60,80 @@ def test_tile_kernel_flat_batch_of_prefills(cdtype, monkeypatch):
     _close(sparse_mla_tile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE), expect)
     qh = q.half()  # fp16 queries: the bias MMA stays in bf16 (its unlisted bias overflows fp16)
     _close(sparse_mla_tile.sparse_mla_tile_paged(qh, cache, bt, req, top, SCALE), _reference(qh, cache, bt, req, top))
+
+
+def _gluon_or_skip(q, cache):
+    from fxglm5.lowering.triton import sparse_mla_tile
+
+    if not sparse_mla_tile.uses_gluon(q, cache):
+        pytest.skip("the Gluon tile targets Hopper (sm_90)")
+
+
+def _poison_unlisted(cache, bt, req, top, lens) -> int:
+    """Stale bytes (0xFF: NaN as bf16, e4m3, and in the FP8 row's scales and rope) in every cached row of a
+    request's prefix that none of its tokens lists: rows inside walked key blocks the Gluon tile must zero-fill.
+    Returns how many rows."""
+    from bench.sparse_mla_prefill import BS
+
+    rows = cache.view(-1, cache.shape[-1])
+    n = 0
+    for b, length in enumerate(lens):
+        listed = torch.zeros(length, dtype=torch.bool, device="cuda")
+        t = top[req == b]
+        listed[t[t >= 0].long()] = True
+        pos = (~listed).nonzero().view(-1)
+        slots = ref.slots_from_positions(bt, torch.full_like(pos, b), pos, BS)
+        rows[slots] = 0xFF if cache.dtype == torch.uint8 else float("nan")
+        n += len(pos)
+    return n
+
+
+@pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8], ids=["bf16", "fp8"])
+def test_gluon_tile_8k_prompt(cdtype, monkeypatch):
+    """GLM-5's TP8 rank (8 heads, top-k 2048) over an 8k prompt: the Gluon tile against the reference and the
+    Triton tile; rows no token lists (positions 4000 and 4001 taken out of every list) hold NaN bytes; a token
+    lists nothing, another lists a position twice. The paged program's dispatch takes the Gluon tile (the same
+    bits), and FXGLM5_SPARSE_MLA_TILE_GLUON=0 the Triton tile (the same bits as it)."""
+    from fxglm5.lowering.triton import sparse_mla, sparse_mla_tile
+
+    q, cache, bt, req, _, top = prefill_case([8192], [(0, 8192)], HEADS, cdtype)
+    _gluon_or_skip(q, cache)
+    top[(top == 4000) | (top == 4001)] = -1
+    top[5000] = -1
+    top[6000, 1] = top[6000, 0]
+    assert _poison_unlisted(cache, bt, req, top, [8192]) >= 2
+    expect = _reference(q, cache, bt, req, top)
+    assert expect[5000].abs().max() == 0
+    gluon = sparse_mla_tile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE, cfg={"kernel": "gluon"})
+    _close(gluon, expect)
+    assert gluon[5000].abs().max() == 0
+    triton_tile = sparse_mla_tile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE, cfg={"kernel": "triton"})
+    _close(gluon, triton_tile)
+    assert torch.equal(sparse_mla.sparse_mla_paged(q, cache, bt, req, top, SCALE), gluon)
+    monkeypatch.setenv("FXGLM5_SPARSE_MLA_TILE_GLUON", "0")
+    assert torch.equal(sparse_mla.sparse_mla_paged(q, cache, bt, req, top, SCALE), triton_tile)
+
+
+@pytest.mark.parametrize("cdtype", [torch.bfloat16, torch.uint8], ids=["bf16", "fp8"])
+def test_gluon_tile_flat_batch_of_prefills(cdtype, monkeypatch):
+    """Three requests' prefills in one flat batch (two after a cached prefix, tiles straddling two requests, the
+    last cache block of each request part-written: NaN bytes past its end), every unlisted row of each prefix
+    poisoned, a token with nothing listed, a position listed twice; at once and 600 tokens at a time (several
+    launches); the Gluon tile against the reference and the Triton tile."""
+    from fxglm5.lowering.triton import sparse_mla_tile
+
+    lens = [3000, 1501, 700]
+    q, cache, bt, req, _, top = prefill_case(lens, [(2000, 3000), (0, 1501), (333, 700)], HEADS, cdtype, seed=1)
+    _gluon_or_skip(q, cache)
+    top[7] = -1
+    top[1200, 1] = top[1200, 0]
+    top[(req == 0)[:, None] & (top == 1234)] = -1  # one position of request 0's cached prefix listed by nobody
+    assert _poison_unlisted(cache, bt, req, top, lens) >= 1
+    expect = _reference(q, cache, bt, req, top)
+    gluon = sparse_mla_tile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE, cfg={"kernel": "gluon"})
+    _close(gluon, expect)
+    assert gluon[7].abs().max() == 0
+    _close(gluon, sparse_mla_tile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE, cfg={"kernel": "triton"}))
+    monkeypatch.setattr(sparse_mla_tile, "COUNT_BUDGET", 4 * (bt.shape[1] * 64 // 2) * 600)  # 600 tokens at a time
+    assert torch.equal(sparse_mla_tile.sparse_mla_tile_paged(q, cache, bt, req, top, SCALE, cfg={"kernel": "gluon"}),
+                       gluon)

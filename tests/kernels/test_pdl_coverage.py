@@ -38,6 +38,7 @@ EXEMPT = {
     "fp8_gemm_hopper._fp8_gemm_hopper_ws_kernel": _PREFILL_GEMM,
     "sparse_mla_tile._count_listed": _PREFILL_TILE,
     "sparse_mla_tile._tile_kernel": _PREFILL_TILE,
+    "sparse_mla_tile_hopper._tile_hopper_kernel": _PREFILL_TILE + " (the Gluon form of _tile_kernel on Hopper)",
 }
 # kernels with statements before the prologue: none may return, store or take part in an atomic
 _FIRST_WEIGHTS = "requests its first weight tile (constants no kernel writes) before the wait"

@@ -78,19 +78,34 @@ def supported(q, cache, *, sparse: bool) -> bool:
             and cache.is_contiguous() and cache.data_ptr() % 16 == 0)
 
 
+@gluon.constexpr_function
+def _query_layout(NW):
+    """Register layout of the queries on their way to shared memory: 16-byte loads along a row's columns."""
+    return gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+
+
+@gluon.jit
+def _stage_query_rows(row_ptr, keep, qa_s, qb_s, qpe_s, NW: gl.constexpr):
+    """Each MMA row's 576 queries (from ``row_ptr``, a row-indexed vector of ``_query_layout``) -> three
+    shared-memory operands [rows, 256 / 64] (latent halves and rope); rows not kept are zeros, computed and never
+    stored. Also the operand staging of the sparse prefill tile (:mod:`fxglm5.lowering.triton.sparse_mla_tile_hopper`),
+    whose rows are tokens x heads."""
+    ld: gl.constexpr = _query_layout(NW)
+    c = gl.arange(0, 256, layout=gl.SliceLayout(0, ld))
+    cp = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+    base = row_ptr[:, None]
+    hm = keep[:, None]
+    qa_s.store(gl.load(base + c[None, :], mask=hm, other=0.0))
+    qb_s.store(gl.load(base + 256 + c[None, :], mask=hm, other=0.0))
+    qpe_s.store(gl.load(base + 512 + cp[None, :], mask=hm, other=0.0))
+
+
 @gluon.jit
 def _stage_queries(q_ptr, q_row, stride_qh, H, qa_s, qb_s, qpe_s, ROWS: gl.constexpr, NW: gl.constexpr):
     """The H x 576 queries of one token -> three shared-memory operands [ROWS, 256 / 64] (latent halves and
     rope); rows past H (fewer heads, e.g. a tensor-parallel shard) are zeros, computed and never stored."""
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    h = gl.arange(0, ROWS, layout=gl.SliceLayout(1, ld))
-    c = gl.arange(0, 256, layout=gl.SliceLayout(0, ld))
-    cp = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
-    base = q_ptr + q_row + h[:, None] * stride_qh
-    hm = (h < H)[:, None]
-    qa_s.store(gl.load(base + c[None, :], mask=hm, other=0.0))
-    qb_s.store(gl.load(base + 256 + c[None, :], mask=hm, other=0.0))
-    qpe_s.store(gl.load(base + 512 + cp[None, :], mask=hm, other=0.0))
+    h = gl.arange(0, ROWS, layout=gl.SliceLayout(1, _query_layout(NW)))
+    _stage_query_rows(q_ptr + q_row + h * stride_qh, h < H, qa_s, qb_s, qpe_s, NW)
 
 
 @gluon.constexpr_function
@@ -299,6 +314,14 @@ def _online_softmax(qk, valid, m_i, l_i, sm_scale_log2, SPARSE: gl.constexpr, KA
     """Masked online-softmax step in the exp2 domain over the key axis KA of the scores -> (P, rescale of the
     running output, new max, new sum)."""
     qk = gl.where(gl.expand_dims(valid, 1 - KA), qk * sm_scale_log2, float("-inf"))
+    return _softmax_update(qk, m_i, l_i, SPARSE, KA)
+
+
+@gluon.jit
+def _softmax_update(qk, m_i, l_i, SPARSE: gl.constexpr, KA: gl.constexpr):
+    """The online-softmax step over scores already scaled to the exp2 domain and masked (-inf) -> (P, rescale of
+    the running output, new max, new sum). SPARSE: a row may have seen no key yet (its max -inf), whose weights
+    and rescale are then 0, not NaN. Also the sparse prefill tile's step (its scores carry log2 of each count)."""
     m_new = gl.maximum(m_i, gl.max(qk, KA))
     if SPARSE:  # a sparse tile may list no valid key
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)

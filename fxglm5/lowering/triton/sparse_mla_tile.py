@@ -23,7 +23,9 @@ each key block any of them lists, and their heads together fill 64 MMA rows:
 
 Positions are attended exactly as listed; causality is the list's (the cached op's validation rejects a position
 after its query's, as for the reference). :func:`tile_applies` says where the paged program's sparse MLA runs
-this kernel (from the shapes only).
+this kernel (from the shapes only). On Hopper, step 2 is the Gluon tile of
+:mod:`fxglm5.lowering.triton.sparse_mla_tile_hopper` where it applies (:func:`uses_gluon`: same inputs, QK^T not
+duplicated over the warpgroups); this kernel stays the CPU-tested path and the fallback.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ import triton.language as tl
 from fxglm5 import settings
 from fxglm5.contracts import KV_LORA_RANK
 from fxglm5.lowering.reference import paged as ref
+from fxglm5.lowering.triton import sparse_mla_tile_hopper as tile_hopper
 from fxglm5.lowering.triton.device import interpreter_compat
 from fxglm5.lowering.triton.mla import (LOG2E, cache_views, gather_latent_tile, latent_scores, mma,
                                         softmax_accumulate)
 
 interpreter_compat()
 
-__all__ = ["sparse_mla_tile_paged", "tile_applies", "block_q", "COUNT_BUDGET", "GPU_LAUNCH"]
+__all__ = ["sparse_mla_tile_paged", "tile_applies", "uses_gluon", "block_q", "COUNT_BUDGET", "GPU_LAUNCH"]
 
 MMA_ROWS = 64  # tokens x heads of a program: the per-token kernel's 64-head block, two [64, 256] fp32 accumulators
 COUNT_BUDGET = 128 << 20  # bytes of listing counters at a time: an 8k prompt at once (8192 tokens x 8192 positions)
@@ -192,10 +195,30 @@ def _request_leads(req_idx: torch.Tensor, bq: int, slots: int) -> torch.Tensor:
     return leads.scatter_(1, nth, torch.where(first, tok, n))[:, :slots].to(torch.int32).contiguous()
 
 
+def uses_gluon(q, cache, cfg: dict | None = None) -> bool:
+    """Whether :func:`sparse_mla_tile_paged` runs the Gluon tile (:mod:`fxglm5.lowering.triton.sparse_mla_tile_hopper`)
+    for these inputs and ``cfg``: with ``cfg=None`` where it applies (``tile_hopper.supported``: sm_90, bf16 queries,
+    64 rows of tokens x heads, ...; ``FXGLM5_SPARSE_MLA_TILE_GLUON=0`` keeps the Triton tile); ``{"kernel":
+    "gluon"}`` forces it (a ValueError where it does not apply); ``{"kernel": "triton"}`` or any launch options run
+    the Triton tile kernel."""
+    kernel = (cfg or {}).get("kernel")
+    if kernel not in (None, "gluon", "triton"):
+        raise ValueError(f"sparse_mla_tile_paged: cfg kernel {kernel!r} is neither 'gluon' nor 'triton'")
+    if kernel == "gluon" and len(cfg) > 1:
+        raise ValueError(f"sparse_mla_tile_paged: cfg={cfg}: the Gluon tile takes no launch options")
+    H = q.shape[1]
+    ok = tile_hopper.supported(q, cache, block_q(H), triton.next_power_of_2(H))
+    if kernel == "gluon" and not ok:
+        raise ValueError(f"sparse_mla_tile_paged: cfg={cfg} asks for the Gluon tile, which does not serve these "
+                         f"inputs (q {tuple(q.shape)} {q.dtype} on {q.device}, cache {cache.dtype})")
+    return ok and (cfg is None or kernel == "gluon")
+
+
 def sparse_mla_tile_paged(q, cache, block_table, req_idx, topk_pos, scale: float, *, validate: bool = True,
                           out=None, cfg: dict | None = None):
-    """Sparse MLA over query tiles -> [T, H, 512] in q.dtype. ``cfg``: launch options (``BLOCK_Q``, ``BLOCK_N``,
-    ``num_warps``, ``num_stages``) over the defaults."""
+    """Sparse MLA over query tiles -> [T, H, 512] in q.dtype: the Gluon tile on Hopper (:func:`uses_gluon`), else
+    :func:`_tile_kernel`. ``cfg``: ``{"kernel": "gluon" | "triton"}``, or the Triton tile's launch options
+    (``BLOCK_Q``, ``BLOCK_N``, ``num_warps``, ``num_stages``) over the defaults."""
     if validate:
         ref.validate_sparse_mla_paged(q, cache, block_table, req_idx, topk_pos, scale)
     T, H, _ = q.shape
@@ -210,7 +233,10 @@ def sparse_mla_tile_paged(q, cache, block_table, req_idx, topk_pos, scale: float
         return out.zero_()
     if q.stride(-1) != 1:
         q = q.contiguous()
-    c = {**_default_cfg(q), "BLOCK_Q": block_q(H), **(cfg or {})}
+    gluon = uses_gluon(q, cache, cfg)
+    cfg = {k: v for k, v in (cfg or {}).items() if k != "kernel"}
+    # the Gluon tile walks mla_hopper's 64-key blocks, the Triton tile's GPU default
+    c = {**_default_cfg(q), "BLOCK_Q": block_q(H), **cfg, **(dict(BLOCK_N=tile_hopper.BLOCK_N) if gluon else {})}
     bq, bn, bs = c["BLOCK_Q"], c["BLOCK_N"], cache.shape[1]
     n_pos = block_table.shape[1] * bs  # every listed position lies inside the block table
     words, n_key_blocks = triton.cdiv(n_pos, 2), triton.cdiv(n_pos, bn)
@@ -233,6 +259,11 @@ def sparse_mla_tile_paged(q, cache, block_table, req_idx, topk_pos, scale: float
         slots = min(bq, block_table.shape[0])  # requests a tile can hold
         leads = _request_leads(req_idx[s:s + n], bq, slots)
         qs, os_ = q[s:s + n], out[s:s + n]
+        if gluon:
+            tile_hopper.launch(qs, cache, block_table, req_idx[s:], cnt.view(torch.int16), 2 * words, n_pos, blocks,
+                               n_key_blocks, n_blocks, leads, os_, n, float(scale) * LOG2E, bq,
+                               triton.next_power_of_2(H))
+            continue
         _tile_kernel[(tiles, slots)](
             qs, qs.stride(0), qs.stride(1), c8, c32, c16, block_table, block_table.stride(0), req_idx[s:],
             cnt.view(torch.int16), 2 * words, n_pos, blocks, n_key_blocks, n_blocks, leads, slots, os_, os_.stride(0),
