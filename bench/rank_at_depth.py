@@ -117,8 +117,11 @@ VARIANTS = {
     "gemv_prefetch_pdl": ({"FXGLM5_PDL": "1"}, {"fp8_gemv.GEMV": {"enabled": True, "PREFETCH": True}}),
     # the decode step's one-launch joins (fxglm5.settings.DECODE_JOINS), all of them or one at a time
     "joins_all": ({"FXGLM5_DECODE_JOINS": "all"}, {}),
+    "joins_none": ({"FXGLM5_DECODE_JOINS": "none"}, {}),
     "joins_all_pdl": ({"FXGLM5_DECODE_JOINS": "all", "FXGLM5_PDL": "1"}, {}),
-    **{f"join_{name}": ({"FXGLM5_DECODE_JOINS": name}, {}) for name in settings.DECODE_JOINS},
+    # ... each with the default's (settings.DEFAULT_DECODE_JOINS)
+    **{f"join_{name}": ({"FXGLM5_DECODE_JOINS": ",".join(sorted(settings.DEFAULT_DECODE_JOINS | {name}))}, {})
+       for name in settings.DECODE_JOINS},
 }
 
 

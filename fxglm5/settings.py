@@ -20,7 +20,7 @@ call is obeyed and importing a kernel module has no hidden dependence on the env
   the Gluon kernel's GPU tests have passed and it has been timed faster (1: the A/B of the two).
 - ``FXGLM5_DECODE_JOINS=name,name,...|all|none``: which one-launch joins of a decode step (at most 16 tokens) run
   their joined launch; each falls back to the launches of the chain it joins, same op, same graph
-  (:data:`DECODE_JOINS` names them). Default: none of them. On an H100 at 39 layers (bench/results/
+  (:data:`DECODE_JOINS` names them). Default: the MoE router's only. On an H100 at 39 layers (bench/results/
   decode_joins_h100_fee09c4) a B=1 step took 9.42 to 9.51 ms with them and 9.18 ms without the q_b GEMM's two, and each
   joined kernel took longer than the launches it replaced (the profile there), so they stay opt-in until they win.
 - ``FXGLM5_RTP_ACT_QUANT=1|0``: the RTP-LLM plugin compiles W8A8 FP8 GEMMs (activations quantized 1x128 on the
@@ -65,8 +65,10 @@ DECODE_JOINS = {
     "indexer": "the indexer's logits and top-k in one launch",
     "norm_gemm": "a residual add + RMSNorm in the A loads of the GEMM (or GEMV) that reads it",
     "mla_project": "the MLA's W_UV combine as the last tasks of the MLA's launch",
+    "moe_router": "the MoE's router (and the residual add + RMSNorm before it) as the first tasks of its gate|up launch",
 }
-DEFAULT_DECODE_JOINS: frozenset = frozenset()
+# on by default: the MoE's router join, which measured no slower (bench/results/decode_joins_h100_fee09c4)
+DEFAULT_DECODE_JOINS: frozenset = frozenset({"moe_router"})
 
 
 def decode_joins() -> frozenset:

@@ -570,12 +570,16 @@ def test_add_rms_norm_moe_router_fp8_steered_ids_replace_the_routers(monkeypatch
     assert torch.equal(total, want_total)
 
 
-@pytest.mark.parametrize("tokens, n_group", [(17, 1), (4, 2)], ids=["prefill", "group_limited"])
-def test_moe_router_fp8_keeps_the_router_launches_where_it_does_not_join(monkeypatch, tokens, n_group):
-    """Past BLOCK_M tokens (the router's float32 GEMM and route kernel, the align kernel) and with group-limited
-    routing (the reference's router) the router keeps its own launches before moe_fp8's: no router-and-gate|up
-    launch, the chain's bits."""
+@pytest.mark.parametrize("tokens, n_group, joins", [(17, 1, None), (4, 2, None), (4, 1, "none")],
+                         ids=["prefill", "group_limited", "join_off"])
+def test_moe_router_fp8_keeps_the_router_launches_where_it_does_not_join(monkeypatch, tokens, n_group, joins):
+    """Past BLOCK_M tokens (the router's float32 GEMM and route kernel, the align kernel), with group-limited
+    routing (the reference's router) and where FXGLM5_DECODE_JOINS leaves out ``moe_router``, the router keeps its
+    own launches before moe_fp8's: no router-and-gate|up launch, the chain's bits."""
     from triton.runtime.interpreter import InterpretedFunction
+
+    if joins is not None:
+        monkeypatch.setenv("FXGLM5_DECODE_JOINS", joins)
 
     routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(4))
     x, experts = routed[0], routed[3:]
@@ -586,7 +590,11 @@ def test_moe_router_fp8_keeps_the_router_launches_where_it_does_not_join(monkeyp
     monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
                         or run(self, *a, **k))
     fused = moe.moe_router_fp8(x, router, *experts, True, shared=shared)
-    assert "_router_gate_up_kernel" not in launched and "_router_kernel" not in launched
+    assert "_router_gate_up_kernel" not in launched
+    if joins is None:
+        assert "_router_kernel" not in launched
+    else:  # the one-launch router (its GEMV and routing) on its own, then the two expert launches
+        assert launched == ["_router_kernel", "_moe_gemm_kernel", "_moe_gemm_kernel"]
     weights, ids = moe.moe_router(x, *router)
     assert torch.equal(fused, moe.moe_fp8(x, ids, weights, *experts, True, shared=shared))
 

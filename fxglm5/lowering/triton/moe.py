@@ -1069,7 +1069,7 @@ def router_joins(x: torch.Tensor, router: Router, e: int, config=None) -> bool:
     BLOCK_M tokens) at the GEMV's warp count (a launch has one), with tokens and slots to route. Elsewhere (prefill,
     group-limited routing) the router keeps its own launch(es)."""
     t, k = x.shape[0], router.top_k
-    if t == 0 or k == 0 or not router_fuses(t, router.n_group):
+    if t == 0 or k == 0 or not router_fuses(t, router.n_group) or not settings.joins("moe_router"):
         return False
     cfg = pick_moe_config(t, k, e, config)
     gemv_warps = gemv_launch(router.weight.shape[0], x.shape[1], t, num_sms(x.device))[1]["num_warps"]
