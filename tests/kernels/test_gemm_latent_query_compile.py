@@ -16,6 +16,7 @@ three elsewhere); the 26 more registers at 8 and 16 tokens W8A16 come from ptxas
 (``gemm_tile`` launched over ``program_id(0)`` alone takes 130 there too), and ``maxnreg=128`` brings them to 128
 without spills (W8A8 then spills 8 bytes): not set, not timed."""
 
+import os
 import re
 
 import pytest
@@ -118,6 +119,7 @@ def _report(tokens: int, act_quant: bool) -> dict:
 
 
 def _reports_of_every_variant() -> dict[str, dict]:
+    os.environ["FXGLM5_DECODE_JOINS"] = "all"  # this subprocess compiles the joined launch (an opt-in join)
     return report_each(VARIANTS, _report)
 
 

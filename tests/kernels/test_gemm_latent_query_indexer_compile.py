@@ -21,6 +21,7 @@ over FP8 keys). So two CTAs an SM by registers, where the latent query's launch 
 (528 to 768 tasks in all) run at its occupancy in this launch. A count from the compiler, not a measurement; whether
 the launch it saves outweighs that is not timed. ``test_registers_and_ctas_per_sm`` prints the figures (``-s``)."""
 
+import os
 import re
 
 import pytest
@@ -110,6 +111,7 @@ def _report(tokens: int, act_quant: bool, cache: str) -> dict:
 
 
 def _reports_of_every_variant() -> dict[str, dict]:
+    os.environ["FXGLM5_DECODE_JOINS"] = "all"  # this subprocess compiles the joined launch (an opt-in join)
     return report_each(VARIANTS, _report)
 
 
