@@ -342,6 +342,37 @@ def _store_rows(ptr, rows, hmask, acc, col0, layout: gl.constexpr, KA: gl.conste
 
 
 @gluon.jit
+def _allocate_buffers(ROWS: gl.constexpr, BLOCK: gl.constexpr, STAGES_: gl.constexpr, FP8: gl.constexpr):
+    """The shared memory of a program over ROWS query rows (:func:`_mla_split`, the sparse prefill tile): the queries'
+    latent halves and rope, the ring of STAGES_ cache tiles (latent halves, rope; FP8: their scales and the one
+    dequantized bf16 tile both MMAs read, else the ring's own tiles) and P."""
+    lat_dt: gl.constexpr = gl.float8e4nv if FP8 else gl.bfloat16
+    lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], lat_dt)
+    kv_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], gl.bfloat16)
+    pe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 64], gl.bfloat16)
+    sc_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    qlat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, 256], gl.bfloat16)
+    qpe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, 64], gl.bfloat16)
+    p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK], gl.bfloat16)
+    qa_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 256], qlat_l)
+    qb_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 256], qlat_l)
+    qpe_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 64], qpe_l)
+    la_s = gl.allocate_shared_memory(lat_dt, [STAGES_, BLOCK, 256], lat_l)
+    lb_s = gl.allocate_shared_memory(lat_dt, [STAGES_, BLOCK, 256], lat_l)
+    pe_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, BLOCK, 64], pe_l)
+    if FP8:  # the scales' ring, and the one dequantized bf16 tile both MMAs read
+        sc_s = gl.allocate_shared_memory(gl.float32, [STAGES_, BLOCK, 4], sc_l)
+        ka_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, 256], kv_l)
+        kb_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, 256], kv_l)
+    else:
+        sc_s = pe_s  # unused
+        ka_s = la_s
+        kb_s = lb_s
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, BLOCK], p_l)
+    return qa_s, qb_s, qpe_s, la_s, lb_s, pe_s, sc_s, ka_s, kb_s, p_s
+
+
+@gluon.jit
 def _mla_split(
     t, sp, q_ptr, stride_qt, stride_qh, H,
     lat_ptr, pe_ptr, sc_ptr, bt_ptr, stride_bt, req_ptr, pos_ptr, stride_pt, K,
@@ -361,12 +392,8 @@ def _mla_split(
     o_l: gl.constexpr = _out_layout(KEYS_AS_ROWS, ROWS)
     lat_dt: gl.constexpr = gl.float8e4nv if FP8 else gl.bfloat16
     lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], lat_dt)
-    kv_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], gl.bfloat16)
     pe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 64], gl.bfloat16)
     sc_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    qlat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, 256], gl.bfloat16)
-    qpe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, 64], gl.bfloat16)
-    p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK], gl.bfloat16)
     # tiles copied ahead: a bf16 stage is read by P @ V until the next tile's MMAs; an FP8 stage only until its
     # dequantization and QK^T, so FP8 issues the tile after next at that point
     AHEAD: gl.constexpr = 2 if FP8 else 1
@@ -383,21 +410,7 @@ def _mla_split(
     n_full = n_keys // BLOCK
     n_tiles = (n_keys + BLOCK - 1) // BLOCK
 
-    qa_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 256], qlat_l)
-    qb_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 256], qlat_l)
-    qpe_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, 64], qpe_l)
-    la_s = gl.allocate_shared_memory(lat_dt, [STAGES_, BLOCK, 256], lat_l)
-    lb_s = gl.allocate_shared_memory(lat_dt, [STAGES_, BLOCK, 256], lat_l)
-    pe_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, BLOCK, 64], pe_l)
-    if FP8:  # the scales' ring, and the one dequantized bf16 tile both MMAs read
-        sc_s = gl.allocate_shared_memory(gl.float32, [STAGES_, BLOCK, 4], sc_l)
-        ka_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, 256], kv_l)
-        kb_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, 256], kv_l)
-    else:
-        sc_s = pe_s  # unused
-        ka_s = la_s
-        kb_s = lb_s
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, BLOCK], p_l)
+    qa_s, qb_s, qpe_s, la_s, lb_s, pe_s, sc_s, ka_s, kb_s, p_s = _allocate_buffers(ROWS, BLOCK, STAGES_, FP8)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES_):
         mbarrier.init(ready.index(i), count=1)

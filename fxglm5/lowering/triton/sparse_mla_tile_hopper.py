@@ -36,9 +36,10 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from fxglm5 import settings
 from fxglm5.lowering.triton.device import capability
-from fxglm5.lowering.triton.mla_hopper import (BLOCK_N, STAGES, _cache_args, _dequant, _issue_pv, _issue_qk,
-                                               _issue_tile, _out_layout, _query_layout, _rows_layout, _score_layout,
-                                               _softmax_update, _stage_query_rows, _store_rows, _wait_tile)
+from fxglm5.lowering.triton.mla_hopper import (BLOCK_N, STAGES, _allocate_buffers, _cache_args, _dequant, _issue_pv,
+                                               _issue_qk, _issue_tile, _out_layout, _query_layout, _rows_layout,
+                                               _score_layout, _softmax_update, _stage_query_rows, _store_rows,
+                                               _wait_tile)
 
 __all__ = ["supported", "launch", "ROWS", "BLOCK_N"]
 
@@ -108,12 +109,8 @@ def _tile_hopper_kernel(
     o_l: gl.constexpr = _out_layout(False, M)
     lat_dt: gl.constexpr = gl.float8e4nv if FP8 else gl.bfloat16
     lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], lat_dt)
-    kv_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 256], gl.bfloat16)
     pe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, 64], gl.bfloat16)
     sc_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    qlat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, 256], gl.bfloat16)
-    qpe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, 64], gl.bfloat16)
-    p_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, BLOCK], gl.bfloat16)
     AHEAD: gl.constexpr = 2 if FP8 else 1  # blocks in flight (mla_hopper._mla_split: an FP8 stage frees early)
 
     tile = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest prefixes first: a shorter tail wave
@@ -133,21 +130,7 @@ def _tile_hopper_kernel(
     row_mine = _of_request(r_s, r_s < T, req_ptr, req, has_req)
     cnt_row = r_s * count_stride
 
-    qa_s = gl.allocate_shared_memory(gl.bfloat16, [M, 256], qlat_l)
-    qb_s = gl.allocate_shared_memory(gl.bfloat16, [M, 256], qlat_l)
-    qpe_s = gl.allocate_shared_memory(gl.bfloat16, [M, 64], qpe_l)
-    la_s = gl.allocate_shared_memory(lat_dt, [STAGES_, BLOCK, 256], lat_l)
-    lb_s = gl.allocate_shared_memory(lat_dt, [STAGES_, BLOCK, 256], lat_l)
-    pe_s = gl.allocate_shared_memory(gl.bfloat16, [STAGES_, BLOCK, 64], pe_l)
-    if FP8:  # the scales' ring, and the one dequantized bf16 tile both MMAs read
-        sc_s = gl.allocate_shared_memory(gl.float32, [STAGES_, BLOCK, 4], sc_l)
-        ka_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, 256], kv_l)
-        kb_s = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK, 256], kv_l)
-    else:
-        sc_s = pe_s  # unused
-        ka_s = la_s
-        kb_s = lb_s
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [M, BLOCK], p_l)
+    qa_s, qb_s, qpe_s, la_s, lb_s, pe_s, sc_s, ka_s, kb_s, p_s = _allocate_buffers(M, BLOCK, STAGES_, FP8)
 
     # the first AHEAD blocks' gathers (one cp.async commit group per block, empty past the walk: _wait_tile counts
     # groups), then the queries; _issue_tile's TMA-only arguments (n_full, end, descs, ready) are unused (0)
