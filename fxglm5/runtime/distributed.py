@@ -107,9 +107,14 @@ def launch(fn: Callable, world: int, *args, device: str = "cpu", timeout: float 
             raise InputError(f"--tp {world}: the external launcher started WORLD_SIZE={size} ranks")
         info = init(_env_int("RANK"), size, _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else 0, device)
         try:
-            return info.rank, fn(info, *args)
+            value = fn(info, *args)
+            # every rank done before any leaves: a gloo worker thread still releasing the last collective's tensors
+            # when the interpreter shuts down aborts the process ("terminate called without an active exception"),
+            # though its output was right (torchrun -m fxglm5 generate --tp 2: 2 runs in 20 before, none in 20 after)
+            dist.barrier()
         finally:
             leave()
+        return info.rank, value
     device_for(device, world - 1)  # every local rank needs a device: refused here, before any process starts
     return 0, spawn(fn, world, *args, device=device, timeout=timeout)[0]
 
