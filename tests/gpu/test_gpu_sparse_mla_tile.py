@@ -94,7 +94,7 @@ def test_gluon_tile_8k_prompt(cdtype, monkeypatch):
     Triton tile; rows no token lists (positions 4000 and 4001 taken out of every list) hold NaN bytes; a token
     lists nothing, another lists a position twice. The paged program's dispatch takes the Gluon tile (the same
     bits), and FXGLM5_SPARSE_MLA_TILE_GLUON=0 the Triton tile (the same bits as it)."""
-    monkeypatch.setenv("FXGLM5_SPARSE_MLA_TILE_GLUON", "1")  # opt-in until these tests have passed
+    monkeypatch.delenv("FXGLM5_SPARSE_MLA_TILE_GLUON", raising=False)  # the default: the Gluon tile
     from fxglm5.lowering.triton import sparse_mla, sparse_mla_tile
 
     q, cache, bt, req, _, top = prefill_case([8192], [(0, 8192)], HEADS, cdtype)
@@ -121,7 +121,7 @@ def test_gluon_tile_flat_batch_of_prefills(cdtype, monkeypatch):
     last cache block of each request part-written: NaN bytes past its end), every unlisted row of each prefix
     poisoned, a token with nothing listed, a position listed twice; at once and 600 tokens at a time (several
     launches); the Gluon tile against the reference and the Triton tile."""
-    monkeypatch.setenv("FXGLM5_SPARSE_MLA_TILE_GLUON", "1")  # opt-in until these tests have passed
+    monkeypatch.delenv("FXGLM5_SPARSE_MLA_TILE_GLUON", raising=False)  # the default: the Gluon tile
     from fxglm5.lowering.triton import sparse_mla_tile
 
     lens = [3000, 1501, 700]

@@ -38,15 +38,17 @@ class _OnCuda:
 
 @pytest.fixture
 def hopper(monkeypatch):
-    """sm_90, not interpreting, the switch on (the Gluon tile is opt-in until its GPU tests pass)."""
+    """sm_90, not interpreting, the switch left at its default (on)."""
     monkeypatch.setattr(th, "capability", lambda device: (9, 0))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("FXGLM5_SPARSE_MLA_TILE_GLUON", "1")
+    monkeypatch.delenv("FXGLM5_SPARSE_MLA_TILE_GLUON", raising=False)
 
 
-def test_the_gluon_tile_is_opt_in(hopper, monkeypatch):
-    monkeypatch.delenv("FXGLM5_SPARSE_MLA_TILE_GLUON")
+def test_the_gluon_tile_is_the_default_and_0_switches_it_off(hopper, monkeypatch):
+    """On by default since its GPU tests passed and it timed faster than the Triton tile (settings' docstring)."""
     q, cache = _inputs()
+    assert th.supported(_OnCuda(q), _OnCuda(cache), 8, 8)
+    monkeypatch.setenv("FXGLM5_SPARSE_MLA_TILE_GLUON", "0")
     assert not th.supported(_OnCuda(q), _OnCuda(cache), 8, 8)
 
 
