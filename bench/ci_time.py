@@ -7,7 +7,8 @@ number of tests ``tests/gpu`` holds (collected, not run: they skip without CUDA)
     python bench/ci_time.py [--command "bash .ci/run"] [--no-clone] [--name ci_time.json]
 
 ``--no-clone`` runs the command in this working tree instead (uncommitted changes included: the record's commit
-says so). The command's output streams through; the JSON keeps its last lines.
+says so). The command's output streams through; the JSON keeps its last lines and, when tests failed, pytest's
+FAILURES section (the tracebacks: an intermittent failure is seen once, so the record must hold its cause).
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ def pytest_summary(lines: list[str]) -> dict | None:
             counts = {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", m.group(1))}
             return {"line": line.strip(), "counts": counts, "seconds": float(m.group(2))}
     return None
+
+
+FAILURES_LINES = 600  # at most this many lines of the FAILURES section are kept
+
+
+def failures_section(lines: list[str]) -> list[str]:
+    """pytest's "= FAILURES =" section in ``lines``, up to the next "= ... =" header (at most FAILURES_LINES), or []."""
+    header = re.compile(r"^=+ .+ =+$")
+    start = next((i for i, line in enumerate(lines) if header.match(line.strip()) and " FAILURES " in line), None)
+    if start is None:
+        return []
+    end = next((i for i in range(start + 1, len(lines)) if header.match(lines[i].strip())), len(lines))
+    return lines[start:end][:FAILURES_LINES]
 
 
 def collected(repo: str, path: str) -> int:
@@ -77,7 +91,7 @@ def main() -> None:
     harness.save_run(args.name, ci_command=args.command, fresh_clone=not args.no_clone, returncode=code,
                      wall_s=round(wall, 1), load_avg_1_5_15_min_at_start=load_at_start, pytest=summary,
                      gpu_tests_collected=collected(where, "tests/gpu"),
-                     tail=lines[-25:])
+                     tail=lines[-25:], failures=failures_section(lines))
     if code != 0:
         raise SystemExit(code)
 
