@@ -24,6 +24,8 @@ call is obeyed and importing a kernel module has no hidden dependence on the env
   (:data:`DECODE_JOINS` names them). Default: the MoE router's only. On an H100 at 39 layers (bench/results/
   decode_joins_h100_fee09c4) a B=1 step took 9.42 to 9.51 ms with them and 9.18 ms without the q_b GEMM's two, and each
   joined kernel took longer than the launches it replaced (the profile there), so they stay opt-in until they win.
+  At bb561ff the default was the fastest of default, all, none and PDL at B=1 and B=8
+  (bench/results/decode_default_h100_bb561ff).
 - ``FXGLM5_RTP_ACT_QUANT=1|0``: the RTP-LLM plugin compiles W8A8 FP8 GEMMs (activations quantized 1x128 on the
   fly; default 0: W8A16, as every fxglm5 front door). The plugin's only option channel: RTP parses its own
   arguments strictly, and every process it spawns inherits the environment (``fxglm5.rtpllm.config.act_quant``).
