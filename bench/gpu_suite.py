@@ -2,13 +2,19 @@
 this commit has run, stop after the test during which ``--budget`` seconds ran out, and record every test's outcome
 and duration, and the tests still to run, in one JSON file (under $OUT on the device machine).
 
-    python bench/gpu_suite.py [--budget 540] [--after part1.json part2.json ...] [--name gpu_suite.json] [paths ...]
+    python bench/gpu_suite.py [--budget 540] [--after part1.json part2.json ...] [--name gpu_suite.json]
+                              [--shard I/N] [--summary] [paths ...]
 
 Why: the suite takes longer than one call may run (600 s), so a plain ``pytest tests/gpu`` under a timeout loses the
 run's results when it is cut off, and the next call starts from the first test again. ``--after`` names the records
 of the earlier parts (committed under bench/results/ or carried beside the tree): their tests are not run again, and
 the record sums up all parts so far (``suite``): the suite has passed at a commit when a record at that commit shows
 no test left to run and none failed. A record made at another commit is refused: its tests ran other code.
+
+``--shard I/N`` runs only the I-th (from 0) of N contiguous runs of equal length of the tests left, so N processes
+started side by side on one GPU share the suite (the tests are bound by compiling their kernels, a CPU's work, and
+the device machine has many cores): each writes its own record, and ``--after`` takes them all. ``--summary`` runs
+no test: it writes the record of the suite so far (its counts and the tests left), the one to read after shards.
 """
 
 from __future__ import annotations
@@ -30,18 +36,20 @@ class Budget:
     """A pytest plugin: deselects the tests ``done`` already holds, records each test's outcome and duration, and
     stops the session after the test during which ``seconds`` ran out."""
 
-    def __init__(self, seconds: float, done: dict):
-        self.seconds, self.deadline = seconds, None
+    def __init__(self, seconds: float, done: dict, shard: tuple[int, int] = (0, 1), run: bool = True):
+        self.seconds, self.deadline, self.shard, self.run = seconds, None, shard, run
         self.done, self.results, self.selected, self.session = done, {}, [], None
 
     def pytest_sessionstart(self, session):
         self.session = session
 
     def pytest_collection_modifyitems(self, config, items):
-        kept = [item for item in items if item.nodeid not in self.done]
-        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in self.done])
+        left = [item for item in items if item.nodeid not in self.done]
+        self.selected = [item.nodeid for item in left]
+        index, count = self.shard
+        kept = left[len(left) * index // count:len(left) * (index + 1) // count] if self.run else []
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept
-        self.selected = [item.nodeid for item in kept]
 
     def pytest_collection_finish(self, session):
         self.deadline = time.monotonic() + self.seconds  # the budget is the tests' time, collection not counted
@@ -75,6 +83,17 @@ def load_done(paths: list[str], commit: str) -> dict:
     return done
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """``I/N`` -> (I, N), 0 <= I < N."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: expected I/N, e.g. 0/4") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: I must be in [0, N)")
+    return index, count
+
+
 def counts(results: dict) -> dict:
     return {outcome: sum(r["outcome"] == outcome for r in results.values()) for outcome in OUTCOMES}
 
@@ -85,17 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=540.0, help="seconds of tests (after collection) before the part stops")
     parser.add_argument("--after", nargs="*", default=[], help="the records of the earlier parts at this commit")
     parser.add_argument("--name", default="gpu_suite.json")
+    parser.add_argument("--shard", type=parse_shard, default=(0, 1), help="I/N: the I-th of N equal runs of the tests left")
+    parser.add_argument("--summary", action="store_true", help="run no test; record the suite so far")
     args = parser.parse_args(argv)
     import pytest
 
     done = load_done(args.after, harness.git_commit())
-    plugin = Budget(args.budget, done)
+    plugin = Budget(args.budget, done, args.shard, run=not args.summary)
     start = time.monotonic()
     code = pytest.main(["-q", "-p", "no:cacheprovider", "--show-capture=no", "--tb=short", "-rfE", *args.paths],
                        plugins=[plugin])
     left = [nodeid for nodeid in plugin.selected if nodeid not in plugin.results]
     suite = {**done, **plugin.results}
-    record = dict(paths=args.paths, budget_s=args.budget, wall_s=round(time.monotonic() - start, 1),
+    record = dict(paths=args.paths, budget_s=args.budget, shard=f"{args.shard[0]}/{args.shard[1]}", wall_s=round(time.monotonic() - start, 1),
                   pytest_exit_code=int(code), part=counts(plugin.results), suite=counts(suite), left=len(left),
                   left_tests=left, after=args.after, results=suite)
     harness.write_record(os.path.join(harness.out_dir(), args.name), record, echo=False)

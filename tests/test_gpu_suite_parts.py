@@ -3,6 +3,7 @@ records each test's outcome (setup errors and teardown failures as "error") and 
 (``--after``) runs only what is left and sums up the suite; a record from another commit is refused."""
 
 import json
+import sys
 
 import pytest
 
@@ -45,6 +46,7 @@ def test_f_teardown_fails(bad_teardown):
 @pytest.fixture
 def suite(tmp_path, monkeypatch):
     (tmp_path / "test_made_up.py").write_text(SUITE)
+    monkeypatch.delitem(sys.modules, "test_made_up", raising=False)  # an earlier test's, from its own tmp_path
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     monkeypatch.setenv(harness.COMMIT_ENV, "abc1234")
     (tmp_path / "out").mkdir()
@@ -78,3 +80,27 @@ def test_a_record_from_another_commit_is_refused(suite, monkeypatch):
     monkeypatch.setenv(harness.COMMIT_ENV, "def5678")
     with pytest.raises(ValueError, match="made at commit 'abc1234', this run is at 'def5678'"):
         gpu_suite.main([path, "--after", str(suite / "out" / "part1.json")])
+
+
+def test_shards_split_the_tests_left_and_a_summary_sums_them_up(suite):
+    path = str(suite / "test_made_up.py")
+    for index in range(3):
+        gpu_suite.main([path, "--shard", f"{index}/3", "--name", f"shard{index}.json"])
+    shards = [_record(suite, f"shard{index}.json") for index in range(3)]
+    ran = [[k.rsplit("::", 1)[1] for k in shard["results"]] for shard in shards]
+    assert ran == [["test_a_passes", "test_b_is_slow"], ["test_c_fails", "test_d_skips"],
+                   ["test_e_setup_error", "test_f_teardown_fails"]]
+    assert [shard["left"] for shard in shards] == [4, 4, 4] and shards[1]["shard"] == "1/3"
+    after = [str(suite / "out" / f"shard{index}.json") for index in range(3)]
+    assert gpu_suite.main([path, "--summary", "--after", *after, "--name", "summary.json"]) == 1
+    summary = _record(suite, "summary.json")
+    assert summary["part"] == {"passed": 0, "failed": 0, "skipped": 0, "error": 0} and summary["left"] == 0
+    assert summary["suite"] == {"passed": 2, "failed": 1, "skipped": 1, "error": 2}
+    gpu_suite.main([path, "--summary", "--after", *after[:2], "--name", "partial.json"])
+    assert _record(suite, "partial.json")["left_tests"] == [k for k in shards[2]["results"]]
+
+
+@pytest.mark.parametrize("text", ["1", "3/3", "-1/2", "a/b"])
+def test_a_malformed_shard_is_refused(text):
+    with pytest.raises(SystemExit):
+        gpu_suite.main(["--shard", text])
