@@ -167,15 +167,17 @@ def init_fake_group() -> None:
 
 
 def probe_collectives(device: torch.device) -> dict:
-    """Each implementation of fxglm5::all_reduce / all_gather (the custom op and what ``lower`` binds) returns, with
-    the fake group's values, eagerly and (on a GPU) inside a CUDA graph that is replayed on a new input."""
+    """Each implementation of fxglm5::all_reduce / all_gather (the custom op and what ``lower`` and ``reduce_in_place``
+    bind) returns, with the fake group's values, eagerly and (on a GPU) inside a CUDA graph that is replayed on a new input."""
     from fxglm5.lowering.implementations import implementations
+    from fxglm5.lowering.reference.collectives import all_reduce_c10d_in_place
 
     x = torch.randn(4, 256, device=device, dtype=torch.bfloat16)
     report = {}
     for op, extra, expect in (("all_reduce", (), lambda t: t), ("all_gather", (-1,), lambda t: t.repeat(1, TP))):
         fns = {"fxglm5::" + op: getattr(torch.ops.fxglm5, op).default,
-               **{f"{op} ({backend})": impl.fn for backend, impl in implementations(op).items()}}
+               **{f"{op} ({backend})": impl.fn for backend, impl in implementations(op).items()},
+               **({"all_reduce (in place)": all_reduce_c10d_in_place} if op == "all_reduce" else {})}
         for name, fn in fns.items():
             def call(t, fn=fn, extra=extra):
                 return fn(t, *extra, "tp", TP)

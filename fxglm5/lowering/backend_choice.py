@@ -80,7 +80,9 @@ def choose(op: str, order: Sequence[str], device_type: str, args: Sequence) -> C
     raise ValueError(f"no backend of {list(order)} supports this fxglm5::{op} call on {device_type}: {refused}")
 
 
-def _body(impl: Impl, inputs_validated: bool):
+def _body(impl: Impl, inputs_validated: bool, in_place: bool = False):
+    if in_place and impl.in_place is not None:
+        return impl.in_place
     return impl.unchecked if inputs_validated and impl.unchecked is not None else impl.fn
 
 
@@ -139,9 +141,10 @@ def _meta_args(node: torch.fx.Node) -> tuple:
 
 def bind(node: torch.fx.Node, op: str, order: list[str], device_type: str, inputs_validated: bool = False):
     """The graph target for ``node`` (an fxglm5 op call): a :class:`Bound` chosen from its metadata now, or a
-    :class:`Dispatch` when the choice reads an argument known only at run time."""
+    :class:`Dispatch` when the choice reads an argument known only at run time. A node marked
+    ``meta["fxglm5_in_place"]`` gets the chosen implementation's in-place body where it has one."""
     try:
         choice = choose(op, order, device_type, _meta_args(node))
     except Undecided:
         return Dispatch(op, order, device_type, inputs_validated)
-    return Bound(op, choice.backend, _body(choice.impl, inputs_validated))
+    return Bound(op, choice.backend, _body(choice.impl, inputs_validated, node.meta.get("fxglm5_in_place", False)))

@@ -19,7 +19,7 @@ import torch
 
 from fxglm5 import settings
 from fxglm5.lowering.reference import paged, paged_steps
-from fxglm5.lowering.reference.collectives import all_gather_c10d, all_reduce_c10d
+from fxglm5.lowering.reference.collectives import all_gather_c10d, all_reduce_c10d, all_reduce_c10d_in_place
 
 BACKENDS = ("aiter", "triton", "reference")
 
@@ -29,20 +29,23 @@ class Impl:
     fn: Optional[Callable]  # None in the table: the custom op itself (``torch.ops.fxglm5.<op>``), looked up when asked
     supports: Optional[Callable[..., Optional[str]]] = None  # returns None if supported, else a reason
     unchecked: Optional[Callable] = None  # the body without its input checks, for callers that validated them
+    # the body that may overwrite its first input and return it, for a node whose first input no other node reads
+    # (the reduce_in_place pass marks such nodes ``meta["fxglm5_in_place"]``; lower binds this body to them)
+    in_place: Optional[Callable] = None
 
 
 _IMPLS: dict[str, dict[str, Impl]] = {}
 
 
 def register(op: str, backend: str, supports: Optional[Callable[..., Optional[str]]] = None,
-             unchecked: Optional[Callable] = None):
+             unchecked: Optional[Callable] = None, in_place: Optional[Callable] = None):
     """Decorator: ``fn`` implements fxglm5 op ``op`` on ``backend`` (``unchecked``: the same without its input
-    checks)."""
+    checks; ``in_place``: the same over its first input's memory, see :class:`Impl`)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; backends are {BACKENDS}")
 
     def wrap(fn):
-        _IMPLS.setdefault(op, {})[backend] = Impl(fn, supports, unchecked)
+        _IMPLS.setdefault(op, {})[backend] = Impl(fn, supports, unchecked, in_place)
         return fn
 
     return wrap
@@ -191,7 +194,7 @@ def _add_rms_norm_moe_router_fp8_shared_triton(x, residual, norm_weight, eps, ro
 
 
 # ---- collectives: torch's functional collectives (gloo / NCCL) on the group the op names, on every device --------
-register("all_reduce", "reference")(all_reduce_c10d)
+register("all_reduce", "reference", in_place=all_reduce_c10d_in_place)(all_reduce_c10d)
 register("all_gather", "reference")(all_gather_c10d)
 
 

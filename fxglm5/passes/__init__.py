@@ -15,7 +15,7 @@ from fxglm5.passes import fuse_router_into_moe, fuse_shared_expert_into_moe  # n
 from fxglm5.passes import fuse_shared_add_into_moe, fuse_shared_input_gemms, fuse_silu_mul_into_down, lower  # noqa: F401
 from fxglm5.passes import match_mla, match_rms_norm, match_rope, match_sparse_mla  # noqa: F401  (registration)
 from fxglm5.passes import shard_attention, shard_indexer, shard_lm_head, shard_mlp  # noqa: F401  (registration)
-from fxglm5.passes import shard_moe_experts  # noqa: F401  (registration)
+from fxglm5.passes import reduce_in_place, shard_moe_experts  # noqa: F401  (registration)
 from fxglm5.passes.manager import PassContext, PassManager, PassResult, op_histogram, run_pipeline
 from fxglm5.passes.pipeline import PIPELINE, STAGES, Stage
 from fxglm5.passes.registry import REGISTRY, register_pass

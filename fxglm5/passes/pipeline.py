@@ -65,7 +65,8 @@ PIPELINE: dict[Stage, tuple[str, ...]] = {
                          "fuse_shared_add_into_moe", "fuse_shared_expert_into_moe",
                          "fuse_router_into_moe", "fuse_add_rms_norm", "fuse_add_rms_norm_into_moe",
                          "fuse_add_rms_norm_into_gemm"),
-    Stage.LOWER: ("lower",),
+    # the all-reduces that may overwrite their input are marked before lower binds them the in-place body
+    Stage.LOWER: ("reduce_in_place", "lower"),
 }
 
 DECLARED: dict[str, Stage] = {name: stage for stage, names in PIPELINE.items() for name in names}

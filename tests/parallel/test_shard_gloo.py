@@ -17,7 +17,7 @@ from tests.helpers import copy_to_dtype
 from tests.parallel.ranks import graph_copy, run_ranks, sharded
 
 from fxglm5.compiler import compile_model
-from fxglm5.lowering.reference.collectives import all_reduce_c10d
+from fxglm5.lowering.reference.collectives import all_reduce_c10d_in_place
 from fxglm5.parallel import Mapping
 from fxglm5.passes.pipeline import Stage
 
@@ -31,7 +31,7 @@ def _rel_rmse(out, ref) -> float:
 def _without_all_reduce(graph):
     """The sabotage control: the same sharded graph with every all-reduce replaced by its own input."""
     copy = graph_copy(graph)
-    for node in [n for n in copy.graph.nodes if getattr(n.target, "fn", None) is all_reduce_c10d]:
+    for node in [n for n in copy.graph.nodes if getattr(n.target, "op", None) == "all_reduce"]:
         node.replace_all_uses_with(node.args[0])
         copy.graph.erase_node(node)
     copy.recompile()
@@ -50,7 +50,10 @@ def test_two_and_four_gloo_ranks_give_the_single_rank_logits(tiny_tp, tmp_path):
         ep2, results = sharded(graph, cfg, Mapping(tp=2, rank=rank, ep=2))
         assert [r.num_matches for r in results[:5]] == [r.expected for r in results[:5]] == [4, 4, 1, 3, 1]
         lowered = [n.target for n in ep2.graph.nodes if getattr(n.target, "op", None) == "all_reduce"]
-        assert len(lowered) == 8 and all(t.fn is all_reduce_c10d for t in lowered)  # lower binds _c10d_functional
+        # lower binds _c10d_functional, and each all-reduce sums over its input's memory (reduce_in_place)
+        assert len(lowered) == 8 and all(t.fn is all_reduce_c10d_in_place for t in lowered)
+        in_place = next(r for r in results if r.name == "reduce_in_place")
+        assert (in_place.num_matches, in_place.expected) == (8, 8)
         two.append({"ep2": ep2, "ep1": sharded(graph, cfg, Mapping(tp=2, rank=rank, ep=1))[0],
                     "sabotage": _without_all_reduce(ep2), "bf16": sharded(half, cfg, Mapping(tp=2, rank=rank, ep=2))[0]})
     four = [{f"ep{ep}@4": sharded(graph, cfg, Mapping(tp=4, rank=rank, ep=ep))[0] for ep in (4, 2, 1)}

@@ -62,7 +62,7 @@ def test_tiny_model_counts_and_bitwise_outputs(tiny_cached, act_quant):
     unfused, fused = copy.deepcopy(cached), copy.deepcopy(cached)
     run_pipeline(unfused, PassContext(config=cfg, strict=True, act_quant=act_quant, disabled=(PASS, *OTHERS)),
                  stages=STAGES)
-    result, lowered = run_pipeline(fused, PassContext(config=cfg, strict=True, act_quant=act_quant, disabled=OTHERS),
+    result, _, lowered = run_pipeline(fused, PassContext(config=cfg, strict=True, act_quant=act_quant, disabled=OTHERS),
                                    stages=STAGES)
     # per layer: q_a + kv_a + wk, q_b + wq_b, gate + up: 3 groups of 7 GEMMs, 4 layers
     assert (result.name, result.num_matches, result.expected, result.details) == (PASS, 12, 12, {"gemms": 28})

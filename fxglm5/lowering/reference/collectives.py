@@ -37,6 +37,20 @@ def all_reduce_c10d(x: Tensor, group: str, world: int) -> Tensor:
     return c10d.wait_tensor(c10d.all_reduce(x.contiguous(), "sum", name))
 
 
+def all_reduce_c10d_in_place(x: Tensor, group: str, world: int) -> Tensor:
+    """:func:`all_reduce_c10d` whose sum overwrites ``x`` (``_c10d_functional.all_reduce_``) and is returned: for an
+    ``x`` no one else reads (the ``reduce_in_place`` pass proves it), so the functional op's copy of ``x`` into a new
+    tensor before the reduction (a copy kernel an all-reduce, two a decoder layer) is gone. A non-contiguous ``x``
+    takes the functional op; with no group (``world == 1``) ``x`` is the sum already."""
+    name = _group_name(group, world)
+    if name is None:
+        return x
+    if not x.is_contiguous():
+        return all_reduce_c10d(x, group, world)
+    c10d = torch.ops._c10d_functional
+    return c10d.wait_tensor(c10d.all_reduce_(x, "sum", name))
+
+
 def all_gather_c10d(x: Tensor, dim: int, group: str, world: int) -> Tensor:
     """The ranks' ``x`` concatenated along ``dim`` through ``torch.ops._c10d_functional``."""
     name = _group_name(group, world)
