@@ -15,6 +15,9 @@ no test left to run and none failed. A record made at another commit is refused:
 started side by side on one GPU share the suite (the tests are bound by compiling their kernels, a CPU's work, and
 the device machine has many cores): each writes its own record, and ``--after`` takes them all. ``--summary`` runs
 no test: it writes the record of the suite so far (its counts and the tests left), the one to read after shards.
+``--procs N`` does both in one command: it runs the N shards as processes side by side (their records and output
+in a temporary folder, each shard's output printed after all have ended) and writes the summary under ``--name``:
+one record and one command for a device call that brings back only a few files.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="gpu_suite.json")
     parser.add_argument("--shard", type=parse_shard, default=(0, 1), help="I/N: the I-th of N equal runs of the tests left")
     parser.add_argument("--summary", action="store_true", help="run no test; record the suite so far")
+    parser.add_argument("--procs", type=int, default=1, help="run N shards side by side, then the summary")
     args = parser.parse_args(argv)
+    if args.procs > 1:
+        return run_shards(args)
     import pytest
 
     done = load_done(args.after, harness.git_commit())
@@ -123,6 +131,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_suite: this part {record['part']}, the suite so far {record['suite']}, {len(left)} left to run; "
           f"saved {os.path.join(harness.out_dir(), args.name)}")
     return 1 if record["suite"]["failed"] or record["suite"]["error"] else 0
+
+
+def run_shards(args) -> int:
+    """``--procs N``: the N shards of the tests left as processes side by side, then the summary under ``--name``."""
+    with tempfile.TemporaryDirectory() as folder:
+        procs = []
+        for index in range(args.procs):
+            record, log = (os.path.join(folder, f"shard{index}.{ext}") for ext in ("json", "log"))
+            command = [sys.executable, os.path.abspath(__file__), *args.paths, "--budget", str(args.budget),
+                       "--shard", f"{index}/{args.procs}", "--name", record, "--after", *args.after]
+            with open(log, "w") as out:
+                procs.append((record, log, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)))
+        for _, _, proc in procs:
+            proc.wait()
+        for index, (_, log, proc) in enumerate(procs):
+            with open(log) as f:
+                print(f"---- shard {index}/{args.procs} (exit {proc.returncode})\n{f.read()}", flush=True)
+        shards = [record for record, _, _ in procs if os.path.exists(record)]
+        if len(shards) < args.procs:
+            print(f"gpu_suite: {args.procs - len(shards)} shard(s) wrote no record (see their output above)")
+        return main([*args.paths, "--summary", "--name", args.name, "--after", *args.after, *shards])
 
 
 if __name__ == "__main__":

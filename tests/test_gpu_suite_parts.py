@@ -104,3 +104,12 @@ def test_shards_split_the_tests_left_and_a_summary_sums_them_up(suite):
 def test_a_malformed_shard_is_refused(text):
     with pytest.raises(SystemExit):
         gpu_suite.main(["--shard", text])
+
+
+def test_procs_run_the_shards_side_by_side_and_record_their_summary(suite):
+    path = str(suite / "test_made_up.py")
+    assert gpu_suite.main([path, "--procs", "3", "--name", "summary.json"]) == 1
+    summary = _record(suite, "summary.json")
+    assert summary["suite"] == {"passed": 2, "failed": 1, "skipped": 1, "error": 2} and summary["left"] == 0
+    assert summary["part"] == {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
+    assert len(summary["after"]) == 3 and sorted(k.rsplit("::", 1)[1] for k in summary["results"])[0] == "test_a_passes"
