@@ -99,10 +99,12 @@ class Bound:
 
 class Dispatch:
     """The run-time choice for a node whose choice reads a run-time input: each call takes the first supporting
-    backend."""
+    backend (its in-place body where the node is marked so, as :func:`bind` gives a :class:`Bound`)."""
 
-    def __init__(self, op: str, order: list[str], device_type: str, inputs_validated: bool = False):
+    def __init__(self, op: str, order: list[str], device_type: str, inputs_validated: bool = False,
+                 in_place: bool = False):
         self.op, self.order, self.device_type, self.inputs_validated = op, order, device_type, inputs_validated
+        self.in_place = in_place
         if not any(name in implementations(op) for name in order):
             raise ValueError(f"no implementation of fxglm5::{op} for backends {order}")
         self.backend = "runtime"
@@ -115,7 +117,7 @@ class Dispatch:
             if key not in _warned:
                 _warned.add(key)
                 log.warning("fxglm5: %s on %s falls back (%s)", self.op, name, reason)
-        return _body(choice.impl, self.inputs_validated)(*args)
+        return _body(choice.impl, self.inputs_validated, self.in_place)(*args)
 
 
 class Undecided(Exception):
@@ -143,8 +145,9 @@ def bind(node: torch.fx.Node, op: str, order: list[str], device_type: str, input
     """The graph target for ``node`` (an fxglm5 op call): a :class:`Bound` chosen from its metadata now, or a
     :class:`Dispatch` when the choice reads an argument known only at run time. A node marked
     ``meta["fxglm5_in_place"]`` gets the chosen implementation's in-place body where it has one."""
+    in_place = node.meta.get("fxglm5_in_place", False)
     try:
         choice = choose(op, order, device_type, _meta_args(node))
     except Undecided:
-        return Dispatch(op, order, device_type, inputs_validated)
-    return Bound(op, choice.backend, _body(choice.impl, inputs_validated, node.meta.get("fxglm5_in_place", False)))
+        return Dispatch(op, order, device_type, inputs_validated, in_place)
+    return Bound(op, choice.backend, _body(choice.impl, inputs_validated, in_place))

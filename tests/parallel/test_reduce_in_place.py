@@ -100,3 +100,13 @@ def test_the_in_place_body_sums_over_gloo_into_its_input(tmp_path):
 def test_without_a_group_the_input_is_the_sum():
     x = torch.randn(2, 3)
     assert all_reduce_c10d_in_place(x, "tp", 1) is x
+
+
+def test_a_run_time_choice_honours_the_mark_too():
+    """A node whose backend is chosen per call (Dispatch) takes the in-place body when marked, as a Bound does."""
+    from fxglm5.lowering.backend_choice import Dispatch
+
+    x = torch.randn(2, 3)
+    assert Dispatch("all_reduce", ["reference"], "cpu", in_place=True)(x, "tp", 1) is x
+    functional = Dispatch("all_reduce", ["reference"], "cpu")(x, "tp", 1)
+    assert functional is not x and torch.equal(functional, x)
