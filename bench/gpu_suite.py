@@ -138,16 +138,16 @@ def run_shards(args) -> int:
     with tempfile.TemporaryDirectory() as folder:
         procs = []
         for index in range(args.procs):
-            record, log = (os.path.join(folder, f"shard{index}.{ext}") for ext in ("json", "log"))
+            record, log = os.path.join(folder, f"shard{index}.json"), tempfile.TemporaryFile(mode="w+")
             command = [sys.executable, os.path.abspath(__file__), *args.paths, "--budget", str(args.budget),
                        "--shard", f"{index}/{args.procs}", "--name", record, "--after", *args.after]
-            with open(log, "w") as out:
-                procs.append((record, log, subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)))
+            procs.append((record, log, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)))
         for _, _, proc in procs:
             proc.wait()
         for index, (_, log, proc) in enumerate(procs):
-            with open(log) as f:
-                print(f"---- shard {index}/{args.procs} (exit {proc.returncode})\n{f.read()}", flush=True)
+            log.seek(0)
+            print(f"---- shard {index}/{args.procs} (exit {proc.returncode})\n{log.read()}", flush=True)
+            log.close()
         shards = [record for record, _, _ in procs if os.path.exists(record)]
         if len(shards) < args.procs:
             print(f"gpu_suite: {args.procs - len(shards)} shard(s) wrote no record (see their output above)")
