@@ -13,8 +13,9 @@ no test left to run and none failed. A record made at another commit is refused:
 
 ``--shard I/N`` runs only the I-th (from 0) of N contiguous runs of equal length of the tests left, so N processes
 started side by side on one GPU share the suite (much of a GPU test's time is likely the compiling of its kernels, a
-CPU's work, not measured, and the device machine has many cores): each writes its own record, and ``--after`` takes them all. ``--summary`` runs
-no test: it writes the record of the suite so far (its counts and the tests left), the one to read after shards.
+CPU's work, not measured, and the device machine has many cores): each writes its own record, and ``--after`` takes
+them all. ``--summary`` runs no test: it writes the record of the suite so far (its counts and the tests left), the
+one to read after shards.
 ``--procs N`` does both in one command: it runs the N shards as processes side by side (their records and output
 in a temporary folder, each shard's output printed after all have ended) and writes the summary under ``--name``:
 one record and one command for a device call that brings back only a few files.
