@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=540.0, help="seconds of tests (after collection) before the part stops")
     parser.add_argument("--after", nargs="*", default=[], help="the records of the earlier parts at this commit")
     parser.add_argument("--name", default="gpu_suite.json")
-    parser.add_argument("--shard", type=parse_shard, default=(0, 1), help="I/N: the I-th of N equal runs of the tests left")
+    parser.add_argument("--shard", type=parse_shard, default=(0, 1),
+                        help="I/N: the I-th of N equal runs of the tests left")
     parser.add_argument("--summary", action="store_true", help="run no test; record the suite so far")
     parser.add_argument("--procs", type=int, default=1, help="run N shards side by side, then the summary")
     args = parser.parse_args(argv)
@@ -125,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                        plugins=[plugin])
     left = [nodeid for nodeid in plugin.selected if nodeid not in plugin.results]
     suite = {**done, **plugin.results}
-    record = dict(paths=args.paths, budget_s=args.budget, shard=f"{args.shard[0]}/{args.shard[1]}", wall_s=round(time.monotonic() - start, 1),
-                  pytest_exit_code=int(code), part=counts(plugin.results), suite=counts(suite), left=len(left),
+    record = dict(paths=args.paths, budget_s=args.budget, shard=f"{args.shard[0]}/{args.shard[1]}",
+                  wall_s=round(time.monotonic() - start, 1), pytest_exit_code=int(code), part=counts(plugin.results), suite=counts(suite), left=len(left),
                   left_tests=left, after=args.after, results=suite)
     harness.write_record(os.path.join(harness.out_dir(), args.name), record, echo=False)
     print(f"gpu_suite: this part {record['part']}, the suite so far {record['suite']}, {len(left)} left to run; "
