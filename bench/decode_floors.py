@@ -71,11 +71,16 @@ def _hop_kernel(counters_ptr):
     tl.atomic_add(counters_ptr + 1, 1, sem="release", scope="gpu")
 
 
-def stream_sum(w: torch.Tensor, programs: int, rows: int, stages: int) -> int:
-    """The byte sum of ``w`` (uint8, a multiple of rows x 128 bytes) by :func:`_stream_kernel` over ``programs``."""
-    out = torch.zeros(programs, dtype=torch.int32, device=w.device)
-    tiles = w.numel() // (rows * 128)
+def stream(w: torch.Tensor, out: torch.Tensor, rows: int, stages: int) -> None:
+    """:func:`_stream_kernel` over ``w`` (uint8, a multiple of rows x 128 bytes), one program per entry of ``out``."""
+    tiles, programs = w.numel() // (rows * 128), out.numel()
     _stream_kernel[(programs,)](w, out, tiles, triton.cdiv(tiles, programs), ROWS=rows, STAGES=stages)
+
+
+def stream_sum(w: torch.Tensor, programs: int, rows: int, stages: int) -> int:
+    """The byte sum of ``w`` by :func:`stream` over ``programs`` programs."""
+    out = torch.zeros(programs, dtype=torch.int32, device=w.device)
+    stream(w, out, rows, stages)
     return int(out.sum().item())
 
 
@@ -99,8 +104,9 @@ def bench_stream(record: dict, sms: int, layer_mb: float, copy_gbs: float) -> No
         rows_bytes = 256 * 128
         w = torch.randint(0, 256, (int(mb * 1e6) // rows_bytes * rows_bytes,), dtype=torch.uint8, device="cuda")
         for ctas, rows, stages in STREAM_SHAPES:
-            programs = ctas * sms
-            us = statistics.median(harness.events_us(lambda: stream_sum(w, programs, rows, stages), 10))
+            out = torch.empty(ctas * sms, dtype=torch.int32, device="cuda")  # the timed launch alone: no sync, no sum
+            us = statistics.median(harness.events_us(lambda w=w, out=out, rows=rows, stages=stages:
+                                                     stream(w, out, rows, stages), 10))
             gbs = w.numel() / (us * 1e-6) / 1e9
             row = dict(buffer=label, mb=round(w.numel() / 1e6, 1), ctas_per_sm=ctas, rows=rows, stages=stages,
                        us=round(us, 2), gbs=round(gbs, 1), pct_of_copy=round(100 * gbs / copy_gbs, 1))

@@ -21,7 +21,7 @@ import operator
 import torch
 from torch import fx
 
-from fxglm5.passes.graph_utils import is_op, rewrite_each
+from fxglm5.passes.graph_utils import rewrite_each
 from fxglm5.passes.manager import PassOutcome
 from fxglm5.passes.registry import register_pass
 
