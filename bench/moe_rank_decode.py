@@ -20,7 +20,9 @@ slice, as a decode step runs them), its experts steered to one simulated busiest
 graph, one call each, and timed over replays (median of 20 after 3 warm-ups): microseconds per layer. One replay
 under torch.profiler gives each kernel's mean device time per layer. Bytes per layer: the distinct routed experts'
 w13 and w2 with their scales, the shared expert's, the router's float32 weight and bias, summed over the layers'
-own routings. ``--tiny``: small sizes on the CPU (Triton interpreted, eager, no timing): a smoke run.
+own routings. Each setting's output on the same inputs is compared with the first setting's
+(``max_rel_diff_vs_<first>``: a changed K split sums in another order, so not the same bits). ``--tiny``: small
+sizes on the CPU (Triton interpreted, eager, no timing): a smoke run.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ TINY = dict(hidden=256, inter=128, shared_inter=128)
 # the decode MoE's settings (moe.MOE_DECODE overrides): the defaults and the K splits rank_at_depth's variants try
 CONFIGS = {"default": {}, "ctas8": {"CTAS_PER_SM1": 8}, "ctas32": {"CTAS_PER_SM1": 32}, "split1_1": {"SPLIT1": 1},
            "split2_1": {"SPLIT2": 1}, "split2_8": {"SPLIT2": 8}, "stages2": {"num_stages": 2},
-           "stages4": {"num_stages": 4}, "warps8": {"num_warps": 8}}
+           "stages4": {"num_stages": 4}, "warps8": {"num_warps": 8}, "bn64": {"BLOCK_N1": 64, "BLOCK_N2": 64}}
 
 
 def _fp8(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,19 +98,18 @@ def measure(layers: list[Layer], batch: int, config: dict, device, timed: bool) 
     h = layers[0].norm.numel()
     ids, summary = routings(batch, len(layers))
     ids = ids.to(device)
+    torch.manual_seed(batch)  # every setting's inputs alike, so that their outputs compare
     xs = [torch.randn(batch, h, device=device, dtype=torch.bfloat16) for _ in layers]
     res = [torch.randn(batch, h, device=device, dtype=torch.bfloat16) for _ in layers]
     distinct = [len(set(i.flatten().tolist()) - {-1}) for i in ids.cpu()]
     step_bytes = sum(layer.fixed_bytes + n * layer.expert_bytes for layer, n in zip(layers, distinct))
 
     def run():
-        for layer, x, r, i in zip(layers, xs, res, ids):
-            layer.call(x, r, i, config)
+        return [layer.call(x, r, i, config)[0] for layer, x, r, i in zip(layers, xs, res, ids)]
 
     row = dict(batch=batch, distinct_experts=round(statistics.mean(distinct), 3), routing=summary,
-               mb_per_layer=round(step_bytes / len(layers) / 1e6, 2))
+               mb_per_layer=round(step_bytes / len(layers) / 1e6, 2), outputs=run())
     if not timed:
-        run()
         return row
     graph = harness.capture_graph(run)
     us = statistics.median(harness.events_us(graph.replay, 20)) / len(layers)
@@ -153,8 +154,13 @@ def main() -> None:
     copy_gbs = None if args.tiny else harness.copy_bandwidth_gbs()
     rows = []
     for batch in batches:
+        first = None
         for name in names:
             row = dict(config=name, **measure(layers, batch, CONFIGS[name], device, timed=not args.tiny))
+            outputs = row.pop("outputs")
+            first = first or (name, outputs)
+            row[f"max_rel_diff_vs_{first[0]}"] = max(  # K splits sum in other orders: not the same bits
+                ((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(outputs, first[1]))
             if copy_gbs:
                 row["pct_of_copy"] = round(100 * row["gbs"] / copy_gbs, 1)
             rows.append(row)
