@@ -46,7 +46,9 @@ TINY = dict(hidden=256, inter=128, shared_inter=128)
 # the decode MoE's settings (moe.MOE_DECODE overrides): the defaults and the K splits rank_at_depth's variants try
 CONFIGS = {"default": {}, "ctas8": {"CTAS_PER_SM1": 8}, "ctas32": {"CTAS_PER_SM1": 32}, "split1_1": {"SPLIT1": 1},
            "split2_1": {"SPLIT2": 1}, "split2_8": {"SPLIT2": 8}, "stages2": {"num_stages": 2},
-           "stages4": {"num_stages": 4}, "warps8": {"num_warps": 8}, "bn64": {"BLOCK_N1": 64, "BLOCK_N2": 64}}
+           "stages4": {"num_stages": 4}, "warps8": {"num_warps": 8}, "bn64": {"BLOCK_N1": 64, "BLOCK_N2": 64},
+           "ctas8_split2_8": {"CTAS_PER_SM1": 8, "SPLIT2": 8}, "ctas8_bn64": {"CTAS_PER_SM1": 8, "BLOCK_N1": 64},
+           "ctas4": {"CTAS_PER_SM1": 4}}
 
 
 def _fp8(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
