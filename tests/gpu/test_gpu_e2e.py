@@ -85,7 +85,8 @@ def _teacher_forced(runner, prompts, forced):
 @pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
 def test_paged_runtime_hopper_mla_matches_reference(kv_cache, monkeypatch):
     """bf16 compute with GLM-5's 576-wide latent rows (16 heads, a tensor-parallel shard's count) and 64-token
-    blocks: the shapes the Gluon Hopper MLA kernel serves, so on an H200 every sparse MLA call goes through it.
+    blocks: the shapes the Gluon Hopper MLA kernel serves, so on Hopper every decode step's sparse MLA goes through it,
+    and the prefill's through the query-tile kernel (``sparse_mla_tile_paged``, its Gluon form there).
 
     bf16 logits tie often (the reference's top-2 margin reaches 0 on the tiny model), so two backends' greedy
     tokens may part at a tie and differ for good after it; instead the Triton backend is fed the reference's
@@ -93,7 +94,7 @@ def test_paged_runtime_hopper_mla_matches_reference(kv_cache, monkeypatch):
     could flip into an O(1) change (on the tiny preset a flipped expert or listed position moves the logits by
     a third of their range): every expert is routed to, and index_topk (64) lists every cached position, so the
     sparse kernel attends to all of them (prompts longer than index_topk are the float32 tests' job)."""
-    from fxglm5.lowering.triton import mla_hopper
+    from fxglm5.lowering.triton import mla_hopper, sparse_mla
 
     if not mla_hopper.supported(torch.zeros(1, 16, 576, dtype=torch.bfloat16, device="cuda"),
                                 torch.zeros(2, 64, 576, dtype=torch.bfloat16, device="cuda"), sparse=True):
@@ -106,6 +107,14 @@ def test_paged_runtime_hopper_mla_matches_reference(kv_cache, monkeypatch):
         return launch(*args, sparse=sparse, **kwargs)
 
     monkeypatch.setattr(mla_hopper, "launch", counted)
+    tiles = []
+    tile = sparse_mla.sparse_mla_tile_paged
+
+    def tile_counted(*args, **kwargs):
+        tiles.append(args[0].shape[0])  # the prefill's tokens
+        return tile(*args, **kwargs)
+
+    monkeypatch.setattr(sparse_mla, "sparse_mla_tile_paged", tile_counted)
     cfg = Glm5Config.preset("tiny").replace(kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16,
                                             num_key_value_heads=16, n_routed_experts=4, num_experts_per_tok=4,
                                             n_group=1, topk_group=1, index_topk=64)
@@ -116,11 +125,12 @@ def test_paged_runtime_hopper_mla_matches_reference(kv_cache, monkeypatch):
     reference = runners["reference"].run(PROMPTS, 24)
     ref_logits = torch.stack([torch.stack(seq.logits) for seq in reference])
     logits = _teacher_forced(runners["triton"], PROMPTS, [seq.output for seq in reference])
-    # Python-side launches, every layer, all sparse: the prefill, then the decode bucket's (3 requests -> 4) eager
-    # warm-up and its capture; the other 22 decode steps replay the captured launches
+    # Python-side launches, every layer: the one prefill step (the query tile), then the Hopper MLA, all sparse, in
+    # the decode bucket's (3 requests -> 4) eager warm-up and its capture; the other 22 decode steps replay them
     graphs = runners["triton"].decode_graphs
     assert graphs.disabled is None and list(graphs.graphs) == [(4, 1, 1)] and graphs.steps == 23  # one 64-token block
-    assert calls == [True] * 3 * cfg.num_hidden_layers, calls
+    assert tiles == [sum(map(len, PROMPTS))] * cfg.num_hidden_layers, tiles
+    assert calls == [True] * 2 * cfg.num_hidden_layers, calls
     diff = (logits - ref_logits).abs().amax(-1)  # per prompt and step
     assert diff.max() <= 0.05 * ref_logits.abs().max(), (diff.max(), ref_logits.abs().max())
     top2 = ref_logits.topk(2, dim=-1).values

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from fxglm5.lowering.reference import paged as ref
-from fxglm5.lowering.triton import (device, f32_linear, fp8_gemm, indexer, mla, mla_hopper, norm_rope, paged_cache,
-                                    sparse_mla, topk)
+from fxglm5 import settings
+from fxglm5.lowering.triton import (device, f32_linear, fp8_gemm, indexer, latent_query_indexer, mla, mla_hopper,
+                                    norm_rope, paged_cache, sparse_mla, topk)
 from fxglm5.model.config import Glm5Config
 from fxglm5.runtime.runner import Runner
 from tests.helpers import random_model
@@ -146,11 +147,19 @@ def _attention_chain(st: dict, method: str):
 
 
 def _attention_kernels(method: str) -> dict:
-    """The kernels :func:`_attention_chain` launches, by name."""
+    """The kernels :func:`_attention_chain` launches, by name. Under the module's joins (``mla_project`` among them)
+    the sparse MLA and its W_UV combine are one launch of tasks (three tokens), the Gluon one on sm_90."""
+    hopper = device.capability(torch.device("cuda")) == (9, 0)  # mla_hopper.supported: the sparse MLA's kernel there
     kernels = {"1x128 quantization": fp8_gemm._quant_kernel, "latent write": paged_cache._write_latent_fp8_kernel,
                "latent query": paged_cache._latent_query_kernel, "index write": paged_cache._write_index_kernel,
-               "MLA": mla._mla_fwd_kernel, "MLA combine": mla._mla_combine_kernel,
-               "MLA combine with W_UV": mla._mla_combine_project_kernel}
+               "MLA": mla._mla_fwd_kernel, "MLA combine": mla._mla_combine_kernel}
+    if settings.joins("mla_project"):
+        kernels["MLA with W_UV in one launch"] = (mla_hopper._mla_hopper_project_kernel if hopper
+                                                  else mla._mla_project_kernel)
+    else:
+        kernels["MLA combine with W_UV"] = mla._mla_combine_project_kernel
+        if hopper:
+            kernels["Hopper MLA"] = mla_hopper._mla_hopper_kernel
     if method == "one_launch":
         kernels["indexer logits and top-k"] = indexer._indexer_topk_kernel
     else:
@@ -160,8 +169,6 @@ def _attention_kernels(method: str) -> dict:
     elif method == "multi":
         kernels.update({"radix histogram": topk._radix_hist_kernel, "radix count": topk._radix_count_kernel,
                         "radix write": topk._radix_write_kernel})
-    if device.capability(torch.device("cuda")) == (9, 0):  # mla_hopper.supported: the sparse MLA's kernel there
-        kernels["Hopper MLA"] = mla_hopper._mla_hopper_kernel
     return kernels
 
 
@@ -201,28 +208,49 @@ def test_attention_chain_is_the_same_with_and_without_pdl(method, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(out, want))
 
 
-def test_tiny_model_decodes_the_same_with_pdl(monkeypatch):
-    """The whole paged step, prefill and decode. Its decode contexts (11 to 19 and 3 to 11 tokens) pass the tiny
-    preset's index_topk of 8, so the indexer scores and selects (every step here in one launch: 14 tokens at most, a
-    short block table); the caches are written and the sparse MLA (the Gluon kernel on sm_90, bf16) reads them, with
-    ``launch_pdl`` where the flag is on."""
+# The attention kernels a decode step of the tiny model may launch, by name; which of them run depends on the joins
+# and on what the Gluon kernels serve (the Hopper MLA, its one launch with W_UV where W_UV suits it).
+_STEP_KERNELS = {
+    "norm and cache writes": paged_cache._norm_write_caches_kernel,
+    "latent query": paged_cache._latent_query_kernel,
+    "indexer logits and top-k": indexer._indexer_topk_kernel,
+    "q_b GEMM with the latent query and the indexer": latent_query_indexer._gemm_latent_query_indexer_kernel,
+    "MLA": mla._mla_fwd_kernel, "Hopper MLA": mla_hopper._mla_hopper_kernel,
+    "MLA combine with W_UV": mla._mla_combine_project_kernel,
+    "MLA with W_UV in one launch": mla._mla_project_kernel,
+    "Hopper MLA with W_UV in one launch": mla_hopper._mla_hopper_project_kernel,
+}
+# what must run: by default (no attention join) the chain's own launches; with every join the q_b launch that holds
+# the latent query and the indexer, and one of the sparse MLA's one-launch kernels (or its two launches)
+_REQUIRED = {"default": {"norm and cache writes", "latent query", "indexer logits and top-k", "MLA combine with W_UV"},
+             "all": {"norm and cache writes", "q_b GEMM with the latent query and the indexer"}}
+
+
+@pytest.mark.parametrize("joins", ["default", "all"])
+def test_tiny_model_decodes_the_same_with_pdl(joins, monkeypatch):
+    """The whole paged step, prefill and decode, with the default launches and with every decode join. Its decode
+    contexts (11 to 19 and 3 to 11 tokens) pass the tiny preset's index_topk of 8, so the indexer scores and selects
+    (every step here in one launch: 14 tokens at most, a short block table); the caches are written and the sparse
+    MLA (the Gluon kernel on sm_90, bf16) reads them. Every attention kernel that ran took ``launch_pdl`` where the
+    flag is on, none where it is off, and the same kernels ran both times."""
+    if joins == "default":
+        monkeypatch.delenv("FXGLM5_DECODE_JOINS")
     model = random_model(Glm5Config.preset("tiny"), torch.bfloat16).cuda()
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [7, 1, 8]]
-    hopper = device.capability(torch.device("cuda")) == (9, 0)
-    kernels = {"norm and cache writes": paged_cache._norm_write_caches_kernel,
-               "latent query": paged_cache._latent_query_kernel,
-               "indexer logits and top-k": indexer._indexer_topk_kernel,
-               "MLA combine with W_UV": mla._mla_combine_project_kernel,
-               "MLA": mla_hopper._mla_hopper_kernel if hopper else mla._mla_fwd_kernel}
-    runs = {}
+    runs, ran = {}, {}
     for flag in ("0", "1"):
         monkeypatch.setenv("FXGLM5_PDL", flag)
-        _forget_compiled(kernels.values())
+        _forget_compiled(_STEP_KERNELS.values())
         runner = Runner(model, kv_cache="fp8", block_size=16, dtype=torch.bfloat16, device="cuda", keep_logits=True)
         seqs = runner.run(prompts, 8)
         assert runner.decode_graphs.graphs  # decode steps replayed from CUDA graphs
         runs[flag] = [s.output for s in seqs], [torch.stack(s.logits) for s in seqs]
-        took_pdl = {name for name, kernel in kernels.items() if _launched_with_pdl(kernel)}
-        assert took_pdl == (set(kernels) if flag == "1" and _sm90_or_later() else set()), took_pdl
+        ran[flag] = {name for name, kernel in _STEP_KERNELS.items()
+                     if any(cache for cache, *_ in kernel.device_caches.values())}  # compiled since forgotten
+        took_pdl = {name for name, kernel in _STEP_KERNELS.items() if _launched_with_pdl(kernel)}
+        assert took_pdl == (ran[flag] if flag == "1" and _sm90_or_later() else set()), (took_pdl, ran[flag])
+    assert ran["0"] == ran["1"] and _REQUIRED[joins] <= ran["1"], ran
+    sparse = {"MLA", "Hopper MLA", "MLA with W_UV in one launch", "Hopper MLA with W_UV in one launch"} & ran["1"]
+    assert sparse, ran  # the sparse MLA ran through one of its kernels
     assert runs["1"][0] == runs["0"][0]
     assert all(torch.equal(a, b) for a, b in zip(runs["1"][1], runs["0"][1]))

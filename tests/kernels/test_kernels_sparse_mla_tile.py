@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from fxglm5 import settings  # noqa: E402
 from fxglm5.lowering.reference import paged as ref  # noqa: E402
 from fxglm5.lowering.reference import paged_steps  # noqa: E402
 from tests.helpers import latent_values  # noqa: E402
@@ -133,6 +134,10 @@ def test_prefill_dispatch_takes_the_tile_kernel(monkeypatch):
     assert not ttile.tile_applies(q[:3], cache, bt, top[:3])  # one token a request: decode
     assert not ttile.tile_applies(q, cache, bt, top[:, :2])  # prefix 48 > 8 tokens x top-k 2
     assert not ttile.tile_applies(torch.randn(len(pos), 64, D), cache, bt, top)  # 64 heads: one token a tile
+    with monkeypatch.context() as compiled:  # float32 only interpreted: its compiled tile outgrows shared memory
+        compiled.setattr(settings, "triton_interpret", lambda: False)
+        assert not ttile.tile_applies(q, cache, bt, top)
+        assert ttile.tile_applies(q.to(torch.bfloat16), cache, bt, top)
     monkeypatch.setenv("FXGLM5_SPARSE_MLA_TILE", "0")
     assert not ttile.tile_applies(q, cache, bt, top)
     tsparse.sparse_mla_paged(q, cache, bt, req, top, SCALE)

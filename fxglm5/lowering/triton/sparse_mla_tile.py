@@ -158,12 +158,15 @@ def tile_applies(q, cache, block_table, topk_pos) -> bool:
     """Whether the paged program's sparse MLA takes this kernel (shapes only, no host sync): a prefill, i.e. on
     average at least one full tile of tokens per request, at least two tokens a tile, a top-k width the 16-bit
     counters hold, and a prefix (the block table's width) of at most ``block_q`` top-k lists: walking a tile's
-    whole prefix then loads no more rows than its tokens' own gathers would."""
+    whole prefix then loads no more rows than its tokens' own gathers would. Float32 queries only interpreted: on a
+    GPU their tile and key blocks need 316 KB of shared memory (an H100 has 227 KB), and float32 is the reference
+    dtype of the tests, not a served one; the per-token kernel serves them."""
     T, H, _ = q.shape
     K = topk_pos.shape[1]
     bq = block_q(H)
     return (settings.sparse_mla_tile() and bq >= 2 and 0 < K <= MAX_LISTED and T >= bq * block_table.shape[0]
-            and block_table.shape[1] * cache.shape[1] <= bq * K)
+            and block_table.shape[1] * cache.shape[1] <= bq * K
+            and (q.dtype != torch.float32 or settings.triton_interpret()))
 
 
 # the launch on a GPU (two stages: the pipeliner turns the next listed block's gathers into asynchronous copies
