@@ -110,12 +110,12 @@ INDEXER_GATHER = "rtp_indexer all_gather"  # the all_gather inside a split rtp_i
 VARIANTS = {
     "fixup_off": ({}, {"fp8_gemm.DECODE": {"FIXUP": False}}),  # the split-K GEMMs' separate reduce kernel
     "pdl": ({"FXGLM5_PDL": "1"}, {}),  # programmatic dependent launch (fxglm5.lowering.triton.device.pdl)
-    # the decode MoE's K splits (moe.MOE_DECODE; its defaults CTAS_PER_SM1 16, SPLIT2 4 since 5cf6615): the gate|up
-    # GEMM unsplit (no fp32 partials, no last-split reduce of them), its splits sized for half / twice the CTAs,
-    # the down GEMM unsplit
+    # the decode MoE's K splits (moe.MOE_DECODE; its defaults CTAS_PER_SM1 16, SPLIT2 4 since 5cf6615, and at one
+    # token moe.MOE_DECODE_ONE_TOKEN's CTAS_PER_SM1 8, timed at bd118d2): the gate|up GEMM unsplit (no fp32 partials, no
+    # last-split reduce of them), its splits sized for 8 / 16 / 32 CTAs an SM at every batch, the down GEMM unsplit
     "moe_split1_1": ({}, {"moe.MOE_DECODE": {"SPLIT1": 1}}),
-    "moe_ctas8": ({}, {"moe.MOE_DECODE": {"CTAS_PER_SM1": 8}}),
-    "moe_ctas32": ({}, {"moe.MOE_DECODE": {"CTAS_PER_SM1": 32}}),
+    **{f"moe_ctas{n}": ({}, {"moe.MOE_DECODE": {"CTAS_PER_SM1": n}, "moe.MOE_DECODE_ONE_TOKEN": {"CTAS_PER_SM1": n}})
+       for n in (8, 16, 32)},
     "moe_split2_1": ({}, {"moe.MOE_DECODE": {"SPLIT2": 1}}),
     "gemv": ({}, {"fp8_gemv.GEMV": {"enabled": True}}),  # the decode GEMV (fp8_gemv.py) up to 16 rows
     "gemv_pdl": ({"FXGLM5_PDL": "1"}, {"fp8_gemv.GEMV": {"enabled": True}}),  # ... its weights loaded before the wait

@@ -33,17 +33,21 @@ def test_every_variant_patches_tables_that_exist_with_keys_they_read():
 
 
 def test_the_moe_split_variants_change_the_splits_and_put_them_back():
-    before, base = dict(moe.MOE_DECODE), _moe_splits()
+    tables = (moe.MOE_DECODE, moe.MOE_DECODE_ONE_TOKEN)
+    before, base, base8 = [dict(t) for t in tables], _moe_splits(), _moe_splits(8)
     assert base[0] > 1 and base[1] > 1
+    assert base[0] < moe._split1(8, 6144, 2048, dict(moe.MOE_DECODE), 132)  # one token's own CTAS_PER_SM1
     with Variant(_NoGraphs(), "moe_split1_1"):
         assert _moe_splits() == (1, base[1])
     with Variant(_NoGraphs(), "moe_split2_1"):
         assert _moe_splits() == (base[0], 1)
     with Variant(_NoGraphs(), "moe_ctas32"):
-        assert _moe_splits()[0] > base[0]
-    with Variant(_NoGraphs(), "moe_ctas8"):
-        assert _moe_splits()[0] < base[0]
-    assert moe.MOE_DECODE == before and _moe_splits() == base
+        assert _moe_splits()[0] > base[0] and _moe_splits(8)[0] > base8[0]
+    with Variant(_NoGraphs(), "moe_ctas16"):  # the default of every batch: one token's splits as timed at bd118d2
+        assert _moe_splits()[0] > base[0] and _moe_splits(8) == base8
+    with Variant(_NoGraphs(), "moe_ctas8"):  # one token's default at every batch
+        assert _moe_splits() == base and _moe_splits(8)[0] < base8[0]
+    assert [dict(t) for t in tables] == before and _moe_splits() == base and _moe_splits(8) == base8
 
 
 def test_an_environment_variant_is_set_inside_and_unset_after(monkeypatch):

@@ -739,14 +739,25 @@ def _combine_kernel(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, H, stride_ys, TOP_K
 # step at batch 1 and at batch 64)
 MOE_DECODE = dict(BLOCK_M=16, BLOCK_N1=128, BLOCK_N2=128, SPLIT2=4, CTAS_PER_SM1=16, num_warps=4, num_stages=3,
                   fused_quant=True)
+# One token: CTAS_PER_SM1 8. The busiest EP8 rank holds about 2.6 of a token's experts (bench/routing_load.py), yet
+# the splits are sized for the 8 blocks that can exist, so most CTAs of 16 an SM find no expert and the busy ones
+# stream 3 K steps each. Half as many, streaming 6 each, took the MoE's first launch from 70.96 to 56.62 us at GLM-5's
+# sizes (bench/moe_rank_decode.py) and the 39-layer step from 8.50 to 8.21 ms, both on one H100 at bd118d2
+# (bench/results/decode_h100_bd118d2/); at 8 tokens the same setting was slower (14.9 against 14.3 ms), so it
+# stays one token's.
+MOE_DECODE_ONE_TOKEN = dict(CTAS_PER_SM1=8)
 MOE_PREFILL = dict(BLOCK_M=64, BLOCK_N1=128, BLOCK_N2=128, SPLIT2=1, SPLIT1=1, num_warps=4, num_stages=4,
                    fused_quant=False)
 
 
 def pick_moe_config(t: int, k: int, e: int, config: dict | None = None) -> dict:
     """Decode (a few entries per expert): 16-row blocks, activations quantized in registers, optional
-    split-K of the down GEMM. Prefill: 64-row blocks, activations quantized once."""
-    cfg = dict(MOE_DECODE if t * k <= 2 * 16 * e else MOE_PREFILL)
+    split-K of the down GEMM, and one token's own K split (:data:`MOE_DECODE_ONE_TOKEN`). Prefill: 64-row blocks,
+    activations quantized once."""
+    decode = t * k <= 2 * 16 * e
+    cfg = dict(MOE_DECODE if decode else MOE_PREFILL)
+    if decode and t == 1:
+        cfg.update(MOE_DECODE_ONE_TOKEN)
     cfg.update(config or {})
     return cfg
 
