@@ -117,6 +117,11 @@ VARIANTS = {
     **{f"moe_ctas{n}": ({}, {"moe.MOE_DECODE": {"CTAS_PER_SM1": n}, "moe.MOE_DECODE_ONE_TOKEN": {"CTAS_PER_SM1": n}})
        for n in (8, 16, 32)},
     "moe_split2_1": ({}, {"moe.MOE_DECODE": {"SPLIT2": 1}}),
+    # the down GEMM's CTAs doubled, by K splits (its tiles still line up with the shared expert's, so it combines in
+    # its launch) or by 64-column tiles (the combine then takes its own launch): alone at B=1 the 64-column down GEMM
+    # took 19.79 against 30.76 us (bench/results/decode_h100_bd118d2/moe_rank_decode.json)
+    "moe_split2_8": ({}, {"moe.MOE_DECODE": {"SPLIT2": 8}}),
+    "moe_bn2_64": ({}, {"moe.MOE_DECODE": {"BLOCK_N2": 64}}),
     "gemv": ({}, {"fp8_gemv.GEMV": {"enabled": True}}),  # the decode GEMV (fp8_gemv.py) up to 16 rows
     "gemv_pdl": ({"FXGLM5_PDL": "1"}, {"fp8_gemv.GEMV": {"enabled": True}}),  # ... its weights loaded before the wait
     # ... and the next K step's weight tile requested before each step's math (fp8_gemv's PREFETCH)

@@ -41,6 +41,10 @@ def test_the_moe_split_variants_change_the_splits_and_put_them_back():
         assert _moe_splits() == (1, base[1])
     with Variant(_NoGraphs(), "moe_split2_1"):
         assert _moe_splits() == (base[0], 1)
+    with Variant(_NoGraphs(), "moe_split2_8"):
+        assert _moe_splits() == (base[0], 2 * base[1])
+    with Variant(_NoGraphs(), "moe_bn2_64"):
+        assert moe.pick_moe_config(1, 8, 32)["BLOCK_N2"] == 64 and _moe_splits() == base
     with Variant(_NoGraphs(), "moe_ctas32"):
         assert _moe_splits()[0] > base[0] and _moe_splits(8)[0] > base8[0]
     with Variant(_NoGraphs(), "moe_ctas16"):  # the default of every batch: one token's splits as timed at bd118d2
