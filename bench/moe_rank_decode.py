@@ -48,7 +48,7 @@ CONFIGS = {"default": {}, "ctas8": {"CTAS_PER_SM1": 8}, "ctas32": {"CTAS_PER_SM1
            "split2_1": {"SPLIT2": 1}, "split2_8": {"SPLIT2": 8}, "stages2": {"num_stages": 2},
            "stages4": {"num_stages": 4}, "warps8": {"num_warps": 8}, "bn64": {"BLOCK_N1": 64, "BLOCK_N2": 64},
            "ctas8_split2_8": {"CTAS_PER_SM1": 8, "SPLIT2": 8}, "ctas8_bn64": {"CTAS_PER_SM1": 8, "BLOCK_N1": 64},
-           "ctas4": {"CTAS_PER_SM1": 4}}
+           "ctas4": {"CTAS_PER_SM1": 4}, "walk2": {"WALK_CTAS_PER_SM": 2}, "walk4": {"WALK_CTAS_PER_SM": 4}}
 
 
 def _fp8(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,6 +121,9 @@ VARIANTS = {
     # its launch) or by 64-column tiles (the combine then takes its own launch): alone at B=1 the 64-column down GEMM
     # took 19.79 against 30.76 us (bench/results/decode_h100_bd118d2/moe_rank_decode.json)
     "moe_split2_8": ({}, {"moe.MOE_DECODE": {"SPLIT2": 8}}),
+    # the expert walk: two CTAs an SM (one wave at the launch's 255 registers) take the picked experts' gate|up tiles,
+    # the K split sized from the routing, instead of a CTA per block, column tile and split (moe.MOE_DECODE)
+    "moe_walk2": ({}, {"moe.MOE_DECODE": {"WALK_CTAS_PER_SM": 2}}),
     "moe_bn2_64": ({}, {"moe.MOE_DECODE": {"BLOCK_N2": 64}}),
     "gemv": ({}, {"fp8_gemv.GEMV": {"enabled": True}}),  # the decode GEMV (fp8_gemv.py) up to 16 rows
     "gemv_pdl": ({"FXGLM5_PDL": "1"}, {"fp8_gemv.GEMV": {"enabled": True}}),  # ... its weights loaded before the wait

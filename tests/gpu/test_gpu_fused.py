@@ -440,6 +440,38 @@ def test_moe_rank_decode_combines_in_the_down_launch(tokens, shared, act_quant, 
         assert int(fp8_parts.tile_counters(x.device, 1).abs().sum()) == 0
 
 
+def _same_bits_eagerly_and_replayed(run, expected, redraw, counters_at_zero, same=torch.equal):
+    """``run()`` gives ``expected()``'s bits (``same``): eagerly (compiled outside the capture), 20 calls in a row (a
+    launch of tasks interleaves its tasks differently each time), then from a CUDA graph replayed over two new draws
+    of its inputs (``redraw(generator)``); ``counters_at_zero()`` after each. Returns the graph's output (of the last
+    draw)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles outside the capture
+        eager, want = run(), expected()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    assert same(eager, want) and counters_at_zero()
+    for _ in range(20):
+        assert same(run(), want)
+    torch.cuda.synchronize()
+    assert counters_at_zero()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed in range(2):
+        redraw(torch.Generator(device="cuda").manual_seed(seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same(out, expected()) and counters_at_zero()
+    return out
+
+
+def _redraw_tokens(x):
+    """``redraw`` for :func:`_same_bits_eagerly_and_replayed`: new tokens into x."""
+    return lambda g: x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+
+
 @pytest.mark.parametrize("act_quant", [False, True], ids=["w8a16", "w8a8"])
 @pytest.mark.parametrize("tokens", [1, 8, 16])
 def test_moe_rank_decode_routes_in_the_gate_up_launch(tokens, act_quant, rank_experts):
@@ -472,25 +504,51 @@ def test_moe_rank_decode_routes_in_the_gate_up_launch(tokens, act_quant, rank_ex
     def counters_at_zero():
         return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 1).any()
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compiles outside the capture
-        eager, want = fused(), separate()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    assert torch.equal(eager, want) and counters_at_zero()
-    for _ in range(20):
-        assert torch.equal(fused(), want)
-    torch.cuda.synchronize()
-    assert counters_at_zero()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused()
-    for seed in range(2):
-        x.copy_(torch.randn(tokens, h, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, separate()) and counters_at_zero()
+    out = _same_bits_eagerly_and_replayed(fused, separate, _redraw_tokens(x), counters_at_zero)
+    reference = ref.moe_router_fp8_shared(x, *router, *routed, shared.w13, shared.w13_scale, shared.w2,
+                                          shared.w2_scale, shared.up_start)
+    assert _rel(out, reference) < 2e-2
+
+
+@pytest.mark.parametrize("act_quant", [False, True], ids=["w8a16", "w8a8"])
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_moe_rank_decode_expert_walk_gives_the_bits_of_its_split(tokens, act_quant, rank_experts):
+    """The expert walk (WALK_CTAS_PER_SM 2, opt-in) at a TP8 / EP8 rank's decode shapes: the routed gate|up CTAs are
+    two an SM (at least a block and column tile each) and size their K split from the routing, so the layer is the
+    fixed-split launch's (SPLIT1 = the split the walk picks from the picked experts) bit for bit, 20 calls in a row,
+    then from a CUDA graph replayed over new tokens (another routing, another split); every counter back at 0; the
+    reference op's value."""
+    w13, s13, w2, s2 = rank_experts
+    experts, h, inter = w13.shape[0], w13.shape[2], w2.shape[2]
+    g = torch.Generator(device="cuda").manual_seed(tokens + 40)
+    shared = _shared_expert_of_rank(g, act_quant)
+    router = moe.Router(torch.randn(256, h, device="cuda", generator=g) / h ** 0.5,
+                        0.01 * torch.randn(256, device="cuda", generator=g), 8, 1, 1, True, 2.5,
+                        torch.tensor(32 * 7, dtype=torch.int32, device="cuda"), experts)
+    router.correction_bias[32 * 7:32 * 7 + 3] += 1.0  # every token picks three of the rank's experts
+    x = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
+    routed = (w13, s13, w2, s2, act_quant)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    columns, kg = inter // moe.MOE_DECODE["BLOCK_N1"], h // 128
+    walkers = max(2 * sms, min(experts, 8 * tokens) * columns)
+
+    def split_of_the_walk():
+        picked = len(set(moe.moe_router(x, *router)[1].flatten().tolist()) - {-1})
+        split = max(1, min(kg, walkers // (picked * columns)))
+        return -(-kg // -(-kg // split))
+
+    def walked():
+        return moe.moe_router_fp8(x, router, *routed, shared=shared, config={"WALK_CTAS_PER_SM": 2})
+
+    def fixed(split):
+        return moe.moe_router_fp8(x, router, *routed, shared=shared, config={"SPLIT1": split})
+
+    def counters_at_zero():
+        return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 1).any()
+
+    assert split_of_the_walk() > 1
+    out = _same_bits_eagerly_and_replayed(walked, lambda: fixed(split_of_the_walk()), _redraw_tokens(x),
+                                          counters_at_zero)
     reference = ref.moe_router_fp8_shared(x, *router, *routed, shared.w13, shared.w13_scale, shared.w2,
                                           shared.w2_scale, shared.up_start)
     assert _rel(out, reference) < 2e-2
@@ -545,25 +603,7 @@ def test_moe_rank_decode_norms_in_the_gate_up_launch(monkeypatch, tokens, act_qu
     def counters_at_zero():
         return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 2).any()
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compiles outside the capture
-        eager, want = fused(), separate()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    assert same(eager, want) and counters_at_zero()
-    for _ in range(20):
-        assert same(fused(), want)
-    torch.cuda.synchronize()
-    assert counters_at_zero()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fused()
-    for seed in range(2):
-        draw(torch.Generator(device="cuda").manual_seed(seed))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert same(out, separate()) and counters_at_zero()
+    out = _same_bits_eagerly_and_replayed(fused, separate, draw, counters_at_zero, same)
     reference = ref.add_rms_norm_moe_router_fp8_shared(x, r, nw, 1e-5, *router, *routed, shared.w13,
                                                        shared.w13_scale, shared.w2, shared.w2_scale, shared.up_start)
     assert torch.equal(out[1], reference[1]) and _rel(out[0], reference[0]) < 2e-2

@@ -461,6 +461,64 @@ def test_moe_router_fp8_routes_in_the_gate_up_launch(monkeypatch, tokens, act_qu
     assert _rel(fused, reference) < (3e-2 if act_quant else 2e-2)
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_the_expert_walk_gives_the_bits_of_the_split_it_picks(monkeypatch, tokens, act_quant):
+    """WALK_CTAS_PER_SM: the routed part of the router / gate|up launch is that many CTAs an SM (at least a block
+    and column tile each) walking the picked experts' tiles, the K split sized at run time from the picked count P:
+    the most splits of the two K groups with P x column tiles x splits at most the walkers. With P x column tiles x 2
+    walkers and with one asked for: the bits of that fixed split (SPLIT1), the walkers' partials packed (block b's
+    split s in slot b x splits + s); with no local expert (ids steered to -1) no tile runs and the shared expert
+    alone is the output. Two launches each time, and every counter back at 0."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from fxglm5.lowering.triton import fp8_parts, tasks
+
+    monkeypatch.setattr(moe, "num_sms", lambda device: 1)  # walkers = WALK_CTAS_PER_SM
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(9))
+    x, experts = routed[0], routed[3:]
+    router = _router_of(x, experts[0].shape[0], tokens, None)  # every expert local: at least two picked
+    shared = moe.SharedExpert(w13, s13, w2, s2, act_quant, up_start)
+    picked = len(set(moe.moe_router(x, *router)[1].flatten().tolist()) - {-1})
+    columns = -(-experts[0].shape[1] // 2 // moe.MOE_DECODE["BLOCK_N1"])
+    assert picked > 0 and experts[0].shape[2] // 128 == 2  # two K groups: splits of 1 and 2
+    launched, run = [], InterpretedFunction.run
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, **k: launched.append(self.fn.__name__)
+                        or run(self, *a, **k))
+    partials, grouped = [], moe._grouped
+
+    def zeroed(a, a_s, mode, w, w_s, blocks, c, *args, walkers=0, **kwargs):
+        if walkers:  # the walk's packed partials, zeroed first, to see which slots it writes
+            partials.append(c.zero_())
+        return grouped(a, a_s, mode, w, w_s, blocks, c, *args, walkers=walkers, **kwargs)
+
+    monkeypatch.setattr(moe, "_grouped", zeroed)
+    blocks = min(experts[0].shape[0], tokens * 2)  # the scan's blocks: min(E, T x k)
+
+    def split_of(asked):  # the kernel's pick: walkers >= blocks x columns; the most splits that fit, of 2 K groups
+        walkers = max(asked, blocks * columns)
+        return 2 if walkers // (picked * columns) >= 2 else 1
+
+    for walkers, steered in ((picked * columns * 2, None), (1, None), (3, torch.full_like(routed[1], -1))):
+        split = split_of(walkers)
+        want = moe.moe_router_fp8(x, router, *experts, act_quant, shared=shared, config={"SPLIT1": split},
+                                  steered_ids=steered)
+        launched.clear()
+        got = moe.moe_router_fp8(x, router, *experts, act_quant, shared=shared,
+                                 config={"SPLIT1": split, "WALK_CTAS_PER_SM": walkers}, steered_ids=steered)
+        assert launched == ["_router_gate_up_kernel", "_moe_gemm_kernel"]
+        assert torch.equal(got, want), (walkers, split)
+        assert not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 1).any()
+        # block b's split s in slot b * splits + s (first row: the block's first entry, always a real one)
+        slots = partials[-1].view(-1, moe.MOE_DECODE["BLOCK_M"], partials[-1].shape[1])[:, 0]
+        written = {i for i, row in enumerate(slots) if row.any()}
+        assert written == set(range(0 if steered is not None else picked * split)), (walkers, written)
+    assert split_of(picked * columns * 2) == 2 and (tokens > 1 or split_of(1) == 1)  # one token: both splits
+    reference = ref.moe_router_fp8_shared(x, *router, *experts, act_quant, w13, s13, w2, s2, up_start)
+    walked = moe.moe_router_fp8(x, router, *experts, act_quant, shared=shared, config={"WALK_CTAS_PER_SM": 2})
+    assert _rel(walked, reference) < (3e-2 if act_quant else 2e-2)
+
+
 @pytest.mark.parametrize("tokens", [3, 17])
 def test_moe_router_fp8_steered_ids_replace_the_routers(monkeypatch, tokens):
     """bench/routing_load.py's steered load: the experts take the given ids, the router still runs in its launch

@@ -26,14 +26,16 @@ H100_SMS = 132
 HIDDEN, EXPERTS, LOCAL, INTER, SHARED_INTER, TOP_K = 6144, 256, 32, 2048, 2048 // 8, 8
 # (tokens, act_quant, the norm's tasks): the decode MoE layer's launch, and at 16 tokens W8A8 the launch without them
 VARIANTS = [(tokens, act_quant, True) for tokens in (1, 8, 16) for act_quant in (False, True)] + [(16, True, False)]
+# (tokens, act_quant, the norm's tasks, WALK_CTAS_PER_SM): the expert walk (opt-in), at one and 16 tokens W8A16
+WALK_VARIANTS = [(1, False, True, 2), (16, False, True, 2)]
 _TYPES = {"bfloat16": "bf16", "float32": "fp32", "int32": "i32", "float8_e4m3fn": "fp8e4nv"}
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
-def _launch_of_moe_router_fp8(tokens: int, act_quant: bool, norm: bool = True) -> tuple[tuple, dict]:
+def _launch_of_moe_router_fp8(tokens: int, act_quant: bool, norm: bool = True, walk: int = 0) -> tuple[tuple, dict]:
     """(positional arguments, keywords) of the fused launch, from the host code over meta tensors (no memory, no
     kernel run), the SMs an H100's: ``add_rms_norm_moe_router_fp8``'s (the residual add and norm its first tasks, the
-    decode MoE layer's launch), or without ``norm`` ``moe_router_fp8``'s."""
+    decode MoE layer's launch), or without ``norm`` ``moe_router_fp8``'s; ``walk``: WALK_CTAS_PER_SM."""
     import torch
 
     from fxglm5.lowering.triton import f32_linear, fp8_gemm, moe
@@ -65,18 +67,20 @@ def _launch_of_moe_router_fp8(tokens: int, act_quant: bool, norm: bool = True) -
         assert moe.router_joins(x, router, LOCAL)
         experts = (empty_fp8(LOCAL, 2 * INTER, HIDDEN), scales(LOCAL, 2 * INTER // 128, 48),
                    empty_fp8(LOCAL, HIDDEN, INTER), scales(LOCAL, 48, INTER // 128), act_quant)
+        config = {"WALK_CTAS_PER_SM": walk}
         if norm:
             nw = torch.empty(HIDDEN, dtype=torch.bfloat16, device="meta")
-            moe.add_rms_norm_moe_router_fp8(x, torch.empty_like(x), nw, 1e-5, router, *experts, shared=shared)
+            moe.add_rms_norm_moe_router_fp8(x, torch.empty_like(x), nw, 1e-5, router, *experts, shared=shared,
+                                            config=config)
         else:
-            moe.moe_router_fp8(x, router, *experts, shared=shared)
+            moe.moe_router_fp8(x, router, *experts, shared=shared, config=config)
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
     return captured[0]
 
 
-def _compile(tokens: int, act_quant: bool, norm: bool = True):
+def _compile(tokens: int, act_quant: bool, norm: bool = True, walk: int = 0):
     import inspect
 
     import torch
@@ -85,7 +89,8 @@ def _compile(tokens: int, act_quant: bool, norm: bool = True):
 
     from fxglm5.lowering.triton import moe
 
-    args, kwargs = _launch_of_moe_router_fp8(tokens, act_quant, norm)
+    args, kwargs = _launch_of_moe_router_fp8(tokens, act_quant, norm, walk)
+    walkers = kwargs.pop("walkers")  # a run-time argument given by keyword
     names = list(inspect.signature(moe._router_gate_up_kernel.fn).parameters)
     sig, const, aligned = {}, {}, []
     for name, value in zip(names, args):
@@ -102,17 +107,21 @@ def _compile(tokens: int, act_quant: bool, norm: bool = True):
                 aligned.append(name)
     const.update({name: value for name, value in kwargs.items() if name not in _LAUNCH_OPTIONS}, PDL=True)
     sig.update({name: "constexpr" for name in kwargs if name not in _LAUNCH_OPTIONS})
+    if walkers == 1:  # the JIT's constant 1 (no walk)
+        sig["walkers"], const["walkers"] = "constexpr", 1
+    else:
+        sig["walkers"] = "i32"
     sig = {name: sig[name] for name in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     kernel = triton.compile(ASTSource(moe._router_gate_up_kernel, sig, const, attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": kwargs["num_warps"], "num_stages": kwargs["num_stages"]})
     return dict(ptxas_report(kernel), split1=kwargs["SPLIT_K"], router_split=kwargs["R_SPLIT"],
-                shared_role=kwargs["SHARED"], norm_role=kwargs["NORM"])
+                shared_role=kwargs["SHARED"], norm_role=kwargs["NORM"], walk=kwargs["WALK"], walkers=walkers)
 
 
 def _reports_of_every_variant() -> dict[str, dict]:
-    return report_each(VARIANTS, _compile)
+    return report_each(VARIANTS + WALK_VARIANTS, _compile)
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +164,19 @@ def test_the_normed_rows_are_read_from_l2(reports):
 
     fused, alone = loads((16, True, True)), loads((16, True, False))
     assert fused[".cg"] - alone[".cg"] == 4
+
+
+@pytest.mark.parametrize("variant", WALK_VARIANTS, ids=lambda v: f"{v[0]}tok_walk{v[3]}")
+def test_the_expert_walk_compiles_for_hopper_without_spills(reports, variant):
+    """The expert walk (WALK_CTAS_PER_SM 2: 264 walkers on an H100, or a walker a block and column tile where more:
+    512 at 16 tokens) compiles, its routed role the walk's (a run-time K split, packed partials) and the shared CTAs'
+    without a second copy of the routed body (SHARED_ONLY; with it the launch spilled 8 bytes): no spills, two CTAs
+    an SM by registers and by shared memory, the routing's spin still before the ids are read."""
+    r = reports[repr(variant)]
+    assert "error" not in r, r.get("error")
+    assert r["walk"] and r["walkers"] == max(2 * H100_SMS, min(LOCAL, variant[0] * TOP_K) * (INTER // 128))
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", r["ptxas"]), r["ptxas"]
+    registers = int(re.search(r"Used (\d+) registers", r["ptxas"]).group(1))
+    assert registers * 128 * 2 <= 65536, r["ptxas"]
+    assert r["shared"] * 2 <= 227 * 1024
+    assert re.search(r"ld\.global\.gpu\.acquire", r["ptx"]) and re.search(r"ld\.global\.cg", r["ptx"])

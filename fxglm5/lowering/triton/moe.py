@@ -364,6 +364,18 @@ def align_by_expert(topk_ids: torch.Tensor, e: int, block_m: int, use_triton: bo
 
 # -------------------------------------------------------------------------------------- grouped GEMM
 @triton.jit
+def _picked_experts(ids_ptr, n_entries, E, BLOCK_IDS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(entry offsets, the [T*k] ids, expert offsets, picked [BLOCK_E]: whether some entry picks each expert) of a
+    scanning launch (:func:`scans`), the ids read from L2: in the router's launch another CTA wrote them
+    (:func:`_router_gate_up_kernel`)."""
+    offs_i = tl.arange(0, BLOCK_IDS)
+    ids = tl.load(ids_ptr + offs_i, mask=offs_i < n_entries, other=-1, cache_modifier=".cg")
+    key = tl.where(ids >= 0, ids, E)  # -1 (no local expert) and padding lanes -> bucket E, never picked
+    eo = tl.arange(0, BLOCK_E)
+    return offs_i, ids, eo, (tl.histogram(key, BLOCK_E) > 0) & (eo < E)
+
+
+@triton.jit
 def _grouped_cta(
     pid_b, pid_n, pid_k, num_n, num_k,
     a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
@@ -379,7 +391,8 @@ def _grouped_cta(
     S_DT: tl.constexpr, S_DOT_F32: tl.constexpr, S_INTERPRET: tl.constexpr, S_HAS_BIAS: tl.constexpr,
     S_SPLIT_K: tl.constexpr, S_FIXUP: tl.constexpr, S_NO_K_MASK: tl.constexpr, S_SCALAR_SB: tl.constexpr,
     S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr, S_GROUP_M: tl.constexpr, COMBINE: tl.constexpr,
-    ADD: tl.constexpr, DT: tl.constexpr, A_CACHE: tl.constexpr = None,
+    ADD: tl.constexpr, DT: tl.constexpr, A_CACHE: tl.constexpr = None, WALK: tl.constexpr = False, walk_splits=1,
+    SHARED_ONLY: tl.constexpr = False,
 ):
     """One CTA of the grouped GEMM: (pid_b, pid_n, pid_k) of a (blocks [+ shared rows], num_n, num_k) grid, as
     :func:`_moe_gemm_kernel` launches it or :func:`_router_gate_up_kernel` numbers its tasks.
@@ -402,7 +415,11 @@ def _grouped_cta(
     partials c, the routing weights ``tw`` and, with ADD, ``add`` (the shared expert's output, or a given addend);
     CTA (0, j, 0) writes column tile j of the tokens with nothing to wait for (no local expert, no shared one).
     ``A_CACHE``: the A tiles' cache modifier, the routed and the shared ones (".cg" where the norm tasks of
-    :func:`_router_gate_up_kernel` wrote A in the same launch)."""
+    :func:`_router_gate_up_kernel` wrote A in the same launch).
+    WALK (GATED, a routed CTA of :func:`_router_gate_up_kernel`'s expert walk): the K split is the run-time
+    ``walk_splits`` of ceil(KG / walk_splits) K steps each (the last one shorter), always folded by the last split,
+    and the partials are packed: block b's split s at rows ``(b * walk_splits + s) * BLOCK_M`` of c. SHARED_ONLY:
+    the shared expert's CTAs only (the walk's other role), so that the routed body is not compiled twice."""
     if SHARED:
         if pid_b >= num_blocks:
             cta = ((pid_b - num_blocks) * num_n + pid_n) * num_k + pid_k
@@ -421,6 +438,8 @@ def _grouped_cta(
                         _combine_tickets(tcnt_ptr, tokens, tokens < S_M, cta % tiles, num_n, c_ptr, ids_ptr, tw_ptr,
                                          add_ptr, out_ptr, cols, cols < N, N, stride_cs, TOP_K, SPLIT_K, ADD, DT, True)
             return
+    if SHARED_ONLY:  # a caller whose routed blocks take another path (the expert walk): no routed code compiled
+        return
     if COMBINE and not SHARED:
         if (pid_b == 0) & (pid_k == 0):
             tokens = tl.arange(0, BLOCK_M)
@@ -431,12 +450,7 @@ def _grouped_cta(
                           TOP_K, SPLIT_K, ADD, DT)
     rows = pid_b * BLOCK_M + tl.arange(0, BLOCK_M)
     if SCAN:
-        offs_i = tl.arange(0, BLOCK_IDS)
-        # from L2: in the router's launch another CTA wrote them (:func:`_router_gate_up_kernel`)
-        ids = tl.load(ids_ptr + offs_i, mask=offs_i < n_entries, other=-1, cache_modifier=".cg")
-        key = tl.where(ids >= 0, ids, E)  # -1 (no local expert) and padding lanes -> bucket E, never picked
-        eo = tl.arange(0, BLOCK_E)
-        picked = (tl.histogram(key, BLOCK_E) > 0) & (eo < E)
+        offs_i, ids, eo, picked = _picked_experts(ids_ptr, n_entries, E, BLOCK_IDS, BLOCK_E)
         nth = tl.cumsum(picked.to(tl.int32), 0) - 1
         e = tl.min(tl.where(picked & (nth == pid_b), eo, E), axis=0)
         if e == E:  # fewer than pid_b + 1 experts picked
@@ -469,8 +483,16 @@ def _grouped_cta(
         us_ptrs = bs_ptrs + UP_SB * stride_wsn
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, K_PER_SPLIT):
-        kg = pid_k * K_PER_SPLIT + i
+    if WALK:  # the walk's run-time split; its K steps never pass KG, so NO_K_MASK holds where K is whole groups
+        k_per = tl.cdiv(KG, walk_splits)
+        n_split = walk_splits
+        k_steps = tl.minimum(k_per, KG - pid_k * k_per)
+    else:
+        k_per: tl.constexpr = K_PER_SPLIT
+        n_split: tl.constexpr = SPLIT_K
+        k_steps: tl.constexpr = K_PER_SPLIT
+    for i in range(0, k_steps):
+        kg = pid_k * k_per + i
         if NO_K_MASK:
             a = tl.load(a_ptrs + kg * 128, cache_modifier=A_CACHE)
             b = tl.load(b_ptrs + kg * 128)
@@ -499,22 +521,28 @@ def _grouped_cta(
             acc += _dot(q, tl.trans(b), INTERPRET) * _ab_scale(s_a, s_b, SCALAR_SB)
             if GATED:
                 acc_u += _dot(q, tl.trans(bu), INTERPRET) * _ab_scale(s_a, s_u, SCALAR_SB)
-    if GATED and SPLIT_K > 1:
+    if GATED and (SPLIT_K > 1 or WALK):
         # fp8_gemm's FIXUP: barrier + acq_rel atomic publish this CTA's partial stores GPU-wide; the last-arriving
         # split reads every split's partial back from L2 (.cg) and sums them in split order (deterministic: the
         # order and fp32 math of a separate reduce-and-gate kernel, bit for bit).
-        c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        if WALK:
+            c_rows = pid_b * n_split * BLOCK_M + tl.arange(0, BLOCK_M)
+            split_stride = BLOCK_M * stride_cm
+        else:
+            c_rows = rows
+            split_stride = stride_cs
+        c_ptrs = c_ptr + c_rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
         c_mask = valid[:, None] & n_mask[None, :]
-        tl.store(c_ptrs + pid_k * stride_cs, acc, mask=c_mask)
-        tl.store(c_ptrs + pid_k * stride_cs + N, acc_u, mask=c_mask)
+        tl.store(c_ptrs + pid_k * split_stride, acc, mask=c_mask)
+        tl.store(c_ptrs + pid_k * split_stride + N, acc_u, mask=c_mask)
         tl.debug_barrier()
         cnt = cnt_ptr + pid_b * num_n + pid_n
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n_split - 1:
             gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sp in range(0, SPLIT_K):
-                gate += tl.load(c_ptrs + sp * stride_cs, mask=c_mask, other=0.0, cache_modifier=".cg")
-                up += tl.load(c_ptrs + sp * stride_cs + N, mask=c_mask, other=0.0, cache_modifier=".cg")
+            for sp in range(0, n_split):
+                gate += tl.load(c_ptrs + sp * split_stride, mask=c_mask, other=0.0, cache_modifier=".cg")
+                up += tl.load(c_ptrs + sp * split_stride + N, mask=c_mask, other=0.0, cache_modifier=".cg")
             out = gate / (1.0 + tl.exp(-gate)) * up
             tl.store(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + offs_n[None, :],
                      out.to(h_ptr.dtype.element_ty), mask=c_mask)
@@ -595,6 +623,7 @@ def _router_gate_up_kernel(
     R_BLOCK_N: tl.constexpr, R_BLOCK_K: tl.constexpr, R_BLOCK_E: tl.constexpr, R_BLOCK_TOPK: tl.constexpr,
     ROUTE_ROWS: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, NORM: tl.constexpr,
     N_CHUNK: tl.constexpr, N_STEPS: tl.constexpr, N_LEVELS: tl.constexpr, N_DT: tl.constexpr, PDL: tl.constexpr,
+    WALK: tl.constexpr = False, walkers=1,
 ):
     """The router and the gated grouped GEMM in one launch (up to BLOCK_M tokens, :func:`moe_fp8` with a
     ``router``), a launch of tasks (:mod:`fxglm5.lowering.triton.tasks`): each CTA takes a task id. With NORM the
@@ -607,7 +636,13 @@ def _router_gate_up_kernel(
     read unless a benchmark steers them, and signals dependency 0); then the shared expert's gate|up CTAs
     (``shared_rows`` rows of num_n x num_k tasks, :func:`_grouped_cta` past ``num_blocks``), which need no routing;
     then the routed blocks' CTAs, which wait for the routing before they read the ids (from L2) to find their
-    expert. With NORM the router's tiles (after requesting their first weight tile) and the shared CTAs wait for
+    expert; with WALK the routed part is ``walkers`` CTAs instead (at least one per block and column tile), an
+    expert walk: once routed, each counts the picked experts P, sizes a K split S that gives P x num_n x S tiles, at
+    most ``walkers`` (the most splits up to ``walkers // (P x num_n)``), and takes the tile of its own index, if
+    there is one (:func:`_grouped_cta` with WALK): the K split follows the routing, so no CTA streams for a block
+    nobody picked and each streams as many K steps as the picked experts leave it (:data:`MOE_DECODE`'s
+    WALK_CTAS_PER_SM). With NORM the router's tiles (after requesting their first weight tile)
+    and the shared CTAs wait for
     every norm task's signal, and every reader of the normed rows reads them from L2 (.cg); the routed CTAs wait
     for the routing, which the router signals only after it waited for the norm (release / acquire is transitive).
     Every task waits only on tasks before it, so the launch cannot deadlock (tasks' module doc). The PDL wait comes
@@ -637,22 +672,44 @@ def _router_gate_up_kernel(
         else:
             cta = task - R_TILES * R_SPLIT
             row = cta // (num_n * num_k)
-            pid_b = num_blocks + row
-            if row >= shared_rows:
-                pid_b = row - shared_rows
+            routed = row >= shared_rows
+            if routed:
                 tasks.wait(task_ptr, 0, 1)
             elif NORM:
                 tasks.wait(task_ptr, 1, n_rows)
-            _grouped_cta(pid_b, cta % (num_n * num_k) // num_k, cta % num_k, num_n, num_k,
-                    a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
-                    tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB, stride_am, stride_asm,
-                    stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm, num_blocks,
-                    s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr, S_M,
-                    S_N, S_K, S_KG, S_KG_PER_SPLIT, s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn,
-                    s_stride_cm, s_stride_cs, s_stride_um, TOP_K, GATED, SPLIT_K, A_MODE, DOT_F32, INTERPRET,
-                    K_PER_SPLIT, NO_K_MASK, SCALAR_SB, BLOCK_M, BLOCK_N, SCAN, BLOCK_IDS, BLOCK_E, SHARED, S_A_MODE,
-                    S_GATED_A, S_DT, S_DOT_F32, S_INTERPRET, S_HAS_BIAS, S_SPLIT_K, S_FIXUP, S_NO_K_MASK,
-                    S_SCALAR_SB, S_BLOCK_M, S_BLOCK_N, S_GROUP_M, COMBINE, ADD, DT, x_cache)
+            if WALK and routed:
+                walker = cta - shared_rows * num_n * num_k
+                picked = tl.sum(_picked_experts(ids_ptr, n_entries, E, BLOCK_IDS, BLOCK_E)[3].to(tl.int32), 0)
+                splits = tl.maximum(1, tl.minimum(KG, walkers // tl.maximum(picked * num_n, 1)))
+                k_per = tl.cdiv(KG, splits)
+                splits = tl.cdiv(KG, k_per)
+                if walker < picked * num_n * splits:  # at most one tile a walker (walkers >= blocks x num_n)
+                    tile = walker
+                    _grouped_cta(tile // (num_n * splits), tile // splits % num_n, tile % splits, num_n, splits,
+                                 a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr,
+                                 cnt_ptr, tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB,
+                                 stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
+                                 stride_cs, stride_hm, num_blocks, s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr,
+                                 s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr, S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT,
+                                 s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn, s_stride_cm, s_stride_cs,
+                                 s_stride_um, TOP_K, GATED, SPLIT_K, A_MODE, DOT_F32, INTERPRET, K_PER_SPLIT,
+                                 NO_K_MASK, SCALAR_SB, BLOCK_M, BLOCK_N, SCAN, BLOCK_IDS, BLOCK_E, SHARED, S_A_MODE,
+                                 S_GATED_A, S_DT, S_DOT_F32, S_INTERPRET, S_HAS_BIAS, S_SPLIT_K, S_FIXUP,
+                                 S_NO_K_MASK, S_SCALAR_SB, S_BLOCK_M, S_BLOCK_N, S_GROUP_M, COMBINE, ADD, DT,
+                                 x_cache, True, splits)
+            else:
+                pid_b = tl.where(routed, row - shared_rows, num_blocks + row)
+                _grouped_cta(pid_b, cta % (num_n * num_k) // num_k, cta % num_k, num_n, num_k,
+                        a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
+                        tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB, stride_am, stride_asm,
+                        stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm, num_blocks,
+                        s_a_ptr, s_as_ptr, s_b_ptr, s_bs_ptr, s_bias_ptr, s_c_ptr, s_out_ptr, s_cnt_ptr, s_up_ptr,
+                        S_M, S_N, S_K, S_KG, S_KG_PER_SPLIT, s_stride_am, s_stride_asm, s_stride_bn, s_stride_bsn,
+                        s_stride_cm, s_stride_cs, s_stride_um, TOP_K, GATED, SPLIT_K, A_MODE, DOT_F32, INTERPRET,
+                        K_PER_SPLIT, NO_K_MASK, SCALAR_SB, BLOCK_M, BLOCK_N, SCAN, BLOCK_IDS, BLOCK_E, SHARED,
+                        S_A_MODE, S_GATED_A, S_DT, S_DOT_F32, S_INTERPRET, S_HAS_BIAS, S_SPLIT_K, S_FIXUP,
+                        S_NO_K_MASK, S_SCALAR_SB, S_BLOCK_M, S_BLOCK_N, S_GROUP_M, COMBINE, ADD, DT, x_cache,
+                        SHARED_ONLY=WALK)
     if NORM:
         tasks.finish(task_ptr, 2)
     else:
@@ -737,8 +794,11 @@ def _combine_kernel(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, H, stride_ys, TOP_K
 # CTAS_PER_SM1 16 / SPLIT2 4: a rank of EP8 touches about one of its 32 experts at batch 1, so the splits sized for
 # the 8 blocks that can exist left most SMs idle (bench/results/rank_at_depth_fuse_kernels_5cf6615: 1.0 ms less kernel time per 78-layer
 # step at batch 1 and at batch 64)
+# WALK_CTAS_PER_SM: where the router joins the gate|up launch, that many CTAs an SM walk the picked experts' tiles
+# instead of a CTA per (block, column tile, split) (:func:`_router_gate_up_kernel`); 0, the default, until a GPU
+# times it (at B=1 most of the 16 CTAs an SM found no expert: bench/results/decode_h100_bd118d2/ncu_moe_rank.csv).
 MOE_DECODE = dict(BLOCK_M=16, BLOCK_N1=128, BLOCK_N2=128, SPLIT2=4, CTAS_PER_SM1=16, num_warps=4, num_stages=3,
-                  fused_quant=True)
+                  fused_quant=True, WALK_CTAS_PER_SM=0)
 # One token: CTAS_PER_SM1 8. The busiest EP8 rank holds about 2.6 of a token's experts (bench/routing_load.py), yet
 # the splits are sized for the 8 blocks that can exist, so most CTAs of 16 an SM find no expert and the busy ones
 # stream 3 K steps each. Half as many, streaming 6 each, took the MoE's first launch from 70.96 to 56.62 us at GLM-5's
@@ -819,7 +879,7 @@ class Combine(NamedTuple):
 
 
 def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_f32, split=1, h=None, shared=None,
-             combine=None, router=None, norm=None):
+             combine=None, router=None, norm=None, walkers=0):
     """One grouped GEMM launch over ``blocks``. A gated launch with ``split > 1`` writes its [split, rows, 2I] fp32
     partials to c and its gated output to ``h`` (the last split of each tile reduces them, counted in
     :func:`tile_counters`, the first blocks x column tiles of them). ``shared`` (a ``fp8_gemm.GemmLaunch``): the
@@ -829,7 +889,10 @@ def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_
     :func:`tile_counters`, then a [T, column tiles] of token counters (:func:`combine_counters`), then the shared
     expert's. ``router`` (the gated launch over the scan, a :class:`RouterLaunch` writing ``blocks.ids``): the
     router's tiles run first in the same launch (:func:`_router_gate_up_kernel`); ``norm`` (a :class:`ResidualNorm`
-    writing ``a``, with a ``router`` only): its rows before them, the launch's first tasks."""
+    writing ``a``, with a ``router`` only): its rows before them, the launch's first tasks. ``walkers`` (with a
+    ``router``): the routed blocks' CTAs are that many walkers of the picked experts' tiles instead
+    (:func:`_router_gate_up_kernel`'s WALK), c their packed [rows, 2I] partials (:func:`walk_partial_rows`) and
+    ``split`` only the shared expert's task numbering."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     kdim = w.shape[2]
     kg = triton.cdiv(kdim, 128)
@@ -837,7 +900,7 @@ def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_
     split = triton.cdiv(kg, k_per_split)
     bn = cfg["BLOCK_N1"] if gated else cfg["BLOCK_N2"]
     grid = (blocks.count, triton.cdiv(n, bn), split)
-    fold = gated and split > 1
+    fold = gated and (split > 1 or walkers > 0)
     ids = blocks.ids
     shared_args, shared_meta = _shared_arguments(shared, c)
     if shared is not None:
@@ -871,15 +934,25 @@ def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_
         norm_rows, norm_args, norm_meta = 0, (c,) * 5 + (0, 0, 1, 0.0), dict(CHUNK=1, STEPS=1, LEVELS=0, DT=0)
     else:
         norm_rows, norm_args, norm_meta = norm.launch()
-    _router_gate_up_kernel[(norm_rows + router.grid[0] * router.grid[1] + grid[0] * grid[1] * grid[2],)](
+    routed_tasks = walkers if walkers else blocks.count * grid[1] * grid[2]
+    _router_gate_up_kernel[(norm_rows + router.grid[0] * router.grid[1] + (grid[0] - blocks.count) * grid[1] * grid[2]
+                            + routed_tasks,)](
         x2, rw, part, logits, rcnt, bias, rids, offset, tasks.counters(a.device, 2), e, stride_xm, stride_rw,
         num_local, scaling, grid[1], grid[2], grid[0] - blocks.count, *norm_args, norm_rows, *args,
         R_TILES=router.grid[0],
         **{f"R_{key}": router.meta[key] for key in ("STEPS", "SPLIT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "BLOCK_E",
                                                     "BLOCK_TOPK")},
         ROUTE_ROWS=router.meta["ROUTE_ROWS"], RENORM=router.meta["RENORM"], LOCAL=router.meta["LOCAL"],
-        NORM=norm is not None, **{f"N_{key}": value for key, value in norm_meta.items()}, **meta, **pdl(a.device))
+        NORM=norm is not None, **{f"N_{key}": value for key, value in norm_meta.items()}, **meta, **pdl(a.device),
+        WALK=walkers > 0, walkers=max(walkers, 1))
     return split
+
+
+def walk_partial_rows(blocks: int, column_tiles: int, walkers: int) -> int:
+    """The BLOCK_M-row slots of the expert walk's packed partials: P picked blocks x S splits, where S is at most
+    ``walkers // (P x column_tiles)`` (:func:`_router_gate_up_kernel`; walkers >= blocks x column tiles, so S >= 1),
+    so at most ``walkers // column_tiles``."""
+    return max(blocks, walkers // column_tiles)
 
 
 def combine_counters(blocks: int, t: int, column_tiles: int) -> int:
@@ -1047,7 +1120,14 @@ def moe_fp8(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, act_quant=T
         a, a_s, mode = *quantize_act_1x128(x), 0
     else:
         a, a_s, mode = x, x, (1 if act_quant else 2)
-    if split1 > 1:
+    walkers = cfg.get("WALK_CTAS_PER_SM", 0) * num_sms(x.device) if router is not None else 0
+    if walkers:  # at least a walker a block and column tile, so that none takes two tiles
+        walkers = max(walkers, blocks.count * triton.cdiv(inter, cfg["BLOCK_N1"]))
+        g = torch.empty(walk_partial_rows(blocks.count, triton.cdiv(inter, cfg["BLOCK_N1"]), walkers) * cfg["BLOCK_M"],
+                        2 * inter, dtype=torch.float32, device=x.device)
+        _grouped(a, a_s, mode, w13, w13_scale, blocks, g, t * k, k, True, cfg, dot_f32, split1, hmid, first,
+                 router=router, norm=norm, walkers=walkers)
+    elif split1 > 1:
         g = torch.empty(split1, rows, 2 * inter, dtype=torch.float32, device=x.device)
         _grouped(a, a_s, mode, w13, w13_scale, blocks, g, t * k, k, True, cfg, dot_f32, split1, hmid, first,
                  router=router, norm=norm)
