@@ -330,7 +330,9 @@ def synthetic_context(runner: Runner, batch: int, ctx: int, gen: torch.Generator
 def profile(fn, steps: int, device: torch.device, cfg: Glm5Config, wall_ms: float) -> dict:
     """``fn`` run ``steps`` times under torch.profiler: per step, the kernels and their device time, the top kernels,
     the unprofiled wall time ``wall_ms`` over the kernel time, and one decoder layer of each kind's kernels in order
-    (``layer_kernels.split_layers`` on the first step). On a CPU the "kernels" are the top-level ops."""
+    (``layer_kernels.split_layers`` on the first step); on a GPU also the copies and fills a step, which are not
+    kernels (a graph may run a copy as a kernel, ``memcpy32_post``, or on a copy engine, ``Memcpy DtoD``). On a CPU
+    the "kernels" are the top-level ops."""
     layers = cfg.num_hidden_layers
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda"
                                                     else [])
@@ -338,9 +340,13 @@ def profile(fn, steps: int, device: torch.device, cfg: Glm5Config, wall_ms: floa
         for _ in range(steps):
             fn()
             sync(device)
+    transfers = None
     if device.type == "cuda":
-        events = [(e.name, e.device_time, e.time_range.start) for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+        on_device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        events = [(e.name, e.device_time, e.time_range.start) for e in on_device
+                  if not e.name.startswith(("Memcpy", "Memset"))]
+        counts = collections.Counter(e.name[:40] for e in on_device if e.name.startswith(("Memcpy", "Memset")))
+        transfers = {name: round(c / steps, 1) for name, c in counts.items()}
     else:
         events = [(e.name, e.cpu_time_total, e.time_range.start) for e in prof.events() if e.cpu_parent is None]
     events.sort(key=lambda e: e[2])
@@ -357,7 +363,8 @@ def profile(fn, steps: int, device: torch.device, cfg: Glm5Config, wall_ms: floa
                 kernel_ms_per_step=round(us / 1e3, 3), wall_over_kernel=round(wall_ms / (us / 1e3), 2) if us else None,
                 top=[dict(kernel=name, calls_per_step=round(c / steps, 1), us_per_step=round(t / steps, 1))
                      for name, (c, t) in top],
-                layer_kernels=split_layers([(n[:90], us) for n, us in first], layers - moe, moe))
+                layer_kernels=split_layers([(n[:90], us) for n, us in first], layers - moe, moe),
+                **({} if transfers is None else dict(copies_and_fills_per_step=transfers)))
 
 
 def sync(device: torch.device) -> None:
