@@ -43,12 +43,15 @@ FP8 = torch.float8_e4m3fn
 EXPERTS, TOP_K, EP = 256, 8, 8
 GLM5 = dict(hidden=6144, inter=2048, shared_inter=2048 // EP)  # the shared expert's TP8 slice
 TINY = dict(hidden=256, inter=128, shared_inter=128)
-# the decode MoE's settings (moe.MOE_DECODE overrides): the defaults and the K splits rank_at_depth's variants try
-CONFIGS = {"default": {}, "ctas8": {"CTAS_PER_SM1": 8}, "ctas32": {"CTAS_PER_SM1": 32}, "split1_1": {"SPLIT1": 1},
+# the decode MoE's settings (moe.MOE_DECODE overrides; ctas16: one token's split before MOE_DECODE_ONE_TOKEN), the
+# K splits rank_at_depth's variants try, and the expert walk
+CONFIGS = {"default": {}, "ctas8": {"CTAS_PER_SM1": 8}, "ctas16": {"CTAS_PER_SM1": 16}, "ctas32": {"CTAS_PER_SM1": 32},
+           "split1_1": {"SPLIT1": 1},
            "split2_1": {"SPLIT2": 1}, "split2_8": {"SPLIT2": 8}, "stages2": {"num_stages": 2},
            "stages4": {"num_stages": 4}, "warps8": {"num_warps": 8}, "bn64": {"BLOCK_N1": 64, "BLOCK_N2": 64},
            "ctas8_split2_8": {"CTAS_PER_SM1": 8, "SPLIT2": 8}, "ctas8_bn64": {"CTAS_PER_SM1": 8, "BLOCK_N1": 64},
-           "ctas4": {"CTAS_PER_SM1": 4}, "walk2": {"WALK_CTAS_PER_SM": 2}, "walk4": {"WALK_CTAS_PER_SM": 4}}
+           "ctas4": {"CTAS_PER_SM1": 4}, "walk2": {"WALK_CTAS_PER_SM": 2}, "walk4": {"WALK_CTAS_PER_SM": 4},
+           "walk8": {"WALK_CTAS_PER_SM": 8}}
 
 
 def _fp8(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
