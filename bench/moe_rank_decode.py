@@ -51,7 +51,8 @@ CONFIGS = {"default": {}, "ctas8": {"CTAS_PER_SM1": 8}, "ctas16": {"CTAS_PER_SM1
            "stages4": {"num_stages": 4}, "warps8": {"num_warps": 8}, "bn64": {"BLOCK_N1": 64, "BLOCK_N2": 64},
            "ctas8_split2_8": {"CTAS_PER_SM1": 8, "SPLIT2": 8}, "ctas8_bn64": {"CTAS_PER_SM1": 8, "BLOCK_N1": 64},
            "ctas4": {"CTAS_PER_SM1": 4}, "walk2": {"WALK_CTAS_PER_SM": 2}, "walk4": {"WALK_CTAS_PER_SM": 4},
-           "walk8": {"WALK_CTAS_PER_SM": 8}}
+           "walk8": {"WALK_CTAS_PER_SM": 8}, "blocks_last": {"BLOCKS_LAST": True},
+           "walk2_blocks_last": {"WALK_CTAS_PER_SM": 2, "BLOCKS_LAST": True}}
 
 
 def _fp8(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -124,6 +124,8 @@ VARIANTS = {
     # the expert walk: two CTAs an SM (one wave at the launch's 255 registers) take the picked experts' gate|up tiles,
     # the K split sized from the routing, instead of a CTA per block, column tile and split (moe.MOE_DECODE)
     "moe_walk2": ({}, {"moe.MOE_DECODE": {"WALK_CTAS_PER_SM": 2}}),
+    # the down launch over a reversed grid: the picked blocks' CTAs go out first (moe.MOE_DECODE's BLOCKS_LAST)
+    "moe_blocks_last": ({}, {"moe.MOE_DECODE": {"BLOCKS_LAST": True}}),
     "moe_bn2_64": ({}, {"moe.MOE_DECODE": {"BLOCK_N2": 64}}),
     "gemv": ({}, {"fp8_gemv.GEMV": {"enabled": True}}),  # the decode GEMV (fp8_gemv.py) up to 16 rows
     "gemv_pdl": ({"FXGLM5_PDL": "1"}, {"fp8_gemv.GEMV": {"enabled": True}}),  # ... its weights loaded before the wait

@@ -45,6 +45,8 @@ def test_the_moe_split_variants_change_the_splits_and_put_them_back():
         assert _moe_splits() == (base[0], 2 * base[1])
     with Variant(_NoGraphs(), "moe_walk2"):
         assert moe.pick_moe_config(1, 8, 32)["WALK_CTAS_PER_SM"] == 2 and _moe_splits() == base
+    with Variant(_NoGraphs(), "moe_blocks_last"):
+        assert moe.pick_moe_config(1, 8, 32)["BLOCKS_LAST"] and _moe_splits() == base
     with Variant(_NoGraphs(), "moe_bn2_64"):
         assert moe.pick_moe_config(1, 8, 32)["BLOCK_N2"] == 64 and _moe_splits() == base
     with Variant(_NoGraphs(), "moe_ctas32"):

@@ -461,6 +461,31 @@ def test_moe_router_fp8_routes_in_the_gate_up_launch(monkeypatch, tokens, act_qu
     assert _rel(fused, reference) < (3e-2 if act_quant else 2e-2)
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 20])
+def test_blocks_last_reverses_the_grid_and_keeps_the_bits(monkeypatch, tokens):
+    """BLOCKS_LAST: up to BLOCK_M tokens (the scan) the grouped GEMM launches run over the reversed grid (splits,
+    column tiles, blocks), each program reading its coordinates back in that order: the same bits, the shared expert's
+    CTAs and the down launch's combine included; past it (the align kernel's blocks) the grid stays as it was."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    routed, (w13, s13, w2, s2, up_start) = _moe_with_shared(tokens, torch.bfloat16, torch.Generator().manual_seed(4))
+    shared = moe.SharedExpert(w13, s13, w2, s2, False, up_start)
+    grids, run = [], InterpretedFunction.run
+
+    def recorded(self, *a, **k):
+        if self.fn.__name__ == "_moe_gemm_kernel":
+            grids.append(tuple(k["grid"]))
+        return run(self, *a, **k)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recorded)
+    want = moe.moe_fp8(*routed, False, shared=shared)
+    plain = list(grids)
+    grids.clear()
+    got = moe.moe_fp8(*routed, False, shared=shared, config={"BLOCKS_LAST": True})
+    assert torch.equal(got, want)
+    assert len(plain) == 2 and grids == ([g[::-1] for g in plain] if tokens <= 16 else plain), (plain, grids)
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 @pytest.mark.parametrize("act_quant", [False, True])
 def test_the_expert_walk_gives_the_bits_of_the_split_it_picks(monkeypatch, tokens, act_quant):

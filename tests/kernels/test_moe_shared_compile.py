@@ -23,9 +23,11 @@ H100_SMS = 132
 HIDDEN, EXPERTS, INTER, SHARED_INTER, TOP_K = 6144, 32, 2048, 2048 // 8, 8
 VARIANTS = [(launch, tokens, act_quant, shared) for launch in ("gate_up", "down") for tokens in (1, 8)
             for act_quant in (False, True) for shared in (True, False)]
+# (launch, tokens, act_quant, shared, BLOCKS_LAST): the down launch over its reversed grid (opt-in)
+BLOCKS_LAST_VARIANTS = [("down", 1, False, True, True), ("down", 8, True, True, True)]
 
 
-def _compile(launch: str, tokens: int, act_quant: bool, shared: bool):
+def _compile(launch: str, tokens: int, act_quant: bool, shared: bool, blocks_last: bool = False):
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -74,7 +76,7 @@ def _compile(launch: str, tokens: int, act_quant: bool, shared: bool):
                  SHARED=shared, S_A_MODE=mode, S_GATED_A=not gated, S_DT=DTYPE_CODES[torch.bfloat16], S_DOT_F32=False,
                  S_INTERPRET=False, S_HAS_BIAS=False, S_SPLIT_K=s_split, S_FIXUP=s_split > 1, S_NO_K_MASK=True,
                  S_SCALAR_SB=True, S_BLOCK_M=s_cfg["BLOCK_M"], S_BLOCK_N=s_cfg["BLOCK_N"], S_GROUP_M=s_cfg["GROUP_M"],
-                 COMBINE=not gated, ADD=shared, DT=DTYPE_CODES[torch.bfloat16], PDL=True)
+                 COMBINE=not gated, ADD=shared, DT=DTYPE_CODES[torch.bfloat16], PDL=True, BLOCKS_LAST=blocks_last)
     sig.update({name: "constexpr" for name in const})
     names = list(sig)
     values = {**ints, **s_ints, **s_strides}
@@ -86,7 +88,7 @@ def _compile(launch: str, tokens: int, act_quant: bool, shared: bool):
 
 
 def _reports_of_every_variant() -> dict[str, dict]:
-    return report_each(VARIANTS, _compile)
+    return report_each(VARIANTS + BLOCKS_LAST_VARIANTS, _compile)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +113,13 @@ def test_the_shared_role_compiles_for_hopper_without_spills(reports, variant):
     tickets = len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", r["ptx"]))
     # the shared tiles' FIXUP ticket and, in the down launch, their tickets of the combine
     assert tickets == len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", alone["ptx"])) + 1 + (variant[0] == "down")
+
+
+@pytest.mark.parametrize("variant", BLOCKS_LAST_VARIANTS, ids=lambda v: f"{v[1]}tok_{'w8a8' if v[2] else 'w8a16'}")
+def test_the_reversed_grid_compiles_as_the_plain_one(reports, variant):
+    """BLOCKS_LAST reads the program's coordinates in the reversed order and changes nothing else: no spills, and
+    within two registers a thread of the plain launch."""
+    r, plain = reports[repr(variant)], reports[repr(variant[:4])]
+    assert "error" not in r, r.get("error")
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", r["ptxas"]), r["ptxas"]
+    assert abs(_registers(r) - _registers(plain)) <= 2, (r["ptxas"], plain["ptxas"])

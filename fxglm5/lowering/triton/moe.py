@@ -584,11 +584,20 @@ def _moe_gemm_kernel(
     S_DT: tl.constexpr, S_DOT_F32: tl.constexpr, S_INTERPRET: tl.constexpr, S_HAS_BIAS: tl.constexpr,
     S_SPLIT_K: tl.constexpr, S_FIXUP: tl.constexpr, S_NO_K_MASK: tl.constexpr, S_SCALAR_SB: tl.constexpr,
     S_BLOCK_M: tl.constexpr, S_BLOCK_N: tl.constexpr, S_GROUP_M: tl.constexpr, COMBINE: tl.constexpr,
-    ADD: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
+    ADD: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr, BLOCKS_LAST: tl.constexpr = False,
 ):
-    """The grouped GEMM launch: one :func:`_grouped_cta` a program."""
+    """The grouped GEMM launch: one :func:`_grouped_cta` a program, over a (blocks, column tiles, splits) grid, or
+    with BLOCKS_LAST (:data:`MOE_DECODE`) its reverse, (splits, column tiles, blocks): the GPU hands out CTAs in
+    grid order with the first axis fastest, so that a block's CTAs then go out together, the picked blocks' before
+    the ones that find no expert and exit (at B=1 most of them), instead of every wave mixing the two."""
     pdl_prologue(PDL)
-    _grouped_cta(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(1), tl.num_programs(2),
+    if BLOCKS_LAST:
+        pid_b, pid_n, pid_k = tl.program_id(2), tl.program_id(1), tl.program_id(0)
+        num_n, num_k = tl.num_programs(1), tl.num_programs(0)
+    else:
+        pid_b, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        num_n, num_k = tl.num_programs(1), tl.num_programs(2)
+    _grouped_cta(pid_b, pid_n, pid_k, num_n, num_k,
                 a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr, cnt_ptr,
                 tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB, stride_am, stride_asm,
                 stride_we, stride_wn, stride_wse, stride_wsn, stride_cm, stride_cs, stride_hm, num_blocks,
@@ -797,8 +806,10 @@ def _combine_kernel(y_ptr, ids_ptr, w_ptr, add_ptr, out_ptr, H, stride_ys, TOP_K
 # WALK_CTAS_PER_SM: where the router joins the gate|up launch, that many CTAs an SM walk the picked experts' tiles
 # instead of a CTA per (block, column tile, split) (:func:`_router_gate_up_kernel`); 0, the default, until a GPU
 # times it (at B=1 most of the 16 CTAs an SM found no expert: bench/results/decode_h100_bd118d2/ncu_moe_rank.csv).
+# BLOCKS_LAST: the grouped GEMM launches (the down, and gate|up without the router) over a reversed grid, so that
+# the picked blocks' CTAs go out first (:func:`_moe_gemm_kernel`); off until a GPU times it.
 MOE_DECODE = dict(BLOCK_M=16, BLOCK_N1=128, BLOCK_N2=128, SPLIT2=4, CTAS_PER_SM1=16, num_warps=4, num_stages=3,
-                  fused_quant=True, WALK_CTAS_PER_SM=0)
+                  fused_quant=True, WALK_CTAS_PER_SM=0, BLOCKS_LAST=False)
 # One token: CTAS_PER_SM1 8. The busiest EP8 rank holds about 2.6 of a token's experts (bench/routing_load.py), yet
 # the splits are sized for the 8 blocks that can exist, so most CTAs of 16 an SM find no expert and the busy ones
 # stream 3 K steps each. Half as many, streaming 6 each, took the MoE's first launch from 70.96 to 56.62 us at GLM-5's
@@ -927,7 +938,8 @@ def _grouped(a, a_s, mode, w, w_s, blocks, c, n_entries, top_k, gated, cfg, dot_
                 DT=DTYPE_CODES[out.dtype] if combine is not None else 0,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if router is None:
-        _moe_gemm_kernel[grid](*args, **meta, **pdl(a.device))
+        blocks_last = bool(cfg.get("BLOCKS_LAST")) and blocks.scan
+        _moe_gemm_kernel[grid[::-1] if blocks_last else grid](*args, **meta, **pdl(a.device), BLOCKS_LAST=blocks_last)
         return split
     x2, rw, part, logits, rcnt, bias, _, rids, offset, _, e, _, stride_xm, stride_rw, num_local, scaling = router.args
     if norm is None:
