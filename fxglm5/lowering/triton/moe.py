@@ -693,8 +693,7 @@ def _router_gate_up_kernel(
                 k_per = tl.cdiv(KG, splits)
                 splits = tl.cdiv(KG, k_per)
                 if walker < picked * num_n * splits:  # at most one tile a walker (walkers >= blocks x num_n)
-                    tile = walker
-                    _grouped_cta(tile // (num_n * splits), tile // splits % num_n, tile % splits, num_n, splits,
+                    _grouped_cta(walker // (num_n * splits), walker // splits % num_n, walker % splits, num_n, splits,
                                  a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr, block_expert_ptr, ids_ptr, c_ptr, h_ptr,
                                  cnt_ptr, tw_ptr, add_ptr, out_ptr, tcnt_ptr, n_entries, E, N, K, KG, UP_SB,
                                  stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_cm,
