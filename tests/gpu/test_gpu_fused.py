@@ -440,38 +440,6 @@ def test_moe_rank_decode_combines_in_the_down_launch(tokens, shared, act_quant, 
         assert int(fp8_parts.tile_counters(x.device, 1).abs().sum()) == 0
 
 
-def _same_bits_eagerly_and_replayed(run, expected, redraw, counters_at_zero, same=torch.equal):
-    """``run()`` gives ``expected()``'s bits (``same``): eagerly (compiled outside the capture), 20 calls in a row (a
-    launch of tasks interleaves its tasks differently each time), then from a CUDA graph replayed over two new draws
-    of its inputs (``redraw(generator)``); ``counters_at_zero()`` after each. Returns the graph's output (of the last
-    draw)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compiles outside the capture
-        eager, want = run(), expected()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    assert same(eager, want) and counters_at_zero()
-    for _ in range(20):
-        assert same(run(), want)
-    torch.cuda.synchronize()
-    assert counters_at_zero()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    for seed in range(2):
-        redraw(torch.Generator(device="cuda").manual_seed(seed))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert same(out, expected()) and counters_at_zero()
-    return out
-
-
-def _redraw_tokens(x):
-    """``redraw`` for :func:`_same_bits_eagerly_and_replayed`: new tokens into x."""
-    return lambda g: x.copy_(torch.randn(x.shape, device="cuda", generator=g))
-
-
 @pytest.mark.parametrize("act_quant", [False, True], ids=["w8a16", "w8a8"])
 @pytest.mark.parametrize("tokens", [1, 8, 16])
 def test_moe_rank_decode_routes_in_the_gate_up_launch(tokens, act_quant, rank_experts):
@@ -504,7 +472,8 @@ def test_moe_rank_decode_routes_in_the_gate_up_launch(tokens, act_quant, rank_ex
     def counters_at_zero():
         return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 1).any()
 
-    out = _same_bits_eagerly_and_replayed(fused, separate, _redraw_tokens(x), counters_at_zero)
+    out = _bits_eager_then_replayed(lambda: (fused(),), lambda: (separate(),), counters_at_zero,
+                                    lambda g: x.copy_(torch.randn(x.shape, device="cuda", generator=g)))[0]
     reference = ref.moe_router_fp8_shared(x, *router, *routed, shared.w13, shared.w13_scale, shared.w2,
                                           shared.w2_scale, shared.up_start)
     assert _rel(out, reference) < 2e-2
@@ -547,8 +516,8 @@ def test_moe_rank_decode_expert_walk_gives_the_bits_of_its_split(tokens, act_qua
         return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 1).any()
 
     assert split_of_the_walk() > 1
-    out = _same_bits_eagerly_and_replayed(walked, lambda: fixed(split_of_the_walk()), _redraw_tokens(x),
-                                          counters_at_zero)
+    out = _bits_eager_then_replayed(lambda: (walked(),), lambda: (fixed(split_of_the_walk()),), counters_at_zero,
+                                    lambda g: x.copy_(torch.randn(x.shape, device="cuda", generator=g)))[0]
     reference = ref.moe_router_fp8_shared(x, *router, *routed, shared.w13, shared.w13_scale, shared.w2,
                                           shared.w2_scale, shared.up_start)
     assert _rel(out, reference) < 2e-2
@@ -597,13 +566,10 @@ def test_moe_rank_decode_norms_in_the_gate_up_launch(monkeypatch, tokens, act_qu
         weights, ids = moe.moe_router(normed, *router)
         return moe.moe_fp8(normed, ids, weights, *routed, shared=shared), total
 
-    def same(a, b):
-        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
     def counters_at_zero():
         return not fp8_parts.tile_counters(x.device, 1).any() and not tasks.counters(x.device, 2).any()
 
-    out = _same_bits_eagerly_and_replayed(fused, separate, draw, counters_at_zero, same)
+    out = _bits_eager_then_replayed(fused, separate, counters_at_zero, draw)
     reference = ref.add_rms_norm_moe_router_fp8_shared(x, r, nw, 1e-5, *router, *routed, shared.w13,
                                                        shared.w13_scale, shared.w2, shared.w2_scale, shared.up_start)
     assert torch.equal(out[1], reference[1]) and _rel(out[0], reference[0]) < 2e-2
