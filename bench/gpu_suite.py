@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     left = [nodeid for nodeid in plugin.selected if nodeid not in plugin.results]
     suite = {**done, **plugin.results}
     record = dict(paths=args.paths, budget_s=args.budget, shard=f"{args.shard[0]}/{args.shard[1]}",
-                  wall_s=round(time.monotonic() - start, 1), pytest_exit_code=int(code), part=counts(plugin.results), suite=counts(suite), left=len(left),
-                  left_tests=left, after=args.after, results=suite)
+                  wall_s=round(time.monotonic() - start, 1), pytest_exit_code=int(code), part=counts(plugin.results),
+                  suite=counts(suite), left=len(left), left_tests=left, after=args.after, results=suite)
     harness.write_record(os.path.join(harness.out_dir(), args.name), record, echo=False)
     print(f"gpu_suite: this part {record['part']}, the suite so far {record['suite']}, {len(left)} left to run; "
           f"saved {os.path.join(harness.out_dir(), args.name)}")
